@@ -1,0 +1,314 @@
+"""ModelSpec: what a model *is*, read once from a GGUF header and frozen.
+
+Per-layer arrays in the file come first (``{arch}.attention.head_count_kv`` may
+be an array); architecture knowledge is only a fallback, and anything that
+cannot be determined is listed in ``ModelSpec.missing`` rather than guessed.
+Weight bytes are always exact: they come from the tensor table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from gguf_tools import GGUFFormatError, GGUFHeader, TensorInfo, read_header
+
+# Fallbacks for facts older files leave out.  Pattern n: layer il uses the
+# sliding window unless (il + 1) % n == 0 (llama.cpp's set_swa_pattern).
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
+_QK_NORM_ARCHS = {"qwen3", "qwen3moe", "gemma3", "olmo2"}
+KNOWN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen2moe", "mistral3", "gemma2", "phi3")
+MAX_SANE_CONTEXT = 1 << 24
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture facts of one model.  Per-layer values are tuples of length n_layers."""
+
+    path: str
+    arch: str
+    name: str
+    n_layers: int
+    n_embd: int
+    n_head: tuple[int, ...]
+    n_head_kv: tuple[int, ...]
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: tuple[int, ...]
+    vocab_size: int
+    n_ctx_train: int
+    rope_freq_base: float | None
+    rope_scaling: str | None
+    rope_scaling_factor: float | None
+    sliding_window: int | None
+    swa_layers: tuple[bool, ...]
+    n_expert: int
+    n_expert_used: int
+    n_expert_shared: int
+    expert_ff: int | None
+    tied_embeddings: bool
+    qk_norm: bool
+    file_type: int | None
+    file_size: int
+    tensors: tuple[TensorInfo, ...] = field(repr=False)
+    layer_bytes: tuple[int, ...] = field(repr=False)
+    missing: tuple[str, ...] = ()
+    chat_template: str | None = field(default=None, repr=False)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    tokenizer_model: str | None = None
+
+    # ---- derived quantities -------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        """All tensor bytes in the file (what a full load maps)."""
+        return sum(t.n_bytes for t in self.tensors)
+
+    @property
+    def nonlayer_bytes(self) -> int:
+        return self.weight_bytes - sum(self.layer_bytes)
+
+    @property
+    def n_params(self) -> int:
+        return sum(t.n_elements for t in self.tensors)
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        return None
+
+    def layer_tensors(self, il: int) -> list[TensorInfo]:
+        prefix = f"blk.{il}."
+        return [t for t in self.tensors if t.name.startswith(prefix)]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def has_swa(self) -> bool:
+        return bool(self.sliding_window) and any(self.swa_layers)
+
+    def kv_elements_per_token(self, il: int) -> tuple[int, int]:
+        """(K elements, V elements) one token adds to layer il's cache."""
+        return self.n_head_kv[il] * self.head_dim_k, self.n_head_kv[il] * self.head_dim_v
+
+    # ---- construction -------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, source: str | os.PathLike | GGUFHeader) -> "ModelSpec":
+        """Build from a GGUF file (or an already-read header).
+
+        Raises GGUFFormatError when the metadata contradicts itself or the tensors.
+        """
+        header = source if isinstance(source, GGUFHeader) else read_header(source)
+        return _build(header)
+
+
+def _err(header: GGUFHeader, key: str, message: str, hint: str | None = None) -> GGUFFormatError:
+    return GGUFFormatError(message, field=key, path=header.path,
+                           hint=hint or "the file's metadata is inconsistent; re-download or re-convert it")
+
+
+def _int(header: GGUFHeader, key: str, *, default: Any = None, allow_zero: bool = False) -> Any:
+    v = header.kv.get(key, default)
+    if v is default:
+        return v
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _err(header, key, f"{key} should be an integer, found {type(v).__name__}")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise _err(header, key, f"{key} is {v}; it must be positive")
+    return v
+
+
+def _per_layer(header: GGUFHeader, key: str, n_layers: int, default: Any = None) -> tuple[int, ...] | None:
+    """A per-layer value that may be stored as a scalar or an array of length n_layers."""
+    v = header.kv.get(key)
+    if v is None:
+        return None if default is None else (default,) * n_layers
+    if isinstance(v, list):
+        if len(v) != n_layers or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+            raise _err(header, key, f"{key} is an array of {len(v)} values; expected {n_layers} non-negative integers")
+        return tuple(v)
+    return (_int(header, key, allow_zero=True),) * n_layers
+
+
+def _build(h: GGUFHeader) -> ModelSpec:
+    missing: list[str] = []
+    arch = h.kv.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise _err(h, "general.architecture", "general.architecture is missing; this is not a model file",
+                   hint="is this a LoRA adapter, a vocab-only file or a projector? pass a full model GGUF")
+    kind = h.kv.get("general.type")
+    if kind in ("adapter", "mmproj", "vocab"):
+        raise _err(h, "general.type", f"this GGUF is a {kind} file, not a model",
+                   hint="pass the base model's GGUF")
+    a = arch + "."
+
+    layer_bytes: dict[int, int] = defaultdict(int)
+    max_layer = -1
+    for t in h.tensors:
+        m = _LAYER_RE.match(t.name)
+        if m:
+            il = int(m.group(1))
+            layer_bytes[il] += t.n_bytes
+            max_layer = max(max_layer, il)
+
+    n_layers = _int(h, a + "block_count")
+    if n_layers is None:
+        if max_layer < 0:
+            raise _err(h, a + "block_count", f"{a}block_count is missing and no blk.N tensors exist")
+        n_layers = max_layer + 1
+        missing.append(f"{a}block_count (counted {n_layers} from tensors)")
+    if n_layers > 100_000:
+        raise _err(h, a + "block_count", f"{a}block_count is {n_layers}, which is absurd")
+    if max_layer >= n_layers:
+        raise _err(h, a + "block_count",
+                   f"{a}block_count is {n_layers} but tensor blk.{max_layer}.* exists")
+
+    tok = h.tensor("token_embd.weight")
+    n_embd = _int(h, a + "embedding_length")
+    if n_embd is None:
+        if tok is None:
+            raise _err(h, a + "embedding_length", f"{a}embedding_length is missing")
+        n_embd = tok.shape[0]
+    if tok is not None and tok.shape[0] != n_embd:
+        raise _err(h, a + "embedding_length",
+                   f"{a}embedding_length is {n_embd} but token_embd.weight rows have {tok.shape[0]} values")
+
+    n_head = _per_layer(h, a + "attention.head_count", n_layers)
+    if n_head is None:
+        raise _err(h, a + "attention.head_count", f"{a}attention.head_count is missing")
+    n_head_kv = _per_layer(h, a + "attention.head_count_kv", n_layers) or n_head
+    for il in range(n_layers):
+        hq, hkv = n_head[il], n_head_kv[il]
+        if hq == 0 and hkv == 0:
+            continue  # a layer without attention (hybrid models)
+        if hq == 0 or hkv == 0:
+            raise _err(h, a + "attention.head_count_kv", f"layer {il} has {hq} query heads and {hkv} KV heads")
+        if hq % hkv:
+            raise _err(h, a + "attention.head_count_kv",
+                       f"layer {il}: head_count {hq} is not divisible by head_count_kv {hkv}")
+    first_attn = next((il for il in range(n_layers) if n_head[il]), 0)
+    default_hd = n_embd // n_head[first_attn] if n_head[first_attn] else 0
+    head_dim_k = _int(h, a + "attention.key_length", default=default_hd)
+    head_dim_v = _int(h, a + "attention.value_length", default=head_dim_k)
+
+    # Tensor shapes must agree with the heads (shape[1] is the output dimension).
+    for il in range(n_layers):
+        for name, heads, hd in (("attn_q", n_head[il], head_dim_k), ("attn_k", n_head_kv[il], head_dim_k),
+                                ("attn_v", n_head_kv[il], head_dim_v)):
+            t = h.tensor(f"blk.{il}.{name}.weight")
+            if t is not None and len(t.shape) >= 2 and t.shape[1] != heads * hd:
+                raise _err(h, a + "attention.head_count",
+                           f"blk.{il}.{name}.weight has {t.shape[1]} outputs; metadata implies {heads} × {hd}")
+
+    n_ff = _per_layer(h, a + "feed_forward_length", n_layers)
+    if n_ff is None:
+        n_ff = (0,) * n_layers
+        missing.append(f"{a}feed_forward_length")
+
+    vocab = _int(h, a + "vocab_size")
+    tokens = h.kv.get("tokenizer.ggml.tokens")
+    if tokens is not None and not (isinstance(tokens, list) and all(isinstance(s, str) for s in tokens[:16])):
+        raise _err(h, "tokenizer.ggml.tokens", "tokenizer.ggml.tokens must be an array of strings")
+    if vocab is None:
+        if tok is not None:
+            vocab = tok.shape[1] if len(tok.shape) > 1 else 0
+        elif tokens is not None:
+            vocab = len(tokens)
+        else:
+            vocab = 0
+            missing.append("vocab size")
+    if tokens is not None and tokens and tok is not None and len(tok.shape) > 1 and len(tokens) != tok.shape[1]:
+        raise _err(h, "tokenizer.ggml.tokens",
+                   f"the tokenizer has {len(tokens)} tokens but token_embd.weight has {tok.shape[1]} rows")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        arr = h.kv.get(key)
+        if arr is not None and tokens is not None and (not isinstance(arr, list) or len(arr) != len(tokens)):
+            n = len(arr) if isinstance(arr, list) else 1
+            raise _err(h, key, f"{key} has {n} entries; the tokenizer has {len(tokens)} tokens")
+
+    n_ctx_train = _int(h, a + "context_length")
+    if n_ctx_train is None:
+        n_ctx_train = 0
+        missing.append(f"{a}context_length")
+    elif n_ctx_train > MAX_SANE_CONTEXT:
+        raise _err(h, a + "context_length", f"{a}context_length is {n_ctx_train}, which is absurd")
+
+    sliding = h.kv.get(a + "attention.sliding_window")
+    if isinstance(sliding, bool) or not isinstance(sliding, (int, type(None))) or (sliding is not None and sliding < 0):
+        raise _err(h, a + "attention.sliding_window", f"{a}attention.sliding_window must be a non-negative integer")
+    sliding = sliding or None
+    pattern = h.kv.get(a + "attention.sliding_window_pattern")
+    if sliding is None:
+        swa_layers = (False,) * n_layers
+    elif isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise _err(h, a + "attention.sliding_window_pattern",
+                       f"sliding_window_pattern has {len(pattern)} entries, expected {n_layers}")
+        swa_layers = tuple(bool(x) for x in pattern)
+    else:
+        period = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else _SWA_PERIOD.get(arch)
+        if period:
+            swa_layers = tuple((il + 1) % period != 0 for il in range(n_layers))
+        else:
+            swa_layers = (False,) * n_layers
+            if arch not in ("qwen2", "qwen3", "llama", "qwen3moe", "qwen2moe"):
+                missing.append("sliding-window layer pattern (assumed no SWA layers)")
+            sliding = None
+
+    n_expert = _int(h, a + "expert_count", default=0, allow_zero=True)
+    n_expert_used = _int(h, a + "expert_used_count", default=0, allow_zero=True)
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise _err(h, a + "expert_used_count", f"expert_used_count {n_expert_used} with {n_expert} experts")
+    n_expert_shared = _int(h, a + "expert_shared_count", default=0, allow_zero=True)
+    expert_ff = _int(h, a + "expert_feed_forward_length")
+
+    rope_base = h.kv.get(a + "rope.freq_base")
+    rope_scaling = h.kv.get(a + "rope.scaling.type")
+    rope_factor = h.kv.get(a + "rope.scaling.factor")
+    if arch not in KNOWN_ARCHS:
+        missing.append(f"architecture {arch!r} is not one localinfer knows; KV and compute estimates use generic rules")
+
+    tmpl = h.kv.get("tokenizer.chat_template")
+    return ModelSpec(
+        path=h.path,
+        arch=arch,
+        name=str(h.kv.get("general.name") or os.path.basename(h.path)),
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
+        n_ff=n_ff,
+        vocab_size=vocab,
+        n_ctx_train=n_ctx_train,
+        rope_freq_base=float(rope_base) if isinstance(rope_base, (int, float)) else None,
+        rope_scaling=rope_scaling if isinstance(rope_scaling, str) and rope_scaling != "none" else None,
+        rope_scaling_factor=float(rope_factor) if isinstance(rope_factor, (int, float)) else None,
+        sliding_window=sliding,
+        swa_layers=swa_layers,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_expert_shared=n_expert_shared,
+        expert_ff=expert_ff,
+        tied_embeddings=h.tensor("output.weight") is None,
+        qk_norm=h.tensor("blk.0.attn_q_norm.weight") is not None or (arch in _QK_NORM_ARCHS and not h.tensors),
+        file_type=h.kv.get("general.file_type") if isinstance(h.kv.get("general.file_type"), int) else None,
+        file_size=h.file_size,
+        tensors=tuple(h.tensors),
+        layer_bytes=tuple(layer_bytes.get(il, 0) for il in range(n_layers)),
+        missing=tuple(missing),
+        chat_template=tmpl if isinstance(tmpl, str) else None,
+        bos_token_id=h.kv.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=h.kv.get("tokenizer.ggml.eos_token_id"),
+        tokenizer_model=h.kv.get("tokenizer.ggml.model"),
+    )
