@@ -1,0 +1,238 @@
+"""Skeleton GGUFs: the real header of a model you have not downloaded.
+
+A skeleton is written with the ``gguf`` package's GGUFWriter (header, metadata,
+tensor infos) and then extended to its true size, so the data section is a
+sparse hole: ``ls -l`` shows the real size, ``du`` shows a few KiB.  Our reader,
+``gguf.GGUFReader`` and llama.cpp all open it; llama.cpp loads it without a
+vocabulary because ``tokenizer.ggml.model`` is ``"none"`` and
+``{arch}.vocab_size`` gives the vocabulary size.
+
+What is exact: tensor names, shapes, per-tensor types (llama-quantize's rules,
+``gguf_tools.mix``) and so every tensor byte.  What is not: the header, which
+in a real file also holds the tokenizer (≈6 MB for a 152K-token vocabulary);
+a skeleton's header is a few KiB.
+
+Float types (``bf16``, ``f16``, ``f32``) describe the checkpoint as published:
+every tensor in that type, 1-D norms included (llama.cpp's converter would
+store the norms as F32, a few hundred KiB more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType as T
+
+from .mix import FTYPES, ModelShape, choose_types, parse_ftype
+from .presets import get_preset
+from .quants import tensor_bytes
+
+ALIGNMENT = 32
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+
+# field -> (python type, default or None when required, meaning)
+SPEC_FIELDS: dict[str, tuple[type | tuple, Any, str]] = {
+    "arch": (str, None, f"llama.cpp architecture: {', '.join(ARCHS)}"),
+    "name": (str, "", "general.name"),
+    "n_layers": (int, None, "transformer blocks"),
+    "n_embd": (int, None, "hidden size"),
+    "n_head": (int, None, "query heads"),
+    "n_head_kv": (int, 0, "KV heads (default: n_head)"),
+    "head_dim": (int, 0, "per-head dimension (default: n_embd / n_head)"),
+    "n_ff": (int, 0, "dense FFN size (required unless n_expert > 0)"),
+    "vocab_size": (int, None, "vocabulary size"),
+    "context_length": (int, 4096, "training context"),
+    "rope_freq_base": ((int, float), 10000.0, "RoPE base"),
+    "norm_eps": ((int, float), 1e-5, "RMSNorm epsilon"),
+    "tied_embeddings": (bool, False, "output projection shares token_embd"),
+    "qk_norm": (bool, None, "per-head Q/K RMSNorm (default: qwen3/qwen3moe)"),
+    "qkv_bias": (bool, None, "Q/K/V biases (default: qwen2)"),
+    "rope_freqs": (bool, False, "write a rope_freqs tensor (Llama 3.1 rope scaling)"),
+    "n_expert": (int, 0, "routed experts (MoE)"),
+    "n_expert_used": (int, 0, "experts per token"),
+    "expert_ff": (int, 0, "per-expert FFN size"),
+    "type": (str, "bf16", f"file type: {', '.join(FTYPES)}"),
+    "types": (list, [], "types the preset is meant for (informational)"),
+    "overrides": (list, [], "[[regex, type], ...] per-tensor type overrides (like llama-quantize --tensor-type)"),
+    "source": (str, "", "where the numbers come from"),
+    "preset": (str, "", "preset name"),
+}
+
+
+def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a TOML or JSON file of SPEC_FIELDS; ValueError on a malformed file."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read spec file {p}: {exc.strerror or exc}") from None
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(raw)
+        else:
+            data = tomllib.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"spec file {p} is not valid {'JSON' if p.suffix.lower() == '.json' else 'TOML'}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"spec file {p} must hold a table of fields")
+    return data
+
+
+def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Check a spec dict and fill defaults; ValueError naming the bad field."""
+    unknown = sorted(set(spec) - set(SPEC_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown spec field(s) {', '.join(unknown)}; known: {', '.join(SPEC_FIELDS)}")
+    out: dict[str, Any] = {}
+    for key, (kind, default, meaning) in SPEC_FIELDS.items():
+        if key not in spec or spec[key] is None:
+            if default is None and key not in ("qk_norm", "qkv_bias"):
+                raise ValueError(f"spec field {key!r} is required ({meaning})")
+            out[key] = list(default) if isinstance(default, list) else default
+            continue
+        v = spec[key]
+        if (kind is int and (isinstance(v, bool) or not isinstance(v, int))) or not isinstance(v, kind):
+            raise ValueError(f"spec field {key!r} must be {getattr(kind, '__name__', 'a number')}, got {v!r}")
+        if kind is int and v < 0:
+            raise ValueError(f"spec field {key!r} must not be negative, got {v}")
+        out[key] = v
+    s = out
+    if s["arch"] not in ARCHS:
+        raise ValueError(f"spec field 'arch' is {s['arch']!r}; skeletons support {', '.join(ARCHS)}")
+    for key in ("n_layers", "n_embd", "n_head", "vocab_size", "context_length"):
+        if s[key] <= 0:
+            raise ValueError(f"spec field {key!r} must be positive, got {s[key]}")
+    s["n_head_kv"] = s["n_head_kv"] or s["n_head"]
+    if s["n_head"] % s["n_head_kv"]:
+        raise ValueError(f"n_head {s['n_head']} is not divisible by n_head_kv {s['n_head_kv']}")
+    if not s["head_dim"]:
+        if s["n_embd"] % s["n_head"]:
+            raise ValueError("head_dim is required when n_embd is not divisible by n_head")
+        s["head_dim"] = s["n_embd"] // s["n_head"]
+    moe = s["arch"].endswith("moe")
+    if moe and not (s["n_expert"] and s["expert_ff"] and 0 < s["n_expert_used"] <= s["n_expert"]):
+        raise ValueError("an MoE spec needs n_expert, expert_ff and 0 < n_expert_used <= n_expert")
+    if not moe and (s["n_expert"] or not s["n_ff"]):
+        raise ValueError(f"arch {s['arch']!r} is dense: give n_ff and no n_expert (use qwen3moe for experts)")
+    if s["qk_norm"] is None:
+        s["qk_norm"] = s["arch"] in ("qwen3", "qwen3moe")
+    if s["qkv_bias"] is None:
+        s["qkv_bias"] = s["arch"] == "qwen2"
+    s["type"] = parse_ftype(s["type"])
+    for item in s["overrides"]:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            raise ValueError(f"each override must be [regex, type], got {item!r}")
+    s["name"] = s["name"] or s["preset"] or s["arch"]
+    return s
+
+
+def tensor_shapes(spec: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor, GGUF order (row length first), in llama.cpp naming."""
+    s = spec
+    e, hd, v = s["n_embd"], s["head_dim"], s["vocab_size"]
+    q, kv = s["n_head"] * hd, s["n_head_kv"] * hd
+    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (e, v))]
+    if s["rope_freqs"]:
+        out.append(("rope_freqs.weight", (hd // 2,)))
+    for il in range(s["n_layers"]):
+        b = f"blk.{il}."
+        out += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (e, q)), (b + "attn_k.weight", (e, kv)),
+                (b + "attn_v.weight", (e, kv)), (b + "attn_output.weight", (q, e))]
+        if s["qkv_bias"]:
+            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
+        if s["qk_norm"]:
+            out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+        out.append((b + "ffn_norm.weight", (e,)))
+        if s["n_expert"]:
+            ne, ff = s["n_expert"], s["expert_ff"]
+            out += [(b + "ffn_gate_inp.weight", (e, ne)), (b + "ffn_gate_exps.weight", (e, ff, ne)),
+                    (b + "ffn_up_exps.weight", (e, ff, ne)), (b + "ffn_down_exps.weight", (ff, e, ne))]
+        else:
+            ff = s["n_ff"]
+            out += [(b + "ffn_gate.weight", (e, ff)), (b + "ffn_up.weight", (e, ff)), (b + "ffn_down.weight", (ff, e))]
+    out.append(("output_norm.weight", (e,)))
+    if not s["tied_embeddings"]:
+        out.append(("output.weight", (e, v)))
+    return out
+
+
+def plan_tensors(spec: dict[str, Any], type: str | None = None) -> list[tuple[str, tuple[int, ...], T, int]]:
+    """(name, shape, GGML type, bytes) of every tensor of a normalized spec in file type ``type``."""
+    ftype = parse_ftype(type or spec["type"])
+    shapes = tensor_shapes(spec)
+    shape = ModelShape(spec["n_layers"], spec["n_head"], spec["n_head_kv"], spec["n_expert"])
+    types = choose_types(shapes, ftype, shape, overrides=[tuple(o) for o in spec["overrides"]])
+    return [(n, sh, t, tensor_bytes(t, int(np.prod(sh, dtype=object)))) for (n, sh), t in zip(shapes, types)]
+
+
+def resolve_spec(preset: str | dict[str, Any]) -> dict[str, Any]:
+    """A preset name, or a spec dict, as a normalized spec."""
+    return normalize_spec(get_preset(preset) if isinstance(preset, str) else dict(preset))
+
+
+def _add_metadata(w: GGUFWriter, s: dict[str, Any], ftype: str) -> None:
+    a = s["arch"] + "."
+    file_type, default = FTYPES[ftype]
+    w.add_string("general.type", "model")
+    w.add_name(s["name"])
+    w.add_uint32("general.file_type", int(file_type))
+    if default not in (T.F32, T.F16, T.BF16):
+        w.add_uint32("general.quantization_version", 2)
+    for key, value in (("block_count", s["n_layers"]), ("context_length", s["context_length"]),
+                       ("embedding_length", s["n_embd"]), ("feed_forward_length", s["n_ff"]),
+                       ("attention.head_count", s["n_head"]), ("attention.head_count_kv", s["n_head_kv"]),
+                       ("attention.key_length", s["head_dim"]), ("attention.value_length", s["head_dim"]),
+                       ("rope.dimension_count", s["head_dim"]), ("vocab_size", s["vocab_size"])):
+        w.add_uint32(a + key, value)
+    w.add_float32(a + "rope.freq_base", float(s["rope_freq_base"]))
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", float(s["norm_eps"]))
+    if s["n_expert"]:
+        w.add_uint32(a + "expert_count", s["n_expert"])
+        w.add_uint32(a + "expert_used_count", s["n_expert_used"])
+        w.add_uint32(a + "expert_feed_forward_length", s["expert_ff"])
+    w.add_string("tokenizer.ggml.model", "none")
+    w.add_key_value("localinfer.skeleton", s["preset"] or "spec", GGUFValueType.STRING)
+
+
+def write_skeleton(preset: str | dict[str, Any], path: str | os.PathLike, *, type: str | None = None) -> Path:
+    """Write a header-only GGUF of the real size (sparse data) for a preset name or spec dict.
+
+    The file appears atomically (temp file, fsync, rename).  Returns the path.
+    Raises ValueError for an unknown preset/type or an invalid spec.
+    """
+    s = resolve_spec(preset)
+    ftype = parse_ftype(type or s["type"])
+    plan = plan_tensors(s, ftype)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    w = GGUFWriter(None, s["arch"])
+    _add_metadata(w, s, ftype)
+    data_size = 0
+    for name, shape, qtype, nbytes in plan:
+        w.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        data_size += -(-nbytes // ALIGNMENT) * ALIGNMENT
+    try:
+        w.write_header_to_file(tmp)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        fh = w.fout[0]
+        header = fh.tell()
+        data_offset = -(-header // ALIGNMENT) * ALIGNMENT
+        fh.write(b"\0" * (data_offset - header))
+        fh.truncate(data_offset + data_size)
+        fh.flush()
+        os.fsync(fh.fileno())
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
