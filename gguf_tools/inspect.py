@@ -1,0 +1,183 @@
+"""Where a GGUF file's bytes go: value codes, quantization metadata, header, padding.
+
+Every byte of the file lands in exactly one bucket::
+
+    file_size = codes            value codes of quantized tensors
+              + floats           tensors stored unquantized (F32/F16/BF16/int)
+              + meta             per-block scales, mins, super-block scales
+              + header           magic .. end of the tensor infos (metadata, vocabulary)
+              + padding          alignment before the data section and between tensors
+              + trailing         bytes after the last tensor's padded end
+
+SPEC §8.4 reports ``codes + floats`` as one figure and ``header + padding +
+trailing`` as another.  Bits per weight divide bytes × 8 by parameter count.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .quants import layout
+from .reader import GGUFHeader
+
+
+@dataclass(frozen=True)
+class TypeBytes:
+    """The tensors of one GGML type."""
+
+    type: str
+    n_tensors: int
+    n_elements: int
+    n_bytes: int
+    code_bytes: int
+    meta_bytes: int
+    quantized: bool
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.n_bytes * 8 / self.n_elements if self.n_elements else 0.0
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """The byte split of one GGUF file (all integers are bytes unless named n_*)."""
+
+    file_size: int
+    n_params: int
+    codes: int
+    floats: int
+    meta: int
+    header: int
+    padding: int
+    trailing: int
+    by_type: tuple[TypeBytes, ...]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.codes + self.floats + self.meta
+
+    @property
+    def codes_and_floats(self) -> int:
+        return self.codes + self.floats
+
+    @property
+    def header_and_padding(self) -> int:
+        return self.header + self.padding + self.trailing
+
+    @property
+    def meta_fraction(self) -> float:
+        """Share of the quantized tensors' bytes that is scales/mins."""
+        q = self.codes + self.meta
+        return self.meta / q if q else 0.0
+
+    def bits_per_weight(self, n_bytes: int | None = None) -> float:
+        """bytes × 8 / parameters; the whole file by default."""
+        n = self.file_size if n_bytes is None else n_bytes
+        return n * 8 / self.n_params if self.n_params else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["by_type"] = [{**asdict(t), "bits_per_weight": t.bits_per_weight} for t in self.by_type]
+        d.update(tensor_bytes=self.tensor_bytes, codes_and_floats=self.codes_and_floats,
+                 header_and_padding=self.header_and_padding, meta_fraction=self.meta_fraction,
+                 bits_per_weight=self.bits_per_weight(), tensor_bits_per_weight=self.bits_per_weight(self.tensor_bytes))
+        return d
+
+
+def account(header: GGUFHeader) -> Accounting:
+    """Split every byte of the file behind ``header`` into the buckets above."""
+    groups: dict[str, list[int]] = {}
+    codes = floats = meta = 0
+    order = []
+    for t in header.tensors:
+        lay = layout(t.type)
+        c, m = lay.split(t.n_bytes)
+        if lay.quantized:
+            codes += c
+        else:
+            floats += c
+        meta += m
+        g = groups.get(t.type.name)
+        if g is None:
+            g = groups[t.type.name] = [0, 0, 0, 0, 0, int(lay.quantized)]
+            order.append(t.type.name)
+        g[0] += 1
+        g[1] += t.n_elements
+        g[2] += t.n_bytes
+        g[3] += c
+        g[4] += m
+    by_type = tuple(sorted((TypeBytes(name, *groups[name][:5], bool(groups[name][5])) for name in order),
+                           key=lambda tb: -tb.n_bytes))
+    data_end = header.data_offset + header.data_size
+    tensor_bytes = codes + floats + meta
+    padding = (header.data_offset - header.header_size) + (header.data_size - tensor_bytes)
+    trailing = max(0, header.file_size - data_end)
+    return Accounting(
+        file_size=header.file_size, n_params=sum(t.n_elements for t in header.tensors),
+        codes=codes, floats=floats, meta=meta, header=header.header_size,
+        padding=padding, trailing=trailing, by_type=by_type,
+    )
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\x1b": "\\e"}
+
+
+def safe_text(value: Any, limit: int = 120) -> str:
+    """One printable line: control characters, ANSI escapes and bidi overrides escaped, long text cut."""
+    s = value if isinstance(value, str) else repr(value)
+    out = []
+    for ch in s:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+        if len(out) > limit:
+            break
+    text = "".join(out)
+    if len(text) > limit:
+        return text[:limit] + f"… ({len(s):,} chars)"
+    return text
+
+
+def describe_value(value: Any, limit: int = 120) -> str:
+    """A metadata value for a terminal: arrays summarised, strings escaped and cut."""
+    if isinstance(value, list):
+        head = ", ".join(safe_text(v, 24) for v in value[:4])
+        more = ", …" if len(value) > 4 else ""
+        return safe_text(f"[{len(value):,} items: {head}{more}]", limit)
+    if isinstance(value, float):
+        return f"{value:.7g}"
+    return safe_text(value, limit)
+
+
+def json_value(value: Any, limit: int = 4096) -> Any:
+    """A metadata value for JSON: long strings cut, long arrays reduced to a count and a head."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[:limit] + f"…[+{len(value) - limit} chars]"
+    if isinstance(value, list):
+        if len(value) <= 16:
+            return [json_value(v, 256) for v in value]
+        return {"count": len(value), "head": [json_value(v, 256) for v in value[:8]]}
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    return value
+
+
+def active_parameters(header: GGUFHeader) -> int | None:
+    """Parameters one token touches in an MoE model (experts scaled by used/total); None if dense."""
+    arch = header.architecture or ""
+    n_expert = header.get(f"{arch}.expert_count")
+    n_used = header.get(f"{arch}.expert_used_count")
+    if not (isinstance(n_expert, int) and isinstance(n_used, int) and 0 < n_used <= n_expert):
+        return None
+    total = 0
+    for t in header.tensors:
+        if "_exps." in t.name:
+            total += t.n_elements // n_expert * n_used
+        else:
+            total += t.n_elements
+    return total

@@ -1,0 +1,144 @@
+"""`localinfer inspect [MODEL] [--tensors] [--json]`: a GGUF file's header and byte accounting.
+
+Reads the header only (bounded reads; never the tensor data), so it takes the
+same fraction of a second on a 100 GB file as on a 100 MB one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--tensors", action="store_true", help="list every tensor")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gguf_tools.inspect import account, active_parameters
+    from gguf_tools.reader import read_header
+
+    from ..models import resolve_model
+    from ..spec import ModelSpec
+
+    path = resolve_model(args.model)
+    header = read_header(path)
+    spec = ModelSpec.from_gguf(header)
+    acc = account(header)
+    active = active_parameters(header)
+    if args.json:
+        json.dump(_as_json(header, spec, acc, active, args.tensors), sys.stdout, indent=1)
+        print()
+    else:
+        print(_as_text(header, spec, acc, active, args.tensors))
+    return 0
+
+
+def _model_json(spec) -> dict:
+    keys = ("arch", "name", "n_layers", "n_embd", "head_dim_k", "head_dim_v", "vocab_size", "n_ctx_train",
+            "rope_freq_base", "sliding_window", "n_expert", "n_expert_used", "expert_ff", "tied_embeddings",
+            "qk_norm", "file_type", "tokenizer_model")
+    d = {k: getattr(spec, k) for k in keys}
+    for k in ("n_head", "n_head_kv", "n_ff"):
+        v = getattr(spec, k)
+        d[k] = v[0] if len(set(v)) == 1 else list(v)
+    d["missing"] = list(spec.missing)
+    return d
+
+
+def _as_json(header, spec, acc, active, tensors: bool) -> dict:
+    from gguf_tools.inspect import json_value
+
+    out = {
+        "path": header.path, "file_size": header.file_size, "version": header.version,
+        "alignment": header.alignment, "header_size": header.header_size, "data_offset": header.data_offset,
+        "n_tensors": len(header.tensors), "n_kv": len(header.kv), "bytes_read": header.bytes_read,
+        "model": _model_json(spec), "n_params": acc.n_params, "n_params_active": active,
+        "accounting": acc.as_dict(),
+        "metadata": {k: json_value(v) for k, v in header.kv.items()},
+    }
+    if tensors:
+        out["tensors"] = [{"name": t.name, "type": t.type.name, "shape": list(t.shape), "n_bytes": t.n_bytes,
+                           "offset": t.file_offset} for t in header.tensors]
+    return out
+
+
+def _heads(v: tuple[int, ...]) -> str:
+    return str(v[0]) if len(set(v)) == 1 else f"{min(v)}..{max(v)} per layer"
+
+
+def _as_text(header, spec, acc, active, tensors: bool) -> str:
+    from gguf_tools.inspect import describe_value, safe_text
+
+    from ..units import fmt_bytes
+
+    lines = []
+    add = lines.append
+    ftype = header.get("general.file_type")
+    add(f"file        {safe_text(header.path, 200)}")
+    add(f"size        {header.file_size:,} bytes ({fmt_bytes(header.file_size)})")
+    add(f"format      GGUF v{header.version}, alignment {header.alignment}, {len(header.tensors):,} tensors, "
+        f"{len(header.kv)} metadata keys, data at byte {header.data_offset:,}")
+    add(f"model       {safe_text(spec.name, 80)}  (arch {safe_text(spec.arch, 40)}"
+        + (f", file type {_ftype_name(ftype)}" if isinstance(ftype, int) else "") + ")")
+    arch = (f"layers {spec.n_layers}, embd {spec.n_embd}, heads {_heads(spec.n_head)}/{_heads(spec.n_head_kv)} "
+            f"(head dim {spec.head_dim_k}), ffn {_heads(spec.n_ff)}")
+    if spec.n_expert:
+        arch += f", experts {spec.n_expert} ({spec.n_expert_used} used, ffn {spec.expert_ff})"
+    add(f"shape       {arch}")
+    add(f"context     {spec.n_ctx_train:,} (training), vocab {spec.vocab_size:,}"
+        + (f", sliding window {spec.sliding_window}" if spec.sliding_window else ""))
+    params = f"{acc.n_params:,} ({acc.n_params / 1e9:.2f} B)"
+    if active is not None:
+        params += f"; {active / 1e9:.2f} B active per token"
+    add(f"parameters  {params}")
+    if header.get("localinfer.skeleton") is not None:
+        add("note        skeleton file: header only, the data section holds no weights")
+    for m in spec.missing:
+        add(f"note        {safe_text(m, 160)}")
+
+    add("")
+    add(f"  {'type':<8}{'tensors':>8}{'parameters':>18}{'bytes':>18}{'codes':>18}{'metadata':>16}{'bits/w':>8}")
+    for t in acc.by_type:
+        add(f"  {t.type:<8}{t.n_tensors:>8,}{t.n_elements:>18,}{t.n_bytes:>18,}{t.code_bytes:>18,}"
+            f"{t.meta_bytes:>16,}{t.bits_per_weight:>8.3f}")
+
+    add("")
+    add("byte accounting")
+    rows = (
+        ("codes + unquantized floats", acc.codes_and_floats,
+         f"codes {acc.codes:,} + floats {acc.floats:,}"),
+        ("quantization metadata", acc.meta, f"{acc.meta_fraction:.1%} of quantized bytes"),
+        ("header + padding", acc.header_and_padding,
+         f"header {acc.header:,} + padding {acc.padding:,}" + (f" + trailing {acc.trailing:,}" if acc.trailing else "")),
+        ("file", acc.file_size, f"{acc.bits_per_weight():.3f} bits/weight"
+         f" ({acc.bits_per_weight(acc.tensor_bytes):.3f} without header)"),
+    )
+    for label, n, note in rows:
+        add(f"  {label:<28}{n:>18,}  {fmt_bytes(n):>11}  {note}")
+
+    add("")
+    add("metadata")
+    width = min(44, max((len(safe_text(k, 44)) for k in header.kv), default=0))
+    for key, value in header.kv.items():
+        add(f"  {safe_text(key, 44):<{width}} = {describe_value(value, 100)}")
+
+    if tensors:
+        add("")
+        add(f"  {'tensor':<36}{'type':<8}{'shape':<26}{'bytes':>16}{'offset':>18}")
+        for t in header.tensors:
+            shape = "×".join(str(d) for d in t.shape)
+            add(f"  {safe_text(t.name, 36):<36}{t.type.name:<8}{shape:<26}{t.n_bytes:>16,}{t.file_offset:>18,}")
+    return "\n".join(lines)
+
+
+def _ftype_name(v: int) -> str:
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(v).name
+    except ValueError:
+        return str(v)
