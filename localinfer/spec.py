@@ -14,7 +14,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from gguf_tools import GGUFFormatError, GGUFHeader, TensorInfo, read_header
+from gguf_tools import GGUFFormatError, GGUFHeader, TensorInfo
+from gguf_tools.split import read_model_header
 
 # Fallbacks for facts older files leave out.  Pattern n: layer il uses the
 # sliding window unless (il + 1) % n == 0 (llama.cpp's set_swa_pattern).
@@ -103,11 +104,11 @@ class ModelSpec:
 
     @classmethod
     def from_gguf(cls, source: str | os.PathLike | GGUFHeader) -> "ModelSpec":
-        """Build from a GGUF file (or an already-read header).
+        """Build from a GGUF file (every shard of a split model) or an already-read header.
 
         Raises GGUFFormatError when the metadata contradicts itself or the tensors.
         """
-        header = source if isinstance(source, GGUFHeader) else read_header(source)
+        header = source if isinstance(source, GGUFHeader) else read_model_header(source)
         return _build(header)
 
 
@@ -171,6 +172,11 @@ def _build(h: GGUFHeader) -> ModelSpec:
     if max_layer >= n_layers:
         raise _err(h, a + "block_count",
                    f"{a}block_count is {n_layers} but tensor blk.{max_layer}.* exists")
+    if max_layer >= 0:
+        empty = next((il for il in range(n_layers) if il not in layer_bytes), None)
+        if empty is not None:
+            raise _err(h, a + "block_count",
+                       f"{a}block_count is {n_layers} but the file has no blk.{empty}.* tensors")
 
     tok = h.tensor("token_embd.weight")
     n_embd = _int(h, a + "embedding_length")
@@ -226,6 +232,8 @@ def _build(h: GGUFHeader) -> ModelSpec:
         else:
             vocab = 0
             missing.append("vocab size")
+    if vocab is not None and tok is not None and len(tok.shape) > 1 and vocab != tok.shape[1]:
+        raise _err(h, a + "vocab_size", f"{a}vocab_size is {vocab} but token_embd.weight has {tok.shape[1]} rows")
     if tokens is not None and tokens and tok is not None and len(tok.shape) > 1 and len(tokens) != tok.shape[1]:
         raise _err(h, "tokenizer.ggml.tokens",
                    f"the tokenizer has {len(tokens)} tokens but token_embd.weight has {tok.shape[1]} rows")
