@@ -86,39 +86,35 @@ class Accounting:
         return d
 
 
-def account(header: GGUFHeader) -> Accounting:
-    """Split every byte of the file behind ``header`` into the buckets above."""
+def account(headers: GGUFHeader | list[GGUFHeader]) -> Accounting:
+    """Split every byte of a file (or of every shard of a split model) into the buckets above."""
+    shards = headers if isinstance(headers, list) else [headers]
     groups: dict[str, list[int]] = {}
-    codes = floats = meta = 0
-    order = []
-    for t in header.tensors:
-        lay = layout(t.type)
-        c, m = lay.split(t.n_bytes)
-        if lay.quantized:
-            codes += c
-        else:
-            floats += c
-        meta += m
-        g = groups.get(t.type.name)
-        if g is None:
-            g = groups[t.type.name] = [0, 0, 0, 0, 0, int(lay.quantized)]
-            order.append(t.type.name)
-        g[0] += 1
-        g[1] += t.n_elements
-        g[2] += t.n_bytes
-        g[3] += c
-        g[4] += m
-    by_type = tuple(sorted((TypeBytes(name, *groups[name][:5], bool(groups[name][5])) for name in order),
+    codes = floats = meta = head = padding = trailing = n_params = size = 0
+    for h in shards:
+        tensor_bytes = 0
+        for t in h.tensors:
+            lay = layout(t.type)
+            c, m = lay.split(t.n_bytes)
+            if lay.quantized:
+                codes += c
+            else:
+                floats += c
+            meta += m
+            tensor_bytes += t.n_bytes
+            n_params += t.n_elements
+            g = groups.setdefault(t.type.name, [0, 0, 0, 0, 0, int(lay.quantized)])
+            for i, v in enumerate((1, t.n_elements, t.n_bytes, c, m)):
+                g[i] += v
+        head += h.header_size
+        data_start = min(h.data_offset, h.file_size)      # a file without tensors may end unpadded
+        padding += (data_start - h.header_size) + (h.data_size - tensor_bytes)
+        trailing += max(0, h.file_size - (data_start + h.data_size))
+        size += h.file_size
+    by_type = tuple(sorted((TypeBytes(name, *g[:5], bool(g[5])) for name, g in groups.items()),
                            key=lambda tb: -tb.n_bytes))
-    data_end = header.data_offset + header.data_size
-    tensor_bytes = codes + floats + meta
-    padding = (header.data_offset - header.header_size) + (header.data_size - tensor_bytes)
-    trailing = max(0, header.file_size - data_end)
-    return Accounting(
-        file_size=header.file_size, n_params=sum(t.n_elements for t in header.tensors),
-        codes=codes, floats=floats, meta=meta, header=header.header_size,
-        padding=padding, trailing=trailing, by_type=by_type,
-    )
+    return Accounting(file_size=size, n_params=n_params, codes=codes, floats=floats, meta=meta,
+                      header=head, padding=padding, trailing=trailing, by_type=by_type)
 
 
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\x1b": "\\e"}

@@ -19,21 +19,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gguf_tools.inspect import account, active_parameters
-    from gguf_tools.reader import read_header
+    from gguf_tools.split import merge, read_shards
 
     from ..models import resolve_model
     from ..spec import ModelSpec
 
     path = resolve_model(args.model)
-    header = read_header(path)
+    shards = read_shards(path)
+    header = merge(shards)
     spec = ModelSpec.from_gguf(header)
-    acc = account(header)
+    acc = account(shards)
     active = active_parameters(header)
     if args.json:
-        json.dump(_as_json(header, spec, acc, active, args.tensors), sys.stdout, indent=1)
+        out = _as_json(header, spec, acc, active, args.tensors)
+        out["shards"] = [s.path for s in shards]
+        json.dump(out, sys.stdout, indent=1)
         print()
     else:
-        print(_as_text(header, spec, acc, active, args.tensors))
+        print(_as_text(header, spec, acc, active, args.tensors, len(shards)))
     return 0
 
 
@@ -70,7 +73,7 @@ def _heads(v: tuple[int, ...]) -> str:
     return str(v[0]) if len(set(v)) == 1 else f"{min(v)}..{max(v)} per layer"
 
 
-def _as_text(header, spec, acc, active, tensors: bool) -> str:
+def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str:
     from gguf_tools.inspect import describe_value, safe_text
 
     from ..units import fmt_bytes
@@ -79,7 +82,8 @@ def _as_text(header, spec, acc, active, tensors: bool) -> str:
     add = lines.append
     ftype = header.get("general.file_type")
     add(f"file        {safe_text(header.path, 200)}")
-    add(f"size        {header.file_size:,} bytes ({fmt_bytes(header.file_size)})")
+    add(f"size        {header.file_size:,} bytes ({fmt_bytes(header.file_size)})"
+        + (f" in {n_shards} shards" if n_shards > 1 else ""))
     add(f"format      GGUF v{header.version}, alignment {header.alignment}, {len(header.tensors):,} tensors, "
         f"{len(header.kv)} metadata keys, data at byte {header.data_offset:,}")
     add(f"model       {safe_text(spec.name, 80)}  (arch {safe_text(spec.arch, 40)}"
