@@ -1,0 +1,425 @@
+"""Prompt-lookup speculative decoding: draft by n-gram lookup, verify in one batch.
+
+A round (``LookupDecoder.step``) has four parts, all through the engine contract:
+
+1. Draft.  Find the longest suffix n-gram of the history (prompt + output) seen
+   before, ``ngram_max`` down to ``ngram_min``, and propose the k tokens that
+   followed it.  ``NgramIndex`` keeps the latest occurrence of every n-gram and
+   is updated per emitted token, so a round costs microseconds at any context.
+2. Verify.  ``engine.eval([pending, *draft])`` with logits at every position.
+   The sampler draws the token at each position from exactly the distribution
+   plain decoding would use there; the round keeps drafts while the draw equals
+   the draft, and ends with the first draw that differs (or one bonus draw when
+   all k agree).  Greedy: the longest agreeing prefix plus the target's token.
+   Sampling: the draft x is accepted with probability p(x) = min(1, p(x)/q(x))
+   for the point mass q = δ_x, and a rejected draw is distributed as
+   (p - q)+ / (1 - p(x)), the normalised residual of SPEC §8.5 - so the output
+   distribution is plain sampling's, and with a seeded sampler the random
+   stream is consumed exactly as plain decoding consumes it.
+3. Roll back.  ``engine.trim`` cuts the rejected drafts out of the KV.
+4. Adapt.  k is chosen each round from measured acceptance and the measured
+   cost of verifying m tokens (``CostModel``), by the marginal rule: lengthen
+   while ΔT/ΔN < T/N, with E[N] = 1 + Σ_j Π_{i<=j} a_i (``choose_draft_length``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import median
+from typing import Callable
+
+from .decoding import DecodeStats, Sampler
+from .engine import Engine
+from .errors import UsageError
+
+
+def expected_tokens(acceptance: Sequence[float]) -> float:
+    """E[N] for a draft of len(acceptance) tokens: 1 + Σ_j Π_{i<=j} a_i."""
+    total, run = 1.0, 1.0
+    for a in acceptance:
+        run *= a
+        total += run
+    return total
+
+
+def choose_draft_length(acceptance: Sequence[float], cost: Callable[[int], float] | Sequence[float],
+                        lengths: Sequence[int] | None = None) -> int:
+    """The draft length with the least time per emitted token, T_m / E[N_m].
+
+    ``acceptance[j-1]`` is a_j, the chance that draft token j is accepted when
+    all before it were; ``cost(m)`` (or ``cost[m]``) is the time of a round with
+    m drafts.  Starting from no draft, the draft is lengthened to m only while
+    ΔT/ΔN < T/N against the best length so far, which is the marginal rule of
+    SPEC §8.5 applied across cost jumps (padding to graph shapes) as well.
+    """
+    t_of = cost if callable(cost) else cost.__getitem__
+    candidates = range(len(acceptance) + 1) if lengths is None else sorted({0, *lengths})
+    best_m, best_t, best_n = 0, t_of(0), 1.0
+    n_m, run, j = 1.0, 1.0, 0
+    for m in candidates:
+        if m == 0 or m > len(acceptance):
+            continue
+        while j < m:
+            run *= acceptance[j]
+            n_m += run
+            j += 1
+        t_m = t_of(m)
+        if (t_m - best_t) * best_n < (n_m - best_n) * best_t:
+            best_m, best_t, best_n = m, t_m, n_m
+    return best_m
+
+
+class NgramIndex:
+    """The token history and the latest place each n-gram (n_min..n_max) occurred.
+
+    ``_maps[n - n_min][gram] = p`` means ``tokens[p - n:p] == gram`` with p the
+    latest such position below the last token, so ``tokens[p]`` is the token
+    that followed.  Appending a token does n_max - n_min + 1 dictionary writes.
+    """
+
+    def __init__(self, n_min: int, n_max: int, tokens: Sequence[int] = ()):
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_min, n_max + 1)]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        toks, maps, n_min = self.tokens, self._maps, self.n_min
+        for t in tokens:
+            end = len(toks)
+            toks.append(t)
+            # the n-grams ending just before the new token now have a continuation
+            for i, index in enumerate(maps):
+                n = n_min + i
+                if end < n:
+                    break
+                index[tuple(toks[end - n:end])] = end
+
+    def match(self) -> tuple[int, int]:
+        """(n, p): the longest suffix n-gram seen before and where its continuation starts; (0, -1) if none."""
+        toks, size = self.tokens, len(self.tokens)
+        for i in range(len(self._maps) - 1, -1, -1):
+            n = self.n_min + i
+            if size > n:
+                p = self._maps[i].get(tuple(toks[size - n:]))
+                if p is not None:
+                    return n, p
+        return 0, -1
+
+    def continuation(self, p: int, k: int) -> list[int]:
+        """k tokens from position p; past the end it keeps copying its own output (periodic text)."""
+        toks, size = self.tokens, len(self.tokens)
+        out = toks[p:p + k]
+        while len(out) < k:
+            q = p + len(out)
+            out.append(toks[q] if q < size else out[q - size])
+        return out
+
+
+class _History(Sequence):
+    """``tokens[:n] + extra[:m]`` without copying the context (handed to the sampler)."""
+
+    __slots__ = ("_base", "_n", "_extra")
+
+    def __init__(self, base: list[int], n: int, extra: list[int]):
+        self._base, self._n, self._extra = base, n, extra
+
+    def __len__(self) -> int:
+        return self._n + len(self._extra)
+
+    def __getitem__(self, i):
+        n = self._n
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            head = self._base[start:min(stop, n)] if start < n else []
+            return head + self._extra[max(start - n, 0):max(stop - n, 0)]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._base[i] if i < n else self._extra[i - n]
+
+
+class CostModel:
+    """Measured time of a round that verifies m tokens (pending + m - 1 drafts).
+
+    Keeps the last ``window`` round times per size and uses their median
+    (robust to a busy machine).  Sizes not yet measured are interpolated
+    between measured neighbours, or extrapolated with the least-squares slope
+    (``prior_slope`` × T per extra token while only one size is known).
+    """
+
+    def __init__(self, max_tokens: int, *, window: int = 8, prior_slope: float = 0.25):
+        self.max_tokens = max_tokens
+        self.prior_slope = prior_slope
+        self.frozen = False
+        self._samples = [deque(maxlen=window) for _ in range(max_tokens + 1)]
+        self._curve: list[float] | None = None
+
+    @classmethod
+    def fixed(cls, seconds: Sequence[float]) -> "CostModel":
+        """A curve given outright, ``seconds[m - 1]`` for m = 1..len, that measurements do not change."""
+        model = cls(len(seconds), window=1)
+        for m, t in enumerate(seconds, start=1):
+            model.add(m, t)
+        model.frozen = True
+        return model
+
+    def add(self, m: int, seconds: float) -> None:
+        if 1 <= m <= self.max_tokens and not self.frozen:
+            self._samples[m].append(seconds)
+            self._curve = None
+
+    def measured(self, m: int) -> float | None:
+        s = self._samples[m] if 1 <= m <= self.max_tokens else None
+        return median(s) if s else None
+
+    def curve(self) -> list[float] | None:
+        """[T(1), ..., T(max_tokens)] (index m - 1), or None before any measurement."""
+        if self._curve is None:
+            known = [(m, median(s)) for m, s in enumerate(self._samples) if s]
+            if not known:
+                return None
+            self._curve = _fill_curve(known, self.max_tokens, self.prior_slope)
+        return self._curve
+
+
+def _fill_curve(known: list[tuple[int, float]], size: int, prior_slope: float) -> list[float]:
+    if len(known) == 1:
+        m0, t0 = known[0]
+        base = t0 / (1 + prior_slope * (m0 - 1))
+        slope = prior_slope * base
+    else:
+        mean_m = sum(m for m, _ in known) / len(known)
+        mean_t = sum(t for _, t in known) / len(known)
+        num = sum((m - mean_m) * (t - mean_t) for m, t in known)
+        den = sum((m - mean_m) ** 2 for m, _ in known)
+        slope = max(num / den, 0.0)
+    curve: list[float] = []
+    it = 0
+    for m in range(1, size + 1):
+        while it < len(known) and known[it][0] < m:
+            it += 1
+        if it < len(known) and known[it][0] == m:
+            curve.append(known[it][1])
+        elif it == 0:
+            curve.append(max(known[0][1] - slope * (known[0][0] - m), 1e-9))
+        elif it == len(known):
+            curve.append(known[-1][1] + slope * (m - known[-1][0]))
+        else:
+            (m0, t0), (m1, t1) = known[it - 1], known[it]
+            curve.append(t0 + (t1 - t0) * (m - m0) / (m1 - m0))
+    return curve
+
+
+class AcceptanceModel:
+    """Per-position acceptance a_1..a_K for each kind of match, learnt as it goes.
+
+    A match is *following* when the source that drafted the last round also
+    predicted every token that round emitted (a copy in progress), else
+    *fresh* with its n-gram length.  Counts decay by ``decay`` per update so
+    the estimate tracks the text; each position shrinks towards its kind's
+    pooled rate, which starts at the prior.
+    """
+
+    PRIOR = {"following": 0.8, "fresh": 0.4}
+    PRIOR_WEIGHT = 2.0
+    SHRINK = 4.0
+
+    def __init__(self, max_draft: int, *, decay: float = 0.97):
+        self.max_draft = max_draft
+        self.decay = decay
+        self._counts: dict[object, list[list[float]]] = {}
+
+    def _slot(self, kind) -> list[list[float]]:
+        slot = self._counts.get(kind)
+        if slot is None:
+            slot = self._counts[kind] = [[0.0] * self.max_draft, [0.0] * self.max_draft]
+        return slot
+
+    def observe(self, kind, tried: int, accepted: int) -> None:
+        """A round of ``kind`` tested ``tried`` draft positions and accepted the first ``accepted``."""
+        if tried <= 0:
+            return
+        acc, tot = self._slot(kind)
+        d = self.decay
+        for i in range(self.max_draft):
+            acc[i] *= d
+            tot[i] *= d
+        for i in range(min(tried, self.max_draft)):
+            tot[i] += 1.0
+            if i < accepted:
+                acc[i] += 1.0
+
+    def rates(self, kind, k: int) -> list[float]:
+        """[a_1, ..., a_k] for a match of this kind."""
+        prior = self.PRIOR["following" if kind == "following" else "fresh"]
+        acc, tot = self._slot(kind)
+        pooled = (sum(acc) + self.PRIOR_WEIGHT * prior) / (sum(tot) + self.PRIOR_WEIGHT)
+        w = self.SHRINK
+        return [(acc[i] + w * pooled) / (tot[i] + w) for i in range(min(k, self.max_draft))]
+
+
+@dataclass
+class LookupStats(DecodeStats):
+    """DecodeStats plus the plain per-token time measured by the same decoder (when it ran plain rounds)."""
+
+    plain_seconds_per_token: float | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        spt = self.seconds_per_token
+        if not self.plain_seconds_per_token or not spt:
+            return None
+        return self.plain_seconds_per_token / spt
+
+    def as_dict(self) -> dict:
+        out = super().as_dict()
+        out["plain_seconds_per_token"] = self.plain_seconds_per_token
+        out["speedup"] = None if self.speedup is None else round(self.speedup, 4)
+        return out
+
+
+class LookupDecoder:
+    """Prompt-lookup speculative decoding behind the shared ``Decoder`` step signature.
+
+    ``ngram_max``/``ngram_min``: longest and shortest suffix n-gram looked up;
+    ``draft_max``: most drafts per round; ``adaptive``: choose the length each
+    round from measured acceptance and cost (else always draft ``draft_max``
+    when there is a match).  Output equals plain decoding's (greedy: token for
+    token up to batched-numerics near-ties; sampling: in distribution).
+    """
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 2, draft_max: int = 16, adaptive: bool = True,
+                 cost: CostModel | None = None):
+        for name, value in (("ngram_max", ngram_max), ("ngram_min", ngram_min), ("draft_max", draft_max)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                flag = "--draft-max" if name == "draft_max" else "--lookup-ngram"
+                raise UsageError(f"{name} must be a positive integer, got {value!r}", flag=flag)
+        if ngram_min > ngram_max:
+            raise UsageError(f"ngram_min {ngram_min} is larger than ngram_max {ngram_max}", flag="--lookup-ngram",
+                             hint="the lookup n-gram size is the longest match tried; use at least the minimum")
+        self.ngram_max, self.ngram_min, self.draft_max = ngram_max, ngram_min, draft_max
+        self.adaptive = adaptive
+        self.cost = cost or CostModel(draft_max + 1)
+        self.stats = LookupStats()
+        self.index = NgramIndex(ngram_min, ngram_max)
+        self._engine_id: int | None = None
+        self.start(())
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """Index a new prompt; acceptance is relearnt, the measured cost curve is kept."""
+        self.index = NgramIndex(self.ngram_min, self.ngram_max, prompt)
+        self.acceptance = AcceptanceModel(self.draft_max)
+        self.stats = LookupStats()
+        self._source = -1  # where the copy in progress continues, or -1
+
+    # ---- one round ----------------------------------------------------------
+    def step(self, engine: Engine, context: list[int], pending: int, sampler: Sampler, seq: int = 0) -> list[int]:
+        t0 = time.perf_counter()
+        if self._engine_id != id(engine):
+            if self._engine_id is not None:
+                self.cost = CostModel(self.draft_max + 1)
+            self._engine_id = id(engine)
+        self._sync(context, pending)
+        room = engine.n_ctx - len(context) - 1
+        kind, source, draft = self._propose(engine, room)
+        t1 = time.perf_counter()
+
+        rows = engine.eval([pending, *draft], logits_at=range(len(draft) + 1), seq=seq)
+        t2 = time.perf_counter()
+        emitted = self._verify(rows, draft, sampler)
+        n_acc = len(emitted) - 1
+        if n_acc < len(draft):
+            engine.trim(len(context) + 1 + n_acc, seq)
+
+        t3 = time.perf_counter()
+        self._learn(kind, source, draft, emitted)
+        self.index.extend(emitted)
+        t4 = time.perf_counter()
+
+        st = self.stats
+        st.rounds += 1
+        st.emitted += len(emitted)
+        st.drafted += len(draft)
+        st.accepted += n_acc
+        st.eval_seconds += t2 - t1
+        st.lookup_seconds += (t1 - t0) + (t4 - t3)
+        st.round_times.append(t4 - t0)
+        self.cost.add(len(draft) + 1, t4 - t0)
+        st.plain_seconds_per_token = self.cost.measured(1)
+        return emitted
+
+    def _verify(self, rows, draft: list[int], sampler: Sampler) -> list[int]:
+        """Draw each position as plain decoding would; stop at the first draw that is not the draft."""
+        base, n = self.index.tokens, len(self.index.tokens)
+        out: list[int] = []
+        for i in range(len(draft) + 1):
+            tok = sampler.sample(rows[i], _History(base, n, out))
+            out.append(tok)
+            if i == len(draft) or tok != draft[i]:
+                break
+        return out
+
+    # ---- drafting -----------------------------------------------------------
+    def _sync(self, context: list[int], pending: int) -> None:
+        """Make the index hold exactly context + [pending] (rebuilt if the caller rewound or switched)."""
+        toks, size = self.index.tokens, len(context) + 1
+        have = len(toks)
+        tail = min(have, 8)
+        if have <= size and all(toks[i] == (context[i] if i < size - 1 else pending) for i in range(have - tail, have)):
+            if have < size:
+                self.index.extend(context[have:])
+                self.index.extend([pending])
+            return
+        self.index = NgramIndex(self.ngram_min, self.ngram_max, [*context, pending])
+        self._source = -1
+
+    def _propose(self, engine: Engine, room: int) -> tuple[object, int, list[int]]:
+        """(kind, source position, draft) for this round; the draft may be empty."""
+        idx = self.index
+        if self._source >= 0:
+            kind, source = "following", self._source
+        else:
+            n, source = idx.match()
+            if n == 0:
+                return None, -1, []
+            kind = n
+        k_max = min(self.draft_max, room)
+        if k_max <= 0:
+            return kind, source, []
+        draft = idx.continuation(source, k_max)
+        for i, t in enumerate(draft):
+            if engine.is_eos(t):
+                del draft[i:]
+                break
+        if self.adaptive and draft:
+            curve = self.cost.curve()
+            if curve is None:
+                return kind, source, []
+            del draft[len(curve) - 1:]
+            k = choose_draft_length(self.acceptance.rates(kind, len(draft)), curve)
+            del draft[k:]
+        return kind, source, draft
+
+    def _learn(self, kind, source: int, draft: list[int], emitted: list[int]) -> None:
+        """Update acceptance (a plain round still tells whether the first draft would have passed)."""
+        if source < 0:
+            self._source = -1
+            return
+        if draft:
+            self.acceptance.observe(kind, len(emitted) if len(emitted) <= len(draft) else len(draft), len(emitted) - 1)
+            predicted = self.index.continuation(source, len(emitted)) == emitted
+        else:
+            first = self.index.continuation(source, 1)[0]
+            self.acceptance.observe(kind, 1, int(first == emitted[0]))
+            predicted = first == emitted[0]
+        self._source = source + len(emitted) if predicted else -1
