@@ -181,11 +181,11 @@ def test_truncation_message_has_byte_counts(tmp_path, base):
 
 
 def test_every_prefix_of_the_header_is_rejected(tmp_path, base):
-    blob = base.read_bytes()
     end = read_header(base).data_offset
     path = tmp_path / "prefix.gguf"
-    for n in range(0, end + 1):
-        path.write_bytes(blob[:n])
+    path.write_bytes(base.read_bytes()[:end])
+    for n in range(end, -1, -1):
+        os.truncate(path, n)
         with pytest.raises(GGUFFormatError):
             read_header(path)
 
@@ -371,13 +371,15 @@ def test_cli_reports_every_bad_file_in_one_line(tmp_path, base):
     assert report["maxrss_kib"] < 512 * 1024
 
 
-@pytest.mark.parametrize("name", ["f-n_kv-max.gguf", "f-array-2^30-no-payload.gguf", "dir.gguf"])
-def test_cli_entry_point_exit_code(tmp_path, base, name):
-    paths = {p.name: p for p in _bad_files(tmp_path, base)}
-    proc = subprocess.run(["localinfer", "inspect", str(paths[name])], capture_output=True, text=True, timeout=60)
+def test_cli_entry_point_exit_code(tmp_path, base):
+    raw = Raw.of(base)
+    raw.n_kv = U64_MAX
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(raw.bytes())
+    proc = subprocess.run(["localinfer", "inspect", str(path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3
-    assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
-    debug = subprocess.run(["localinfer", "--debug", "inspect", str(paths[name])], capture_output=True, text=True,
+    assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr and "n_kv" in proc.stderr
+    debug = subprocess.run(["localinfer", "--debug", "inspect", str(path)], capture_output=True, text=True,
                            timeout=60)
     assert "Traceback" in debug.stderr and "GGUFFormatError" in debug.stderr
 
@@ -395,7 +397,7 @@ _edit = st.tuples(st.sampled_from(["flip", "set", "insert", "delete"]), st.integ
                   st.integers(0, 255), st.integers(1, 8))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edits=st.lists(_edit, min_size=1, max_size=4))
 def test_random_header_mutations(tmp_path, seed_file, edits):
     blob, header_end = seed_file
