@@ -167,6 +167,7 @@ class LlamaCppEngine(Engine):
     # ---- tokenizer ---------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
         """Token ids of text; ``add_bos`` prepends BOS when the model's tokenizer wants one."""
+        self._alive()
         data = text.encode("utf-8", errors="replace")
         cap = len(data) + 8
         while True:
@@ -183,6 +184,7 @@ class LlamaCppEngine(Engine):
     def token_bytes(self, token: int) -> bytes:
         piece = self._pieces.get(token)
         if piece is None:
+            self._alive()
             if not 0 <= token < self.n_vocab:
                 raise ValueError(f"token id {token} outside the vocabulary of {self.n_vocab}")
             size = 64
@@ -202,10 +204,12 @@ class LlamaCppEngine(Engine):
 
     # ---- KV cache ----------------------------------------------------------
     def kv_len(self, seq: int = 0) -> int:
+        self._alive()
         self._check_seq(seq)
         return int(_L.llama_memory_seq_pos_max(self._mem, seq)) + 1
 
     def _trim(self, n: int, seq: int) -> None:
+        self._alive()
         if not _L.llama_memory_seq_rm(self._mem, seq, n, -1):
             raise LocalinferError(f"llama.cpp cannot rewind sequence {seq} to {n} tokens for this model",
                                   hint="recurrent models cannot be trimmed; start a new conversation")
@@ -265,6 +269,7 @@ class LlamaCppEngine(Engine):
         return out
 
     def _eval_chunk(self, tokens, start, logits_at, seq):
+        self._alive()
         self._check_seq(seq)
         want = sorted(set(logits_at))
         rows: dict[int, np.ndarray] = {}
@@ -320,7 +325,7 @@ class LlamaCppEngine(Engine):
         return list(self._log)
 
     def _alive(self) -> None:
-        if self._ctx is None:
+        if getattr(self, "_ctx", None) is None:
             raise LocalinferError("this engine is closed")
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 from .decoding import DecodeStats, Decoder, PlainDecoder
 from .engine import Engine
-from .errors import ContextFullError, UsageError
+from .errors import ContextFullError, LocalinferError, UsageError
 from .sampling import Sampler, SamplingParams, check_max_tokens
 
 DEFAULT_MAX_TOKENS = 512
@@ -134,8 +134,11 @@ class Runner:
 
     def stream(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (), decoder: Decoder | None = None,
-               sampler: Sampler | None = None, seq: int = 0) -> Iterator[Chunk]:
-        """Generate a reply to prompt token ids, one chunk per token."""
+               sampler: Sampler | None = None, seq: int = 0, ignore_eos: bool = False) -> Iterator[Chunk]:
+        """Generate a reply to prompt token ids, one chunk per token.
+
+        ``ignore_eos`` bans end-of-generation tokens (benchmarks that need exactly max_tokens).
+        """
         engine = self.engine
         check_max_tokens(max_tokens)
         stops = _check_stops(stop)
@@ -146,7 +149,7 @@ class Runner:
             raise ContextFullError(f"the prompt is {len(prompt)} tokens; the context holds {engine.n_ctx}",
                                    needed=len(prompt), available=engine.n_ctx,
                                    hint="use a larger --ctx or a shorter prompt")
-        sampler = sampler or Sampler(params or SamplingParams())
+        sampler = sampler or Sampler(params or SamplingParams(), banned=engine.eos_ids if ignore_eos else ())
         decoder = decoder or PlainDecoder()
         t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
@@ -159,11 +162,19 @@ class Runner:
             decoder.start(prompt)
             yield from self._decode(context, prompt[-1], sampler, decoder, max_tokens, stops, seq, tm, t0)
         finally:
+            self._settle(context, seq)
+
+    def _settle(self, context: list[int], seq: int) -> None:
+        """Make the KV and the bookkeeping agree after a finished or interrupted stream."""
+        engine = self.engine
+        try:
             n = engine.kv_len(seq)
-            if n > len(context):
-                engine.trim(len(context), seq)
-            del context[n:]
-            self._cached[seq] = context
+        except LocalinferError:  # the engine was closed under a suspended stream
+            return
+        if n > len(context):
+            engine.trim(len(context), seq)
+        del context[n:]
+        self._cached[seq] = context
 
     def _decode(self, context, pending, sampler, decoder, max_tokens, stops, seq, tm, t0) -> Iterator[Chunk]:
         engine = self.engine
@@ -215,14 +226,12 @@ class Runner:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Generation:
         """The whole reply as one string (``stream`` collected)."""
-        parts, tokens = [], []
+        parts, tokens, chunk = [], [], None
         for chunk in self.stream(prompt, params, **kw):
             parts.append(chunk.text)
             if chunk.token is not None:
                 tokens.append(chunk.token)
-            if chunk.finish_reason:
-                return Generation("".join(parts), tokens, chunk.finish_reason, chunk.timings, chunk.stats)
-        raise RuntimeError("stream ended without a finish reason")
+        return Generation("".join(parts), tokens, chunk.finish_reason, chunk.timings, chunk.stats)
 
 
 def _plain_step(engine, context, pending, sampler, seq, stats: DecodeStats) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -118,8 +118,9 @@ def _check_int(name, v, lo, hi, flag):
 class Sampler:
     """Implements :class:`localinfer.decoding.Sampler` for one SamplingParams."""
 
-    def __init__(self, params: SamplingParams | None = None):
+    def __init__(self, params: SamplingParams | None = None, *, banned: Iterable[int] = ()):
         self.params = params or SamplingParams()
+        self.banned = np.fromiter(banned, dtype=np.int64)
         seed = self.params.seed
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
@@ -131,6 +132,9 @@ class Sampler:
     # ---- the candidate set ---------------------------------------------------
     def _penalize(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params
+        if len(self.banned):
+            logits = logits.astype(np.float32, copy=True)
+            logits[self.banned] = -np.inf
         if p.repeat_penalty == 1.0 or p.repeat_last_n == 0 or not history:
             return logits
         recent = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
@@ -170,7 +174,7 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """One token: argmax when greedy, else a draw from the filtered distribution."""
-        if self.greedy and (self.params.repeat_penalty == 1.0 or not history):
+        if self.greedy and not len(self.banned) and (self.params.repeat_penalty == 1.0 or not history):
             return int(np.argmax(logits))
         ids, pr = self.candidates(logits, history)
         if len(ids) == 1:

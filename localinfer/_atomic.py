@@ -1,0 +1,44 @@
+"""Write a file so that readers see the old version or the new one, never half.
+
+Temp file in the same directory, write, flush, fsync, rename over the target,
+fsync the directory.  On any error (disk full, permission) the temp file is
+removed and the previous file is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
+    """Replace path with data atomically (str is written as UTF-8)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(path):
+            os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)

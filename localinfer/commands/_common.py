@@ -1,0 +1,200 @@
+"""Flags shared by `run`, `chat` and `bench`, and turning them into objects.
+
+Defaults are not repeated here: a flag left out keeps the default of the
+dataclass the API uses (LoadPlan, SamplingParams, runner.DEFAULT_MAX_TOKENS).
+Backends come from the registry by name (``--backend NAME``), so third-party
+engines get the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+
+from ..engine import KV_TYPES, LoadPlan
+from ..errors import DoesNotFitError, UsageError
+
+_PLAN_DEFAULTS = {f.name: f.default for f in fields(LoadPlan)}
+MAX_CTX = 1 << 24
+
+
+def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> None:
+    """MODEL, backend, context, KV type, threads, offload and --force."""
+    p.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded SmolLM2-135M)")
+    g = p.add_argument_group("loading")
+    g.add_argument("--backend", default=None, metavar="NAME",
+                   help="engine to run on: llama.cpp (default), torch, mlx, or a registered plugin")
+    g.add_argument("-c", "--ctx", type=int, default=None, metavar="N",
+                   help=f"context length in tokens (default: the model's, at most {_PLAN_DEFAULTS['n_ctx']})")
+    if kv_choices:
+        g.add_argument("-ctk", "--cache-type-k", dest="type_k", default=None, choices=KV_TYPES, metavar="TYPE",
+                       help="K cache type: f16 (default), q8_0, q4_0, ...")
+        g.add_argument("-ctv", "--cache-type-v", dest="type_v", default=None, choices=KV_TYPES, metavar="TYPE",
+                       help="V cache type; a quantized V switches flash attention on")
+    g.add_argument("-fa", "--flash-attn", dest="flash_attn", default=None, choices=("on", "off", "auto"),
+                   help="flash attention (default: on when V is quantized, else the backend's choice)")
+    g.add_argument("-ngl", "--gpu-layers", dest="n_gpu_layers", type=int, default=None, metavar="N",
+                   help="layers on the accelerator (-1: all)")
+    g.add_argument("-t", "--threads", dest="n_threads", type=int, default=None, metavar="N", help="CPU threads")
+    g.add_argument("-b", "--batch", dest="n_batch", type=int, default=None, metavar="N", help="prompt tokens per eval")
+    g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template to use instead of the GGUF's")
+    g.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Sampling, reply length, stop strings and prompt-lookup decoding."""
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=None, metavar="N", help="most tokens to generate")
+    g.add_argument("--temp", dest="temperature", type=float, default=None, metavar="T", help="temperature (0: greedy)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass (1: off)")
+    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the likeliest (0: off)")
+    g.add_argument("--repeat-penalty", type=float, default=None, metavar="X", help="repetition penalty (1: off)")
+    g.add_argument("--repeat-last-n", type=int, default=None, metavar="N", help="tokens the penalty looks back over")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (default: random)")
+    g.add_argument("--greedy", action="store_true", default=None, help="always take the likeliest token")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="never stop at end-of-generation tokens")
+    g = p.add_argument_group("prompt-lookup speculative decoding")
+    g.add_argument("--lookup", action="store_true", help="draft tokens by n-gram lookup in the context")
+    g.add_argument("--lookup-ngram", type=int, default=None, metavar="N", help="longest n-gram matched")
+    g.add_argument("--draft-max", type=int, default=None, metavar="N", help="most draft tokens per round")
+
+
+def sampling_from(args: argparse.Namespace):
+    """SamplingParams from the flags given (the rest keep their defaults)."""
+    from ..sampling import SamplingParams
+
+    given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
+                                           "repeat_last_n", "seed", "greedy") if getattr(args, k, None) is not None}
+    return SamplingParams(**given)
+
+
+def max_tokens_from(args: argparse.Namespace) -> int:
+    from ..runner import DEFAULT_MAX_TOKENS
+    from ..sampling import check_max_tokens
+
+    n = getattr(args, "max_tokens", None)
+    return DEFAULT_MAX_TOKENS if n is None else check_max_tokens(n, "-n")
+
+
+def decoder_from(args: argparse.Namespace):
+    """A LookupDecoder with --lookup (imported only then), else plain decoding."""
+    if not getattr(args, "lookup", False):
+        if args.lookup_ngram is not None or args.draft_max is not None:
+            raise UsageError("--lookup-ngram and --draft-max need --lookup", flag="--lookup")
+        from ..decoding import PlainDecoder
+
+        return PlainDecoder()
+    from ..speculative import LookupDecoder
+
+    kw = {}
+    if args.lookup_ngram is not None:
+        kw["ngram_max"] = args.lookup_ngram
+        kw["ngram_min"] = min(2, args.lookup_ngram)
+    if args.draft_max is not None:
+        kw["draft_max"] = args.draft_max
+    return LookupDecoder(**kw)
+
+
+def read_spec(args: argparse.Namespace):
+    """(model path, ModelSpec) from the MODEL argument; header reads only."""
+    from gguf_tools.split import read_model_header
+
+    from ..models import resolve_model
+    from ..spec import ModelSpec
+
+    path = resolve_model(args.model)
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory; pass a .gguf file", flag="MODEL")
+    return path, ModelSpec.from_gguf(read_model_header(path))
+
+
+def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
+    """A LoadPlan from the loading flags, checked against the model."""
+    ctx = args.ctx
+    if ctx is not None and not 0 < ctx <= MAX_CTX:
+        raise UsageError(f"--ctx {ctx} is not a usable context length", flag="--ctx", hint=f"use 1..{MAX_CTX}")
+    train = spec.n_ctx_train or _PLAN_DEFAULTS["n_ctx"]
+    if ctx is None:
+        ctx = min(train, _PLAN_DEFAULTS["n_ctx"])
+    elif ctx > train and not args.force:
+        raise UsageError(f"--ctx {ctx} is longer than the {train} tokens the model was trained on", flag="--ctx",
+                         hint=f"use --ctx {train} or less (or --force to try anyway)")
+    fa = {None: None, "auto": None, "on": True, "off": False}[getattr(args, "flash_attn", None)]
+    given = {"n_ctx": ctx, "flash_attn": fa}
+    for k in ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch"):
+        v = getattr(args, k, None)
+        if v is not None:
+            given[k] = v
+    if given.get("n_threads") is not None and not 0 < given["n_threads"] <= 1024:
+        raise UsageError(f"--threads {given['n_threads']} is out of range", flag="--threads", hint="use 1..1024")
+    if "n_batch" in given:
+        if not 0 < given["n_batch"] <= 1 << 16:
+            raise UsageError(f"--batch {given['n_batch']} is out of range", flag="--batch", hint="use 1..65536")
+        given["n_ubatch"] = min(given["n_batch"], _PLAN_DEFAULTS["n_ubatch"])
+    given.update(overrides)
+    return LoadPlan(model_path=str(path), **given)
+
+
+def backend_name(args: argparse.Namespace) -> str:
+    from ..backends import DEFAULT_BACKEND, canonical
+
+    return canonical(args.backend or DEFAULT_BACKEND)
+
+
+def check_fit(spec, plan: LoadPlan, backend: str, force: bool) -> object | None:
+    """Refuse a plan that does not fit (``--force`` overrides); None when fit is unavailable.
+
+    SEAM: ``localinfer.fit.check_load`` is written by the fit engineer; until it
+    lands this check is skipped.
+    """
+    try:
+        from ..fit import check_load
+    except ImportError:
+        return None
+    result = check_load(spec, plan, device=None, backend=backend)
+    if result.fits or force:
+        if not result.fits:
+            print(f"warning: {result.reason} (loading anyway: --force)", file=sys.stderr)
+        return result
+    suggestions = list(getattr(result, "suggestions", ()) or ())
+    hint = ("flags that fit: " + "; ".join(str(s) for s in suggestions) + " (or --force)") if suggestions \
+        else "use a smaller --ctx, a quantized KV cache (-ctk q8_0 -ctv q8_0), or --force"
+    raise DoesNotFitError(str(result.reason), needed=int(getattr(result, "needed", 0) or 0),
+                          available=int(getattr(result, "available", 0) or 0), hint=hint)
+
+
+def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):
+    """(engine, spec, plan, backend name): flags -> fit check -> loaded engine."""
+    from ..backends import load_engine
+
+    path, spec = read_spec(args)
+    plan = plan_from(args, path, spec, **overrides)
+    backend = backend_name(args)
+    check_fit(spec, plan, backend, args.force)
+    if not quiet:
+        print(f"loading {os.path.basename(str(path))} ({backend}, ctx {plan.n_ctx}, KV {plan.type_k}/{plan.type_v})...",
+              file=sys.stderr, flush=True)
+    engine = load_engine(plan, backend)
+    return engine, spec, plan, backend
+
+
+def template_from(args: argparse.Namespace, engine, spec):
+    """The chat template: --chat-template FILE, else the GGUF's, else ChatML (with a warning)."""
+    from ..templates import template_for
+
+    def text(tok):
+        if tok is None:
+            return ""
+        getter = getattr(engine, "token_text", None)
+        return getter(tok) if getter else engine.detokenize([tok])
+
+    eos = getattr(spec, "eos_token_id", None)
+    tpl = template_for(spec, args.chat_template, bos_token=text(getattr(engine, "bos_id", None)), eos_token=text(eos))
+    if "fallback" in tpl.origin:
+        print("warning: the model has no chat template; using ChatML (pass --chat-template FILE to choose)",
+              file=sys.stderr)
+    return tpl

@@ -1,0 +1,51 @@
+"""`localinfer chat [MODEL]`: an interactive chat (the embedded model by default).
+
+The model loads only after the fit check passes (``--force`` overrides it);
+see :mod:`localinfer.chat` for the keys and /commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import _common
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _common.add_model_args(parser)
+    _common.add_sampling_args(parser)
+    parser.add_argument("--system", metavar="TEXT", help="system message")
+    parser.add_argument("--context-shift", action="store_true",
+                        help="when the context is full, drop the oldest turns instead of stopping")
+    parser.add_argument("--save", metavar="FILE", help="write the transcript to FILE after every reply (atomically)")
+    parser.add_argument("--load", metavar="FILE", help="continue a transcript written by /save or --save")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..chat import ChatSession, read_transcript
+
+    params = _common.sampling_from(args)
+    max_tokens = _common.max_tokens_from(args)
+    decoder = _common.decoder_from(args)
+    if args.stop:
+        from ..errors import UsageError
+
+        raise UsageError("--stop is not used by chat; the chat template ends each reply", flag="--stop")
+    loaded = read_transcript(args.load) if args.load else None
+    engine, spec, plan, backend = _common.load(args)
+    with engine:
+        template = _common.template_from(args, engine, spec)
+        if sys.stdin.isatty():
+            try:
+                import readline  # noqa: F401  (line editing and Up-arrow history for input())
+            except ImportError:
+                pass
+        session = ChatSession(engine, template, params=params, max_tokens=max_tokens, decoder=decoder,
+                              system=args.system, context_shift=args.context_shift, save_path=args.save,
+                              model_name=spec.name or os.path.basename(str(plan.model_path)))
+        if loaded:
+            session.messages, system = loaded
+            session.system = system if system is not None else session.system
+        return session.loop()
