@@ -134,3 +134,24 @@ class Drafting:
     def label(self) -> str:
         src = self.name or ("context lookup" if self.kind == "lookup" else "draft model")
         return f"{src}, E[N] = {self.expected:.2f}"
+
+
+def model_drafting(draft_cost, target, workload, acceptance: float | Sequence[float], draft_tokens: int = 4, *,
+                   parallel: bool = False, kv="f16", name: str = "") -> Drafting:
+    """A draft model on the target's device: its weights and KV in memory, its prefill, its forwards.
+
+    ``target`` is the target's SpeedModel; the draft runs ``draft_tokens``
+    forwards per round (one when ``parallel``, as DFlash-style drafters do).
+    """
+    from .perf import SpeedModel
+
+    ds = SpeedModel(draft_cost, target.device)
+    w = workload
+    fwd = ds.decode_step(w.requests, w.decode_context, kv).seconds
+    new, cached = w.input_tokens - w.cached_tokens, w.cached_tokens
+    extra = ds.prefill(w.requests, new, cached).seconds / target.prefill(w.requests, new, cached).seconds
+    held = w.input_tokens + w.output_tokens + draft_tokens
+    memory = draft_cost.weight_bytes + w.requests * draft_cost.kv_read_bytes(held, kv)
+    a = acceptances(acceptance, draft_tokens)
+    return Drafting("model", expected_tokens(a), len(a), round_extra_s=fwd * (1 if parallel else len(a)),
+                    prefill_factor=1 + extra, memory_bytes=memory, name=name or draft_cost.name)

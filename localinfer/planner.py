@@ -24,6 +24,7 @@ from .units import fmt_bytes
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_OFFLOAD_BUFFERS = 2
 NOT_FIT, LATE, ON_TIME, FITS = "does not fit", "late", "on time", "fits"
+UNKNOWN = "fits, speed unknown"
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ def evaluate(speed: SpeedModel, workload: Workload, config: Config, budget_bytes
         timing = _with_offload(timing, off, speed.ubatch)
     if memory > budget:
         verdict = NOT_FIT
+    elif math.isnan(timing.total_s):
+        verdict = UNKNOWN
     elif workload.deadline_s is None:
         verdict = FITS
     else:
@@ -156,6 +159,8 @@ def choose(outcomes: list[Outcome]) -> tuple[Outcome | None, dict[str, str]]:
             reasons[o.name] = (f"does not fit: needs {fmt_bytes(o.memory_bytes)} for KV"
                                f"{' and drafter' if o.config.drafting and o.config.drafting.memory_bytes else ''}, "
                                f"budget {fmt_bytes(o.budget_bytes)}")
+        elif o.verdict == UNKNOWN:
+            reasons[o.name] = "fits, but its speed is unknown: measure this device with `localinfer bench --json`"
         elif o.verdict == LATE:
             reasons[o.name] = f"late: {o.total_s:.2f} s > {o.timing.workload.deadline_s:g} s deadline"
         else:
@@ -184,18 +189,55 @@ def plan(speed: SpeedModel, workload: Workload, budget_bytes: int, configs: list
     if budget_bytes < 0:
         raise UsageError("the KV budget is negative: the weights alone do not fit", flag="--kv-budget")
     outcomes, base = [], {}
+
+    def run(c: Config) -> Outcome:
+        if not c.name:
+            n = len(outcomes)
+            c = dataclasses.replace(c, name=chr(65 + n) if n < 26 else f"#{n + 1}")
+        return evaluate(speed, workload, c, budget_bytes, spec=spec, block_tokens=block_tokens)
+
     for c in sorted(configs, key=lambda c: c.offload):
+        key = dataclasses.replace(c, offload=False, name="")
         if c.offload:
-            plain = base.get(dataclasses.replace(c, offload=False, name=""))
+            plain = base.get(key)
             if plain is not None and plain.verdict != NOT_FIT:
                 continue          # offload only buys memory; this one already fits
             try:
-                outcomes.append(evaluate(speed, workload, c, budget_bytes, spec=spec, block_tokens=block_tokens))
+                outcomes.append(run(c))
             except UsageError:
                 continue          # unified memory, or offloading everything is still not enough
         else:
-            o = evaluate(speed, workload, c, budget_bytes, spec=spec, block_tokens=block_tokens)
-            base[dataclasses.replace(c, name="")] = o
-            outcomes.append(o)
+            base[key] = run(c)
+            outcomes.append(base[key])
     best, reasons = choose(outcomes)
     return Plan(workload, budget_bytes, tuple(outcomes), best, reasons)
+
+
+def default_kv_budget(spec, device) -> int:
+    """What the device leaves for KV and auxiliary buffers: usable memory minus the weights."""
+    return device.usable_bytes - spec.weight_bytes
+
+
+def outcome_dict(o: Outcome) -> dict:
+    t = o.timing
+    finite = lambda x: None if x is None or not math.isfinite(x) else x   # noqa: E731
+    return {
+        "name": o.name, "label": o.config.label, "kv": o.config.kv, "share_prefix": o.config.share_prefix,
+        "drafting": None if o.config.drafting is None else dataclasses.asdict(o.config.drafting),
+        "offload": None if o.offload is None else {
+            "groups": [g.label for g in o.offload.groups], "buffers": o.offload.buffers,
+            "net_bytes": o.offload.net_bytes, "copy_s_per_step": o.offload.copy_s_per_step},
+        "memory_bytes": o.memory_bytes, "budget_bytes": o.budget_bytes,
+        "prefill_s": finite(t.prefill.seconds), "prefill_source": t.prefill.source,
+        "decode_steps": t.steps, "step_s": finite(t.step.seconds), "step_source": t.step.source,
+        "ttft_s": finite(t.ttft_s), "total_s": finite(t.total_s), "verdict": o.verdict,
+        "gpu_s_per_request": finite(t.gpu_s_per_request), "gpu_s_per_good": finite(o.gpu_s_per_good),
+        "joules_per_good": finite(o.joules_per_good),
+    }
+
+
+def plan_dict(p: Plan) -> dict:
+    """Plan as plain JSON-ready data."""
+    return {"workload": dataclasses.asdict(p.workload), "budget_bytes": p.budget_bytes,
+            "outcomes": [outcome_dict(o) for o in p.outcomes], "best": p.best.name if p.best else None,
+            "reasons": dict(p.reasons)}

@@ -1,0 +1,155 @@
+"""`localinfer plan`: the configuration that returns the most correct answers on time.
+
+    localinfer plan qwen3-8b.gguf --device rtx-pro-6000 --requests 16 --input 8192 --output 256 \\
+        --shared-prefix 6144 --deadline 7 --kv-budget 12GiB --acceptance 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from ..errors import UsageError
+from ..perf import Workload
+
+KV_DEFAULT = "f16,q8_0,q4_0"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file or skeleton (default: the embedded model)")
+    p.add_argument("--device", default="local", metavar="NAME", help="device profile (see `localinfer devices`)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--requests", type=int, default=1, metavar="N", help="requests arriving together")
+    w.add_argument("--input", type=int, default=2048, metavar="L", help="input tokens per request")
+    w.add_argument("--output", type=int, default=256, metavar="G", help="output tokens per request")
+    w.add_argument("--shared-prefix", type=int, default=0, metavar="P",
+                   help="leading input tokens common to all requests (assumed cached)")
+    w.add_argument("--deadline", type=float, default=None, metavar="S", help="seconds to finish every request")
+    c = p.add_argument_group("configurations")
+    c.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="memory for KV and auxiliary buffers, e.g. 12GiB (default: usable memory − weights)")
+    c.add_argument("--kv", default=KV_DEFAULT, metavar="TYPES", help=f"KV types to try (default {KV_DEFAULT})")
+    c.add_argument("--acceptance", type=float, default=None, metavar="A",
+                   help="per-position draft acceptance; adds prompt-lookup (and --draft) configurations")
+    c.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="draft tokens per round (default 4)")
+    c.add_argument("--draft", default=None, metavar="GGUF", help="a draft model to consider")
+    c.add_argument("--no-offload", action="store_true", help="do not consider weight offload")
+    p.add_argument("--bench", default=None, metavar="FILE",
+                   help="measured speed on this device (`localinfer bench --json` or llama-bench JSON)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _check(v, flag: str, lo: float, hi: float | None = None):
+    if v is None:
+        return v
+    if isinstance(v, float) and not math.isfinite(v) or v < lo or (hi is not None and v > hi):
+        raise UsageError(f"{flag} {v:g} is out of range", flag=flag,
+                         hint=f"use a value from {lo:g}" + (f" to {hi:g}" if hi is not None else " up"))
+    return v
+
+
+def build(args: argparse.Namespace):
+    """(spec, SpeedModel, Plan) for the parsed arguments."""
+    from ..bench_import import load_bench
+    from ..cost import kv_pair, model_cost
+    from ..devices import get_device, local_device
+    from ..drafting import Drafting, model_drafting
+    from ..models import resolve_model
+    from ..perf import SpeedModel
+    from ..planner import candidate_configs, default_kv_budget, plan
+    from ..spec import ModelSpec
+    from ..units import parse_size
+
+    _check(args.acceptance, "--acceptance", 0.0, 1.0)
+    _check(args.draft_tokens, "--draft-tokens", 1, 64)
+    workload = Workload(args.requests, args.input, args.output, args.shared_prefix, deadline_s=args.deadline)
+    spec = ModelSpec.from_gguf(resolve_model(args.model))
+    device = local_device() if args.device == "local" else get_device(args.device)
+    calibration = load_bench(args.bench) if args.bench else None
+    speed = SpeedModel(model_cost(spec), device, calibration)
+    if args.kv_budget is None:
+        budget = default_kv_budget(spec, device)
+    else:
+        try:
+            budget = parse_size(args.kv_budget)
+        except ValueError as exc:
+            raise UsageError(f"--kv-budget: {exc}", flag="--kv-budget") from None
+    kv_types = tuple(t.strip() for t in args.kv.split(",") if t.strip())
+    for t in kv_types:
+        try:
+            kv_pair(t)
+        except UsageError as exc:
+            raise UsageError(f"--kv: {exc}", flag="--kv", hint=exc.hint) from None
+    drafts = []
+    if args.acceptance is not None:
+        drafts.append(Drafting.lookup(args.acceptance, args.draft_tokens))
+        if args.draft:
+            draft = model_cost(ModelSpec.from_gguf(resolve_model(args.draft)))
+            drafts.append(model_drafting(draft, speed, workload, args.acceptance, args.draft_tokens))
+    elif args.draft:
+        raise UsageError("--draft needs --acceptance (how often the target agrees with the draft)",
+                         flag="--acceptance", hint="e.g. --acceptance 0.7")
+    configs = candidate_configs(workload, kv_types=kv_types, drafts=tuple(drafts), offload=not args.no_offload)
+    return spec, speed, plan(speed, workload, budget, configs, spec=spec)
+
+
+def _ms(x: float) -> str:
+    return "—" if not math.isfinite(x) else f"{x * 1e3:.2f} ms"
+
+
+def _s(x: float) -> str:
+    return "—" if not math.isfinite(x) else f"{x:.2f} s"
+
+
+def render_text(spec, speed, p) -> str:
+    """The plan as an aligned table, the choice, and why each other configuration lost."""
+    from ..units import fmt_bytes
+
+    w, dev = p.workload, speed.device
+    shared = f" (first {w.shared_prefix} shared)" if w.shared_prefix else ""
+    deadline = f"deadline {w.deadline_s:g} s" if w.deadline_s else "no deadline"
+    src = speed.calibration.cal.source if speed.calibration else "device profile efficiencies"
+    lines = [f"{_clean(spec.name)} on {_clean(dev.display_name)}",
+             f"{w.requests} request(s) × {w.input_tokens} tokens in{shared} → {w.output_tokens} out; {deadline}; "
+             f"KV budget {fmt_bytes(p.budget_bytes)}; speed from {_clean(src)}", ""]
+    head = ("", "configuration", "KV+draft", "prefill", "decode", "total", "verdict", "GPU·s/good", "J/good")
+    rows = [head]
+    for o in p.outcomes:
+        t = o.timing
+        rows.append((o.name, o.config.label, fmt_bytes(o.memory_bytes), _s(t.prefill.seconds),
+                     f"{t.steps} × {_ms(t.step.seconds)}", _s(t.total_s), o.verdict,
+                     "—" if not math.isfinite(o.gpu_s_per_good) else f"{o.gpu_s_per_good:.3f}",
+                     "—" if o.joules_per_good is None or not math.isfinite(o.joules_per_good)
+                     else f"{o.joules_per_good:.0f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    lines.append("")
+    if p.best is None:
+        lines.append("nothing is feasible: relax the deadline, shorten the output, add memory, "
+                     "or draft from the context (no device memory)")
+    else:
+        b = p.best
+        joules = f" and {b.joules_per_good:.0f} J" if b.joules_per_good is not None else ""
+        lines.append(f"best: {b.name} ({b.config.label}): {b.verdict} in {b.total_s:.2f} s; "
+                     f"{b.gpu_s_per_good:.3f} GPU·s{joules} per good result")
+    lines.append("why not the others:" if p.best else "why each one fails:")
+    lines += [f"  {name}: {why}" for name, why in p.reasons.items()]
+    return "\n".join(lines)
+
+
+def _clean(text: str) -> str:
+    return "".join(ch if ch.isprintable() else "?" for ch in str(text))[:200]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..planner import plan_dict
+
+    spec, speed, p = build(args)
+    if args.json:
+        out = plan_dict(p)
+        out.update(model=spec.name, device=speed.device.name)
+        print(json.dumps(out, indent=2))
+    else:
+        print(render_text(spec, speed, p))
+    return 0
