@@ -1,0 +1,205 @@
+"""Where llama.cpp puts each weight tensor, and the buffers that come out of it.
+
+llama.cpp's layer split (``-ngl N``): the input layer (token embedding) always
+stays on the CPU; of the ``n_layer`` repeating blocks the *last* N go to the
+accelerator; the output layer (``output_norm``, ``output``) goes too only when
+N > n_layer.  Buffers then follow the backend:
+
+* mmap'd host tensors are not copied: ``CPU_Mapped`` (and ``Metal_Mapped``) is
+  the file range from the first to the last byte of the tensors in it;
+* CUDA copies its tensors into ``CUDA0``, each padded (quantized rows to 512
+  values) and aligned to 128 bytes;
+* on x86/ARM CPUs llama.cpp repacks some quant types for faster matmuls into a
+  ``CPU_REPACK`` buffer *beside* the mapping (e.g. Q4_0/Q4_K/IQ4_NL/MXFP4 with
+  AVX2), which is real extra memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from gguf_tools.quants import layout, row_bytes
+
+from .spec import ModelSpec
+
+CPU_ALIGN = 32
+CUDA_ALIGN = 128
+CUDA_ROW_PADDING = 512      # MATRIX_ROW_PADDING in ggml-cuda
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+_INPUT_PREFIXES = ("token_embd", "pos_embd", "token_types")
+
+# CPU feature → {GGML type: required multiple of ne[1]}; a tensor is repacked when any rule matches.
+REPACK_RULES: dict[str, dict[str, int]] = {
+    "avx2": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8},
+    "avx512": {"Q2_K": 8},
+    "i8mm": {"Q4_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 4},
+    "dotprod": {"Q4_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "MXFP4": 4, "Q8_0": 4},
+    "neon": {"IQ4_NL": 4},
+}
+
+
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def gpu_layer_start(n_layer: int, n_gpu_layers: int) -> int:
+    """First repeating layer on the accelerator for ``-ngl n_gpu_layers`` (negative: all)."""
+    if n_gpu_layers < 0:
+        return 0
+    return max(n_layer - n_gpu_layers, 0)
+
+
+def output_on_gpu(n_layer: int, n_gpu_layers: int) -> bool:
+    return n_gpu_layers < 0 or n_gpu_layers > n_layer
+
+
+def repackable(type_name: str, shape: tuple[int, ...], cpu_features: tuple[str, ...]) -> bool:
+    """Whether llama.cpp's CPU backend repacks a matmul weight of this type and shape."""
+    if len(shape) < 2:
+        return False
+    for feat in cpu_features:
+        need = REPACK_RULES.get(feat, {}).get(type_name)
+        if need and shape[1] % need == 0:
+            return True
+    return False
+
+
+def cuda_alloc_size(type_name: str, shape: tuple[int, ...], nbytes: int) -> int:
+    """ggml-cuda's allocation for a weight: one extra padding of a quantized row to 512 values."""
+    if layout(type_name).quantized and shape and shape[0] % CUDA_ROW_PADDING:
+        return nbytes + row_bytes(type_name, CUDA_ROW_PADDING - shape[0] % CUDA_ROW_PADDING)
+    return nbytes
+
+
+@dataclass(frozen=True)
+class Placed:
+    name: str
+    nbytes: int
+    offset: int            # in the data section (mmap range)
+    type_name: str
+    shape: tuple[int, ...]
+    on_gpu: bool
+    matmul: bool           # used as the weight of a matrix multiplication
+    duplicate: bool = False  # a second handle to the same file bytes (tied output, rope_freqs)
+
+
+def place_tensors(spec: ModelSpec, n_gpu_layers: int) -> list[Placed]:
+    """Every weight with its device, in file order, plus the duplicates llama.cpp creates."""
+    n = spec.n_layers
+    start = gpu_layer_start(n, n_gpu_layers)
+    out_gpu = output_on_gpu(n, n_gpu_layers)
+    placed: list[Placed] = []
+    for t in spec.tensors:
+        m = _LAYER_RE.match(t.name)
+        if m:
+            gpu = int(m.group(1)) >= start and n_gpu_layers != 0
+        elif t.name.startswith(_INPUT_PREFIXES):
+            gpu = False
+        elif t.name.startswith("rope_freqs"):
+            gpu = start < n and n_gpu_layers != 0 and start == 0
+        else:
+            gpu = out_gpu
+        matmul = len(t.shape) >= 2 and not t.name.startswith(_INPUT_PREFIXES) and "norm" not in t.name
+        placed.append(Placed(t.name, t.n_bytes, t.offset, t.type.name, tuple(t.shape), gpu, matmul))
+    embd = spec.tensor("token_embd.weight")
+    if spec.tied_embeddings and embd is not None:
+        placed.append(Placed("output.weight (tied)", embd.n_bytes, embd.offset, embd.type.name,
+                             tuple(embd.shape), out_gpu, True, duplicate=True))
+    rope = spec.tensor("rope_freqs.weight")
+    if rope is not None:
+        for il in range(1, n):
+            placed.append(Placed(f"rope_freqs.weight (blk.{il})", rope.n_bytes, rope.offset, rope.type.name,
+                                 tuple(rope.shape), il >= start and n_gpu_layers != 0, False, duplicate=True))
+    return placed
+
+
+@dataclass(frozen=True)
+class WeightPlacement:
+    """llama.cpp's model buffers for one device and ``-ngl``: name → bytes, split by pool."""
+
+    buffers: dict[str, int]
+    device_buffers: tuple[str, ...]
+    n_gpu_layers: int            # repeating layers on the accelerator
+    output_on_device: bool
+    physical_bytes: int          # distinct bytes resident (mapped ranges counted once)
+    repacked: tuple[str, ...]    # tensors copied into CPU_REPACK
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(v for k, v in self.buffers.items() if k in self.device_buffers)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(v for k, v in self.buffers.items() if k not in self.device_buffers)
+
+
+def _range(items: list[Placed]) -> tuple[int, int] | None:
+    if not items:
+        return None
+    return min(p.offset for p in items), max(p.offset + p.nbytes for p in items)
+
+
+def _union(ranges: list[tuple[int, int]]) -> int:
+    total, end = 0, -1
+    for lo, hi in sorted(ranges):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def weight_placement(spec: ModelSpec, kind: str, n_gpu_layers: int = -1, *, mmap: bool = True,
+                     cpu_features: tuple[str, ...] = (), repack: bool = True) -> WeightPlacement:
+    """llama.cpp's model buffers on a device of ``kind`` ("cuda", "metal", "cpu").
+
+    ``cpu_features`` is the host CPU's SIMD level (it decides CPU_REPACK).
+    A CPU device has no accelerator: every layer is on the CPU whatever ``n_gpu_layers`` says.
+    """
+    ngl = 0 if kind == "cpu" else n_gpu_layers
+    placed = place_tensors(spec, ngl)
+    gpu = [p for p in placed if p.on_gpu]
+    cpu = [p for p in placed if not p.on_gpu]
+    feats = cpu_features if repack else ()
+    repacked = [p for p in cpu if p.matmul and repackable(p.type_name, p.shape, feats)]
+    rep_names = {p.name for p in repacked}
+    cpu_plain = [p for p in cpu if p.name not in rep_names]
+    buffers: dict[str, int] = {}
+    device: list[str] = []
+    ranges: list[tuple[int, int]] = []
+    allocated = 0
+    if gpu:
+        if kind == "cuda":
+            name = "CUDA0 model"
+            buffers[name] = sum(_pad(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN) for p in gpu)
+            allocated += buffers[name]
+        elif mmap:
+            name = "Metal_Mapped model"
+            lo, hi = _range([p for p in gpu if not p.duplicate] or gpu)
+            buffers[name] = hi - lo
+            ranges.append((lo, hi))
+        else:
+            name = "Metal model"
+            buffers[name] = sum(_pad(p.nbytes, CPU_ALIGN) for p in gpu)
+            allocated += buffers[name]
+        device.append(name)
+    if cpu_plain:
+        if mmap:
+            originals = [p for p in cpu_plain if not p.duplicate] or cpu_plain
+            lo, hi = _range(originals)
+            buffers["CPU_Mapped model"] = hi - lo
+            ranges.append((lo, hi))
+        else:
+            buffers["CPU model"] = sum(_pad(p.nbytes, CPU_ALIGN) for p in cpu_plain if not p.duplicate)
+            allocated += buffers["CPU model"]
+    if repacked:
+        buffers["CPU_REPACK model"] = sum(_pad(p.nbytes, CPU_ALIGN) for p in repacked)
+        allocated += buffers["CPU_REPACK model"]
+    if kind == "cpu":
+        device = list(buffers)
+    n_layers_gpu = 0 if kind == "cpu" else spec.n_layers - gpu_layer_start(spec.n_layers, ngl) if ngl else 0
+    return WeightPlacement(buffers, tuple(device), n_layers_gpu,
+                           kind != "cpu" and output_on_gpu(spec.n_layers, ngl), _union(ranges) + allocated,
+                           tuple(p.name for p in repacked))
+
