@@ -1,0 +1,121 @@
+"""`localinfer bench [MODEL]`: prefill/decode speed, TTFT/ITL, memory and bandwidth per KV type.
+
+Prints a table; ``--json FILE`` also writes versioned results (schema in
+:mod:`localinfer.bench`) that capacity reports calibrate their speed model with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import _common
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or any(v < 0 or v > 1 << 20 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers in 0..{1 << 20}, got {text!r}")
+    return values
+
+
+def _kv_list(text: str) -> tuple[str, ...]:
+    from ..engine import KV_TYPES
+
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [v for v in values if v not in KV_TYPES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"unknown KV type(s) {', '.join(bad) or text!r}; use {', '.join(KV_TYPES)}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..bench import DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
+
+    _common.add_model_args(parser, kv_choices=False)
+    parser.add_argument("--kv", type=_kv_list, default=KV_TYPES, metavar="LIST",
+                        help=f"KV cache types to compare (default: {','.join(KV_TYPES)})")
+    parser.add_argument("--prompt-lengths", type=_ints, default=PROMPT_LENGTHS, metavar="LIST",
+                        help=f"prefill lengths (default: {','.join(map(str, PROMPT_LENGTHS))})")
+    parser.add_argument("--depths", type=_ints, default=DEPTHS, metavar="LIST",
+                        help=f"context depths for decode (default: {','.join(map(str, DEPTHS))})")
+    parser.add_argument("--gen", type=int, default=GEN_TOKENS, metavar="N", help="tokens generated per decode run")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N", help="runs per measurement; the best counts")
+    parser.add_argument("--lookup", action="store_true", help="also measure prompt-lookup decoding")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-': stdout)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._atomic import atomic_write
+    from ..backends import load_engine
+    from ..bench import BenchConfig, Progress, results, render_table, run_bench
+    from ..errors import UsageError
+
+    if not 1 <= args.gen <= 1 << 16:
+        raise UsageError(f"--gen {args.gen} is out of range", flag="--gen", hint="use 1..65536")
+    if not 1 <= args.repeats <= 100:
+        raise UsageError(f"--repeats {args.repeats} is out of range", flag="--repeats", hint="use 1..100")
+    if any(n < 1 for n in args.prompt_lengths):
+        raise UsageError("prompt lengths must be at least 1", flag="--prompt-lengths")
+    config = BenchConfig(prompt_lengths=args.prompt_lengths, depths=args.depths, gen_tokens=args.gen,
+                         kv_types=args.kv, repeats=args.repeats, lookup=args.lookup)
+    path, spec = _common.read_spec(args)
+    backend = _common.backend_name(args)
+    n_ctx = args.ctx or config.n_ctx_needed
+    if n_ctx < config.n_ctx_needed:
+        raise UsageError(f"--ctx {n_ctx} is shorter than the {config.n_ctx_needed} tokens these lengths need",
+                         flag="--ctx", hint="drop --ctx or use shorter --prompt-lengths/--depths")
+    if spec.n_ctx_train and n_ctx > spec.n_ctx_train and not args.force:
+        raise UsageError(f"these lengths need a {n_ctx}-token context; the model was trained on {spec.n_ctx_train}",
+                         flag="--prompt-lengths", hint="use shorter --prompt-lengths/--depths (or --force)")
+    device_name, peak = _local_device()
+    args.ctx = n_ctx
+    plans = {kv: _common.plan_from(args, path, spec, type_k=kv, type_v=kv) for kv in config.kv_types}
+    for plan in plans.values():
+        _common.check_fit(spec, plan, backend, args.force)
+
+    def load(type_k: str, type_v: str, _n_ctx: int):
+        return load_engine(plans[type_k], backend)
+
+    steps = len(config.kv_types) * (len(config.prompt_lengths) + len(config.depths) + int(config.lookup))
+    progress = Progress(steps)
+    runs = run_bench(str(path), load, config, progress=progress, peak_bandwidth=peak)
+    first = next(iter(plans.values()))
+    settings = {"n_ctx": n_ctx, "threads": first.threads, "n_batch": first.n_batch, "n_ubatch": first.n_ubatch,
+                "gen_tokens": config.gen_tokens, "repeats": config.repeats,
+                "prompt_lengths": list(config.prompt_lengths), "depths": list(config.depths), "lookup": config.lookup}
+    doc = results(str(path), spec, backend, _backend_version(backend), settings, runs, device_name, peak)
+    text = json.dumps(doc, indent=1)
+    if args.json == "-":
+        print(text)
+        return 0
+    print(render_table(doc))
+    if args.json:
+        atomic_write(args.json, text + "\n")
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _local_device() -> tuple[str, float | None]:
+    """This machine's profile name and peak bandwidth (None when unknown)."""
+    try:
+        from ..devices import local_device
+    except ImportError:
+        return "this machine", None
+    dev = local_device()
+    return dev.display_name, dev.bandwidth_bytes_per_s
+
+
+def _backend_version(backend: str) -> str:
+    if backend == "llama.cpp":
+        from importlib import metadata
+
+        try:
+            return "llama-cpp-python " + metadata.version("llama-cpp-python")
+        except metadata.PackageNotFoundError:
+            return "unknown"
+    return "unknown"
