@@ -38,6 +38,7 @@ MAX_TENSOR_NAME_BYTES = 63  # ggml's GGML_MAX_NAME is 64 including the NUL
 MAX_DIMS = 4
 INT64_MAX = (1 << 63) - 1
 _CHUNK = 64 * 1024
+_U64 = struct.Struct("<Q")
 
 # Fixed-size scalar value types: struct code and size.
 _SCALARS: dict[GGUFValueType, tuple[str, int]] = {
@@ -197,6 +198,39 @@ class _Cursor:
             raise self.fail(f"{fld} is {n} bytes long; the limit is {limit}", fld, offset=start, limit=limit)
         return bytes(self.take(n, fld))
 
+    def strings(self, count: int, fld: str) -> list[str]:
+        """count GGUF strings in a row (u64 length + bytes each), decoded with replacement.
+
+        The hot loop of a tokenizer array (150K+ strings): works on the buffer
+        directly and refills it in chunks, with the same bounds checks as string_bytes.
+        """
+        out: list[str] = []
+        append = out.append
+        unpack = _U64.unpack_from
+        buf, idx = self.buf, self.pos - self.buf_start
+        end = len(buf)
+        for i in range(count):
+            if idx + 8 > end:
+                self.pos = self.buf_start + idx
+                idx, buf = self._ensure(8, f"{fld}[{i}].length"), self.buf
+                end = len(buf)
+            n = unpack(buf, idx)[0]
+            idx += 8
+            if idx + n > end:
+                self.pos = self.buf_start + idx
+                left = self.remaining
+                if n > left:
+                    raise self.fail(
+                        f"{fld}[{i}] claims a string of {n} bytes but only {left} bytes remain in the file",
+                        f"{fld}[{i}].length", needed=n, available=left,
+                    )
+                idx, buf = self._ensure(n, f"{fld}[{i}]"), self.buf
+                end = len(buf)
+            append(buf[idx:idx + n].decode("utf-8", "replace"))
+            idx += n
+        self.pos = self.buf_start + idx
+        return out
+
 
 def _decode(raw: bytes, cur: _Cursor, fld: str, offset: int, strict: bool) -> str:
     try:
@@ -233,11 +267,7 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, fld: str) -> tuple[Any, GGUF
                     f"(at least {_MIN_STRING} per string)", fld + ".count", offset=count_at,
                     needed=count * _MIN_STRING, available=cur.remaining,
                 )
-            items = []
-            for i in range(count):
-                s_at = cur.pos
-                items.append(_decode(cur.string_bytes(f"{fld}[{i}]"), cur, f"{fld}[{i}]", s_at, strict=False))
-            return items, item_type
+            return cur.strings(count, fld), item_type
         code, size = _SCALARS[item_type]
         if count > cur.remaining // size:
             raise cur.fail(
