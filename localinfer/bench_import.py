@@ -54,28 +54,32 @@ def from_llama_bench(rows: list, path="<data>") -> Calibration:
 
 
 def from_localinfer_bench(data: dict, path="<data>") -> Calibration:
-    """Samples from ``localinfer bench --json`` (rows under ``results``)."""
-    rows = data.get("results")
-    if not isinstance(rows, list):
-        raise _bad(path, "no 'results' list")
+    """Samples from ``localinfer bench --json`` (schema ``localinfer.bench`` v1).
+
+    ``decode[].seconds`` sums the ITLs of ``tokens − 1`` steps taken from context
+    ``depth``; the mean step is placed at context depth + tokens/2.
+    """
+    if data.get("schema") != "localinfer.bench":
+        raise _bad(path, f"schema is {data.get('schema')!r}, not 'localinfer.bench'")
+    runs = data.get("runs")
+    if not isinstance(runs, list):
+        raise _bad(path, "no 'runs' list")
     decode, prefill = [], []
-    for row in rows:
-        if not isinstance(row, dict):
-            raise _bad(path, "every result must be an object")
-        kind = row.get("kind")
-        kv = _kv(row)
-        if kind == "prefill":
+    for run in runs:
+        if not isinstance(run, dict):
+            raise _bad(path, "every run must be an object")
+        kv = _kv(run)
+        for row in run.get("prefill") or ():
             n, s = _num(row, "tokens", path, int), _num(row, "seconds", path)
             if n and s:
-                prefill.append(PrefillSample(_num(row, "batch", path, int) or 1, n, s,
-                                             _num(row, "depth", path, int)))
-        elif kind == "decode":
+                prefill.append(PrefillSample(1, n, s, _num(row, "depth", path, int)))
+        for row in run.get("decode") or ():
             n, s = _num(row, "tokens", path, int), _num(row, "seconds", path)
-            if n and s:
-                depth = _num(row, "depth", path, int)
-                decode.append(DecodeSample(_num(row, "batch", path, int) or 1, depth + n // 2, s / n, kv))
-    return Calibration(tuple(decode), tuple(prefill), source=f"localinfer bench {path}",
-                       model=str(data.get("model", "")))
+            if n > 1 and s:
+                decode.append(DecodeSample(1, _num(row, "depth", path, int) + n // 2, s / (n - 1), kv))
+    model = data.get("model")
+    name = model.get("name", "") if isinstance(model, dict) else str(model or "")
+    return Calibration(tuple(decode), tuple(prefill), source=f"localinfer bench {path}", model=str(name))
 
 
 def load_bench(path: str | os.PathLike) -> Calibration:

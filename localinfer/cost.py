@@ -13,23 +13,21 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from gguf_tools.quants import row_bytes
-
+from .budget import KV_TYPES, check_kv_type, row_bytes
 from .errors import UsageError
 from .spec import ModelSpec
 
 _LAYER_RE = re.compile(r"^blk\.\d+\.")
 DEFAULT_UBATCH = 512
-KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
+__all__ = ["KV_TYPES", "kv_pair", "attention_pairs", "ModelCost", "model_cost", "ceil_div", "rounds_needed"]
 
 
-def kv_pair(kv: str | tuple[str, str]) -> tuple[str, str]:
-    """``"q8_0"`` or ``("q8_0", "f16")`` as (type_k, type_v), checked against KV_TYPES."""
+def kv_pair(kv: str | tuple[str, str], flag: str = "--kv") -> tuple[str, str]:
+    """``"q8_0"`` or ``("q8_0", "f16")`` as (type_k, type_v), checked against budget.KV_TYPES."""
     pair = (kv, kv) if isinstance(kv, str) else tuple(kv)
-    for t in pair:
-        if t not in KV_TYPES:
-            raise UsageError(f"unknown KV cache type {t!r}", flag="--kv", hint=f"use one of {', '.join(KV_TYPES)}")
-    return pair  # type: ignore[return-value]
+    if len(pair) != 2:
+        raise UsageError(f"a KV type is one name or a (K, V) pair, got {kv!r}", flag=flag)
+    return check_kv_type(pair[0], flag), check_kv_type(pair[1], flag)
 
 
 def attention_pairs(new: int, cached: int = 0, window: int | None = None) -> int:

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .budget import TORCH_BLOCK_TOKENS, tokens_held
 from .cost import ceil_div
 from .drafting import Drafting
 from .errors import UsageError
@@ -21,7 +22,7 @@ from .offload import OffloadPlan, plan_offload
 from .perf import Estimate, RequestTiming, SpeedModel, Workload
 from .units import fmt_bytes
 
-DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_BLOCK_TOKENS = TORCH_BLOCK_TOKENS
 DEFAULT_OFFLOAD_BUFFERS = 2
 NOT_FIT, LATE, ON_TIME, FITS = "does not fit", "late", "on time", "fits"
 UNKNOWN = "fits, speed unknown"
@@ -98,7 +99,7 @@ def kv_memory(speed: SpeedModel, w: Workload, kv: str, share_prefix: bool,
     Each request holds L + G − 1 tokens (the last output is never written).
     With sharing, the prefix's full blocks are held once.
     """
-    held = w.input_tokens + w.output_tokens - 1
+    held = tokens_held(w.input_tokens, w.output_tokens)
     shared = (w.shared_prefix // block_tokens) * block_tokens if share_prefix else 0
     private = ceil_div(held - shared, block_tokens) * block_tokens
     return (speed.cost.kv_read_bytes(shared, kv) if shared else 0) + w.requests * speed.cost.kv_read_bytes(private, kv)

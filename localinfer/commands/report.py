@@ -1,0 +1,101 @@
+"""`localinfer report`: the cross-device capacity and speed matrix.
+
+    localinfer report a.gguf b.gguf --devices rtx-pro-6000,m2-max-96gb --ctx 2048,8192,32768 \\
+        --kv f16,q8_0,q4_0 --format html -o report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import UsageError
+
+FORMATS = ("text", "md", "json", "html")
+DEFAULT_CTX = "2048,8192,32768"
+DEFAULT_KV = "f16,q8_0,q4_0"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("models", nargs="*", metavar="MODEL", help="GGUF files or skeletons (default: the embedded model)")
+    p.add_argument("--devices", default=None, metavar="NAMES",
+                   help="comma-separated profiles (default: this machine and every profile); 'local' is this machine")
+    p.add_argument("--ctx", default=DEFAULT_CTX, metavar="N,N,...", help=f"contexts per request (default {DEFAULT_CTX})")
+    p.add_argument("--kv", default=DEFAULT_KV, metavar="TYPES", help=f"KV types (default {DEFAULT_KV})")
+    p.add_argument("--format", default="text", choices=FORMATS, help="output format (default text)")
+    p.add_argument("-o", "--output", default=None, metavar="FILE", help="write here (atomically) instead of stdout")
+    p.add_argument("--bench", action="append", default=[], metavar="[DEVICE=]FILE",
+                   help="measurements for a device (default: this machine), from `localinfer bench --json` "
+                        "or llama-bench; shown against the predictions (repeatable)")
+    g = p.add_argument_group("feasibility map (html): the middle --ctx as each request's input")
+    g.add_argument("--requests", type=int, default=16, metavar="N", help="requests arriving together (default 16)")
+    g.add_argument("--output-tokens", type=int, default=256, metavar="G", help="output tokens each (default 256)")
+    g.add_argument("--deadline", type=float, default=7.0, metavar="S", help="deadline in seconds (default 7)")
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{flag} takes comma-separated whole numbers, got {text!r}", flag=flag) from None
+    if not vals or any(not 1 <= v <= 1 << 24 for v in vals):
+        raise UsageError(f"{flag} values must be from 1 to {1 << 24}", flag=flag)
+    return tuple(sorted(set(vals)))
+
+
+def build(args: argparse.Namespace):
+    """The Report for the parsed arguments."""
+    from ..bench_import import load_bench
+    from ..cost import kv_pair
+    from ..devices import all_devices, get_device, local_device, load_profiles
+    from ..models import resolve_model
+    from ..perf import Workload
+    from ..reports import build_report
+    from ..spec import ModelSpec
+
+    contexts = _ints(args.ctx, "--ctx")
+    kv_types = tuple(dict.fromkeys(t.strip() for t in args.kv.split(",") if t.strip()))
+    if not kv_types:
+        raise UsageError("--kv needs at least one KV type", flag="--kv")
+    for t in kv_types:
+        try:
+            kv_pair(t)
+        except UsageError as exc:
+            raise UsageError(f"--kv: {exc}", flag="--kv", hint=exc.hint) from None
+    specs = [ModelSpec.from_gguf(resolve_model(m)) for m in (args.models or [None])]
+    if args.devices:
+        profiles = load_profiles()
+        names = [n.strip() for n in args.devices.split(",") if n.strip()]
+        devices = [local_device() if n == "local" else get_device(n, profiles) for n in names]
+    else:
+        devices = all_devices()
+    calibrations = {}
+    for item in args.bench:
+        name, _, path = item.rpartition("=")
+        calibrations[name or "local"] = load_bench(path)
+    middle = contexts[len(contexts) // 2]
+    workload = Workload(args.requests, middle, args.output_tokens, deadline_s=args.deadline)
+    return build_report(specs, devices, contexts, kv_types, calibrations=calibrations,
+                        plots=args.format == "html", workload=workload)
+
+
+def render(report, fmt: str) -> str:
+    from ..reports import render_json, render_md, render_text
+
+    if fmt == "html":
+        from ..report_html import render_html
+
+        return render_html(report)
+    return {"text": render_text, "md": render_md, "json": render_json}[fmt](report)
+
+
+def run(args: argparse.Namespace) -> int:
+    text = render(build(args), args.format)
+    if args.output:
+        from .._atomic import atomic_write
+
+        atomic_write(args.output, text if text.endswith("\n") else text + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
