@@ -20,7 +20,7 @@ MAX_BENCH_BYTES = 16 << 20
 
 
 def _bad(path, message: str) -> UsageError:
-    return UsageError(f"{path}: {message}", flag="--bench",
+    return UsageError(f"--bench {path}: {message}", flag="--bench",
                       hint="pass the JSON written by `localinfer bench --json` or `llama-bench -o json`")
 
 
