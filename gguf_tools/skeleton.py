@@ -201,11 +201,19 @@ def _add_metadata(w: GGUFWriter, s: dict[str, Any], ftype: str) -> None:
     w.add_key_value("localinfer.skeleton", s["preset"] or "spec", GGUFValueType.STRING)
 
 
-def write_skeleton(preset: str | dict[str, Any], path: str | os.PathLike, *, type: str | None = None) -> Path:
+def write_skeleton(
+    preset: str | dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    type: str | None = None,
+    extra_kv: dict[str, tuple[Any, GGUFValueType]] | None = None,
+) -> Path:
     """Write a header-only GGUF of the real size (sparse data) for a preset name or spec dict.
 
-    The file appears atomically (temp file, fsync, rename).  Returns the path.
-    Raises ValueError for an unknown preset/type or an invalid spec.
+    ``extra_kv`` adds metadata, ``{key: (value, GGUFValueType)}`` (e.g. a tokenizer,
+    to give the header its real size).  The file appears atomically (temp file,
+    fsync, rename).  Returns the path.  Raises ValueError for an unknown
+    preset/type or an invalid spec.
     """
     s = resolve_spec(preset)
     ftype = parse_ftype(type or s["type"])
@@ -214,6 +222,8 @@ def write_skeleton(preset: str | dict[str, Any], path: str | os.PathLike, *, typ
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     w = GGUFWriter(None, s["arch"])
     _add_metadata(w, s, ftype)
+    for key, (value, vtype) in (extra_kv or {}).items():
+        w.add_key_value(key, value, vtype)
     data_size = 0
     for name, shape, qtype, nbytes in plan:
         w.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), nbytes, raw_dtype=qtype)
