@@ -162,6 +162,7 @@ class LlamaCppEngine(Engine):
         self._views["n_seq_id"][:] = 1
         self._slot_seq = np.full(self._n_batch, -1, dtype=np.int64)
         self._abort = threading.Event()
+        self.aborted = 0  # llama_decode calls stopped by Ctrl-C inside the graph
         self._abort_cb = _L.ggml_abort_callback(lambda _data: self._abort.is_set())
 
     # ---- tokenizer ---------------------------------------------------------
@@ -219,16 +220,17 @@ class LlamaCppEngine(Engine):
             raise ValueError(f"sequence {seq} outside 0..{self.n_seq - 1}")
 
     # ---- evaluation --------------------------------------------------------
-    def _fill(self, start: int, entries: Sequence[tuple[int, int, int, bool]]) -> None:
-        """Write (token, pos, seq, want_logits) rows into the batch from slot start."""
-        b, v = self._batch, self._views
-        for i, (tok, pos, seq, want) in enumerate(entries, start):
-            v["token"][i] = tok
-            v["pos"][i] = pos
-            v["logits"][i] = want
-            if self._slot_seq[i] != seq:
-                b.seq_id[i][0] = seq
-                self._slot_seq[i] = seq
+    def _fill(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
+        """Write rows into the batch from slot 0: token, position, sequence, logits flag."""
+        n = len(tokens)
+        v = self._views
+        v["token"][:n] = tokens
+        v["pos"][:n] = pos
+        v["logits"][:n] = want
+        seqs = np.asarray(seqs, dtype=np.int64)
+        for i in np.flatnonzero(self._slot_seq[:n] != seqs):
+            self._batch.seq_id[i][0] = int(seqs[i])
+            self._slot_seq[i] = seqs[i]
 
     def _decode(self, n_tokens: int, abortable: bool) -> None:
         self._batch.n_tokens = n_tokens
@@ -237,6 +239,7 @@ class LlamaCppEngine(Engine):
         else:
             rc = self._decode_abortable()
         if rc == 2 or (rc == 0 and self._abort.is_set()):
+            self.aborted += rc == 2
             self._abort.clear()
             raise KeyboardInterrupt
         if rc == 1:
@@ -278,7 +281,9 @@ class LlamaCppEngine(Engine):
             k = len([i for i in want if i >= lo][: self._n_outputs])
             hi = len(tokens) if k < self._n_outputs else [i for i in want if i >= lo][k - 1] + 1
             mine = [i for i in want if lo <= i < hi]
-            self._fill(0, [(tokens[i], start + i, seq, i in mine) for i in range(lo, hi)])
+            flags = np.zeros(hi - lo, dtype=np.int8)
+            flags[[i - lo for i in mine]] = 1
+            self._fill(tokens[lo:hi], np.arange(start + lo, start + hi), np.full(hi - lo, seq), flags)
             self._decode(hi - lo, abortable=hi - lo >= ABORT_MIN_TOKENS)
             if mine:
                 rows.update(zip(mine, self._rows([i - lo for i in mine])))
@@ -296,14 +301,16 @@ class LlamaCppEngine(Engine):
                 raise ContextFullError(f"sequence {seq}: {starts[seq] + len(toks)} tokens do not fit in "
                                        f"the context of {self.n_ctx}", needed=starts[seq] + len(toks),
                                        available=self.n_ctx, hint="use a larger --ctx")
-        entries, last = [], {}
-        for seq, toks in steps.items():
-            for i, t in enumerate(toks):
-                entries.append((t, starts[seq] + i, seq, i == len(toks) - 1))
-            last[seq] = len(entries) - 1
-        self._fill(0, entries)
+        toks, pos, seqs, want, last = [], [], [], [], {}
+        for seq, t in steps.items():
+            toks.extend(t)
+            pos.extend(range(starts[seq], starts[seq] + len(t)))
+            seqs.extend([seq] * len(t))
+            want.extend([0] * (len(t) - 1) + [1])
+            last[seq] = len(toks) - 1
+        self._fill(toks, pos, seqs, want)
         try:
-            self._decode(len(entries), abortable=len(entries) >= ABORT_MIN_TOKENS)
+            self._decode(len(toks), abortable=len(toks) >= ABORT_MIN_TOKENS)
             rows = self._rows(list(last.values()))
         except BaseException:
             for seq, s in starts.items():
@@ -361,9 +368,13 @@ def _check_readable(path) -> str:
 
 
 def _last_error() -> str:
-    for line in reversed(_log_lines):
-        if "error" in line.lower() or "unknown" in line.lower() or "failed" in line.lower():
-            return line.split(":", 1)[-1].strip() if ":" in line else line
+    """The most specific error llama.cpp logged (its cause, not the "failed to load" summary)."""
+    for words in (("error loading model:",), ("error", "unknown", "failed")):
+        for line in reversed(_log_lines):
+            low = line.lower()
+            if any(w in low for w in words):
+                text = line.rsplit("error loading model:", 1)[-1] if "error loading model:" in line else line
+                return text.split(":", 1)[-1].strip() if text is line and ":" in text else text.strip()
     return "see LOCALINFER_LLAMA_LOG=1 for llama.cpp's log"
 
 

@@ -1,0 +1,136 @@
+"""SamplingParams validation and the numpy Sampler against direct computations."""
+
+import math
+
+import numpy as np
+import pytest
+
+from localinfer.decoding import Sampler as SamplerProtocol
+from localinfer.errors import UsageError
+from localinfer.sampling import Sampler, SamplingParams, check_max_tokens
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return (np.random.default_rng(0).standard_normal(5000) * 3).astype(np.float32)
+
+
+@pytest.mark.parametrize("field,value,flag", [
+    ("temperature", float("nan"), "--temp"), ("temperature", -0.1, "--temp"), ("temperature", math.inf, "--temp"),
+    ("temperature", 1e300, "--temp"), ("top_k", -1, "--top-k"), ("top_k", 1 << 40, "--top-k"),
+    ("top_p", 0.0, "--top-p"), ("top_p", 1.5, "--top-p"), ("top_p", float("nan"), "--top-p"),
+    ("min_p", -0.2, "--min-p"), ("repeat_penalty", 0.0, "--repeat-penalty"),
+    ("repeat_penalty", 1e9, "--repeat-penalty"), ("seed", -1, "--seed"), ("seed", 2**64, "--seed"),
+    ("repeat_last_n", -5, "--repeat-last-n"), ("temperature", "hot", "--temp"), ("top_k", 2.5, "--top-k"),
+])
+def test_absurd_values_are_refused_naming_the_flag(field, value, flag):
+    with pytest.raises(UsageError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.flag == flag
+    assert field in str(err.value)
+
+
+def test_max_tokens_bounds():
+    assert check_max_tokens(1) == 1
+    for bad in (0, -3, 10**9, 2.0, True):
+        with pytest.raises(UsageError):
+            check_max_tokens(bad)
+
+
+def test_sampler_implements_the_decoding_protocol():
+    s = Sampler(SamplingParams(seed=1))
+    assert isinstance(s.greedy, bool)
+    for name in ("probs", "sample", "sample_from"):
+        assert callable(getattr(s, name))
+    assert set(dir(SamplerProtocol)) >= {"probs", "sample", "sample_from"}
+
+
+def test_greedy_is_argmax_and_a_point_mass(logits):
+    s = Sampler(SamplingParams(temperature=0))
+    assert s.greedy
+    assert s.sample(logits, []) == int(np.argmax(logits))
+    p = s.probs(logits, [])
+    assert p[int(np.argmax(logits))] == 1.0 and p.sum() == 1.0
+
+
+def test_top_k_then_temperature_matches_direct_computation(logits):
+    s = Sampler(SamplingParams(top_k=20, top_p=1.0, min_p=0.0, temperature=0.7))
+    p = s.probs(logits, [])
+    top = np.argsort(-logits)[:20]
+    want = np.zeros_like(p)
+    want[top] = softmax(logits[top].astype(np.float64) / 0.7)
+    np.testing.assert_allclose(p, want, atol=1e-9)
+
+
+def test_top_p_on_the_untempered_distribution(logits):
+    s = Sampler(SamplingParams(top_k=0, top_p=0.9, min_p=0.0, temperature=1.3))
+    p = s.probs(logits, [])
+    base = softmax(logits.astype(np.float64))
+    order = np.argsort(-base)
+    keep = order[: int(np.searchsorted(np.cumsum(base[order]), 0.9)) + 1]
+    want = np.zeros_like(p)
+    want[keep] = softmax(logits[keep].astype(np.float64) / 1.3)
+    np.testing.assert_allclose(p, want, atol=1e-9)
+    assert len(keep) > 256  # the partial sort had to fall back to the full one
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_best(logits):
+    s = Sampler(SamplingParams(top_k=0, top_p=1.0, min_p=0.1, temperature=1.0))
+    ids, pr = s.candidates(logits, [])
+    base = softmax(logits.astype(np.float64))
+    assert set(ids.tolist()) == set(np.flatnonzero(base >= 0.1 * base.max()).tolist())
+    assert pr.sum() == pytest.approx(1.0)
+
+
+def test_repetition_penalty_lowers_recent_tokens(logits):
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=100.0))
+    best = int(np.argmax(logits))
+    assert s.sample(logits, [best]) != best
+    assert Sampler(SamplingParams(temperature=0, repeat_penalty=100.0, repeat_last_n=1)).sample(logits, [best, 7]) == best
+
+
+def test_seeded_draws_repeat_and_follow_the_distribution(logits):
+    params = SamplingParams(top_k=3, top_p=1.0, min_p=0.0, temperature=1.0, seed=42)
+    a = [Sampler(params).sample(logits, []) for _ in range(3)]
+    s1, s2 = Sampler(params), Sampler(params)
+    assert [s1.sample(logits, []) for _ in range(50)] == [s2.sample(logits, []) for _ in range(50)]
+    assert len(set(a)) == 1
+    draws = np.array([s1.sample(logits, []) for _ in range(4000)])
+    top = np.argsort(-logits)[:3]
+    want = softmax(logits[top].astype(np.float64))
+    got = np.array([(draws == t).mean() for t in top])
+    np.testing.assert_allclose(got, want, atol=0.03)
+
+
+def test_sample_from_uses_only_the_support():
+    s = Sampler(SamplingParams(seed=3))
+    p = np.zeros(100)
+    p[[5, 70]] = [0.25, 0.75]
+    draws = [s.sample_from(p) for _ in range(2000)]
+    assert set(draws) == {5, 70}
+    assert abs(np.mean(np.array(draws) == 70) - 0.75) < 0.04
+    with pytest.raises(ValueError):
+        s.sample_from(np.zeros(10))
+
+
+def test_banned_tokens_are_never_drawn(logits):
+    best = int(np.argmax(logits))
+    assert Sampler(SamplingParams(temperature=0), banned=[best]).sample(logits, []) != best
+    s = Sampler(SamplingParams(top_k=1, seed=0), banned=[best])
+    assert all(s.sample(logits, []) != best for _ in range(20))
+
+
+def test_with_setting_parses_and_validates():
+    p = SamplingParams()
+    assert p.with_setting("temp", "0.5").temperature == 0.5
+    assert p.with_setting("top_k", "7").top_k == 7
+    assert p.with_setting("seed", "random").seed is None
+    assert p.with_setting("greedy", "on").greedy is True
+    for key, value in (("temp", "nan"), ("temp", "abc"), ("nope", "1"), ("top_k", "1.5"), ("greedy", "maybe")):
+        with pytest.raises(UsageError):
+            p.with_setting(key, value)
