@@ -18,7 +18,7 @@ all terms for a device in :mod:`localinfer.fit`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import ceil
+from functools import lru_cache
 
 from gguf_tools.quants import layout, parse_type
 
@@ -44,7 +44,7 @@ def check_kv_type(name: str, flag: str = "--kv-type", allowed: tuple[str, ...] =
     """Normalise a KV type name; UsageError naming the flag and the accepted values."""
     t = str(name).strip().lower()
     if t not in allowed:
-        raise UsageError(f"unknown KV type {name!r}", flag=flag, hint="use one of " + ", ".join(allowed))
+        raise UsageError(f"{flag}: unknown KV type {name!r}", flag=flag, hint="use one of " + ", ".join(allowed))
     return t
 
 
@@ -54,6 +54,7 @@ def _check_backend(backend: str) -> str:
     return backend
 
 
+@lru_cache(maxsize=4096)
 def row_bytes(type_name: str, n_values: int) -> int:
     """Bytes of one row of n_values in a GGML type (ggml_row_size): q8_0 is 34 B per 32 values."""
     lay = layout(parse_type(type_name))
@@ -131,11 +132,44 @@ def llama_cells(spec: ModelSpec | None, n_ctx: int, n_seq: int = 1, *, n_ubatch:
 def llama_kv_layer_bytes(spec: ModelSpec, il: int, cells: LlamaCells, type_k: str, type_v: str,
                          align: int = 32) -> tuple[int, int]:
     """(K bytes, V bytes) of layer il's cache tensors in llama.cpp (0 for layers without KV)."""
-    if spec.n_head_kv[il] == 0:
-        return 0, 0
-    n = cells.total_swa if spec.swa_layers[il] and spec.sliding_window else cells.total_base
-    nk, nv = spec.kv_elements_per_token(il)
-    return _pad(row_bytes(type_k, nk) * n, align), _pad(row_bytes(type_v, nv) * n, align)
+    k_row, v_row, swa = kv_rows(spec, type_k, type_v)[il]
+    n = cells.total_swa if swa else cells.total_base
+    return _pad(k_row * n, align), _pad(v_row * n, align)
+
+
+def kv_bytes_from_layer(spec: ModelSpec, start: int, cells: LlamaCells, type_k: str, type_v: str) -> int:
+    """llama.cpp KV bytes of layers start..n_layer-1 (cell counts are multiples of 256, so no padding)."""
+    from .placement import spec_cache
+
+    memo = spec_cache(spec)
+    key = ("kv_suffix", type_k, type_v)
+    if key not in memo:
+        base, swa = [0] * (spec.n_layers + 1), [0] * (spec.n_layers + 1)
+        for il, (k, v, is_swa) in reversed(list(enumerate(kv_rows(spec, type_k, type_v)))):
+            base[il] = base[il + 1] + (0 if is_swa else k + v)
+            swa[il] = swa[il + 1] + (k + v if is_swa else 0)
+        memo[key] = (base, swa)
+    base, swa = memo[key]
+    start = min(max(start, 0), spec.n_layers)
+    return base[start] * cells.total_base + swa[start] * cells.total_swa
+
+
+def kv_rows(spec: ModelSpec, type_k: str, type_v: str) -> tuple[tuple[int, int, bool], ...]:
+    """Per layer: (K bytes per cell, V bytes per cell, sliding-window layer?); zeros for layers without KV."""
+    from .placement import spec_cache
+
+    memo = spec_cache(spec)
+    key = ("kv_rows", type_k, type_v)
+    if key not in memo:
+        rows = []
+        for il in range(spec.n_layers):
+            if spec.n_head_kv[il] == 0:
+                rows.append((0, 0, False))
+                continue
+            nk, nv = spec.kv_elements_per_token(il)
+            rows.append((row_bytes(type_k, nk), row_bytes(type_v, nv), bool(spec.swa_layers[il] and spec.sliding_window)))
+        memo[key] = tuple(rows)
+    return memo[key]
 
 
 # ---- the public KV function -----------------------------------------------------
@@ -166,6 +200,8 @@ def kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = 
         type_k, type_v = check_kv_type(type_k, "-ctk"), check_kv_type(type_v, "-ctv")
         cells = llama_cells(spec, n_tokens * n_seq, n_seq, n_ubatch=n_ubatch, kv_unified=kv_unified,
                             swa_full=swa_full)
+        if layers is None:
+            return kv_bytes_from_layer(spec, 0, cells, type_k, type_v)
         return sum(sum(llama_kv_layer_bytes(spec, il, cells, type_k, type_v))
                    for il in attention_layers(spec, layers))
     if backend == "torch":
@@ -335,6 +371,7 @@ class Term:
     pool: str           # "device" or "host"
     formula: str
     buffer: str | None = None   # the llama.cpp buffer, e.g. "CUDA0 model", "CPU_Mapped model"
+    reported: int | None = None  # what llama.cpp prints for that buffer, when it differs from ``bytes``
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ compute buffer to the byte (see tests/test_fit_llamacpp.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-
+from .placement import spec_cache
 from .spec import ModelSpec
 
 F32, F16, I32, I64 = 4, 2, 4, 8
@@ -194,8 +193,9 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     return g
 
 
-def _replay(g: _Graph, align: int) -> int:
+def _replay(g: _Graph, align: int, sizes: list[int] | None = None) -> int:
     """ggml_gallocr over the graph: returns the arena's high-water mark in bytes."""
+    size = g.size if sizes is None else sizes
     n = len(g.size)
     children = [0] * n
     views = [0] * n
@@ -257,16 +257,16 @@ def _replay(g: _Graph, align: int) -> int:
                     continue
                 offset[t] = offset[p]
                 allocated[p] = False
-                extra = pad(g.size[p]) - pad(g.size[t])
+                extra = pad(size[p]) - pad(size[t])
                 if extra > 0:
-                    give(offset[t] + pad(g.size[t]), extra)
+                    give(offset[t] + pad(size[t]), extra)
                 return
-        offset[t] = take(g.size[t])
+        offset[t] = take(size[t])
 
     def free(t: int) -> None:
         if g.flags[t] & 2:
             return
-        give(offset[t], g.size[t])
+        give(offset[t], size[t])
         allocated[t] = False
 
     for t in g.leafs:
@@ -293,11 +293,32 @@ def _replay(g: _Graph, align: int) -> int:
     return high
 
 
-@lru_cache(maxsize=512)
+_BIG = 1_000_003   # a prime no model dimension equals: shapes built with it never collide by accident
+
+
+def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs: int, flash_attn: bool):
+    """The graph once, with every tensor size as base + a·n_kv + b·n_kv_swa (sizes are linear in both)."""
+    memo = spec_cache(spec)
+    key = ("graph", layers, n_ubatch, n_outputs, flash_attn)
+    if key not in memo:
+        g0 = _llama_graph(spec, list(layers), _BIG, n_ubatch, n_outputs, flash_attn, _BIG)
+        g1 = _llama_graph(spec, list(layers), _BIG + 1, n_ubatch, n_outputs, flash_attn, _BIG)
+        g2 = _llama_graph(spec, list(layers), _BIG, n_ubatch, n_outputs, flash_attn, _BIG + 1)
+        coef = [(s0 - (s1 - s0) * _BIG - (s2 - s0) * _BIG, s1 - s0, s2 - s0)
+                for s0, s1, s2 in zip(g0.size, g1.size, g2.size)]
+        memo[key] = (g0, coef)
+    return memo[key]
+
+
 def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: int, n_outputs: int,
                 flash_attn: bool, n_kv_swa: int, align: int) -> int:
-    g = _llama_graph(spec, list(layers), n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa)
-    return _replay(g, align)
+    memo = spec_cache(spec)
+    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align)
+    if key not in memo:
+        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn)
+        sizes = [c + a * n_kv + b * n_kv_swa for c, a, b in coef]
+        memo[key] = _replay(g, align, sizes)
+    return memo[key]
 
 
 def _replay_layers(spec: ModelSpec, layers: list[int]) -> tuple[int, ...]:

@@ -318,7 +318,7 @@ def get_device(name: str, profiles: Mapping[str, DeviceProfile] | None = None) -
         if prof.display_name.lower() == key:
             return prof
     names = ", ".join([LOCAL_NAME, *sorted(profiles)])
-    raise UsageError(f"unknown device {name!r}", flag="--device", hint=f"use one of: {names}")
+    raise UsageError(f"--device: unknown device {name!r}", flag="--device", hint=f"use one of: {names}")
 
 
 # ---- the local machine ----------------------------------------------------------

@@ -17,7 +17,9 @@ N > n_layer.  Buffers then follow the backend:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 from gguf_tools.quants import layout, row_bytes
 
@@ -39,8 +41,25 @@ REPACK_RULES: dict[str, dict[str, int]] = {
 }
 
 
+_SPEC_CACHES: dict[int, tuple[weakref.ref, dict]] = {}
+
+
 def _pad(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+def spec_cache(spec) -> dict:
+    """A memo dict that lives as long as ``spec`` (ModelSpec hashes all its tensors, which is slow)."""
+    key = id(spec)
+    hit = _SPEC_CACHES.get(key)
+    if hit is not None and hit[0]() is spec:
+        return hit[1]
+    if len(_SPEC_CACHES) > 64:
+        for k in [k for k, (ref, _) in _SPEC_CACHES.items() if ref() is None]:
+            del _SPEC_CACHES[k]
+    memo: dict = {}
+    _SPEC_CACHES[key] = (weakref.ref(spec), memo)
+    return memo
 
 
 def gpu_layer_start(n_layer: int, n_gpu_layers: int) -> int:
@@ -65,6 +84,7 @@ def repackable(type_name: str, shape: tuple[int, ...], cpu_features: tuple[str, 
     return False
 
 
+@lru_cache(maxsize=8192)
 def cuda_alloc_size(type_name: str, shape: tuple[int, ...], nbytes: int) -> int:
     """ggml-cuda's allocation for a weight: one extra padding of a quantized row to 512 values."""
     if layout(type_name).quantized and shape and shape[0] % CUDA_ROW_PADDING:
@@ -124,6 +144,7 @@ class WeightPlacement:
     output_on_device: bool
     physical_bytes: int          # distinct bytes resident (mapped ranges counted once)
     repacked: tuple[str, ...]    # tensors copied into CPU_REPACK
+    tensor_bytes: dict[str, int]  # per buffer: bytes of the tensors it holds (a mapping may span more)
 
     @property
     def device_bytes(self) -> int:
@@ -158,48 +179,120 @@ def weight_placement(spec: ModelSpec, kind: str, n_gpu_layers: int = -1, *, mmap
     A CPU device has no accelerator: every layer is on the CPU whatever ``n_gpu_layers`` says.
     """
     ngl = 0 if kind == "cpu" else n_gpu_layers
-    placed = place_tensors(spec, ngl)
-    gpu = [p for p in placed if p.on_gpu]
-    cpu = [p for p in placed if not p.on_gpu]
-    feats = cpu_features if repack else ()
-    repacked = [p for p in cpu if p.matmul and repackable(p.type_name, p.shape, feats)]
-    rep_names = {p.name for p in repacked}
-    cpu_plain = [p for p in cpu if p.name not in rep_names]
+    if ngl >= 0 and ngl > spec.n_layers:
+        ngl = -1
+    memo = spec_cache(spec)
+    key = ("placement", kind, ngl, mmap, tuple(cpu_features), repack)
+    if key not in memo:
+        memo[key] = _weight_placement(spec, kind, ngl, mmap, tuple(cpu_features) if repack else ())
+    return memo[key]
+
+
+@dataclass
+class _Group:
+    """Aggregates of one placement unit (a layer, the input or the output layer)."""
+
+    lo: int = 1 << 62          # mapped file range (a duplicate maps its original's bytes)
+    hi: int = -1
+    held: int = 0              # Σ bytes of the original tensors
+    cpu_alloc: int = 0         # Σ padded bytes of the originals (no mmap)
+    dup_alloc: int = 0         # Σ padded bytes of duplicates (real copies outside a mapping)
+    cuda_alloc: int = 0        # Σ CUDA allocation, duplicates included
+    names: list[str] = field(default_factory=list)
+
+    def add(self, p: Placed) -> None:
+        self.cuda_alloc += _pad(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN)
+        self.names.append(p.name)
+        self.lo, self.hi = min(self.lo, p.offset), max(self.hi, p.offset + p.nbytes)
+        if p.duplicate:
+            self.dup_alloc += _pad(p.nbytes, CPU_ALIGN)
+        else:
+            self.held += p.nbytes
+            self.cpu_alloc += _pad(p.nbytes, CPU_ALIGN)
+
+
+def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:
+    """Per unit ("in", "out", or layer index): (all tensors, CPU-plain tensors, repacked tensors) aggregates."""
+    memo = spec_cache(spec)
+    key = ("groups", feats)
+    if key in memo:
+        return memo[key]
+    n = spec.n_layers
+    units: dict = {}
+    if ("placed",) not in memo:
+        memo[("placed",)] = place_tensors(spec, -1)
+    for p in memo[("placed",)]:
+        m = _LAYER_RE.match(p.name)
+        if m:
+            unit = int(m.group(1))
+        elif p.name.startswith("rope_freqs"):
+            unit = int(p.name.split("blk.")[1].rstrip(")")) if "blk." in p.name else 0
+        elif p.name.startswith(_INPUT_PREFIXES):
+            unit = "in"
+        else:
+            unit = "out"
+        every, plain, rep = units.setdefault(unit, (_Group(), _Group(), _Group()))
+        every.add(p)
+        (rep if p.matmul and repackable(p.type_name, p.shape, feats) else plain).add(p)
+    memo[key] = units
+    return units
+
+
+def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: tuple[str, ...]) -> WeightPlacement:
+    n = spec.n_layers
+    start = gpu_layer_start(n, ngl) if ngl else n
+    out_gpu = kind != "cpu" and output_on_gpu(n, ngl)
+    units = _groups(spec, feats)
+
+    def on_gpu(unit) -> bool:
+        if unit == "in":
+            return False
+        if unit == "out":
+            return out_gpu
+        return kind != "cpu" and unit >= start
+
+    gpu = [units[u][0] for u in units if on_gpu(u)]
+    plain = [units[u][1] for u in units if not on_gpu(u) and units[u][1].names]
+    rep = [units[u][2] for u in units if not on_gpu(u) and units[u][2].names]
     buffers: dict[str, int] = {}
+    held: dict[str, int] = {}
     device: list[str] = []
     ranges: list[tuple[int, int]] = []
     allocated = 0
+
+    def mapped(name: str, groups: list[_Group]) -> None:
+        lo, hi = min(g.lo for g in groups), max(g.hi for g in groups)
+        if hi < 0:
+            buffers[name] = held[name] = 0
+            return
+        buffers[name], held[name] = hi - lo, sum(g.held for g in groups)
+        ranges.append((lo, hi))
+
     if gpu:
         if kind == "cuda":
             name = "CUDA0 model"
-            buffers[name] = sum(_pad(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN) for p in gpu)
+            buffers[name] = sum(g.cuda_alloc for g in gpu)
             allocated += buffers[name]
         elif mmap:
             name = "Metal_Mapped model"
-            lo, hi = _range([p for p in gpu if not p.duplicate] or gpu)
-            buffers[name] = hi - lo
-            ranges.append((lo, hi))
+            mapped(name, gpu)
         else:
             name = "Metal model"
-            buffers[name] = sum(_pad(p.nbytes, CPU_ALIGN) for p in gpu)
+            buffers[name] = sum(g.cpu_alloc + g.dup_alloc for g in gpu)
             allocated += buffers[name]
         device.append(name)
-    if cpu_plain:
+    if plain:
         if mmap:
-            originals = [p for p in cpu_plain if not p.duplicate] or cpu_plain
-            lo, hi = _range(originals)
-            buffers["CPU_Mapped model"] = hi - lo
-            ranges.append((lo, hi))
+            mapped("CPU_Mapped model", plain)
         else:
-            buffers["CPU model"] = sum(_pad(p.nbytes, CPU_ALIGN) for p in cpu_plain if not p.duplicate)
+            buffers["CPU model"] = sum(g.cpu_alloc for g in plain)
             allocated += buffers["CPU model"]
-    if repacked:
-        buffers["CPU_REPACK model"] = sum(_pad(p.nbytes, CPU_ALIGN) for p in repacked)
+    repacked = tuple(name for g in rep for name in g.names)
+    if rep:
+        buffers["CPU_REPACK model"] = sum(g.cpu_alloc + g.dup_alloc for g in rep)
         allocated += buffers["CPU_REPACK model"]
     if kind == "cpu":
         device = list(buffers)
-    n_layers_gpu = 0 if kind == "cpu" else spec.n_layers - gpu_layer_start(spec.n_layers, ngl) if ngl else 0
-    return WeightPlacement(buffers, tuple(device), n_layers_gpu,
-                           kind != "cpu" and output_on_gpu(spec.n_layers, ngl), _union(ranges) + allocated,
-                           tuple(p.name for p in repacked))
+    return WeightPlacement(buffers, tuple(device), 0 if kind == "cpu" else n - start, out_gpu,
+                           _union(ranges) + allocated, repacked, {k: held.get(k, v) for k, v in buffers.items()})
 

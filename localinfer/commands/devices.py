@@ -1,0 +1,89 @@
+"""`localinfer devices`: the device profiles fit, plan and report use, and this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", metavar="NAME", help="show one profile with every fact and its source")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _row(p) -> dict:
+    return {
+        "name": p.name, "display_name": p.display_name, "kind": p.kind, "unified": p.unified,
+        "memory_bytes": p.memory_bytes, "reserve": p.reserve, "reserve_bytes": p.reserve_bytes,
+        "usable_bytes": p.usable_bytes, "working_set_cap_bytes": p.working_set_cap_bytes,
+        "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s, "bf16_flops": p.bf16_flops,
+        "link_name": p.link_name, "link_bytes_per_s": p.link_bytes_per_s, "power_w": p.power_w,
+        "host_memory_bytes": p.host_memory_bytes, "cpu_features": list(p.cpu_features),
+        "decode_mbu": dict(p.decode_mbu), "prefill_mfu": dict(p.prefill_mfu),
+        "sources": dict(p.sources), "origin": p.origin,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..devices import all_devices, get_device, user_profile_dirs
+
+    devices = [get_device(args.name)] if args.name else all_devices()
+    if args.json:
+        json.dump([_row(p) for p in devices], sys.stdout, indent=1)
+        print()
+        return 0
+    if args.name:
+        print(_detail(devices[0]))
+        return 0
+    print(_table(devices))
+    dirs = ", ".join(str(d) for d in user_profile_dirs())
+    print(f"\nadd your own: a TOML file in {dirs} (schema: localinfer/profiles/README.md)")
+    return 0
+
+
+def _clean(text: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in str(text))
+
+
+def _table(devices) -> str:
+    from ..units import GB, GiB
+
+    head = f"{'name':<16}{'kind':<6}{'memory':>10}{'usable':>11}{'bandwidth':>11}{'BF16 peak':>11}{'host link':>11}{'power':>7}  description"
+    lines = [head, "-" * 100]
+    for p in devices:
+        bw = f"{p.bandwidth_bytes_per_s / GB:,.0f} GB/s" if p.bandwidth_bytes_per_s else "—"
+        fl = f"{p.bf16_flops / 1e12:,.1f} T" if p.bf16_flops else "—"
+        link = "unified" if p.unified and p.kind != "cpu" else (f"{p.link_bytes_per_s / GB:,.0f} GB/s"
+                                                                if p.link_bytes_per_s else "—")
+        pw = f"{p.power_w:.0f} W" if p.power_w else "—"
+        desc = _clean(p.display_name)
+        line = (f"{_clean(p.name)[:15]:<16}{p.kind:<6}{p.memory_bytes / GiB:>6.1f} GiB{p.usable_bytes / GiB:>7.2f} GiB"
+                f"{bw:>11}{fl:>11}{link:>11}{pw:>7}  {desc}")
+        lines.append(line[:100])
+    return "\n".join(lines)
+
+
+def _detail(p) -> str:
+    from ..units import fmt_bytes
+
+    rows = [("name", p.name), ("display name", p.display_name), ("kind", p.kind), ("unified memory", p.unified),
+            ("memory", f"{fmt_bytes(p.memory_bytes)} ({p.memory_bytes:,} B)"),
+            ("reserve", f"{p.reserve} = {fmt_bytes(p.reserve_bytes)}"),
+            ("working-set cap", fmt_bytes(p.working_set_cap_bytes) if p.working_set_cap_bytes else "—"),
+            ("usable", f"{fmt_bytes(p.usable_bytes)} ({p.usable_bytes:,} B)"),
+            ("bandwidth", f"{p.bandwidth_bytes_per_s / 1e9:,.1f} GB/s" if p.bandwidth_bytes_per_s else "—"),
+            ("dense BF16 peak", f"{p.bf16_flops / 1e12:,.1f} TFLOP/s" if p.bf16_flops else "—"),
+            ("host link", f"{p.link_name}, {p.link_bytes_per_s / 1e9:,.0f} GB/s per direction"
+             if p.link_bytes_per_s else (p.link_name or "—")),
+            ("power", f"{p.power_w:.0f} W" if p.power_w else "—"),
+            ("host memory", fmt_bytes(p.host_memory_bytes) if p.host_memory_bytes else "—"),
+            ("CPU features", ", ".join(p.cpu_features) or "—"),
+            ("decode MBU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.decode_mbu) or "—"),
+            ("prefill MFU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.prefill_mfu) or "—"),
+            ("from", p.origin)]
+    out = [f"{k:<17}{_clean(v)}" for k, v in rows]
+    if p.sources:
+        out.append("sources:")
+        out += [f"  {k:<15}{_clean(v)}" for k, v in p.sources.items()]
+    return "\n".join(out)
