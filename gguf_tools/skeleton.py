@@ -20,6 +20,7 @@ store the norms as F32, a few hundred KiB more).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -169,7 +170,7 @@ def plan_tensors(spec: dict[str, Any], type: str | None = None) -> list[tuple[st
     shapes = tensor_shapes(spec)
     shape = ModelShape(spec["n_layers"], spec["n_head"], spec["n_head_kv"], spec["n_expert"])
     types = choose_types(shapes, ftype, shape, overrides=[tuple(o) for o in spec["overrides"]])
-    return [(n, sh, t, tensor_bytes(t, int(np.prod(sh, dtype=object)))) for (n, sh), t in zip(shapes, types)]
+    return [(n, sh, t, tensor_bytes(t, math.prod(sh))) for (n, sh), t in zip(shapes, types, strict=True)]
 
 
 def resolve_spec(preset: str | dict[str, Any]) -> dict[str, Any]:

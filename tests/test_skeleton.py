@@ -106,7 +106,7 @@ def test_every_preset_reads_in_gguf_reader_and_is_sparse(tmp_path, preset):
     ours = read_header(path)
     theirs = gguf.GGUFReader(path)
     assert [t.name for t in theirs.tensors] == [t.name for t in ours.tensors]
-    for a, b in zip(theirs.tensors, ours.tensors):
+    for a, b in zip(theirs.tensors, ours.tensors, strict=True):
         assert (tuple(int(x) for x in a.shape), a.tensor_type, int(a.n_bytes)) == (b.shape, b.type, b.n_bytes)
         assert int(a.data_offset) == b.file_offset
     st = os.stat(path)

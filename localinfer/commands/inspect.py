@@ -117,7 +117,8 @@ def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str
          f"codes {acc.codes:,} + floats {acc.floats:,}"),
         ("quantization metadata", acc.meta, f"{acc.meta_fraction:.1%} of quantized bytes"),
         ("header + padding", acc.header_and_padding,
-         f"header {acc.header:,} + padding {acc.padding:,}" + (f" + trailing {acc.trailing:,}" if acc.trailing else "")),
+         f"header {acc.header:,} + padding {acc.padding:,}"
+         + (f" + trailing {acc.trailing:,}" if acc.trailing else "")),
         ("file", acc.file_size, f"{acc.bits_per_weight():.3f} bits/weight"
          f" ({acc.bits_per_weight(acc.tensor_bytes):.3f} without header)"),
     )

@@ -13,7 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("preset", nargs="?", help="preset name (see --list)")
     parser.add_argument("--spec", metavar="FILE", help="TOML or JSON file of architecture fields instead of a preset")
     parser.add_argument("-o", "--output", metavar="OUT.gguf", help="file to write")
-    parser.add_argument("--type", metavar="T", help="file type: bf16, q8_0, q4_0, q2_k, q4_k_m, ... (default: the preset's)")
+    parser.add_argument("--type", metavar="T",
+                        help="file type: bf16, q8_0, q4_0, q2_k, q4_k_m, ... (default: the preset's)")
     parser.add_argument("--list", action="store_true", help="list presets and exit")
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
@@ -42,11 +43,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give either a PRESET or --spec FILE", flag="--spec",
                          hint=f"presets: {', '.join(PRESETS)} (localinfer skeleton --list)")
     if not args.output:
-        raise UsageError("missing -o OUT.gguf", flag="-o", hint="e.g. localinfer skeleton qwen3-8b -o /tmp/qwen3-8b.gguf")
+        raise UsageError("missing -o OUT.gguf", flag="-o",
+                         hint="e.g. localinfer skeleton qwen3-8b -o /tmp/qwen3-8b.gguf")
     if os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a directory", flag="-o", hint="give a file name ending in .gguf")
     if os.path.exists(args.output) and not args.force:
-        raise UsageError(f"{args.output} exists", flag="-o", hint="pass --force to overwrite it, or choose another name")
+        raise UsageError(f"{args.output} exists", flag="-o",
+                         hint="pass --force to overwrite it, or choose another name")
     flag = "--spec" if args.spec else "PRESET"
     try:
         source = load_spec_file(args.spec) if args.spec else args.preset
