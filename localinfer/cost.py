@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .budget import KV_TYPES, check_kv_type, row_bytes
 from .errors import UsageError
+from .placement import spec_cache
 from .spec import ModelSpec
 
 _LAYER_RE = re.compile(r"^blk\.\d+\.")
@@ -73,19 +75,19 @@ class ModelCost:
 
     def kv_token_bytes(self, kv: str | tuple[str, str] = "f16") -> int:
         """k: KV bytes one token adds (all layers, K and V), ignoring sliding windows."""
-        tk, tv = kv_pair(kv)
-        return sum(_row(tk, ek) + _row(tv, ev) for ek, ev in self.layer_kv_elems)
+        return sum(_layer_rows(kv_pair(kv), self.layer_kv_elems))
 
     def kv_read_bytes(self, context: int, kv: str | tuple[str, str] = "f16") -> int:
         """KV bytes one request reads per decode step at ``context`` tokens (windows applied)."""
-        tk, tv = kv_pair(kv)
-        total = 0
-        for (ek, ev), w in zip(self.layer_kv_elems, self.layer_windows):
-            total += (_row(tk, ek) + _row(tv, ev)) * (min(context, w) if w else context)
-        return total
+        rows = _layer_rows(kv_pair(kv), self.layer_kv_elems)
+        if not any(self.layer_windows):
+            return sum(rows) * context
+        return sum(r * (min(context, w) if w else context) for r, w in zip(rows, self.layer_windows))
 
     def attention_flops(self, new: int, cached: int = 0) -> int:
         """Attention FLOPs (QKᵀ and PV) of ``new`` tokens after ``cached`` ones, one sequence."""
+        if not any(self.layer_windows):
+            return sum(self.layer_pair_flops) * attention_pairs(new, cached)
         return sum(f * attention_pairs(new, cached, w) for f, w in zip(self.layer_pair_flops, self.layer_windows))
 
     def token_flops(self, context: int) -> int:
@@ -114,12 +116,22 @@ class ModelCost:
         return -(-self.decode_read_bytes(1) // per_request)
 
 
-def _row(qtype: str, n: int) -> int:
-    return row_bytes(qtype, n) if n else 0
+@lru_cache(maxsize=256)
+def _layer_rows(kv: tuple[str, str], elems: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """Bytes one token adds to each layer's K and V rows."""
+    tk, tv = kv
+    return tuple((row_bytes(tk, ek) if ek else 0) + (row_bytes(tv, ev) if ev else 0) for ek, ev in elems)
 
 
 def model_cost(spec: ModelSpec) -> ModelCost:
-    """Work and bytes per token of the model ``spec`` describes."""
+    """Work and bytes per token of the model ``spec`` describes (memoised per spec)."""
+    memo = spec_cache(spec)
+    if "model_cost" not in memo:
+        memo["model_cost"] = _build_cost(spec)
+    return memo["model_cost"]
+
+
+def _build_cost(spec: ModelSpec) -> ModelCost:
     embd = spec.tensor("token_embd.weight")
     out = spec.tensor("output.weight")
     dense = expert = matmul = 0

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import UsageError
+from .placement import spec_cache
 from .spec import ModelSpec
 
 _GROUP_RE = re.compile(r"^blk\.(\d+)\.(\w+?)\.")
@@ -52,7 +53,14 @@ def _kind(tensor: str) -> str | None:
 
 
 def offload_groups(spec: ModelSpec) -> list[OffloadGroup]:
-    """Every offloadable group, in the order they should leave the device."""
+    """Every offloadable group, in the order they should leave the device (memoised per spec)."""
+    memo = spec_cache(spec)
+    if "offload_groups" not in memo:
+        memo["offload_groups"] = tuple(_groups(spec))
+    return list(memo["offload_groups"])
+
+
+def _groups(spec: ModelSpec) -> list[OffloadGroup]:
     by_key: dict[tuple[int, str], list] = {}
     for t in spec.tensors:
         m = _GROUP_RE.match(t.name)

@@ -37,7 +37,7 @@ def feasibility(spec, devices, workload: Workload, kv_types) -> list[dict]:
     cost = model_cost(spec)
     maps = []
     for dev in devices:
-        budget = dev.usable_bytes - spec.weight_bytes
+        budget = dev.usable_bytes - cost.weight_bytes
         if budget <= 0:
             continue
         speed = SpeedModel(cost, dev)
@@ -55,7 +55,7 @@ def capacity(spec, devices, kv: str = "f16") -> dict:
     contexts = [2 ** i for i in range(10, 18)]          # 1K … 128K
     series = []
     for dev in devices:
-        budget = dev.usable_bytes - spec.weight_bytes
+        budget = dev.usable_bytes - cost.weight_bytes
         pts = [(c, budget // cost.kv_read_bytes(c, kv)) for c in contexts if budget > 0]
         pts = [(c, n) for c, n in pts if n >= 1]
         if pts:

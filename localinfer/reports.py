@@ -114,7 +114,7 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     cost = model_cost(spec)
     speed = SpeedModel(cost, device, calibration)
     usable = device.usable_bytes
-    budget = usable - spec.weight_bytes
+    budget = usable - cost.weight_bytes
     cells, largest, cheapest = [], {}, {}
     for kv in kv_types:
         per_token = cost.kv_token_bytes(kv)
@@ -132,7 +132,7 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     for ctx in contexts:
         ok = [kv for kv in kv_types if next(c for c in cells if c.ctx == ctx and c.kv == kv).fits]
         cheapest[ctx] = min(ok, key=_faithfulness) if ok else None
-    return Row(spec.name, device.name, device.display_name, usable, spec.weight_bytes, budget > 0, budget,
+    return Row(spec.name, device.name, device.display_name, usable, cost.weight_bytes, budget > 0, budget,
                largest, cheapest, tuple(cells), _offload(spec, device, speed, contexts),
                _measured(speed, calibration) if calibration else (), getattr(device, "power_w", None))
 
@@ -154,7 +154,7 @@ def _offload(spec, device, speed: SpeedModel, contexts) -> Offload | None:
     from .errors import UsageError
     from .offload import plan_offload
 
-    need = spec.weight_bytes + speed.cost.kv_read_bytes(min(contexts)) - device.usable_bytes
+    need = speed.cost.weight_bytes + speed.cost.kv_read_bytes(min(contexts)) - device.usable_bytes
     if need <= 0 or device.unified or not device.link_bytes_per_s:
         return None
     step = speed.decode_step(1, min(contexts))

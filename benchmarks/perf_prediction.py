@@ -1,0 +1,107 @@
+"""Speed-model prediction against measurement on this machine.
+
+Runs `localinfer bench --json` on the embedded model (or reads --bench FILE), calibrates the
+speed model on some prompt lengths and decode depths, predicts the others, and prints the
+error of each prediction.  The peer, measured in the same run, is the naive predictor that
+reuses the rate of the nearest calibration point; the target is |error| ≤ 15%.
+
+    python benchmarks/perf_prediction.py                  # measure, then predict
+    python benchmarks/perf_prediction.py --bench b.json   # reuse a bench result
+    python benchmarks/perf_prediction.py --json out.json  # also write the table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from localinfer.bench_import import load_bench
+from localinfer.calibration import Calibration
+from localinfer.cost import model_cost
+from localinfer.devices import local_device
+from localinfer.models import resolve_model
+from localinfer.perf import SpeedModel
+from localinfer.spec import ModelSpec
+
+PROMPTS = (64, 128, 256, 512, 1024, 2048)
+DEPTHS = (0, 256, 512, 1024, 2048)
+CAL_PROMPTS = {64, 512, 2048}          # calibrate on these; predict the rest
+CAL_DEPTHS = {0, 1024, 2048}
+
+
+def run_bench(model: str | None, out: Path, repeats: int, kv: str) -> None:
+    cmd = [sys.executable, "-m", "localinfer", "bench", *([model] if model else []), "--kv", kv,
+           "--prompt-lengths", ",".join(map(str, PROMPTS)), "--depths", ",".join(map(str, DEPTHS)),
+           "--gen", "32", "--repeats", str(repeats), "--json", str(out)]
+    print("running:", " ".join(cmd[2:]), file=sys.stderr)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def depth_of(sample) -> int:
+    return sample.context - 16           # bench decode samples sit at depth + gen/2 (gen = 32)
+
+
+def predict(speed_cal: SpeedModel, cal: Calibration, held: Calibration) -> list[dict]:
+    rows = []
+    for s in held.prefill:
+        pred = speed_cal.prefill(1, s.new_tokens, s.cached_tokens).seconds
+        near = min(cal.prefill, key=lambda c: abs(math.log(c.new_tokens / s.new_tokens)))
+        naive = s.new_tokens * near.seconds / near.new_tokens
+        rows.append(_row("prefill", s.new_tokens, s.new_tokens / s.seconds, s.new_tokens / pred, s.new_tokens / naive))
+    for s in held.decode:
+        pred = speed_cal.decode_step(1, s.context, s.kv).seconds
+        near = min(cal.decode, key=lambda c: abs(c.context - s.context))
+        rows.append(_row("decode", depth_of(s), 1 / s.seconds, 1 / pred, 1 / near.seconds))
+    return rows
+
+
+def _row(kind, size, measured, predicted, naive) -> dict:
+    return {"kind": kind, "size": size, "measured_tok_s": measured, "predicted_tok_s": predicted,
+            "error": predicted / measured - 1, "naive_tok_s": naive, "naive_error": naive / measured - 1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bench", help="existing `localinfer bench --json` or llama-bench JSON")
+    ap.add_argument("--model", help="GGUF (default: the embedded model)")
+    ap.add_argument("--kv", default="f16")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--keep", help="keep the bench JSON here")
+    args = ap.parse_args()
+    load = os.getloadavg()
+    if args.bench:
+        bench = Path(args.bench)
+    else:
+        bench = Path(args.keep or tempfile.mkstemp(suffix=".json")[1])
+        run_bench(args.model, bench, args.repeats, args.kv)
+    spec = ModelSpec.from_gguf(resolve_model(args.model))
+    everything = load_bench(bench)
+    cal, held = everything.split(lambda s: getattr(s, "new_tokens", None) in CAL_PROMPTS
+                                 if hasattr(s, "new_tokens") else depth_of(s) in CAL_DEPTHS)
+    speed = SpeedModel(model_cost(spec), local_device(), cal)
+    rows = predict(speed, cal, held)
+    print(f"{spec.name} on {local_device().display_name}; load average before: "
+          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs")
+    print(f"calibrated on prefill {sorted(CAL_PROMPTS)} and decode depths {sorted(CAL_DEPTHS)}; bench: {bench}")
+    print(f"{'kind':8} {'size':>6} {'measured':>10} {'predicted':>10} {'error':>8} {'naive':>10} {'naive err':>9}")
+    for r in rows:
+        print(f"{r['kind']:8} {r['size']:>6} {r['measured_tok_s']:>10.1f} {r['predicted_tok_s']:>10.1f} "
+              f"{100 * r['error']:>+7.1f}% {r['naive_tok_s']:>10.1f} {100 * r['naive_error']:>+8.1f}%")
+    worst = max(abs(r["error"]) for r in rows)
+    naive = max(abs(r["naive_error"]) for r in rows)
+    print(f"worst |error|: model {100 * worst:.1f}%, naive peer {100 * naive:.1f}% "
+          f"(ratio {worst / naive if naive else float('nan'):.2f}); target ≤ 15%: {'met' if worst <= 0.15 else 'MISSED'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load_avg": load, "bench": str(bench), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
