@@ -190,3 +190,19 @@ def test_llama_cpp_opens_a_skeleton_without_allocating(tmp_path, preset, qtype):
     assert size == h.tensor_bytes
     assert n_params == sum(t.n_elements for t in h.tensors)
     assert n_vocab == h.get(f"{h.architecture}.vocab_size")
+
+
+def test_cli_spec_file(tmp_path, capsys):
+    spec = tmp_path / "tiny.toml"
+    spec.write_text('arch = "qwen3"\nname = "tiny-qwen3"\nn_layers = 2\nn_embd = 320\nn_head = 4\n'
+                    'n_head_kv = 2\nn_ff = 512\nvocab_size = 1000\n')
+    out = tmp_path / "tiny.gguf"
+    assert main(["skeleton", "--spec", str(spec), "--type", "q4_0", "-o", str(out)]) == 0
+    h = read_header(out)
+    assert h.get("general.name") == "tiny-qwen3" and h.tensor("blk.1.attn_q_norm.weight").shape == (80,)
+    assert h.tensor("output.weight").type == T.Q8_0                  # Q6_K needs rows of 256k: 320 falls back
+    assert h.tensor("blk.0.attn_q.weight").type == T.Q4_0
+    spec.write_text('arch = "qwen3"\nn_layers = "two"\n')
+    assert main(["skeleton", "--spec", str(spec), "-o", str(tmp_path / "bad.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: spec field") and not (tmp_path / "bad.gguf").exists()
