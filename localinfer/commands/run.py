@@ -47,10 +47,6 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def prompt_tokens(args, engine, spec, text: str) -> list[int]:
     if args.raw:
-        if args.system:
-            from ..errors import UsageError
-
-            raise UsageError("--system needs the chat template; drop --raw", flag="--system")
         return engine.tokenize(text, add_bos=True, special=False)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
     return _common.template_from(args, engine, spec).tokens(engine, messages)
@@ -59,6 +55,10 @@ def prompt_tokens(args, engine, spec, text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from ..runner import Runner
 
+    if args.raw and args.system:
+        from ..errors import UsageError
+
+        raise UsageError("--system needs the chat template; drop --raw", flag="--system")
     text = read_prompt(args)
     params = _common.sampling_from(args)
     max_tokens = _common.max_tokens_from(args)
