@@ -214,9 +214,15 @@ def plan(speed: SpeedModel, workload: Workload, budget_bytes: int, configs: list
     return Plan(workload, budget_bytes, tuple(outcomes), best, reasons)
 
 
-def default_kv_budget(spec, device) -> int:
-    """What the device leaves for KV and auxiliary buffers: usable memory minus the weights."""
-    return device.usable_bytes - spec.weight_bytes
+def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
+    """What the device leaves for KV: usable memory minus weights, compute and output buffers.
+
+    The non-KV terms are `localinfer fit`'s breakdown for one ``n_ctx`` sequence.
+    """
+    from .fit import FitRequest, fit_device
+
+    bd = fit_device(spec, device, FitRequest(n_ctx=n_ctx), search=False).breakdown
+    return device.usable_bytes - (bd.device_bytes - bd.sum("kv", "device"))
 
 
 def outcome_dict(o: Outcome) -> dict:

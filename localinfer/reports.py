@@ -110,30 +110,41 @@ class Report:
 # ---- building --------------------------------------------------------------------------------
 
 def build_row(spec, device, contexts, kv_types, calibration: Calibration | None = None) -> Row:
-    """Capacity and speed of one model (``ModelSpec``) on one device profile."""
+    """Capacity and speed of one model (``ModelSpec``) on one device profile.
+
+    Memory comes from ``localinfer.fit`` (weights placed as llama.cpp places them,
+    KV cells, compute and output buffers) at each context and KV type; requests
+    and the largest context extend its KV term linearly.
+    """
+    from .budget import kv_bytes_per_token
+    from .fit import FitRequest, fit_device
+
     cost = model_cost(spec)
     speed = SpeedModel(cost, device, calibration)
     usable = device.usable_bytes
-    budget = usable - cost.weight_bytes
-    cells, largest, cheapest = [], {}, {}
+    cells, largest, cheapest, fixed0 = [], {}, {}, None
     for kv in kv_types:
-        per_token = cost.kv_token_bytes(kv)
-        cap = max(0, budget // per_token // CTX_ROUND * CTX_ROUND) if per_token else 0
-        largest[kv] = min(cap, spec.n_ctx_train) if spec.n_ctx_train else cap
         for ctx in contexts:
-            kvb = cost.kv_read_bytes(ctx, kv)
-            fit_n = max(0, budget) // kvb if kvb else 0
-            if budget > 0:
+            bd = fit_device(spec, device, FitRequest(n_ctx=ctx, type_k=kv, type_v=kv), search=False).breakdown
+            kv_dev = bd.sum("kv", "device")
+            fixed = bd.device_bytes - kv_dev                 # weights on the device, compute, output
+            fixed0 = fixed if fixed0 is None else min(fixed0, fixed)
+            n = max(0, usable - fixed) // kv_dev if kv_dev else 0
+            if fixed < usable and n:
                 pre, dec = speed.prefill(1, ctx), speed.decode_step(1, ctx, kv)
-                cells.append(Cell(ctx, kv, kvb, int(fit_n), _rate(1, dec.seconds), _rate(ctx, pre.seconds),
+                cells.append(Cell(ctx, kv, kv_dev, int(n), _rate(1, dec.seconds), _rate(ctx, pre.seconds),
                                   _finite(pre.seconds), dec.source))
             else:
-                cells.append(Cell(ctx, kv, kvb, 0, None, None, None, "does not fit"))
+                cells.append(Cell(ctx, kv, kv_dev, 0, None, None, None, "does not fit"))
+        per_token = kv_bytes_per_token(spec, kv, kv)
+        cap = max(0, usable - fixed0) // per_token // CTX_ROUND * CTX_ROUND if per_token else 0
+        largest[kv] = min(cap, spec.n_ctx_train) if spec.n_ctx_train else cap
     for ctx in contexts:
         ok = [kv for kv in kv_types if next(c for c in cells if c.ctx == ctx and c.kv == kv).fits]
         cheapest[ctx] = min(ok, key=_faithfulness) if ok else None
+    budget = usable - fixed0
     return Row(spec.name, device.name, device.display_name, usable, cost.weight_bytes, budget > 0, budget,
-               largest, cheapest, tuple(cells), _offload(spec, device, speed, contexts),
+               largest, cheapest, tuple(cells), _offload(spec, device, speed, contexts, budget),
                _measured(speed, calibration) if calibration else (), getattr(device, "power_w", None))
 
 
@@ -149,12 +160,12 @@ def _finite(x: float) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _offload(spec, device, speed: SpeedModel, contexts) -> Offload | None:
-    """When the weights alone overflow: offload enough groups for one request at the smallest context."""
+def _offload(spec, device, speed: SpeedModel, contexts, budget: int) -> Offload | None:
+    """When the weights overflow: stream enough groups for one request at the smallest context."""
     from .errors import UsageError
     from .offload import plan_offload
 
-    need = speed.cost.weight_bytes + speed.cost.kv_read_bytes(min(contexts)) - device.usable_bytes
+    need = speed.cost.kv_read_bytes(min(contexts)) - budget
     if need <= 0 or device.unified or not device.link_bytes_per_s:
         return None
     step = speed.decode_step(1, min(contexts))
@@ -189,8 +200,10 @@ def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | Non
     """Every model × device.  ``calibrations`` maps a device name to its measurements."""
     calibrations = calibrations or {}
     rows = tuple(build_row(s, d, contexts, kv_types, calibrations.get(d.name)) for s in specs for d in devices)
-    notes = ["capacity counts weights and KV against the device's usable memory; speeds are batch 1, "
-             f"with {kv_types[0]} KV",
+    notes = ["memory as `localinfer fit` counts it (llama.cpp placement, KV cells, compute and output buffers) "
+             "against each device's usable memory; requests and largest ctx extend the KV term linearly",
+             "speeds are batch 1 with the KV type shown; offload streams weight groups over the host link "
+             "with two prefetch buffers",
              "speeds come from each profile's bandwidth, peak FLOP/s and efficiencies unless measured",
              "largest ctx stops at the model's trained context length"]
     for s in specs:
@@ -232,7 +245,10 @@ def _ctx(n: int) -> str:
 
 
 def table(report: Report, model: str) -> tuple[list[str], list[list[str]]]:
-    """(header, rows) for one model: a row per device and context; device facts on its first row."""
+    """(header, rows) for one model: a row per device and context; device facts on its first row.
+
+    Speeds are those of the most faithful KV type that fits (the "KV" column).
+    """
     kvs = "/".join(report.kv_types)
     kv0 = report.kv_types[0]
     head = ["device", "usable", "weights", f"largest ctx {kvs}", "ctx", f"requests {kvs}", "KV",
@@ -246,7 +262,7 @@ def table(report: Report, model: str) -> tuple[list[str], list[list[str]]]:
         for i, c in enumerate(report.contexts):
             cells = [r.cell(c, k) for k in report.kv_types]
             head_cells = first if i == 0 else ["", "", "", ""]
-            c0 = r.cell(c, kv0)
+            c0 = r.cell(c, r.cheapest_kv[c] or kv0)
             rows.append([*head_cells, _ctx(c), "/".join(str(x.max_requests) for x in cells), r.cheapest_kv[c] or "none",
                          _tok(c0.decode_tok_s), _tok(c0.prefill_tok_s), _ms(c0.ttft_s), off if i == 0 else ""])
     return head, rows

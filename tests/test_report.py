@@ -16,6 +16,7 @@ from localinfer.cli import main
 from localinfer.cost import model_cost
 from localinfer.devices import get_device
 from localinfer.errors import UsageError
+from localinfer.fit import FitRequest, fit_device
 from localinfer.report_html import render_html
 from localinfer.reports import build_report, render_json, render_md, render_text
 from localinfer.spec import ModelSpec
@@ -45,20 +46,26 @@ def report(models):
     return build_report(models, devs, (2048, 8192), ("f16", "q8_0"), plots=True)
 
 
-def test_capacity_matches_the_memory_arithmetic(report, models):
+def test_capacity_matches_the_fit_breakdown(report, models):
     qwen, moe = models
-    r = next(x for x in report.rows if x.model == qwen.name and x.device == "rtx-pro-6000")
-    free = get_device("rtx-pro-6000").usable_bytes - qwen.weight_bytes
-    cost = model_cost(qwen)
-    assert r.weights_fit and r.kv_budget_bytes == free
-    assert r.cell(8192, "f16").max_requests == free // (1152 * 1024 * 1024)
-    assert r.cell(8192, "q8_0").max_requests == free // (612 * 1024 * 1024)
+    dev = get_device("rtx-pro-6000")
+    r = next(x for x in report.rows if x.model == qwen.name and x.device == dev.name)
+    bd = fit_device(qwen, dev, FitRequest(n_ctx=8192), search=False).breakdown
+    kv = bd.sum("kv", "device")
+    assert kv == 1152 * 1024 * 1024                                          # 8192 cells × 144 KiB
+    fixed = bd.device_bytes - kv                                             # weights, compute, output
+    assert r.weights_fit and r.cell(8192, "f16").max_requests == (dev.usable_bytes - fixed) // kv
+    full = fit_device(qwen, dev, FitRequest(n_ctx=8192, n_seq=r.cell(8192, "f16").max_requests), search=False)
+    assert full.fits                                                         # the count really fits
+    assert r.cell(8192, "q8_0").max_requests > r.cell(8192, "f16").max_requests
     assert r.largest_ctx["f16"] == qwen.n_ctx_train                   # memory allows more than the model
     assert r.cheapest_kv[2048] == "f16"
+    cost = model_cost(qwen)
     assert r.cell(2048, "f16").decode_tok_s == pytest.approx(
         1 / (cost.step_bytes(1, 2048) / (1792e9 * 0.33)), rel=1e-6)
     m2 = next(x for x in report.rows if x.model == moe.name and x.device == "m2-max-96gb")
-    assert m2.weights_fit and m2.cheapest_kv[8192] == "f16" and m2.largest_ctx["f16"] < 16384
+    assert m2.weights_fit and m2.cheapest_kv[8192] == "q8_0" and m2.largest_ctx["f16"] < 8192
+    assert m2.cell(8192, "f16").max_requests == 0 and m2.cell(8192, "q8_0").max_requests >= 1
 
 
 def test_weights_that_do_not_fit_get_an_offload_plan_only_with_a_link(report, models):

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--deadline", type=float, default=None, metavar="S", help="seconds to finish every request")
     c = p.add_argument_group("configurations")
     c.add_argument("--kv-budget", default=None, metavar="SIZE",
-                   help="memory for KV and auxiliary buffers, e.g. 12GiB (default: usable memory − weights)")
+                   help="memory for KV and auxiliary buffers, e.g. 12GiB "
+                        "(default: what `localinfer fit` leaves after weights and buffers)")
     c.add_argument("--kv", default=KV_DEFAULT, metavar="TYPES", help=f"KV types to try (default {KV_DEFAULT})")
     c.add_argument("--acceptance", type=float, default=None, metavar="A",
                    help="per-position draft acceptance; adds prompt-lookup (and --draft) configurations")
@@ -69,7 +70,7 @@ def build(args: argparse.Namespace):
     calibration = load_bench(args.bench) if args.bench else None
     speed = SpeedModel(model_cost(spec), device, calibration)
     if args.kv_budget is None:
-        budget = default_kv_budget(spec, device)
+        budget = default_kv_budget(spec, device, workload.input_tokens + workload.output_tokens)
     else:
         try:
             budget = parse_size(args.kv_budget)
