@@ -83,8 +83,19 @@ class _Graph:
         return t
 
 
+def attn_rotation(head_dim: int, type_name: str) -> int:
+    """Size of the Hadamard rotation llama.cpp applies around a quantized KV cache (0: none).
+
+    On when the cache type is quantized and the head size is a multiple of 64:
+    K uses the largest power of two dividing the head size, V a 64×64 block.
+    """
+    if type_name in ("f32", "f16", "bf16") or head_dim % 64:
+        return 0
+    return head_dim & -head_dim
+
+
 def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_outputs: int,
-                 flash_attn: bool, n_kv_swa: int) -> _Graph:
+                 flash_attn: bool, n_kv_swa: int, type_k: str = "f16", type_v: str = "f16") -> _Graph:
     """The node sequence llama.cpp builds for one ubatch of a llama-style decoder."""
     g = _Graph()
     E, T, O = spec.n_embd, n_tokens, n_outputs
@@ -96,21 +107,36 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     moe = spec.n_expert > 0
     kv_all = max((spec.n_head_kv[il] * hdv for il in layers), default=0)
     swa = spec.has_swa
+    rot_k = attn_rotation(hd, type_k)
+    rot_v = 64 if attn_rotation(hdv, type_v) else 0
     tokens = g.leaf(T * I32, (T,), 1)
     g.leaf(E * T * F32, (E, T), 1)                 # inp_embd: created, never used, never freed
     pos = g.leaf(T * I32, (T,), 1)
-    k_idx = g.leaf(T * I64, (T,), 1)
-    v_idx = g.leaf((T if flash_attn else kv_all * T) * I64, (T,), 1)
+    k_rot = g.leaf(rot_k * rot_k * F32, (rot_k, rot_k), 1) if rot_k else None
+    v_rot = g.leaf(rot_v * rot_v * F32, (rot_v, rot_v), 1) if rot_v else None
     mesize = F16 if flash_attn else F32
-    mask = g.leaf(n_kv * T * mesize, (n_kv, T), 1)
-    mask_swa = g.leaf(n_kv_swa * T * mesize, (n_kv_swa, T), 1) if swa else mask
-    out_ids = g.leaf(O * I32, (O,), 1)
+    kv_inputs: dict[bool, tuple[int, int, int]] = {}   # per cache (full / sliding): k idx, v idx, mask
+
+    def kv_input(is_swa: bool) -> tuple[int, int, int]:
+        if is_swa not in kv_inputs:   # created where first used: that is the allocator's leaf order
+            n = n_kv_swa if is_swa else n_kv
+            kv_inputs[is_swa] = (g.leaf(T * I64, (T,), 1),
+                                 g.leaf((T if flash_attn else kv_all * T) * I64, (T,), 1),
+                                 g.leaf(n * T * mesize, (n, T), 1))
+        return kv_inputs[is_swa]
+
+    gemma = spec.arch.startswith("gemma")
+    post_norms = "post_attention_norm.weight" in has and "post_ffw_norm.weight" in has
+    out_ids = None
     w = g.weight
     cur = g.op_("GET_ROWS", (E, T), F32, w(), tokens)
+    if gemma:
+        cur = g.op_("SCALE", (E, T), F32, cur)
     last = layers[-1]
     for il in layers:
         H, Hkv = spec.n_head[il], spec.n_head_kv[il]
         nq, nk, nv = H * hd, Hkv * hd, Hkv * hdv
+        is_swa = bool(swa and spec.swa_layers[il])
         inp = cur
         x = g.op_("RMS_NORM", (E, T), F32, inp)
         x = g.op_("MUL", (E, T), F32, x, w())
@@ -125,11 +151,35 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
                 t = g.op_("MUL", (dim, heads, T), F32, t, w())
             return t
 
+        def rotate(t, rot, r, shape):
+            n = 1
+            for d in shape:
+                n *= d
+            t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
+            return g.view(t, shape)
+
+        def value():
+            v = proj(nv, "v", Hkv, hdv, False)
+            return rotate(v, v_rot, rot_v, (hdv, Hkv, T)) if rot_v else v
+
+        def key():
+            k = proj(nk, "k", Hkv, hd, True)
+            k = g.op_("ROPE", (hd, Hkv, T), F32, k, pos, *((w(),) if rope_freqs else ()))
+            return rotate(k, k_rot, rot_k, (hd, Hkv, T)) if rot_k else k
+
         q = proj(nq, "q", H, hd, True)
         q = g.op_("ROPE", (hd, H, T), F32, q, pos, *((w(),) if rope_freqs else ()))
-        v = proj(nv, "v", Hkv, hdv, False)
-        k = proj(nk, "k", Hkv, hd, True)
-        k = g.op_("ROPE", (hd, Hkv, T), F32, k, pos, *((w(),) if rope_freqs else ()))
+        if gemma:
+            q = g.op_("SCALE", (hd, H, T), F32, q)
+        if rot_k:
+            q = rotate(q, k_rot, rot_k, (hd, H, T))
+        if gemma:
+            k = key()
+            v = value()
+        else:
+            v = value()
+            k = key()
+        k_idx, v_idx, m = kv_input(is_swa)
         kc, vc = w(), w()
         g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
         if flash_attn:
@@ -137,24 +187,29 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         else:
             vr = g.view(g.view(v, (nv, T)), (1, nv * T))
             g.nodes.append(g._new(0, (), "SET_ROWS", (vr, v_idx, g.view(vc, (1,), contiguous=False)), vc, 0, 4))
-        m = mask_swa if (swa and spec.swa_layers[il]) else mask
-        kv_len = n_kv_swa if (swa and spec.swa_layers[il]) else n_kv
+        kv_len = n_kv_swa if is_swa else n_kv
         qp = g.view(g.view(q), (hd, T, H), contiguous=False)
         kp = g.view(g.view(kc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
         vp = g.view(g.view(vc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
         if flash_attn:
             a = g.op_("FLASH_ATTN_EXT", (hdv, H, T), F32, qp, kp, vp, m)
             a = g.view(a, (hdv * H, T))
+            if rot_v:
+                a = rotate(a, v_rot, rot_v, (hdv * H, T))
         else:
             kq = g.op_("MUL_MAT", (kv_len, T, H), F32, kp, qp)
             kq = g.op_("SOFT_MAX", (kv_len, T, H), F32, kq, m)
             kqv = g.op_("MUL_MAT", (hdv, T, H), F32, vp, kq)
             a = g.op_("CONT", (hdv * H, T), F32, g.view(kqv, (hdv, H, T), contiguous=False))
         a = g.op_("MUL_MAT", (E, T), F32, w(), a)
-        if il == last:
-            a = g.op_("GET_ROWS", (E, O), F32, a, out_ids)
-            inp = g.op_("GET_ROWS", (E, O), F32, inp, out_ids)
         R = O if il == last else T
+        if il == last:
+            out_ids = g.leaf(O * I32, (O,), 1)
+            a = g.op_("GET_ROWS", (E, O), F32, a, out_ids)
+        if post_norms:
+            a = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, a), w())
+        if il == last:
+            inp = g.op_("GET_ROWS", (E, O), F32, inp, out_ids)
         res = g.op_("ADD", (E, R), F32, a, inp)
         x = g.op_("RMS_NORM", (E, R), F32, res)
         x = g.op_("MUL", (E, R), F32, x, w())
@@ -186,6 +241,8 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             up = g.op_("MUL_MAT", (ff, R), F32, w(), x)
             gl = g.op_("GLU", (ff, R), F32, gt, up)
             f = g.op_("MUL_MAT", (E, R), F32, w(), gl)
+        if post_norms:
+            f = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, f), w())
         cur = g.op_("ADD", (E, R), F32, f, res)
     x = g.op_("RMS_NORM", (E, O), F32, cur)
     x = g.op_("MUL", (E, O), F32, x, w(), flags=2)
@@ -296,14 +353,16 @@ def _replay(g: _Graph, align: int, sizes: list[int] | None = None) -> int:
 _BIG = 1_000_003   # a prime no model dimension equals: shapes built with it never collide by accident
 
 
-def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs: int, flash_attn: bool):
+def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs: int, flash_attn: bool,
+              type_k: str, type_v: str):
     """The graph once, with every tensor size as base + a·n_kv + b·n_kv_swa (sizes are linear in both)."""
     memo = spec_cache(spec)
-    key = ("graph", layers, n_ubatch, n_outputs, flash_attn)
+    key = ("graph", layers, n_ubatch, n_outputs, flash_attn, type_k, type_v)
     if key not in memo:
-        g0 = _llama_graph(spec, list(layers), _BIG, n_ubatch, n_outputs, flash_attn, _BIG)
-        g1 = _llama_graph(spec, list(layers), _BIG + 1, n_ubatch, n_outputs, flash_attn, _BIG)
-        g2 = _llama_graph(spec, list(layers), _BIG, n_ubatch, n_outputs, flash_attn, _BIG + 1)
+        args = (n_ubatch, n_outputs, flash_attn)
+        g0 = _llama_graph(spec, list(layers), _BIG, *args, _BIG, type_k, type_v)
+        g1 = _llama_graph(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v)
+        g2 = _llama_graph(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v)
         coef = [(s0 - (s1 - s0) * _BIG - (s2 - s0) * _BIG, s1 - s0, s2 - s0)
                 for s0, s1, s2 in zip(g0.size, g1.size, g2.size)]
         memo[key] = (g0, coef)
@@ -311,11 +370,14 @@ def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs
 
 
 def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: int, n_outputs: int,
-                flash_attn: bool, n_kv_swa: int, align: int) -> int:
+                flash_attn: bool, n_kv_swa: int, align: int, type_k: str = "f16", type_v: str = "f16") -> int:
     memo = spec_cache(spec)
-    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align)
+    rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
+    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, rot)
     if key not in memo:
-        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn)
+        tk = type_k if rot[0] else "f16"
+        tv = type_v if rot[1] else "f16"
+        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn, tk, tv)
         sizes = [c + a * n_kv + b * n_kv_swa for c, a, b in coef]
         memo[key] = _replay(g, align, sizes)
     return memo[key]
@@ -344,7 +406,8 @@ def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: in
     layers = [il for il in range(spec.n_layers)]
     align = ALIGN.get(kind, 32)
     swa = n_kv if n_kv_swa is None else n_kv_swa
-    dev = _pp_compute(spec, _replay_layers(spec, layers), n_kv, n_ubatch, n_outputs, flash_attn, swa, align)
+    dev = _pp_compute(spec, _replay_layers(spec, layers), n_kv, n_ubatch, n_outputs, flash_attn, swa, align,
+                      type_k, type_v)
     formula = (f"ggml graph allocator replayed over the {spec.arch} graph: ubatch {n_ubatch} tokens, "
                f"{n_outputs} logit rows, {n_kv} KV cells, flash attention {'on' if flash_attn else 'off'}")
     if kind == "cpu":

@@ -43,6 +43,7 @@ class FitRequest:
     backend: str = "llama.cpp"
     mmap: bool = True
     kv_unified: bool = False
+    swa_full: bool = False              # llama.cpp CLI default; its C API (and llama-cpp-python) default to True
     n_ctx_total: int | None = None      # exact llama.cpp -c when it is not n_ctx × n_seq (check_load)
 
     def __post_init__(self):
@@ -152,11 +153,13 @@ def breakdown(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> tuple[
         return _other_backend(spec, device, req), None
     kind = device.kind
     ngl = 0 if kind == "cpu" else req.n_gpu_layers
-    cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified)
+    cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified,
+                        swa_full=req.swa_full)
     n_batch = min(cells.n_ctx, req.n_batch)
     n_ubatch = min(n_batch, req.n_ubatch)
     if n_ubatch != req.n_ubatch:
-        cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified)
+        cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified,
+                            swa_full=req.swa_full)
     n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
     terms: list[Term] = []
     wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features)
@@ -315,6 +318,8 @@ def llama_command(spec: ModelSpec, req: FitRequest, cells: LlamaCells | None, de
         parts += ["-ub", str(req.n_ubatch)]
     if req.kv_unified:
         parts.append("-kvu")
+    if req.swa_full and spec.has_swa:
+        parts.append("--swa-full")
     if not req.mmap:
         parts.append("--no-mmap")
     return " ".join(parts)
@@ -406,5 +411,6 @@ def check_load(spec: ModelSpec, plan, device: DeviceProfile | None = None, backe
         n_ctx=max(1, -(-plan.n_ctx // plan.n_seq)), n_seq=plan.n_seq, type_k=plan.type_k, type_v=plan.type_v,
         flash_attn=plan.flash_attn, n_gpu_layers=plan.n_gpu_layers, n_batch=plan.n_batch,
         n_ubatch=min(plan.n_ubatch, plan.n_batch), n_outputs_max=outputs, backend=backend,
-        mmap=bool(plan.options.get("mmap", True)), n_ctx_total=plan.n_ctx)
+        mmap=bool(plan.options.get("mmap", True)), swa_full=bool(plan.options.get("swa_full", True)),
+        n_ctx_total=plan.n_ctx)
     return fit_device(spec, dev, req)
