@@ -28,6 +28,7 @@ from pathlib import Path
 
 from gguf import GGUFValueType as V
 
+from gguf_tools.reader import read_header
 from gguf_tools.skeleton import write_skeleton
 
 N_VOCAB, N_MERGES = 151_936, 151_387
@@ -110,6 +111,7 @@ def measure(path: Path, repeat: int) -> dict:
     ours, theirs = _child(path, "ours", repeat), _child(path, "gguf", 1)
     return {
         "file": path.name, "file_size": path.stat().st_size, "disk_used": path.stat().st_blocks * 512,
+        "header_bytes": read_header(path).data_offset,
         "command_s": statistics.median(cmd_ours), "command_min_s": min(cmd_ours),
         "gguf_command_s": cmd_gguf[0], "python_startup_s": statistics.median(cmd_python),
         "parse_s": ours["s"], "gguf_parse_s": theirs["s"], "parse_ratio": theirs["s"] / ours["s"],
@@ -131,11 +133,12 @@ def main() -> int:
         rows = {"skeleton header": measure(small, args.repeat), "with 152K vocabulary": measure(real, args.repeat)}
     print(f"machine: {os.cpu_count()} CPUs, load average {_loadavg()} (before: {load0}); "
           f"median of {args.repeat} runs (GGUFReader: 1)\n")
-    head = (f"{'file':<22}{'size':>10}{'command':>10}{'python':>9}{'parse':>9}{'GGUFReader':>12}{'ratio':>7}"
-            f"{'read (ours)':>13}{'GGUFReader touched':>20}{'GGUFReader cmd':>16}")
+    head = (f"{'file':<22}{'size':>10}{'header':>10}{'command':>10}{'python':>9}{'parse':>9}{'GGUFReader':>12}"
+            f"{'ratio':>7}{'read (ours)':>13}{'GGUFReader touched':>20}{'GGUFReader cmd':>16}")
     print(head)
     for name, r in rows.items():
-        print(f"{name:<22}{r['file_size'] / 2**30:>7.2f}GiB{r['command_s']:>9.3f}s{r['python_startup_s']:>8.3f}s"
+        print(f"{name:<22}{r['file_size'] / 2**30:>7.2f}GiB{r['header_bytes'] / 2**20:>7.2f}MiB"
+              f"{r['command_s']:>9.3f}s{r['python_startup_s']:>8.3f}s"
               f"{r['parse_s'] * 1e3:>7.1f}ms{r['gguf_parse_s'] * 1e3:>10.1f}ms{r['parse_ratio']:>6.1f}x"
               f"{r['rchar'] / 2**20:>9.2f} MiB{r['gguf_mapped_rss'] / 2**20:>16.2f} MiB{r['gguf_command_s']:>15.3f}s")
     print("\ncommand: `python -m localinfer inspect FILE` wall time (target < 0.3 s); python: bare interpreter start;"
@@ -143,7 +146,9 @@ def main() -> int:
           "\nfile during our parse (target < 10 MiB); GGUFReader touched: resident pages of its memory map of the file;"
           "\nGGUFReader cmd: `python -c 'import gguf; gguf.GGUFReader(FILE)'` wall time")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        meta = {"cpus": os.cpu_count(), "loadavg_before": load0, "loadavg_after": _loadavg(),
+                "repeat": args.repeat, "python": sys.version.split()[0]}
+        Path(args.json).write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
     return 0
 
 
