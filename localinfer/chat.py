@@ -41,11 +41,11 @@ class ChatSession:
 
     def __init__(self, engine, template, *, params: SamplingParams | None = None, max_tokens: int = 512,
                  decoder=None, system: str | None = None, context_shift: bool = False,
-                 save_path: str | None = None, out: TextIO = sys.stdout, model_name: str = ""):
+                 save_path: str | None = None, out: TextIO = sys.stdout, model_name: str = "",
+                 ignore_eos: bool = False):
         self.engine, self.template = engine, template
         self.runner = Runner(engine)
         self.params = params or SamplingParams()
-        self.sampler = Sampler(self.params)
         self.max_tokens = check_max_tokens(max_tokens)
         self.decoder = decoder
         self.system = system
@@ -53,10 +53,15 @@ class ChatSession:
         self.save_path = save_path
         self.out = out
         self.model_name = model_name
+        self.ignore_eos = ignore_eos
+        self.sampler = self._sampler()
         self.messages: list[dict] = []
         self.start = 0               # messages[start:] are in the model's view
         self.last = None             # the last reply's final chunk
         self.dim = out.isatty() if hasattr(out, "isatty") else False
+
+    def _sampler(self) -> Sampler:
+        return Sampler(self.params, banned=self.engine.eos_ids if self.ignore_eos else ())
 
     # ---- output --------------------------------------------------------------
     def say(self, text: str = "", *, end: str = "\n") -> None:
@@ -103,7 +108,8 @@ class ChatSession:
             self.messages.pop()
             return
         parts: list[str] = []
-        stream = self.runner.stream(prompt, max_tokens=self.max_tokens, sampler=self.sampler, decoder=self.decoder)
+        stream = self.runner.stream(prompt, max_tokens=self.max_tokens, sampler=self.sampler, decoder=self.decoder,
+                                    ignore_eos=self.ignore_eos)
         chunk = None
         try:
             for chunk in stream:
@@ -205,7 +211,7 @@ class ChatSession:
                 raise UsageError(f"max_tokens needs a whole number, got {value!r}") from None
         else:
             self.params = self.params.with_setting(key, value)
-            self.sampler = Sampler(self.params)
+            self.sampler = self._sampler()
         self.note(f"[{key} = {value}]")
 
     def transcript(self) -> dict:

@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
                 pass
         session = ChatSession(engine, template, params=params, max_tokens=max_tokens, decoder=decoder,
                               system=args.system, context_shift=args.context_shift, save_path=args.save,
-                              model_name=spec.name or os.path.basename(str(plan.model_path)))
+                              model_name=spec.name or os.path.basename(str(plan.model_path)),
+                              ignore_eos=args.ignore_eos)
         if loaded:
             session.messages, system = loaded
             session.system = system if system is not None else session.system
