@@ -46,6 +46,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
         if name == command:
             _command_module(name).add_arguments(p)
+            parser.set_defaults(_subparser=p)
     return parser
 
 
@@ -75,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     command = _find_command(argv)
     try:
         parser = build_parser(command)
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            # report unknown flags against the subcommand's own usage
+            getattr(args, "_subparser", parser).error("unrecognized arguments: " + " ".join(extra))
         if not args.command:
             parser.print_help()
             return 0
