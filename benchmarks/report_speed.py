@@ -50,7 +50,7 @@ def main() -> int:
     paths = [write_skeleton(p, tmp / f"{p}.gguf", type=t) for p, t in MODELS]
     devices = all_devices()
     load = os.getloadavg()
-    t_read, specs = best(lambda: [ModelSpec.from_gguf(p) for p in paths], args.repeats)
+    t_read, _ = best(lambda: [ModelSpec.from_gguf(p) for p in paths], args.repeats)
     wl = Workload(16, 8192, 256, deadline_s=7)
     figures = {"read_headers_s": t_read}
 
@@ -59,7 +59,7 @@ def main() -> int:
         return render(build_report(fresh, devices, CONTEXTS, KV, plots=fmt == "html", workload=wl), fmt)
 
     for fmt in ("text", "md", "json", "html"):
-        figures[f"read_build_render_{fmt}_s"], _ = best(lambda: cold(fmt), args.repeats)
+        figures[f"read_build_render_{fmt}_s"], _ = best(lambda f=fmt: cold(f), args.repeats)
     figures["read_build_render_html_cpu_s"], _ = best(lambda: cold("html"), args.repeats, time.process_time)
     cli = [sys.executable, "-m", "localinfer", "report", *map(str, paths), "--format", "html",
            "-o", str(tmp / "r.html")]

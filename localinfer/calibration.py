@@ -32,7 +32,7 @@ class DecodeSample:
     shared_prefix: int = 0
 
     @classmethod
-    def from_request(cls, batch: int, input_tokens: int, output_tokens: int, seconds: float, **kw) -> "DecodeSample":
+    def from_request(cls, batch: int, input_tokens: int, output_tokens: int, seconds: float, **kw) -> DecodeSample:
         """A mean step measured over whole requests (context grows from L to L + G)."""
         return cls(batch, input_tokens + output_tokens // 2, seconds, **kw)
 
@@ -52,7 +52,7 @@ class PrefillSample:
 
     @classmethod
     def from_mfu(cls, cost: ModelCost, peak_flops: float, batch: int, new_tokens: int, mfu: float,
-                 cached_tokens: int = 0) -> "PrefillSample":
+                 cached_tokens: int = 0) -> PrefillSample:
         """A prefill reported as a fraction of peak FLOP/s (an efficiency table row)."""
         flops = batch * cost.prefill_flops(new_tokens, cached_tokens)
         return cls(batch, new_tokens, flops / (peak_flops * mfu), cached_tokens)
@@ -70,10 +70,10 @@ class Calibration:
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
 
-    def bind(self, cost: ModelCost) -> "BoundCalibration":
+    def bind(self, cost: ModelCost) -> BoundCalibration:
         return BoundCalibration(self, cost)
 
-    def split(self, keep) -> tuple["Calibration", "Calibration"]:
+    def split(self, keep) -> tuple[Calibration, Calibration]:
         """(samples where keep(sample) is true, the rest): calibrate on some, check the others."""
         a = Calibration(tuple(s for s in self.decode if keep(s)), tuple(s for s in self.prefill if keep(s)),
                         self.source, self.model)
@@ -175,14 +175,14 @@ class LinearFit:
     def at(self, x: float) -> float:
         return self.fixed + self.slope * x
 
-    def crossover(self, other: "LinearFit") -> float:
+    def crossover(self, other: LinearFit) -> float:
         """x where the two lines meet (inf when parallel)."""
         if self.slope == other.slope:
             return math.inf
         return (other.fixed - self.fixed) / (self.slope - other.slope)
 
     @classmethod
-    def fit(cls, points: list[tuple[float, float]]) -> "LinearFit":
+    def fit(cls, points: list[tuple[float, float]]) -> LinearFit:
         """Least squares through (x, y) points (one point: a flat line)."""
         n = len(points)
         if n == 0:

@@ -21,7 +21,7 @@ from .spec import ModelSpec
 
 _LAYER_RE = re.compile(r"^blk\.\d+\.")
 DEFAULT_UBATCH = 512
-__all__ = ["KV_TYPES", "kv_pair", "attention_pairs", "ModelCost", "model_cost", "ceil_div", "rounds_needed"]
+__all__ = ["KV_TYPES", "ModelCost", "attention_pairs", "ceil_div", "kv_pair", "model_cost", "rounds_needed"]
 
 
 def kv_pair(kv: str | tuple[str, str], flag: str = "--kv") -> tuple[str, str]:

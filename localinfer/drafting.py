@@ -17,9 +17,21 @@ from dataclasses import dataclass
 from .errors import UsageError
 from .speculative import choose_draft_length, expected_tokens
 
-__all__ = ["expected_tokens", "choose_draft_length", "acceptances", "mean_token_time", "lookup_break_even",
-           "payback_tokens", "padded_rows", "DraftRow", "draft_length_table", "worth_lengthening", "Drafting",
-           "GRAPH_SHAPES", "draft_forward_s"]
+__all__ = [
+    "GRAPH_SHAPES",
+    "DraftRow",
+    "Drafting",
+    "acceptances",
+    "choose_draft_length",
+    "draft_forward_s",
+    "draft_length_table",
+    "expected_tokens",
+    "lookup_break_even",
+    "mean_token_time",
+    "padded_rows",
+    "payback_tokens",
+    "worth_lengthening",
+]
 
 GRAPH_SHAPES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -124,7 +136,7 @@ class Drafting:
 
     @classmethod
     def lookup(cls, acceptance: float | Sequence[float], draft_tokens: int = 4, query_s: float = 1e-4,
-               setup_s: float = 0.0) -> "Drafting":
+               setup_s: float = 0.0) -> Drafting:
         """Context lookup (prompt lookup): drafts from an index in host memory, no device memory."""
         a = acceptances(acceptance, draft_tokens)
         return cls("lookup", expected_tokens(a), len(a), round_extra_s=query_s, setup_s=setup_s,

@@ -227,7 +227,7 @@ def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
 
 def outcome_dict(o: Outcome) -> dict:
     t = o.timing
-    finite = lambda x: None if x is None or not math.isfinite(x) else x   # noqa: E731
+    finite = lambda x: None if x is None or not math.isfinite(x) else x
     return {
         "name": o.name, "label": o.config.label, "kv": o.config.kv, "share_prefix": o.config.share_prefix,
         "drafting": None if o.config.drafting is None else dataclasses.asdict(o.config.drafting),

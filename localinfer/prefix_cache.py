@@ -9,8 +9,8 @@ space, rank prefixes by expected saving per MiB.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from .errors import UsageError
 from .perf import SpeedModel

@@ -87,8 +87,8 @@ def render_html(report: Report) -> str:
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              "<title>localinfer capacity report</title>", f"<style>{_CSS}</style></head><body>",
              "<h1>localinfer capacity report</h1>",
-             f'<p class="note">{escape(report.created)} · devices: {escape(", ".join(report.devices))} · '
-             f'contexts: {escape(", ".join(map(str, report.contexts)))} · KV: {escape(", ".join(report.kv_types))}</p>']
+             (f'<p class="note">{escape(report.created)} · devices: {escape(", ".join(report.devices))} · '
+              f'contexts: {escape(", ".join(map(str, report.contexts)))} · KV: {escape(", ".join(report.kv_types))}</p>')]
     for model in report.models:
         head, rows = table(report, model)
         parts += [f"<h2>{escape(model)}</h2>", _table_html(head, rows)]
@@ -99,9 +99,9 @@ def render_html(report: Report) -> str:
     if figs:
         fw = report.plots.get("feasibility", {}).get("workload", {})
         parts += ["<h2>Figures</h2>",
-                  '<p class="note">Feasibility maps: each letter is a configuration (hover for its name); '
-                  f'{escape(str(fw.get("requests", "")))} requests arriving together; green shade = within the KV '
-                  "budget and the deadline.</p>",
+                  ('<p class="note">Feasibility maps: each letter is a configuration (hover for its name); '
+                   f'{escape(str(fw.get("requests", "")))} requests arriving together; green shade = within the KV '
+                   "budget and the deadline.</p>"),
                   '<div class="figs">', *figs, "</div>"]
     parts += ["<ul class=note>", *[f"<li>{escape(n)}</li>" for n in report.notes], "</ul></body></html>"]
     return "\n".join(parts)

@@ -200,10 +200,10 @@ def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | Non
     """Every model × device.  ``calibrations`` maps a device name to its measurements."""
     calibrations = calibrations or {}
     rows = tuple(build_row(s, d, contexts, kv_types, calibrations.get(d.name)) for s in specs for d in devices)
-    notes = ["memory as `localinfer fit` counts it (llama.cpp placement, KV cells, compute and output buffers) "
-             "against each device's usable memory; requests and largest ctx extend the KV term linearly",
-             "speeds are batch 1 with the KV type shown; offload streams weight groups over the host link "
-             "with two prefetch buffers",
+    notes = [("memory as `localinfer fit` counts it (llama.cpp placement, KV cells, compute and output buffers) "
+              "against each device's usable memory; requests and largest ctx extend the KV term linearly"),
+             ("speeds are batch 1 with the KV type shown; offload streams weight groups over the host link "
+              "with two prefetch buffers"),
              "speeds come from each profile's bandwidth, peak FLOP/s and efficiencies unless measured",
              "largest ctx stops at the model's trained context length"]
     for s in specs:
@@ -213,7 +213,7 @@ def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | Non
                          f"length {s.n_ctx_train}")
     report = Report(tuple(s.name for s in specs), tuple(d.name for d in devices), tuple(contexts),
                     tuple(kv_types), rows,
-                    datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), tuple(notes))
+                    datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), tuple(notes))
     if plots:
         from .report_plots import plot_data
 

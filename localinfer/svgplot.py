@@ -60,8 +60,8 @@ class Axes:
 def _frame(ax: Axes, title: str, x_label: str, y_label: str, fx, fy) -> list[str]:
     w, h = ax.w, ax.h
     left, right, top, bottom = MARGIN[0], w - ax.right, MARGIN[2], h - MARGIN[3]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-           f'font-family="sans-serif" font-size="11" role="img" aria-label="{escape(title)}">',
+    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+            f'font-family="sans-serif" font-size="11" role="img" aria-label="{escape(title)}">'),
            f'<rect x="0" y="0" width="{w}" height="{h}" fill="#fff"/>',
            f'<text x="{w / 2:.0f}" y="16" text-anchor="middle" font-size="13" font-weight="bold">{escape(title)}</text>']
     for t in ax.ticks("x"):

@@ -8,13 +8,36 @@ import chapter
 import pytest
 from chapter import close
 
-from localinfer.calibration import Calibration, Curve, DecodeSample, LinearFit, PrefillSample, StepFit
+from localinfer.calibration import (
+    Calibration,
+    Curve,
+    DecodeSample,
+    LinearFit,
+    PrefillSample,
+    StepFit,
+)
 from localinfer.cost import attention_pairs, model_cost
-from localinfer.drafting import (Drafting, choose_draft_length, draft_forward_s, draft_length_table,
-                                 expected_tokens, lookup_break_even, mean_token_time, padded_rows, payback_tokens,
-                                 worth_lengthening)
+from localinfer.drafting import (
+    Drafting,
+    choose_draft_length,
+    draft_forward_s,
+    draft_length_table,
+    expected_tokens,
+    lookup_break_even,
+    mean_token_time,
+    padded_rows,
+    payback_tokens,
+    worth_lengthening,
+)
 from localinfer.errors import UsageError
-from localinfer.perf import SpeedModel, Workload, amdahl, compression_gain, energy_per_good, gpu_seconds
+from localinfer.perf import (
+    SpeedModel,
+    Workload,
+    amdahl,
+    compression_gain,
+    energy_per_good,
+    gpu_seconds,
+)
 from localinfer.units import GB, GiB, MiB
 
 

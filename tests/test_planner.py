@@ -13,7 +13,16 @@ from localinfer.devices import get_device
 from localinfer.errors import UsageError
 from localinfer.offload import CompressedTransfer, offload_groups, plan_offload
 from localinfer.perf import SpeedModel, Workload
-from localinfer.planner import Config, LATE, NOT_FIT, ON_TIME, choose, evaluate, kv_memory, plan
+from localinfer.planner import (
+    LATE,
+    NOT_FIT,
+    ON_TIME,
+    Config,
+    choose,
+    evaluate,
+    kv_memory,
+    plan,
+)
 from localinfer.prefix_cache import choose_prefixes, prefix_value
 from localinfer.units import GB, GiB, MiB
 

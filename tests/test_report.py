@@ -20,7 +20,6 @@ from localinfer.fit import FitRequest, fit_device
 from localinfer.report_html import render_html
 from localinfer.reports import build_report, render_json, render_md, render_text
 from localinfer.spec import ModelSpec
-from localinfer.units import GiB
 
 HOSTILE = "evil<script>alert(1)</script>|\x1b[31mred\x07"
 DEVICES = ("rtx-pro-6000", "m2-max-96gb", "rtx-4090")

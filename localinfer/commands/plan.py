@@ -112,8 +112,8 @@ def render_text(spec, speed, p) -> str:
     deadline = f"deadline {w.deadline_s:g} s" if w.deadline_s else "no deadline"
     src = speed.calibration.cal.source if speed.calibration else "device profile efficiencies"
     lines = [f"{_clean(spec.name)} on {_clean(dev.display_name)}",
-             f"{w.requests} request(s) × {w.input_tokens} tokens in{shared} → {w.output_tokens} out; {deadline}; "
-             f"KV budget {fmt_bytes(p.budget_bytes)}; speed from {_clean(src)}", ""]
+             (f"{w.requests} request(s) × {w.input_tokens} tokens in{shared} → {w.output_tokens} out; {deadline}; "
+              f"KV budget {fmt_bytes(p.budget_bytes)}; speed from {_clean(src)}"), ""]
     head = ("", "configuration", "KV+draft", "prefill", "decode", "total", "verdict", "GPU·s/good", "J/good")
     rows = [head]
     for o in p.outcomes:

@@ -47,7 +47,7 @@ def build(args: argparse.Namespace):
     """The Report for the parsed arguments."""
     from ..bench_import import load_bench
     from ..cost import kv_pair
-    from ..devices import all_devices, get_device, local_device, load_profiles
+    from ..devices import all_devices, get_device, load_profiles, local_device
     from ..models import resolve_model
     from ..perf import Workload
     from ..reports import build_report
