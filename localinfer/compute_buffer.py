@@ -416,10 +416,13 @@ def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: in
     mesize = F16 if flash_attn else F32
     host = T * I32 * 2 + 2 * E * T * F32 + T * I64 + n_kv * T * mesize + n_outputs * I32
     host_formula = "inputs (tokens, positions, KV indices, mask, output ids) + embedding rows"
-    if 0 < gpu_layers < spec.n_layers:
-        per_layer = max(spec.layer_bytes[: spec.n_layers - gpu_layers], default=0)
-        dev += per_layer
-        formula += f" + one CPU layer's weights copied for offloaded matmuls ({per_layer} B, estimate)"
-    if gpu_layers == 0:
-        return ComputeEstimate(dev, 0, formula)
+    if gpu_layers < spec.n_layers:
+        cpu_layers = spec.layer_bytes[: spec.n_layers - gpu_layers]
+        copy = max(cpu_layers, default=0)
+        dev += copy
+        formula += (f" + the largest host layer's weights ({copy} B) copied up for batched matmuls "
+                    "(op offload; an estimate, not verified on a GPU here)")
+        if gpu_layers == 0:
+            host = dev - copy
+            host_formula = "the whole graph runs on the host (same replay)"
     return ComputeEstimate(dev, host, formula, host_formula)

@@ -190,10 +190,9 @@ def breakdown(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> tuple[
                       f"n_vocab {spec.vocab_size} × n_seq {req.n_seq} × 4 B (float32 logits)", "CPU output"))
     gpu_layers = 0 if start >= spec.n_layers else spec.n_layers - start
     ce = compute_estimate(spec, n_kv=cells.cells_base, n_ubatch=n_ubatch, n_outputs=n_outputs,
-                          flash_attn=req.flash_attn_on, kind=kind if gpu_layers else "cpu", gpu_layers=gpu_layers,
+                          flash_attn=req.flash_attn_on, kind=kind, gpu_layers=gpu_layers,
                           type_k=req.type_k, type_v=req.type_v, n_kv_swa=cells.cells_swa)
-    terms.append(Term("compute", "compute buffer", ce.device, _pool(kind, gpu_layers > 0), ce.formula,
-                      f"{dev if gpu_layers else 'CPU'} compute"))
+    terms.append(Term("compute", "compute buffer", ce.device, "device", ce.formula, f"{dev} compute"))
     if ce.host:
         terms.append(Term("compute", "compute buffer (host)", ce.host, "host", ce.host_formula, "CPU compute"))
     unified = device.unified or kind == "cpu"

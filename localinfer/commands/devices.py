@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(_table(devices))
     dirs = ", ".join(str(d) for d in user_profile_dirs())
-    print(f"\nadd your own: a TOML file in {dirs} (schema: localinfer/profiles/README.md)")
+    print(f"\nusable = memory − reserve (see `localinfer devices NAME`); add your own profile as a TOML file in\n"
+          f"{dirs} (schema: localinfer/profiles/README.md)")
     return 0
 
 
@@ -49,18 +50,19 @@ def _clean(text: str) -> str:
 def _table(devices) -> str:
     from ..units import GB, GiB
 
-    head = f"{'name':<16}{'kind':<6}{'memory':>10}{'usable':>11}{'bandwidth':>11}{'BF16 peak':>11}{'host link':>11}{'power':>7}  description"
+    head = f"{'name':<16}{'kind':<6}{'usable':>10}{'bandwidth':>11}{'BF16':>8}{'link':>10}{'power':>7}  about"
     lines = [head, "-" * 100]
     for p in devices:
         bw = f"{p.bandwidth_bytes_per_s / GB:,.0f} GB/s" if p.bandwidth_bytes_per_s else "—"
-        fl = f"{p.bf16_flops / 1e12:,.1f} T" if p.bf16_flops else "—"
+        fl = f"{p.bf16_flops / 1e12:,.0f} T" if p.bf16_flops else "—"
         link = "unified" if p.unified and p.kind != "cpu" else (f"{p.link_bytes_per_s / GB:,.0f} GB/s"
                                                                 if p.link_bytes_per_s else "—")
         pw = f"{p.power_w:.0f} W" if p.power_w else "—"
         desc = _clean(p.display_name)
-        line = (f"{_clean(p.name)[:15]:<16}{p.kind:<6}{p.memory_bytes / GiB:>6.1f} GiB{p.usable_bytes / GiB:>7.2f} GiB"
-                f"{bw:>11}{fl:>11}{link:>11}{pw:>7}  {desc}")
-        lines.append(line[:100])
+        line = (f"{_clean(p.name)[:15]:<16}{p.kind:<6}{p.usable_bytes / GiB:>6.1f} GiB"
+                f"{bw:>11}{fl:>8}{link:>10}{pw:>7}  ")
+        room = 100 - len(line)
+        lines.append(line + (desc if len(desc) <= room else desc[: room - 1] + "…"))
     return "\n".join(lines)
 
 
