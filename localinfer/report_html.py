@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from html import escape
 
-from .reports import Report, measured_table, table
+from .reports import Report, clean, measured_table, table
 from .svgplot import feasibility_map, line_chart
-from .units import GiB, MiB, fmt_bytes
+from .units import GiB, MiB
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
@@ -23,7 +23,7 @@ def _bytes_label(v: float) -> str:
         return f"{v / GiB:g} GiB"
     if v >= MiB:
         return f"{v / MiB:g} MiB"
-    return fmt_bytes(v)
+    return f"{v / 1024:g} KiB" if v >= 1024 else f"{v:g} B"
 
 
 def _gib(v: float) -> str:
@@ -35,7 +35,10 @@ def _seconds(v: float) -> str:
 
 
 def _count(v: float) -> str:
-    return f"{v:g}" if v < 1e4 else f"{v:.0e}"
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if v >= div:
+            return f"{v / div:g}{unit}"
+    return f"{v:g}"
 
 
 def _ctx_label(v: float) -> str:
@@ -65,11 +68,11 @@ def _figures(plots: dict) -> list[str]:
         for s in series:
             if s["kind"] != "weights":
                 s["color"] = next(colors, None)
-        out.append(line_chart(f"Bytes read per output token — {bpt['model']}", series, bpt["x"], bpt["y"],
+        out.append(line_chart(f"Bytes read per output token — {clean(bpt['model'])}", series, bpt["x"], bpt["y"],
                               fx=_count, fy=_bytes_label, x_base=2, y_base=4))
     cap = plots.get("capacity")
     if cap and cap["series"]:
-        out.append(line_chart(f"Requests that fit vs context ({cap['kv']} KV) — {cap['model']}", cap["series"],
+        out.append(line_chart(f"Requests that fit vs context ({cap['kv']} KV) — {clean(cap['model'])}", cap["series"],
                               cap["x"], cap["y"], fx=_ctx_label, fy=_count, x_base=2))
     feas = plots.get("feasibility")
     if feas:
@@ -79,6 +82,10 @@ def _figures(plots: dict) -> list[str]:
                      + (f", best {m['best']}" if m["best"] else ", nothing feasible"))
             pts = [{**p, "memory": p["memory"] / GiB} for p in m["points"]]
             out.append(feasibility_map(title, pts, m["budget"] / GiB, m["deadline"], fx=_gib, fy=_seconds))
+        names = {p["name"]: p["label"] for m in feas["maps"] for p in m["points"]}
+        if names:
+            items = "".join(f"<li><b>{escape(k)}</b> {escape(v)}</li>" for k, v in names.items())
+            out.append(f'<ul class="note" style="flex-basis:100%">{items}</ul>')
     return out
 
 
@@ -91,7 +98,7 @@ def render_html(report: Report) -> str:
               f'contexts: {escape(", ".join(map(str, report.contexts)))} · KV: {escape(", ".join(report.kv_types))}</p>')]
     for model in report.models:
         head, rows = table(report, model)
-        parts += [f"<h2>{escape(model)}</h2>", _table_html(head, rows)]
+        parts += [f"<h2>{escape(clean(model))}</h2>", _table_html(head, rows)]
     head, rows = measured_table(report)
     if rows:
         parts += ["<h2>Measured vs predicted</h2>", _table_html(head, rows)]

@@ -234,7 +234,9 @@ def _tok(x: float | None) -> str:
 
 
 def _ms(x: float | None) -> str:
-    return "—" if x is None else (f"{x:.2f} s" if x >= 1 else f"{x * 1e3:.0f} ms")
+    if x is None:
+        return "—"
+    return f"{x:.2f} s" if x >= 1 else (f"{x * 1e3:.0f} ms" if x >= 1e-3 else f"{x * 1e6:.0f} µs")
 
 
 def _ctx(n: int) -> str:

@@ -113,7 +113,8 @@ def feasibility_map(title: str, points: list[dict], budget: float, deadline: flo
     out.append(f'<rect x="{x0:.1f}" y="{yd:.1f}" width="{max(xb - x0, 0):.1f}" height="{max(y0 - yd, 0):.1f}" '
                f'fill="#2ca02c" fill-opacity="0.10"/>')
     out.append(f'<line x1="{xb:.1f}" y1="{MARGIN[2]}" x2="{xb:.1f}" y2="{height - MARGIN[3]}" stroke="#d62728" '
-               f'stroke-dasharray="6 4"/><text x="{xb + 3:.1f}" y="{MARGIN[2] + 12}" fill="#d62728">budget</text>')
+               f'stroke-dasharray="6 4"/><text x="{xb - 3:.1f}" y="{height - MARGIN[3] - 4}" text-anchor="end" '
+               f'fill="#d62728">budget</text>')
     if deadline:
         out.append(f'<line x1="{MARGIN[0]}" y1="{yd:.1f}" x2="{width - MARGIN[1]}" y2="{yd:.1f}" stroke="#d62728" '
                    f'stroke-dasharray="6 4"/><text x="{width - MARGIN[1] - 4}" y="{yd - 4:.1f}" text-anchor="end" '
