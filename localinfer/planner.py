@@ -214,6 +214,22 @@ def plan(speed: SpeedModel, workload: Workload, budget_bytes: int, configs: list
     return Plan(workload, budget_bytes, tuple(outcomes), best, reasons)
 
 
+def lookup_draft_length(speed: SpeedModel, workload: Workload, acceptance: float, longest: int = 16,
+                        query_s: float = 1e-4) -> int:
+    """Draft length for context lookup by the marginal rule, verified rows padded to graph shapes."""
+    from .drafting import acceptances, choose_draft_length, padded_rows
+
+    w = workload
+
+    def round_s(m: int) -> float:
+        rows = padded_rows(m + 1)
+        return speed.decode_step(w.requests, w.decode_context, rows=rows).seconds + (query_s if m else 0.0)
+
+    if math.isnan(round_s(0)):
+        return 4
+    return max(1, choose_draft_length(acceptances(acceptance, longest), round_s, range(1, longest + 1)))
+
+
 def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
     """What the device leaves for KV: usable memory minus weights, compute and output buffers.
 

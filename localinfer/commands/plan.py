@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kv", default=KV_DEFAULT, metavar="TYPES", help=f"KV types to try (default {KV_DEFAULT})")
     c.add_argument("--acceptance", type=float, default=None, metavar="A",
                    help="per-position draft acceptance; adds prompt-lookup (and --draft) configurations")
-    c.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="draft tokens per round (default 4)")
+    c.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per round (default: the length the marginal rule picks, padded graph shapes)")
     c.add_argument("--draft", default=None, metavar="GGUF", help="a draft model to consider")
     c.add_argument("--no-offload", action="store_true", help="do not consider weight offload")
     p.add_argument("--bench", default=None, metavar="FILE",
@@ -58,7 +59,12 @@ def build(args: argparse.Namespace):
     from ..drafting import Drafting, model_drafting
     from ..models import resolve_model
     from ..perf import SpeedModel
-    from ..planner import candidate_configs, default_kv_budget, plan
+    from ..planner import (
+        candidate_configs,
+        default_kv_budget,
+        lookup_draft_length,
+        plan,
+    )
     from ..spec import ModelSpec
     from ..units import parse_size
 
@@ -84,10 +90,11 @@ def build(args: argparse.Namespace):
             raise UsageError(f"--kv: {exc}", flag="--kv", hint=exc.hint) from None
     drafts = []
     if args.acceptance is not None:
-        drafts.append(Drafting.lookup(args.acceptance, args.draft_tokens))
+        k = args.draft_tokens or lookup_draft_length(speed, workload, args.acceptance)
+        drafts.append(Drafting.lookup(args.acceptance, k))
         if args.draft:
             draft = model_cost(ModelSpec.from_gguf(resolve_model(args.draft)))
-            drafts.append(model_drafting(draft, speed, workload, args.acceptance, args.draft_tokens))
+            drafts.append(model_drafting(draft, speed, workload, args.acceptance, k))
     elif args.draft:
         raise UsageError("--draft needs --acceptance (how often the target agrees with the draft)",
                          flag="--acceptance", hint="e.g. --acceptance 0.7")
@@ -118,7 +125,12 @@ def render_text(spec, speed, p) -> str:
     rows = [head]
     for o in p.outcomes:
         t = o.timing
-        rows.append((o.name, o.config.label, fmt_bytes(o.memory_bytes), _s(t.prefill.seconds),
+        label = o.config.label
+        if o.offload is not None:
+            off = o.offload
+            label += (f" ({len(off.groups)} groups, copy {_ms(off.copy_s_per_step)}/step"
+                      f"{', hidden' if off.copy_hidden else ''})")
+        rows.append((o.name, label, fmt_bytes(o.memory_bytes), _s(t.prefill.seconds),
                      f"{t.steps} × {_ms(t.step.seconds)}", _s(t.total_s), o.verdict,
                      "—" if not math.isfinite(o.gpu_s_per_good) else f"{o.gpu_s_per_good:.3f}",
                      "—" if o.joules_per_good is None or not math.isfinite(o.joules_per_good)
