@@ -145,6 +145,11 @@ class LlamaCppEngine(Engine):
         self._mem = _L.llama_get_memory(self._ctx)
         self._vocab = _L.llama_model_get_vocab(self._model)
         self.n_vocab = _L.llama_vocab_n_tokens(self._vocab)
+        if _L.llama_vocab_type(self._vocab) == _L.LLAMA_VOCAB_TYPE_NONE or self.n_vocab <= 0:
+            self.close()
+            raise UnsupportedModelError(f"{os.path.basename(path)} has no tokenizer, so it cannot generate text",
+                                        hint="is this a header-only skeleton (localinfer skeleton)? those are for "
+                                             "`localinfer fit`; pass a full model file")
         per_seq = max(1, plan.n_ctx // plan.n_seq)
         self.n_ctx = min(per_seq, _L.llama_n_ctx_seq(self._ctx))
         self.add_bos = bool(_L.llama_vocab_get_add_bos(self._vocab))

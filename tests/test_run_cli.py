@@ -96,3 +96,12 @@ def test_chat_template_override_and_template_errors(capsys, tmp_path):
     tpl.write_text("{{ ''.__class__.__mro__ }}")
     code, _, err = run(capsys, "-p", "x", "--chat-template", str(tpl), *FAST)
     assert code == 1 and "sandbox" in err
+
+
+def test_a_model_that_does_not_fit_is_refused_before_loading(capsys, tmp_path):
+    from gguf_tools.skeleton import write_skeleton
+
+    big = write_skeleton("qwen3-235b-a22b", tmp_path / "big.gguf")  # header only, sparse data
+    code, out, err = run(capsys, str(big), "-p", "hi", "-t", "1")
+    assert code == 1 and out == ""
+    assert err.startswith("error: needs") and "usable" in err and "hint:" in err and "--force" in err

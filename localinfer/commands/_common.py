@@ -39,6 +39,8 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
                    help="layers on the accelerator (-1: all)")
     g.add_argument("-t", "--threads", dest="n_threads", type=int, default=None, metavar="N", help="CPU threads")
     g.add_argument("-b", "--batch", dest="n_batch", type=int, default=None, metavar="N", help="prompt tokens per eval")
+    g.add_argument("-ub", "--ubatch", dest="n_ubatch", type=int, default=None, metavar="N",
+                   help="tokens per compute graph (smaller: less compute memory)")
     g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template to use instead of the GGUF's")
     g.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
 
@@ -131,9 +133,15 @@ def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
             given[k] = v
     if given.get("n_threads") is not None and not 0 < given["n_threads"] <= 1024:
         raise UsageError(f"--threads {given['n_threads']} is out of range", flag="--threads", hint="use 1..1024")
-    if "n_batch" in given:
-        if not 0 < given["n_batch"] <= 1 << 16:
-            raise UsageError(f"--batch {given['n_batch']} is out of range", flag="--batch", hint="use 1..65536")
+    for key, flag in (("n_batch", "--batch"), ("n_ubatch", "--ubatch")):
+        v = getattr(args, key, None)
+        if v is not None and not 0 < v <= 1 << 16:
+            raise UsageError(f"{flag} {v} is out of range", flag=flag, hint="use 1..65536")
+    ub = getattr(args, "n_ubatch", None)
+    if ub is not None:
+        given["n_ubatch"] = ub
+        given["n_batch"] = max(given.get("n_batch", _PLAN_DEFAULTS["n_batch"]), ub)
+    elif "n_batch" in given:
         given["n_ubatch"] = min(given["n_batch"], _PLAN_DEFAULTS["n_ubatch"])
     given.update(overrides)
     return LoadPlan(model_path=str(path), **given)
