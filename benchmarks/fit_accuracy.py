@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import re
 import subprocess
 import sys
@@ -106,14 +105,14 @@ def _probe_main(spec_json: str) -> None:
     base.ggml_backend_buft_name.restype = ctypes.c_char_p
     base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
     breakdown = getattr(llama, "_Z26llama_get_memory_breakdownPK13llama_context", None)
-    for job, case in ((job, case) for job in jobs for case in job["cases"]):
+    for path, case in ((job["path"], case) for job in jobs for case in job["cases"]):
         logs.clear()
         mp = L.llama_model_default_params()
         if case["mmap"]:
             mp.load_mode = L.LLAMA_LOAD_MODE_MMAP
         else:
             mp.no_alloc, mp.load_mode, mp.use_extra_bufts = True, L.LLAMA_LOAD_MODE_NONE, True
-        model = L.llama_model_load_from_file(job["path"].encode(), mp)
+        model = L.llama_model_load_from_file(path.encode(), mp)
         if not model:
             print(json.dumps({"error": "load failed", "log": logs[-3:]}), flush=True)
             continue
@@ -170,7 +169,7 @@ def probe(jobs: list[tuple[str, list[Case]]], timeout: float = 900) -> list[list
     """llama.cpp's accounting for each (model path, cases) job, in one subprocess (a crash cannot take us down)."""
     payload = json.dumps([{"path": path, "cases": [c.__dict__ for c in cases]} for path, cases in jobs])
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", payload],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     n = sum(len(cases) for _, cases in jobs)
     if len(lines) < n:

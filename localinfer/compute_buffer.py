@@ -17,6 +17,7 @@ compute buffer to the byte (see tests/test_fit_llamacpp.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from .placement import spec_cache
 from .spec import ModelSpec
 
@@ -129,6 +130,24 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     post_norms = "post_attention_norm.weight" in has and "post_ffw_norm.weight" in has
     out_ids = None
     w = g.weight
+
+    def proj(x, n, key, heads, dim, norm):
+        t = g.op_("MUL_MAT", (n, T), F32, w(), x)
+        if bias[key]:
+            t = g.op_("ADD", (n, T), F32, t, w())
+        t = g.view(t, (dim, heads, T))
+        if norm and qk_norm:
+            t = g.op_("RMS_NORM", (dim, heads, T), F32, t)
+            t = g.op_("MUL", (dim, heads, T), F32, t, w())
+        return t
+
+    def rotate(t, rot, r, shape):
+        n = 1
+        for d in shape:
+            n *= d
+        t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
+        return g.view(t, shape)
+
     cur = g.op_("GET_ROWS", (E, T), F32, w(), tokens)
     if gemma:
         cur = g.op_("SCALE", (E, T), F32, cur)
@@ -141,44 +160,22 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         x = g.op_("RMS_NORM", (E, T), F32, inp)
         x = g.op_("MUL", (E, T), F32, x, w())
 
-        def proj(n, key, heads, dim, norm):
-            t = g.op_("MUL_MAT", (n, T), F32, w(), x)
-            if bias[key]:
-                t = g.op_("ADD", (n, T), F32, t, w())
-            t = g.view(t, (dim, heads, T))
-            if norm and qk_norm:
-                t = g.op_("RMS_NORM", (dim, heads, T), F32, t)
-                t = g.op_("MUL", (dim, heads, T), F32, t, w())
-            return t
-
-        def rotate(t, rot, r, shape):
-            n = 1
-            for d in shape:
-                n *= d
-            t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
-            return g.view(t, shape)
-
-        def value():
-            v = proj(nv, "v", Hkv, hdv, False)
-            return rotate(v, v_rot, rot_v, (hdv, Hkv, T)) if rot_v else v
-
-        def key():
-            k = proj(nk, "k", Hkv, hd, True)
-            k = g.op_("ROPE", (hd, Hkv, T), F32, k, pos, *((w(),) if rope_freqs else ()))
-            return rotate(k, k_rot, rot_k, (hd, Hkv, T)) if rot_k else k
-
-        q = proj(nq, "q", H, hd, True)
+        q = proj(x, nq, "q", H, hd, True)
         q = g.op_("ROPE", (hd, H, T), F32, q, pos, *((w(),) if rope_freqs else ()))
         if gemma:
             q = g.op_("SCALE", (hd, H, T), F32, q)
         if rot_k:
             q = rotate(q, k_rot, rot_k, (hd, H, T))
-        if gemma:
-            k = key()
-            v = value()
-        else:
-            v = value()
-            k = key()
+        kv: dict[str, int] = {}
+        for which in ("k", "v") if gemma else ("v", "k"):   # the order llama.cpp's graph visits them
+            if which == "v":
+                t = proj(x, nv, "v", Hkv, hdv, False)
+                kv["v"] = rotate(t, v_rot, rot_v, (hdv, Hkv, T)) if rot_v else t
+            else:
+                t = proj(x, nk, "k", Hkv, hd, True)
+                t = g.op_("ROPE", (hd, Hkv, T), F32, t, pos, *((w(),) if rope_freqs else ()))
+                kv["k"] = rotate(t, k_rot, rot_k, (hd, Hkv, T)) if rot_k else t
+        k, v = kv["k"], kv["v"]
         k_idx, v_idx, m = kv_input(is_swa)
         kc, vc = w(), w()
         g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
@@ -385,8 +382,8 @@ def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: i
 
 def _replay_layers(spec: ModelSpec, layers: list[int]) -> tuple[int, ...]:
     """Layers to replay: all of them, or the first and last few when the middle repeats exactly."""
-    uniform = (len(set(spec.n_head[il] for il in layers)) == 1 and len(set(spec.n_head_kv[il] for il in layers)) == 1
-               and len(set(spec.n_ff[il] for il in layers)) == 1 and not spec.has_swa)
+    uniform = (len({spec.n_head[il] for il in layers}) == 1 and len({spec.n_head_kv[il] for il in layers}) == 1
+               and len({spec.n_ff[il] for il in layers}) == 1 and not spec.has_swa)
     if len(layers) <= _FULL_LAYERS or not uniform:
         return tuple(layers)
     return tuple(layers[:3] + layers[-3:])

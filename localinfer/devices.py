@@ -13,17 +13,19 @@ psutil, CUDA devices through torch only when torch is already imported (or
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
 import sys
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .errors import ProfileError, UsageError
 from .units import GB, GiB, parse_size
@@ -108,7 +110,7 @@ def _interp(table: tuple[tuple[int, float], ...], batch: int) -> float | None:
         return None
     if batch <= table[0][0]:
         return table[0][1]
-    for (b0, v0), (b1, v1) in zip(table, table[1:]):
+    for (b0, v0), (b1, v1) in itertools.pairwise(table):
         if batch <= b1:
             t = (math.log2(batch) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
             return v0 + t * (v1 - v0)
@@ -355,7 +357,8 @@ def _macos_working_set_cap(ram: int) -> tuple[int, str]:
     import subprocess
 
     try:
-        out = subprocess.run(["sysctl", "-n", "iogpu.wired_limit_mb"], capture_output=True, text=True, timeout=2)
+        out = subprocess.run(["sysctl", "-n", "iogpu.wired_limit_mb"], capture_output=True, text=True, timeout=2,
+                             check=False)
         mb = int(out.stdout.strip() or 0)
     except (OSError, ValueError, subprocess.SubprocessError):
         mb = 0
@@ -370,12 +373,12 @@ def _cuda_devices(probe: bool) -> list[tuple[str, int]]:
     if "torch" not in sys.modules and not probe:
         return []
     try:
-        import torch  # noqa: PLC0415  (only when already imported or asked)
+        import torch
         if not torch.cuda.is_available():
             return []
         return [(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
                 for i in range(torch.cuda.device_count())]
-    except Exception:  # a broken torch install must not break `fit`
+    except (ImportError, RuntimeError, AttributeError, OSError):   # a broken torch must not break `fit`
         return []
 
 

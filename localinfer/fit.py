@@ -13,14 +13,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .budget import (BACKENDS, KV_TYPES, LlamaCells, MemoryBreakdown, Term, check_kv_type, kv_bytes,
-                     kv_bytes_from_layer, llama_cells, output_bytes)
+from .budget import (
+    BACKENDS,
+    LlamaCells,
+    MemoryBreakdown,
+    Term,
+    check_kv_type,
+    kv_bytes,
+    kv_bytes_from_layer,
+    llama_cells,
+    output_bytes,
+)
 from .compute_buffer import compute_estimate
 from .devices import DeviceProfile
 from .errors import UsageError
 from .placement import gpu_layer_start, weight_placement
 from .spec import ModelSpec
-from .units import GiB, fmt_bytes
+from .units import fmt_bytes
 
 MAX_PARALLEL = 256           # llama.cpp's LLAMA_MAX_SEQ
 KV_PREFERENCE = ("f16", "q8_0", "q4_0")   # most faithful first

@@ -217,7 +217,6 @@ def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:
     key = ("groups", feats)
     if key in memo:
         return memo[key]
-    n = spec.n_layers
     units: dict = {}
     if ("placed",) not in memo:
         memo[("placed",)] = place_tensors(spec, -1)

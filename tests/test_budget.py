@@ -3,11 +3,27 @@
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.budget import (blocks_for, kv_bytes, kv_bytes_per_token, llama_cells, mlx_bytes_per_token,
-                               mlx_capacity, output_bytes, page_usage, row_bytes, shared_prefix_kv, tokens_held)
+from localinfer.budget import (
+    blocks_for,
+    kv_bytes,
+    kv_bytes_per_token,
+    llama_cells,
+    mlx_bytes_per_token,
+    mlx_capacity,
+    output_bytes,
+    page_usage,
+    row_bytes,
+    shared_prefix_kv,
+    tokens_held,
+)
 from localinfer.compute_buffer import attn_rotation, compute_estimate
 from localinfer.errors import UsageError
-from localinfer.placement import gpu_layer_start, output_on_gpu, repackable, weight_placement
+from localinfer.placement import (
+    gpu_layer_start,
+    output_on_gpu,
+    repackable,
+    weight_placement,
+)
 from localinfer.spec import ModelSpec
 
 TINY = dict(arch="qwen3", n_layers=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, vocab_size=1000,
@@ -156,7 +172,7 @@ def test_partial_offload_is_exact_by_layer(tiny_f16):
     assert "CUDA0 model" not in none.buffers and none.n_gpu_layers == 0
     embd = tiny_f16.tensor("token_embd.weight").n_bytes
     assert full.tensor_bytes["CPU_Mapped model"] == embd          # the input layer stays on the host
-    for ngl in range(0, 5):
+    for ngl in range(5):
         wp = weight_placement(tiny_f16, "cuda", ngl)
         layers = sum(tiny_f16.layer_bytes[4 - ngl:])
         assert wp.n_gpu_layers == ngl and wp.buffers.get("CUDA0 model", 0) == layers   # f16: no row padding

@@ -5,8 +5,15 @@ import sys
 
 import pytest
 
-from localinfer.devices import (DeviceProfile, get_device, load_profile_file, load_profiles, local_device,
-                                profile_from_dict, reserve_bytes)
+from localinfer.devices import (
+    DeviceProfile,
+    get_device,
+    load_profile_file,
+    load_profiles,
+    local_device,
+    profile_from_dict,
+    reserve_bytes,
+)
 from localinfer.errors import ProfileError, UsageError
 from localinfer.units import GB, GiB, MiB
 

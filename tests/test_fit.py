@@ -196,7 +196,7 @@ def test_fit_never_imports_heavy_backends(model):
     code = ("import sys; from localinfer.cli import main; "
             f"assert main(['fit', {str(model)!r}, '--json']) == 0; "
             "bad = {'torch', 'llama_cpp', 'mlx'} & set(sys.modules); assert not bad, bad")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-500:]
 
 

@@ -14,10 +14,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-import fit_accuracy as fa  # noqa: E402
-from gguf import GGUFWriter  # noqa: E402
+import fit_accuracy as fa
+from gguf import GGUFWriter
 
-from gguf_tools.skeleton import write_skeleton  # noqa: E402
+from gguf_tools.skeleton import write_skeleton
 
 pytest.importorskip("llama_cpp")
 

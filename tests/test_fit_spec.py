@@ -10,8 +10,16 @@ import math
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.budget import (blocks_for, decode_weight_bytes, kv_bytes, kv_bytes_per_token, max_sequences,
-                               page_usage, shared_prefix_kv, tokens_held)
+from localinfer.budget import (
+    blocks_for,
+    decode_weight_bytes,
+    kv_bytes,
+    kv_bytes_per_token,
+    max_sequences,
+    page_usage,
+    shared_prefix_kv,
+    tokens_held,
+)
 from localinfer.devices import get_device
 from localinfer.fit import FitRequest, fit_device
 from localinfer.spec import ModelSpec
