@@ -1,6 +1,7 @@
 """`localinfer run` through the CLI boundary, in-process: output streams, JSON, and bad input."""
 
 import json
+import sys
 
 import pytest
 
@@ -105,3 +106,22 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(capsys, tmp_path):
     code, out, err = run(capsys, str(big), "-p", "hi", "-t", "1")
     assert code == 1 and out == ""
     assert err.startswith("error: needs") and "usable" in err and "hint:" in err and "--force" in err
+
+
+def test_a_registered_plugin_backend_gets_the_same_command(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from localinfer import backends
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_backend.py"
+    spec = importlib.util.spec_from_file_location("custom_backend_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # the registry imports backends by "module:Class"
+    backends.register("bigram", module.BigramEngine)
+    code, out, _ = run(capsys, "--backend", "bigram", "--raw", "-p", "the ", "-n", "12", "--seed", "2",
+                       "--ignore-eos", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["backend"] == "bigram"
+    assert doc["timings"]["generated_tokens"] == 12 and len(doc["text"].encode()) == 12

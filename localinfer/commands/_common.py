@@ -153,15 +153,15 @@ def backend_name(args: argparse.Namespace) -> str:
     return canonical(args.backend or DEFAULT_BACKEND)
 
 
-def check_fit(spec, plan: LoadPlan, backend: str, force: bool) -> object | None:
-    """Refuse a plan that does not fit (``--force`` overrides); None when fit is unavailable.
+def check_fit(spec, plan: LoadPlan, backend: str, force: bool):
+    """Refuse a plan that does not fit on this machine (``--force`` loads anyway, with a warning).
 
-    SEAM: ``localinfer.fit.check_load`` is written by the fit engineer; until it
-    lands this check is skipped.
+    Plugin backends fit knows nothing about are not checked.
     """
-    try:
-        from ..fit import check_load
-    except ImportError:
+    from ..budget import BACKENDS
+    from ..fit import check_load
+
+    if backend not in BACKENDS:
         return None
     result = check_load(spec, plan, device=None, backend=backend)
     if result.fits or force:
