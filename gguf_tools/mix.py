@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES, LlamaFileType
-from gguf import GGMLQuantizationType as T
+from ._constants import GGML_QUANT_SIZES, LlamaFileType
+from ._constants import GGMLQuantizationType as T
 
 # ftype name -> (general.file_type, the default tensor type)
 FTYPES: dict[str, tuple[LlamaFileType, T]] = {

@@ -25,8 +25,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from array import array
+import sys
+
+from ._constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import GGUFFormatError
 
@@ -54,14 +56,9 @@ _SCALARS: dict[GGUFValueType, tuple[str, int]] = {
     GGUFValueType.INT64: ("q", 8),
     GGUFValueType.FLOAT64: ("d", 8),
 }
-_NP_DTYPES = {
-    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1",
-    GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
-    GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
-    GGUFValueType.FLOAT32: "<f4", GGUFValueType.UINT64: "<u8",
-    GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
-    GGUFValueType.BOOL: "<u1",
-}
+# array typecodes of the numeric array item types (GGUF is little-endian).
+_ARRAY_CODES = {t: code for t, (code, _) in _SCALARS.items()}
+_SWAP = sys.byteorder != "little"
 # Smallest possible encodings, used to bound counts before looping.
 _MIN_STRING = 8
 _MIN_KV = _MIN_STRING + 1 + 4 + 1          # key "x", type, 1-byte value
@@ -275,9 +272,12 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, fld: str) -> tuple[Any, GGUF
                 fld + ".count", offset=count_at, needed=count * size, available=cur.remaining,
             )
         raw = cur.take(count * size, fld)
-        arr = np.frombuffer(raw, dtype=_NP_DTYPES[item_type], count=count)
+        arr = array(_ARRAY_CODES[item_type])
+        arr.frombytes(raw)
+        if _SWAP:
+            arr.byteswap()
         if item_type == GGUFValueType.BOOL:
-            if count and int(arr.max()) > 1:
+            if count and max(arr) > 1:
                 raise cur.fail(f"{fld} holds a bool that is neither 0 nor 1", fld, offset=start)
             return [bool(x) for x in arr.tolist()], item_type
         return arr.tolist(), item_type

@@ -141,7 +141,7 @@ def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str
 
 
 def _ftype_name(v: int) -> str:
-    from gguf import LlamaFileType
+    from gguf_tools._constants import LlamaFileType
 
     try:
         return LlamaFileType(v).name
