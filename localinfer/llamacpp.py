@@ -269,12 +269,31 @@ class LlamaCppEngine(Engine):
 
     def _rows(self, indices: Sequence[int]) -> np.ndarray:
         out = np.empty((len(indices), self.n_vocab), dtype=np.float32)
+        row = self.n_vocab * 4
         for r, i in enumerate(indices):
             ptr = _L.llama_get_logits_ith(self._ctx, i)
             if not ptr:
                 raise LocalinferError(f"llama.cpp returned no logits for batch slot {i}")
-            out[r] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            ctypes.memmove(out.ctypes.data + r * row, ptr, row)
         return out
+
+    def eval(self, tokens: Sequence[int], logits_at: Sequence[int] | None = None, *, seq: int = 0) -> np.ndarray:
+        """As :meth:`Engine.eval`, with a short path for the one-token decode step."""
+        if len(tokens) != 1 or (logits_at is not None and list(logits_at) not in ([0], [-1])):
+            return super().eval(tokens, logits_at, seq=seq)
+        self._alive()
+        self._check_seq(seq)
+        start = self.kv_len(seq)
+        if start + 1 > self.n_ctx:
+            return super().eval(tokens, logits_at, seq=seq)  # raises ContextFullError
+        self._fill(tokens, (start,), (seq,), (1,))
+        try:
+            self._decode(1, abortable=False)
+            return self._rows((0,))
+        except BaseException:
+            if self.kv_len(seq) > start:
+                self._trim(start, seq)
+            raise
 
     def _eval_chunk(self, tokens, start, logits_at, seq):
         self._alive()
@@ -293,7 +312,9 @@ class LlamaCppEngine(Engine):
             if mine:
                 rows.update(zip(mine, self._rows([i - lo for i in mine])))
             lo = hi
-        return np.stack([rows[i] for i in logits_at]) if logits_at else None
+        if not logits_at:
+            return None
+        return rows[logits_at[0]][None] if len(logits_at) == 1 else np.stack([rows[i] for i in logits_at])
 
     def eval_batch(self, steps: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
         """One llama_decode over several sequences; logits of each one's last token."""
