@@ -2,9 +2,12 @@
 
 ``Runner.stream`` is the middle layer that ``run``, ``chat`` and ``bench``
 consume: it reuses the cached prefix of the previous request, prefills the
-rest without logits, then calls a :class:`~localinfer.decoding.Decoder`
-(plain or prompt-lookup) step after step, yielding one :class:`Chunk` per
-emitted token and a last one carrying the finish reason and the timings.
+rest with logits for the last position only, samples the first token from
+them, then calls a :class:`~localinfer.decoding.Decoder` (plain or
+prompt-lookup) step after step with that token pending, yielding one
+:class:`Chunk` per emitted token and a last one carrying the finish reason
+and the timings.  (Prefilling the whole prompt, rather than ``prompt[:-1]``
+and a first decode step, saves one forward pass of TTFT.)
 
 Finish reasons: ``"stop"`` (an end-of-generation token or a stop string) and
 ``"length"`` (``max_tokens`` reached, or the context is full:
@@ -156,11 +159,11 @@ class Runner:
         context = self._reuse(prompt, seq)
         tm.cached_tokens = len(context)
         try:
-            if len(prompt) - 1 > len(context):
-                engine.eval(prompt[len(context):-1], logits_at=[], seq=seq)
-                context.extend(prompt[len(context):-1])
+            logits = engine.eval(prompt[len(context):], logits_at=[-1], seq=seq)[0]
+            context.extend(prompt[len(context):])
             decoder.start(prompt)
-            yield from self._decode(context, prompt[-1], sampler, decoder, max_tokens, stops, seq, tm, t0)
+            first = sampler.sample(logits, context)
+            yield from self._decode(context, first, sampler, decoder, max_tokens, stops, seq, tm, t0)
         finally:
             self._settle(context, seq)
 
@@ -176,25 +179,19 @@ class Runner:
         del context[n:]
         self._cached[seq] = context
 
-    def _decode(self, context, pending, sampler, decoder, max_tokens, stops, seq, tm, t0) -> Iterator[Chunk]:
+    def _decode(self, context, first, sampler, decoder, max_tokens, stops, seq, tm, t0) -> Iterator[Chunk]:
+        """Emit ``first`` (sampled from the prefill's logits), then decoder steps until a finish reason.
+
+        State between rounds: the KV holds ``context``; ``emitted[-1]`` is pending
+        (emitted, not yet evaluated).  ``kv_base`` is the KV length just before
+        ``emitted[0]``; stopping after ``emitted[i]`` rewinds the KV to ``kv_base + i``.
+        """
         engine = self.engine
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         held, reason, last = "", None, None
-        while reason is None:
-            if tm.generated >= max_tokens:
-                reason = "length"
-                break
-            if engine.kv_len(seq) + 1 > engine.n_ctx:
-                reason, tm.context_full = "length", True
-                break
-            try:
-                emitted = decoder.step(engine, context, pending, sampler, seq)
-            except ContextFullError:  # drafts ran past the context: one plain step still fits
-                emitted = _plain_step(engine, context, pending, sampler, seq, decoder.stats)
+        emitted, kv_base = [first], len(context)
+        while True:
             now = time.perf_counter()
-            base = len(context)
-            context.append(pending)
-            context.extend(emitted[:-1])
             for i, tok in enumerate(emitted):
                 tm.generated += 1
                 if last is None:
@@ -213,13 +210,25 @@ class Runner:
                 if reason is None and tm.generated >= max_tokens:
                     reason = "length"
                 if reason is not None:
-                    engine.trim(base + 1 + i, seq)
-                    del context[base + 1 + i:]
-                    if text:
+                    engine.trim(kv_base + i, seq)
+                    del context[kv_base + i:]
+                    if not engine.is_eos(tok):
                         yield Chunk(text, tok, timings=tm, stats=decoder.stats)
                     break
                 yield Chunk(text, tok, timings=tm, stats=decoder.stats)
+            if reason is not None:
+                break
             pending = emitted[-1]
+            if engine.kv_len(seq) + 1 > engine.n_ctx:
+                reason, tm.context_full = "length", True
+                break
+            try:
+                emitted = decoder.step(engine, context, pending, sampler, seq)
+            except ContextFullError:  # drafts ran past the context: one plain step still fits
+                emitted = _plain_step(engine, context, pending, sampler, seq, decoder.stats)
+            context.append(pending)
+            context.extend(emitted[:-1])
+            kv_base = len(context) - len(emitted) + 1
         tail = "" if held is None else held + utf8.decode(b"", final=True)
         tm.total = time.perf_counter() - t0
         yield Chunk(tail, None, finish_reason=reason, timings=tm, stats=decoder.stats)

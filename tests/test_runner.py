@@ -137,7 +137,7 @@ def test_keyboard_interrupt_inside_a_step(engine, runner):
     prompt = engine.tokenize(PROMPT)
     with pytest.raises(KeyboardInterrupt):
         runner.generate(prompt, GREEDY, max_tokens=10, decoder=Boom(), ignore_eos=True)
-    assert engine.kv_len() == len(runner.cached()) == len(prompt) + 1
+    assert engine.kv_len() == len(runner.cached()) == len(prompt) + 2  # prompt, first token, step 1
 
 
 def test_seeded_sampling_repeats(engine, runner):
