@@ -14,6 +14,8 @@ group ``localinfer.backends`` in its pyproject.toml::
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from localinfer import backends
@@ -35,7 +37,7 @@ class BigramEngine(Engine):
         super().__init__(plan)
         data = plan.options.get("corpus", CORPUS).encode()
         counts = np.full((EOS + 1, EOS + 1), 0.01)
-        for a, b in zip(data, data[1:]):
+        for a, b in itertools.pairwise(data):
             counts[a, b] += 1
         counts[ord("."), EOS] += 2  # sentences may end the reply
         self.table = np.log(counts / counts.sum(axis=1, keepdims=True)).astype(np.float32)

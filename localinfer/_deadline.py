@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from typing import Self
 
 
 class TimeLimitExceeded(BaseException):
@@ -45,7 +46,7 @@ class Deadline:
                 self._fired = True
                 _set_async(self._tid, ctypes.py_object(TimeLimitExceeded))
 
-    def __enter__(self) -> "Deadline":
+    def __enter__(self) -> Self:
         self._tid = threading.get_ident()
         self.end = time.perf_counter() + self.seconds
         self._active, self._fired = True, False

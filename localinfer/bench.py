@@ -38,8 +38,8 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .runner import Runner, _percentile
 from .sampling import SamplingParams
@@ -192,7 +192,7 @@ def results(model_path: str, spec, backend: str, backend_version: str, settings:
     cost = model_cost(spec)
     return {
         "schema": SCHEMA, "version": VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "localinfer": __version__,
         "model": {"path": str(model_path), "name": spec.name, "arch": spec.arch, "file_size": spec.file_size,
                   "weight_bytes": spec.weight_bytes, "decode_read_bytes": cost.decode_read_bytes(1),
@@ -208,8 +208,9 @@ def results(model_path: str, spec, backend: str, backend_version: str, settings:
 def render_table(doc: dict) -> str:
     """The results as aligned text tables."""
     runs = doc["runs"]
-    lines = [f"{doc['model']['name']} on {doc['backend']['name']} ({doc['machine']['device']}), "
-             f"{doc['settings']['threads']} threads"]
+    title = (f"{doc['model']['name']} on {doc['backend']['name']} ({doc['machine']['device']}), "
+             f"{doc['settings']['threads']} threads")
+    lines = [title]
     lengths = doc["settings"]["prompt_lengths"]
     lines.append("")
     lines.append("prefill tok/s  " + "".join(f"{n:>10}" for n in lengths))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from ._atomic import atomic_write
 from .errors import LocalinferError, UsageError

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
-from .decoding import DecodeStats, Decoder, PlainDecoder
+from .decoding import Decoder, DecodeStats, PlainDecoder
 from .engine import Engine
 from .errors import ContextFullError, LocalinferError, UsageError
 from .sampling import Sampler, SamplingParams, check_max_tokens

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0.0
 
-    def with_(self, **changes) -> "SamplingParams":
+    def with_(self, **changes) -> SamplingParams:
         return replace(self, **changes)
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,7 +69,7 @@ class SamplingParams:
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-    def with_setting(self, key: str, text: str) -> "SamplingParams":
+    def with_setting(self, key: str, text: str) -> SamplingParams:
         """A copy with one field parsed from text (for ``/set key=value``)."""
         key = _ALIASES.get(key, key)
         if key not in self.names():

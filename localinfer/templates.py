@@ -18,9 +18,10 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import jinja2
 from jinja2.compiler import CodeGenerator
@@ -100,10 +101,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             raise SecurityError("format width too large in template")
         return super().call_binop(context, operator, left, right)
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
-        __self._tick()
-        _check_args(getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None), args, kwargs)
-        return super().call(__context, __obj, *args, **kwargs)
+    def call(self, context, obj, /, *args, **kwargs):
+        self._tick()
+        _check_args(getattr(obj, "__name__", ""), getattr(obj, "__self__", None), args, kwargs)
+        return super().call(context, obj, *args, **kwargs)
 
     def wrap_str_format(self, value):
         f_self = getattr(value, "__self__", None)
@@ -212,7 +213,7 @@ class ChatTemplate:
             raise TemplateError(f"chat template from {origin} was refused: {exc}") from None
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, **kw) -> "ChatTemplate":
+    def from_file(cls, path: str | os.PathLike, **kw) -> ChatTemplate:
         """Load an override template (``--chat-template FILE``)."""
         try:
             with open(path, "rb") as f:
@@ -255,7 +256,7 @@ class ChatTemplate:
             raise TemplateError(f"chat template from {self.origin} recursed too deeply") from None
         except MemoryError:
             raise TemplateError(f"chat template from {self.origin} ran out of memory") from None
-        except Exception as exc:  # UndefinedError, TypeError, TemplateNotFound (include/import)...
+        except Exception as exc:  # noqa: BLE001 - any failure of untrusted code: UndefinedError, TypeError...
             raise TemplateError(f"chat template from {self.origin} failed: {type(exc).__name__}: {exc}",
                                 hint="pass --chat-template FILE, or --raw to skip the template") from None
         finally:

@@ -9,7 +9,13 @@ import pytest
 
 from localinfer.backends import get_backend, load_engine
 from localinfer.engine import LoadPlan
-from localinfer.errors import ContextFullError, GGUFFormatError, ModelNotFoundError, UnsupportedModelError, UsageError
+from localinfer.errors import (
+    ContextFullError,
+    GGUFFormatError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    UsageError,
+)
 from localinfer.spec import ModelSpec
 from localinfer.units import MiB
 

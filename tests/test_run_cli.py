@@ -25,7 +25,7 @@ def test_reply_on_stdout_stats_on_stderr(capsys):
 
 def test_json_is_one_object_and_greedy_is_deterministic(capsys):
     args = ["-p", "Name a colour.", "--temp", "0", "-n", "6", "--json", *FAST]
-    code, out, err = run(capsys, *args)
+    code, out, _err = run(capsys, *args)
     assert code == 0
     doc = json.loads(out)
     assert doc["backend"] == "llama.cpp" and doc["finish_reason"] in ("stop", "length")
@@ -69,7 +69,7 @@ def test_lookup_stats_in_json(capsys):
     (["-p", "x", "--raw", "--system", "be nice"], "--system"),
 ])
 def test_bad_arguments_give_one_line_errors(capsys, argv, flag_text):
-    code, out, err = run(capsys, *argv, "-t", "1")
+    code, _out, err = run(capsys, *argv, "-t", "1")
     assert code == 2
     assert flag_text in err and "Traceback" not in err
     assert err.startswith("error: ")

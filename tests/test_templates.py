@@ -114,10 +114,9 @@ def test_time_limit_leaves_no_stray_interrupt_behind():
 
 
 def test_deadline_interrupts_a_loop_without_checks():
-    with pytest.raises(TimeLimitExceeded):
-        with Deadline(0.2):
-            while True:
-                pass
+    with pytest.raises(TimeLimitExceeded), Deadline(0.2):
+        while True:
+            pass
 
 
 def test_template_file_override_and_its_errors(tmp_path):

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .._atomic import atomic_write
     from ..backends import load_engine
-    from ..bench import BenchConfig, Progress, results, render_table, run_bench
+    from ..bench import BenchConfig, Progress, render_table, results, run_bench
     from ..errors import UsageError
 
     if not 1 <= args.gen <= 1 << 16:

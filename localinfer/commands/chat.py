@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise UsageError("--stop is not used by chat; the chat template ends each reply", flag="--stop")
     loaded = read_transcript(args.load) if args.load else None
-    engine, spec, plan, backend = _common.load(args)
+    engine, spec, plan, _backend = _common.load(args)
     with engine:
         template = _common.template_from(args, engine, spec)
         if sys.stdin.isatty():
