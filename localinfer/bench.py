@@ -208,7 +208,9 @@ def results(model_path: str, spec, backend: str, backend_version: str, settings:
 def render_table(doc: dict) -> str:
     """The results as aligned text tables."""
     runs = doc["runs"]
-    title = (f"{doc['model']['name']} on {doc['backend']['name']} ({doc['machine']['device']}), "
+    from gguf_tools.inspect import safe_text
+
+    title = (f"{safe_text(doc['model']['name'], 80)} on {doc['backend']['name']} ({doc['machine']['device']}), "
              f"{doc['settings']['threads']} threads")
     lines = [title]
     lengths = doc["settings"]["prompt_lengths"]

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gguf_tools.inspect import safe_text
+
     from ..chat import ChatSession, read_transcript
 
     params = _common.sampling_from(args)
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                 pass
         session = ChatSession(engine, template, params=params, max_tokens=max_tokens, decoder=decoder,
                               system=args.system, context_shift=args.context_shift, save_path=args.save,
-                              model_name=spec.name or os.path.basename(str(plan.model_path)),
+                              model_name=safe_text(spec.name or os.path.basename(str(plan.model_path)), 80),
                               ignore_eos=args.ignore_eos)
         if loaded:
             session.messages, system = loaded
