@@ -112,6 +112,7 @@ def _s(x: float) -> str:
 
 def render_text(spec, speed, p) -> str:
     """The plan as an aligned table, the choice, and why each other configuration lost."""
+    from ..planner import UNKNOWN
     from ..units import fmt_bytes
 
     w, dev = p.workload, speed.device
@@ -138,7 +139,10 @@ def render_text(spec, speed, p) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     lines.append("")
-    if p.best is None:
+    if p.best is None and any(o.verdict == UNKNOWN for o in p.outcomes):
+        lines.append(f"speed unknown on {_clean(dev.name)}: measure it with `localinfer bench --json FILE` "
+                     "and pass --bench FILE")
+    elif p.best is None:
         lines.append("nothing is feasible: relax the deadline, shorten the output, add memory, "
                      "or draft from the context (no device memory)")
     else:
