@@ -117,7 +117,7 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     and the largest context extend its KV term linearly.
     """
     from .budget import kv_bytes_per_token
-    from .fit import FitRequest, fit_device
+    from .fit import MAX_PARALLEL, FitRequest, fit_device
 
     cost = model_cost(spec)
     speed = SpeedModel(cost, device, calibration)
@@ -129,7 +129,7 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
             kv_dev = bd.sum("kv", "device")
             fixed = bd.device_bytes - kv_dev                 # weights on the device, compute, output
             fixed0 = fixed if fixed0 is None else min(fixed0, fixed)
-            n = max(0, usable - fixed) // kv_dev if kv_dev else 0
+            n = min(max(0, usable - fixed) // kv_dev, MAX_PARALLEL) if kv_dev else 0
             if fixed < usable and n:
                 pre, dec = speed.prefill(1, ctx), speed.decode_step(1, ctx, kv)
                 cells.append(Cell(ctx, kv, kv_dev, int(n), _rate(1, dec.seconds), _rate(ctx, pre.seconds),
@@ -201,7 +201,8 @@ def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | Non
     calibrations = calibrations or {}
     rows = tuple(build_row(s, d, contexts, kv_types, calibrations.get(d.name)) for s in specs for d in devices)
     notes = [("memory as `localinfer fit` counts it (llama.cpp placement, KV cells, compute and output buffers) "
-              "against each device's usable memory; requests and largest ctx extend the KV term linearly"),
+              "against each device's usable memory; requests and largest ctx extend the KV term linearly; "
+              "llama.cpp serves at most 256 sequences"),
              ("speeds are batch 1 with the KV type shown; offload streams weight groups over the host link "
               "with two prefetch buffers"),
              "speeds come from each profile's bandwidth, peak FLOP/s and efficiencies unless measured",
