@@ -152,7 +152,28 @@ def render_text(spec, speed, p) -> str:
                      f"{b.gpu_s_per_good:.3f} GPU·s{joules} per good result")
     lines.append("why not the others:" if p.best else "why each one fails:")
     lines += [f"  {name}: {why}" for name, why in p.reasons.items()]
+    v = prefix_note(speed, w)
+    if v is not None:
+        lines += ["", v]
     return "\n".join(lines)
+
+
+def prefix_note(speed, w) -> str | None:
+    """What keeping the shared prefix cached between batches is worth (V_h = p_h (T_r − T_f) − T_m)."""
+    from ..prefix_cache import prefix_value
+    from ..units import fmt_bytes
+
+    if not w.shared_prefix:
+        return None
+    v = prefix_value(speed, w.shared_prefix, 0.5)
+    if not math.isfinite(v.recompute_s):
+        return None
+    head = f"shared prefix: {w.shared_prefix} tokens, {fmt_bytes(v.bytes)} of KV; recompute {v.recompute_s * 1e3:.1f} ms"
+    if not v.fetch_s:
+        return f"{head}; on unified memory it never moves, so any reuse pays for the memory it holds"
+    return (f"{head}, fetch from host {v.fetch_s * 1e3:.1f} ms, write-back {v.maintain_s * 1e3:.1f} ms; "
+            f"keeping it pays when more than {100 * v.break_even_prob:.1f}% of requests reuse it "
+            f"({v.value_s * 1e3:.1f} ms saved per request at 50%)")
 
 
 def _clean(text: str) -> str:
@@ -165,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
     spec, speed, p = build(args)
     if args.json:
         out = plan_dict(p)
+        note = prefix_note(speed, p.workload)
+        if note:
+            out["shared_prefix_note"] = note
         out.update(model=spec.name, device=speed.device.name)
         print(json.dumps(out, indent=2))
     else:
