@@ -113,6 +113,7 @@ def test_plan_command_table_and_choice(qwen, capsys):
     assert "does not fit" in out and "late" in out and "on time" in out
     assert "best: " in out and "why not the others:" in out
     assert "context lookup" in out and "weight offload" in out
+    assert "fetch from host 14.2 ms" in out and "more than 4.8% of requests" in out      # §8.3.4
 
 
 def test_plan_command_json(qwen, capsys):
