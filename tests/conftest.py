@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ggufgen import write_tiny_llama  # noqa: E402
+from ggufgen import write_tiny_llama, write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +18,10 @@ def default_model() -> Path:
     from localinfer.models import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """Random-weight F32 llama, qwen2 and qwen3 models that llama.cpp loads and tokenizes."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: write_tiny_model(root / f"{arch}.gguf", arch=arch) for arch in ("llama", "qwen2", "qwen3")}

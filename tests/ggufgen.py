@@ -73,3 +73,147 @@ def write_tiny_llama(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ---- llama / qwen2 / qwen3 models that llama.cpp loads and tokenizes -------------------
+
+# Fields holding a block's f16 scale(s), by type: random codes + these scales = a valid block.
+_SCALE_OFFSETS = {
+    GGMLQuantizationType.Q2_K: (80, 82), GGMLQuantizationType.Q3_K: (108,),
+    GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
+    GGMLQuantizationType.Q6_K: (208,), GGMLQuantizationType.IQ4_NL: (0,),
+}
+
+
+def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
+    """A GPT-2 style vocabulary: the 256 byte symbols, one merge ("Ġ t"), BOS and EOS."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    tokens = [table[b] for b in range(256)] + ["Ġt", "<|bos|>", "<|eos|>"]
+    types = [1] * 257 + [3, 3]
+    return tokens, types, ["Ġ t"]
+
+
+def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], qtype: GGMLQuantizationType,
+                  std: float = 0.05) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+    """Data for GGUFWriter.add_tensor (GGUF shape, ne0 first) in qtype, values of about std.
+
+    Types the gguf package can quantize are quantized from normal values; K-quants
+    and IQ4_NL get random codes with their f16 scales set so values have about std.
+    """
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    values = (rng.standard_normal(shape[::-1]) * std).astype(np.float32)
+    if qtype == GGMLQuantizationType.F32 or len(shape) == 1:
+        return values, None
+    if qtype not in _SCALE_OFFSETS:
+        return quantize(values, qtype), qtype
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows = values.reshape(-1, shape[0]).shape[0]
+    raw = rng.integers(0, 256, size=(rows, shape[0] // block_values, block_bytes), dtype=np.uint8)
+    one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[qtype]:
+        raw[..., off:off + 2] = one
+    got = float(dequantize(raw.reshape(rows, -1), qtype).std()) or 1.0
+    scale = np.frombuffer(np.float16(std / got).tobytes(), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[qtype]:
+        raw[..., off:off + 2] = scale
+    return raw.reshape(*shape[::-1][:-1], -1), qtype
+
+
+def write_tiny_model(
+    path: str | Path,
+    *,
+    arch: str = "llama",
+    n_layers: int = 2,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 512,
+    ctx: int = 512,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    output_qtype: GGMLQuantizationType | None = None,
+    tied: bool = False,
+    rope_base: float = 10000.0,
+    rope_freqs: bool = False,
+    overrides: dict[str, GGMLQuantizationType] | None = None,
+    extra_kv: dict | None = None,
+    seed: int = 0,
+) -> Path:
+    """A random-weight llama / qwen2 / qwen3 model that llama.cpp loads and tokenizes.
+
+    Byte-level BPE vocabulary (259 tokens, see byte_level_vocab), so any text
+    tokenizes.  qwen2 gets Q/K/V biases, qwen3 per-head Q/K norms; ``rope_freqs``
+    adds Llama 3's per-frequency factors.  Matrices use qtype (row length n_embd
+    or n_ff: keep them multiples of 256 for K-quants), the output matrix
+    output_qtype (default qtype) unless tied; ``overrides`` maps a name fragment
+    (``"ffn_down"``, ``"token_embd"``) to the type of the matrices whose names contain it.
+    """
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    head_dim = n_embd // n_head
+    tokens, types, merges = byte_level_vocab()
+    n_vocab = len(tokens)
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(n_layers)
+    w.add_context_length(ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-6 if arch.startswith("qwen") else 1e-5)
+    w.add_rope_freq_base(rope_base)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(n_vocab - 2)
+    w.add_eos_token_id(n_vocab - 1)
+    w.add_add_bos_token(False)
+    for key, value in (extra_kv or {}).items():
+        w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else w.add_string(key, value)
+
+    def add(name: str, shape: tuple[int, ...], qt=qtype, std: float = 0.05) -> None:
+        qt = next((t for frag, t in (overrides or {}).items() if frag in name), qt)
+        data, raw = random_tensor(rng, shape, qt, std)
+        w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    add("token_embd.weight", (n_embd, n_vocab), std=1.0)
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32))
+    for il in range(n_layers):
+        p = f"blk.{il}."
+        norm(p + "attn_norm.weight", n_embd)
+        add(p + "attn_q.weight", (n_embd, n_head * head_dim))
+        add(p + "attn_k.weight", (n_embd, n_head_kv * head_dim))
+        add(p + "attn_v.weight", (n_embd, n_head_kv * head_dim))
+        if arch == "qwen2":
+            for x, n in (("q", n_head), ("k", n_head_kv), ("v", n_head_kv)):
+                w.add_tensor(p + f"attn_{x}.bias", (0.1 * rng.standard_normal(n * head_dim)).astype(np.float32))
+        if arch == "qwen3":
+            norm(p + "attn_q_norm.weight", head_dim)
+            norm(p + "attn_k_norm.weight", head_dim)
+        add(p + "attn_output.weight", (n_head * head_dim, n_embd))
+        norm(p + "ffn_norm.weight", n_embd)
+        add(p + "ffn_gate.weight", (n_embd, n_ff))
+        add(p + "ffn_up.weight", (n_embd, n_ff))
+        add(p + "ffn_down.weight", (n_ff, n_embd))
+    norm("output_norm.weight", n_embd)
+    if not tied:
+        add("output.weight", (n_embd, n_vocab), output_qtype or qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
