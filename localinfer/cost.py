@@ -175,6 +175,7 @@ def _build_cost(spec: ModelSpec) -> ModelCost:
 
 
 def ceil_div(a: int, b: int) -> int:
+    """⌈a / b⌉ in integers."""
     return -(-a // b)
 
 

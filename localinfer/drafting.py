@@ -84,6 +84,8 @@ def draft_forward_s(draft_bytes: int, effective_bandwidth: float) -> float:
 
 @dataclass(frozen=True)
 class DraftRow:
+    """One draft length m: E[N_m], the round time T_m, and T_m / E[N_m]."""
+
     length: int
     expected: float
     round_s: float

@@ -85,6 +85,8 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Plan:
+    """Every evaluated configuration, the chosen one (None if nothing is feasible) and why the others lost."""
+
     workload: Workload
     budget_bytes: int
     outcomes: tuple[Outcome, ...]
@@ -242,6 +244,7 @@ def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
 
 
 def outcome_dict(o: Outcome) -> dict:
+    """One outcome as JSON-ready data (infinities become null)."""
     t = o.timing
     finite = lambda x: None if x is None or not math.isfinite(x) else x
     return {

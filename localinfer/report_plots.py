@@ -20,6 +20,7 @@ BATCHES = tuple(2 ** i for i in range(9))            # 1 … 256
 
 
 def bytes_per_token(spec, contexts) -> dict:
+    """Series for Figure 8-3: d(b, L) per context, the KV term alone, and the weight share."""
     cost = model_cost(spec)
     series = []
     for ctx in contexts:
@@ -51,6 +52,7 @@ def feasibility(spec, devices, workload: Workload, kv_types) -> list[dict]:
 
 
 def capacity(spec, devices, kv: str = "f16") -> dict:
+    """Series of requests that fit (weights aside) against context, one per device."""
     cost = model_cost(spec)
     contexts = [2 ** i for i in range(10, 18)]          # 1K … 128K
     series = []

@@ -94,6 +94,8 @@ class Row:
 
 @dataclass(frozen=True)
 class Report:
+    """The whole matrix: a Row per model × device, plus notes and the figures' data."""
+
     models: tuple[str, ...]
     devices: tuple[str, ...]
     contexts: tuple[int, ...]
@@ -272,6 +274,7 @@ def table(report: Report, model: str) -> tuple[list[str], list[list[str]]]:
 
 
 def measured_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of measurements beside their predictions, all models and devices."""
     head = ["model", "device", "kind", "ctx", "KV", "measured tok/s", "predicted tok/s", "error"]
     rows = [[clean(r.model), clean(r.device), m.kind, str(m.ctx), m.kv, _tok(m.measured_tok_s),
              _tok(m.predicted_tok_s), f"{100 * m.error:+.1f}%"] for r in report.rows for m in r.measured]
@@ -279,6 +282,7 @@ def measured_table(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def render_text(report: Report) -> str:
+    """Aligned plain-text tables for a terminal."""
     out = []
     for model in report.models:
         head, rows = table(report, model)
@@ -302,6 +306,7 @@ def _md_cell(text: str) -> str:
 
 
 def render_md(report: Report) -> str:
+    """GitHub-flavoured Markdown tables (pipes and angle brackets escaped)."""
     out = ["# localinfer capacity report", ""]
     for model in report.models:
         head, rows = table(report, model)
@@ -318,6 +323,7 @@ def render_md(report: Report) -> str:
 
 
 def to_dict(report: Report) -> dict:
+    """The report as versioned JSON-ready data (schema ``localinfer.report`` v1)."""
     d = asdict(report)
     d.pop("plots", None)
     for row in d["rows"]:
@@ -326,4 +332,5 @@ def to_dict(report: Report) -> dict:
 
 
 def render_json(report: Report) -> str:
+    """JSON text (non-ASCII and control characters escaped)."""
     return json.dumps(to_dict(report), indent=1, ensure_ascii=True)

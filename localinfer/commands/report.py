@@ -80,6 +80,7 @@ def build(args: argparse.Namespace):
 
 
 def render(report, fmt: str) -> str:
+    """The report in one of FORMATS."""
     from ..reports import render_json, render_md, render_text
 
     if fmt == "html":
