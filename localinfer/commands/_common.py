@@ -47,14 +47,25 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Sampling, reply length, stop strings and prompt-lookup decoding."""
+    from ..runner import DEFAULT_MAX_TOKENS
+    from ..sampling import SamplingParams
+
+    d = SamplingParams()
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=None, metavar="N", help="most tokens to generate")
-    g.add_argument("--temp", dest="temperature", type=float, default=None, metavar="T", help="temperature (0: greedy)")
-    g.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass (1: off)")
-    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the likeliest (0: off)")
-    g.add_argument("--repeat-penalty", type=float, default=None, metavar="X", help="repetition penalty (1: off)")
-    g.add_argument("--repeat-last-n", type=int, default=None, metavar="N", help="tokens the penalty looks back over")
+    g.add_argument("-n", "--max-tokens", type=int, default=None, metavar="N",
+                   help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS})")
+    g.add_argument("--temp", dest="temperature", type=float, default=None, metavar="T",
+                   help=f"temperature, 0: greedy (default {d.temperature:g})")
+    g.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help=f"keep the K likeliest tokens, 0: off (default {d.top_k})")
+    g.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help=f"nucleus sampling mass, 1: off (default {d.top_p:g})")
+    g.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help=f"drop tokens below P x the likeliest, 0: off (default {d.min_p:g})")
+    g.add_argument("--repeat-penalty", type=float, default=None, metavar="X",
+                   help=f"repetition penalty, 1: off (default {d.repeat_penalty:g})")
+    g.add_argument("--repeat-last-n", type=int, default=None, metavar="N",
+                   help=f"tokens the penalty looks back over (default {d.repeat_last_n})")
     g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (default: random)")
     g.add_argument("--greedy", action="store_true", default=None, help="always take the likeliest token")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at this text (repeatable)")
