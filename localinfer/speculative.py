@@ -288,14 +288,25 @@ class LookupStats(DecodeStats):
         return out
 
 
+@dataclass
+class Draft:
+    """One round's proposal: the tokens, where they were copied from, and the kind of match."""
+
+    tokens: list[int]
+    source: int = -1   # position in the history the draft copies from (-1: no match)
+    kind: object = None  # "following" (a copy in progress) or the n-gram length of a fresh match
+
+
 class LookupDecoder:
     """Prompt-lookup speculative decoding behind the shared ``Decoder`` step signature.
 
     ``ngram_max``/``ngram_min``: longest and shortest suffix n-gram looked up;
     ``draft_max``: most drafts per round; ``adaptive``: choose the length each
     round from measured acceptance and cost (else always draft ``draft_max``
-    when there is a match).  Output equals plain decoding's (greedy: token for
-    token up to batched-numerics near-ties; sampling: in distribution).
+    when there is a match); ``cost``: a given cost curve instead of measuring.
+    Output equals plain decoding's (greedy: token for token up to near-ties
+    in batched numerics; sampling: in distribution, and token for token for a
+    seeded sampler).
     """
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 2, draft_max: int = 16, adaptive: bool = True,
@@ -310,8 +321,6 @@ class LookupDecoder:
         self.ngram_max, self.ngram_min, self.draft_max = ngram_max, ngram_min, draft_max
         self.adaptive = adaptive
         self.cost = cost or CostModel(draft_max + 1)
-        self.stats = LookupStats()
-        self.index = NgramIndex(ngram_min, ngram_max)
         self._engine_id: int | None = None
         self.start(())
 
@@ -320,41 +329,36 @@ class LookupDecoder:
         self.index = NgramIndex(self.ngram_min, self.ngram_max, prompt)
         self.acceptance = AcceptanceModel(self.draft_max)
         self.stats = LookupStats()
-        self._source = -1  # where the copy in progress continues, or -1
+        self._following = -1  # where the copy in progress continues, or -1
 
-    # ---- one round ----------------------------------------------------------
     def step(self, engine: Engine, context: list[int], pending: int, sampler: Sampler, seq: int = 0) -> list[int]:
+        """One round: draft, verify pending + drafts in one eval, trim rejected drafts, learn."""
         t0 = time.perf_counter()
         if self._engine_id != id(engine):
             if self._engine_id is not None:
                 self.cost = CostModel(self.draft_max + 1)
             self._engine_id = id(engine)
-        self._sync(context, pending)
-        room = engine.n_ctx - len(context) - 1
-        kind, source, draft = self._propose(engine, room)
+        draft = self.propose(context, pending, room=engine.n_ctx - len(context) - 1, is_eos=engine.is_eos)
         t1 = time.perf_counter()
-
-        rows = engine.eval([pending, *draft], logits_at=range(len(draft) + 1), seq=seq)
+        rows = engine.eval([pending, *draft.tokens], logits_at=range(len(draft.tokens) + 1), seq=seq)
         t2 = time.perf_counter()
-        emitted = self._verify(rows, draft, sampler)
+        emitted = self._verify(rows, draft.tokens, sampler)
         n_acc = len(emitted) - 1
-        if n_acc < len(draft):
+        if n_acc < len(draft.tokens):
             engine.trim(len(context) + 1 + n_acc, seq)
-
         t3 = time.perf_counter()
-        self._learn(kind, source, draft, emitted)
-        self.index.extend(emitted)
+        self.observe(draft, emitted)
         t4 = time.perf_counter()
 
         st = self.stats
         st.rounds += 1
         st.emitted += len(emitted)
-        st.drafted += len(draft)
+        st.drafted += len(draft.tokens)
         st.accepted += n_acc
         st.eval_seconds += t2 - t1
         st.lookup_seconds += (t1 - t0) + (t4 - t3)
         st.round_times.append(t4 - t0)
-        self.cost.add(len(draft) + 1, t4 - t0)
+        self.cost.add(len(draft.tokens) + 1, t4 - t0)
         st.plain_seconds_per_token = self.cost.measured(1)
         return emitted
 
@@ -369,8 +373,54 @@ class LookupDecoder:
                 break
         return out
 
-    # ---- drafting -----------------------------------------------------------
-    def _sync(self, context: list[int], pending: int) -> None:
+    # ---- drafting (pure: no engine calls) -------------------------------------
+    def propose(self, context: Sequence[int], pending: int, *, room: int | None = None,
+                is_eos: Callable[[int], bool] | None = None) -> Draft:
+        """The draft for history ``context + [pending]``: at most ``room`` tokens, none an end token."""
+        self._sync(context, pending)
+        idx = self.index
+        if self._following >= 0:
+            kind, source = "following", self._following
+        else:
+            n, source = idx.match()
+            if n == 0:
+                return Draft([])
+            kind = n
+        k_max = self.draft_max if room is None else min(self.draft_max, room)
+        tokens = idx.continuation(source, max(k_max, 0))
+        if is_eos is not None:
+            for i, t in enumerate(tokens):
+                if is_eos(t):
+                    del tokens[i:]
+                    break
+        if self.adaptive and tokens:
+            curve = self.cost.curve()
+            if curve is None:  # nothing measured yet: a plain round measures T(1)
+                del tokens[:]
+            else:
+                del tokens[len(curve) - 1:]
+                del tokens[choose_draft_length(self.acceptance.rates(kind, len(tokens)), curve):]
+        return Draft(tokens, source, kind)
+
+    def observe(self, draft: Draft, emitted: Sequence[int]) -> None:
+        """Learn from a verified round and append the emitted tokens to the history.
+
+        A round without drafts still tells whether the first draft token would
+        have been accepted, which keeps the estimate alive when drafting stops.
+        """
+        if draft.source >= 0:
+            tried = min(len(emitted), len(draft.tokens)) if draft.tokens else 1
+            predicted = self.index.continuation(draft.source, len(emitted))
+            kept = 0
+            while kept < len(emitted) and predicted[kept] == emitted[kept]:
+                kept += 1
+            self.acceptance.observe(draft.kind, tried, min(kept, tried))
+            self._following = draft.source + len(emitted) if kept == len(emitted) else -1
+        else:
+            self._following = -1
+        self.index.extend(emitted)
+
+    def _sync(self, context: Sequence[int], pending: int) -> None:
         """Make the index hold exactly context + [pending] (rebuilt if the caller rewound or switched)."""
         toks, size = self.index.tokens, len(context) + 1
         have = len(toks)
@@ -381,45 +431,4 @@ class LookupDecoder:
                 self.index.extend([pending])
             return
         self.index = NgramIndex(self.ngram_min, self.ngram_max, [*context, pending])
-        self._source = -1
-
-    def _propose(self, engine: Engine, room: int) -> tuple[object, int, list[int]]:
-        """(kind, source position, draft) for this round; the draft may be empty."""
-        idx = self.index
-        if self._source >= 0:
-            kind, source = "following", self._source
-        else:
-            n, source = idx.match()
-            if n == 0:
-                return None, -1, []
-            kind = n
-        k_max = min(self.draft_max, room)
-        if k_max <= 0:
-            return kind, source, []
-        draft = idx.continuation(source, k_max)
-        for i, t in enumerate(draft):
-            if engine.is_eos(t):
-                del draft[i:]
-                break
-        if self.adaptive and draft:
-            curve = self.cost.curve()
-            if curve is None:
-                return kind, source, []
-            del draft[len(curve) - 1:]
-            k = choose_draft_length(self.acceptance.rates(kind, len(draft)), curve)
-            del draft[k:]
-        return kind, source, draft
-
-    def _learn(self, kind, source: int, draft: list[int], emitted: list[int]) -> None:
-        """Update acceptance (a plain round still tells whether the first draft would have passed)."""
-        if source < 0:
-            self._source = -1
-            return
-        if draft:
-            self.acceptance.observe(kind, len(emitted) if len(emitted) <= len(draft) else len(draft), len(emitted) - 1)
-            predicted = self.index.continuation(source, len(emitted)) == emitted
-        else:
-            first = self.index.continuation(source, 1)[0]
-            self.acceptance.observe(kind, 1, int(first == emitted[0]))
-            predicted = first == emitted[0]
-        self._source = source + len(emitted) if predicted else -1
+        self._following = -1

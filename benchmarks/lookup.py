@@ -1,0 +1,322 @@
+"""Prompt-lookup speculative decoding against plain decoding and llama-cpp-python's implementation.
+
+For every prompt of each suite (``benchmarks/lookup_prompts/<suite>/*.txt``, the
+user message, wrapped in the model's chat template) it runs greedy decoding
+side by side on the same machine:
+
+* plain   - localinfer's PlainDecoder on the chosen backend;
+* lookup  - localinfer's LookupDecoder (fresh per prompt, as ``run --lookup``);
+* stock10 / stock2 - llama-cpp-python's ``LlamaPromptLookupDecoding`` with
+  num_pred_tokens 10 and 2 (needs ``logits_all=True``), llama.cpp backend only.
+
+Decode time is the time from the first emitted token to the last (prefill
+excluded), per token ΣT/ΣN.  Each output is compared with plain greedy; at a
+divergence the plain run's logit margin between the two tokens is printed
+(it should be a near-tie from batched numerics).  A last section measures
+the lookup cost per round at 32K tokens of history against a decode step.
+
+    python benchmarks/lookup.py                      # both suites, 256 tokens, llama.cpp
+    python benchmarks/lookup.py --suite grounded --limit 3 --no-stock
+    python benchmarks/lookup.py --kv q8_0 --json out.json
+    python benchmarks/lookup.py --backend torch --no-stock
+
+Targets (issue 5): grounded >= 1.5x plain, free-form >= 0.97x, identical to plain
+on >= 95% of prompts, lookup >= 1.3x the better stock setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from localinfer.backends import load_engine
+from localinfer.decoding import PlainDecoder
+from localinfer.engine import LoadPlan
+from localinfer.models import resolve_model
+from localinfer.runner import Runner
+from localinfer.sampling import Sampler, SamplingParams
+from localinfer.spec import ModelSpec
+from localinfer.speculative import LookupDecoder
+from localinfer.templates import template_for
+
+PROMPTS = Path(__file__).parent / "lookup_prompts"
+GREEDY = SamplingParams(greedy=True)
+TARGETS = {"grounded_speedup": 1.5, "freeform_speedup": 0.97, "identical_share": 0.95, "vs_stock": 1.3}
+
+
+def load_suites(names: list[str], limit: int | None) -> dict[str, list[tuple[str, str]]]:
+    suites = {}
+    for name in names:
+        files = sorted((PROMPTS / name).glob("*.txt"))
+        if not files:
+            sys.exit(f"error: no prompts in {PROMPTS / name}")
+        suites[name] = [(f.stem, f.read_text()) for f in files[:limit]]
+    return suites
+
+
+# ---- the runs ------------------------------------------------------------------
+def run_localinfer(runner: Runner, prompt: list[int], decoder, n: int) -> dict:
+    runner.reset()  # every run prefills the whole prompt the same way (same numerics for its last token)
+    gen = runner.generate(prompt, GREEDY, max_tokens=n, decoder=decoder, ignore_eos=True)
+    itl = gen.timings.itl
+    out = {"tokens": gen.tokens, "decode_s": sum(itl), "steps": len(itl)}
+    if isinstance(decoder, LookupDecoder):
+        out["stats"] = decoder.stats.as_dict()
+    return out
+
+
+class Stock:
+    """llama-cpp-python's high-level Llama with its prompt-lookup draft model."""
+
+    def __init__(self, model: str, plan: LoadPlan):
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self._draft = LlamaPromptLookupDecoding
+        self.llm = llama_cpp.Llama(model, n_ctx=plan.n_ctx, n_threads=plan.threads, n_threads_batch=plan.threads,
+                                   n_batch=plan.n_batch, logits_all=True, verbose=False)
+        eos = [self.llm.token_eos()]
+
+        def ban_eos(_ids, scores):  # the same 256 tokens as localinfer's runs (ignore_eos)
+            scores[eos] = -np.inf
+            return scores
+
+        self.ban_eos = llama_cpp.LogitsProcessorList([ban_eos])
+
+    def run(self, prompt: list[int], n: int, num_pred: int) -> dict:
+        self.llm.draft_model = self._draft(num_pred_tokens=num_pred)
+        tokens, stamps = [], []
+        gen = self.llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True,
+                                logits_processor=self.ban_eos)
+        try:
+            for tok in gen:
+                stamps.append(time.perf_counter())
+                tokens.append(int(tok))
+                if len(tokens) >= n:
+                    break
+        finally:
+            gen.close()
+        return {"tokens": tokens, "decode_s": stamps[-1] - stamps[0], "steps": len(stamps) - 1}
+
+
+def divergence(engine, runner: Runner, prompt: list[int], plain: list[int], other: list[int]) -> dict | None:
+    """First position where other differs from plain, and plain's logit margin there (rerun sequentially)."""
+    j = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), None)
+    if j is None:
+        return None if len(plain) == len(other) else {"position": min(len(plain), len(other)), "margin": None}
+    seen = {}
+
+    class Recorder(Sampler):
+        def sample(self, logits, history):
+            if len(history) == len(prompt) + j:
+                seen["logits"] = np.array(logits)
+            return super().sample(logits, history)
+
+    runner.reset()
+    runner.generate(prompt, GREEDY, max_tokens=j + 1, decoder=PlainDecoder(), sampler=Recorder(GREEDY, banned=engine.eos_ids))
+    lg = seen["logits"]
+    top2 = np.sort(lg)[-2:]
+    return {"position": j, "plain_token": plain[j], "other_token": other[j],
+            "margin": float(lg[plain[j]] - lg[other[j]]), "top2_gap": float(top2[1] - top2[0]),
+            "plain_text": engine.detokenize(plain[max(0, j - 8):j + 1]), "other_text": engine.detokenize(other[max(0, j - 8):j + 1])}
+
+
+# ---- lookup cost at 32K --------------------------------------------------------
+def lookup_cost(engine, history: list[int], rounds: int = 2000) -> dict:
+    """Mean and p99 time of LookupDecoder.propose + observe per round over a 32K-token history."""
+    dec = LookupDecoder()
+    t0 = time.perf_counter()
+    dec.start(history)
+    build = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    context, pending = list(history[:-1]), history[-1]
+    per_round = []
+    src = len(history) // 3
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        draft = dec.propose(context, pending, room=1 << 20, is_eos=engine.is_eos)
+        # the target copies a passage of the history with an edit now and then
+        n = len(draft.tokens) + 1
+        emitted = [history[(src + i) % len(history)] if rng.random() > 0.05 else int(rng.integers(engine.n_vocab))
+                   for i in range(n)]
+        src += n
+        dec.observe(draft, emitted)
+        per_round.append(time.perf_counter() - t0)
+        context += [pending, *emitted[:-1]]
+        pending = emitted[-1]
+    per_round.sort()
+    return {"history_tokens": len(history), "index_build_s": build, "rounds": rounds,
+            "mean_s": statistics.fmean(per_round), "p99_s": per_round[int(0.99 * len(per_round))]}
+
+
+def decode_step(engine, tokens: list[int], n: int = 24) -> float:
+    """Median time of one single-token eval (plain decode step) after a short context."""
+    engine.trim(0)
+    engine.eval(tokens[:511], logits_at=[])
+    times = []
+    for t in tokens[511:511 + n]:
+        t0 = time.perf_counter()
+        engine.eval([t])
+        times.append(time.perf_counter() - t0)
+    engine.trim(0)
+    return statistics.median(times)
+
+
+# ---- report ---------------------------------------------------------------------
+def fmt_ms(s: float | None) -> str:
+    return "-" if s is None else f"{1000 * s:7.2f}"
+
+
+def per_token(rec: dict | None) -> float | None:
+    return rec["decode_s"] / rec["steps"] if rec and rec["steps"] else None
+
+
+def summarise(rows: list[dict], method: str) -> float | None:
+    recs = [r[method] for r in rows if r.get(method)]
+    steps = sum(r["steps"] for r in recs)
+    return sum(r["decode_s"] for r in recs) / steps if steps else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--backend", default="llama.cpp")
+    ap.add_argument("--suite", default="grounded,freeform", help="comma-separated suites")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each suite")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv", default="f16", help="KV cache type for K and V (f16, q8_0, q4_0)")
+    ap.add_argument("--no-stock", action="store_true", help="skip llama-cpp-python's LlamaPromptLookupDecoding")
+    ap.add_argument("--ngram", type=int, default=None, help="LookupDecoder ngram_max")
+    ap.add_argument("--draft-max", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write every figure to this file")
+    args = ap.parse_args(argv)
+
+    model = str(resolve_model(args.model))
+    plan = LoadPlan(model, n_ctx=args.ctx, n_threads=args.threads, type_k=args.kv, type_v=args.kv)
+    engine = load_engine(plan, args.backend)
+    runner = Runner(engine)
+    template = template_for(ModelSpec.from_gguf(model))
+    stock = None if args.no_stock or args.backend != "llama.cpp" else Stock(model, plan)
+    lookup_kw = {k: v for k, v in (("ngram_max", args.ngram), ("draft_max", args.draft_max)) if v is not None}
+    if args.ngram is not None:
+        lookup_kw["ngram_min"] = min(2, args.ngram)
+    suites = load_suites(args.suite.split(","), args.limit)
+    load0 = os.getloadavg()
+
+    warm = template.tokens(engine, [{"role": "user", "content": "Say hello."}])
+    run_localinfer(runner, warm, PlainDecoder(), 8)
+    if stock:
+        stock.run(warm, 8, 2)
+
+    header = (f"{'suite':9} {'prompt':22} {'ptok':>5} {'gen':>4} {'plain':>7} {'lookup':>7} {'speedup':>7} "
+              f"{'tok/rnd':>7} {'accept':>6} {'same':>4} {'stock10':>7} {'stock2':>7} {'vs best':>7}")
+    print(f"# {engine.name} {os.path.basename(model)} kv={args.kv} threads={plan.threads}; ms per decoded token")
+    print(header)
+    rows: list[dict] = []
+    for suite, prompts in suites.items():
+        for name, text in prompts:
+            prompt = template.tokens(engine, [{"role": "user", "content": text}])
+            row = {"suite": suite, "prompt": name, "prompt_tokens": len(prompt)}
+            row["plain"] = run_localinfer(runner, prompt, PlainDecoder(), args.max_tokens)
+            row["lookup"] = run_localinfer(runner, prompt, LookupDecoder(**lookup_kw), args.max_tokens)
+            if stock:
+                row["stock10"] = stock.run(prompt, args.max_tokens, 10)
+                row["stock2"] = stock.run(prompt, args.max_tokens, 2)
+            plain = row["plain"]["tokens"]
+            row["identical"] = row["lookup"]["tokens"] == plain
+            row["divergence"] = divergence(engine, runner, prompt, plain, row["lookup"]["tokens"])
+            for m in ("stock10", "stock2"):
+                if m in row:
+                    row[m]["identical"] = row[m]["tokens"] == plain
+            rows.append(row)
+            print_row(row)
+    print_summary(rows, suites)
+    history = []
+    for prompts in suites.values():
+        for _, text in prompts:
+            history += template.tokens(engine, [{"role": "user", "content": text}])
+    history = (history * (32768 // max(len(history), 1) + 1))[:32768]
+    cost = lookup_cost(engine, history)
+    step = summarise(rows, "plain") or decode_step(engine, history)
+    cost["decode_step_s"] = step
+    cost["share_of_step"] = cost["mean_s"] / step
+    print(f"\nlookup at {cost['history_tokens']} tokens of history: index build {1000 * cost['index_build_s']:.1f} ms once; "
+          f"per round mean {1e6 * cost['mean_s']:.1f} us, p99 {1e6 * cost['p99_s']:.1f} us = "
+          f"{100 * cost['share_of_step']:.2f}% of a {1000 * step:.2f} ms decode step (target < 1%)")
+    if args.json:
+        env = {"machine": platform.machine(), "cpus": os.cpu_count(), "threads": plan.threads,
+               "load_before": load0, "load_after": os.getloadavg(), "backend": engine.name, "model": model,
+               "kv": args.kv, "max_tokens": args.max_tokens, "lookup": lookup_kw}
+        for r in rows:
+            for m in ("plain", "lookup", "stock10", "stock2"):
+                if m in r:
+                    r[m]["ms_per_token"] = None if per_token(r[m]) is None else 1000 * per_token(r[m])
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows, "summary": SUMMARY, "lookup_cost": cost}, indent=1))
+        print(f"wrote {args.json}")
+    engine.close()
+    return 0
+
+
+SUMMARY: dict = {}
+
+
+def print_row(r: dict) -> None:
+    p, lk = per_token(r["plain"]), per_token(r["lookup"])
+    st = r["lookup"]["stats"]
+    s10, s2 = per_token(r.get("stock10")), per_token(r.get("stock2"))
+    best = min((s for s in (s10, s2) if s), default=None)
+    print(f"{r['suite']:9} {r['prompt'][:22]:22} {r['prompt_tokens']:5d} {len(r['lookup']['tokens']):4d} "
+          f"{fmt_ms(p)} {fmt_ms(lk)} {p / lk:6.2f}x {st['tokens_per_round']:7.2f} {st['acceptance']:6.2f} "
+          f"{'yes' if r['identical'] else 'NO':>4} {fmt_ms(s10)} {fmt_ms(s2)} "
+          f"{'-' if best is None else f'{best / lk:6.2f}x':>7}")
+    d = r["divergence"]
+    if d:
+        print(f"          diverges at token {d['position']}: plain margin {d.get('margin')} "
+              f"(top-2 gap {d.get('top2_gap')}) plain={d.get('plain_text')!r} lookup={d.get('other_text')!r}")
+
+
+def print_summary(rows: list[dict], suites: dict) -> None:
+    print()
+    checks = []
+    for suite in suites:
+        sub = [r for r in rows if r["suite"] == suite]
+        p, lk = summarise(sub, "plain"), summarise(sub, "lookup")
+        s10, s2 = summarise(sub, "stock10"), summarise(sub, "stock2")
+        speed = p / lk
+        line = f"{suite}: plain {fmt_ms(p).strip()} ms/tok, lookup {fmt_ms(lk).strip()} ms/tok -> {speed:.2f}x"
+        entry = {"plain_s_per_token": p, "lookup_s_per_token": lk, "speedup": speed,
+                 "identical": sum(r["identical"] for r in sub), "prompts": len(sub)}
+        if s10 and s2:
+            best = min(s10, s2)
+            entry.update(stock10_s_per_token=s10, stock2_s_per_token=s2, vs_best_stock=best / lk,
+                         stock_plain_ratio=p / best,
+                         stock_identical=sum(r["stock10"]["identical"] and r["stock2"]["identical"] for r in sub))
+            line += (f"; stock10 {fmt_ms(s10).strip()}, stock2 {fmt_ms(s2).strip()} ms/tok -> lookup {best / lk:.2f}x "
+                     f"the better stock (stock {p / best:.2f}x plain)")
+        print(line)
+        SUMMARY[suite] = entry
+        target = TARGETS["grounded_speedup"] if suite == "grounded" else TARGETS["freeform_speedup"]
+        checks.append((f"{suite} speedup >= {target}", speed >= target))
+        if suite == "grounded" and "vs_best_stock" in entry:
+            checks.append((f"grounded lookup >= {TARGETS['vs_stock']}x best stock", entry["vs_best_stock"] >= TARGETS["vs_stock"]))
+    same = sum(r["identical"] for r in rows) / len(rows)
+    SUMMARY["identical_share"] = same
+    checks.append((f"identical to plain on {same:.0%} of prompts (>= {TARGETS['identical_share']:.0%})",
+                   same >= TARGETS["identical_share"]))
+    for text, ok in checks:
+        print(f"[{'PASS' if ok else 'FAIL'}] {text}")
+    SUMMARY["checks"] = {t: ok for t, ok in checks}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
