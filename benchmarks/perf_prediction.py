@@ -43,6 +43,17 @@ def run_bench(model: str | None, out: Path, repeats: int, kv: str, threads: int)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
+def spread(cals: list[Calibration]) -> dict:
+    """max/min − 1 of each condition's time across runs: how much the machine's load moved it."""
+    times: dict = {}
+    for c in cals:
+        for s in c.prefill:
+            times.setdefault(("prefill", s.new_tokens), []).append(s.seconds)
+        for s in c.decode:
+            times.setdefault(("decode", depth_of(s)), []).append(s.seconds)
+    return {k: max(v) / min(v) - 1 for k, v in times.items()}
+
+
 def merge(cals: list[Calibration]) -> Calibration:
     """The fastest of several runs for each condition (load on a shared machine only slows things down)."""
     pre, dec = {}, {}
@@ -102,7 +113,9 @@ def main() -> int:
             run_bench(args.model, f, args.repeats, args.kv, args.threads)
     bench = ", ".join(map(str, files))
     spec = ModelSpec.from_gguf(resolve_model(args.model))
-    everything = merge([load_bench(f) for f in files])
+    runs = [load_bench(f) for f in files]
+    everything = merge(runs)
+    noise = spread(runs)
     cal, held = everything.split(lambda s: getattr(s, "new_tokens", None) in CAL_PROMPTS
                                  if hasattr(s, "new_tokens") else depth_of(s) in CAL_DEPTHS)
     speed = SpeedModel(model_cost(spec), local_device(), cal)
@@ -110,10 +123,16 @@ def main() -> int:
     print(f"{spec.name} on {local_device().display_name}; load average before: "
           f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs")
     print(f"calibrated on prefill {sorted(CAL_PROMPTS)} and decode depths {sorted(CAL_DEPTHS)}; bench: {bench}")
-    print(f"{'kind':8} {'size':>6} {'measured':>10} {'predicted':>10} {'error':>8} {'naive':>10} {'naive err':>9}")
+    print(f"{'kind':8} {'size':>6} {'measured':>10} {'predicted':>10} {'error':>8} {'naive':>10} {'naive err':>9} "
+          f"{'run spread':>10}")
     for r in rows:
+        r["run_spread"] = noise.get((r["kind"], r["size"]), 0.0)
         print(f"{r['kind']:8} {r['size']:>6} {r['measured_tok_s']:>10.1f} {r['predicted_tok_s']:>10.1f} "
-              f"{100 * r['error']:>+7.1f}% {r['naive_tok_s']:>10.1f} {100 * r['naive_error']:>+8.1f}%")
+              f"{100 * r['error']:>+7.1f}% {r['naive_tok_s']:>10.1f} {100 * r['naive_error']:>+8.1f}% "
+              f"{100 * r['run_spread']:>9.0f}%")
+    cal_noise = max((v for k, v in noise.items()), default=0.0)
+    print(f"largest run-to-run spread of any measurement: {100 * cal_noise:.0f}% "
+          "(a prediction cannot be checked more tightly than the measurements agree)")
     worst = max(abs(r["error"]) for r in rows)
     naive = max(abs(r["naive_error"]) for r in rows)
     print(f"worst |error|: model {100 * worst:.1f}%, naive peer {100 * naive:.1f}% "
