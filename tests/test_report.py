@@ -154,7 +154,8 @@ def test_output_file_is_written_atomically(models, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, flag", [(["--ctx", "8k"], "--ctx"), (["--ctx", "0"], "--ctx"),
-                                        (["--kv", "q9"], "--kv"), (["--bench", "/nonexistent.json"], "--bench")])
+                                        (["--kv", "q9"], "--kv"), (["--bench", "rtx-4090=/nonexistent.json"], "--bench"),
+                                        (["--bench", "/nonexistent.json"], "--bench")])
 def test_bad_arguments(models, capsys, argv, flag):
     rc = main(["report", models[0].path, "--devices", "rtx-4090", *argv])
     err = capsys.readouterr().err

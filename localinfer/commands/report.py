@@ -70,9 +70,14 @@ def build(args: argparse.Namespace):
     else:
         devices = all_devices()
     calibrations = {}
+    names = {d.name for d in devices}
     for item in args.bench:
         name, _, path = item.rpartition("=")
-        calibrations[name or "local"] = load_bench(path)
+        name = name or "local"
+        if name not in names:
+            raise UsageError(f"--bench names device {name!r}, which is not in this report",
+                             flag="--bench", hint="use DEVICE=FILE with a device from --devices")
+        calibrations[name] = load_bench(path)
     middle = contexts[len(contexts) // 2]
     workload = Workload(args.requests, middle, args.output_tokens, deadline_s=args.deadline)
     return build_report(specs, devices, contexts, kv_types, calibrations=calibrations,
