@@ -32,6 +32,7 @@ from .llamacpp_native import DEFAULT_OUTPUTS_MAX, parse_memory_log  # noqa: F401
 
 ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C
 
+
 class LlamaCppEngine(Engine):
     """One llama.cpp model and context with ``plan.n_seq`` independent KV streams."""
 
