@@ -204,3 +204,20 @@ def test_closed_engine_refuses_calls(default_model):
     e.close()
     with pytest.raises(Exception, match="closed"):
         e.kv_len()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_other_architectures_kv_bytes_and_rewind(tiny_models, arch):
+    from localinfer.budget import kv_bytes
+    from localinfer.runner import Runner
+    from localinfer.sampling import SamplingParams
+
+    spec = ModelSpec.from_gguf(tiny_models[arch])
+    with load_engine(LoadPlan(str(tiny_models[arch]), n_ctx=256, type_k="q8_0", type_v="q4_0", n_threads=1)) as e:
+        assert abs(e.memory()["kv"] - kv_bytes(spec, 256, "q8_0", "q4_0", backend="llama.cpp")) <= 0.005 * MiB
+        runner = Runner(e)
+        prompt = e.tokenize("hello world, hello")
+        first = runner.generate(prompt, SamplingParams(temperature=0), max_tokens=6, ignore_eos=True).tokens
+        runner.reset()
+        again = runner.generate(prompt, SamplingParams(temperature=0), max_tokens=6, ignore_eos=True).tokens
+        assert first == again and len(first) == 6
