@@ -14,8 +14,8 @@ from importlib import metadata
 from .engine import Engine, LoadPlan
 from .errors import BackendUnavailableError, UsageError
 
-# name -> ("module:Class", pip hint)
-_REGISTRY: dict[str, tuple[str, str]] = {
+# name -> ("module:Class" or the class itself, pip hint)
+_REGISTRY: dict[str, tuple[str | type[Engine], str]] = {
     "llama.cpp": ("localinfer.llamacpp:LlamaCppEngine", "pip install llama-cpp-python (see README for build flags)"),
     "torch": ("cuda_backend.engine:TorchEngine", "pip install 'localinfer[torch]'"),
     "mlx": ("localinfer.mlx_backend:MLXEngine", "pip install 'localinfer[mlx]'"),
@@ -27,9 +27,7 @@ DEFAULT_BACKEND = "llama.cpp"
 
 
 def register(name: str, target: str | type[Engine], hint: str = "") -> None:
-    """Make a backend available by name; target is a class or ``"module:Class"``."""
-    if isinstance(target, type):
-        target = f"{target.__module__}:{target.__qualname__}"
+    """Make a backend available by name; target is an Engine subclass or ``"module:Class"``."""
     _REGISTRY[name] = (target, hint)
 
 
@@ -59,6 +57,8 @@ def get_backend(name: str = DEFAULT_BACKEND) -> type[Engine]:
     """The engine class for a backend name, importing its module now."""
     name = canonical(name)
     target, hint = _REGISTRY[name]
+    if isinstance(target, type):
+        return target
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)

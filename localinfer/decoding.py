@@ -12,8 +12,10 @@ returned tokens minus the last are new in the cache.  So the last token of a
 finished reply is never written to the KV (as the chapter counts it), and a
 caller that stops early in the returned list trims the KV with ``engine.trim``.
 
-The runner prefills ``prompt[:-1]`` without logits and starts with
-``pending = prompt[-1]``.
+The runner prefills the whole prompt with logits for its last token only,
+samples the first reply token from them, and starts with that token as
+``pending``.  (``prefill()`` below is the other valid start: evaluate
+``prompt[:-1]`` and let the first step evaluate ``prompt[-1]``.)
 """
 
 from __future__ import annotations
