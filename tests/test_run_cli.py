@@ -1,7 +1,6 @@
 """`localinfer run` through the CLI boundary, in-process: output streams, JSON, and bad input."""
 
 import json
-import sys
 
 import pytest
 
