@@ -1,0 +1,129 @@
+"""GGUF tensors into torch: exact dequantization, torch layout, packed blocks, streaming memory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import GGUFReader  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+from cuda_backend.support import SUPPORTED_WEIGHT_TYPES  # noqa: E402
+from cuda_backend.weights import Packed, load_weights, weights_nbytes  # noqa: E402
+from ggufgen import write_tiny_model  # noqa: E402
+from gguf_tools import GGUFFormatError  # noqa: E402
+from localinfer.spec import ModelSpec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def typed_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("typed")
+    return {t: write_tiny_model(root / f"{t.name}.gguf", n_layers=1, qtype=t, seed=int(t))
+            for t in SUPPORTED_WEIGHT_TYPES}
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_WEIGHT_TYPES, ids=lambda t: t.name)
+def test_every_tensor_equals_gguf_dequantize(typed_models, qtype):
+    path = typed_models[qtype]
+    weights = load_weights(ModelSpec.from_gguf(path), "cpu", torch.float32, quiet=True)
+    reader = GGUFReader(str(path))
+    assert {t.name for t in reader.tensors} == set(weights)
+    seen = set()
+    for t in reader.tensors:
+        want = dequantize(np.array(t.data), t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        got = weights[t.name]
+        assert tuple(got.shape) == want.shape, t.name           # torch order: GGUF shape reversed
+        assert np.array_equal(got.numpy(), want.astype(np.float32)), t.name
+        seen.add(t.tensor_type)
+    assert qtype in seen or qtype == T.F32
+
+
+def test_bf16_matrices_f32_vectors(typed_models):
+    spec = ModelSpec.from_gguf(typed_models[T.Q8_0])
+    w = load_weights(spec, "cpu", torch.bfloat16, quiet=True)
+    assert w["blk.0.attn_q.weight"].dtype == torch.bfloat16
+    assert w["blk.0.attn_norm.weight"].dtype == torch.float32
+    f32 = load_weights(spec, "cpu", torch.float32, quiet=True)
+    assert torch.equal(w["blk.0.attn_q.weight"], f32["blk.0.attn_q.weight"].bfloat16())
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0], ids=lambda t: t.name)
+def test_packed_blocks_keep_file_bytes(typed_models, qtype):
+    spec = ModelSpec.from_gguf(typed_models[qtype])
+    packed = load_weights(spec, "cpu", torch.float32, packed=True, quiet=True)
+    plain = load_weights(spec, "cpu", torch.float32, quiet=True)
+    q = packed["blk.0.ffn_up.weight"]
+    assert isinstance(q, Packed)
+    assert q.nbytes == spec.tensor("blk.0.ffn_up.weight").n_bytes
+    assert q.shape == tuple(plain["blk.0.ffn_up.weight"].shape)
+    assert torch.equal(q.dequantize(torch.float32), plain["blk.0.ffn_up.weight"])
+    matrices = [t for t in spec.tensors if len(t.shape) == 2]
+    vectors = sum(t.n_elements * 4 for t in spec.tensors if len(t.shape) == 1)
+    assert weights_nbytes(packed) == sum(t.n_bytes for t in matrices) + vectors
+
+
+def test_q4_1_mins_are_the_block_minimum(typed_models):
+    spec = ModelSpec.from_gguf(typed_models[T.Q4_1])
+    w = load_weights(spec, "cpu", torch.float32, mins=True, quiet=True)
+    values = w["blk.0.attn_q.weight"]
+    mins = w["blk.0.attn_q.weight:mins"]
+    assert mins.shape == (values.shape[0], values.shape[1] // 32)
+    # the q4_1 quantizer maps each block's smallest value to code 0, i.e. to the stored min
+    torch.testing.assert_close(values.view(values.shape[0], -1, 32).amin(-1), mins, rtol=0, atol=0)
+
+
+def test_truncated_file_is_a_format_error(tmp_path, typed_models):
+    data = typed_models[T.Q8_0].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(GGUFFormatError, match="truncated|bytes"):
+        spec = ModelSpec.from_gguf(cut)
+        load_weights(spec, "cpu", torch.float32, quiet=True)
+
+
+def test_progress_bar_on_stderr_unless_quiet(typed_models, capfd):
+    spec = ModelSpec.from_gguf(typed_models[T.F16])
+    load_weights(spec, "cpu", torch.float32, quiet=True)
+    assert capfd.readouterr().err == ""
+    load_weights(spec, "cpu", torch.float32)
+    captured = capfd.readouterr()
+    assert "loading tiny-llama" in captured.err and captured.out == ""
+
+
+_PEAK = textwrap.dedent("""
+    import sys, torch
+    from localinfer.spec import ModelSpec
+    from cuda_backend.weights import load_weights, weights_nbytes
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    spec = ModelSpec.from_gguf(sys.argv[1])
+    torch.empty(1)
+    base = status("VmRSS:")
+    open("/proc/self/clear_refs", "w").write("5")   # reset the peak (VmHWM) to the current RSS
+    w = load_weights(spec, "cpu", torch.float32, quiet=True)
+    print(status("VmHWM:") - base, weights_nbytes(w))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_peak_host_memory_within_1_2x_of_loaded_model(default_model):
+    """Streaming in row chunks: the process grows by the loaded model, not by float32 copies of it."""
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(default_model)], capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode != 0 and "clear_refs" in out.stderr:
+        pytest.skip("this kernel does not allow resetting the peak RSS")
+    assert out.returncode == 0, out.stderr
+    grown, loaded = map(int, out.stdout.split())
+    assert loaded > 400 * 2**20          # 135M parameters in float32
+    assert grown <= 1.2 * loaded, f"peak grew {grown / loaded:.2f}x the loaded model"
