@@ -11,6 +11,12 @@ import os
 import tempfile
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
     """Replace path with data atomically (str is written as UTF-8)."""
     if isinstance(data, str):
@@ -25,6 +31,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
             os.fsync(f.fileno())
         if os.path.exists(path):
             os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        else:  # mkstemp makes 0600; a new file gets the usual 0666 & ~umask
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         try:
