@@ -149,75 +149,73 @@ class _History(Sequence):
 
 
 class CostModel:
-    """Measured time of a round that verifies m tokens (pending + m - 1 drafts).
+    """Measured time T(m) of a round that verifies m tokens (pending + m - 1 drafts).
 
-    Keeps the last ``window`` round times per size and uses their median
-    (robust to a busy machine).  Sizes not yet measured are interpolated
-    between measured neighbours, or extrapolated with the least-squares slope
-    (``prior_slope`` × T per extra token while only one size is known).
+    Single rounds are unreliable on a busy machine, so the curve is a line
+    T(m) = T(1) + s·(m - 1): T(1) is the median of recent plain rounds and s is
+    fitted through it to the per-size medians of recent drafting rounds (least
+    squares, each median weighted by its rounds), pulled towards ``prior_slope``
+    × T(1) by ``PRIOR_WEIGHT`` pseudo-rounds.  A size measured ``TRUSTED``
+    times uses its own median instead, which keeps real jumps (padding to a
+    graph shape).  A new time is clipped to [1/3, 3]× the current estimate, so
+    one descheduled round cannot switch drafting off.
     """
 
-    def __init__(self, max_tokens: int, *, window: int = 8, prior_slope: float = 0.25):
+    PRIOR_WEIGHT = 4.0
+    TRUSTED = 3
+    CLIP = 3.0
+
+    def __init__(self, max_tokens: int, *, window: int = 16, prior_slope: float = 0.25):
         self.max_tokens = max_tokens
         self.prior_slope = prior_slope
-        self.frozen = False
         self._samples = [deque(maxlen=window) for _ in range(max_tokens + 1)]
         self._curve: list[float] | None = None
+        self._fixed = False
 
     @classmethod
     def fixed(cls, seconds: Sequence[float]) -> "CostModel":
         """A curve given outright, ``seconds[m - 1]`` for m = 1..len, that measurements do not change."""
-        model = cls(len(seconds), window=1)
-        for m, t in enumerate(seconds, start=1):
-            model.add(m, t)
-        model.frozen = True
+        model = cls(len(seconds))
+        model._curve, model._fixed = [float(t) for t in seconds], True
         return model
 
     def add(self, m: int, seconds: float) -> None:
-        if 1 <= m <= self.max_tokens and not self.frozen:
-            self._samples[m].append(seconds)
-            self._curve = None
+        """Record the time of a round that verified m tokens."""
+        if self._fixed or not 1 <= m <= self.max_tokens:
+            return
+        curve = self.curve()
+        if curve is not None:
+            seconds = min(max(seconds, curve[m - 1] / self.CLIP), curve[m - 1] * self.CLIP)
+        self._samples[m].append(seconds)
+        self._curve = None
 
     def measured(self, m: int) -> float | None:
+        """Median of the recent rounds that verified m tokens (None if there were none)."""
+        if self._fixed:
+            return self._curve[m - 1] if 1 <= m <= len(self._curve) else None
         s = self._samples[m] if 1 <= m <= self.max_tokens else None
         return median(s) if s else None
 
     def curve(self) -> list[float] | None:
         """[T(1), ..., T(max_tokens)] (index m - 1), or None before any measurement."""
         if self._curve is None:
-            known = [(m, median(s)) for m, s in enumerate(self._samples) if s]
+            known = [(m, median(s), len(s)) for m, s in enumerate(self._samples) if s]
             if not known:
                 return None
-            self._curve = _fill_curve(known, self.max_tokens, self.prior_slope)
+            if known[0][0] == 1:
+                t1 = known[0][1]
+            else:  # only drafting rounds so far: the prior slope gives the intercept
+                m0, t0, _ = known[0]
+                t1 = t0 / (1 + self.prior_slope * (m0 - 1))
+            num = self.PRIOR_WEIGHT * self.prior_slope * t1
+            den = self.PRIOR_WEIGHT
+            for m, t, w in known:
+                num += w * (m - 1) * (t - t1)
+                den += w * (m - 1) ** 2
+            slope = max(num / den, 0.0)
+            trusted = {m: t for m, t, w in known if w >= self.TRUSTED}
+            self._curve = [trusted.get(m, t1 + slope * (m - 1)) for m in range(1, self.max_tokens + 1)]
         return self._curve
-
-
-def _fill_curve(known: list[tuple[int, float]], size: int, prior_slope: float) -> list[float]:
-    if len(known) == 1:
-        m0, t0 = known[0]
-        base = t0 / (1 + prior_slope * (m0 - 1))
-        slope = prior_slope * base
-    else:
-        mean_m = sum(m for m, _ in known) / len(known)
-        mean_t = sum(t for _, t in known) / len(known)
-        num = sum((m - mean_m) * (t - mean_t) for m, t in known)
-        den = sum((m - mean_m) ** 2 for m, _ in known)
-        slope = max(num / den, 0.0)
-    curve: list[float] = []
-    it = 0
-    for m in range(1, size + 1):
-        while it < len(known) and known[it][0] < m:
-            it += 1
-        if it < len(known) and known[it][0] == m:
-            curve.append(known[it][1])
-        elif it == 0:
-            curve.append(max(known[0][1] - slope * (known[0][0] - m), 1e-9))
-        elif it == len(known):
-            curve.append(known[-1][1] + slope * (m - known[-1][0]))
-        else:
-            (m0, t0), (m1, t1) = known[it - 1], known[it]
-            curve.append(t0 + (t1 - t0) * (m - m0) / (m1 - m0))
-    return curve
 
 
 class AcceptanceModel:

@@ -11,6 +11,9 @@ Tolerances.  Logits are compared relative to the largest |logit| of the referenc
 * quantized file in both engines: 5e-2.  llama.cpp rounds activations to
   8 bits per 32 values before quantized products (about 0.4% per value);
   measured about 1.1% of the largest logit on these 2-layer models.
+* quantized KV against the f16 cache: MLX's affine groups of 64 values have a
+  step of (max - min) / 255 at 8 bits and / 15 at 4 bits; measured 0.35% (q8_0)
+  and 5.8% (q4_0) of the largest logit, tolerances 2% and 15%.
 """
 
 from __future__ import annotations

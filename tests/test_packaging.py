@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _configured_packages() -> set[str]:
+def _configured_packages() -> tuple[set[str], dict[str, str]]:
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     return set(conf["packages"]), conf.get("package-dir", {})
 

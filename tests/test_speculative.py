@@ -152,6 +152,21 @@ def test_draft_length_rule_declines_when_verifying_costs_more_than_it_returns():
     assert 0 < choose_draft_length([0.8] * 16, cpu) < 16
 
 
+def test_cost_model_fits_a_line_and_shrugs_off_one_slow_round():
+    cost = CostModel(17)
+    assert cost.curve() is None
+    for _ in range(8):
+        cost.add(1, 0.020)
+    for _ in range(3):
+        cost.add(5, 0.040)
+    curve = cost.curve()
+    assert curve[0] == pytest.approx(0.020) and curve[4] == pytest.approx(0.040)   # measured sizes
+    assert curve[2] == pytest.approx(0.030, rel=0.05) and curve[16] > curve[8] > curve[4]  # the line
+    cost.add(2, 5.0)                       # a round while the machine was busy
+    assert cost.measured(2) <= 3 * 0.025
+    assert choose_draft_length([0.9] * 16, cost.curve()) > 0
+
+
 # ---- the n-gram index ------------------------------------------------------------
 def test_index_prefers_longest_then_latest_match():
     idx = NgramIndex(1, 3, [5, 1, 2, 9, 7, 1, 2, 8, 3, 2])
