@@ -148,3 +148,18 @@ def test_mixture_of_experts_is_refused(tmp_path):
     path = write_tiny_model(tmp_path / "moe.gguf", extra_kv=kv)
     with pytest.raises(UnsupportedModelError, match="experts"):
         TorchEngine(_plan(path))
+
+
+def test_static_shape_decode_equals_eval(tiny_models):
+    """The CUDA-graph step (attention over the whole cache under a device-built mask), run
+    eagerly on the CPU, gives the logits a normal eval gives."""
+    from cuda_backend.graphs import GraphDecoder
+
+    eng = TorchEngine(LoadPlan(str(tiny_models["qwen2"]), n_ctx=3 * 64, n_seq=3, n_threads=1,
+                               options={"quiet": True}))
+    for s, text in enumerate(["a", "bb bb", "ccc ccc ccc"]):
+        eng.eval(eng.tokenize(text), seq=s)
+    lens = [eng.kv_len(s) for s in range(3)]
+    static = GraphDecoder(eng.model, eng.cache, 3)(torch.tensor([7, 8, 9]), torch.tensor(lens)).numpy().copy()
+    for s in range(3):
+        np.testing.assert_allclose(static[s], eng.eval([7 + s], seq=s)[0], atol=1e-4, rtol=0)
