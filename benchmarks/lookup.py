@@ -49,28 +49,48 @@ from localinfer.templates import template_for
 
 PROMPTS = Path(__file__).parent / "lookup_prompts"
 GREEDY = SamplingParams(greedy=True)
+REPLY_MARK = "\n=== reply ===\n"
+CLOCKS = {"wall": "decode_s", "cpu": "decode_cpu_s"}
 TARGETS = {"grounded_speedup": 1.5, "freeform_speedup": 0.97, "identical_share": 0.95, "vs_stock": 1.3}
 
 
-def load_suites(names: list[str], limit: int | None) -> dict[str, list[tuple[str, str]]]:
+def load_suites(names: list[str], limit: int | None) -> dict[str, list[tuple[str, str, str]]]:
+    """(name, user message, reply prefix) per prompt file; the prefix follows a ``=== reply ===`` line."""
     suites = {}
     for name in names:
         files = sorted((PROMPTS / name).glob("*.txt"))
         if not files:
             sys.exit(f"error: no prompts in {PROMPTS / name}")
-        suites[name] = [(f.stem, f.read_text()) for f in files[:limit]]
+        suites[name] = []
+        for f in files[:limit]:
+            user, _, reply = f.read_text().partition(REPLY_MARK)
+            suites[name].append((f.stem, user.rstrip("\n"), reply))
     return suites
+
+
+def chat_prompt(engine, template, user: str, reply: str) -> list[int]:
+    """The chat-templated user turn, then the start of the assistant's reply as plain text."""
+    return template.tokens(engine, [{"role": "user", "content": user}]) + (engine.tokenize(reply) if reply else [])
 
 
 # ---- the runs ------------------------------------------------------------------
 def run_localinfer(runner: Runner, prompt: list[int], decoder, n: int) -> dict:
     runner.reset()  # every run prefills the whole prompt the same way (same numerics for its last token)
-    gen = runner.generate(prompt, GREEDY, max_tokens=n, decoder=decoder, ignore_eos=True)
-    itl = gen.timings.itl
-    out = {"tokens": gen.tokens, "decode_s": sum(itl), "steps": len(itl)}
+    tokens, wall, cpu = [], [], []
+    for chunk in runner.stream(prompt, GREEDY, max_tokens=n, decoder=decoder, ignore_eos=True):
+        if chunk.token is not None:
+            wall.append(time.perf_counter())
+            cpu.append(time.process_time())
+            tokens.append(chunk.token)
+    out = _clocked(tokens, wall, cpu)
     if isinstance(decoder, LookupDecoder):
         out["stats"] = decoder.stats.as_dict()
     return out
+
+
+def _clocked(tokens: list[int], wall: list[float], cpu: list[float]) -> dict:
+    """Decode time from the first emitted token to the last, by wall clock and by this process's CPU time."""
+    return {"tokens": tokens, "steps": len(tokens) - 1, "decode_s": wall[-1] - wall[0], "decode_cpu_s": cpu[-1] - cpu[0]}
 
 
 class Stock:
@@ -93,18 +113,19 @@ class Stock:
 
     def run(self, prompt: list[int], n: int, num_pred: int) -> dict:
         self.llm.draft_model = self._draft(num_pred_tokens=num_pred)
-        tokens, stamps = [], []
+        tokens, wall, cpu = [], [], []
         gen = self.llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True,
                                 logits_processor=self.ban_eos)
         try:
             for tok in gen:
-                stamps.append(time.perf_counter())
+                wall.append(time.perf_counter())
+                cpu.append(time.process_time())
                 tokens.append(int(tok))
                 if len(tokens) >= n:
                     break
         finally:
             gen.close()
-        return {"tokens": tokens, "decode_s": stamps[-1] - stamps[0], "steps": len(stamps) - 1}
+        return _clocked(tokens, wall, cpu)
 
 
 def divergence(engine, runner: Runner, prompt: list[int], plain: list[int], other: list[int]) -> dict | None:
@@ -172,17 +193,71 @@ def decode_step(engine, tokens: list[int], n: int = 24) -> float:
 
 # ---- report ---------------------------------------------------------------------
 def fmt_ms(s: float | None) -> str:
-    return "-" if s is None else f"{1000 * s:7.2f}"
+    return "      -" if s is None else f"{1000 * s:7.2f}"
 
 
-def per_token(rec: dict | None) -> float | None:
-    return rec["decode_s"] / rec["steps"] if rec and rec["steps"] else None
+def per_token(rec: dict | None, clock: str) -> float | None:
+    return rec[CLOCKS[clock]] / rec["steps"] if rec and rec["steps"] > 0 else None
 
 
-def summarise(rows: list[dict], method: str) -> float | None:
+def summarise(rows: list[dict], method: str, clock: str) -> float | None:
+    """Σ T / Σ N over the rows' runs of one method."""
     recs = [r[method] for r in rows if r.get(method)]
     steps = sum(r["steps"] for r in recs)
-    return sum(r["decode_s"] for r in recs) / steps if steps else None
+    return sum(r[CLOCKS[clock]] for r in recs) / steps if steps else None
+
+
+def print_row(r: dict, clock: str) -> None:
+    p, lk = per_token(r["plain"], clock), per_token(r["lookup"], clock)
+    st = r["lookup"]["stats"]
+    s10, s2 = per_token(r.get("stock10"), clock), per_token(r.get("stock2"), clock)
+    best = min((s for s in (s10, s2) if s), default=None)
+    print(f"{r['suite']:9} {r['prompt'][:22]:22} {r['prompt_tokens']:5d} {len(r['lookup']['tokens']):4d} "
+          f"{fmt_ms(p)} {fmt_ms(lk)} {p / lk:6.2f}x {st['tokens_per_round']:7.2f} {st['acceptance']:6.2f} "
+          f"{'yes' if r['identical'] else 'NO':>4} {fmt_ms(s10)} {fmt_ms(s2)} "
+          f"{'-' if best is None else f'{best / lk:6.2f}x':>7}")
+    d = r["divergence"]
+    if d:
+        print(f"{'':10}diverges at token {d['position']}: plain's logit margin {d.get('margin', float('nan')):.4f} "
+              f"(top-2 gap {d.get('top2_gap', float('nan')):.4f}) plain={d.get('plain_text')!r} "
+              f"lookup={d.get('other_text')!r}")
+
+
+def summary(rows: list[dict], suites: dict, clock: str) -> dict:
+    """Per-suite ΣT/ΣN figures and the issue's pass/fail checks; printed as it goes."""
+    out: dict = {"clock": clock}
+    checks = []
+    print()
+    for suite in suites:
+        sub = [r for r in rows if r["suite"] == suite]
+        p, lk = summarise(sub, "plain", clock), summarise(sub, "lookup", clock)
+        s10, s2 = summarise(sub, "stock10", clock), summarise(sub, "stock2", clock)
+        entry = {"plain_s_per_token": p, "lookup_s_per_token": lk, "speedup": p / lk,
+                 "identical": sum(r["identical"] for r in sub), "prompts": len(sub)}
+        line = f"{suite}: plain {1000 * p:.2f} ms/tok, lookup {1000 * lk:.2f} ms/tok -> {p / lk:.2f}x"
+        if s10 and s2:
+            best = min(s10, s2)
+            entry.update(stock10_s_per_token=s10, stock2_s_per_token=s2, vs_best_stock=best / lk,
+                         best_stock_vs_plain=p / best,
+                         stock10_identical=sum(r["stock10"]["identical"] for r in sub),
+                         stock2_identical=sum(r["stock2"]["identical"] for r in sub))
+            line += (f"; stock10 {1000 * s10:.2f}, stock2 {1000 * s2:.2f} ms/tok (the better is {p / best:.2f}x plain)"
+                     f" -> lookup {best / lk:.2f}x the better stock")
+        print(line)
+        out[suite] = entry
+        target = TARGETS["grounded_speedup"] if suite == "grounded" else TARGETS["freeform_speedup"]
+        checks.append((f"{suite} speedup {p / lk:.2f}x >= {target}x", p / lk >= target))
+        if suite == "grounded" and "vs_best_stock" in entry:
+            checks.append((f"grounded lookup {entry['vs_best_stock']:.2f}x the better stock >= {TARGETS['vs_stock']}x",
+                           entry["vs_best_stock"] >= TARGETS["vs_stock"]))
+    same = sum(r["identical"] for r in rows) / len(rows)
+    out["identical_share"] = same
+    checks.append((f"identical to plain greedy on {same:.0%} of prompts (>= {TARGETS['identical_share']:.0%})",
+                   same >= TARGETS["identical_share"]))
+    for text, ok in checks:
+        print(f"[{'PASS' if ok else 'FAIL'}] {text}")
+    out["checks"] = dict(checks)
+    return out
 
 
 def main(argv=None) -> int:
@@ -193,10 +268,14 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each suite")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: all cores)")
     ap.add_argument("--kv", default="f16", help="KV cache type for K and V (f16, q8_0, q4_0)")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="time the table and checks use; cpu (this process's CPU time) resists other load "
+                         "on a shared machine when --threads 1; the JSON has both")
     ap.add_argument("--no-stock", action="store_true", help="skip llama-cpp-python's LlamaPromptLookupDecoding")
     ap.add_argument("--ngram", type=int, default=None, help="LookupDecoder ngram_max")
+    ap.add_argument("--ngram-min", type=int, default=None, help="LookupDecoder ngram_min")
     ap.add_argument("--draft-max", type=int, default=None)
     ap.add_argument("--json", default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
@@ -207,25 +286,26 @@ def main(argv=None) -> int:
     runner = Runner(engine)
     template = template_for(ModelSpec.from_gguf(model))
     stock = None if args.no_stock or args.backend != "llama.cpp" else Stock(model, plan)
-    lookup_kw = {k: v for k, v in (("ngram_max", args.ngram), ("draft_max", args.draft_max)) if v is not None}
-    if args.ngram is not None:
-        lookup_kw["ngram_min"] = min(2, args.ngram)
+    lookup_kw = {k: v for k, v in (("ngram_max", args.ngram), ("ngram_min", args.ngram_min),
+                                   ("draft_max", args.draft_max)) if v is not None}
     suites = load_suites(args.suite.split(","), args.limit)
     load0 = os.getloadavg()
 
-    warm = template.tokens(engine, [{"role": "user", "content": "Say hello."}])
+    warm = chat_prompt(engine, template, "Say hello.", "")
     run_localinfer(runner, warm, PlainDecoder(), 8)
     if stock:
         stock.run(warm, 8, 2)
 
-    header = (f"{'suite':9} {'prompt':22} {'ptok':>5} {'gen':>4} {'plain':>7} {'lookup':>7} {'speedup':>7} "
-              f"{'tok/rnd':>7} {'accept':>6} {'same':>4} {'stock10':>7} {'stock2':>7} {'vs best':>7}")
-    print(f"# {engine.name} {os.path.basename(model)} kv={args.kv} threads={plan.threads}; ms per decoded token")
-    print(header)
+    print(f"# {engine.name} {os.path.basename(model)} kv={args.kv} threads={plan.threads} "
+          f"lookup={lookup_kw or 'defaults'}; ms per decoded token ({args.clock} clock), load {load0[0]:.1f}")
+    print(f"{'suite':9} {'prompt':22} {'ptok':>5} {'gen':>4} {'plain':>7} {'lookup':>7} {'speedup':>7} "
+          f"{'tok/rnd':>7} {'accept':>6} {'same':>4} {'stock10':>7} {'stock2':>7} {'vs best':>7}")
     rows: list[dict] = []
+    history: list[int] = []
     for suite, prompts in suites.items():
-        for name, text in prompts:
-            prompt = template.tokens(engine, [{"role": "user", "content": text}])
+        for name, user, reply in prompts:
+            prompt = chat_prompt(engine, template, user, reply)
+            history += prompt
             row = {"suite": suite, "prompt": name, "prompt_tokens": len(prompt)}
             row["plain"] = run_localinfer(runner, prompt, PlainDecoder(), args.max_tokens)
             row["lookup"] = run_localinfer(runner, prompt, LookupDecoder(**lookup_kw), args.max_tokens)
@@ -239,83 +319,32 @@ def main(argv=None) -> int:
                 if m in row:
                     row[m]["identical"] = row[m]["tokens"] == plain
             rows.append(row)
-            print_row(row)
-    print_summary(rows, suites)
-    history = []
-    for prompts in suites.values():
-        for _, text in prompts:
-            history += template.tokens(engine, [{"role": "user", "content": text}])
-    history = (history * (32768 // max(len(history), 1) + 1))[:32768]
+            print_row(row, args.clock)
+    result = {"summary": summary(rows, suites, args.clock)}
+
+    history = (history * (32768 // len(history) + 1))[:32768]
     cost = lookup_cost(engine, history)
-    step = summarise(rows, "plain") or decode_step(engine, history)
-    cost["decode_step_s"] = step
-    cost["share_of_step"] = cost["mean_s"] / step
-    print(f"\nlookup at {cost['history_tokens']} tokens of history: index build {1000 * cost['index_build_s']:.1f} ms once; "
-          f"per round mean {1e6 * cost['mean_s']:.1f} us, p99 {1e6 * cost['p99_s']:.1f} us = "
-          f"{100 * cost['share_of_step']:.2f}% of a {1000 * step:.2f} ms decode step (target < 1%)")
+    step = summarise(rows, "plain", "wall") or decode_step(engine, history)
+    cost.update(decode_step_s=step, share_of_step=cost["mean_s"] / step)
+    print(f"\nlookup at {cost['history_tokens']} tokens of history: index built once in "
+          f"{1000 * cost['index_build_s']:.1f} ms; per round mean {1e6 * cost['mean_s']:.1f} us, "
+          f"p99 {1e6 * cost['p99_s']:.1f} us = {100 * cost['share_of_step']:.2f}% of a {1000 * step:.2f} ms "
+          f"decode step (target < 1%)")
     if args.json:
-        env = {"machine": platform.machine(), "cpus": os.cpu_count(), "threads": plan.threads,
-               "load_before": load0, "load_after": os.getloadavg(), "backend": engine.name, "model": model,
-               "kv": args.kv, "max_tokens": args.max_tokens, "lookup": lookup_kw}
         for r in rows:
             for m in ("plain", "lookup", "stock10", "stock2"):
                 if m in r:
-                    r[m]["ms_per_token"] = None if per_token(r[m]) is None else 1000 * per_token(r[m])
-        Path(args.json).write_text(json.dumps({"env": env, "rows": rows, "summary": SUMMARY, "lookup_cost": cost}, indent=1))
+                    r[m]["ms_per_token"] = {c: None if per_token(r[m], c) is None else 1000 * per_token(r[m], c)
+                                            for c in CLOCKS}
+        result.update(env={"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                           "threads": plan.threads, "load_before": load0, "load_after": os.getloadavg(),
+                           "backend": engine.name, "model": model, "kv": args.kv, "max_tokens": args.max_tokens,
+                           "lookup": lookup_kw},
+                      rows=rows, lookup_cost=cost)
+        Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")
     engine.close()
     return 0
-
-
-SUMMARY: dict = {}
-
-
-def print_row(r: dict) -> None:
-    p, lk = per_token(r["plain"]), per_token(r["lookup"])
-    st = r["lookup"]["stats"]
-    s10, s2 = per_token(r.get("stock10")), per_token(r.get("stock2"))
-    best = min((s for s in (s10, s2) if s), default=None)
-    print(f"{r['suite']:9} {r['prompt'][:22]:22} {r['prompt_tokens']:5d} {len(r['lookup']['tokens']):4d} "
-          f"{fmt_ms(p)} {fmt_ms(lk)} {p / lk:6.2f}x {st['tokens_per_round']:7.2f} {st['acceptance']:6.2f} "
-          f"{'yes' if r['identical'] else 'NO':>4} {fmt_ms(s10)} {fmt_ms(s2)} "
-          f"{'-' if best is None else f'{best / lk:6.2f}x':>7}")
-    d = r["divergence"]
-    if d:
-        print(f"          diverges at token {d['position']}: plain margin {d.get('margin')} "
-              f"(top-2 gap {d.get('top2_gap')}) plain={d.get('plain_text')!r} lookup={d.get('other_text')!r}")
-
-
-def print_summary(rows: list[dict], suites: dict) -> None:
-    print()
-    checks = []
-    for suite in suites:
-        sub = [r for r in rows if r["suite"] == suite]
-        p, lk = summarise(sub, "plain"), summarise(sub, "lookup")
-        s10, s2 = summarise(sub, "stock10"), summarise(sub, "stock2")
-        speed = p / lk
-        line = f"{suite}: plain {fmt_ms(p).strip()} ms/tok, lookup {fmt_ms(lk).strip()} ms/tok -> {speed:.2f}x"
-        entry = {"plain_s_per_token": p, "lookup_s_per_token": lk, "speedup": speed,
-                 "identical": sum(r["identical"] for r in sub), "prompts": len(sub)}
-        if s10 and s2:
-            best = min(s10, s2)
-            entry.update(stock10_s_per_token=s10, stock2_s_per_token=s2, vs_best_stock=best / lk,
-                         stock_plain_ratio=p / best,
-                         stock_identical=sum(r["stock10"]["identical"] and r["stock2"]["identical"] for r in sub))
-            line += (f"; stock10 {fmt_ms(s10).strip()}, stock2 {fmt_ms(s2).strip()} ms/tok -> lookup {best / lk:.2f}x "
-                     f"the better stock (stock {p / best:.2f}x plain)")
-        print(line)
-        SUMMARY[suite] = entry
-        target = TARGETS["grounded_speedup"] if suite == "grounded" else TARGETS["freeform_speedup"]
-        checks.append((f"{suite} speedup >= {target}", speed >= target))
-        if suite == "grounded" and "vs_best_stock" in entry:
-            checks.append((f"grounded lookup >= {TARGETS['vs_stock']}x best stock", entry["vs_best_stock"] >= TARGETS["vs_stock"]))
-    same = sum(r["identical"] for r in rows) / len(rows)
-    SUMMARY["identical_share"] = same
-    checks.append((f"identical to plain on {same:.0%} of prompts (>= {TARGETS['identical_share']:.0%})",
-                   same >= TARGETS["identical_share"]))
-    for text, ok in checks:
-        print(f"[{'PASS' if ok else 'FAIL'}] {text}")
-    SUMMARY["checks"] = {t: ok for t, ok in checks}
 
 
 if __name__ == "__main__":

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
-from typing import Callable
 
 from .decoding import DecodeStats, Sampler
 from .engine import Engine
@@ -125,7 +124,7 @@ class NgramIndex:
 class _History(Sequence):
     """``tokens[:n] + extra[:m]`` without copying the context (handed to the sampler)."""
 
-    __slots__ = ("_base", "_n", "_extra")
+    __slots__ = ("_base", "_extra", "_n")
 
     def __init__(self, base: list[int], n: int, extra: list[int]):
         self._base, self._n, self._extra = base, n, extra
@@ -173,7 +172,7 @@ class CostModel:
         self._fixed = False
 
     @classmethod
-    def fixed(cls, seconds: Sequence[float]) -> "CostModel":
+    def fixed(cls, seconds: Sequence[float]) -> CostModel:
         """A curve given outright, ``seconds[m - 1]`` for m = 1..len, that measurements do not change."""
         model = cls(len(seconds))
         model._curve, model._fixed = [float(t) for t in seconds], True
@@ -228,7 +227,8 @@ class AcceptanceModel:
     pooled rate, which starts at the prior.
     """
 
-    PRIOR = {"following": 0.8, "fresh": 0.4}
+    PRIOR_FOLLOWING = 0.8
+    PRIOR_FRESH = 0.4
     PRIOR_WEIGHT = 2.0
     SHRINK = 4.0
 
@@ -259,7 +259,7 @@ class AcceptanceModel:
 
     def rates(self, kind, k: int) -> list[float]:
         """[a_1, ..., a_k] for a match of this kind."""
-        prior = self.PRIOR["following" if kind == "following" else "fresh"]
+        prior = self.PRIOR_FOLLOWING if kind == "following" else self.PRIOR_FRESH
         acc, tot = self._slot(kind)
         pooled = (sum(acc) + self.PRIOR_WEIGHT * prior) / (sum(tot) + self.PRIOR_WEIGHT)
         w = self.SHRINK

@@ -19,7 +19,12 @@ from localinfer.decoding import PlainDecoder, prefill
 from localinfer.engine import Engine, LoadPlan
 from localinfer.errors import UsageError
 from localinfer.speculative import (
-    CostModel, LookupDecoder, LookupStats, NgramIndex, choose_draft_length, expected_tokens,
+    CostModel,
+    LookupDecoder,
+    LookupStats,
+    NgramIndex,
+    choose_draft_length,
+    expected_tokens,
 )
 
 
