@@ -22,15 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from cuda_backend.graphs import GraphDecoder  # noqa: E402
-from cuda_backend.kv_cache import KVCache  # noqa: E402
-from cuda_backend.model import ModelConfig, Transformer  # noqa: E402
-from cuda_backend.rope import RopeConfig  # noqa: E402
+from cuda_backend.graphs import GraphDecoder
+from cuda_backend.kv_cache import KVCache
+from cuda_backend.model import ModelConfig, Transformer
+from cuda_backend.rope import RopeConfig
 
-QWEN3_8B = dict(n_layers=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288, vocab_size=151936)
-TINY = dict(n_layers=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, vocab_size=1024)
+QWEN3_8B = {"n_layers": 36, "n_embd": 4096, "n_head": 32, "n_head_kv": 8, "head_dim": 128, "n_ff": 12288, "vocab_size": 151936}
+TINY = {"n_layers": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512, "vocab_size": 1024}
 
 
 def make_config(dims: dict) -> ModelConfig:
@@ -145,19 +145,14 @@ def hf_decode(model, hc, device, batches, ctx, steps, compile_: bool) -> dict[in
         except TypeError:
             cache = StaticCache(config=hc, max_cache_len=ctx + steps + 16)
         ids = torch.zeros(b, 1, dtype=torch.long, device=device)
-
-        def step(i: int):
-            pos = torch.tensor([ctx + i], device=device)
-            return fwd(input_ids=ids, past_key_values=cache, cache_position=pos,
-                       position_ids=pos.expand(b, 1), use_cache=True).logits
-
         with torch.inference_mode():
-            for i in range(3):
-                step(i)
-            sync(device)
-            t0 = time.perf_counter()
-            for i in range(steps):
-                step(3 + i)
+            for i in range(3 + steps):
+                if i == 3:
+                    sync(device)
+                    t0 = time.perf_counter()
+                pos = torch.tensor([ctx + i], device=device)
+                fwd(input_ids=ids, past_key_values=cache, cache_position=pos, position_ids=pos.expand(b, 1),
+                    use_cache=True)
             sync(device)
         out[b] = (time.perf_counter() - t0) / steps
         del cache

@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localinfer.backends import load_engine  # noqa: E402
-from localinfer.engine import LoadPlan  # noqa: E402
-from localinfer.models import resolve_model  # noqa: E402
+from localinfer.backends import load_engine
+from localinfer.engine import LoadPlan
+from localinfer.models import resolve_model
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "Water boils at", "In 1492, Columbus", "The best way to learn a language is", "import numpy as np\n",
@@ -78,7 +78,6 @@ _KINDS = [("matmul", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
 
 
 def profile(model: str, args) -> dict:
-    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 

@@ -18,7 +18,7 @@ f16 ones; exact to float summation order on small models, see tests).
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -48,7 +48,7 @@ class ModelConfig:
     qk_norm: bool
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, kv: dict[str, Any]) -> "ModelConfig":
+    def from_spec(cls, spec: ModelSpec, kv: dict[str, Any]) -> ModelConfig:
         """Dimensions from the spec; norm epsilon and RoPE details from the header's keys."""
         a = spec.arch + "."
         factor = spec.rope_scaling_factor or kv.get(a + "rope.scale_linear") or 1.0

@@ -8,11 +8,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
-from cuda_backend.engine import TorchEngine  # noqa: E402
-from localinfer.backends import load_engine  # noqa: E402
-from localinfer.budget import kv_bytes  # noqa: E402
-from localinfer.engine import LoadPlan  # noqa: E402
-from localinfer.errors import ContextFullError  # noqa: E402
+from cuda_backend.engine import TorchEngine
+from localinfer.backends import load_engine
+from localinfer.budget import kv_bytes
+from localinfer.engine import LoadPlan
+from localinfer.errors import ContextFullError
 
 # Chunked or batched evaluation changes matmul blocking, hence summation order; a K or V value
 # one float32 ulp away can round to the neighbouring f16 in the cache.  Measured: 3e-5 with an
@@ -22,7 +22,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "M
 
 
 def _plan(path, **kw) -> LoadPlan:
-    base = dict(n_ctx=4 * 160, n_seq=4, n_threads=1, options={"quiet": True})
+    base = {"n_ctx": 4 * 160, "n_seq": 4, "n_threads": 1, "options": {"quiet": True}}
     return LoadPlan(str(path), **{**base, **kw})
 
 
@@ -53,7 +53,7 @@ def test_tokens_and_pieces_equal_llamacpp(engines):
             assert eng.tokenize(text, special=special) == cpp.tokenize(text, special=special)
         assert eng.tokenize(text, add_bos=True) == cpp.tokenize(text, add_bos=True)
     assert eng.tokenize("<|im_start|>", special=True) != eng.tokenize("<|im_start|>")
-    for token in list(range(0, 300)) + [1, 2, 49151]:
+    for token in list(range(300)) + [1, 2, 49151]:
         assert eng.token_bytes(token) == cpp.token_bytes(token)
     assert eng.detokenize(eng.tokenize("naïve café")) == "naïve café"
     assert eng.bos_id == cpp.bos_id and eng.eos_ids == cpp.eos_ids

@@ -7,17 +7,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
-from gguf.quants import quantize as gguf_quantize  # noqa: E402
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
-from cuda_backend import quant  # noqa: E402
-from cuda_backend.kv_cache import KVCache, cache_bytes, padded_tokens  # noqa: E402
-from localinfer.budget import kv_bytes  # noqa: E402
-from localinfer.engine import LoadPlan  # noqa: E402
-from localinfer.errors import UsageError  # noqa: E402
-from localinfer.spec import ModelSpec  # noqa: E402
-from ggufgen import write_tiny_model  # noqa: E402
+from cuda_backend import quant
+from cuda_backend.kv_cache import KVCache, cache_bytes, padded_tokens
+from localinfer.budget import kv_bytes
+from localinfer.engine import LoadPlan
+from localinfer.errors import UsageError
+from localinfer.spec import ModelSpec
 
 GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}
 

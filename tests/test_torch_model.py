@@ -25,16 +25,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
-from gguf import GGMLQuantizationType as T  # noqa: E402
-from gguf import GGUFValueType as V  # noqa: E402
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
+from ggufgen import write_tiny_model
 
-from cuda_backend.engine import TorchEngine  # noqa: E402
-from cuda_backend.rope import ROPE_PAIRING  # noqa: E402
-from cuda_backend.support import SUPPORTED_WEIGHT_TYPES  # noqa: E402
-from ggufgen import write_tiny_model  # noqa: E402
-from localinfer.backends import load_engine  # noqa: E402
-from localinfer.engine import LoadPlan  # noqa: E402
-from localinfer.errors import UnsupportedModelError  # noqa: E402
+from cuda_backend.engine import TorchEngine
+from cuda_backend.rope import ROPE_PAIRING
+from cuda_backend.support import SUPPORTED_WEIGHT_TYPES
+from localinfer.backends import load_engine
+from localinfer.engine import LoadPlan
+from localinfer.errors import UnsupportedModelError
 
 TEXT = "the tiny model reads this"
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -91,11 +91,11 @@ def test_rope_pairing_is_llamacpps(tiny_models):
 
 _LONG = "positions far from zero make rotary scaling matter. " * 3
 _ROPE_VARIANTS = {
-    "linear": dict(extra_kv={"rope.scaling.type": "linear", "rope.scaling.factor": (4.0, V.FLOAT32)}),
-    "yarn": dict(extra_kv={"rope.scaling.type": "yarn", "rope.scaling.factor": (4.0, V.FLOAT32),
-                           "rope.scaling.original_context_length": (32, V.UINT32)}),
-    "rope_freqs": dict(rope_freqs=True),
-    "base_1e6": dict(rope_base=1e6),
+    "linear": {"extra_kv": {"rope.scaling.type": "linear", "rope.scaling.factor": (4.0, V.FLOAT32)}},
+    "yarn": {"extra_kv": {"rope.scaling.type": "yarn", "rope.scaling.factor": (4.0, V.FLOAT32),
+                           "rope.scaling.original_context_length": (32, V.UINT32)}},
+    "rope_freqs": {"rope_freqs": True},
+    "base_1e6": {"rope_base": 1e6},
 }
 
 

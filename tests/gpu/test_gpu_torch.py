@@ -11,12 +11,12 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import GGMLQuantizationType as T
+from ggufgen import write_tiny_model
 
-from cuda_backend.engine import TorchEngine  # noqa: E402
-from cuda_backend.graphs import GraphDecoder  # noqa: E402
-from ggufgen import write_tiny_model  # noqa: E402
-from localinfer.engine import LoadPlan  # noqa: E402
+from cuda_backend.engine import TorchEngine
+from cuda_backend.graphs import GraphDecoder
+from localinfer.engine import LoadPlan
 
 TEXT = "the tiny model runs on the device"
 
