@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -164,7 +165,8 @@ def main() -> None:
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
     model = str(resolve_model(args.model))
-    result: dict = {"model": model, "threads": args.threads, "prompt_tokens": args.prompt, "decode_tokens": args.tokens}
+    result: dict = {"model": model, "threads": args.threads, "prompt_tokens": args.prompt, "decode_tokens": args.tokens,
+                    "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}
 
     engines = {b: _engine(b, model, args) for b in ("torch", "llama.cpp")}
     runs = {b: [] for b in engines}
@@ -203,6 +205,7 @@ def main() -> None:
         print(f"identical: torch {agr['identical_torch']}/10, llama.cpp FA off {agr['identical_llama_cpp_fa_off']}/10; "
               f"teacher-forced top-1 agreement {tf['agree']}/{tf['total']}, max |dlogit| torch {tf['max_dlogit']:.3f} "
               f"vs llama.cpp FA off {tf['cpp_off_max_dlogit']:.3f}")
+    result["load_avg_end"] = os.getloadavg()[0]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -127,3 +127,17 @@ def test_peak_host_memory_within_1_2x_of_loaded_model(default_model):
     grown, loaded = map(int, out.stdout.split())
     assert loaded > 400 * 2**20          # 135M parameters in float32
     assert grown <= 1.2 * loaded, f"peak grew {grown / loaded:.2f}x the loaded model"
+
+
+def test_packed_engine_gives_the_same_logits_in_file_bytes(tmp_path):
+    from cuda_backend.engine import TorchEngine
+    from localinfer.engine import LoadPlan
+
+    path = str(write_tiny_model(tmp_path / "q4.gguf", qtype=T.Q4_0, tied=True))
+    plain = TorchEngine(LoadPlan(path, n_ctx=64, n_threads=1, options={"quiet": True}))
+    packed = TorchEngine(LoadPlan(path, n_ctx=64, n_threads=1, options={"quiet": True, "packed": True}))
+    tokens = plain.tokenize("packed weights, unpacked when used")
+    assert np.array_equal(plain.eval(tokens)[0], packed.eval(tokens)[0])
+    spec = ModelSpec.from_gguf(path)
+    vectors = sum(t.n_elements * 4 for t in spec.tensors if len(t.shape) == 1)
+    assert packed.memory()["weights"] == sum(t.n_bytes for t in spec.tensors if len(t.shape) == 2) + vectors
