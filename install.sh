@@ -72,7 +72,7 @@ if [ "$want_torch" = 1 ] && ! "$PY" -c "import torch" >/dev/null 2>&1; then
     # CPU-only Linux: the CPU wheel (a plain 'torch' would pull a multi-GB CUDA build)
     "${PIP[@]}" "torch==2.13.0" || "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/cpu
   else
-    "${PIP[@]}" "torch>=2.4"
+    "${PIP[@]}" "torch>=2.5"
   fi
 fi
 if [ "$want_mlx" = 1 ]; then
