@@ -111,6 +111,14 @@ class NgramIndex:
                     return n, p
         return 0, -1
 
+    def agreement(self, p: int, at_least: int, cap: int) -> int:
+        """How many of the last tokens equal those before position p (known to be >= at_least), up to cap."""
+        toks, size = self.tokens, len(self.tokens)
+        n = at_least
+        while n < cap and n < p and toks[p - 1 - n] == toks[size - 1 - n]:
+            n += 1
+        return n
+
     def continuation(self, p: int, k: int) -> list[int]:
         """k tokens from position p; past the end it keeps copying its own output (periodic text)."""
         toks, size = self.tokens, len(self.tokens)
@@ -218,52 +226,53 @@ class CostModel:
 
 
 class AcceptanceModel:
-    """Per-position acceptance a_1..a_K for each kind of match, learnt as it goes.
+    """The chance a(L) that the next draft token is accepted, given the agreement length L.
 
-    A match is *following* when the source that drafted the last round also
-    predicted every token that round emitted (a copy in progress), else
-    *fresh* with its n-gram length.  Counts decay by ``decay`` per update so
-    the estimate tracks the text; each position shrinks towards its kind's
-    pooled rate, which starts at the prior.
+    L is how many of the latest history tokens equal the tokens before the
+    draft's source: the n-gram matched, grown by every token the copy has
+    kept since.  A long agreement is a copy in progress, a short one a
+    coincidence, so a round with L drafts from a(L), a(L+1), ... .  Estimates
+    are kept per bucket of L (1, 2, 3, 4-5, 6-7, 8-11, ... up to 64+), decay by
+    ``decay`` per observation so they follow the text, and start from the
+    prior L / (L + 3) worth ``PRIOR_WEIGHT`` observations.
     """
 
-    PRIOR_FOLLOWING = 0.8
-    PRIOR_FRESH = 0.4
     PRIOR_WEIGHT = 2.0
-    SHRINK = 4.0
+    MAX_AGREEMENT = 64
 
-    def __init__(self, max_draft: int, *, decay: float = 0.97):
-        self.max_draft = max_draft
+    def __init__(self, *, decay: float = 0.98):
         self.decay = decay
-        self._counts: dict[object, list[list[float]]] = {}
+        n = _bucket(self.MAX_AGREEMENT) + 1
+        self._acc = [0.0] * n
+        self._tot = [0.0] * n
+        rep = [next(x for x in range(1, self.MAX_AGREEMENT + 1) if _bucket(x) == b) for b in range(n)]
+        self._prior = [x / (x + 3) for x in rep]
 
-    def _slot(self, kind) -> list[list[float]]:
-        slot = self._counts.get(kind)
-        if slot is None:
-            slot = self._counts[kind] = [[0.0] * self.max_draft, [0.0] * self.max_draft]
-        return slot
-
-    def observe(self, kind, tried: int, accepted: int) -> None:
-        """A round of ``kind`` tested ``tried`` draft positions and accepted the first ``accepted``."""
-        if tried <= 0:
-            return
-        acc, tot = self._slot(kind)
+    def observe(self, agreement: int, tried: int, accepted: int) -> None:
+        """A round drafted at ``agreement`` tested ``tried`` positions and kept the first ``accepted``."""
         d = self.decay
-        for i in range(self.max_draft):
-            acc[i] *= d
-            tot[i] *= d
-        for i in range(min(tried, self.max_draft)):
-            tot[i] += 1.0
-            if i < accepted:
-                acc[i] += 1.0
+        for i in range(tried):
+            b = _bucket(agreement + i)
+            self._acc[b] = self._acc[b] * d + (i < accepted)
+            self._tot[b] = self._tot[b] * d + 1.0
 
-    def rates(self, kind, k: int) -> list[float]:
-        """[a_1, ..., a_k] for a match of this kind."""
-        prior = self.PRIOR_FOLLOWING if kind == "following" else self.PRIOR_FRESH
-        acc, tot = self._slot(kind)
-        pooled = (sum(acc) + self.PRIOR_WEIGHT * prior) / (sum(tot) + self.PRIOR_WEIGHT)
-        w = self.SHRINK
-        return [(acc[i] + w * pooled) / (tot[i] + w) for i in range(min(k, self.max_draft))]
+    def rates(self, agreement: int, k: int) -> list[float]:
+        """[a_1, ..., a_k] for a draft whose source agrees with the last ``agreement`` tokens."""
+        w = self.PRIOR_WEIGHT
+        out = []
+        for i in range(k):
+            b = _bucket(agreement + i)
+            out.append((self._acc[b] + w * self._prior[b]) / (self._tot[b] + w))
+        return out
+
+
+def _bucket(agreement: int) -> int:
+    """1, 2, 3 alone; then two buckets per doubling (4-5, 6-7, 8-11, 12-15, ...), 64 and above last."""
+    x = min(max(agreement, 1), AcceptanceModel.MAX_AGREEMENT)
+    if x < 4:
+        return x - 1
+    top = x.bit_length() - 1
+    return 3 + 2 * (top - 2) + (x >> (top - 1) & 1)
 
 
 @dataclass
@@ -288,11 +297,11 @@ class LookupStats(DecodeStats):
 
 @dataclass
 class Draft:
-    """One round's proposal: the tokens, where they were copied from, and the kind of match."""
+    """One round's proposal: the tokens, where they were copied from, and how well that source agrees."""
 
     tokens: list[int]
-    source: int = -1   # position in the history the draft copies from (-1: no match)
-    kind: object = None  # "following" (a copy in progress) or the n-gram length of a fresh match
+    source: int = -1    # position in the history the draft copies from (-1: no match)
+    agreement: int = 0  # latest history tokens equal to those before the source
 
 
 class LookupDecoder:
@@ -320,14 +329,24 @@ class LookupDecoder:
         self.adaptive = adaptive
         self.cost = cost or CostModel(draft_max + 1)
         self._engine_id: int | None = None
+        self.index = NgramIndex(ngram_min, ngram_max)
         self.start(())
 
     def start(self, prompt: Sequence[int]) -> None:
-        """Index a new prompt; acceptance is relearnt, the measured cost curve is kept."""
-        self.index = NgramIndex(self.ngram_min, self.ngram_max, prompt)
-        self.acceptance = AcceptanceModel(self.draft_max)
+        """Index a new prompt; acceptance is relearnt, the measured cost curve is kept.
+
+        A prompt that extends the history already indexed (the next turn of a
+        chat) only indexes its new tokens.
+        """
+        have = self.index.tokens
+        if have and len(prompt) >= len(have) and list(prompt[:len(have)]) == have:
+            self.index.extend(prompt[len(have):])
+        else:
+            self.index = NgramIndex(self.ngram_min, self.ngram_max, prompt)
+        self.acceptance = AcceptanceModel()
         self.stats = LookupStats()
         self._following = -1  # where the copy in progress continues, or -1
+        self._agreement = 0
 
     def step(self, engine: Engine, context: list[int], pending: int, sampler: Sampler, seq: int = 0) -> list[int]:
         """One round: draft, verify pending + drafts in one eval, trim rejected drafts, learn."""
@@ -378,12 +397,12 @@ class LookupDecoder:
         self._sync(context, pending)
         idx = self.index
         if self._following >= 0:
-            kind, source = "following", self._following
+            source, agreement = self._following, self._agreement
         else:
             n, source = idx.match()
             if n == 0:
                 return Draft([])
-            kind = n
+            agreement = idx.agreement(source, n, AcceptanceModel.MAX_AGREEMENT)
         k_max = self.draft_max if room is None else min(self.draft_max, room)
         tokens = idx.continuation(source, max(k_max, 0))
         if is_eos is not None:
@@ -397,8 +416,8 @@ class LookupDecoder:
                 del tokens[:]
             else:
                 del tokens[len(curve) - 1:]
-                del tokens[choose_draft_length(self.acceptance.rates(kind, len(tokens)), curve):]
-        return Draft(tokens, source, kind)
+                del tokens[choose_draft_length(self.acceptance.rates(agreement, len(tokens)), curve):]
+        return Draft(tokens, source, agreement)
 
     def observe(self, draft: Draft, emitted: Sequence[int]) -> None:
         """Learn from a verified round and append the emitted tokens to the history.
@@ -412,8 +431,12 @@ class LookupDecoder:
             kept = 0
             while kept < len(emitted) and predicted[kept] == emitted[kept]:
                 kept += 1
-            self.acceptance.observe(draft.kind, tried, min(kept, tried))
-            self._following = draft.source + len(emitted) if kept == len(emitted) else -1
+            self.acceptance.observe(draft.agreement, tried, min(kept, tried))
+            if kept == len(emitted):  # the source predicted the whole round: the copy goes on
+                self._following = draft.source + len(emitted)
+                self._agreement = min(draft.agreement + len(emitted), AcceptanceModel.MAX_AGREEMENT)
+            else:
+                self._following = -1
         else:
             self._following = -1
         self.index.extend(emitted)

@@ -203,6 +203,17 @@ def test_continuation_extends_periodic_text_past_the_end():
     assert idx.continuation(p, 7) == [1, 2, 3, 1, 2, 3, 1]
 
 
+def test_next_chat_turn_extends_the_index_instead_of_rebuilding():
+    dec = LookupDecoder(ngram_max=3, ngram_min=1)
+    dec.start([1, 2, 3, 4])
+    first = dec.index
+    dec.start([1, 2, 3, 4, 5, 6])
+    assert dec.index is first and dec.index.tokens == [1, 2, 3, 4, 5, 6]
+    dec.start([9, 2, 3])
+    assert dec.index is not first and dec.index.tokens == [9, 2, 3]
+    assert dec.index._maps == NgramIndex(1, 3, [9, 2, 3])._maps
+
+
 def test_bad_parameters_are_usage_errors():
     with pytest.raises(UsageError) as e:
         LookupDecoder(ngram_max=2, ngram_min=3)
