@@ -34,6 +34,7 @@ from .support import check_kv_types, check_model
 from .tokenizer import Tokenizer
 from .weights import load_weights, weights_nbytes
 
+ROPE_ONLY = ("rope_freqs.weight",)   # folded into the RoPE tables; the model keeps no copy
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "f16": torch.float16, "float16": torch.float16}
 
@@ -87,7 +88,7 @@ class TorchEngine(Engine):
         self.tok = Tokenizer(spec.path, spec.tokenizer_model)
         weights = load_weights(spec, self.device, self.dtype, packed=bool(opts.get("packed")), mins=emulate,
                                quiet=bool(opts.get("quiet")))
-        self.weight_bytes = weights_nbytes(weights)
+        self.weight_bytes = weights_nbytes({k: w for k, w in weights.items() if k not in ROPE_ONLY})
         cfg = ModelConfig.from_spec(spec, header.kv)
         types = {t.name: t.type.name for t in spec.tensors} if emulate else None
         self.model = Transformer(cfg, weights, self.n_ctx, self.dtype, types)

@@ -113,8 +113,9 @@ def load_weights(spec: ModelSpec, device: torch.device | str, dtype: torch.dtype
                  packed: bool = False, mins: bool = False, quiet: bool = False) -> dict[str, Weight]:
     """All tensors of spec's file by GGUF name, streamed: globals first, then one layer at a time.
 
-    Norm vectors and biases stay float32 (as llama.cpp keeps them); everything
-    else is ``dtype`` (or packed blocks).  ``mins=True`` adds ``NAME:mins`` for
+    Norm vectors stay float32 (as llama.cpp keeps them); everything else is
+    ``dtype`` (or packed blocks), biases too: they are added in ``dtype``, so
+    no float32 copy outlives the load.  ``mins=True`` adds ``NAME:mins`` for
     q4_1/q5_1 matrices (see :func:`load_mins`).  A progress bar goes to stderr unless quiet.
     """
     device = torch.device(device)
@@ -128,7 +129,7 @@ def load_weights(spec: ModelSpec, device: torch.device | str, dtype: torch.dtype
     out: dict[str, Weight] = {}
 
     def take(info: TensorInfo) -> None:
-        want = torch.float32 if len(info.shape) == 1 else dtype
+        want = torch.float32 if len(info.shape) == 1 and not info.name.endswith(".bias") else dtype
         out[info.name] = load_tensor(spec.path, info, spec.file_size, device, want, packed=packed)
         if mins and info.type in WITH_MINS and len(info.shape) == 2:
             out[info.name + ":mins"] = load_mins(spec.path, info, spec.file_size, device, dtype)
