@@ -7,7 +7,8 @@ Each function answers one question the way a given backend allocates memory:
   GGUF block layout) and ``"mlx"`` (mlx-lm's caches, grown 256 tokens at a time).
 * weights — ``weight_placement``: which tensor lands in which llama.cpp buffer,
   with exact partial offload by layer, the mmap'd host range and the CPU
-  repack copy.
+  repack copy; ``resident_weights`` for the torch engine (dequantized to its
+  dtype) and the mlx engine (Q4_0/Q4_1/Q8_0 as affine groups, the rest dequantized).
 * output (logits) buffer, reservation for generated tokens, shared prefixes,
   paged-block waste.
 
@@ -359,6 +360,125 @@ def decode_weight_bytes(spec: ModelSpec, *, active_experts_only: bool = True) ->
         else:
             total += t.n_bytes
     return total
+
+
+# ---- weights resident in the torch and mlx backends ------------------------------
+
+WEIGHT_DTYPE_BYTES = {"f32": 4, "float32": 4, "fp32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp16": 2}
+TORCH_PACKED = ("Q8_0", "Q4_0")      # kept as GGUF blocks with packed=True (same bytes as in the file)
+TORCH_MINS = ("Q4_1", "Q5_1")        # llamacpp_rounding adds per-block mins [rows, ne0 / 32] in the dtype
+MLX_AFFINE = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}   # code bytes per 32-value MLX affine group
+MLX_GROUP = 32
+NOT_RESIDENT = ("rope_freqs.weight",)   # folded into RoPE frequencies by both engines, not a weight
+
+
+@dataclass(frozen=True)
+class ResidentWeights:
+    """Weight bytes a torch/mlx engine holds after loading, where, in what dtype, and the formula."""
+
+    bytes: int
+    runs_on: str        # "cuda", "metal" or "cpu": where the engine computes on a device of that kind
+    dtype: str          # compute dtype the dequantized tensors take
+    formula: str
+    note: str | None = None   # set when the engine cannot use the device itself
+
+
+def check_weight_dtype(dtype: str | None, flag: str = "--dtype") -> str | None:
+    """Normalise a weight dtype name (None: the backend's default); UsageError naming the flag."""
+    if dtype is None:
+        return None
+    t = str(dtype).strip().lower()
+    if t not in WEIGHT_DTYPE_BYTES:
+        raise UsageError(f"{flag}: unknown weight dtype {dtype!r}", flag=flag, hint="use f32, bf16 or f16")
+    return t
+
+
+def backend_device(backend: str, kind: str) -> tuple[str, str | None]:
+    """Where ``backend`` computes on a device of ``kind`` ("cuda" | "metal" | "cpu"), and why when not there.
+
+    torch: CUDA or the CPU; it has no Metal (mps) path, so on a Mac it runs on
+    the CPU (the same unified memory).  mlx: Metal or the CPU; MLX's CUDA build
+    is not supported by localinfer's mlx backend, which then runs on the host CPU.
+    """
+    _check_backend(backend)
+    if backend == "torch" and kind == "metal":
+        return "cpu", "the torch backend has no Metal (mps) path: it runs on the CPU, in the same unified memory"
+    if backend == "mlx" and kind == "cuda":
+        return "cpu", ("the mlx backend does not use CUDA GPUs (MLX's CUDA build is not supported by "
+                       "localinfer's mlx backend): it runs on the host CPU")
+    return kind, None
+
+
+def default_weight_dtype(spec: ModelSpec, backend: str, runs_on: str) -> str:
+    """The engines' default compute dtype: torch bf16 on CUDA; mlx f16 on Metal (bf16 for
+    files with BF16 tensors); float32 on the CPU for both."""
+    if runs_on == "cpu":
+        return "f32"
+    if backend == "mlx":
+        return "bf16" if any(t.type.name == "BF16" for t in spec.tensors) else "f16"
+    return "bf16"
+
+
+def torch_weight_bytes(spec: ModelSpec, dtype: str = "f32", *, packed: bool = False, mins: bool = False) -> int:
+    """Bytes of cuda_backend's loaded tensors: norms (1-D, biases excepted) float32, the rest n × dtype;
+    with ``packed`` q8_0/q4_0 matrices keep their GGUF bytes; ``mins`` adds q4_1/q5_1 block mins."""
+    size = WEIGHT_DTYPE_BYTES[check_weight_dtype(dtype)]
+    total = 0
+    for t in spec.tensors:
+        kind = t.type.name
+        if t.name in NOT_RESIDENT:
+            continue
+        if len(t.shape) == 1 and not t.name.endswith(".bias"):
+            total += t.n_elements * 4
+        elif packed and kind in TORCH_PACKED and len(t.shape) == 2:
+            total += t.n_bytes
+        else:
+            total += t.n_elements * size
+        if mins and kind in TORCH_MINS and len(t.shape) == 2:
+            total += t.n_elements // MLX_GROUP * size
+    return total
+
+
+def mlx_weight_bytes(spec: ModelSpec, dtype: str = "f16") -> int:
+    """Bytes of the mlx backend's parameters: Q4_0/Q4_1/Q8_0 matrices as affine groups of 32
+    (codes + scale + bias in dtype), every other tensor dequantized to n × dtype."""
+    size = WEIGHT_DTYPE_BYTES[check_weight_dtype(dtype)]
+    total = 0
+    for t in spec.tensors:
+        if t.name in NOT_RESIDENT:
+            continue
+        code = MLX_AFFINE.get(t.type.name)
+        if code is not None and len(t.shape) > 1:
+            total += t.n_elements // MLX_GROUP * (code + 2 * size)
+        else:
+            total += t.n_elements * size
+    return total
+
+
+def resident_weights(spec: ModelSpec, backend: str, kind: str, dtype: str | None = None, *,
+                     packed: bool = False) -> ResidentWeights:
+    """Weights the torch or mlx engine holds on a device of ``kind`` (see :func:`backend_device`).
+
+    ``dtype`` None takes the engine's default for where it runs.  SmolLM2-135M
+    Q4_1 (96,576,768 B in the file): mlx 98,275,968 B on Metal, 115,156,224 B on the CPU.
+    """
+    if backend not in ("torch", "mlx"):
+        raise UsageError(f"resident weights are modelled for torch and mlx, not {backend!r}", flag="--backend")
+    runs_on, note = backend_device(backend, kind)
+    dt = check_weight_dtype(dtype) or default_weight_dtype(spec, backend, runs_on)
+    size = WEIGHT_DTYPE_BYTES[dt]
+    where = f"{backend} on {runs_on}, {dt}"
+    if backend == "torch":
+        total = torch_weight_bytes(spec, dt, packed=packed)
+        formula = (f"{where}: Σ tensors n × {size} B (dequantized at load), norms n × 4 B (float32)"
+                   + (", q8_0/q4_0 matrices their GGUF bytes (packed)" if packed else ""))
+    else:
+        total = mlx_weight_bytes(spec, dt)
+        formula = (f"{where}: Q4_0/Q4_1 n/32 × (16 + 2·{size}) B, Q8_0 n/32 × (32 + 2·{size}) B "
+                   f"(affine groups of 32, scale and bias in {dt}); other tensors n × {size} B (dequantized)")
+    if spec.tied_embeddings:
+        formula += "; tied output: token_embd counted once"
+    return ResidentWeights(total, runs_on, dt, formula, note)
 
 
 @dataclass(frozen=True)
