@@ -367,8 +367,8 @@ def decode_weight_bytes(spec: ModelSpec, *, active_experts_only: bool = True) ->
 WEIGHT_DTYPE_BYTES = {"f32": 4, "float32": 4, "fp32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp16": 2}
 TORCH_PACKED = ("Q8_0", "Q4_0")      # kept as GGUF blocks with packed=True (same bytes as in the file)
 TORCH_MINS = ("Q4_1", "Q5_1")        # llamacpp_rounding adds per-block mins [rows, ne0 / 32] in the dtype
-MLX_AFFINE = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}   # code bytes per 32-value MLX affine group
-MLX_GROUP = 32
+QUANT_GROUP = 32                     # values per q4_x/q8_0 block = per MLX affine group
+MLX_AFFINE = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}   # code bytes per group
 NOT_RESIDENT = ("rope_freqs.weight",)   # folded into RoPE frequencies by both engines, not a weight
 
 
@@ -421,7 +421,8 @@ def default_weight_dtype(spec: ModelSpec, backend: str, runs_on: str) -> str:
 
 def torch_weight_bytes(spec: ModelSpec, dtype: str = "f32", *, packed: bool = False, mins: bool = False) -> int:
     """Bytes of cuda_backend's loaded tensors: norms (1-D, biases excepted) float32, the rest n × dtype;
-    with ``packed`` q8_0/q4_0 matrices keep their GGUF bytes; ``mins`` adds q4_1/q5_1 block mins."""
+    with ``packed`` q8_0/q4_0 matrices keep their GGUF bytes; ``mins`` (llamacpp_rounding) adds
+    q4_1/q5_1 block mins.  rope_freqs is folded into the RoPE tables, not kept."""
     size = WEIGHT_DTYPE_BYTES[check_weight_dtype(dtype)]
     total = 0
     for t in spec.tensors:
@@ -435,13 +436,14 @@ def torch_weight_bytes(spec: ModelSpec, dtype: str = "f32", *, packed: bool = Fa
         else:
             total += t.n_elements * size
         if mins and kind in TORCH_MINS and len(t.shape) == 2:
-            total += t.n_elements // MLX_GROUP * size
+            total += t.n_elements // QUANT_GROUP * size
     return total
 
 
 def mlx_weight_bytes(spec: ModelSpec, dtype: str = "f16") -> int:
     """Bytes of the mlx backend's parameters: Q4_0/Q4_1/Q8_0 matrices as affine groups of 32
-    (codes + scale + bias in dtype), every other tensor dequantized to n × dtype."""
+    (codes + scale + bias in dtype), every other tensor dequantized to n × dtype (rope_freqs
+    becomes RoPE frequencies, not a parameter)."""
     size = WEIGHT_DTYPE_BYTES[check_weight_dtype(dtype)]
     total = 0
     for t in spec.tensors:
@@ -449,7 +451,7 @@ def mlx_weight_bytes(spec: ModelSpec, dtype: str = "f16") -> int:
             continue
         code = MLX_AFFINE.get(t.type.name)
         if code is not None and len(t.shape) > 1:
-            total += t.n_elements // MLX_GROUP * (code + 2 * size)
+            total += t.n_elements // QUANT_GROUP * (code + 2 * size)
         else:
             total += t.n_elements * size
     return total
