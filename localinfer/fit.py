@@ -18,11 +18,14 @@ from .budget import (
     LlamaCells,
     MemoryBreakdown,
     Term,
+    backend_device,
     check_kv_type,
+    check_weight_dtype,
     kv_bytes,
     kv_bytes_from_layer,
     llama_cells,
     output_bytes,
+    resident_weights,
 )
 from .compute_buffer import compute_estimate
 from .devices import DeviceProfile
@@ -54,6 +57,8 @@ class FitRequest:
     kv_unified: bool = False
     swa_full: bool = False              # llama.cpp CLI default; its C API (and llama-cpp-python) default to True
     n_ctx_total: int | None = None      # exact llama.cpp -c when it is not n_ctx × n_seq (check_load)
+    dtype: str | None = None            # torch/mlx weight dtype; None: the engine's default where it runs
+    packed: bool = False                # torch: q8_0/q4_0 matrices kept as GGUF blocks
 
     def __post_init__(self):
         if not isinstance(self.n_ctx, int) or isinstance(self.n_ctx, bool) or self.n_ctx <= 0:
@@ -73,6 +78,7 @@ class FitRequest:
             raise UsageError(f"unknown backend {self.backend!r}", flag="--backend", hint="use " + ", ".join(BACKENDS))
         if self.n_batch <= 0 or self.n_ubatch <= 0:
             raise UsageError("batch sizes must be positive", flag="--batch")
+        check_weight_dtype(self.dtype)
 
     @property
     def llama_n_ctx(self) -> int:
@@ -110,6 +116,7 @@ class FitResult:
     offload: Offload | None = None
     command: str = ""
     warnings: tuple[str, ...] = field(default=())
+    supported: bool = True              # False: the backend cannot use this device (see budget.backend_device)
 
     @property
     def free_bytes(self) -> int:
@@ -140,6 +147,7 @@ class FitResult:
             "ubatch": self.ubatch,
             "offload": None if self.offload is None else dict(self.offload.__dict__),
             "suggestions": list(self.suggestions), "command": self.command, "warnings": list(self.warnings),
+            "supported": self.supported,
         }
 
 
@@ -217,18 +225,36 @@ def breakdown(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> tuple[
 
 
 def _other_backend(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> MemoryBreakdown:
-    """torch / mlx: weights as stored, KV as their caches allocate it (no llama.cpp buffers)."""
+    """torch / mlx: weights as the engine holds them once loaded, KV as its caches allocate it.
+
+    Where the engine cannot use the device (torch on Metal, mlx on CUDA) it runs
+    on the CPU: in a unified machine's memory, or in a discrete device's host.
+    """
+    rw = resident_weights(spec, req.backend, device.kind, req.dtype, packed=req.packed)
+    pool = "host" if rw.runs_on == "cpu" and device.kind != "cpu" and not device.unified else "device"
     kv = kv_bytes(spec, req.n_ctx, req.type_k, req.type_v, backend=req.backend, n_seq=req.n_seq)
     block = "16-token blocks" if req.backend == "torch" else "256-token steps (mlx-lm)"
-    terms = (Term("weights", "weights", spec.weight_bytes, "device", "Σ tensor bytes in the GGUF", None),
-             Term("kv", "KV cache", kv, "device", f"{req.backend} KV: n_seq × tokens in {block} × bytes/token", None))
-    return MemoryBreakdown(terms, device.unified or device.kind == "cpu",
-                           (f"{req.backend}: activations and work areas are not counted",))
+    terms = (Term("weights", f"weights ({rw.dtype})", rw.bytes, pool, rw.formula, None),
+             Term("kv", "KV cache", kv, pool, f"{req.backend} KV: n_seq × tokens in {block} × bytes/token", None))
+    notes = ([rw.note] if rw.note and pool == "device" else []) + [f"{req.backend}: activations and work areas are not counted"]
+    return MemoryBreakdown(terms, device.unified or device.kind == "cpu", tuple(notes))
+
+
+def unsupported(device: DeviceProfile, req: FitRequest) -> str | None:
+    """Why ``req.backend`` cannot run on this discrete device at all (mlx on CUDA), else None."""
+    if req.backend == "llama.cpp":
+        return None
+    runs_on, note = backend_device(req.backend, device.kind)
+    if runs_on == "cpu" and device.kind != "cpu" and not device.unified:
+        return f"not supported: {note}, so this device's memory is not used; use --backend torch or llama.cpp here"
+    return None
 
 
 # ---- verdicts and searches ---------------------------------------------------------
 
 def _fits(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> bool:
+    if unsupported(device, req):
+        return False
     bd, _ = breakdown(spec, device, req)
     if bd.device_bytes > device.usable_bytes:
         return False
@@ -369,10 +395,13 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
         fits = False
         reason = (f"the device part fits but the host needs {fmt_bytes(bd.host_bytes)} of "
                   f"{fmt_bytes(device.host_memory_bytes)}")
+    why = unsupported(device, req)
+    if why:
+        fits, reason = False, why
     result = FitResult(spec.name, device, req, bd, cells, usable, fits, reason,
                        command=llama_command(spec, req, cells, device) if req.backend == "llama.cpp" else "",
-                       warnings=tuple(warnings))
-    if not search:
+                       warnings=tuple(warnings), supported=why is None)
+    if not search or why:
         return result
     mctx = max_context(spec, device, req)
     mpar = max_parallel(spec, device, req) if mctx and mctx >= req.n_ctx else (None if not mctx else 0)
@@ -399,16 +428,36 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
                    suggestions=tuple(suggestions), command=command)
 
 
+def _cpu_view(dev: DeviceProfile) -> DeviceProfile:
+    """The CPU side of a device: the same memory when unified, the host RAM when known, else unchanged."""
+    if dev.kind == "cpu":
+        return dev
+    if dev.unified:
+        return replace(dev, kind="cpu", working_set_cap_bytes=None)
+    if dev.host_memory_bytes is None:
+        return dev
+    from .devices import DEFAULT_LOCAL_RESERVE
+
+    return replace(dev, display_name=f"{dev.display_name} (host CPU)", kind="cpu", memory_bytes=dev.host_memory_bytes,
+                   reserve=DEFAULT_LOCAL_RESERVE, unified=True, host_memory_bytes=None)
+
+
 def check_load(spec: ModelSpec, plan, device: DeviceProfile | None = None, backend: str = "llama.cpp") -> FitResult:
     """Would ``plan`` (a :class:`localinfer.engine.LoadPlan`) fit?  For ``chat``/``run`` before loading.
 
     ``plan.n_ctx`` is llama.cpp's total context (shared by ``plan.n_seq``
-    sequences).  The device defaults to this machine.  The result's
-    ``reason`` and ``suggestions`` are what to print when refusing.
+    sequences).  The device defaults to this machine (probing CUDA for the
+    torch backend).  torch and mlx are checked where the engine will compute:
+    on the CPU when the plan asks for it or the backend cannot use the device.
+    The result's ``reason`` and ``suggestions`` are what to print when refusing.
     """
     from .devices import local_device
 
-    dev = device or local_device()
+    on_cpu = backend != "llama.cpp" and ((plan.device or "").lower() == "cpu"
+                                         or (backend == "torch" and plan.n_gpu_layers == 0))
+    dev = device or local_device(probe_cuda=backend == "torch" and not on_cpu)
+    if backend != "llama.cpp":
+        dev = _cpu_view(dev) if on_cpu or backend_device(backend, dev.kind)[0] == "cpu" else dev
     outputs = plan.options.get("n_outputs_max")
     if outputs is None and backend == "llama.cpp":
         import sys
@@ -420,5 +469,6 @@ def check_load(spec: ModelSpec, plan, device: DeviceProfile | None = None, backe
         flash_attn=plan.flash_attn, n_gpu_layers=plan.n_gpu_layers, n_batch=plan.n_batch,
         n_ubatch=min(plan.n_ubatch, plan.n_batch), n_outputs_max=outputs, backend=backend,
         mmap=bool(plan.options.get("mmap", True)), swa_full=bool(plan.options.get("swa_full", True)),
-        n_ctx_total=plan.n_ctx)
+        n_ctx_total=plan.n_ctx, dtype=plan.dtype if backend != "llama.cpp" else None,
+        packed=bool(plan.options.get("packed")) and backend == "torch")
     return fit_device(spec, dev, req)

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-ub", "--ubatch", type=int, default=512, metavar="N", help="llama.cpp -ub (default 512)")
     parser.add_argument("--backend", default="llama.cpp", metavar="NAME",
                         help="allocation rules: llama.cpp (default), torch, mlx")
+    parser.add_argument("--dtype", default=None, metavar="T",
+                        help="torch/mlx weight dtype: f32, bf16, f16 (default: the engine's; torch bf16 on CUDA, "
+                             "mlx f16 on Metal, f32 on the CPU)")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
 
 
@@ -71,8 +74,11 @@ def _request(args, spec):
         raise UsageError(f"--parallel must be at least 1, got {args.parallel}", flag="--parallel")
     if args.ubatch <= 0:
         raise UsageError(f"--ubatch must be positive, got {args.ubatch}", flag="--ubatch")
+    if args.dtype is not None and args.backend == "llama.cpp":
+        raise UsageError("--dtype sets the torch and mlx weight dtype; llama.cpp keeps the GGUF's types",
+                         flag="--dtype", hint="add --backend torch or --backend mlx, or drop --dtype")
     return FitRequest(n_ctx=ctx, n_seq=args.parallel, type_k=type_k, type_v=type_v, flash_attn=fa,
-                      n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend)
+                      n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend, dtype=args.dtype)
 
 
 def _devices(args):
@@ -151,8 +157,9 @@ def render_text(spec, req, results) -> str:
         bd = r.breakdown
         pool = None if bd.unified else "device"
         name = _clean(r.device.name)[:21]
-        lines.append(f"{name:<22}{_g(r.usable_bytes):>10}{_g(bd.sum('weights', pool)):>11}{_g(bd.sum('kv', pool)):>10}"
-                     f"{_g(bd.sum('compute', pool) + bd.sum('output', pool)):>10}{_g(r.free_bytes):>11}  "
+        w, kv, cb, left = (bd.sum("weights", pool), bd.sum("kv", pool), bd.sum("compute", pool) + bd.sum("output", pool),
+                           r.free_bytes) if r.supported else (None,) * 4
+        lines.append(f"{name:<22}{_g(r.usable_bytes):>10}{_g(w):>11}{_g(kv):>10}{_g(cb):>10}{_g(left):>11}  "
                      f"{'yes' if r.fits else 'NO':<5}{_ctx(r.max_ctx):>8}{(str(r.max_parallel) if r.max_parallel else '—'):>8}")
     lines.append("")
     for r in results:
@@ -161,7 +168,7 @@ def render_text(spec, req, results) -> str:
         if not r.fits:
             if r.suggestions:
                 lines.extend(_wrap("would fit with: " + "; ".join(r.suggestions), "  "))
-            elif r.offload is None:
+            elif r.offload is None and r.supported:
                 lines.append("  nothing fits: not even the weights")
         if r.offload is not None:
             lines.extend(_wrap(f"keep {r.offload.gpu_layers} of {spec.n_layers} layers on the accelerator "
