@@ -155,6 +155,8 @@ def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
     elif "n_batch" in given:
         given["n_ubatch"] = min(given["n_batch"], _PLAN_DEFAULTS["n_ubatch"])
     given.update(overrides)
+    if getattr(args, "force", False):
+        given["options"] = {**given.get("options", {}), "force": True}    # engines' own checks (mlx working set)
     return LoadPlan(model_path=str(path), **given)
 
 
