@@ -65,3 +65,20 @@ def test_malformed_lists_are_usage_errors(capsys, argv, text):
     with pytest.raises(SystemExit) as exc:
         main(["bench", *argv])
     assert exc.value.code == 2 and text in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend,packages", [("llama.cpp", ["llama-cpp-python"]), ("torch", ["torch"]),
+                                              ("mlx", ["mlx", "mlx-lm"])])
+def test_backend_version_names_the_installed_packages(backend, packages):
+    from importlib import metadata
+
+    from localinfer.commands.bench import _backend_version
+
+    installed = []
+    for name in packages:
+        try:
+            installed.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    assert _backend_version(backend) == (", ".join(installed) or "unknown")
+    assert _backend_version("some-plugin") == "unknown"

@@ -110,12 +110,17 @@ def _local_device() -> tuple[str, float | None]:
     return dev.display_name, dev.bandwidth_bytes_per_s
 
 
-def _backend_version(backend: str) -> str:
-    if backend == "llama.cpp":
-        from importlib import metadata
+BACKEND_PACKAGES = {"llama.cpp": ("llama-cpp-python",), "torch": ("torch",), "mlx": ("mlx", "mlx-lm")}
 
+
+def _backend_version(backend: str) -> str:
+    """The installed packages behind a backend, e.g. "mlx 0.32.4, mlx-lm 0.32.2" ("unknown" when none is found)."""
+    from importlib import metadata
+
+    found = []
+    for name in BACKEND_PACKAGES.get(backend, ()):
         try:
-            return "llama-cpp-python " + metadata.version("llama-cpp-python")
+            found.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
-            return "unknown"
-    return "unknown"
+            continue
+    return ", ".join(found) or "unknown"
