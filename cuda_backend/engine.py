@@ -31,7 +31,7 @@ from localinfer.spec import ModelSpec
 from .kv_cache import KVCache
 from .model import ModelConfig, Transformer
 from .support import check_kv_types, check_model
-from .tokenizer import Tokenizer
+from .tokenizer import load_tokenizer
 from .weights import load_weights, weights_nbytes
 
 ROPE_ONLY = ("rope_freqs.weight",)   # folded into the RoPE tables; the model keeps no copy
@@ -85,7 +85,7 @@ class TorchEngine(Engine):
             torch.set_num_threads(plan.n_threads)
         opts = plan.options
         emulate = bool(opts.get("llamacpp_rounding", False))
-        self.tok = Tokenizer(spec.path, spec.tokenizer_model)
+        self.tok = load_tokenizer(spec.path, spec.tokenizer_model)
         weights = load_weights(spec, self.device, self.dtype, packed=bool(opts.get("packed")), mins=emulate,
                                quiet=bool(opts.get("quiet")))
         self.weight_bytes = weights_nbytes({k: w for k, w in weights.items() if k not in ROPE_ONLY})
@@ -101,7 +101,7 @@ class TorchEngine(Engine):
 
     # ---- tokenizer ---------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
-        return self.tok.tokenize(text, add_bos, special)
+        return self.tok.tokenize(text, add_bos=add_bos, special=special)
 
     def token_bytes(self, token: int) -> bytes:
         return self.tok.token_bytes(token)

@@ -29,6 +29,7 @@ from . import llamacpp_native as native
 from .engine import Engine, LoadPlan
 from .errors import ContextFullError, LocalinferError, UnsupportedModelError
 from .llamacpp_native import DEFAULT_OUTPUTS_MAX, parse_memory_log  # noqa: F401  (re-exported)
+from .llamacpp_vocab import LlamaVocab
 
 ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C
 
@@ -57,22 +58,20 @@ class LlamaCppEngine(Engine):
                 raise
             self._log = list(native.log_lines)
         self._mem = _L.llama_get_memory(self._ctx)
-        self._vocab = _L.llama_model_get_vocab(self._model)
-        self.n_vocab = _L.llama_vocab_n_tokens(self._vocab)
-        if _L.llama_vocab_type(self._vocab) == _L.LLAMA_VOCAB_TYPE_NONE or self.n_vocab <= 0:
+        self.vocab = LlamaVocab(_L.llama_model_get_vocab(self._model))
+        self.n_vocab = self.vocab.n_vocab
+        if not self.vocab.has_vocab:
             self.close()
             raise UnsupportedModelError(f"{os.path.basename(path)} has no tokenizer, so it cannot generate text",
                                         hint="is this a header-only skeleton (localinfer skeleton)? those are for "
                                              "`localinfer fit`; pass a full model file")
         per_seq = max(1, plan.n_ctx // plan.n_seq)
         self.n_ctx = min(per_seq, _L.llama_n_ctx_seq(self._ctx))
-        self.add_bos = bool(_L.llama_vocab_get_add_bos(self._vocab))
-        bos = _L.llama_vocab_bos(self._vocab)
-        self.bos_id = bos if bos >= 0 else None
-        self.eos_ids = frozenset(i for i in range(self.n_vocab) if _L.llama_vocab_is_eog(self._vocab, i))
+        self.add_bos = self.vocab.add_bos
+        self.bos_id = self.vocab.bos_id
+        self.eos_ids = self.vocab.eos_ids
         self._reported = parse_memory_log(self._log)
         self.kv_cells = self._reported["kv_cells"]
-        self._pieces: dict[int, bytes] = {}
         self._n_batch = plan.n_batch
         self._n_outputs = native.outputs_cap(plan)
         self._batch = _L.llama_batch_init(self._n_batch, 0, plan.n_seq)
@@ -84,43 +83,17 @@ class LlamaCppEngine(Engine):
         self.aborted = 0  # llama_decode calls stopped by Ctrl-C inside the graph
         self._abort_cb = _L.ggml_abort_callback(lambda _data: self._abort.is_set())
 
-    # ---- tokenizer ---------------------------------------------------------
+    # ---- tokenizer (llama.cpp's own, shared with the other backends) --------
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
         """Token ids of text; ``add_bos`` prepends BOS when the model's tokenizer wants one."""
-        self._alive()
-        data = text.encode("utf-8", errors="replace")
-        cap = len(data) + 8
-        while True:
-            buf = (_L.llama_token * cap)()
-            n = _L.llama_tokenize(self._vocab, data, len(data), buf, cap, False, special)
-            if n >= 0:
-                break
-            cap = -n
-        out = list(buf[:n])
-        if add_bos and self.add_bos and self.bos_id is not None and (not out or out[0] != self.bos_id):
-            out.insert(0, self.bos_id)
-        return out
+        return self.vocab.tokenize(text, add_bos=add_bos, special=special)
 
     def token_bytes(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            self._alive()
-            if not 0 <= token < self.n_vocab:
-                raise ValueError(f"token id {token} outside the vocabulary of {self.n_vocab}")
-            size = 64
-            while True:
-                buf = ctypes.create_string_buffer(size)
-                n = _L.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
-                if n >= 0:
-                    break
-                size = -n
-            piece = self._pieces[token] = buf.raw[:n]
-        return piece
+        return self.vocab.token_bytes(token)
 
     def token_text(self, token: int) -> str:
         """A token's vocabulary text, special tokens included (for display)."""
-        raw = _L.llama_vocab_get_text(self._vocab, token)
-        return raw.decode("utf-8", errors="replace") if raw else ""
+        return self.vocab.token_text(token)
 
     # ---- KV cache ----------------------------------------------------------
     def kv_len(self, seq: int = 0) -> int:
@@ -277,6 +250,8 @@ class LlamaCppEngine(Engine):
         if getattr(self, "_ctx", None) is not None:
             _L.llama_free(self._ctx)
             self._ctx = None
+        if getattr(self, "vocab", None) is not None:
+            self.vocab.release()
         if getattr(self, "_model", None) is not None:
             _L.llama_model_free(self._model)
             self._model = None

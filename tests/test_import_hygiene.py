@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = ("torch", "llama_cpp", "mlx", "mlx_lm", "cuda_backend")
-BACKEND_MODULES = {"llamacpp", "llamacpp_native", "runner", "chat", "mlx_backend"}      # may import a backend, lazily
+BACKEND_MODULES = {"llamacpp", "llamacpp_native", "llamacpp_vocab", "runner", "chat", "mlx_backend"}      # may import a backend, lazily
 PLANNING_COMMANDS = ("inspect", "skeleton", "fit", "devices", "plan", "report")
 
 _PROBE = r"""

@@ -30,11 +30,11 @@ from ..errors import (
     UsageError,
 )
 from ..llamacpp_native import check_readable
+from ..llamacpp_vocab import VocabOnly
 from ..spec import ModelSpec
 from ..units import fmt_bytes
 from . import kv
 from .model import build_model, check_supported, head
-from .vocab import Vocab
 from .weights import converted_bytes, load_weights
 
 log = logging.getLogger("localinfer.mlx")
@@ -117,7 +117,7 @@ class MLXEngine(Engine):
             "kv": plan.n_seq * self.kv_capacity * kv.bytes_per_token(spec, plan.type_k, plan.type_v),
         }
         check_working_set(sum(self.planned_bytes.values()), working_set_limit(), bool(plan.options.get("force")))
-        self._vocab = Vocab(spec.path)
+        self._vocab = VocabOnly(spec.path)
         try:
             weights = load_weights(spec, self.dtype)
             self.notes = list(weights.notes)
