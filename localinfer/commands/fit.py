@@ -100,12 +100,40 @@ def run(args: argparse.Namespace) -> int:
     spec = ModelSpec.from_gguf(resolve_model(args.model))
     req = _request(args, spec)
     results = [fit_device(spec, dev, req) for dev in _devices(args)]
+    speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}
     if args.json:
-        json.dump(_as_json(spec, req, results), sys.stdout, indent=1)
+        doc = _as_json(spec, req, results)
+        for d, r in zip(doc["devices"], results):
+            d["speed"] = speeds[r.device.name]
+        json.dump(doc, sys.stdout, indent=1)
         print()
     else:
-        print(render_text(spec, req, results))
+        print(render_text(spec, req, results, speeds))
     return 0
+
+
+def predict_speed(spec, device, req) -> dict | None:
+    """Batch-1 prefill and decode tok/s at the requested context, from the device profile.
+
+    ``None`` where the profile lacks the bandwidth or peak FLOP/s the speed model needs
+    (e.g. this machine's CPU: measure it with ``localinfer bench``).
+    """
+    from ..cost import model_cost
+    from ..perf import SpeedModel
+
+    if req.backend != "llama.cpp" or not device.bandwidth_bytes_per_s or not device.bf16_flops:
+        return None
+    model = SpeedModel(model_cost(spec), device, ubatch=req.n_ubatch)
+    kv = req.type_k if req.type_k == req.type_v else "f16"
+    prefill = model.prefill(1, req.n_ctx)
+    step = model.decode_step(1, req.n_ctx, kv)
+    if not prefill.seconds or not step.seconds or prefill.seconds != prefill.seconds or step.seconds != step.seconds:
+        return None
+    return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill.seconds, "ttft_s": prefill.seconds,
+            "decode_tok_s": 1.0 / step.seconds, "decode_step_s": step.seconds,
+            "decode_bound": "compute" if step.compute_s > step.memory_s else "memory",
+            "formula": "decode step = max(F/(P·MFU), (D_w + L·k)/(β·MBU)); prefill = FLOPs (incl. attention "
+                       "pairs c(c+1)/2) / (P·MFU); batch 1, profile efficiencies"}
 
 
 def _as_json(spec, req, results) -> dict:
@@ -143,7 +171,7 @@ def _clean(text: str) -> str:
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
-def render_text(spec, req, results) -> str:
+def render_text(spec, req, results, speeds: dict | None = None) -> str:
     """The fit report as text that reads at 100 columns."""
     from ..units import GiB
 
@@ -176,6 +204,16 @@ def render_text(spec, req, results) -> str:
                                "(layers left behind, embeddings, output buffer)", "  "))
         if r.kv_type and r.kv_type != req.type_k:
             lines.append(f"  KV type that fits at this context: {r.kv_type}")
+        sp = (speeds or {}).get(r.device.name)
+        if sp and (r.fits or r.offload is not None):
+            from ..units import fmt_duration
+
+            lines.extend(_wrap(f"speed (predicted, 1 request, {_ctx(req.n_ctx)} context): prefill "
+                               f"{sp['prefill_tok_s']:,.0f} tok/s (TTFT {fmt_duration(sp['ttft_s'])}), decode "
+                               f"{sp['decode_tok_s']:,.0f} tok/s ({sp['decode_bound']}-bound; roofline × the "
+                               "profile's efficiencies, no per-kernel overheads, so small models run slower)"
+                               + ("; if all weights were on the accelerator" if r.offload is not None else ""),
+                               "  "))
         for note in r.breakdown.notes + r.warnings:
             lines.extend(_wrap("note: " + note, "  "))
         if r.command and (r.fits or r.offload is not None):
