@@ -25,6 +25,7 @@ A round (``LookupDecoder.step``) has four parts, all through the engine contract
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,36 +73,43 @@ def choose_draft_length(acceptance: Sequence[float], cost: Callable[[int], float
 
 
 class NgramIndex:
-    """The token history and the latest place each n-gram (n_min..n_max) occurred.
+    """The token history and where each n-gram (n_min..n_max) occurred.
 
-    ``_maps[n - n_min][gram] = p`` means ``tokens[p - n:p] == gram`` with p the
-    latest such position below the last token, so ``tokens[p]`` is the token
-    that followed.  Appending a token does n_max - n_min + 1 dictionary writes.
+    ``_maps[i][gram] = p`` (n = n_min + i) means ``tokens[p - n:p] == gram``
+    with p the latest such position below the last token, so ``tokens[p]`` is
+    the token that followed; ``_prev[i][p]`` chains to the occurrence before
+    (-1 at the first).  Appending a token does n_max - n_min + 1 dictionary
+    writes and list appends.
     """
 
     def __init__(self, n_min: int, n_max: int, tokens: Sequence[int] = ()):
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
         self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_min, n_max + 1)]
+        self._prev: list[list[int]] = [[] for _ in range(n_min, n_max + 1)]
         self.extend(tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        toks, maps, n_min = self.tokens, self._maps, self.n_min
+        toks, n_min = self.tokens, self.n_min
+        levels = list(zip(self._maps, self._prev))
         for t in tokens:
             end = len(toks)
             toks.append(t)
             # the n-grams ending just before the new token now have a continuation
-            for i, index in enumerate(maps):
+            for i, (index, prev) in enumerate(levels):
                 n = n_min + i
                 if end < n:
-                    break
-                index[tuple(toks[end - n:end])] = end
+                    prev.append(-1)
+                    continue
+                key = tuple(toks[end - n:end])
+                prev.append(index.get(key, -1))
+                index[key] = end
 
     def match(self) -> tuple[int, int]:
-        """(n, p): the longest suffix n-gram seen before and where its continuation starts; (0, -1) if none."""
+        """(n, p): the longest suffix n-gram seen before and where its latest continuation starts; (0, -1) if none."""
         toks, size = self.tokens, len(self.tokens)
         for i in range(len(self._maps) - 1, -1, -1):
             n = self.n_min + i
@@ -110,6 +118,24 @@ class NgramIndex:
                 if p is not None:
                     return n, p
         return 0, -1
+
+    def best_match(self, cap: int, candidates: int = 8) -> tuple[int, int]:
+        """(p, agreement): among the latest ``candidates`` occurrences of the longest suffix n-gram,
+        the one whose preceding tokens agree longest with the history (ties: the earlier); (-1, 0) if none."""
+        n, p = self.match()
+        if n == 0:
+            return -1, 0
+        prev = self._prev[n - self.n_min]
+        best_p, best_a = p, self.agreement(p, n, cap)
+        q = prev[p]
+        for _ in range(candidates - 1):
+            if q < 0:
+                break
+            a = self.agreement(q, n, cap)
+            if a >= best_a:
+                best_p, best_a = q, a
+            q = prev[q]
+        return best_p, best_a
 
     def agreement(self, p: int, at_least: int, cap: int) -> int:
         """How many of the last tokens equal those before position p (known to be >= at_least), up to cap."""
@@ -168,7 +194,7 @@ class CostModel:
     one descheduled round cannot switch drafting off.
     """
 
-    PRIOR_WEIGHT = 4.0
+    PRIOR_WEIGHT = 1.0
     TRUSTED = 3
     CLIP = 3.0
 
@@ -295,6 +321,18 @@ class LookupStats(DecodeStats):
         return out
 
 
+_ENGINE_COSTS: weakref.WeakKeyDictionary[Engine, dict[int, CostModel]] = weakref.WeakKeyDictionary()
+
+
+def engine_cost(engine: Engine, max_tokens: int) -> CostModel:
+    """The cost curve measured on this engine so far, shared by every LookupDecoder that uses it."""
+    try:
+        per_size = _ENGINE_COSTS.setdefault(engine, {})
+    except TypeError:  # an engine that cannot be weakly referenced measures per decoder
+        return CostModel(max_tokens)
+    return per_size.setdefault(max_tokens, CostModel(max_tokens))
+
+
 @dataclass
 class Draft:
     """One round's proposal: the tokens, where they were copied from, and how well that source agrees."""
@@ -328,12 +366,13 @@ class LookupDecoder:
         self.ngram_max, self.ngram_min, self.draft_max = ngram_max, ngram_min, draft_max
         self.adaptive = adaptive
         self.cost = cost or CostModel(draft_max + 1)
+        self._own_cost = cost is not None
         self._engine_id: int | None = None
         self.index = NgramIndex(ngram_min, ngram_max)
         self.start(())
 
     def start(self, prompt: Sequence[int]) -> None:
-        """Index a new prompt; acceptance is relearnt, the measured cost curve is kept.
+        """Index a new prompt; acceptance is relearnt, the engine's measured cost curve is kept.
 
         A prompt that extends the history already indexed (the next turn of a
         chat) only indexes its new tokens.
@@ -352,9 +391,9 @@ class LookupDecoder:
         """One round: draft, verify pending + drafts in one eval, trim rejected drafts, learn."""
         t0 = time.perf_counter()
         if self._engine_id != id(engine):
-            if self._engine_id is not None:
-                self.cost = CostModel(self.draft_max + 1)
             self._engine_id = id(engine)
+            if not self._own_cost:
+                self.cost = engine_cost(engine, self.draft_max + 1)
         draft = self.propose(context, pending, room=engine.n_ctx - len(context) - 1, is_eos=engine.is_eos)
         t1 = time.perf_counter()
         rows = engine.eval([pending, *draft.tokens], logits_at=range(len(draft.tokens) + 1), seq=seq)
@@ -399,10 +438,9 @@ class LookupDecoder:
         if self._following >= 0:
             source, agreement = self._following, self._agreement
         else:
-            n, source = idx.match()
-            if n == 0:
+            source, agreement = idx.best_match(AcceptanceModel.MAX_AGREEMENT)
+            if source < 0:
                 return Draft([])
-            agreement = idx.agreement(source, n, AcceptanceModel.MAX_AGREEMENT)
         k_max = self.draft_max if room is None else min(self.draft_max, room)
         tokens = idx.continuation(source, max(k_max, 0))
         if is_eos is not None:

@@ -172,6 +172,16 @@ def test_cost_model_fits_a_line_and_shrugs_off_one_slow_round():
     assert choose_draft_length([0.9] * 16, cost.curve()) > 0
 
 
+def test_decoders_on_one_engine_share_its_measured_costs():
+    engine, other = (ScriptedEngine(_scripted([1, 2, 3]), 64) for _ in range(2))
+    first, second, elsewhere = LookupDecoder(), LookupDecoder(), LookupDecoder()
+    generate(engine, first, [1, 2, 3, 1, 2], TableSampler(0), 5)
+    generate(engine, second, [1, 2, 3, 1, 2], TableSampler(0), 5)
+    generate(other, elsewhere, [1, 2, 3, 1, 2], TableSampler(0), 5)
+    assert first.cost is second.cost and elsewhere.cost is not first.cost
+    assert first.cost.measured(1) is not None
+
+
 # ---- the n-gram index ------------------------------------------------------------
 def test_index_prefers_longest_then_latest_match():
     idx = NgramIndex(1, 3, [5, 1, 2, 9, 7, 1, 2, 8, 3, 2])
