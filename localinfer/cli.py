@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from . import __version__
 
@@ -70,10 +72,20 @@ def _report(exc: BaseException) -> int:
     return exit_code(exc)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, delivered like Ctrl-C so every cleanup path (KV rollback, temp files) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LOCALINFER_DEBUG", "") not in ("", "0")
     command = _find_command(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         parser = build_parser(command)
         args, extra = parser.parse_known_args(argv)
@@ -84,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         return int(_command_module(args.command).run(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if debug:
             raise
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, Terminated)
+        print("\nterminated" if terminated else "\ninterrupted", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:
         try:
             sys.stdout = open(os.devnull, "w")

@@ -86,3 +86,20 @@ def test_debug_shows_the_traceback():
     proc = subprocess.run(["localinfer", "inspect", "/nonexistent/model.gguf"], capture_output=True, text=True,
                           timeout=60, env={**ENV, "LOCALINFER_DEBUG": "1"})
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "ModelNotFoundError" in proc.stderr
+
+
+def test_sigterm_during_generation_exits_cleanly(default_model):
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "localinfer", "run", "--raw", "-p", "Once upon a time", "-n", "2000",
+         "--ignore-eos", "-t", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    time.sleep(4)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "terminated" in err
