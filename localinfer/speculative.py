@@ -2,10 +2,13 @@
 
 A round (``LookupDecoder.step``) has four parts, all through the engine contract:
 
-1. Draft.  Find the longest suffix n-gram of the history (prompt + output) seen
-   before, ``ngram_max`` down to ``ngram_min``, and propose the k tokens that
-   followed it.  ``NgramIndex`` keeps the latest occurrence of every n-gram and
-   is updated per emitted token, so a round costs microseconds at any context.
+1. Draft.  Keep copying from where the last round's source left off while it
+   predicts the output; otherwise find the longest suffix n-gram of the history
+   (prompt + output) seen before, ``ngram_max`` down to ``ngram_min``, take the
+   occurrence whose preceding tokens agree longest with the history, and
+   propose the k tokens that followed it.  ``NgramIndex`` is updated per
+   emitted token (a few dictionary writes), so a round costs microseconds at
+   any context length.
 2. Verify.  ``engine.eval([pending, *draft])`` with logits at every position.
    The sampler draws the token at each position from exactly the distribution
    plain decoding would use there; the round keeps drafts while the draw equals
@@ -17,9 +20,11 @@ A round (``LookupDecoder.step``) has four parts, all through the engine contract
    distribution is plain sampling's, and with a seeded sampler the random
    stream is consumed exactly as plain decoding consumes it.
 3. Roll back.  ``engine.trim`` cuts the rejected drafts out of the KV.
-4. Adapt.  k is chosen each round from measured acceptance and the measured
-   cost of verifying m tokens (``CostModel``), by the marginal rule: lengthen
-   while ΔT/ΔN < T/N, with E[N] = 1 + Σ_j Π_{i<=j} a_i (``choose_draft_length``).
+4. Adapt.  k is chosen each round from the learnt acceptance a(L) at the
+   source's agreement length L (``AcceptanceModel``) and the engine's measured
+   cost T(m) of verifying m tokens (``CostModel``), by the marginal rule:
+   lengthen while ΔT/ΔN < T/N, E[N] = 1 + Σ_j Π_{i<=j} a_i (``choose_draft_length``).
+   Nothing to copy, or drafts that do not pay on this backend: plain rounds.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from statistics import median
 from .decoding import DecodeStats, Sampler
 from .engine import Engine
 from .errors import UsageError
+
+
+MAX_DRAFT = 256  # also the longest n-gram; a round verifies at most MAX_DRAFT + 1 tokens
 
 
 def expected_tokens(acceptance: Sequence[float]) -> float:
@@ -357,9 +365,9 @@ class LookupDecoder:
     def __init__(self, ngram_max: int = 4, ngram_min: int = 2, draft_max: int = 16, adaptive: bool = True,
                  cost: CostModel | None = None):
         for name, value in (("ngram_max", ngram_max), ("ngram_min", ngram_min), ("draft_max", draft_max)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DRAFT:
                 flag = "--draft-max" if name == "draft_max" else "--lookup-ngram"
-                raise UsageError(f"{name} must be a positive integer, got {value!r}", flag=flag)
+                raise UsageError(f"{name} must be a whole number from 1 to {MAX_DRAFT}, got {value!r}", flag=flag)
         if ngram_min > ngram_max:
             raise UsageError(f"ngram_min {ngram_min} is larger than ngram_max {ngram_max}", flag="--lookup-ngram",
                              hint="the lookup n-gram size is the longest match tried; use at least the minimum")

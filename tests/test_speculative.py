@@ -228,9 +228,10 @@ def test_bad_parameters_are_usage_errors():
     with pytest.raises(UsageError) as e:
         LookupDecoder(ngram_max=2, ngram_min=3)
     assert e.value.flag == "--lookup-ngram"
-    with pytest.raises(UsageError) as e:
-        LookupDecoder(draft_max=0)
-    assert e.value.flag == "--draft-max"
+    for bad in (0, -3, 10**6, 2.5, True):
+        with pytest.raises(UsageError) as e:
+            LookupDecoder(draft_max=bad)
+        assert e.value.flag == "--draft-max"
 
 
 # ---- greedy: same tokens as plain, KV rolled back ----------------------------------
