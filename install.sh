@@ -79,6 +79,10 @@ if [ "$want_mlx" = 1 ]; then
   "${PIP[@]}" -e ".[mlx]" || say "mlx is not available on this platform; its tests will be skipped"
 fi
 
+# An editable install leaves the sources uncompiled, and with PYTHONDONTWRITEBYTECODE set every
+# command would recompile them (~80 ms of a 0.4 s `fit`): compile once, as a wheel install does.
+"$PY" -m compileall -q localinfer gguf_tools cuda_backend profiles >/dev/null || true
+
 if ! command -v localinfer >/dev/null 2>&1 && command -v pyenv >/dev/null 2>&1; then
   pyenv rehash || true
 fi
