@@ -1,7 +1,7 @@
 """Speed-model prediction against measurement on this machine.
 
 Runs `localinfer bench --json` on the embedded model --runs times (or reads --bench FILEs),
-keeps the fastest measurement of each size, calibrates the speed model on some prompt lengths
+keeps the median run of each size (--merge min: the fastest), calibrates the speed model on some prompt lengths
 and decode depths, predicts the others, and prints the error of each prediction.  The peer, measured in the same run, is the naive predictor that
 reuses the rate of the nearest calibration point; the target is |error| ≤ 15%.
 
@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from localinfer.bench_import import load_bench
@@ -54,17 +55,32 @@ def spread(cals: list[Calibration]) -> dict:
     return {k: max(v) / min(v) - 1 for k, v in times.items()}
 
 
-def merge(cals: list[Calibration]) -> Calibration:
-    """The fastest of several runs for each condition (load on a shared machine only slows things down)."""
+def merge(cals: list[Calibration], how: str = "median") -> Calibration:
+    """One sample per condition from several runs: the median run (default) or the fastest.
+
+    The fastest run is what the machine can do when nothing else runs, but on a
+    shared VM one lucky calibration point bends the whole curve (seen here: a
+    28% spread at one depth); the median treats calibration and held-out
+    conditions alike and is robust to a lucky or unlucky run either way.
+    """
     pre, dec = {}, {}
     for c in cals:
         for s in c.prefill:
-            k = (s.batch, s.new_tokens, s.cached_tokens)
-            pre[k] = min(pre.get(k, s), s, key=lambda x: x.seconds)
+            pre.setdefault((s.batch, s.new_tokens, s.cached_tokens), []).append(s)
         for s in c.decode:
-            k = (s.batch, s.context, s.kv)
-            dec[k] = min(dec.get(k, s), s, key=lambda x: x.seconds)
-    return Calibration(tuple(dec.values()), tuple(pre.values()), source=cals[0].source, model=cals[0].model)
+            dec.setdefault((s.batch, s.context, s.kv), []).append(s)
+
+    def pick(samples):
+        ordered = sorted(samples, key=lambda x: x.seconds)
+        if how == "min":
+            return ordered[0]
+        mid = len(ordered) // 2
+        if len(ordered) % 2:
+            return ordered[mid]
+        return replace(ordered[mid], seconds=(ordered[mid - 1].seconds + ordered[mid].seconds) / 2)
+
+    return Calibration(tuple(pick(v) for v in dec.values()), tuple(pick(v) for v in pre.values()),
+                       source=cals[0].source, model=cals[0].model)
 
 
 def depth_of(sample) -> int:
@@ -93,12 +109,14 @@ def _row(kind, size, measured, predicted, naive) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bench", nargs="+", help="existing `localinfer bench --json` or llama-bench JSON file(s)")
-    ap.add_argument("--runs", type=int, default=3, help="separate bench runs; the fastest of each size counts")
+    ap.add_argument("--runs", type=int, default=3, help="separate bench runs, merged per size by --merge")
     ap.add_argument("--model", help="GGUF (default: the embedded model)")
     ap.add_argument("--kv", default="f16")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp threads (default 1: on a shared, loaded machine more threads spin and stall)")
+    ap.add_argument("--merge", choices=("median", "min"), default="median",
+                    help="how several runs of one condition become one sample (default: the median run)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--keep", help="keep the bench JSON files in this folder")
     args = ap.parse_args()
@@ -114,7 +132,7 @@ def main() -> int:
     bench = ", ".join(map(str, files))
     spec = ModelSpec.from_gguf(resolve_model(args.model))
     runs = [load_bench(f) for f in files]
-    everything = merge(runs)
+    everything = merge(runs, args.merge)
     noise = spread(runs)
     cal, held = everything.split(lambda s: getattr(s, "new_tokens", None) in CAL_PROMPTS
                                  if hasattr(s, "new_tokens") else depth_of(s) in CAL_DEPTHS)
@@ -122,7 +140,8 @@ def main() -> int:
     rows = predict(speed, cal, held)
     print(f"{spec.name} on {local_device().display_name}; load average before: "
           f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs")
-    print(f"calibrated on prefill {sorted(CAL_PROMPTS)} and decode depths {sorted(CAL_DEPTHS)}; bench: {bench}")
+    print(f"calibrated on prefill {sorted(CAL_PROMPTS)} and decode depths {sorted(CAL_DEPTHS)} "
+          f"({args.merge} of {len(runs)} runs per condition); bench: {bench}")
     print(f"{'kind':8} {'size':>6} {'measured':>10} {'predicted':>10} {'error':>8} {'naive':>10} {'naive err':>9} "
           f"{'run spread':>10}")
     for r in rows:
