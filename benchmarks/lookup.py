@@ -260,6 +260,29 @@ def summary(rows: list[dict], suites: dict, clock: str) -> dict:
     return out
 
 
+def verify_ceiling(engine, history: list[int], depth: int, sizes=(1, 2, 3, 4, 6, 8, 11, 17), repeats: int = 9) -> dict:
+    """T(m): median time of one eval of m tokens with logits at all m, at ``depth`` tokens of context.
+
+    The best any drafting can do is every draft accepted, m tokens per T(m), so
+    max_m m·T(1)/T(m) bounds the speedup on this engine and machine.
+    """
+    ctx = history[:depth]
+    engine.trim(0)
+    engine.eval(ctx, logits_at=[len(ctx) - 1])
+    t = {}
+    for m in sizes:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.eval(history[depth:depth + m], logits_at=range(m))
+            times.append(time.perf_counter() - t0)
+            engine.trim(depth)
+        t[m] = statistics.median(times)
+    engine.trim(0)
+    ceiling = {m: m * t[1] / t[m] for m in sizes}
+    return {"depth": depth, "seconds": t, "ceiling_by_m": ceiling, "ceiling": max(ceiling.values())}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M)")
@@ -330,6 +353,13 @@ def main(argv=None) -> int:
           f"{1000 * cost['index_build_s']:.1f} ms; per round mean {1e6 * cost['mean_s']:.1f} us, "
           f"p99 {1e6 * cost['p99_s']:.1f} us = {100 * cost['share_of_step']:.2f}% of a {1000 * step:.2f} ms "
           f"decode step (target < 1%)")
+    depth = min(int(statistics.median(r["prompt_tokens"] for r in rows)), args.ctx - 32)
+    ceiling = verify_ceiling(engine, history, depth)
+    print(f"verify cost at {depth} tokens of context: " + ", ".join(
+        f"T({m}) {1000 * t:.1f} ms" for m, t in ceiling["seconds"].items()))
+    print(f"ceiling with every draft accepted: {ceiling['ceiling']:.2f}x plain "
+          f"(max over m of m*T(1)/T(m); a speedup target above it cannot be met on this engine and machine)")
+    result["verify_ceiling"] = ceiling
     if args.json:
         for r in rows:
             for m in ("plain", "lookup", "stock10", "stock2"):
