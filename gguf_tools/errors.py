@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\n``, ``\\x1b``...).
+
+    Names read from a hostile file end up in messages; escaped, a message stays
+    on one line and cannot move a terminal's cursor or change its colours.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class GGUFFormatError(ValueError):
     """A file is not a GGUF, or its header is malformed, inconsistent or truncated.
 
@@ -36,4 +47,4 @@ class GGUFFormatError(ValueError):
     def __str__(self) -> str:
         where = f" (field {self.field}" + (f", offset {self.offset}" if self.offset is not None else "") + ")"
         prefix = f"{self.path}: " if self.path else ""
-        return f"{prefix}{self.message}{where}"
+        return printable(f"{prefix}{self.message}{where}")

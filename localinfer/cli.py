@@ -64,11 +64,12 @@ def _find_command(argv: list[str]) -> str | None:
 def _report(exc: BaseException) -> int:
     from .errors import exit_code
 
-    msg = str(exc).replace("\n", " ")
-    print(f"error: {msg}", file=sys.stderr)
+    from gguf_tools.errors import printable
+
+    print(f"error: {printable(str(exc).replace(chr(10), ' '))}", file=sys.stderr)
     hint = getattr(exc, "hint", None)
     if hint:
-        print(f"hint: {hint}", file=sys.stderr)
+        print(f"hint: {printable(str(hint))}", file=sys.stderr)
     return exit_code(exc)
 
 

@@ -373,6 +373,20 @@ def test_cli_reports_every_bad_file_in_one_line(tmp_path, base):
     assert report["maxrss_kib"] < 512 * 1024
 
 
+def test_control_characters_from_the_file_are_escaped(tmp_path, base):
+    raw = Raw.of(base)
+    raw.kv.append((b"evil\n\x1b[2J\rkey", 0x7FFF, b""))          # a key that clears the screen, bad type
+    path = tmp_path / "evil.gguf"
+    path.write_bytes(raw.bytes())
+    with pytest.raises(GGUFFormatError) as e:
+        read_header(path)
+    text = str(e.value)
+    assert "\n" not in text and "\x1b" not in text and "\r" not in text
+    assert "evil\\n\\x1b[2J\\rkey" in text and "unknown value type" in text
+    proc = subprocess.run(["localinfer", "inspect", str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and "\x1b" not in proc.stderr
+
+
 def test_cli_entry_point_exit_code(tmp_path, base):
     raw = Raw.of(base)
     raw.n_kv = U64_MAX
