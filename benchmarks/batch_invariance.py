@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gguf_tools.f32copy import write_f32_copy
 from localinfer.backends import load_engine
 from localinfer.engine import LoadPlan
 from localinfer.models import resolve_model
@@ -59,8 +60,6 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M Q4_1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from localinfer.mlx_backend.reference import write_f32_copy
-
     model = str(resolve_model(args.model))
     result = {}
     with tempfile.TemporaryDirectory() as d:

@@ -24,19 +24,19 @@ import numpy as np
 import torch
 
 from gguf_tools import read_header
+from localinfer.budget import NOT_RESIDENT, check_weight_dtype, default_weight_dtype
 from localinfer.engine import Engine, LoadPlan
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.spec import ModelSpec
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, padded_tokens
 from .model import ModelConfig, Transformer
 from .support import check_kv_types, check_model
 from .tokenizer import load_tokenizer
 from .weights import load_weights, weights_nbytes
 
-ROPE_ONLY = ("rope_freqs.weight",)   # folded into the RoPE tables; the model keeps no copy
-DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "f16": torch.float16, "float16": torch.float16}
+DTYPES = {"f32": torch.float32, "float32": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "f16": torch.float16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def pick_device(plan: LoadPlan) -> torch.device:
@@ -55,14 +55,9 @@ def pick_device(plan: LoadPlan) -> torch.device:
     return torch.device("cpu")
 
 
-def pick_dtype(plan: LoadPlan, device: torch.device) -> torch.dtype:
-    if plan.dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return DTYPES[plan.dtype.lower()]
-    except KeyError:
-        raise UsageError(f"unknown weight dtype {plan.dtype!r}", flag="--dtype",
-                         hint="use bf16, f16 or f32") from None
+def pick_dtype(plan: LoadPlan, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """The weight dtype asked for, else the one `fit --backend torch` assumes (bf16 on CUDA, f32 on CPU)."""
+    return DTYPES[check_weight_dtype(plan.dtype) or default_weight_dtype(spec, "torch", device.type)]
 
 
 class TorchEngine(Engine):
@@ -80,7 +75,7 @@ class TorchEngine(Engine):
         check_kv_types(plan.type_k, plan.type_v, spec.head_dim_k)
         self.n_ctx = max(1, plan.n_ctx // plan.n_seq)
         self.device = pick_device(plan)
-        self.dtype = pick_dtype(plan, self.device)
+        self.dtype = pick_dtype(plan, spec, self.device)
         if plan.n_threads and self.device.type == "cpu":
             torch.set_num_threads(plan.n_threads)
         opts = plan.options
@@ -88,10 +83,10 @@ class TorchEngine(Engine):
         self.tok = load_tokenizer(spec.path, spec.tokenizer_model)
         weights = load_weights(spec, self.device, self.dtype, packed=bool(opts.get("packed")), mins=emulate,
                                quiet=bool(opts.get("quiet")))
-        self.weight_bytes = weights_nbytes({k: w for k, w in weights.items() if k not in ROPE_ONLY})
+        self.weight_bytes = weights_nbytes({k: w for k, w in weights.items() if k not in NOT_RESIDENT})
         cfg = ModelConfig.from_spec(spec, header.kv)
         types = {t.name: t.type.name for t in spec.tensors} if emulate else None
-        self.model = Transformer(cfg, weights, self.n_ctx, self.dtype, types)
+        self.model = Transformer(cfg, weights, padded_tokens(self.n_ctx), self.dtype, types)  # = cache capacity
         self.cache = KVCache(cfg.n_layers, plan.n_seq, self.n_ctx, cfg.n_head_kv, cfg.head_dim,
                              plan.type_k, plan.type_v, device=self.device, dtype=self.dtype)
         self.n_vocab = cfg.vocab_size

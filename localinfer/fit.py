@@ -253,8 +253,7 @@ def unsupported(device: DeviceProfile, req: FitRequest) -> str | None:
 # ---- verdicts and searches ---------------------------------------------------------
 
 def _fits(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> bool:
-    if unsupported(device, req):
-        return False
+    """Whether req fits; only reached for supported (device, backend) pairs (fit_device returns first)."""
     bd, _ = breakdown(spec, device, req)
     if bd.device_bytes > device.usable_bytes:
         return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 KV_FLAG_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
@@ -118,16 +119,16 @@ def predict_speed(spec, device, req) -> dict | None:
     ``None`` where the profile lacks the bandwidth or peak FLOP/s the speed model needs
     (e.g. this machine's CPU: measure it with ``localinfer bench``).
     """
+    if req.backend != "llama.cpp" or not device.bandwidth_bytes_per_s or not device.bf16_flops:
+        return None
     from ..cost import model_cost
     from ..perf import SpeedModel
 
-    if req.backend != "llama.cpp" or not device.bandwidth_bytes_per_s or not device.bf16_flops:
-        return None
     model = SpeedModel(model_cost(spec), device, ubatch=req.n_ubatch)
     kv = req.type_k if req.type_k == req.type_v else "f16"
     prefill = model.prefill(1, req.n_ctx)
     step = model.decode_step(1, req.n_ctx, kv)
-    if not prefill.seconds or not step.seconds or prefill.seconds != prefill.seconds or step.seconds != step.seconds:
+    if not prefill.seconds or not step.seconds or math.isnan(prefill.seconds) or math.isnan(step.seconds):
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill.seconds, "ttft_s": prefill.seconds,
             "decode_tok_s": 1.0 / step.seconds, "decode_step_s": step.seconds,

@@ -29,19 +29,21 @@ from ..errors import (
     LocalinferError,
     UsageError,
 )
+from ..budget import mlx_weight_bytes
 from ..llamacpp_native import check_readable
 from ..llamacpp_vocab import VocabOnly
 from ..spec import ModelSpec
 from ..units import fmt_bytes
 from . import kv
 from .model import build_model, check_supported, head
-from .weights import converted_bytes, load_weights
+from .weights import load_weights
 
 log = logging.getLogger("localinfer.mlx")
 
 DTYPES = {"f16": mx.float16, "fp16": mx.float16, "float16": mx.float16,
           "bf16": mx.bfloat16, "bfloat16": mx.bfloat16,
           "f32": mx.float32, "fp32": mx.float32, "float32": mx.float32}
+DTYPE_NAMES = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32"}
 
 
 def gpu_available() -> bool:
@@ -113,7 +115,7 @@ class MLXEngine(Engine):
         self.n_ctx = max(1, plan.n_ctx // plan.n_seq)
         self.kv_capacity = kv.capacity(self.n_ctx)
         self.planned_bytes = {
-            "weights": sum(converted_bytes(t, self.dtype) for t in spec.tensors if t.name != "rope_freqs.weight"),
+            "weights": mlx_weight_bytes(spec, DTYPE_NAMES[self.dtype]),   # what `fit --backend mlx` predicts
             "kv": plan.n_seq * self.kv_capacity * kv.bytes_per_token(spec, plan.type_k, plan.type_v),
         }
         check_working_set(sum(self.planned_bytes.values()), working_set_limit(), bool(plan.options.get("force")))

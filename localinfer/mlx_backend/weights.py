@@ -74,14 +74,6 @@ def mlx_name(gguf_name: str) -> tuple[str, str]:
     return _TOP_NAMES[stem], param
 
 
-def converted_bytes(t: TensorInfo, dtype: mx.Dtype) -> int:
-    """Bytes a tensor occupies once loaded (codes + scales + biases, or dense)."""
-    bits = AFFINE_BITS.get(t.type)
-    if bits is not None and len(t.shape) > 1:
-        return t.n_elements * bits // 8 + 2 * (t.n_elements // GROUP) * dtype.size
-    return t.n_elements * dtype.size
-
-
 def load_weights(spec: ModelSpec, dtype: mx.Dtype) -> LoadedWeights:
     """Read every tensor of spec's file; float data ends up in dtype."""
     names = [t.name for t in spec.tensors]
