@@ -31,7 +31,7 @@ KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_n
 LLAMA_CTX_PAD = 256          # llama.cpp pads n_ctx and n_ctx_seq to multiples of 256
 TORCH_BLOCK_TOKENS = 16      # the torch engine's paged-KV block
 MLX_STEP = 256               # mlx-lm caches grow in steps of 256 tokens
-MLX_GROUP_SIZE = 64          # mlx-lm QuantizedKVCache default group size
+MLX_GROUP_SIZES = (64, 32)    # KV group sizes tried in order (mlx-lm's default 64, else 32)
 MLX_KV_BITS = {"q8_0": 8, "q8": 8, "q4_0": 4, "q4": 4}
 FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 LOGIT_BYTES = 4              # llama.cpp keeps logits as float32
@@ -177,7 +177,7 @@ def kv_rows(spec: ModelSpec, type_k: str, type_v: str) -> tuple[tuple[int, int, 
 
 def kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = "f16", *,
              backend: str = "llama.cpp", n_seq: int = 1, n_ubatch: int = 512, kv_unified: bool = False,
-             swa_full: bool = False, layers=None, dtype: str = "f16", group_size: int = MLX_GROUP_SIZE,
+             swa_full: bool = False, layers=None, dtype: str = "f16", group_size: int | None = None,
              block_tokens: int = TORCH_BLOCK_TOKENS) -> int:
     """KV cache bytes for ``n_seq`` sequences of ``n_tokens`` each, as ``backend`` allocates them.
 
@@ -187,8 +187,8 @@ def kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = 
       each token ``row_bytes(type, heads × head_dim)`` per layer (q8_0 34 B and
       q4_0 18 B per 32 values; bf16/f16 2 B).
     * ``"mlx"``: mlx-lm's ``KVCache`` (``type`` f16/bf16/f32) or
-      ``QuantizedKVCache`` (``q8_0``/``q4_0`` → 8/4 bits, ``group_size`` 64,
-      a scale and a bias per group in ``dtype``), capacity
+      ``QuantizedKVCache`` (``q8_0``/``q4_0`` → 8/4 bits, ``group_size`` by
+      default :func:`mlx_quant_group`, a scale and a bias per group in ``dtype``), capacity
       ``ceil(n_tokens / 256) × 256`` (one prefill call, then decode; see
       :func:`mlx_capacity` for other update patterns).
     """
@@ -212,9 +212,29 @@ def kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = 
                                                                  group_size=group_size, layers=layers)
 
 
+def mlx_group_size(head_dim: int) -> int | None:
+    """Values per KV scale/bias group for a head of head_dim values: 64, else 32 (None: not quantizable)."""
+    for g in MLX_GROUP_SIZES:
+        if head_dim % g == 0:
+            return g
+    return None
+
+
+def mlx_quant_group(spec: ModelSpec) -> int | None:
+    """The group size K and V share in the mlx engine's quantized cache (one per cache), or None."""
+    gk, gv = mlx_group_size(spec.head_dim_k), mlx_group_size(spec.head_dim_v)
+    return None if gk is None or gv is None else min(gk, gv)
+
+
 def mlx_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16", *, dtype: str = "f16",
-                        group_size: int = MLX_GROUP_SIZE, layers=None) -> int:
-    """Bytes per cached token in mlx-lm: plain dtype, or packed uint32 codes + per-group scale and bias."""
+                        group_size: int | None = None, layers=None) -> int:
+    """Bytes per cached token in mlx-lm: plain dtype, or packed uint32 codes + per-group scale and bias.
+
+    ``group_size`` defaults to :func:`mlx_quant_group` (64, or 32 for heads
+    whose size is not a multiple of 64), the group the mlx engine allocates.
+    """
+    group = mlx_quant_group(spec) if group_size is None else group_size
+
     def per_head(type_name: str, dim: int, flag: str) -> int:
         t = str(type_name).lower()
         if t in FLOAT_BYTES:
@@ -222,10 +242,11 @@ def mlx_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16
         if t not in MLX_KV_BITS:
             raise UsageError(f"mlx-lm has no KV type {type_name!r}", flag=flag,
                              hint="use f16, bf16, f32, q8_0 (8 bits) or q4_0 (4 bits)")
-        if dim % group_size:
-            raise UsageError(f"head dim {dim} is not a multiple of the group size {group_size}", flag=flag)
-        bits = MLX_KV_BITS[t]
-        return dim * bits // 8 + 2 * (dim // group_size) * FLOAT_BYTES[dtype]
+        if not group or dim % group:
+            raise UsageError(f"heads of {spec.head_dim_k}/{spec.head_dim_v} values cannot be quantized by MLX "
+                             f"(groups of {' or '.join(map(str, MLX_GROUP_SIZES))})", flag=flag,
+                             hint="use -ctk f16 -ctv f16")
+        return dim * MLX_KV_BITS[t] // 8 + 2 * (dim // group) * FLOAT_BYTES[dtype]
 
     total = 0
     for il in attention_layers(spec, layers):

@@ -199,6 +199,29 @@ def test_kv_bytes_equal_the_planners_mlx_formula(tiny, kv_type):
 
 
 @needs_mlx
+@pytest.mark.parametrize("n_embd,group", [(384, 32), (128, 32)])     # heads of 96 and 32 values
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_fit_plans_the_quantized_kv_of_heads_not_a_multiple_of_64(tmp_path, n_embd, group, kv_type):
+    """Such heads get groups of 32 in the engine; `fit --backend mlx` must plan (not refuse) the same bytes."""
+    from localinfer.budget import mlx_quant_group
+    from localinfer.devices import profile_from_dict
+    from localinfer.fit import FitRequest, fit_device
+    from localinfer.mlx_backend.kv import cache_bytes
+    from localinfer.spec import ModelSpec
+
+    path = write_tiny_model(tmp_path / "odd.gguf", n_embd=n_embd, n_ff=256)
+    spec = ModelSpec.from_gguf(path)
+    assert spec.head_dim_k % 64 and mlx_quant_group(spec) == group
+    cpu = profile_from_dict({"name": "test-cpu", "kind": "cpu", "memory": "8GiB"})
+    planned = fit_device(spec, cpu, FitRequest(n_ctx=300, n_seq=2, backend="mlx", type_k=kv_type, type_v=kv_type),
+                         search=False).breakdown.kv
+    with engine(path, n_ctx=600, n_seq=2, type_k=kv_type, type_v=kv_type) as e:
+        assert {c.group_size for seq in e._caches for c in seq} == {group}
+        held = sum(cache_bytes(c) for c in e._caches)
+        assert held == e.memory()["kv"] == e.planned_bytes["kv"] == planned
+
+
+@needs_mlx
 @pytest.mark.parametrize("type_k,type_v,flag", [("q5_0", "q5_0", "-ctk"), ("q8_0", "q4_0", "-ctv"),
                                                  ("f16", "q8_0", "-ctv"), ("iq4_nl", "f16", "-ctk")])
 def test_kv_types_mlx_cannot_hold_are_refused(tiny, type_k, type_v, flag):

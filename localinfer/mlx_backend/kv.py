@@ -27,33 +27,22 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from ..budget import mlx_bytes_per_token, mlx_capacity
+from ..budget import mlx_quant_group as quant_group
 from ..errors import UsageError
 from ..spec import ModelSpec
 
 STEP = KVCache.step
 SCALE_DTYPE = mx.float16
+SCALE_NAME = "f16"           # SCALE_DTYPE as the budget names it
 PLAIN = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}
 BITS = {"q8_0": 8, "q4_0": 4}
 SUPPORTED = (*PLAIN, *BITS)
 
 
 def capacity(n_ctx: int) -> int:
-    """Tokens allocated per sequence for a context of n_ctx."""
-    return -(-n_ctx // STEP) * STEP
-
-
-def group_size(head_dim: int) -> int | None:
-    """Values per scale/bias group for a head of head_dim values (None: cannot be quantized)."""
-    for g in (64, 32):
-        if head_dim % g == 0:
-            return g
-    return None
-
-
-def quant_group(spec: ModelSpec) -> int | None:
-    """The group size shared by K and V (mlx-lm keeps one per cache)."""
-    gk, gv = group_size(spec.head_dim_k), group_size(spec.head_dim_v)
-    return None if gk is None or gv is None else min(gk, gv)
+    """Tokens allocated per sequence for a context of n_ctx (the budget's mlx-lm step)."""
+    return mlx_capacity([n_ctx], STEP)
 
 
 def check_types(spec: ModelSpec, type_k: str, type_v: str) -> int | None:
@@ -74,18 +63,9 @@ def check_types(spec: ModelSpec, type_k: str, type_v: str) -> int | None:
 
 
 def bytes_per_token(spec: ModelSpec, type_k: str, type_v: str) -> int:
-    """Bytes one cached token takes over all layers."""
-    bits = check_types(spec, type_k, type_v)
-    group = quant_group(spec)
-    total = 0
-    for il in range(spec.n_layers):
-        for hd, t in ((spec.head_dim_k, type_k), (spec.head_dim_v, type_v)):
-            if bits is None:
-                row = hd * PLAIN[t].size
-            else:
-                row = hd * bits // 8 + 2 * (hd // group) * SCALE_DTYPE.size
-            total += spec.n_head_kv[il] * row
-    return total
+    """Bytes one cached token takes over all layers: the budget's figure for this engine's caches."""
+    check_types(spec, type_k, type_v)
+    return mlx_bytes_per_token(spec, type_k, type_v, dtype=SCALE_NAME)
 
 
 class TypedKVCache(KVCache):
