@@ -16,23 +16,24 @@ from __future__ import annotations
 
 import torch
 
+from gguf_tools.quants import layout, parse_type
+from localinfer.budget import TORCH_BLOCK_TOKENS as BLOCK_TOKENS
+from localinfer.budget import blocks_for, row_bytes
+
 from . import quant
 from .support import check_kv_types
 
-BLOCK_TOKENS = 16
 FLOAT_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def padded_tokens(n_tokens: int) -> int:
-    """Tokens of storage for n_tokens: whole 16-token blocks."""
-    return -(-n_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+    """Tokens of storage for n_tokens: whole blocks of the budget's torch block size."""
+    return blocks_for(n_tokens, BLOCK_TOKENS) * BLOCK_TOKENS
 
 
 def head_bytes(kind: str, head_dim: int) -> int:
-    """Bytes one head of one token takes in kind."""
-    if kind in FLOAT_TYPES:
-        return head_dim * FLOAT_TYPES[kind].itemsize
-    return quant.block_bytes(kind, head_dim)
+    """Bytes one head of one token takes in kind (the budget's GGUF row size)."""
+    return row_bytes(kind, head_dim)
 
 
 def cache_bytes(n_layers: int, n_head_kv: int, head_dim: int, n_ctx: int, type_k: str, type_v: str,
@@ -63,8 +64,9 @@ class KVCache:
         shape = (self.n_seq, self.n_head_kv, self.capacity)
         if kind in FLOAT_TYPES:
             return torch.zeros(*shape, self.head_dim, dtype=FLOAT_TYPES[kind], device=self.device)
-        blocks = self.head_dim // quant.GROUP
-        return torch.zeros(*shape, blocks, quant.BLOCK_BYTES[kind], dtype=torch.uint8, device=self.device)
+        block = layout(parse_type(kind))
+        return torch.zeros(*shape, self.head_dim // block.block_values, block.block_bytes, dtype=torch.uint8,
+                           device=self.device)
 
     @property
     def nbytes(self) -> int:
