@@ -120,7 +120,10 @@ class Engine(ABC):
     @abstractmethod
     def _eval_chunk(self, tokens: Sequence[int], start: int, logits_at: Sequence[int], seq: int) -> np.ndarray | None:
         """Append tokens at positions start.. to seq; return float32 logits
-        [len(logits_at), n_vocab] for the given indices into this chunk (or None if empty)."""
+        [len(logits_at), n_vocab] for the given indices into this chunk (or None if empty).
+
+        The array is handed to the caller as is for a one-token decode step, so it
+        must not be storage the backend overwrites later."""
 
     def eval(self, tokens: Sequence[int], logits_at: Sequence[int] | None = None, *, seq: int = 0) -> np.ndarray:
         """Append tokens to sequence seq and return logits at the requested indices.
@@ -128,6 +131,8 @@ class Engine(ABC):
         ``logits_at`` indexes ``tokens`` (negative indices allowed) and defaults
         to ``[-1]``; pass ``[]`` to get no logits (cheap prompt prefill).
         Returns float32 of shape [len(logits_at), n_vocab] in the order asked.
+        One token with the default logits (the decode step) goes straight to
+        ``_eval_chunk``: same checks and rollback, no chunking or reordering.
         """
         n = len(tokens)
         if n == 0:
@@ -139,6 +144,12 @@ class Engine(ABC):
                 needed=start + n, available=self.n_ctx,
                 hint="use a larger --ctx, a shorter prompt, or start a new conversation",
             )
+        if n == 1 and (logits_at is None or list(logits_at) in ([0], [-1])):
+            try:
+                return np.asarray(self._eval_chunk(tokens, start, [0], seq), dtype=np.float32)
+            except BaseException:
+                self._rollback(start, seq)
+                raise
         want = [i + n if i < 0 else i for i in ([-1] if logits_at is None else logits_at)]
         if any(not 0 <= i < n for i in want):
             raise ValueError(f"logits_at {logits_at} outside 0..{n - 1}")
@@ -159,11 +170,14 @@ class Engine(ABC):
                 if rows:
                     out[rows] = res
         except BaseException:
-            # Interrupted or failed mid-prompt: leave the cache as it was.
-            if self.kv_len(seq) > start:
-                self._trim(start, seq)
+            self._rollback(start, seq)
             raise
         return out
+
+    def _rollback(self, start: int, seq: int) -> None:
+        """After an interrupted or failed eval: leave the cache as it was before it."""
+        if self.kv_len(seq) > start:
+            self._trim(start, seq)
 
     def eval_batch(self, steps: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
         """Append tokens to several sequences at once; logits of each sequence's last token.

@@ -159,24 +159,6 @@ class LlamaCppEngine(Engine):
             ctypes.memmove(out.ctypes.data + r * row, ptr, row)
         return out
 
-    def eval(self, tokens: Sequence[int], logits_at: Sequence[int] | None = None, *, seq: int = 0) -> np.ndarray:
-        """As :meth:`Engine.eval`, with a short path for the one-token decode step."""
-        if len(tokens) != 1 or (logits_at is not None and list(logits_at) not in ([0], [-1])):
-            return super().eval(tokens, logits_at, seq=seq)
-        self._alive()
-        self._check_seq(seq)
-        start = self.kv_len(seq)
-        if start + 1 > self.n_ctx:
-            return super().eval(tokens, logits_at, seq=seq)  # raises ContextFullError
-        self._fill(tokens, (start,), (seq,), (1,))
-        try:
-            self._decode(1, abortable=False)
-            return self._rows((0,))
-        except BaseException:
-            if self.kv_len(seq) > start:
-                self._trim(start, seq)
-            raise
-
     def _eval_chunk(self, tokens, start, logits_at, seq):
         self._alive()
         self._check_seq(seq)

@@ -102,6 +102,37 @@ def test_context_overflow_is_refused_and_leaves_the_cache(engine):
     assert engine.kv_len() == 20
 
 
+def test_the_one_token_decode_step_keeps_the_eval_contract(engine, monkeypatch):
+    """Engine.eval's short path for one token: same logits, checks and rollback as the general path."""
+    assert "eval" not in type(engine).__dict__            # the base class's short path, no backend copy
+    toks = engine.tokenize(TEXT)
+    engine.eval(toks[:-1], logits_at=[])
+    steps = []
+    for logits_at in (None, [0], [-1], [0, -1]):          # [0, -1] takes the general path
+        steps.append(engine.eval(toks[-1:], logits_at))
+        engine.trim(len(toks) - 1)
+    assert all(s.dtype == np.float32 and s.shape[1] == engine.n_vocab for s in steps)
+    for s in steps[1:]:
+        np.testing.assert_array_equal(s[0], steps[0][0])
+    assert engine.eval(toks[-1:], logits_at=[]).shape == (0, engine.n_vocab) and engine.kv_len() == len(toks)
+    with pytest.raises(ValueError):
+        engine.eval([5], logits_at=[1])
+
+    def interrupted(rows):                                 # after llama_decode wrote the token's KV
+        assert engine.kv_len() == len(toks) + 1
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.eval([5])
+    assert engine.kv_len() == len(toks)
+    monkeypatch.undo()
+    engine.eval(list(range(100, 100 + 512 - engine.kv_len())), logits_at=[])
+    with pytest.raises(ContextFullError):
+        engine.eval([5])
+    assert engine.kv_len() == 512
+
+
 def test_ctrl_c_aborts_a_long_prefill_and_rolls_back(default_model):
     with load_engine(LoadPlan(str(default_model), n_ctx=4096, n_batch=4096, n_ubatch=512, n_threads=1)) as e:
         e.eval([100, 101, 102])
