@@ -23,6 +23,10 @@ _SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
 _QK_NORM_ARCHS = {"qwen3", "qwen3moe", "gemma3", "olmo2"}
 KNOWN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen2moe", "mistral3", "gemma2", "phi3")
 MAX_SANE_CONTEXT = 1 << 24
+# Engine defaults for keys a file may omit (the one place they are defined).
+DEFAULT_ROPE_BASE = 10000.0   # llama.cpp's rope_freq_base_train without {arch}.rope.freq_base
+DEFAULT_RMS_EPS = 1e-6        # llama.cpp has none (it refuses llama/qwen2/qwen3 files without the key);
+                              # transformers' LlamaConfig/Qwen2Config default, which converters write
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -62,6 +66,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     tokenizer_model: str | None = None
+    rms_eps: float = DEFAULT_RMS_EPS       # {arch}.attention.layer_norm_rms_epsilon
+    rope_dim: int | None = None            # {arch}.rope.dimension_count (None: the whole K head)
+    rope_orig_ctx: int | None = None       # {arch}.rope.scaling.original_context_length (YaRN; None: n_ctx_train)
 
     # ---- derived quantities -------------------------------------------------
 
@@ -95,6 +102,26 @@ class ModelSpec:
     @property
     def has_swa(self) -> bool:
         return bool(self.sliding_window) and any(self.swa_layers)
+
+    @property
+    def n_rot(self) -> int:
+        """Head dimensions RoPE rotates (llama.cpp's n_rot): rope.dimension_count, else the whole K head."""
+        return self.rope_dim or self.head_dim_k
+
+    @property
+    def rope_base(self) -> float:
+        """RoPE frequency base: rope.freq_base, else llama.cpp's default 10000."""
+        return self.rope_freq_base or DEFAULT_ROPE_BASE
+
+    @property
+    def rope_freq_scale(self) -> float:
+        """Position scale of linear/YaRN RoPE scaling: 1 / factor (1.0 without a factor), as llama.cpp."""
+        return 1.0 / self.rope_scaling_factor if self.rope_scaling_factor else 1.0
+
+    @property
+    def yarn_orig_ctx(self) -> int:
+        """The context YaRN scaling starts from: rope.scaling.original_context_length, else n_ctx_train."""
+        return self.rope_orig_ctx or self.n_ctx_train
 
     def kv_elements_per_token(self, il: int) -> tuple[int, int]:
         """(K elements, V elements) one token adds to layer il's cache."""
@@ -281,7 +308,11 @@ def _build(h: GGUFHeader) -> ModelSpec:
 
     rope_base = h.kv.get(a + "rope.freq_base")
     rope_scaling = h.kv.get(a + "rope.scaling.type")
-    rope_factor = h.kv.get(a + "rope.scaling.factor")
+    rope_factor = h.kv.get(a + "rope.scaling.factor", h.kv.get(a + "rope.scale_linear"))   # older key second
+    rms_eps = h.kv.get(a + "attention.layer_norm_rms_epsilon", DEFAULT_RMS_EPS)
+    if isinstance(rms_eps, bool) or not isinstance(rms_eps, (int, float)) or not 0 < rms_eps < 1:
+        raise _err(h, a + "attention.layer_norm_rms_epsilon",
+                   f"{a}attention.layer_norm_rms_epsilon is {rms_eps!r}; it must be a number between 0 and 1")
     if arch not in KNOWN_ARCHS:
         missing.append(f"architecture {arch!r} is not one localinfer knows; KV and compute estimates use generic rules")
 
@@ -301,7 +332,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
         n_ctx_train=n_ctx_train,
         rope_freq_base=float(rope_base) if isinstance(rope_base, (int, float)) else None,
         rope_scaling=rope_scaling if isinstance(rope_scaling, str) and rope_scaling != "none" else None,
-        rope_scaling_factor=float(rope_factor) if isinstance(rope_factor, (int, float)) else None,
+        rope_scaling_factor=float(rope_factor) if isinstance(rope_factor, (int, float)) and rope_factor else None,
         sliding_window=sliding,
         swa_layers=swa_layers,
         n_expert=n_expert,
@@ -319,4 +350,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
         bos_token_id=h.kv.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=h.kv.get("tokenizer.ggml.eos_token_id"),
         tokenizer_model=h.kv.get("tokenizer.ggml.model"),
+        rms_eps=float(rms_eps),
+        rope_dim=_int(h, a + "rope.dimension_count"),
+        rope_orig_ctx=_int(h, a + "rope.scaling.original_context_length"),
     )
