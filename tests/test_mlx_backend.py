@@ -25,6 +25,7 @@ import sys
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
 from ggufgen import write_tiny_llama, write_tiny_model
 
 from localinfer.backends import get_backend, load_engine
@@ -127,7 +128,11 @@ def test_a_type_nothing_can_read_is_refused():
 # ---- logits against llama.cpp ----------------------------------------------------------
 
 SAME_FILE = [("llama", T.F32, {}), ("qwen2", T.F32, {}), ("qwen3", T.F32, {}),
-             ("llama", T.F32, {"rope_freqs": True}), ("llama", T.F32, {"tied": True})]
+             ("llama", T.F32, {"rope_freqs": True}), ("llama", T.F32, {"tied": True}),
+             # RoPE scaling as ModelSpec reads it: the older key without a type is linear for llama.cpp
+             ("llama", T.F32, {"extra_kv": {"llama.rope.scale_linear": (4.0, V.FLOAT32)}}),
+             ("qwen3", T.F32, {"extra_kv": {"qwen3.rope.scaling.type": "linear",
+                                            "qwen3.rope.scaling.factor": (4.0, V.FLOAT32)}})]
 
 
 @needs_mlx

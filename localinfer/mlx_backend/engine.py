@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from gguf_tools import read_header
 
+from ..budget import mlx_weight_bytes
 from ..engine import Engine, LoadPlan
 from ..errors import (
     BackendUnavailableError,
@@ -29,7 +30,6 @@ from ..errors import (
     LocalinferError,
     UsageError,
 )
-from ..budget import mlx_weight_bytes
 from ..llamacpp_native import check_readable
 from ..llamacpp_vocab import VocabOnly
 from ..spec import ModelSpec
@@ -107,7 +107,7 @@ class MLXEngine(Engine):
         self._vocab = None
         header = read_header(check_readable(plan.model_path))
         self.spec = spec = ModelSpec.from_gguf(header)
-        check_supported(spec, header)
+        check_supported(spec)
         kv.check_types(spec, plan.type_k, plan.type_v)
         self.device = pick_device(plan)
         mx.set_default_device(self.device)
@@ -125,7 +125,7 @@ class MLXEngine(Engine):
             self.notes = list(weights.notes)
             for note in self.notes:
                 log.warning(note)
-            self.model = build_model(spec, header, weights)
+            self.model = build_model(spec, weights)
             del weights
             self._caches = [kv.make_cache(spec, plan.type_k, plan.type_v, self.n_ctx) for _ in range(plan.n_seq)]
         except BaseException:

@@ -1,9 +1,10 @@
 """Build an mlx-lm model (llama, qwen2, qwen3) from a ModelSpec and GGUF weights.
 
 The layers are mlx-lm's own; this module only fills their ``ModelArgs`` from
-the GGUF header, turns the modules whose weights arrived quantized into
-``QuantizedLinear`` / ``QuantizedEmbedding`` (per module: Q8_0 token
-embeddings next to Q4_1 layers are common), and loads the arrays strictly.
+the ModelSpec (which parses the header's norm and RoPE keys), turns the
+modules whose weights arrived quantized into ``QuantizedLinear`` /
+``QuantizedEmbedding`` (per module: Q8_0 token embeddings next to Q4_1 layers
+are common), and loads the arrays strictly.
 """
 
 from __future__ import annotations
@@ -13,15 +14,11 @@ import importlib
 import mlx.core as mx
 from mlx import nn
 
-from gguf_tools import GGUFHeader
-
 from ..errors import UnsupportedModelError
 from ..spec import ModelSpec
 from .weights import LoadedWeights
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
-DEFAULT_ROPE_BASE = 10000.0   # llama.cpp's default when the file has no rope.freq_base
-DEFAULT_RMS_EPS = 1e-5
 
 
 def _refuse(what: str, **facts) -> UnsupportedModelError:
@@ -30,7 +27,7 @@ def _refuse(what: str, **facts) -> UnsupportedModelError:
         hint="the mlx backend runs dense llama, qwen2 and qwen3 GGUFs; use --backend llama.cpp", **facts)
 
 
-def check_supported(spec: ModelSpec, header: GGUFHeader) -> None:
+def check_supported(spec: ModelSpec) -> None:
     """Raise UnsupportedModelError unless mlx-lm's modules can run the model exactly."""
     if spec.arch not in SUPPORTED_ARCHS:
         raise _refuse(f"architecture {spec.arch!r}", arch=spec.arch)
@@ -45,17 +42,15 @@ def check_supported(spec: ModelSpec, header: GGUFHeader) -> None:
         raise _refuse(f"K heads of {spec.head_dim_k} and V heads of {spec.head_dim_v} values", arch=spec.arch)
     if spec.arch == "qwen2" and spec.head_dim_k * spec.n_head[0] != spec.n_embd:
         raise _refuse("qwen2 with a head size other than n_embd / n_head", arch=spec.arch)
-    n_rot = header.kv.get(f"{spec.arch}.rope.dimension_count", spec.head_dim_k)
-    if n_rot != spec.head_dim_k:
-        raise _refuse(f"RoPE over {n_rot} of {spec.head_dim_k} head dimensions", arch=spec.arch)
+    if spec.n_rot != spec.head_dim_k:
+        raise _refuse(f"RoPE over {spec.n_rot} of {spec.head_dim_k} head dimensions", arch=spec.arch)
     if spec.rope_scaling not in (None, "linear"):
         raise _refuse(f"rope scaling {spec.rope_scaling!r} (only linear is mapped)", arch=spec.arch)
 
 
-def model_args(spec: ModelSpec, header: GGUFHeader, weights: LoadedWeights):
+def model_args(spec: ModelSpec, weights: LoadedWeights):
     """mlx-lm ``ModelArgs`` of spec's architecture."""
     module = importlib.import_module(f"mlx_lm.models.{spec.arch}")
-    eps = header.kv.get(f"{spec.arch}.attention.layer_norm_rms_epsilon", DEFAULT_RMS_EPS)
     params = {
         "model_type": spec.arch,
         "hidden_size": spec.n_embd,
@@ -64,12 +59,12 @@ def model_args(spec: ModelSpec, header: GGUFHeader, weights: LoadedWeights):
         "num_attention_heads": spec.n_head[0],
         "num_key_value_heads": spec.n_head_kv[0],
         "head_dim": spec.head_dim_k,
-        "rms_norm_eps": float(eps),
+        "rms_norm_eps": spec.rms_eps,
         "vocab_size": spec.vocab_size,
         "max_position_embeddings": spec.n_ctx_train or 4096,
-        "rope_theta": spec.rope_freq_base or DEFAULT_ROPE_BASE,
-        "rope_scaling": {"type": "linear", "factor": spec.rope_scaling_factor}
-        if spec.rope_scaling == "linear" and spec.rope_scaling_factor else None,
+        "rope_theta": spec.rope_base,
+        "rope_scaling": {"type": "linear", "factor": spec.rope_scaling_factor}   # llama.cpp: no type means linear
+        if spec.rope_scaling in (None, "linear") and spec.rope_scaling_factor else None,
         "tie_word_embeddings": "lm_head.weight" not in weights.arrays,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in weights.arrays,
     }
@@ -88,9 +83,9 @@ class FrequencyFactorRoPE(nn.Module):
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
 
 
-def build_model(spec: ModelSpec, header: GGUFHeader, weights: LoadedWeights) -> nn.Module:
+def build_model(spec: ModelSpec, weights: LoadedWeights) -> nn.Module:
     """An mlx-lm model with weights loaded and evaluated."""
-    module, args = model_args(spec, header, weights)
+    module, args = model_args(spec, weights)
     model = module.Model(args)
     quantized = weights.quantized
     nn.quantize(model, class_predicate=lambda path, _m: quantized.get(path, False))
