@@ -36,14 +36,13 @@ from ..spec import ModelSpec
 from ..units import fmt_bytes
 from . import kv
 from .model import build_model, check_supported, head
-from .weights import load_weights
+from .weights import DTYPE_NAMES, load_weights
 
 log = logging.getLogger("localinfer.mlx")
 
 DTYPES = {"f16": mx.float16, "fp16": mx.float16, "float16": mx.float16,
           "bf16": mx.bfloat16, "bfloat16": mx.bfloat16,
           "f32": mx.float32, "fp32": mx.float32, "float32": mx.float32}
-DTYPE_NAMES = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32"}
 
 
 def gpu_available() -> bool:

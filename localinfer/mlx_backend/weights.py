@@ -37,6 +37,8 @@ from ..errors import UnsupportedModelError
 from ..spec import ModelSpec
 from ..units import fmt_bytes
 
+DTYPE_NAMES = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32"}   # as budget and the CLI name them
+
 GROUP = 32  # values per GGUF block = values per MLX group
 AFFINE_BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q8_0: 8}
 MX_LOAD_TYPES = frozenset({T.F32, T.F16, *AFFINE_BITS})
@@ -124,7 +126,7 @@ def dequant_note(tensors: list[TensorInfo], dtype: mx.Dtype) -> str:
     types = sorted({t.type.name for t in tensors})
     file_bytes = sum(t.n_bytes for t in tensors)
     mem = sum(t.n_elements for t in tensors) * dtype.size
-    dt = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32"}.get(dtype, str(dtype))
+    dt = DTYPE_NAMES.get(dtype, str(dtype))
     return (f"{len(tensors)} tensors of type {', '.join(types)} dequantized to {dt}: "
             f"{fmt_bytes(mem)} in memory for {fmt_bytes(file_bytes)} in the file "
             f"(MLX keeps only Q4_0, Q4_1 and Q8_0 quantized)")
