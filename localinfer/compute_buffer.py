@@ -150,6 +150,15 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
         return g.view(t, shape)
 
+    def keys(x, heads):
+        t = proj(x, heads * hd, "k", heads, hd, True)
+        t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
+        return rotate(t, k_rot, rot_k, (hd, heads, T)) if rot_k else t
+
+    def values(x, heads):
+        t = proj(x, heads * hdv, "v", heads, hdv, False)
+        return rotate(t, v_rot, rot_v, (hdv, heads, T)) if rot_v else t
+
     cur = g.op_("GET_ROWS", (E, T), F32, w(), tokens)
     if gemma:
         cur = g.op_("SCALE", (E, T), F32, cur)
@@ -168,16 +177,12 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             q = g.op_("SCALE", (hd, H, T), F32, q)
         if rot_k:
             q = rotate(q, k_rot, rot_k, (hd, H, T))
-        kv: dict[str, int] = {}
-        for which in ("k", "v") if gemma else ("v", "k"):   # the order llama.cpp's graph visits them
-            if which == "v":
-                t = proj(x, nv, "v", Hkv, hdv, False)
-                kv["v"] = rotate(t, v_rot, rot_v, (hdv, Hkv, T)) if rot_v else t
-            else:
-                t = proj(x, nk, "k", Hkv, hd, True)
-                t = g.op_("ROPE", (hd, Hkv, T), F32, t, pos, *((w(),) if rope_freqs else ()))
-                kv["k"] = rotate(t, k_rot, rot_k, (hd, Hkv, T)) if rot_k else t
-        k, v = kv["k"], kv["v"]
+        if gemma:                    # llama.cpp's graph visits K first for gemma, V first for the others
+            k = keys(x, Hkv)
+            v = values(x, Hkv)
+        else:
+            v = values(x, Hkv)
+            k = keys(x, Hkv)
         k_idx, v_idx, m = kv_input(is_swa)
         kc, vc = w(), w()
         g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
