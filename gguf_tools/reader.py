@@ -22,14 +22,12 @@ from __future__ import annotations
 import os
 import stat
 import struct
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from array import array
-import sys
-
 from ._constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-
 from .errors import GGUFFormatError
 
 GGUF_MAGIC = b"GGUF"
