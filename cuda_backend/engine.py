@@ -10,9 +10,11 @@ one-line notice.
 sequences, as the llama.cpp backend splits it.
 
 Options (``plan.options``): ``quiet`` (no progress bar), ``packed`` (keep
-q8_0/q4_0 matrices as GGUF blocks), ``llamacpp_rounding`` (round activations
-as llama.cpp's CPU kernels do: 8-bit blocks before quantized matmuls, f16 before
-f16 ones; exact to float summation order on small models, see tests).
+q8_0/q4_0 matrices as GGUF blocks), ``llamacpp_rounding`` (compute as llama.cpp's
+x86 CPU kernels do, :mod:`cuda_backend.ggml_numerics`: with q4_0/q4_1/q8_0 weights
+and an f16 KV cache the logits equal llama.cpp's to the bit, flash attention on;
+other types get its activation rounding only.  float32, CPU speed of a reference:
+a verification mode, not a fast path).
 """
 
 from __future__ import annotations
@@ -81,10 +83,10 @@ class TorchEngine(Engine):
         opts = plan.options
         emulate = bool(opts.get("llamacpp_rounding", False))
         self.tok = load_tokenizer(spec.path, spec.tokenizer_model)
-        weights = load_weights(spec, self.device, self.dtype, packed=bool(opts.get("packed")), mins=emulate,
+        weights = load_weights(spec, self.device, self.dtype, packed=bool(opts.get("packed")), llamacpp_rounding=emulate,
                                quiet=bool(opts.get("quiet")))
         self.weight_bytes = weights_nbytes({k: w for k, w in weights.items() if k not in NOT_RESIDENT})
-        cfg = ModelConfig.from_spec(spec, header.kv)
+        cfg = ModelConfig.from_spec(spec)
         types = {t.name: t.type.name for t in spec.tensors} if emulate else None
         self.model = Transformer(cfg, weights, padded_tokens(self.n_ctx), self.dtype, types)  # = cache capacity
         self.cache = KVCache(cfg.n_layers, plan.n_seq, self.n_ctx, cfg.n_head_kv, cfg.head_dim,

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from localinfer.spec import ModelSpec
 
-from . import quant, rope
+from . import ggml_numerics, quant, rope
 from .kv_cache import KVCache
 from .weights import Packed, Weight
 
@@ -48,22 +47,18 @@ class ModelConfig:
     qk_norm: bool
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, kv: dict[str, Any]) -> ModelConfig:
-        """Dimensions from the spec; norm epsilon and RoPE details from the header's keys."""
-        a = spec.arch + "."
-        factor = spec.rope_scaling_factor or kv.get(a + "rope.scale_linear") or 1.0
-        yarn = spec.rope_scaling == "yarn"
+    def from_spec(cls, spec: ModelSpec) -> ModelConfig:
+        """Dimensions, norm epsilon and RoPE details from the spec (which reads the header's keys once)."""
         cfg = rope.RopeConfig(
-            n_rot=int(kv.get(a + "rope.dimension_count", spec.head_dim_k)),
-            base=spec.rope_freq_base or 10000.0,
+            n_rot=spec.n_rot,
+            base=spec.rope_base,
             pairing=rope.ROPE_PAIRING[spec.arch],
-            freq_scale=1.0 / factor,
-            yarn_orig_ctx=int(kv.get(a + "rope.scaling.original_context_length", spec.n_ctx_train)) if yarn else 0,
+            freq_scale=spec.rope_freq_scale,
+            yarn_orig_ctx=spec.yarn_orig_ctx if spec.rope_scaling == "yarn" else 0,
         )
         return cls(arch=spec.arch, n_layers=spec.n_layers, n_embd=spec.n_embd, n_head=spec.n_head[0],
                    n_head_kv=spec.n_head_kv[0], head_dim=spec.head_dim_k, n_ff=spec.n_ff[0],
-                   vocab_size=spec.vocab_size, rms_eps=float(kv.get(a + "attention.layer_norm_rms_epsilon", 1e-6)),
-                   rope=cfg, qk_norm=spec.qk_norm)
+                   vocab_size=spec.vocab_size, rms_eps=spec.rms_eps, rope=cfg, qk_norm=spec.qk_norm)
 
 
 @dataclass
@@ -77,11 +72,18 @@ class Linear:
     mins: torch.Tensor | None = None    # q4_1/q5_1 block mins [out, in/32], for q8_1 rounding
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.w, ggml_numerics.BlockMatrix):
+            y = ggml_numerics.linear(x, self.w)
+            return y if self.b is None else y + self.b
         w = self.w.dequantize(x.dtype) if isinstance(self.w, Packed) else self.w
         if self.act == "q8_1" and self.mins is not None:
             x, delta = quant.round_activations_q8_1(x)
             return F.linear(x, w, self.b) + F.linear(delta, self.mins)
         return F.linear(quant.round_activations(x, self.act), w, self.b)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,11 +93,13 @@ def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rmsnorm_ggml(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """ggml's RMS norm to the bit: squares summed in double, the scale 1/sqrtf in float.
-    Activations are then rounded to 8 bits, where one ulp can flip a tie."""
+    """ggml's RMS norm to the bit: squares summed in double, mean in float, the scale
+    1.0f/sqrtf(mean + eps).  torch.sqrt on the CPU is not correctly rounded (one value
+    in six is an ulp off); torch.rsqrt gives 1.0f/sqrtf exactly.  Activations are then
+    rounded to 8 bits, where one ulp can flip a tie."""
     xf = x.float()
     mean = (xf * xf).double().sum(-1, keepdim=True).div(x.shape[-1]).float()
-    scale = 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+    scale = torch.rsqrt(mean + torch.tensor(eps, dtype=torch.float32))
     return (xf * scale * w).to(x.dtype)
 
 
@@ -142,6 +146,7 @@ class Transformer:
         self.dtype = dtype
         self.emulate = llamacpp_rounding is not None
         self.norm = _rmsnorm_ggml if self.emulate else _rmsnorm
+        self.glu = ggml_numerics.swiglu if self.emulate else _swiglu
         types = llamacpp_rounding or {}
         self.embd = weights["token_embd.weight"]
         out_name = "output.weight" if "output.weight" in weights else "token_embd.weight"
@@ -162,7 +167,15 @@ class Transformer:
                 wv=lin(p + "attn_v.weight"), wo=lin(p + "attn_output.weight"), ffn_norm=weights[p + "ffn_norm.weight"],
                 w_gate=lin(p + "ffn_gate.weight"), w_up=lin(p + "ffn_up.weight"), w_down=lin(p + "ffn_down.weight"),
                 q_norm=weights.get(p + "attn_q_norm.weight"), k_norm=weights.get(p + "attn_k_norm.weight")))
-        self.cos, self.sin = rope.tables(cfg.rope, n_pos, weights.get("rope_freqs.weight"), device)
+        freq_factors = weights.get("rope_freqs.weight")
+        if self.emulate and not cfg.rope.yarn_orig_ctx:
+            cos, sin = ggml_numerics.rope_tables(cfg.rope.n_rot, cfg.rope.base, cfg.rope.freq_scale, n_pos,
+                                                 None if freq_factors is None else freq_factors.float().cpu())
+            self.cos, self.sin = cos.to(device), sin.to(device)
+            self.rope = ggml_numerics.rope_apply
+        else:
+            self.cos, self.sin = rope.tables(cfg.rope, n_pos, freq_factors, device)
+            self.rope = rope.apply
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         # torch's CPU SDPA costs milliseconds per call at decode sizes; plain matmuls do not.
         self.manual_attention = device.type == "cpu"
@@ -172,6 +185,8 @@ class Transformer:
         return self.output_norm.device
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embd, ggml_numerics.BlockMatrix):
+            return self.embd.rows(tokens).to(self.dtype)
         if isinstance(self.embd, Packed):
             return Packed(self.embd.blocks[tokens], self.embd.kind).dequantize(self.dtype)
         return F.embedding(tokens, self.embd).to(self.dtype)
@@ -187,10 +202,15 @@ class Transformer:
         if L.q_norm is not None:
             q = self.norm(q, L.q_norm, c.rms_eps)
             k = self.norm(k, L.k_norm, c.rms_eps)
-        q = rope.apply(q, cos, sin, c.rope.pairing)
-        k = rope.apply(k, cos, sin, c.rope.pairing)
+        q = self.rope(q, cos, sin, c.rope.pairing)
+        k = self.rope(k, cos, sin, c.rope.pairing)
         cache.write(il, rows, pos, k, v)
         keys, values = cache.read(il, seqs, b, n_attn)
+        if self.emulate and cache.type_k == cache.type_v == "f16":
+            if causal:
+                mask = torch.ones(t, n_attn, dtype=torch.bool, device=h.device).tril_(n_attn - t)
+            o = ggml_numerics.flash_attention(q.transpose(1, 2), keys, values, mask, self.scale)
+            return L.wo(o.transpose(1, 2).reshape(b, t, c.n_head * c.head_dim))
         if self.emulate:
             q = quant.round_activations(q, _QUERY_ROUNDING.get(cache.type_k))
         if self.manual_attention:
@@ -216,7 +236,7 @@ class Transformer:
             h = self.norm(x, L.attn_norm, c.rms_eps)
             x = x + self._attention(il, L, h, pos, cos, sin, cache, rows, seqs, n_attn, mask, causal)
             h = self.norm(x, L.ffn_norm, c.rms_eps)
-            x = x + L.w_down(F.silu(L.w_gate(h)) * L.w_up(h))
+            x = x + L.w_down(self.glu(L.w_gate(h), L.w_up(h)))
         x = x.reshape(b * t, c.n_embd)
         if out_rows is not None:
             x = x.index_select(0, out_rows)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
-GROUP = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+from gguf_tools.quants import layout, parse_type
+
+GROUP = layout(parse_type("q8_0")).block_values
+BLOCK_BYTES = {k: layout(parse_type(k)).block_bytes for k in ("q8_0", "q4_0")}
 
 
 def _round_away(x: torch.Tensor) -> torch.Tensor:
@@ -41,13 +43,13 @@ def quantize(x: torch.Tensor, kind: str) -> torch.Tensor:
     g = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     if kind == "q8_0":
         d = g.abs().amax(dim=-1) / 127
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        inv = torch.where(d > 0, torch.reciprocal(d), torch.zeros_like(d))
         q = _round_away(g * inv.unsqueeze(-1)).to(torch.int8).view(torch.uint8)
         return _pack(d, q)
     if kind == "q4_0":
         idx = g.abs().argmax(dim=-1, keepdim=True)
         d = torch.gather(g, -1, idx).squeeze(-1) / -8
-        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+        inv = torch.where(d != 0, torch.reciprocal(d), torch.zeros_like(d))
         q = (g * inv.unsqueeze(-1) + 8.5).to(torch.int8).clamp(max=15).to(torch.uint8)
         packed = q[..., :16] | (q[..., 16:] << 4)
         return _pack(d, packed)
@@ -96,7 +98,7 @@ def round_activations_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         return x, x.new_zeros(*x.shape[:-1], 0)
     g = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
     amax = g.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(g * inv)
     d = amax / 127
     d16 = d.to(torch.float16).float()
@@ -119,12 +121,12 @@ def _round(x: torch.Tensor, kind: str | None) -> torch.Tensor:
     if kind == "q8_K":
         idx = g.abs().argmax(dim=-1, keepdim=True)
         top = torch.gather(g, -1, idx)
-        iscale = torch.where(top != 0, -127.0 / top, torch.zeros_like(top))
+        iscale = torch.where(top != 0, torch.full_like(top, -127.0) / top, torch.zeros_like(top))
         q = torch.round(g * iscale).clamp(max=127)
-        d = torch.where(iscale != 0, 1.0 / iscale, torch.zeros_like(iscale))
+        d = torch.where(iscale != 0, torch.reciprocal(iscale), torch.zeros_like(iscale))
     else:
         amax = g.abs().amax(dim=-1, keepdim=True)
-        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
         q = torch.round(g * inv)
         d = (amax / 127).to(torch.float16).float()
     return (q * d).reshape(x.shape).to(x.dtype)

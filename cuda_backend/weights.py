@@ -25,7 +25,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf_tools import GGUFFormatError, TensorInfo
 from localinfer.spec import ModelSpec
 
-from . import quant
+from . import ggml_numerics, quant
 
 CHUNK_VALUES = 1 << 21          # float32 values dequantized at once (8 MiB)
 PACKABLE = {T.Q8_0: "q8_0", T.Q4_0: "q4_0"}
@@ -52,11 +52,11 @@ class Packed:
         return quant.dequantize(self.blocks, self.kind, dtype)
 
 
-Weight = torch.Tensor | Packed
+Weight = torch.Tensor | Packed | ggml_numerics.BlockMatrix
 
 
 def tensor_nbytes(w: Weight) -> int:
-    return w.nbytes if isinstance(w, Packed) else w.numel() * w.element_size()
+    return w.nbytes if isinstance(w, (Packed, ggml_numerics.BlockMatrix)) else w.numel() * w.element_size()
 
 
 def _raw(path: str, info: TensorInfo, file_size: int) -> np.memmap:
@@ -110,13 +110,15 @@ def _progress(total: int, quiet: bool, desc: str):
 
 
 def load_weights(spec: ModelSpec, device: torch.device | str, dtype: torch.dtype, *,
-                 packed: bool = False, mins: bool = False, quiet: bool = False) -> dict[str, Weight]:
+                 packed: bool = False, llamacpp_rounding: bool = False, quiet: bool = False) -> dict[str, Weight]:
     """All tensors of spec's file by GGUF name, streamed: globals first, then one layer at a time.
 
     Norm vectors stay float32 (as llama.cpp keeps them); everything else is
     ``dtype`` (or packed blocks), biases too: they are added in ``dtype``, so
-    no float32 copy outlives the load.  ``mins=True`` adds ``NAME:mins`` for
-    q4_1/q5_1 matrices (see :func:`load_mins`).  A progress bar goes to stderr unless quiet.
+    no float32 copy outlives the load.  ``llamacpp_rounding`` keeps q8_0/q4_0/q4_1
+    matrices as :class:`ggml_numerics.BlockMatrix` (codes and scales, for ggml's own
+    integer dot products) and adds ``NAME:mins`` for q5_1 (see :func:`load_mins`).
+    A progress bar goes to stderr unless quiet.
     """
     device = torch.device(device)
     by_layer: dict[int, list[TensorInfo]] = {}
@@ -129,9 +131,14 @@ def load_weights(spec: ModelSpec, device: torch.device | str, dtype: torch.dtype
     out: dict[str, Weight] = {}
 
     def take(info: TensorInfo) -> None:
+        if llamacpp_rounding and info.type.name in ggml_numerics.EMULATED_TYPES and len(info.shape) == 2:
+            raw = _raw(spec.path, info, spec.file_size)
+            out[info.name] = ggml_numerics.BlockMatrix.from_blocks(raw, info.type.name, info.n_elements // info.shape[0], device)
+            del raw
+            return
         want = torch.float32 if len(info.shape) == 1 and not info.name.endswith(".bias") else dtype
         out[info.name] = load_tensor(spec.path, info, spec.file_size, device, want, packed=packed)
-        if mins and info.type in WITH_MINS and len(info.shape) == 2:
+        if llamacpp_rounding and info.type in WITH_MINS and len(info.shape) == 2:
             out[info.name + ":mins"] = load_mins(spec.path, info, spec.file_size, device, dtype)
 
     with _progress(spec.n_layers + 1, quiet, f"loading {spec.name}") as bar:

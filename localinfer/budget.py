@@ -387,7 +387,9 @@ def decode_weight_bytes(spec: ModelSpec, *, active_experts_only: bool = True) ->
 
 WEIGHT_DTYPE_BYTES = {"f32": 4, "float32": 4, "fp32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp16": 2}
 TORCH_PACKED = ("Q8_0", "Q4_0")      # kept as GGUF blocks with packed=True (same bytes as in the file)
-TORCH_MINS = ("Q4_1", "Q5_1")        # llamacpp_rounding adds per-block mins [rows, ne0 / 32] in the dtype
+# llamacpp_rounding keeps these matrices as float32 codes plus float32 per-block scales (and q4_1 mins) ...
+TORCH_BLOCK_CODES = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2}
+TORCH_MINS = ("Q5_1",)               # ... and adds per-block mins [rows, ne0 / 32] in the dtype to these
 QUANT_GROUP = 32                     # values per q4_x/q8_0 block = per MLX affine group
 MLX_AFFINE = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32}   # code bytes per group
 NOT_RESIDENT = ("rope_freqs.weight",)   # folded into RoPE frequencies by both engines, not a weight
@@ -440,10 +442,12 @@ def default_weight_dtype(spec: ModelSpec, backend: str, runs_on: str) -> str:
     return "bf16"
 
 
-def torch_weight_bytes(spec: ModelSpec, dtype: str = "f32", *, packed: bool = False, mins: bool = False) -> int:
+def torch_weight_bytes(spec: ModelSpec, dtype: str = "f32", *, packed: bool = False,
+                       llamacpp_rounding: bool = False) -> int:
     """Bytes of cuda_backend's loaded tensors: norms (1-D, biases excepted) float32, the rest n × dtype;
-    with ``packed`` q8_0/q4_0 matrices keep their GGUF bytes; ``mins`` (llamacpp_rounding) adds
-    q4_1/q5_1 block mins.  rope_freqs is folded into the RoPE tables, not kept."""
+    with ``packed`` q8_0/q4_0 matrices keep their GGUF bytes; with ``llamacpp_rounding``
+    q8_0/q4_0/q4_1 matrices are float32 codes + float32 block scales (+ mins) and q5_1 ones add
+    block mins.  rope_freqs is folded into the RoPE tables, not kept."""
     size = WEIGHT_DTYPE_BYTES[check_weight_dtype(dtype)]
     total = 0
     for t in spec.tensors:
@@ -452,11 +456,13 @@ def torch_weight_bytes(spec: ModelSpec, dtype: str = "f32", *, packed: bool = Fa
             continue
         if len(t.shape) == 1 and not t.name.endswith(".bias"):
             total += t.n_elements * 4
+        elif llamacpp_rounding and kind in TORCH_BLOCK_CODES and len(t.shape) == 2:
+            total += t.n_elements * 4 + t.n_elements // QUANT_GROUP * 4 * TORCH_BLOCK_CODES[kind]
         elif packed and kind in TORCH_PACKED and len(t.shape) == 2:
             total += t.n_bytes
         else:
             total += t.n_elements * size
-        if mins and kind in TORCH_MINS and len(t.shape) == 2:
+        if llamacpp_rounding and kind in TORCH_MINS and len(t.shape) == 2:
             total += t.n_elements // QUANT_GROUP * size
     return total
 

@@ -216,7 +216,8 @@ def test_torch_engine_holds_the_prediction_mixed(mixed, name, dtype, options):
         if spec.arch == "qwen2":
             assert eng.model.layers[0].wq.b.dtype == eng.dtype       # biases live in the compute dtype
     packed = bool(options.get("packed"))
-    assert got == torch_weight_bytes(spec, dtype, packed=packed, mins=bool(options.get("llamacpp_rounding")))
+    assert got == torch_weight_bytes(spec, dtype, packed=packed,
+                                    llamacpp_rounding=bool(options.get("llamacpp_rounding")))
     if not options.get("llamacpp_rounding"):
         req = FitRequest(n_ctx=256, backend="torch", dtype=dtype, packed=packed)
         assert got == fit_device(spec, device("cpu"), req, search=False).breakdown.weights

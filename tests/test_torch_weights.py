@@ -69,14 +69,26 @@ def test_packed_blocks_keep_file_bytes(typed_models, qtype):
     assert weights_nbytes(packed) == sum(t.n_bytes for t in matrices) + vectors
 
 
-def test_q4_1_mins_are_the_block_minimum(typed_models):
-    spec = ModelSpec.from_gguf(typed_models[T.Q4_1])
-    w = load_weights(spec, "cpu", torch.float32, mins=True, quiet=True)
-    values = w["blk.0.attn_q.weight"]
-    mins = w["blk.0.attn_q.weight:mins"]
-    assert mins.shape == (values.shape[0], values.shape[1] // 32)
-    # the q4_1 quantizer maps each block's smallest value to code 0, i.e. to the stored min
-    torch.testing.assert_close(values.view(values.shape[0], -1, 32).amin(-1), mins, rtol=0, atol=0)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_block_matrices_hold_the_gguf_codes(typed_models, qtype):
+    """llamacpp_rounding keeps q8_0/q4_0/q4_1 matrices as codes and scales: d·q (+ m) gives
+    back gguf's dequantized values exactly, codes are integers in the type's range, and a
+    q4_1 block's smallest value is its min (its quantizer maps it to code 0)."""
+    from cuda_backend.ggml_numerics import BlockMatrix
+
+    spec = ModelSpec.from_gguf(typed_models[qtype])
+    w = load_weights(spec, "cpu", torch.float32, llamacpp_rounding=True, quiet=True)
+    plain = load_weights(spec, "cpu", torch.float32, quiet=True)
+    q = w["blk.0.attn_q.weight"]
+    assert isinstance(q, BlockMatrix) and q.shape == tuple(plain["blk.0.attn_q.weight"].shape)
+    assert torch.equal(q.rows(torch.arange(q.shape[0])), plain["blk.0.attn_q.weight"])
+    assert torch.equal(q.codes, q.codes.round())
+    lo, hi = {T.Q8_0: (-128, 127), T.Q4_0: (-8, 7), T.Q4_1: (0, 15)}[qtype]
+    assert lo <= q.codes.min() and q.codes.max() <= hi
+    if qtype == T.Q4_1:
+        values = plain["blk.0.attn_q.weight"]
+        assert torch.equal(values.view(values.shape[0], -1, 32).amin(-1), q.m)
+    assert not any(name.endswith(":mins") for name in w)
 
 
 def test_truncated_file_is_a_format_error(tmp_path, typed_models):

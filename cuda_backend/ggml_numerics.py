@@ -1,0 +1,398 @@
+"""llama.cpp's CPU kernels, rounding for rounding (x86, AVX2 + FMA builds).
+
+Greedy decoding follows the larger of two near-tied logits, and a quantized
+model amplifies every last-bit difference: activations are rounded to 8 bits
+before each matmul, so one ulp on the wrong side of a rounding tie moves a
+value by a whole step and the models drift apart.  To follow llama.cpp token
+for token, the torch backend's ``llamacpp_rounding`` mode reproduces how
+ggml's CPU kernels round, not just what they compute.  Each piece was checked
+against tensors captured from llama.cpp's graph (tests/ggml_capture.py):
+
+* matmuls with q4_0/q4_1/q8_0 weights (:func:`linear`): activations quantized
+  to q8_0/q8_1 blocks, integer lane sums, one FMA per block, ``hsum_float_8``;
+* SwiGLU (:func:`swiglu`) with ``ggml_v_expf``, ggml's vectorised exp;
+* RoPE (:func:`rope_tables`, :func:`rope_apply`): θ multiplied up in float32,
+  libm's cosf/sinf, the rotation contracted to FMAs;
+* flash attention on an F16 K/V cache (:func:`flash_attention`): for fewer than
+  64 query rows one row at a time with an **f16** running output (every rescale
+  and every ``v·w`` FMA rounds to f16); for 64 or more the tiled float32 kernel
+  (FMA chains in ``simd_gemm`` order, weights summed 8 lanes at a time).
+
+float64 stands in for FMA: the products here (f16·f32, f32·f32, f16·f16·int)
+are exact in float64, so one rounding to float32 afterwards is the FMA's
+single rounding.  Two torch traps matter at this precision: ``torch.sqrt`` on
+the CPU is not correctly rounded (``torch.rsqrt`` matches ``1.0f/sqrtf``), and
+``scalar / tensor`` is a reciprocal times the scalar (``full_like(t, c) / t`` is
+a true division).  Not reproduced: the split-KV decode kernel llama.cpp takes
+once its KV view reaches 512 cells (with one thread it computes what the one-row
+kernel does; with more, chunk results are merged), matmuls with K-quant and
+F16 weights (their activations are rounded, the dot order is not), and other
+CPUs' kernels (ARM NEON orders differ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_STEP, _LANES = 32, 8       # GGML_F16_STEP and GGML_F16_EPR for AVX/AVX2
+_TILE = 64                  # GGML_FA_TILE_Q and GGML_FA_TILE_KV
+
+
+def dot_f16(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_f16 of f16-valued q [..., t, d] with k [..., L, d]: scores [..., t, L]
+    with ggml's AVX summation order (float32 throughout)."""
+    d = q.shape[-1]
+    p = q.float().unsqueeze(-2) * k.float().unsqueeze(-3)          # [..., t, L, d], exact
+    n = d - d % _STEP
+    acc = None
+    for i in range(0, n, _STEP):
+        chunk = p[..., i:i + _STEP].unflatten(-1, (4, _LANES))     # sum[j] lanes
+        acc = chunk if acc is None else acc + chunk
+    if acc is None:
+        total = torch.zeros(p.shape[:-1], dtype=torch.float64, device=p.device)
+    else:
+        x = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
+        t0 = x[..., :4] + x[..., 4:]
+        total = ((t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])).double()
+    for i in range(n, d):                                            # leftovers, in double
+        total = total + p[..., i].double()
+    return total.float()
+
+
+def _flash_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """ggml_compute_forward_flash_attn_ext_f16_one_chunk: f16 query, f16 running output."""
+    b, n_head, t, d = q.shape
+    n_kv, n_key = k.shape[1], k.shape[2]
+    g = n_head // n_kv
+    q16 = q.half().float().reshape(b, n_kv, g * t, d)
+    s = dot_f16(q16, k).mul_(scale).view(b, n_kv, g, t, n_key)          # float32, as ggml
+    if mask is not None:
+        s = s.masked_fill(~mask.reshape(-1, 1, 1, t, n_key), float("-inf"))
+    s = s.reshape(b, n_head, t, n_key)
+    valid = torch.isfinite(s)
+    # running maximum and the two factors of each step, as the sequential loop sees them
+    m = torch.cummax(s, dim=-1).values
+    m_old = torch.cat([torch.full_like(m[..., :1], float("-inf")), m[..., :-1]], dim=-1)
+    new_max = valid & (s > m_old)
+    ms = torch.where(new_max, torch.exp((m_old - m).double()).float(), torch.ones_like(s))
+    vs = torch.where(new_max, torch.ones_like(s), torch.exp((s - m).double()).float())
+    vs = torch.where(valid, vs, torch.zeros_like(s))
+    ms = torch.where(valid, ms, torch.ones_like(s))
+    v64 = v.double().repeat_interleave(g, dim=1)                           # [b, H, L, d]
+    acc = torch.zeros(b, n_head, t, d, dtype=torch.float64, device=q.device)
+    total = torch.zeros(b, n_head, t, dtype=torch.float64, device=q.device)
+    ms64, vs64 = ms.double(), vs.double()
+    for j in range(n_key):
+        mj = ms64[..., j]
+        acc = (acc * mj.unsqueeze(-1)).float().half().double()
+        acc = (acc + v64[:, :, j].unsqueeze(2) * vs64[..., j].unsqueeze(-1)).float().half().double()
+        total = (total * mj + vs64[..., j]).float().double()
+    inv = torch.where(total > 0, torch.reciprocal(total.float()), torch.zeros_like(total, dtype=torch.float32))
+    return acc.float() * inv.unsqueeze(-1)
+
+
+def _libm_expf(x: torch.Tensor) -> torch.Tensor:
+    """expf as glibc rounds it: exp in float64, rounded once to float32."""
+    return torch.exp(x.double()).float()
+
+
+def _flash_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float) -> torch.Tensor:
+    """ggml_compute_forward_flash_attn_ext_tiled (64 or more query rows): float32 query,
+    keys in tiles of 64; per tile the scores are FMA chains over the head dimension
+    (simd_gemm), the weights ggml_v_expf(s - M) summed 8 lanes at a time into a double,
+    and the output an FMA chain over the tile's keys, all in float32."""
+    b, n_head, t, d = q.shape
+    n_kv, n_key = k.shape[1], k.shape[2]
+    g = n_head // n_kv
+    kf = k.float().repeat_interleave(g, dim=1)                                 # [b, H, L, d]
+    vf = v.float().repeat_interleave(g, dim=1)
+    allowed = (torch.ones(b, 1, t, n_key, dtype=torch.bool, device=q.device) if mask is None
+               else mask.reshape(-1, 1, t, n_key).expand(b, 1, t, n_key))
+    m_run = torch.full((b, n_head, t), float("-inf"), device=q.device)
+    s_run = torch.zeros(b, n_head, t, device=q.device)
+    acc = torch.zeros(b, n_head, t, d, device=q.device)
+    qf = q.float()
+    for ic in range(0, n_key, _TILE):
+        tile = slice(ic, min(ic + _TILE, n_key))
+        ok = allowed[..., tile]
+        if not bool(ok.any()):
+            continue
+        kt, vt = kf[:, :, tile], vf[:, :, tile]
+        kq = torch.zeros(b, n_head, t, kt.shape[2], device=q.device)
+        for kk in range(d):
+            kq = _fma(qf[..., kk, None], kt[:, :, None, :, kk], kq)
+        kq = kq * scale
+        kq = kq.masked_fill(~ok, float("-inf"))
+        tile_max = kq.amax(-1)
+        live = tile_max != float("-inf")
+        m_new = torch.maximum(m_run, tile_max)
+        grow = live & (m_new > m_run)
+        ms = torch.where(grow, _libm_expf(m_run - m_new), torch.ones_like(m_new))
+        acc = acc * ms.unsqueeze(-1)
+        s_run = s_run * ms
+        m_run = torch.where(live, m_new, m_run)
+        p = expf_v(kq - m_run.unsqueeze(-1))
+        p = torch.where(live.unsqueeze(-1), p, torch.zeros_like(p))
+        pad = (-p.shape[-1]) % 8
+        lanes = torch.nn.functional.pad(p, (0, pad)).unflatten(-1, (-1, 8))
+        lane_sums = _hsum8(lanes).double()
+        total = s_run.double()
+        partial = torch.zeros_like(total)
+        for j in range(lane_sums.shape[-1]):
+            partial = partial + lane_sums[..., j]
+        s_run = torch.where(live, (total + partial).float(), s_run)
+        for j in range(p.shape[-1]):
+            acc = _fma(p[..., j, None], vt[:, :, None, j, :], acc)
+    inv = torch.where(s_run != 0, torch.reciprocal(s_run), torch.zeros_like(s_run))
+    return acc * inv.unsqueeze(-1)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """Attention output [b, H, t, d] as ggml's CPU flash attention computes it for an F16
+    K/V cache: q [b, H, t, d]; k, v [b, H_kv, L, d] holding f16 values; mask broadcastable
+    to [b, 1, t, L] (True = attend) or None.  Like ggml, 64 or more query rows take the
+    tiled kernel, fewer the one-row kernel."""
+    if q.shape[2] >= _TILE:
+        return _flash_attention_tiled(q, k, v, mask, scale)
+    return _flash_attention_rows(q, k, v, mask, scale)
+
+
+# ---- matmuls with quantized weights ------------------------------------------------------------
+#
+# ggml quantizes each activation row to 8 bits per block of 32 (q8_1 for q4_1
+# weights, q8_0 for q4_0/q8_0), then ggml_vec_dot_<w>_<x> (AVX2) multiplies
+# integer codes block by block: 8 lanes, each the exact integer sum of 4
+# neighbouring products, accumulated over the blocks with one FMA per block
+# (scale d_w·d_x), reduced by hsum_float_8; q4_1 adds Σ m_w · s_x in a scalar.
+
+_BLOCK = 32
+# block bytes, offset of the codes, and whether a min follows the scale
+_LAYOUT = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}
+EMULATED_TYPES = frozenset(_LAYOUT)
+
+
+@dataclass(frozen=True)
+class BlockMatrix:
+    """A GGUF q8_0/q4_0/q4_1 matrix kept as its integer codes (float32; q4_0 already minus 8),
+    f16 scales ``d`` and, for q4_1, mins ``m`` [out, nb].  The codes are stored as
+    ``lanes`` [nb·8, 4, out] — the 4 values each AVX lane sums — for one batched matmul."""
+
+    lanes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    kind: str
+
+    @classmethod
+    def from_blocks(cls, raw, type_name: str, rows: int, device: torch.device | str = "cpu") -> BlockMatrix:
+        """Parse a matrix's GGUF bytes (uint8, rows × row bytes)."""
+        size, start = _LAYOUT[type_name]
+        blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, size)
+        nb = blocks.shape[1]
+
+        def half(lo: int) -> torch.Tensor:
+            return torch.from_numpy(blocks[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32))
+
+        qs = blocks[..., start:]
+        if type_name == "Q8_0":
+            codes = qs.view(np.int8).astype(np.float32)
+        else:
+            codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)
+            if type_name == "Q4_0":
+                codes -= 8
+        lanes = torch.from_numpy(codes).reshape(rows, nb * 8, 4).permute(1, 2, 0).contiguous()
+        return cls(lanes.to(device), half(0).to(device), half(2).to(device) if type_name == "Q4_1" else None,
+                   type_name)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The codes as [out, nb, 32] (a view)."""
+        return self.lanes.permute(2, 0, 1).reshape(self.lanes.shape[2], -1, _BLOCK)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.lanes.shape[2], self.lanes.shape[0] * 4
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.lanes, self.d, self.m) if t is not None)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows (ggml's get_rows): d·q (+ m), exact in float32."""
+        flat = index.reshape(-1)
+        values = self.lanes[:, :, flat].permute(2, 0, 1).reshape(flat.shape[0], -1, _BLOCK) * self.d[flat, :, None]
+        if self.m is not None:
+            values = values + self.m[flat, :, None]
+        return values.reshape(*index.shape, -1)
+
+
+def quantize_q8(x: torch.Tensor, with_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """quantize_row_q8_0 / q8_1 (AVX2): codes [..., nb, 32], f16 scale d [..., nb] and, for
+    q8_1, the f16 s = d·Σq (d before its f16 rounding)."""
+    g = x.float().unflatten(-1, (-1, _BLOCK))
+    amax = g.abs().amax(-1)
+    inv = torch.where(amax != 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv.unsqueeze(-1))
+    d = amax / 127.0
+    s = (d * q.sum(-1)).half().float() if with_sum else None
+    return q, d.half().float(), s
+
+
+def _hsum8(acc: torch.Tensor) -> torch.Tensor:
+    r = acc[..., 4:] + acc[..., :4]
+    return (r[..., 0] + r[..., 2]) + (r[..., 1] + r[..., 3])
+
+
+_CHUNK_TERMS = 1 << 23           # float64 partial products held at once (64 MiB)
+
+
+def linear(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
+    """x [..., K] · wᵀ as ggml's CPU vec_dot for w's type computes it: [..., out] float32."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    step = max(1, _CHUNK_TERMS // (w.lanes.shape[0] * w.lanes.shape[2]))
+    parts = [_linear_rows(rows[i:i + step], w) for i in range(0, rows.shape[0], step)]
+    return torch.cat(parts).reshape(*lead, w.lanes.shape[2])
+
+
+def _linear_rows(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
+    xq, dx, sx = quantize_q8(x, w.kind == "Q4_1")
+    t, nb = xq.shape[0], xq.shape[1]
+    n_out = w.lanes.shape[2]
+    # lanes: exact integer sums of 4 neighbouring products, as [nb, 8, t, out]
+    xy = torch.bmm(xq.reshape(t, nb * 8, 4).transpose(0, 1), w.lanes).view(nb, 8, t, n_out)
+    scale = (dx.t()[:, None, :, None] * w.d.t()[:, None, None, :]).double()     # exact: f16·f16
+    terms = scale * xy.double()                                                  # exact in float64
+    acc = terms[0].float()
+    for ib in range(1, nb):                      # one FMA per block: a single rounding to float32
+        acc = (acc + terms[ib]).float()          # float32 + float64 adds in float64
+    out = _hsum8(acc.permute(1, 2, 0))
+    if w.m is not None:
+        mins_s = (sx.t()[:, :, None] * w.m.t()[:, None, :])                      # exact: f16·f16
+        summs = mins_s[0]
+        for ib in range(1, nb):
+            summs = summs + mins_s[ib]
+        out = out + summs
+    return out
+
+
+# ---- SwiGLU --------------------------------------------------------------------------------------
+#
+# ggml_vec_swiglu_f32 (AVX2 + FMA) computes silu(x)·g as x / (1 + e(−x)) · g with
+# e = ggml_v_expf, a vectorised exp (range reduction x = n·ln2 + b with the
+# round-to-integer trick, a degree-5 polynomial in b, scaling by 2^n through
+# the exponent bits); values not in whole groups of 8 go through libm's expf.
+
+def _fma(a: torch.Tensor, b, c) -> torch.Tensor:
+    a64 = a.double()
+    b64 = b.double() if isinstance(b, torch.Tensor) else b
+    c64 = c.double() if isinstance(c, torch.Tensor) else c
+    return (a64 * b64 + c64).float()
+
+
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+_R = _f32(float.fromhex("0x1.8p23"))
+_LOG2E = _f32(float.fromhex("0x1.715476p+0"))
+_LN2_HI, _LN2_LO = _f32(float.fromhex("0x1.62e4p-1")), _f32(float.fromhex("0x1.7f7d1cp-20"))
+_P = [_f32(float.fromhex(h)) for h in ("0x1.ffffecp-1", "0x1.fffdb6p-2", "0x1.555e66p-3", "0x1.573e2ep-5",
+                                       "0x1.0e4020p-7")]
+
+
+def expf_v(x: torch.Tensor) -> torch.Tensor:
+    """ggml_v_expf on float32 x, element by element (its lanes do not interact)."""
+    x = x.float()
+    z = _fma(x, _LOG2E, _R)
+    n = z - _R
+    b = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
+    e = torch.bitwise_left_shift(z.view(torch.int32), 23)
+    k = (e + 0x3F800000).view(torch.float32)
+    u = b * b
+    j = _fma(_fma(_fma(torch.full_like(b, _P[4]), b, _P[3]), u, _fma(torch.full_like(b, _P[2]), b, _P[1])), u,
+             b * _P[0])
+    out = _fma(j, k, k)
+    big = n.abs() > 126
+    if bool(big.any()):
+        g = torch.where(n <= 0, torch.tensor(-0x7E000000, dtype=torch.int32), torch.tensor(0, dtype=torch.int32))
+        s1 = (g + 0x7F000000).view(torch.float32)
+        s2 = (e - g).view(torch.float32)
+        huge = n.abs() > 192
+        out = torch.where(big, torch.where(huge, s1 * s1, _fma(s2, j, s2) * s1), out)
+    return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate)·up as ggml_vec_swiglu_f32 computes it (rows of the last dimension)."""
+    gate, up = gate.float(), up.float()
+    n = gate.shape[-1]
+    head = n - n % 8
+    x = gate[..., :head]
+    y = x / (1.0 + expf_v(-x)) * up[..., :head]
+    if head == n:
+        return y
+    tail = gate[..., head:]
+    libm = tail / (1.0 + torch.exp(-tail.double()).float())
+    return torch.cat([y, libm * up[..., head:]], dim=-1)
+
+
+# ---- RoPE ----------------------------------------------------------------------------------------
+#
+# ggml_rope_cache_init: per position, θ starts at the position (float32) and is
+# multiplied by powf(base, −2/n_rot) once per pair, in float32; the table holds
+# libm's cosf/sinf of θ (÷ the pair's rope_freqs factor).  rotate_pairs then
+# computes x0·cos − x1·sin and x0·sin + x1·cos, which the compiler contracts
+# to fma(x0, cos, −(x1·sin)) and fma(x0, sin, x1·cos).
+
+def _libm():
+    import ctypes
+    import ctypes.util
+
+    lib = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    for name, n_args in (("cosf", 1), ("sinf", 1), ("powf", 2)):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_float
+        fn.argtypes = [ctypes.c_float] * n_args
+    return lib
+
+
+def rope_tables(n_rot: int, base: float, freq_scale: float, n_pos: int,
+                freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n_pos, n_rot/2] as ggml_rope_cache_init fills them (no YaRN)."""
+    import numpy as np
+
+    lib = _libm()
+    f32 = np.float32
+    theta_scale = f32(lib.powf(f32(base), f32(-2.0) / f32(n_rot)))
+    factors = [f32(1.0)] * (n_rot // 2) if freq_factors is None else [f32(v) for v in freq_factors.tolist()]
+    cos = np.empty((n_pos, n_rot // 2), dtype=np.float32)
+    sin = np.empty_like(cos)
+    scale = f32(freq_scale)
+    for p in range(n_pos):
+        theta = f32(p)
+        for i in range(n_rot // 2):
+            angle = scale * (theta / factors[i])
+            cos[p, i] = lib.cosf(angle)
+            sin[p, i] = lib.sinf(angle)
+            theta = theta * theta_scale
+    return torch.from_numpy(cos), torch.from_numpy(sin)
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: str) -> torch.Tensor:
+    """rotate_pairs on x [b, t, heads, head_dim] with cos/sin [b, t, n_rot/2], float32."""
+    n_rot = cos.shape[-1] * 2
+    r = x[..., :n_rot].float()
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if pairing == "norm":
+        a, b = r[..., 0::2], r[..., 1::2]
+    else:
+        a, b = r[..., : n_rot // 2], r[..., n_rot // 2:]
+    lo, hi = _fma(a, c, -(b * s)), _fma(a, s, b * c)
+    out = torch.stack((lo, hi), dim=-1).flatten(-2) if pairing == "norm" else torch.cat((lo, hi), dim=-1)
+    return out if n_rot == x.shape[-1] else torch.cat((out, x[..., n_rot:].float()), dim=-1)

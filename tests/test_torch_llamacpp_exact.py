@@ -1,0 +1,124 @@
+"""The torch backend's llama.cpp emulation (``llamacpp_rounding``) against llama.cpp itself.
+
+With the option on, the torch model computes every step the way llama.cpp's
+x86 CPU kernels do (cuda_backend/ggml_numerics.py): 8-bit activation blocks
+and ggml's integer dot-product order for q4_0/q4_1/q8_0 weights, its SwiGLU
+exp, its RoPE table, its RMS-norm rounding and its flash-attention kernels
+(f16 running output for fewer than 64 query rows, the tiled float32 kernel
+for more).  So the logits are not close to llama.cpp's: they are the same
+float32 numbers.  The kernels are checked one by one on tensors captured from
+llama.cpp's own graph (tests/ggml_capture.py), and the whole model on the
+embedded SmolLM2 Q4_1 file (f16 KV cache, flash attention on, the llama.cpp
+backend's defaults).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("llama_cpp")
+
+from ggml_capture import capture, layout_ok
+
+from cuda_backend import ggml_numerics as G
+from gguf_tools import read_header
+from localinfer.backends import load_engine
+from localinfer.engine import LoadPlan
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                                reason="the emulation follows ggml's x86 (AVX2) kernels")
+
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank while the old miller watches. "
+
+
+def _matrix(path, name: str) -> G.BlockMatrix:
+    info = read_header(path).tensor(name)
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=info.file_offset, shape=(info.n_bytes,))
+    return G.BlockMatrix.from_blocks(raw, info.type.name, info.n_elements // info.shape[0])
+
+
+@pytest.fixture(scope="module")
+def traces(default_model):
+    """llama.cpp's tensors for a 5-token prompt (one-row attention kernel) and a 70-token one (tiled)."""
+    with load_engine(LoadPlan(str(default_model), n_ctx=64, options={"quiet": True}), "llama.cpp") as eng:
+        ids = eng.tokenize(TEXT * 4)
+    out = {n: capture(str(default_model), [ids[:n]])[0] for n in (5, 70)}
+    if not all(layout_ok(step, n, 576) for n, step in out.items()):
+        pytest.skip("this llama-cpp-python's ggml_tensor layout differs from the one tests/ggml_capture.py reads")
+    return out
+
+
+def _t(a: np.ndarray, *shape: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).reshape(*shape)
+
+
+@pytest.mark.parametrize("layer", [0, 7, 28])   # layer 29 keeps only the rows that get logits
+def test_quantized_matmuls_match_llamacpp_to_the_bit(default_model, traces, layer):
+    step = traces[5]
+    for src, name, dst in (("attn_norm", "attn_q", "Qcur"), ("ffn_norm", "ffn_gate", "ffn_gate"),
+                           ("ffn_swiglu", "ffn_down", "ffn_out")):
+        x = _t(step[f"{src}-{layer}"][0], 5, -1)
+        got = G.linear(x, _matrix(default_model, f"blk.{layer}.{name}.weight"))
+        want = _t(step[f"{dst}-{layer}"][0], 5, -1)
+        assert torch.equal(got, want), f"{name}: max |d| {float((got - want).abs().max())}"
+        assert not torch.equal(got, torch.nn.functional.linear(x, _matrix(default_model, f"blk.{layer}.{name}.weight")
+                                                                .rows(torch.arange(want.shape[1]))))
+
+
+@pytest.mark.parametrize("layer", [0, 15, 29])
+def test_swiglu_matches_llamacpp_to_the_bit(traces, layer):
+    step = traces[5]
+    gate, up = (_t(step[f"{n}-{layer}"][0], -1) for n in ("ffn_gate", "ffn_up"))
+    want = _t(step[f"ffn_swiglu-{layer}"][0], -1)
+    assert torch.equal(G.swiglu(gate, up), want)
+    assert not torch.equal(torch.nn.functional.silu(gate) * up, want)     # torch's own exp differs
+
+
+@pytest.mark.parametrize("n", [5, 70], ids=["one-row-kernel", "tiled-kernel"])
+@pytest.mark.parametrize("layer", [0, 11, 29])
+def test_flash_attention_matches_llamacpp_to_the_bit(traces, n, layer):
+    step = traces[n]
+    q = _t(step[f"Qcur-{layer}"][-1], n, 9, 64).permute(1, 0, 2)[None]         # after RoPE
+    k = _t(step[f"Kcur-{layer}"][-1], n, 3, 64).half().float().permute(1, 0, 2)[None]
+    v = _t(step[f"Vcur-{layer}"][-1], n, 3, 64).half().float().permute(1, 0, 2)[None]
+    mask = torch.ones(n, n, dtype=torch.bool).tril_()
+    got = G.flash_attention(q, k, v, mask, 0.125)
+    want = _t(step[f"kqv_out-{layer}"][0], n, 9, 64).permute(1, 0, 2)[None]
+    assert torch.equal(got, want), f"max |d| {float((got - want).abs().max())}"
+    exact = torch.softmax((q @ k.repeat_interleave(3, 1).transpose(-1, -2) * 0.125).masked_fill(~mask, -torch.inf), -1)
+    exact = exact @ v.repeat_interleave(3, 1)
+    assert (got - exact).abs().max() < 2e-3 * exact.abs().max()               # and it is attention
+
+
+def test_rope_table_and_rotation_match_llamacpp_to_the_bit(traces):
+    step = traces[5]
+    cos, sin = G.rope_tables(64, 100000.0, 1.0, 5)
+    pre = _t(step["Qcur-0"][0], 5, 9, 64)[None]
+    got = G.rope_apply(pre, cos[None], sin[None], "norm")
+    assert torch.equal(got, _t(step["Qcur-0"][-1], 1, 5, 9, 64))
+
+
+def _engines(path, threads):
+    ours = load_engine(LoadPlan(str(path), n_ctx=128, n_threads=threads,
+                                options={"quiet": True, "llamacpp_rounding": True}), "torch")
+    ref = load_engine(LoadPlan(str(path), n_ctx=128, n_threads=threads, options={"quiet": True}), "llama.cpp")
+    return ours, ref
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_logits_equal_llamacpp_through_prefill_and_decode(default_model, threads):
+    ours, ref = _engines(default_model, threads)
+    with ours, ref:
+        ids = ref.tokenize("Water boils at a temperature of")
+        at = [0, len(ids) - 1]
+        a, b = ours.eval(ids, logits_at=at), ref.eval(ids, logits_at=at)
+        assert np.array_equal(a, b), f"prefill: max |d| {np.abs(a - b).max()}"
+        token = int(b[-1].argmax())
+        for _ in range(4):
+            a, b = ours.eval([token])[0], ref.eval([token])[0]
+            assert np.array_equal(a, b), f"decode at {ours.kv_len()}: max |d| {np.abs(a - b).max()}"
+            token = int(b.argmax())
