@@ -8,8 +8,10 @@ context; each measurement alternates between them and keeps the median.
 * batch decode: one eval_batch step over --batch sequences (torch only: aggregate tok/s);
 * --profile: torch.profiler over decode steps, time by kind of op;
 * --agreement: greedy --gen tokens on 10 fixed prompts against llama.cpp (flash attention
-  on, its default), with llama.cpp's own flash-attention-off path as the yardstick, plus
-  teacher-forced top-1 agreement and the largest logit difference.
+  on, its default), for the torch backend as it runs by default and with
+  ``llamacpp_rounding`` (its emulation of llama.cpp's CPU kernels, which must give
+  the same logits to the bit), with llama.cpp's own flash-attention-off path as the
+  yardstick, plus teacher-forced top-1 agreement and the largest logit difference.
 
     python benchmarks/torch_backend.py [MODEL] [--threads 1] [--prompt 256] [--tokens 32]
         [--rounds 3] [--batch 4] [--profile] [--agreement] [--json OUT]
@@ -41,7 +43,7 @@ FILLER = "The quick brown fox jumps over the lazy dog while the river runs past 
 
 def _engine(backend: str, model: str, args, **kw):
     plan = LoadPlan(model, n_ctx=kw.pop("n_ctx", args.prompt + args.tokens + 64), n_threads=args.threads,
-                    options={"quiet": True}, **kw)
+                    options=kw.pop("options", {"quiet": True}), **kw)
     return load_engine(plan, backend)
 
 
@@ -122,32 +124,39 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 def agreement(model: str, args) -> dict:
     ctx = 160 + args.gen
     ours_eng = _engine("torch", model, args, n_ctx=ctx)
+    exact_eng = _engine("torch", model, args, n_ctx=ctx, options={"quiet": True, "llamacpp_rounding": True})
     cpp = _engine("llama.cpp", model, args, n_ctx=ctx)
     cpp_off = _engine("llama.cpp", model, args, n_ctx=ctx, flash_attn=False)
     rows = []
-    tf = {"agree": 0, "total": 0, "max_dlogit": 0.0, "cpp_off_max_dlogit": 0.0}
+    tf = {"agree": 0, "total": 0, "max_dlogit": 0.0, "cpp_off_max_dlogit": 0.0, "rounding_max_dlogit": 0.0,
+          "rounding_agree": 0}
     for prompt in PROMPTS:
         ref, ref_margins = _greedy(cpp, prompt, args.gen)
         mine, _ = _greedy(ours_eng, prompt, args.gen)
+        exact, _ = _greedy(exact_eng, prompt, args.gen)
         other, _ = _greedy(cpp_off, prompt, args.gen)
-        d_ours, d_cpp = _first_diff(mine, ref), _first_diff(other, ref)
-        rows.append({"prompt": prompt, "torch_diverges_at": d_ours, "llama_cpp_fa_off_diverges_at": d_cpp,
+        d_ours, d_exact, d_cpp = _first_diff(mine, ref), _first_diff(exact, ref), _first_diff(other, ref)
+        rows.append({"prompt": prompt, "torch_diverges_at": d_ours, "rounding_diverges_at": d_exact,
+                     "llama_cpp_fa_off_diverges_at": d_cpp,
                      "llama_cpp_margin_there": None if d_ours is None else round(ref_margins[d_ours], 3)})
         ids = cpp.tokenize(prompt)
         seq = ids + ref[:-1]
         at = list(range(len(ids) - 1, len(seq)))
         logits = {}
-        for name, eng in (("ref", cpp), ("ours", ours_eng), ("off", cpp_off)):
+        for name, eng in (("ref", cpp), ("ours", ours_eng), ("exact", exact_eng), ("off", cpp_off)):
             eng.trim(0)
             logits[name] = eng.eval(seq, logits_at=at)
         tf["agree"] += int((logits["ours"].argmax(1) == logits["ref"].argmax(1)).sum())
+        tf["rounding_agree"] += int((logits["exact"].argmax(1) == logits["ref"].argmax(1)).sum())
         tf["total"] += len(at)
         tf["max_dlogit"] = max(tf["max_dlogit"], float(np.abs(logits["ours"] - logits["ref"]).max()))
+        tf["rounding_max_dlogit"] = max(tf["rounding_max_dlogit"], float(np.abs(logits["exact"] - logits["ref"]).max()))
         tf["cpp_off_max_dlogit"] = max(tf["cpp_off_max_dlogit"], float(np.abs(logits["off"] - logits["ref"]).max()))
-    for eng in (ours_eng, cpp, cpp_off):
+    for eng in (ours_eng, exact_eng, cpp, cpp_off):
         eng.close()
     return {"greedy": rows, "teacher_forced": tf,
             "identical_torch": sum(r["torch_diverges_at"] is None for r in rows),
+            "identical_torch_rounding": sum(r["rounding_diverges_at"] is None for r in rows),
             "identical_llama_cpp_fa_off": sum(r["llama_cpp_fa_off_diverges_at"] is None for r in rows)}
 
 
@@ -199,12 +208,15 @@ def main() -> None:
         for r in agr["greedy"]:
             at = r["torch_diverges_at"]
             ours = "identical" if at is None else f"diverges at {at} (llama.cpp top-2 margin {r['llama_cpp_margin_there']})"
-            off = r["llama_cpp_fa_off_diverges_at"]
-            print(f"  {r['prompt']!r:40} torch: {ours:45} llama.cpp FA off: {'identical' if off is None else off}")
+            exact, off = r["rounding_diverges_at"], r["llama_cpp_fa_off_diverges_at"]
+            print(f"  {r['prompt']!r:40} torch: {ours:45} with llamacpp_rounding: "
+                  f"{'identical' if exact is None else exact:10} llama.cpp FA off: {'identical' if off is None else off}")
         tf = agr["teacher_forced"]
-        print(f"identical: torch {agr['identical_torch']}/10, llama.cpp FA off {agr['identical_llama_cpp_fa_off']}/10; "
-              f"teacher-forced top-1 agreement {tf['agree']}/{tf['total']}, max |dlogit| torch {tf['max_dlogit']:.3f} "
-              f"vs llama.cpp FA off {tf['cpp_off_max_dlogit']:.3f}")
+        print(f"identical: torch {agr['identical_torch']}/10, torch with llamacpp_rounding "
+              f"{agr['identical_torch_rounding']}/10, llama.cpp FA off {agr['identical_llama_cpp_fa_off']}/10")
+        print(f"teacher-forced top-1 agreement: torch {tf['agree']}/{tf['total']}, with llamacpp_rounding "
+              f"{tf['rounding_agree']}/{tf['total']}; max |dlogit| torch {tf['max_dlogit']:.3f}, with "
+              f"llamacpp_rounding {tf['rounding_max_dlogit']:.3g}, llama.cpp FA off {tf['cpp_off_max_dlogit']:.3f}")
     result["load_avg_end"] = os.getloadavg()[0]
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
