@@ -31,6 +31,7 @@ from localinfer.engine import Engine, LoadPlan
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.spec import ModelSpec
 
+from . import ggml_numerics
 from .kv_cache import KVCache, padded_tokens
 from .model import ModelConfig, Transformer
 from .support import check_kv_types, check_model
@@ -82,6 +83,9 @@ class TorchEngine(Engine):
             torch.set_num_threads(plan.n_threads)
         opts = plan.options
         emulate = bool(opts.get("llamacpp_rounding", False))
+        if emulate and (why := ggml_numerics.kernel_mismatch()):
+            print(f"torch: llamacpp_rounding follows llama.cpp's x86 AVX2 kernels, but {why}: "
+                  "logits will be close to llama.cpp's, not equal", file=sys.stderr)
         self.tok = load_tokenizer(spec.path, spec.tokenizer_model)
         weights = load_weights(spec, self.device, self.dtype, packed=bool(opts.get("packed")), llamacpp_rounding=emulate,
                                quiet=bool(opts.get("quiet")))

@@ -37,6 +37,29 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+
+def kernel_mismatch() -> str | None:
+    """Why the installed llama.cpp's CPU kernels are not the ones this module reproduces
+    (x86-64 with AVX2 and FMA, without AVX-512, whose wider vectors change the sum
+    orders), or None when they are."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"llama.cpp's kernels on {platform.machine()} sum in other orders than its x86 AVX2 ones"
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    except Exception as e:                          # noqa: BLE001 - any failure means "cannot tell"
+        return f"cannot read llama.cpp's CPU features ({e})"
+    flags = {k.strip(): v.strip() for k, _, v in (p.partition("=") for p in info.split("|")) if v}
+    if flags.get("AVX2") != "1" or flags.get("FMA") != "1":
+        return "this llama.cpp build has no AVX2/FMA kernels"
+    if flags.get("AVX512") == "1":
+        return "this llama.cpp build uses AVX-512 kernels (16-wide sums)"
+    return None
+
+
 _STEP, _LANES = 32, 8       # GGML_F16_STEP and GGML_F16_EPR for AVX/AVX2
 _TILE = 64                  # GGML_FA_TILE_Q and GGML_FA_TILE_KV
 

@@ -14,8 +14,6 @@ backend's defaults).
 
 from __future__ import annotations
 
-import platform
-
 import numpy as np
 import pytest
 
@@ -29,8 +27,7 @@ from gguf_tools import read_header
 from localinfer.backends import load_engine
 from localinfer.engine import LoadPlan
 
-pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
-                                reason="the emulation follows ggml's x86 (AVX2) kernels")
+pytestmark = pytest.mark.skipif(G.kernel_mismatch() is not None, reason=f"{G.kernel_mismatch()}")
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank while the old miller watches. "
 
