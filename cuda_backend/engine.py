@@ -93,6 +93,10 @@ class TorchEngine(Engine):
         cfg = ModelConfig.from_spec(spec)
         types = {t.name: t.type.name for t in spec.tensors} if emulate else None
         self.model = Transformer(cfg, weights, padded_tokens(self.n_ctx), self.dtype, types)  # = cache capacity
+        if emulate:
+            pad = ggml_numerics.KV_VIEW_PAD
+            self.model.ggml_ctx_cells = -(-self.n_ctx // pad) * pad
+            self.model.ggml_threads = plan.threads
         self.cache = KVCache(cfg.n_layers, plan.n_seq, self.n_ctx, cfg.n_head_kv, cfg.head_dim,
                              plan.type_k, plan.type_v, device=self.device, dtype=self.dtype)
         self.n_vocab = cfg.vocab_size

@@ -16,18 +16,19 @@ against tensors captured from llama.cpp's graph (tests/ggml_capture.py):
 * flash attention on an F16 K/V cache (:func:`flash_attention`): for fewer than
   64 query rows one row at a time with an **f16** running output (every rescale
   and every ``v·w`` FMA rounds to f16); for 64 or more the tiled float32 kernel
-  (FMA chains in ``simd_gemm`` order, weights summed 8 lanes at a time).
+  (FMA chains in ``simd_gemm`` order, weights summed 8 lanes at a time); for one
+  token over a KV view of 512+ cells, the split kernel: one chunk per thread,
+  partial results merged in thread order.
 
 float64 stands in for FMA: the products here (f16·f32, f32·f32, f16·f16·int)
 are exact in float64, so one rounding to float32 afterwards is the FMA's
 single rounding.  Two torch traps matter at this precision: ``torch.sqrt`` on
 the CPU is not correctly rounded (``torch.rsqrt`` matches ``1.0f/sqrtf``), and
 ``scalar / tensor`` is a reciprocal times the scalar (``full_like(t, c) / t`` is
-a true division).  Not reproduced: the split-KV decode kernel llama.cpp takes
-once its KV view reaches 512 cells (with one thread it computes what the one-row
-kernel does; with more, chunk results are merged), matmuls with K-quant and
-F16 weights (their activations are rounded, the dot order is not), and other
-CPUs' kernels (ARM NEON orders differ).
+a true division).  Not reproduced: matmuls with K-quant and F16 weights (their
+activations are rounded, the dot order is not), several sequences decoded in one
+llama.cpp batch, and other CPUs' kernels (AVX-512 and ARM NEON sum in other
+orders; :func:`kernel_mismatch` says when the installed build is one of them).
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def dot_f16(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return total.float()
 
 
-def _flash_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          scale: float) -> torch.Tensor:
-    """ggml_compute_forward_flash_attn_ext_f16_one_chunk: f16 query, f16 running output."""
+def _rows_state(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one-row kernel's state after its keys: unnormalised output (f16 values),
+    weight sum S and running maximum M, float32 [b, H, t, d], [b, H, t], [b, H, t]."""
     b, n_head, t, d = q.shape
     n_kv, n_key = k.shape[1], k.shape[2]
     g = n_head // n_kv
@@ -101,8 +103,8 @@ def _flash_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     m = torch.cummax(s, dim=-1).values
     m_old = torch.cat([torch.full_like(m[..., :1], float("-inf")), m[..., :-1]], dim=-1)
     new_max = valid & (s > m_old)
-    ms = torch.where(new_max, torch.exp((m_old - m).double()).float(), torch.ones_like(s))
-    vs = torch.where(new_max, torch.ones_like(s), torch.exp((s - m).double()).float())
+    ms = torch.where(new_max, _libm_expf(m_old - m), torch.ones_like(s))
+    vs = torch.where(new_max, torch.ones_like(s), _libm_expf(s - m))
     vs = torch.where(valid, vs, torch.zeros_like(s))
     ms = torch.where(valid, ms, torch.ones_like(s))
     v64 = v.double().repeat_interleave(g, dim=1)                           # [b, H, L, d]
@@ -114,8 +116,46 @@ def _flash_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         acc = (acc * mj.unsqueeze(-1)).float().half().double()
         acc = (acc + v64[:, :, j].unsqueeze(2) * vs64[..., j].unsqueeze(-1)).float().half().double()
         total = (total * mj + vs64[..., j]).float().double()
-    inv = torch.where(total > 0, torch.reciprocal(total.float()), torch.zeros_like(total, dtype=torch.float32))
-    return acc.float() * inv.unsqueeze(-1)
+    top = m[..., -1] if n_key else torch.full((b, n_head, t), float("-inf"), device=q.device)
+    return acc.float(), total.float(), top
+
+
+def _normalise(acc: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """out = acc · (1.0f / S), zero where S is 0."""
+    inv = torch.where(total != 0, torch.reciprocal(total), torch.zeros_like(total))
+    return acc * inv.unsqueeze(-1)
+
+
+def _flash_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float) -> torch.Tensor:
+    """ggml_compute_forward_flash_attn_ext_f16_one_chunk: f16 query, f16 running output."""
+    acc, total, _ = _rows_state(q, k, v, mask, scale)
+    return _normalise(acc, total)
+
+
+def _flash_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float, n_view: int, n_threads: int) -> torch.Tensor:
+    """The split-KV decode kernel (one query row, a KV view of 512+ cells): thread i runs
+    the one-row kernel over cells [i·c, (i+1)·c), c = ceil(n_view / n_threads), and the
+    partial results are merged in thread order (ggml_flash_attn_ext_reduce_partials)."""
+    chunk = -(-n_view // n_threads)
+    n_key = k.shape[2]
+    m_f = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    s_f = torch.zeros_like(m_f)
+    acc_f = torch.zeros_like(q, dtype=torch.float32)
+    for lo in range(0, min(n_view, n_key), chunk):
+        hi = min(lo + chunk, n_key)
+        part = None if mask is None else mask[..., lo:hi]
+        acc_c, s_c, m_c = _rows_state(q, k[:, :, lo:hi], v[:, :, lo:hi], part, scale)
+        live = s_c != 0
+        m_new = torch.maximum(m_f, m_c)
+        old, new = _libm_expf(m_f - m_new), _libm_expf(m_c - m_new)
+        acc_n = _fma(acc_f, old.unsqueeze(-1), acc_c * new.unsqueeze(-1))
+        s_n = _fma(s_f, old, s_c * new)
+        acc_f = torch.where(live.unsqueeze(-1), acc_n, acc_f)
+        s_f = torch.where(live, s_n, s_f)
+        m_f = torch.where(live, m_new, m_f)
+    return _normalise(acc_f, s_f)
 
 
 def _libm_expf(x: torch.Tensor) -> torch.Tensor:
@@ -175,14 +215,23 @@ def _flash_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return acc * inv.unsqueeze(-1)
 
 
+SPLIT_KV_CELLS = 512        # ggml splits one-row decode attention over threads from this KV view size
+KV_VIEW_PAD = 256           # llama.cpp pads its context and the attended KV view to 256 cells
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> torch.Tensor:
+                    scale: float, *, n_view: int = 0, n_threads: int = 1) -> torch.Tensor:
     """Attention output [b, H, t, d] as ggml's CPU flash attention computes it for an F16
     K/V cache: q [b, H, t, d]; k, v [b, H_kv, L, d] holding f16 values; mask broadcastable
     to [b, 1, t, L] (True = attend) or None.  Like ggml, 64 or more query rows take the
-    tiled kernel, fewer the one-row kernel."""
-    if q.shape[2] >= _TILE:
+    tiled kernel; one query row over a KV view (``n_view``: the cells llama.cpp's graph
+    attends, masked ones included) of 512 or more cells is split over ``n_threads``;
+    otherwise the one-row kernel."""
+    b, _, t, _ = q.shape
+    if t >= _TILE:
         return _flash_attention_tiled(q, k, v, mask, scale)
+    if b == 1 and t == 1 and n_view >= SPLIT_KV_CELLS and n_threads > 1:
+        return _flash_attention_split(q, k, v, mask, scale, n_view, n_threads)
     return _flash_attention_rows(q, k, v, mask, scale)
 
 

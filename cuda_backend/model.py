@@ -177,6 +177,8 @@ class Transformer:
             self.cos, self.sin = rope.tables(cfg.rope, n_pos, freq_factors, device)
             self.rope = rope.apply
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # llama.cpp's context cells and threads, for the emulated decode kernel choice (see flash_attention)
+        self.ggml_ctx_cells, self.ggml_threads = 0, 1
         # torch's CPU SDPA costs milliseconds per call at decode sizes; plain matmuls do not.
         self.manual_attention = device.type == "cpu"
 
@@ -209,7 +211,8 @@ class Transformer:
         if self.emulate and cache.type_k == cache.type_v == "f16":
             if causal:
                 mask = torch.ones(t, n_attn, dtype=torch.bool, device=h.device).tril_(n_attn - t)
-            o = ggml_numerics.flash_attention(q.transpose(1, 2), keys, values, mask, self.scale)
+            o = ggml_numerics.flash_attention(q.transpose(1, 2), keys, values, mask, self.scale,
+                                              n_view=self._ggml_view(pos), n_threads=self.ggml_threads)
             return L.wo(o.transpose(1, 2).reshape(b, t, c.n_head * c.head_dim))
         if self.emulate:
             q = quant.round_activations(q, _QUERY_ROUNDING.get(cache.type_k))
@@ -219,6 +222,15 @@ class Transformer:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=causal,
                                                scale=self.scale, enable_gqa=c.n_head != c.n_head_kv)
         return L.wo(o.transpose(1, 2).reshape(b, t, c.n_head * c.head_dim))
+
+    def _ggml_view(self, pos: torch.Tensor) -> int:
+        """Cells llama.cpp's graph attends for a one-token step at pos [1, 1]: the used cells
+        padded to 256, at least 256, at most the context (0 when not a one-token step)."""
+        if pos.numel() != 1 or not self.ggml_ctx_cells:
+            return 0
+        pad = ggml_numerics.KV_VIEW_PAD
+        used = -(-(int(pos.reshape(-1)[0]) + 1) // pad) * pad
+        return min(self.ggml_ctx_cells, max(pad, used))
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache, *, seqs: torch.Tensor | None,
                 n_attn: int, mask: torch.Tensor | None, causal: bool = False,

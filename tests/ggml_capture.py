@@ -41,16 +41,19 @@ def _read(t: _Tensor) -> np.ndarray:
 
 
 def capture(model_path: str, batches: list[list[int]], *, n_ctx: int = 256, threads: int = 1,
-            flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16") -> list[dict[str, list[np.ndarray]]]:
-    """Every F32/F16 tensor of each decode of ``batches`` (one llama_decode per list)."""
+            flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16",
+            names: tuple[str, ...] | None = None) -> list[dict[str, list[np.ndarray]]]:
+    """The F32/F16 tensors of each decode of ``batches`` (one llama_decode per list):
+    all of them, or those whose name is in ``names``."""
     seen: dict[str, list[np.ndarray]] = {}
 
     def on_tensor(ptr, ask, _user):
-        if ask:
-            return True
         t = _Tensor.from_address(ptr)
-        if t.type in _DTYPES and t.data:
-            seen.setdefault(t.name.decode(errors="replace"), []).append(_read(t))
+        name = t.name.decode(errors="replace")
+        if ask:
+            return names is None or name in names
+        if (names is None or name in names) and t.type in _DTYPES and t.data:
+            seen.setdefault(name, []).append(_read(t))
         return True
 
     callback = _L.ggml_backend_sched_eval_callback(on_tensor)

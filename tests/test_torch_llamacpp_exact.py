@@ -91,6 +91,23 @@ def test_flash_attention_matches_llamacpp_to_the_bit(traces, n, layer):
     assert (got - exact).abs().max() < 2e-3 * exact.abs().max()               # and it is attention
 
 
+def test_split_kv_decode_attention_matches_llamacpp_to_the_bit(default_model):
+    """From a 512-cell KV view on, llama.cpp splits one-token attention over its threads
+    and merges the partial results; at 2 threads that changes the numbers."""
+    with load_engine(LoadPlan(str(default_model), n_ctx=64, options={"quiet": True}), "llama.cpp") as eng:
+        ids = eng.tokenize(TEXT * 40)[:600]
+    names = tuple(f"{n}-{layer}" for n in ("Qcur", "Kcur", "Vcur", "kqv_out") for layer in (0, 5))
+    pre, dec = capture(str(default_model), [ids, [42]], n_ctx=1024, threads=2, names=names)
+    for layer in (0, 5):
+        k, v = (torch.cat([_t(pre[f"{n}-{layer}"][-1], 600, 3, 64), _t(dec[f"{n}-{layer}"][-1], 1, 3, 64)])
+                .half().float().permute(1, 0, 2)[None] for n in ("Kcur", "Vcur"))
+        q = _t(dec[f"Qcur-{layer}"][-1], 1, 9, 64).permute(1, 0, 2)[None]
+        want = _t(dec[f"kqv_out-{layer}"][0], 1, 9, 64).permute(1, 0, 2)[None]
+        # 601 cells used -> a 768-cell view (padded to 256) -> two chunks of 384
+        assert torch.equal(G.flash_attention(q, k, v, None, 0.125, n_view=768, n_threads=2), want)
+        assert not torch.equal(G.flash_attention(q, k, v, None, 0.125), want)
+
+
 def test_rope_table_and_rotation_match_llamacpp_to_the_bit(traces):
     step = traces[5]
     cos, sin = G.rope_tables(64, 100000.0, 1.0, 5)
