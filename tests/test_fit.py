@@ -133,6 +133,22 @@ def run_cli(capsys, *args):
     return code, out, err
 
 
+def test_ctx_beyond_training_needs_declared_rope_scaling(tmp_path, capsys):
+    """A scaling type, or only the older rope.scale_linear factor (llama.cpp applies it as
+    linear scaling), lets --ctx pass the trained context; neither: refused, naming --ctx."""
+    from gguf import GGUFValueType as V
+    from ggufgen import write_tiny_model
+
+    plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=64, n_ff=128, ctx=512)
+    linear = write_tiny_model(tmp_path / "linear.gguf", n_embd=64, n_ff=128, ctx=512,
+                              extra_kv={"llama.rope.scale_linear": (4.0, V.FLOAT32)})
+    code, _, err = run_cli(capsys, "fit", str(plain), "--ctx", "2048", "--device", "local")
+    assert code != 0 and "--ctx 2048" in err and "RoPE scaling" in err and "Traceback" not in err
+    code, out, err = run_cli(capsys, "fit", str(linear), "--ctx", "2048", "--device", "local")
+    assert code == 0, err
+    assert "2048" in out
+
+
 def test_fit_text_reads_at_100_columns(capsys, model):
     code, out, err = run_cli(capsys, "fit", str(model), "--ctx", "8192", "--device", "small-gpu", "h200", "local")
     assert code == 0, err

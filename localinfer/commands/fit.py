@@ -67,7 +67,7 @@ def _request(args, spec):
         if ctx <= 0:
             raise UsageError(f"--ctx must be a positive number of tokens, got {ctx}", flag="--ctx",
                              hint=f"e.g. --ctx {DEFAULT_CTX}; the model was trained for {spec.n_ctx_train}")
-        if spec.n_ctx_train and ctx > spec.n_ctx_train and not spec.rope_scaling:
+        if spec.n_ctx_train and ctx > spec.n_ctx_train and not (spec.rope_scaling or spec.rope_freq_scale != 1.0):
             raise UsageError(f"--ctx {ctx} is beyond the model's trained context {spec.n_ctx_train} "
                              "and it declares no RoPE scaling", flag="--ctx",
                              hint=f"use --ctx {spec.n_ctx_train} or less")
