@@ -329,7 +329,8 @@ def linear(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     step = max(1, _CHUNK_TERMS // (w.lanes.shape[0] * w.lanes.shape[2]))
     parts = [_linear_rows(rows[i:i + step], w) for i in range(0, rows.shape[0], step)]
-    return torch.cat(parts).reshape(*lead, w.lanes.shape[2])
+    out = torch.cat(parts) if parts else rows.new_zeros(0, w.lanes.shape[2])
+    return out.reshape(*lead, w.lanes.shape[2])
 
 
 def _linear_rows(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:

@@ -116,16 +116,16 @@ def test_rope_table_and_rotation_match_llamacpp_to_the_bit(traces):
     assert torch.equal(got, _t(step["Qcur-0"][-1], 1, 5, 9, 64))
 
 
-def _engines(path, threads):
-    ours = load_engine(LoadPlan(str(path), n_ctx=128, n_threads=threads,
-                                options={"quiet": True, "llamacpp_rounding": True}), "torch")
-    ref = load_engine(LoadPlan(str(path), n_ctx=128, n_threads=threads, options={"quiet": True}), "llama.cpp")
+def _engines(path, threads, n_batch):
+    kw = {"n_ctx": 128, "n_threads": threads, "n_batch": n_batch, "n_ubatch": n_batch}
+    ours = load_engine(LoadPlan(str(path), options={"quiet": True, "llamacpp_rounding": True}, **kw), "torch")
+    ref = load_engine(LoadPlan(str(path), options={"quiet": True}, **kw), "llama.cpp")
     return ours, ref
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_logits_equal_llamacpp_through_prefill_and_decode(default_model, threads):
-    ours, ref = _engines(default_model, threads)
+@pytest.mark.parametrize("threads,n_batch", [(1, 512), (2, 4)])   # 4: the prompt in chunks, the first without logits
+def test_logits_equal_llamacpp_through_prefill_and_decode(default_model, threads, n_batch):
+    ours, ref = _engines(default_model, threads, n_batch)
     with ours, ref:
         ids = ref.tokenize("Water boils at a temperature of")
         at = [0, len(ids) - 1]
