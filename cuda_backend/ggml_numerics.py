@@ -65,10 +65,16 @@ _STEP, _LANES = 32, 8       # GGML_F16_STEP and GGML_F16_EPR for AVX/AVX2
 _TILE = 64                  # GGML_FA_TILE_Q and GGML_FA_TILE_KV
 
 
+_CHUNK_TERMS = 1 << 23           # partial products held at once (64 MiB in float64)
+
+
 def dot_f16(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """ggml_vec_dot_f16 of f16-valued q [..., t, d] with k [..., L, d]: scores [..., t, L]
     with ggml's AVX summation order (float32 throughout)."""
-    d = q.shape[-1]
+    t, d = q.shape[-2], q.shape[-1]
+    step = max(1, _CHUNK_TERMS // max(1, k[..., 0].numel() * d))
+    if t > step:
+        return torch.cat([dot_f16(q[..., i:i + step, :], k) for i in range(0, t, step)], dim=-2)
     p = q.float().unsqueeze(-2) * k.float().unsqueeze(-3)          # [..., t, L, d], exact
     n = d - d % _STEP
     acc = None
@@ -318,9 +324,6 @@ def quantize_q8(x: torch.Tensor, with_sum: bool) -> tuple[torch.Tensor, torch.Te
 def _hsum8(acc: torch.Tensor) -> torch.Tensor:
     r = acc[..., 4:] + acc[..., :4]
     return (r[..., 0] + r[..., 2]) + (r[..., 1] + r[..., 3])
-
-
-_CHUNK_TERMS = 1 << 23           # float64 partial products held at once (64 MiB)
 
 
 def linear(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
