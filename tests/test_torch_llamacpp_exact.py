@@ -5,7 +5,7 @@ x86 CPU kernels do (cuda_backend/ggml_numerics.py): 8-bit activation blocks
 and ggml's integer dot-product order for q4_0/q4_1/q8_0 weights, its SwiGLU
 exp, its RoPE table, its RMS-norm rounding and its flash-attention kernels
 (f16 running output for fewer than 64 query rows, the tiled float32 kernel
-for more).  So the logits are not close to llama.cpp's: they are the same
+for more, the split-KV kernel for one token over 512+ cells on several threads).  So the logits are not close to llama.cpp's: they are the same
 float32 numbers.  The kernels are checked one by one on tensors captured from
 llama.cpp's own graph (tests/ggml_capture.py), and the whole model on the
 embedded SmolLM2 Q4_1 file (f16 KV cache, flash attention on, the llama.cpp
