@@ -17,6 +17,8 @@ import torch
 
 from gguf_tools.quants import layout, parse_type
 
+from . import ggml_numerics
+
 GROUP = layout(parse_type("q8_0")).block_values
 BLOCK_BYTES = {k: layout(parse_type(k)).block_bytes for k in ("q8_0", "q4_0")}
 
@@ -96,15 +98,9 @@ def round_activations_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     weight block's min (q4_1/q5_1), so y = x'·Wᵀ + delta·minsᵀ reproduces it."""
     if x.shape[-1] % GROUP:
         return x, x.new_zeros(*x.shape[:-1], 0)
-    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
-    amax = g.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(g * inv)
-    d = amax / 127
-    d16 = d.to(torch.float16).float()
-    qsum = q.sum(-1, keepdim=True)
-    delta = ((d * qsum).to(torch.float16).float() - d16 * qsum).squeeze(-1)
-    return (q * d16).reshape(x.shape).to(x.dtype), delta.to(x.dtype)
+    q, d16, s = ggml_numerics.quantize_q8(x, with_sum=True)
+    delta = s - d16 * q.sum(-1)
+    return (q * d16.unsqueeze(-1)).reshape(x.shape).to(x.dtype), delta.to(x.dtype)
 
 
 def _round(x: torch.Tensor, kind: str | None) -> torch.Tensor:
@@ -117,16 +113,14 @@ def _round(x: torch.Tensor, kind: str | None) -> torch.Tensor:
     n = 256 if kind == "q8_K" else GROUP
     if x.shape[-1] % n:
         return x
-    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // n, n)
     if kind == "q8_K":
+        g = x.float().reshape(*x.shape[:-1], x.shape[-1] // n, n)
         idx = g.abs().argmax(dim=-1, keepdim=True)
         top = torch.gather(g, -1, idx)
         iscale = torch.where(top != 0, torch.full_like(top, -127.0) / top, torch.zeros_like(top))
         q = torch.round(g * iscale).clamp(max=127)
         d = torch.where(iscale != 0, torch.reciprocal(iscale), torch.zeros_like(iscale))
     else:
-        amax = g.abs().amax(dim=-1, keepdim=True)
-        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-        q = torch.round(g * inv)
-        d = (amax / 127).to(torch.float16).float()
+        q, d16, _ = ggml_numerics.quantize_q8(x, with_sum=False)
+        d = d16.unsqueeze(-1)
     return (q * d).reshape(x.shape).to(x.dtype)

@@ -27,7 +27,8 @@ from gguf_tools import read_header
 from localinfer.backends import load_engine
 from localinfer.engine import LoadPlan
 
-pytestmark = pytest.mark.skipif(G.kernel_mismatch() is not None, reason=f"{G.kernel_mismatch()}")
+_MISMATCH = G.kernel_mismatch()
+pytestmark = pytest.mark.skipif(_MISMATCH is not None, reason=str(_MISMATCH))
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank while the old miller watches. "
 
