@@ -44,7 +44,7 @@ from localinfer.models import resolve_model
 from localinfer.runner import Runner
 from localinfer.sampling import Sampler, SamplingParams
 from localinfer.spec import ModelSpec
-from localinfer.speculative import LookupDecoder
+from localinfer.speculative import LookupDecoder, clairvoyant_time
 from localinfer.templates import template_for
 
 PROMPTS = Path(__file__).parent / "lookup_prompts"
@@ -283,6 +283,37 @@ def verify_ceiling(engine, history: list[int], depth: int, sizes=(1, 2, 3, 4, 6,
     return {"depth": depth, "seconds": t, "ceiling_by_m": ceiling, "ceiling": max(ceiling.values())}
 
 
+def interpolate(seconds: dict[int, float], sizes: int) -> list[float]:
+    """T(1..sizes) from the measured sizes, linear between them and along the last segment beyond."""
+    known = sorted(seconds)
+    out = []
+    for m in range(1, sizes + 1):
+        hi = next((x for x in known if x >= m), known[-1])
+        lo = max((x for x in known if x < hi), default=known[0]) if hi != m else m
+        t = seconds[hi] if lo == hi else seconds[lo] + (m - lo) * (seconds[hi] - seconds[lo]) / (hi - lo)
+        out.append(t)
+    return out
+
+
+def clairvoyant_bound(rows: list[dict], prompts: dict[str, list[int]], curve: list[float]) -> dict:
+    """Per suite, the speedup of a drafter that knows how long each copy in plain's output holds.
+
+    It verifies each round at the measured cost curve and drafts exactly what
+    will be accepted, so no prompt-lookup policy can do better on this engine
+    and machine: a target above it is out of reach of any drafter.
+    """
+    out: dict = {}
+    for r in rows:
+        tokens = r["plain"]["tokens"]
+        history = prompts[r["suite"], r["prompt"]] + tokens[:1]  # decode time starts at the first token
+        t, rounds = clairvoyant_time(history, tokens[1:], [c / curve[0] for c in curve])
+        r["clairvoyant"] = {"speedup": (len(tokens) - 1) / t, "tokens_per_round": (len(tokens) - 1) / rounds}
+        s = out.setdefault(r["suite"], {"tokens": 0, "time": 0.0})
+        s["tokens"] += len(tokens) - 1
+        s["time"] += t
+    return {suite: s["tokens"] / s["time"] for suite, s in out.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M)")
@@ -325,9 +356,11 @@ def main(argv=None) -> int:
           f"{'tok/rnd':>7} {'accept':>6} {'same':>4} {'stock10':>7} {'stock2':>7} {'vs best':>7}")
     rows: list[dict] = []
     history: list[int] = []
+    prompt_tokens: dict[tuple[str, str], list[int]] = {}
     for suite, prompts in suites.items():
         for name, user, reply in prompts:
             prompt = chat_prompt(engine, template, user, reply)
+            prompt_tokens[suite, name] = prompt
             history += prompt
             row = {"suite": suite, "prompt": name, "prompt_tokens": len(prompt)}
             row["plain"] = run_localinfer(runner, prompt, PlainDecoder(), args.max_tokens)
@@ -360,6 +393,15 @@ def main(argv=None) -> int:
     print(f"ceiling with every draft accepted: {ceiling['ceiling']:.2f}x plain "
           f"(max over m of m*T(1)/T(m); a speedup target above it cannot be met on this engine and machine)")
     result["verify_ceiling"] = ceiling
+    draft_max = lookup_kw.get("draft_max", LookupDecoder().draft_max)
+    curve = interpolate(ceiling["seconds"], draft_max + 1)
+    bound = clairvoyant_bound(rows, prompt_tokens, curve)
+    result["clairvoyant"] = {"curve_s": curve, "speedup": bound}
+    for suite, b in bound.items():
+        reached = result["summary"][suite]["speedup"]
+        print(f"{suite}: a clairvoyant drafter (drafts exactly what plain's output copies, at most {draft_max} a "
+              f"round, at this verify cost) reaches {b:.2f}x; lookup reached {reached:.2f}x = "
+              f"{100 * (reached - 1) / (b - 1) if b > 1 else float('nan'):.0f}% of its gain")
     if args.json:
         for r in rows:
             for m in ("plain", "lookup", "stock10", "stock2"):

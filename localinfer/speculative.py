@@ -80,6 +80,50 @@ def choose_draft_length(acceptance: Sequence[float], cost: Callable[[int], float
     return best_m
 
 
+def copy_runs(history: Sequence[int], output: Sequence[int], cap: int = MAX_DRAFT) -> list[int]:
+    """For each position i of ``output``, the longest run ``output[i:i + L]`` (L <= cap) that a drafter
+    copying from the text so far could propose there: its source starts before position i of
+    ``history + output`` and may run on into the tokens the copy itself produces (periodic text)."""
+    seq = [*history, *output]
+    where: dict[int, list[int]] = {}
+    for p, t in enumerate(history):
+        where.setdefault(t, []).append(p)
+    runs = []
+    for i, first in enumerate(output):
+        n = len(history) + i
+        want = min(cap, len(output) - i)
+        best = 0
+        for p in where.get(first, ()):
+            length = 1
+            while length < want and seq[p + length] == seq[n + length]:
+                length += 1
+            best = max(best, length)
+            if best == want:
+                break
+        runs.append(best)
+        where.setdefault(first, []).append(n)
+    return runs
+
+
+def clairvoyant_time(history: Sequence[int], output: Sequence[int], cost: Sequence[float]) -> tuple[float, int]:
+    """(time, rounds): the least verify time in which any copying drafter could emit ``output``.
+
+    The drafter knows in advance how long each copy will hold, so it drafts
+    exactly the tokens that will be accepted, as many per round as pays off:
+    ``cost[m - 1]`` is the time of a round that verifies m tokens (pending +
+    m - 1 drafts) and emits m.  No prompt-lookup policy can beat this on the
+    same engine, which makes ``len(output) * cost[0] / time`` the ceiling of
+    its speedup for that output.
+    """
+    runs = copy_runs(history, output, cap=len(cost) - 1)
+    n = len(output)
+    best = [(0.0, 0)] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best[i] = min((cost[k] + best[i + k + 1][0], best[i + k + 1][1] + 1)
+                      for k in range(min(runs[i], n - 1 - i) + 1))
+    return best[0]
+
+
 class NgramIndex:
     """The token history and where each n-gram (n_min..n_max) occurred.
 

@@ -24,6 +24,8 @@ from localinfer.speculative import (
     LookupStats,
     NgramIndex,
     choose_draft_length,
+    clairvoyant_time,
+    copy_runs,
     expected_tokens,
 )
 
@@ -400,6 +402,49 @@ def test_adaptive_drafts_long_on_repetitive_text():
     dec = LookupDecoder(ngram_max=4, ngram_min=1, draft_max=16, cost=CPU_COST)
     generate(engine, dec, script[:30], TableSampler(0), 300)
     assert dec.stats.drafted / dec.stats.rounds > 12, dec.stats
+
+
+# ---- the clairvoyant bound -------------------------------------------------------------------
+def test_copy_runs_see_the_history_and_the_output_so_far():
+    assert copy_runs([1, 2, 3, 4], [1, 2, 3, 9, 1, 2, 3, 9]) == [3, 2, 1, 0, 4, 3, 2, 1]
+    assert copy_runs([5], [5, 5, 5, 5]) == [4, 3, 2, 1]  # a copy may run on into what it produces
+    assert copy_runs([5], [5, 5, 5, 5], cap=2) == [2, 2, 2, 1]
+
+
+def test_clairvoyant_time_drafts_exactly_what_pays():
+    assert clairvoyant_time([5], [5, 5, 5, 5], [1.0, 1.5, 2.0, 2.5]) == (2.5, 1)
+    assert clairvoyant_time([5], [5, 5, 5, 5], [1.0, 2.0, 3.0, 4.0]) == (4.0, 1)  # no gain; ties: fewer rounds
+    # nothing to copy: one plain round per token
+    assert clairvoyant_time([1], [2, 3, 4], [1.0, 1.1]) == (3.0, 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_lookup_policy_beats_the_clairvoyant_bound(seed):
+    """Replaying LookupDecoder against a known output never takes less time than the bound."""
+    rng = random.Random(seed)
+    phrase = [rng.randrange(30) for _ in range(40)]
+    history = [rng.randrange(30) for _ in range(60)] + phrase
+    output = []
+    while len(output) < 300:  # copies of the phrase with edits, and free text between
+        output += [t if rng.random() > 0.08 else rng.randrange(30) for t in phrase[rng.randrange(20):]]
+        output += [rng.randrange(30) for _ in range(rng.randrange(6))]
+    output = output[:300]
+    costs = [1.0 + 0.35 * m for m in range(17)]
+    bound, _ = clairvoyant_time(history, output, costs)
+    dec = LookupDecoder(ngram_max=4, ngram_min=1, draft_max=16, cost=CostModel.fixed(costs))
+    dec.start(history[:-1])
+    context, pending, i, spent = list(history[:-1]), history[-1], 0, 0.0
+    while i < len(output):
+        draft = dec.propose(context, pending, room=1 << 20)
+        k = 0
+        while k < len(draft.tokens) and i + k < len(output) and draft.tokens[k] == output[i + k]:
+            k += 1
+        emitted = output[i:i + k + 1]
+        spent += costs[len(draft.tokens)]
+        dec.observe(draft, emitted)
+        context += [pending, *emitted[:-1]]
+        pending, i = emitted[-1], i + len(emitted)
+    assert bound <= spent < len(output)  # lookup pays here, and the bound is below it
 
 
 # ---- the real embedded model through llama.cpp -----------------------------------------
