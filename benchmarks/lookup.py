@@ -93,6 +93,28 @@ def _clocked(tokens: list[int], wall: list[float], cpu: list[float]) -> dict:
     return {"tokens": tokens, "steps": len(tokens) - 1, "decode_s": wall[-1] - wall[0], "decode_cpu_s": cpu[-1] - cpu[0]}
 
 
+def interleaved(methods: dict, repeats: int) -> dict[str, dict]:
+    """Run every method ``repeats`` times in the order A B C ... then ... C B A (and again), summing
+    decode time and steps per method: on a machine whose speed drifts, each method then sits at the
+    same mean time, so a linear drift cancels out of the ratios."""
+    order = list(methods)
+    runs: dict[str, list[dict]] = {m: [] for m in order}
+    for rep in range(repeats):
+        for m in order if rep % 2 == 0 else order[::-1]:
+            runs[m].append(methods[m]())
+    out = {}
+    for m, recs in runs.items():
+        merged = dict(recs[0])
+        for key in ("steps", "decode_s", "decode_cpu_s"):
+            merged[key] = sum(r[key] for r in recs)
+        merged["tokens_by_repeat"] = [r["tokens"] for r in recs]
+        merged["ms_per_token_by_repeat"] = [{c: 1000 * r[k] / r["steps"] for c, k in CLOCKS.items()} for r in recs]
+        if "stats" in recs[0]:
+            merged["stats_by_repeat"] = [r["stats"] for r in recs]
+        out[m] = merged
+    return out
+
+
 class Stock:
     """llama-cpp-python's high-level Llama with its prompt-lookup draft model."""
 
@@ -260,27 +282,29 @@ def summary(rows: list[dict], suites: dict, clock: str) -> dict:
     return out
 
 
-def verify_ceiling(engine, history: list[int], depth: int, sizes=(1, 2, 3, 4, 6, 8, 11, 17), repeats: int = 9) -> dict:
+def verify_ceiling(engine, history: list[int], depth: int, clock: str = "wall",
+                   sizes=(1, 2, 3, 4, 6, 8, 11, 17), repeats: int = 9) -> dict:
     """T(m): median time of one eval of m tokens with logits at all m, at ``depth`` tokens of context.
 
     The best any drafting can do is every draft accepted, m tokens per T(m), so
-    max_m m·T(1)/T(m) bounds the speedup on this engine and machine.
+    max_m m·T(1)/T(m) bounds the speedup on this engine and machine.  The sizes
+    are measured round-robin, so a drift in the machine's speed touches all alike.
     """
+    tick = time.process_time if clock == "cpu" else time.perf_counter
     ctx = history[:depth]
     engine.trim(0)
     engine.eval(ctx, logits_at=[len(ctx) - 1])
-    t = {}
-    for m in sizes:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    for _ in range(repeats):
+        for m in sizes:
+            t0 = tick()
             engine.eval(history[depth:depth + m], logits_at=range(m))
-            times.append(time.perf_counter() - t0)
+            times[m].append(tick() - t0)
             engine.trim(depth)
-        t[m] = statistics.median(times)
     engine.trim(0)
+    t = {m: statistics.median(v) for m, v in times.items()}
     ceiling = {m: m * t[1] / t[m] for m in sizes}
-    return {"depth": depth, "seconds": t, "ceiling_by_m": ceiling, "ceiling": max(ceiling.values())}
+    return {"depth": depth, "clock": clock, "seconds": t, "ceiling_by_m": ceiling, "ceiling": max(ceiling.values())}
 
 
 def interpolate(seconds: dict[int, float], sizes: int) -> list[float]:
@@ -295,7 +319,7 @@ def interpolate(seconds: dict[int, float], sizes: int) -> list[float]:
     return out
 
 
-def clairvoyant_bound(rows: list[dict], prompts: dict[str, list[int]], curve: list[float]) -> dict:
+def clairvoyant_bound(rows: list[dict], prompts: dict[tuple[str, str], list[int]], curve: list[float]) -> dict:
     """Per suite, the speedup of a drafter that knows how long each copy in plain's output holds.
 
     It verifies each round at the measured cost curve and drafts exactly what
@@ -331,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram", type=int, default=None, help="LookupDecoder ngram_max")
     ap.add_argument("--ngram-min", type=int, default=None, help="LookupDecoder ngram_min")
     ap.add_argument("--draft-max", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each method per prompt, in A B C .. C B A order, times summed (cancels drift)")
     ap.add_argument("--json", default=None, help="write every figure to this file")
     args = ap.parse_args(argv)
 
@@ -363,17 +389,18 @@ def main(argv=None) -> int:
             prompt_tokens[suite, name] = prompt
             history += prompt
             row = {"suite": suite, "prompt": name, "prompt_tokens": len(prompt)}
-            row["plain"] = run_localinfer(runner, prompt, PlainDecoder(), args.max_tokens)
-            row["lookup"] = run_localinfer(runner, prompt, LookupDecoder(**lookup_kw), args.max_tokens)
+            methods = {"plain": lambda: run_localinfer(runner, prompt, PlainDecoder(), args.max_tokens),
+                       "lookup": lambda: run_localinfer(runner, prompt, LookupDecoder(**lookup_kw), args.max_tokens)}
             if stock:
-                row["stock10"] = stock.run(prompt, args.max_tokens, 10)
-                row["stock2"] = stock.run(prompt, args.max_tokens, 2)
+                methods["stock10"] = lambda: stock.run(prompt, args.max_tokens, 10)
+                methods["stock2"] = lambda: stock.run(prompt, args.max_tokens, 2)
+            row.update(interleaved(methods, args.repeats))
             plain = row["plain"]["tokens"]
-            row["identical"] = row["lookup"]["tokens"] == plain
+            row["identical"] = all(t == plain for t in row["lookup"]["tokens_by_repeat"])
             row["divergence"] = divergence(engine, runner, prompt, plain, row["lookup"]["tokens"])
             for m in ("stock10", "stock2"):
                 if m in row:
-                    row[m]["identical"] = row[m]["tokens"] == plain
+                    row[m]["identical"] = all(t == plain for t in row[m]["tokens_by_repeat"])
             rows.append(row)
             print_row(row, args.clock)
     result = {"summary": summary(rows, suites, args.clock)}
@@ -387,8 +414,8 @@ def main(argv=None) -> int:
           f"p99 {1e6 * cost['p99_s']:.1f} us = {100 * cost['share_of_step']:.2f}% of a {1000 * step:.2f} ms "
           f"decode step (target < 1%)")
     depth = min(int(statistics.median(r["prompt_tokens"] for r in rows)), args.ctx - 32)
-    ceiling = verify_ceiling(engine, history, depth)
-    print(f"verify cost at {depth} tokens of context: " + ", ".join(
+    ceiling = verify_ceiling(engine, history, depth, args.clock, repeats=15)
+    print(f"verify cost ({args.clock} clock) at {depth} tokens of context: " + ", ".join(
         f"T({m}) {1000 * t:.1f} ms" for m, t in ceiling["seconds"].items()))
     print(f"ceiling with every draft accepted: {ceiling['ceiling']:.2f}x plain "
           f"(max over m of m*T(1)/T(m); a speedup target above it cannot be met on this engine and machine)")
