@@ -389,11 +389,12 @@ def main(argv=None) -> int:
             prompt_tokens[suite, name] = prompt
             history += prompt
             row = {"suite": suite, "prompt": name, "prompt_tokens": len(prompt)}
-            methods = {"plain": lambda: run_localinfer(runner, prompt, PlainDecoder(), args.max_tokens),
-                       "lookup": lambda: run_localinfer(runner, prompt, LookupDecoder(**lookup_kw), args.max_tokens)}
+            methods = {
+                "plain": lambda p=prompt: run_localinfer(runner, p, PlainDecoder(), args.max_tokens),
+                "lookup": lambda p=prompt: run_localinfer(runner, p, LookupDecoder(**lookup_kw), args.max_tokens)}
             if stock:
-                methods["stock10"] = lambda: stock.run(prompt, args.max_tokens, 10)
-                methods["stock2"] = lambda: stock.run(prompt, args.max_tokens, 2)
+                methods["stock10"] = lambda p=prompt: stock.run(p, args.max_tokens, 10)
+                methods["stock2"] = lambda p=prompt: stock.run(p, args.max_tokens, 2)
             row.update(interleaved(methods, args.repeats))
             plain = row["plain"]["tokens"]
             row["identical"] = all(t == plain for t in row["lookup"]["tokens_by_repeat"])

@@ -40,7 +40,6 @@ from .decoding import DecodeStats, Sampler
 from .engine import Engine
 from .errors import UsageError
 
-
 MAX_DRAFT = 256  # also the longest n-gram; a round verifies at most MAX_DRAFT + 1 tokens
 
 
