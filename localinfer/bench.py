@@ -25,7 +25,8 @@ JSON results (``--json FILE``), schema ``localinfer.bench`` version 1::
                "decode": [{"depth", "tokens", "seconds", "tok_s", "ttft_s", "itl_p50_s",
                            "itl_p95_s", "read_bytes_per_token", "achieved_bytes_per_s",
                            "bandwidth_fraction": float | null}],
-               "lookup": {"tokens", "tok_s", "plain_tok_s", "acceptance", "tokens_per_round"} | null}]}
+               "lookup": {"tokens", "tok_s", "plain_tok_s", "acceptance", "tokens_per_round",
+                          "verify_cost_s": [T(1), T(2), ...] | null, "bound": float | null} | null}]}
 
 Times are seconds, sizes bytes, rates per second.  ``decode[].seconds`` is the
 sum of the ITLs (the first token is in ``ttft_s``), so ``tok_s = (tokens-1)/seconds``.
@@ -117,7 +118,8 @@ def measure_prefill(engine, n: int, repeats: int) -> dict:
     return {"tokens": n, "seconds": best, "tok_s": n / best}
 
 
-def measure_decode(runner: Runner, depth: int, gen: int, decoder=None) -> dict:
+def measure_decode(runner: Runner, depth: int, gen: int, decoder=None):
+    """(figures, the Generation) of a greedy run of ``gen`` tokens after a ``depth``-token prompt."""
     engine = runner.engine
     runner.reset()
     prompt = prompt_of(engine, max(depth, 1))
@@ -127,7 +129,7 @@ def measure_decode(runner: Runner, depth: int, gen: int, decoder=None) -> dict:
     out = {"depth": depth, "tokens": tm.generated, "seconds": seconds, "tok_s": tm.decode_tok_s,
            "ttft_s": tm.ttft, "itl_p50_s": _percentile(tm.itl, 0.5), "itl_p95_s": _percentile(tm.itl, 0.95)}
     runner.reset()
-    return out, g.stats
+    return out, g
 
 
 def run_bench(model_path: str, load: Callable[[str, str, int], object], config: BenchConfig, *,
@@ -153,7 +155,7 @@ def run_bench(model_path: str, load: Callable[[str, str, int], object], config: 
             for d in config.depths:
                 best = None
                 for _ in range(config.repeats):
-                    m, _stats = measure_decode(runner, d, config.gen_tokens)
+                    m, _ = measure_decode(runner, d, config.gen_tokens)
                     if best is None or (m["tok_s"] or 0) > (best["tok_s"] or 0):
                         best = m
                 read = cost.decode_read_bytes(1) + cost.kv_read_bytes(max(d, 1) + config.gen_tokens // 2, kv)
@@ -174,13 +176,26 @@ def run_bench(model_path: str, load: Callable[[str, str, int], object], config: 
 
 
 def measure_lookup(runner: Runner, gen: int) -> dict:
-    """Prompt-lookup decoding against plain decoding on a prompt that repeats itself."""
-    from .speculative import LookupDecoder
+    """Prompt-lookup decoding against plain decoding on a prompt that repeats itself.
 
-    plain, _ = measure_decode(runner, LOOKUP_PROMPT, gen)
-    spec, stats = measure_decode(runner, LOOKUP_PROMPT, gen, decoder=LookupDecoder())
+    ``bound`` is the speedup a clairvoyant drafter would reach on plain's
+    output at the verify cost this run measured (``clairvoyant_time``): what
+    any prompt-lookup policy can reach on this engine and machine.
+    """
+    from .speculative import LookupDecoder, clairvoyant_time
+
+    plain, g = measure_decode(runner, LOOKUP_PROMPT, gen)
+    decoder = LookupDecoder()
+    spec, lk = measure_decode(runner, LOOKUP_PROMPT, gen, decoder=decoder)
+    stats, curve, bound = lk.stats, decoder.cost.curve(), None
+    drafted = curve and any(decoder.cost.measured(m) for m in range(2, len(curve) + 1))
+    if drafted and len(g.tokens) > 1:  # a curve measured only at T(1) would rest on the prior slope
+        history = prompt_of(runner.engine, LOOKUP_PROMPT) + g.tokens[:1]
+        t, _ = clairvoyant_time(history, g.tokens[1:], [c / curve[0] for c in curve])
+        bound = (len(g.tokens) - 1) / t
     return {"tokens": spec["tokens"], "tok_s": spec["tok_s"], "plain_tok_s": plain["tok_s"],
-            "acceptance": stats.acceptance, "tokens_per_round": stats.tokens_per_round}
+            "acceptance": stats.acceptance, "tokens_per_round": stats.tokens_per_round,
+            "verify_cost_s": curve, "bound": bound}
 
 
 def results(model_path: str, spec, backend: str, backend_version: str, settings: dict, runs: list[dict],
@@ -239,7 +254,9 @@ def render_table(doc: dict) -> str:
         if lk:
             lines.append(f"lookup KV {r['type_k']}: {_num(lk['tok_s'], 0, 1).strip()} tok/s vs plain "
                          f"{_num(lk['plain_tok_s'], 0, 1).strip()}, {lk['tokens_per_round']:.2f} tok/round, "
-                         f"{lk['acceptance'] * 100:.0f}% accepted")
+                         f"{lk['acceptance'] * 100:.0f}% accepted"
+                         + (f"; a clairvoyant drafter would reach {lk['bound']:.2f}x at this verify cost"
+                            if lk.get("bound") else ""))
     return "\n".join(lines)
 
 

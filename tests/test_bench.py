@@ -43,6 +43,20 @@ def test_table_lists_every_measurement(results):
     assert text.count("KV q8_0") == 4  # prefill row, two decode rows, memory row
 
 
+def test_lookup_against_plain_and_the_clairvoyant_bound(tmp_path):
+    out = tmp_path / "lookup.json"
+    argv = ["bench", "--kv", "f16", "--prompt-lengths", "8", "--depths", "0", "--gen", "48", "-t", "1", "--lookup"]
+    assert main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    lk = doc["runs"][0]["lookup"]
+    assert lk["tokens"] == 48 and lk["tok_s"] > 0 and lk["plain_tok_s"] > 0
+    assert lk["tokens_per_round"] > 1 and 0 < lk["acceptance"] <= 1  # the prompt repeats itself: drafts land
+    cost = lk["verify_cost_s"]
+    assert len(cost) == 17 and cost[0] > 0 and cost[-1] > cost[0]  # verifying 17 tokens costs more than 1
+    assert lk["bound"] > 1
+    assert "clairvoyant drafter would reach" in render_table(doc)
+
+
 def test_context_sized_for_the_lengths():
     cfg = BenchConfig(prompt_lengths=(100,), depths=(0, 300), gen_tokens=32)
     assert cfg.n_ctx_needed == 512
