@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -338,6 +339,12 @@ def clairvoyant_bound(rows: list[dict], prompts: dict[tuple[str, str], list[int]
     return {suite: s["tokens"] / s["time"] for suite, s in out.items()}
 
 
+def compact_json(doc: dict) -> str:
+    """Indented JSON with every list of numbers (the token lists) on one line."""
+    return re.sub(r"\[[-0-9.,eE\s]+\]", lambda m: "".join(m.group(0).split()).replace(",", ", "),
+                  json.dumps(doc, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M)")
@@ -441,7 +448,7 @@ def main(argv=None) -> int:
                            "backend": engine.name, "model": model, "kv": args.kv, "max_tokens": args.max_tokens,
                            "lookup": lookup_kw},
                       rows=rows, lookup_cost=cost)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(compact_json(result))
         print(f"wrote {args.json}")
     engine.close()
     return 0
