@@ -45,7 +45,7 @@ from localinfer.models import resolve_model
 from localinfer.runner import Runner
 from localinfer.sampling import Sampler, SamplingParams
 from localinfer.spec import ModelSpec
-from localinfer.speculative import LookupDecoder, clairvoyant_time
+from localinfer.speculative import LookupDecoder, clairvoyant_speedup
 from localinfer.templates import template_for
 
 PROMPTS = Path(__file__).parent / "lookup_prompts"
@@ -308,18 +308,6 @@ def verify_ceiling(engine, history: list[int], depth: int, clock: str = "wall",
     return {"depth": depth, "clock": clock, "seconds": t, "ceiling_by_m": ceiling, "ceiling": max(ceiling.values())}
 
 
-def interpolate(seconds: dict[int, float], sizes: int) -> list[float]:
-    """T(1..sizes) from the measured sizes, linear between them and along the last segment beyond."""
-    known = sorted(seconds)
-    out = []
-    for m in range(1, sizes + 1):
-        hi = next((x for x in known if x >= m), known[-1])
-        lo = max((x for x in known if x < hi), default=known[0]) if hi != m else m
-        t = seconds[hi] if lo == hi else seconds[lo] + (m - lo) * (seconds[hi] - seconds[lo]) / (hi - lo)
-        out.append(t)
-    return out
-
-
 def clairvoyant_bound(rows: list[dict], prompts: dict[tuple[str, str], list[int]], curve: list[float]) -> dict:
     """Per suite, the speedup of a drafter that knows how long each copy in plain's output holds.
 
@@ -331,11 +319,10 @@ def clairvoyant_bound(rows: list[dict], prompts: dict[tuple[str, str], list[int]
     for r in rows:
         tokens = r["plain"]["tokens"]
         history = prompts[r["suite"], r["prompt"]] + tokens[:1]  # decode time starts at the first token
-        t, rounds = clairvoyant_time(history, tokens[1:], [c / curve[0] for c in curve])
-        r["clairvoyant"] = {"speedup": (len(tokens) - 1) / t, "tokens_per_round": (len(tokens) - 1) / rounds}
+        r["clairvoyant"] = {"speedup": clairvoyant_speedup(history, tokens[1:], curve)}
         s = out.setdefault(r["suite"], {"tokens": 0, "time": 0.0})
         s["tokens"] += len(tokens) - 1
-        s["time"] += t
+        s["time"] += (len(tokens) - 1) / r["clairvoyant"]["speedup"]
     return {suite: s["tokens"] / s["time"] for suite, s in out.items()}
 
 
@@ -422,14 +409,16 @@ def main(argv=None) -> int:
           f"p99 {1e6 * cost['p99_s']:.1f} us = {100 * cost['share_of_step']:.2f}% of a {1000 * step:.2f} ms "
           f"decode step (target < 1%)")
     depth = min(int(statistics.median(r["prompt_tokens"] for r in rows)), args.ctx - 32)
-    ceiling = verify_ceiling(engine, history, depth, args.clock, repeats=15)
+    draft_max = lookup_kw.get("draft_max", LookupDecoder().draft_max)
+    sizes = sorted({1, 2, 3, 4, 6, 8, 11, 17, draft_max + 1})
+    ceiling = verify_ceiling(engine, history, depth, args.clock, sizes=sizes, repeats=15)
     print(f"verify cost ({args.clock} clock) at {depth} tokens of context: " + ", ".join(
         f"T({m}) {1000 * t:.1f} ms" for m, t in ceiling["seconds"].items()))
     print(f"ceiling with every draft accepted: {ceiling['ceiling']:.2f}x plain "
           f"(max over m of m*T(1)/T(m); a speedup target above it cannot be met on this engine and machine)")
     result["verify_ceiling"] = ceiling
-    draft_max = lookup_kw.get("draft_max", LookupDecoder().draft_max)
-    curve = interpolate(ceiling["seconds"], draft_max + 1)
+    measured = sorted(ceiling["seconds"])
+    curve = list(np.interp(range(1, draft_max + 2), measured, [ceiling["seconds"][m] for m in measured]))
     bound = clairvoyant_bound(rows, prompt_tokens, curve)
     result["clairvoyant"] = {"curve_s": curve, "speedup": bound}
     for suite, b in bound.items():

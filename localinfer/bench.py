@@ -182,7 +182,7 @@ def measure_lookup(runner: Runner, gen: int) -> dict:
     output at the verify cost this run measured (``clairvoyant_time``): what
     any prompt-lookup policy can reach on this engine and machine.
     """
-    from .speculative import LookupDecoder, clairvoyant_time
+    from .speculative import LookupDecoder, clairvoyant_speedup
 
     plain, g = measure_decode(runner, LOOKUP_PROMPT, gen)
     decoder = LookupDecoder()
@@ -190,9 +190,7 @@ def measure_lookup(runner: Runner, gen: int) -> dict:
     stats, curve, bound = lk.stats, decoder.cost.curve(), None
     drafted = curve and any(decoder.cost.measured(m) for m in range(2, len(curve) + 1))
     if drafted and len(g.tokens) > 1:  # a curve measured only at T(1) would rest on the prior slope
-        history = prompt_of(runner.engine, LOOKUP_PROMPT) + g.tokens[:1]
-        t, _ = clairvoyant_time(history, g.tokens[1:], [c / curve[0] for c in curve])
-        bound = (len(g.tokens) - 1) / t
+        bound = clairvoyant_speedup(prompt_of(runner.engine, LOOKUP_PROMPT) + g.tokens[:1], g.tokens[1:], curve)
     return {"tokens": spec["tokens"], "tok_s": spec["tok_s"], "plain_tok_s": plain["tok_s"],
             "acceptance": stats.acceptance, "tokens_per_round": stats.tokens_per_round,
             "verify_cost_s": curve, "bound": bound}

@@ -123,6 +123,12 @@ def clairvoyant_time(history: Sequence[int], output: Sequence[int], cost: Sequen
     return best[0]
 
 
+def clairvoyant_speedup(history: Sequence[int], output: Sequence[int], cost: Sequence[float]) -> float:
+    """The clairvoyant drafter's speedup over plain decoding (``cost[0]`` a token) on ``output``."""
+    time, _ = clairvoyant_time(history, output, cost)
+    return len(output) * cost[0] / time
+
+
 class NgramIndex:
     """The token history and where each n-gram (n_min..n_max) occurred.
 
