@@ -70,7 +70,7 @@ def issue_cases(quick: bool = False) -> list[Case]:
 def model_path(model: str, workdir: Path) -> str:
     """The embedded model, a GGUF path, or a skeleton written (once) into workdir."""
     if model == "default":
-        from localinfer.models import default_model_path
+        from localinfer.model.sources import default_model_path
 
         return str(default_model_path())
     if model.endswith(".gguf"):
@@ -188,9 +188,9 @@ MIB = 1 << 20
 
 def predict(path: str, case: Case) -> dict:
     """fit's terms for this machine with the case's settings (dry runs: no mmap)."""
-    from localinfer.devices import local_device
-    from localinfer.fit import FitRequest, breakdown
-    from localinfer.spec import ModelSpec
+    from localinfer.devices.profiles import local_device
+    from localinfer.plan.fit import FitRequest, breakdown
+    from localinfer.model.spec import ModelSpec
 
     spec = ModelSpec.from_gguf(path)
     req = FitRequest(n_ctx=case.n_ctx, n_seq=case.n_seq, type_k=case.type_k, type_v=case.type_v,

@@ -36,8 +36,8 @@ def timed(cmd: list[str]) -> tuple[float, float]:
 
 def in_process(path: str) -> float:
     code = ("import time, sys; t0 = time.perf_counter(); "
-            "from localinfer.devices import all_devices; from localinfer.fit import fit_device, FitRequest; "
-            "from localinfer.spec import ModelSpec; "
+            "from localinfer.devices.profiles import all_devices; from localinfer.plan.fit import fit_device, FitRequest; "
+            "from localinfer.model.spec import ModelSpec; "
             f"s = ModelSpec.from_gguf({path!r}); [fit_device(s, d, FitRequest(n_ctx=8192)) for d in all_devices()]; "
             "print(time.perf_counter() - t0)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

@@ -189,7 +189,7 @@ def main() -> None:
     prefill_n = 64 if args.tiny else args.prefill
     dtype = torch.bfloat16
 
-    from localinfer.devices import get_device
+    from localinfer.devices.profiles import get_device
 
     prof = get_device(args.profile)
     beta, peak = prof.bandwidth_bytes_per_s, prof.bf16_flops

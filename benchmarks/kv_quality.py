@@ -53,9 +53,9 @@ def main() -> None:
     ap.add_argument("--kv", default="f16,q8_0,q4_0")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
-    from localinfer.backends import load_engine
-    from localinfer.engine import LoadPlan
-    from localinfer.models import resolve_model
+    from localinfer.backends.registry import load_engine
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.model.sources import resolve_model
 
     model = str(resolve_model(args.model))
     text = TEXT.read_text(encoding="utf-8")

@@ -23,9 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localinfer.backends import load_engine
-from localinfer.engine import LoadPlan
-from localinfer.models import resolve_model
+from localinfer.backends.registry import load_engine
+from localinfer.backends.engine import LoadPlan
+from localinfer.model.sources import resolve_model
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank while the old miller watches. "
 

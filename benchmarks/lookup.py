@@ -38,15 +38,15 @@ from pathlib import Path
 
 import numpy as np
 
-from localinfer.backends import load_engine
-from localinfer.decoding import PlainDecoder
-from localinfer.engine import LoadPlan
-from localinfer.models import resolve_model
-from localinfer.runner import Runner
-from localinfer.sampling import Sampler, SamplingParams
-from localinfer.spec import ModelSpec
-from localinfer.speculative import LookupDecoder, clairvoyant_speedup
-from localinfer.templates import template_for
+from localinfer.backends.registry import load_engine
+from localinfer.generate.decoding import PlainDecoder
+from localinfer.backends.engine import LoadPlan
+from localinfer.model.sources import resolve_model
+from localinfer.generate.runner import Runner
+from localinfer.generate.sampling import Sampler, SamplingParams
+from localinfer.model.spec import ModelSpec
+from localinfer.generate.lookup import LookupDecoder, clairvoyant_speedup
+from localinfer.model.templates import template_for
 
 PROMPTS = Path(__file__).parent / "lookup_prompts"
 GREEDY = SamplingParams(greedy=True)

@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localinfer.backends import load_engine
-from localinfer.engine import LoadPlan
+from localinfer.backends.registry import load_engine
+from localinfer.backends.engine import LoadPlan
 
 PROMPT = ", ".join(str(i) for i in range(1, 41)) + ","   # greedy keeps counting: no end-of-text
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",
@@ -45,8 +45,8 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", 
 
 def runner_steps(engine, prompt: list[int], n: int):
     """A generator timing localinfer: yields once after prefill, then once per decoded token."""
-    from localinfer.runner import Runner
-    from localinfer.sampling import SamplingParams
+    from localinfer.generate.runner import Runner
+    from localinfer.generate.sampling import SamplingParams
 
     runner = Runner(engine)
     stream = runner.stream(prompt, SamplingParams(greedy=True), max_tokens=n + 1, ignore_eos=True)
@@ -60,7 +60,7 @@ def bare_steps(engine, prompt: list[int], n: int):
     """mlx-lm's model called directly - forward, argmax, eval - on the same kind of cache."""
     import mlx.core as mx
 
-    from localinfer.mlx_backend import kv
+    from localinfer.backends.mlx import kv
 
     plan = engine.plan
     cache = kv.make_cache(engine.spec, plan.type_k, plan.type_v, engine.n_ctx)
@@ -150,8 +150,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
-    from localinfer.mlx_backend.reference import write_f32_copy
-    from localinfer.models import resolve_model
+    from localinfer.backends.mlx.reference import write_f32_copy
+    from localinfer.model.sources import resolve_model
 
     model = str(resolve_model(args.model))
     mlx_engine = load_engine(LoadPlan(model, n_ctx=args.ctx), "mlx")

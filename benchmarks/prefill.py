@@ -30,8 +30,8 @@ TEXT = (Path(__file__).with_name("data") / "kv_text.txt").read_text(encoding="ut
 def sides(model: str, n: int, threads: int) -> dict:
     from llama_cpp import Llama
 
-    from localinfer.backends import load_engine
-    from localinfer.engine import LoadPlan
+    from localinfer.backends.registry import load_engine
+    from localinfer.backends.engine import LoadPlan
 
     ctx = n + 256
     out = {}
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
-    from localinfer.models import resolve_model
+    from localinfer.model.sources import resolve_model
 
     model = str(resolve_model(args.model))
     runs = sides(model, args.tokens, args.threads)

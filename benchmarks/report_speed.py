@@ -22,10 +22,10 @@ from pathlib import Path
 
 from gguf_tools.skeleton import write_skeleton
 from localinfer.commands.report import render
-from localinfer.devices import all_devices
-from localinfer.perf import Workload
-from localinfer.reports import build_report
-from localinfer.spec import ModelSpec
+from localinfer.devices.profiles import all_devices
+from localinfer.plan.speed import Workload
+from localinfer.report.capacity import build_report
+from localinfer.model.spec import ModelSpec
 
 MODELS = (("qwen3-8b", None), ("qwen3-235b-a22b", "q2_k"), ("llama-3.1-8b", None))
 CONTEXTS = (2048, 8192, 32768)
@@ -64,7 +64,7 @@ def main() -> int:
     cli = [sys.executable, "-m", "localinfer", "report", *map(str, paths), "--format", "html",
            "-o", str(tmp / "r.html")]
     figures["cli_html_s"], _ = best(lambda: subprocess.run(cli, check=True, capture_output=True), args.repeats)
-    peer = [sys.executable, "-c", "import localinfer.cli, localinfer.spec"]
+    peer = [sys.executable, "-c", "import localinfer.cli, localinfer.model.spec"]
     figures["peer_startup_s"], _ = best(lambda: subprocess.run(peer, check=True), args.repeats)
     cells = len(MODELS) * len(devices) * len(CONTEXTS) * len(KV)
     print(f"{len(MODELS)} models × {len(devices)} devices × {len(CONTEXTS)} contexts × {len(KV)} KV types = {cells} cells; "

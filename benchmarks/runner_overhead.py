@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
-    from localinfer.models import resolve_model
+    from localinfer.model.sources import resolve_model
 
     model = str(resolve_model(args.model))
     rows = []

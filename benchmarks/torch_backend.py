@@ -31,9 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localinfer.backends import load_engine
-from localinfer.engine import LoadPlan
-from localinfer.models import resolve_model
+from localinfer.backends.registry import load_engine
+from localinfer.backends.engine import LoadPlan
+from localinfer.model.sources import resolve_model
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "Water boils at", "In 1492, Columbus", "The best way to learn a language is", "import numpy as np\n",

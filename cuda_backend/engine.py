@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from gguf_tools import read_header
-from localinfer.budget import NOT_RESIDENT, check_weight_dtype, default_weight_dtype
-from localinfer.engine import Engine, LoadPlan
+from localinfer.plan.memory import NOT_RESIDENT, check_weight_dtype, default_weight_dtype
+from localinfer.backends.engine import Engine, LoadPlan
 from localinfer.errors import ContextFullError, UsageError
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 
 from . import ggml_numerics
 from .kv_cache import KVCache, padded_tokens

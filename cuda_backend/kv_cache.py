@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from gguf_tools.quants import layout, parse_type
-from localinfer.budget import TORCH_BLOCK_TOKENS as BLOCK_TOKENS
-from localinfer.budget import blocks_for, row_bytes
+from localinfer.plan.memory import TORCH_BLOCK_TOKENS as BLOCK_TOKENS
+from localinfer.plan.memory import blocks_for, row_bytes
 
 from . import quant
 from .support import check_kv_types

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 
 from . import ggml_numerics, quant, rope
 from .kv_cache import KVCache

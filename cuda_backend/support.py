@@ -8,7 +8,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as T
 
 from localinfer.errors import UnsupportedModelError, UsageError
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_WEIGHT_TYPES = (

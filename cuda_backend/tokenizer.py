@@ -35,6 +35,6 @@ def load_tokenizer(path: str, tokenizer_model: str | None):
     """llama.cpp's tokenizer of the file, or NoVocab when the file declares none."""
     if tokenizer_model in NO_VOCAB:
         return NoVocab()
-    from localinfer.llamacpp_vocab import VocabOnly
+    from localinfer.backends.vocab import VocabOnly
 
     return VocabOnly(path)

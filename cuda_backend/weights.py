@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from gguf_tools import GGUFFormatError, TensorInfo
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 
 from . import ggml_numerics, quant
 

@@ -1,6 +1,6 @@
 """A backend of your own behind the engine contract: a byte-level bigram model in numpy.
 
-Anything that implements ``localinfer.engine.Engine`` (tokenize, token_bytes,
+Anything that implements ``localinfer.backends.engine.Engine`` (tokenize, token_bytes,
 kv_len, _trim, _eval_chunk, memory) gets the runner, sampling, stop strings,
 prompt-lookup decoding and the ``run``/``chat``/``bench`` commands for free.
 Register it by name in code (below), or for a package through the entry-point
@@ -18,10 +18,10 @@ import itertools
 
 import numpy as np
 
-from localinfer import backends
-from localinfer.engine import Engine, LoadPlan
-from localinfer.runner import Runner
-from localinfer.sampling import SamplingParams
+from localinfer.backends import registry as backends
+from localinfer.backends.engine import Engine, LoadPlan
+from localinfer.generate.runner import Runner
+from localinfer.generate.sampling import SamplingParams
 
 EOS = 256
 CORPUS = ("the cat sat on the mat. the dog sat on the log. a bird sang in the tree. "

@@ -1,7 +1,7 @@
 """A cross-device fit report from the Python API: which model runs where, and with how much context.
 
 Writes header-only skeletons of a few models (no download; sparse files of
-their real size), asks `localinfer.fit` about every device profile, and prints
+their real size), asks `localinfer.plan.fit` about every device profile, and prints
 a matrix of the largest context per request (or the layers to keep on the
 accelerator when the weights alone do not fit).
 
@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.devices import all_devices
-from localinfer.fit import FitRequest, fit_device
-from localinfer.spec import ModelSpec
+from localinfer.devices.profiles import all_devices
+from localinfer.plan.fit import FitRequest, fit_device
+from localinfer.model.spec import ModelSpec
 
 MODELS = [("qwen3-8b", "bf16"), ("qwen3-8b", "q4_0"), ("llama-3.1-8b", "q8_0"), ("qwen3-235b-a22b", "q2_k")]
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 
-from localinfer.backends import load_engine
-from localinfer.engine import LoadPlan
-from localinfer.models import default_model_path
-from localinfer.runner import Runner
-from localinfer.sampling import SamplingParams
-from localinfer.spec import ModelSpec
-from localinfer.speculative import LookupDecoder
-from localinfer.templates import template_for
+from localinfer.backends.registry import load_engine
+from localinfer.backends.engine import LoadPlan
+from localinfer.model.sources import default_model_path
+from localinfer.generate.runner import Runner
+from localinfer.generate.sampling import SamplingParams
+from localinfer.model.spec import ModelSpec
+from localinfer.generate.lookup import LookupDecoder
+from localinfer.model.templates import template_for
 
 CODE = '''def word_counts(path):
     counts = {}

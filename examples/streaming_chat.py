@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 
-from localinfer.backends import load_engine
-from localinfer.engine import LoadPlan
-from localinfer.models import resolve_model
-from localinfer.runner import Runner
-from localinfer.sampling import SamplingParams
-from localinfer.spec import ModelSpec
-from localinfer.templates import template_for
+from localinfer.backends.registry import load_engine
+from localinfer.backends.engine import LoadPlan
+from localinfer.model.sources import resolve_model
+from localinfer.generate.runner import Runner
+from localinfer.generate.sampling import SamplingParams
+from localinfer.model.spec import ModelSpec
+from localinfer.model.templates import template_for
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 
-from . import __version__
+from localinfer import __version__
 
 # name -> one-line help.  Order is the order of `localinfer --help`.
 COMMANDS: dict[str, str] = {
@@ -62,7 +62,7 @@ def _find_command(argv: list[str]) -> str | None:
 
 
 def _report(exc: BaseException) -> int:
-    from .errors import exit_code
+    from localinfer.errors import exit_code
 
     from gguf_tools.errors import printable
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the one error boundary
         from gguf_tools.errors import GGUFFormatError
 
-        from .errors import LocalinferError
+        from localinfer.errors import LocalinferError
 
         if debug:
             raise

@@ -15,7 +15,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    from localinfer.models import default_model_path
+    from localinfer.model.sources import default_model_path
 
     return default_model_path()
 

@@ -3,7 +3,7 @@
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.budget import (
+from localinfer.plan.memory import (
     blocks_for,
     kv_bytes,
     kv_bytes_per_token,
@@ -16,15 +16,15 @@ from localinfer.budget import (
     shared_prefix_kv,
     tokens_held,
 )
-from localinfer.compute_buffer import attn_rotation, compute_estimate
+from localinfer.backends.llamacpp.compute_buffer import attn_rotation, compute_estimate
 from localinfer.errors import UsageError
-from localinfer.placement import (
+from localinfer.backends.llamacpp.placement import (
     gpu_layer_start,
     output_on_gpu,
     repackable,
     weight_placement,
 )
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 
 TINY = dict(arch="qwen3", n_layers=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, vocab_size=1000,
             context_length=4096)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from localinfer.devices import (
+from localinfer.devices.profiles import (
     DeviceProfile,
     get_device,
     load_profile_file,
@@ -133,6 +133,6 @@ def test_local_device_reads_ram_without_torch():
     assert isinstance(dev, DeviceProfile) and dev.name == "local"
     if dev.kind == "cpu":
         assert dev.memory_bytes == psutil.virtual_memory().total
-    code = "import sys, localinfer.devices as d; d.local_device(); print('torch' in sys.modules)"
+    code = "import sys, localinfer.devices.profiles as d; d.local_device(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

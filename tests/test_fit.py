@@ -9,11 +9,11 @@ import pytest
 
 from gguf_tools.skeleton import write_skeleton
 from localinfer.cli import main
-from localinfer.devices import profile_from_dict
-from localinfer.engine import LoadPlan
+from localinfer.devices.profiles import profile_from_dict
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
-from localinfer.fit import FitRequest, check_load, fit_device
-from localinfer.spec import ModelSpec
+from localinfer.plan.fit import FitRequest, check_load, fit_device
+from localinfer.model.spec import ModelSpec
 from localinfer.units import GiB, MiB
 
 TINY = dict(arch="qwen3", n_layers=8, n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=1024, vocab_size=4096,
@@ -218,7 +218,7 @@ def test_fit_never_imports_heavy_backends(model):
 
 def test_example_instance_fits_on_the_rtx_pro_6000(tmp_path):
     spec = ModelSpec.from_gguf(write_skeleton("qwen3-8b", tmp_path / "q.gguf", type="bf16"))
-    from localinfer.devices import get_device
+    from localinfer.devices.profiles import get_device
 
     r = fit_device(spec, get_device("rtx-pro-6000"), FitRequest(n_ctx=8192, n_seq=16))
     assert r.fits and r.breakdown.kv == 16 * 1152 * MiB and r.needed < 96 * GiB

@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from ggufgen import write_tiny_model
 
-from localinfer.budget import (
+from localinfer.plan.memory import (
     backend_device,
     check_weight_dtype,
     mlx_weight_bytes,
@@ -14,11 +14,11 @@ from localinfer.budget import (
     torch_weight_bytes,
 )
 from localinfer.cli import main
-from localinfer.devices import profile_from_dict
-from localinfer.engine import LoadPlan
+from localinfer.devices.profiles import profile_from_dict
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
-from localinfer.fit import FitRequest, check_load, fit_device
-from localinfer.spec import ModelSpec
+from localinfer.plan.fit import FitRequest, check_load, fit_device
+from localinfer.model.spec import ModelSpec
 
 # Every weight type both engines read, in one file: Q4_0/Q4_1/Q8_0 (MLX keeps them quantized,
 # torch can keep q8_0/q4_0 packed), K-quants, Q5_0, F16, BF16 and 2-D F32 (dequantized).
@@ -226,7 +226,7 @@ def test_torch_engine_holds_the_prediction_mixed(mixed, name, dtype, options):
 def _mlx_engine(path, **kw):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
-    from localinfer.mlx_backend import MLXEngine
+    from localinfer.backends.mlx import MLXEngine
 
     return MLXEngine(_plan(path, **kw))
 
@@ -261,7 +261,7 @@ def test_mlx_engine_refuses_above_the_working_set_unless_forced(default_model, m
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
     from localinfer.errors import DoesNotFitError
-    from localinfer.mlx_backend import engine as mlx_engine
+    from localinfer.backends.mlx import engine as mlx_engine
 
     monkeypatch.setattr(mlx_engine, "working_set_limit", lambda: 1 << 20)
     with pytest.raises(DoesNotFitError):

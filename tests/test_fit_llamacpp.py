@@ -117,7 +117,7 @@ def test_compute_output_and_total(rows, case):
 
 def test_repack_buffer_is_counted_on_this_cpu(rows):
     r = rows["qwen3 q4_0 mmap (repack)"]
-    from localinfer.devices import local_device
+    from localinfer.devices.profiles import local_device
 
     if "avx2" not in local_device().cpu_features:
         pytest.skip("no AVX2: llama.cpp does not repack Q4_0 here")

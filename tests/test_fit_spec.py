@@ -10,7 +10,7 @@ import math
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.budget import (
+from localinfer.plan.memory import (
     blocks_for,
     decode_weight_bytes,
     kv_bytes,
@@ -20,9 +20,9 @@ from localinfer.budget import (
     shared_prefix_kv,
     tokens_held,
 )
-from localinfer.devices import get_device
-from localinfer.fit import FitRequest, fit_device
-from localinfer.spec import ModelSpec
+from localinfer.devices.profiles import get_device
+from localinfer.plan.fit import FitRequest, fit_device
+from localinfer.model.spec import ModelSpec
 from localinfer.units import GiB, KiB, MiB
 
 SHORT = (2048, 256)          # input, output tokens

@@ -22,7 +22,7 @@ from ggufgen import write_tiny_llama
 from gguf_tools import GGUFFormatError, read_header
 from gguf_tools.inspect import account
 from gguf_tools.split import read_model_header
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 
 _SCALAR = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i",
            V.FLOAT32: "f", V.BOOL: "B", V.UINT64: "Q", V.INT64: "q", V.FLOAT64: "d"}

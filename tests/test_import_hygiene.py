@@ -68,11 +68,11 @@ def _probe(modules: list[str], commands: list[list[str]]) -> dict:
 
 def test_discovery_finds_the_core_modules():
     mods = planning_modules()
-    for name in ("gguf_tools.reader", "gguf_tools.skeleton", "gguf_tools.inspect", "localinfer.spec",
-                 "localinfer.units", "localinfer.errors", "localinfer.models", "localinfer.engine",
-                 "localinfer.backends", "localinfer.decoding", "localinfer.commands.inspect"):
+    for name in ("gguf_tools.reader", "gguf_tools.skeleton", "gguf_tools.inspect", "localinfer.model.spec",
+                 "localinfer.units", "localinfer.errors", "localinfer.model.sources", "localinfer.backends.engine",
+                 "localinfer.backends.registry", "localinfer.generate.decoding", "localinfer.commands.inspect"):
         assert name in mods
-    assert "localinfer.llamacpp" not in mods
+    assert "localinfer.backends.llamacpp.engine" not in mods
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from localinfer.backends import get_backend, load_engine
-from localinfer.engine import LoadPlan
+from localinfer.backends.registry import get_backend, load_engine
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import (
     ContextFullError,
     GGUFFormatError,
@@ -16,7 +16,7 @@ from localinfer.errors import (
     UnsupportedModelError,
     UsageError,
 )
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 from localinfer.units import MiB
 
 TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
@@ -36,7 +36,7 @@ def _clean(request):
 
 
 def test_registered_as_llama_cpp():
-    from localinfer.llamacpp import LlamaCppEngine
+    from localinfer.backends.llamacpp.engine import LlamaCppEngine
 
     assert get_backend("llama.cpp") is LlamaCppEngine
     assert get_backend("llamacpp") is LlamaCppEngine
@@ -168,7 +168,7 @@ def test_memory_is_what_llama_cpp_reports(engine, default_model):
 
 @pytest.mark.parametrize("kv,n_seq", [("f16", 1), ("q8_0", 1), ("q4_0", 1), ("q8_0", 2)])
 def test_kv_bytes_llama_cpp_reports_equal_the_fit_prediction(default_model, kv, n_seq):
-    from localinfer.budget import kv_bytes
+    from localinfer.plan.memory import kv_bytes
 
     spec = ModelSpec.from_gguf(default_model)
     plan = LoadPlan(str(default_model), n_ctx=1000, n_seq=n_seq, type_k=kv, type_v=kv, n_threads=1)
@@ -239,9 +239,9 @@ def test_closed_engine_refuses_calls(default_model):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_other_architectures_kv_bytes_and_rewind(tiny_models, arch):
-    from localinfer.budget import kv_bytes
-    from localinfer.runner import Runner
-    from localinfer.sampling import SamplingParams
+    from localinfer.plan.memory import kv_bytes
+    from localinfer.generate.runner import Runner
+    from localinfer.generate.sampling import SamplingParams
 
     spec = ModelSpec.from_gguf(tiny_models[arch])
     with load_engine(LoadPlan(str(tiny_models[arch]), n_ctx=256, type_k="q8_0", type_v="q4_0", n_threads=1)) as e:

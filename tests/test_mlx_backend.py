@@ -28,8 +28,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 from ggufgen import write_tiny_llama, write_tiny_model
 
-from localinfer.backends import get_backend, load_engine
-from localinfer.engine import LoadPlan
+from localinfer.backends.registry import get_backend, load_engine
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import (
     BackendUnavailableError,
     DoesNotFitError,
@@ -66,7 +66,7 @@ _BLOCK_MLX = "import sys; sys.modules['mlx'] = sys.modules['mlx.core'] = sys.mod
 
 def test_missing_mlx_is_a_typed_error_with_the_install_hint():
     code = _BLOCK_MLX + (
-        "from localinfer.backends import get_backend\n"
+        "from localinfer.backends.registry import get_backend\n"
         "from localinfer.errors import BackendUnavailableError\n"
         "try:\n    get_backend('mlx')\nexcept BackendUnavailableError as e:\n    print('HINT', e.hint)")
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
@@ -90,7 +90,7 @@ def test_repacked_blocks_equal_mx_load_and_the_gguf_values(tmp_path, qtype):
     from gguf.quants import dequantize
 
     from gguf_tools import read_header
-    from localinfer.mlx_backend.weights import AFFINE_BITS, affine_from_blocks
+    from localinfer.backends.mlx.weights import AFFINE_BITS, affine_from_blocks
 
     path = write_tiny_model(tmp_path / "m.gguf", qtype=qtype, n_layers=1)
     t = read_header(path).tensor("blk.0.ffn_down.weight")
@@ -116,7 +116,7 @@ def test_other_types_are_dequantized_and_the_cost_is_stated(tmp_path):
 @needs_mlx
 def test_a_type_nothing_can_read_is_refused():
     from gguf_tools import TensorInfo
-    from localinfer.mlx_backend.weights import _dense
+    from localinfer.backends.mlx.weights import _dense
 
     t = TensorInfo(name="blk.0.ffn_down.weight", shape=(256, 2), type=T.I64, offset=0, file_offset=0,
                    n_elements=512, n_bytes=4096)
@@ -149,7 +149,7 @@ QUANTIZED = [("llama", T.Q4_0, {"output_qtype": T.Q6_K}), ("qwen3", T.Q4_1, {}),
 @needs_mlx
 @pytest.mark.parametrize("arch,qtype,kw", QUANTIZED, ids=lambda v: str(getattr(v, "name", v)))
 def test_quantized_models_compute_the_exact_weights(tmp_path, arch, qtype, kw):
-    from localinfer.mlx_backend.reference import write_f32_copy
+    from localinfer.backends.mlx.reference import write_f32_copy
 
     path = write_tiny_model(tmp_path / "q.gguf", arch=arch, qtype=qtype, **kw)
     ours = logits(path)
@@ -191,8 +191,8 @@ def test_quantized_kv_stays_close_to_f16(tiny, kv_type, tol):
 @needs_mlx
 @pytest.mark.parametrize("kv_type", ["f16", "f32", "bf16", "q8_0", "q4_0"])
 def test_kv_bytes_equal_the_planners_mlx_formula(tiny, kv_type):
-    from localinfer.budget import kv_bytes
-    from localinfer.spec import ModelSpec
+    from localinfer.plan.memory import kv_bytes
+    from localinfer.model.spec import ModelSpec
 
     spec = ModelSpec.from_gguf(tiny)
     with engine(tiny, n_ctx=1000, n_seq=2, type_k=kv_type, type_v=kv_type) as e:
@@ -208,11 +208,11 @@ def test_kv_bytes_equal_the_planners_mlx_formula(tiny, kv_type):
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 def test_fit_plans_the_quantized_kv_of_heads_not_a_multiple_of_64(tmp_path, n_embd, group, kv_type):
     """Such heads get groups of 32 in the engine; `fit --backend mlx` must plan (not refuse) the same bytes."""
-    from localinfer.budget import mlx_quant_group
-    from localinfer.devices import profile_from_dict
-    from localinfer.fit import FitRequest, fit_device
-    from localinfer.mlx_backend.kv import cache_bytes
-    from localinfer.spec import ModelSpec
+    from localinfer.plan.memory import mlx_quant_group
+    from localinfer.devices.profiles import profile_from_dict
+    from localinfer.plan.fit import FitRequest, fit_device
+    from localinfer.backends.mlx.kv import cache_bytes
+    from localinfer.model.spec import ModelSpec
 
     path = write_tiny_model(tmp_path / "odd.gguf", n_embd=n_embd, n_ff=256)
     spec = ModelSpec.from_gguf(path)
@@ -237,7 +237,7 @@ def test_kv_types_mlx_cannot_hold_are_refused(tiny, type_k, type_v, flag):
 
 @needs_mlx
 def test_registry_device_dtype_and_close(tiny):
-    from localinfer.mlx_backend import MLXEngine
+    from localinfer.backends.mlx import MLXEngine
 
     assert get_backend("mlx") is MLXEngine
     with pytest.raises(BackendUnavailableError, match="Metal"):
@@ -256,7 +256,7 @@ def test_registry_device_dtype_and_close(tiny):
 
 @needs_mlx
 def test_working_set_limit():
-    from localinfer.mlx_backend.engine import check_working_set
+    from localinfer.backends.mlx.engine import check_working_set
 
     check_working_set(10, None, force=False)
     check_working_set(10, 20, force=False)
@@ -305,9 +305,9 @@ def test_tokenization_is_llamacpps(smol, smol_cpp):
 
 @needs_mlx
 def test_runner_plain_and_lookup_decoding_agree(smol):
-    from localinfer.runner import Runner
-    from localinfer.sampling import SamplingParams
-    from localinfer.speculative import LookupDecoder
+    from localinfer.generate.runner import Runner
+    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generate.lookup import LookupDecoder
 
     prompt = smol.tokenize("Monday Tuesday Wednesday. Monday Tuesday Wednesday. Monday")
     runner = Runner(smol)
@@ -340,7 +340,7 @@ def test_greedy_equals_llamacpp_on_the_same_weights(smol, tmp_path_factory, defa
     prompt.  benchmarks/mlx_backend.py runs all ten prompts for 64 tokens, and the
     Q4_1 file in both engines (where llama.cpp's 8-bit activations move near-ties).
     """
-    from localinfer.mlx_backend.reference import write_f32_copy
+    from localinfer.backends.mlx.reference import write_f32_copy
 
     f32 = write_f32_copy(default_model, tmp_path_factory.mktemp("smol") / "smol-f32.gguf")
     prompts, n = PROMPTS, 16

@@ -8,7 +8,7 @@ import chapter
 import pytest
 from chapter import close
 
-from localinfer.calibration import (
+from localinfer.plan.calibration import (
     Calibration,
     Curve,
     DecodeSample,
@@ -16,8 +16,8 @@ from localinfer.calibration import (
     PrefillSample,
     StepFit,
 )
-from localinfer.cost import attention_pairs, model_cost
-from localinfer.drafting import (
+from localinfer.model.cost import attention_pairs, model_cost
+from localinfer.plan.speculation import (
     Drafting,
     choose_draft_length,
     draft_forward_s,
@@ -30,7 +30,7 @@ from localinfer.drafting import (
     worth_lengthening,
 )
 from localinfer.errors import UsageError
-from localinfer.perf import (
+from localinfer.plan.speed import (
     SpeedModel,
     Workload,
     amdahl,
@@ -195,7 +195,7 @@ def test_calibrated_verify_rows_cost_compute_only_when_larger(qwen, cost):
 
 
 def test_uncalibrated_local_machine_is_unknown_not_invented(qwen):
-    from localinfer.devices import local_device
+    from localinfer.devices.profiles import local_device
 
     sm = SpeedModel(model_cost(qwen), local_device())
     assert math.isnan(sm.decode_step(1, 512).seconds) and sm.decode_step(1, 512).source == "unknown"

@@ -13,9 +13,9 @@ import pytest
 from chapter import close
 
 from localinfer.cli import main
-from localinfer.drafting import Drafting
-from localinfer.perf import Workload
-from localinfer.planner import LATE, NOT_FIT, ON_TIME, Config, plan
+from localinfer.plan.speculation import Drafting
+from localinfer.plan.speed import Workload
+from localinfer.plan.planner import LATE, NOT_FIT, ON_TIME, Config, plan
 from localinfer.units import GiB, MiB
 
 # Experiment 8-5 (DFlash on the same card): process peak 17,706 → 20,894 MiB; TTFT 129.4 → 141.6 ms;

@@ -9,11 +9,11 @@ import chapter
 import pytest
 from chapter import close
 
-from localinfer.devices import get_device
+from localinfer.devices.profiles import get_device
 from localinfer.errors import UsageError
-from localinfer.offload import CompressedTransfer, offload_groups, plan_offload
-from localinfer.perf import SpeedModel, Workload
-from localinfer.planner import (
+from localinfer.plan.offload import CompressedTransfer, offload_groups, plan_offload
+from localinfer.plan.speed import SpeedModel, Workload
+from localinfer.plan.planner import (
     LATE,
     NOT_FIT,
     ON_TIME,
@@ -23,7 +23,7 @@ from localinfer.planner import (
     kv_memory,
     plan,
 )
-from localinfer.prefix_cache import choose_prefixes, prefix_value
+from localinfer.plan.prefix_value import choose_prefixes, prefix_value
 from localinfer.units import GB, GiB, MiB
 
 PLAIN_STEP = chapter.MEASURED_STEP[1]      # the batch-1 2K decode step the chapter compares against

@@ -11,15 +11,15 @@ import chapter
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.bench_import import load_bench
+from localinfer.plan.bench_import import load_bench
 from localinfer.cli import main
-from localinfer.cost import model_cost
-from localinfer.devices import get_device
+from localinfer.model.cost import model_cost
+from localinfer.devices.profiles import get_device
 from localinfer.errors import UsageError
-from localinfer.fit import FitRequest, fit_device
-from localinfer.report_html import render_html
-from localinfer.reports import build_report, render_json, render_md, render_text
-from localinfer.spec import ModelSpec
+from localinfer.plan.fit import FitRequest, fit_device
+from localinfer.report.html import render_html
+from localinfer.report.capacity import build_report, render_json, render_md, render_text
+from localinfer.model.spec import ModelSpec
 
 HOSTILE = "evil<script>alert(1)</script>|\x1b[31mred\x07"
 DEVICES = ("rtx-pro-6000", "m2-max-96gb", "rtx-4090")
@@ -102,13 +102,13 @@ def test_untrusted_names_are_escaped(hostile):
 
 
 def _bench_doc(path, cost):
-    """A localinfer.bench v1 document whose decode steps follow 3 ms + bytes / 20 GB/s exactly."""
+    """A localinfer.generate.bench v1 document whose decode steps follow 3 ms + bytes / 20 GB/s exactly."""
     def step(depth, n):
         return 3e-3 + cost.step_bytes(1, depth + n // 2) / 20e9
     decode = [{"depth": d, "tokens": 33, "seconds": 32 * step(d, 33), "tok_s": 1 / step(d, 33)}
               for d in (0, 512, 1024, 2048)]
     prefill = [{"tokens": n, "seconds": cost.prefill_flops(n) / 50e9, "tok_s": 0} for n in (128, 512, 2048)]
-    doc = {"schema": "localinfer.bench", "version": 1, "model": {"name": "m"},
+    doc = {"schema": "localinfer.generate.bench", "version": 1, "model": {"name": "m"},
            "runs": [{"type_k": "f16", "type_v": "f16", "prefill": prefill, "decode": decode}]}
     path.write_text(json.dumps(doc))
     return path

@@ -45,7 +45,7 @@ def test_raw_skips_the_template_and_file_prompts(capsys, tmp_path):
 
 
 def test_lookup_stats_in_json(capsys):
-    pytest.importorskip("localinfer.speculative")
+    pytest.importorskip("localinfer.generate.lookup")
     text = "a b c d e f g h i j k l. a b c d e f g h i j k l. a b c d e f"
     code, out, _ = run(capsys, "-p", text, "--raw", "--temp", "0", "-n", "8", "--ignore-eos", "--lookup",
                        "--draft-max", "4", "--json", *FAST)
@@ -111,7 +111,7 @@ def test_a_registered_plugin_backend_gets_the_same_command(capsys):
     import importlib.util
     from pathlib import Path
 
-    from localinfer import backends
+    from localinfer.backends import registry as backends
 
     path = Path(__file__).resolve().parents[1] / "examples" / "custom_backend.py"
     spec = importlib.util.spec_from_file_location("custom_backend_example", path)

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from localinfer.decoding import Sampler as SamplerProtocol
+from localinfer.generate.decoding import Sampler as SamplerProtocol
 from localinfer.errors import UsageError
-from localinfer.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
 
 
 def softmax(x):

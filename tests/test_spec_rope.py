@@ -5,10 +5,10 @@ from gguf import GGUFValueType as V
 from gguf import GGUFWriter
 from ggufgen import write_tiny_model
 
-from localinfer.backends import load_engine
-from localinfer.engine import LoadPlan
+from localinfer.backends.registry import load_engine
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import GGUFFormatError
-from localinfer.spec import DEFAULT_RMS_EPS, DEFAULT_ROPE_BASE, ModelSpec
+from localinfer.model.spec import DEFAULT_RMS_EPS, DEFAULT_ROPE_BASE, ModelSpec
 
 
 def _header_only(path, **kv):

@@ -15,10 +15,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from localinfer.decoding import PlainDecoder, prefill
-from localinfer.engine import Engine, LoadPlan
+from localinfer.generate.decoding import PlainDecoder, prefill
+from localinfer.backends.engine import Engine, LoadPlan
 from localinfer.errors import UsageError
-from localinfer.speculative import (
+from localinfer.generate.lookup import (
     CostModel,
     LookupDecoder,
     LookupStats,
@@ -468,7 +468,7 @@ LIST_TASK = "Repeat this list exactly: apples, pears, plums, cherries, grapes, l
 
 @pytest.fixture(scope="module", params=["f16", "q8_0"], ids=["kv_f16", "kv_q8_0"])
 def llama_engine(request, default_model):
-    llamacpp = pytest.importorskip("localinfer.llamacpp")
+    llamacpp = pytest.importorskip("localinfer.backends.llamacpp.engine")
     engine = llamacpp.LlamaCppEngine(LoadPlan(str(default_model), n_ctx=1024, n_threads=1,
                                               type_k=request.param, type_v=request.param))
     yield engine
@@ -476,15 +476,15 @@ def llama_engine(request, default_model):
 
 
 def _chat(engine, default_model, text):
-    from localinfer.spec import ModelSpec
-    from localinfer.templates import template_for
+    from localinfer.model.spec import ModelSpec
+    from localinfer.model.templates import template_for
 
     return template_for(ModelSpec.from_gguf(default_model)).tokens(engine, [{"role": "user", "content": text}])
 
 
 @pytest.mark.parametrize("task", [CODE_TASK, LIST_TASK], ids=["code", "list"])
 def test_lookup_equals_plain_greedy_on_the_embedded_model(llama_engine, default_model, task):
-    from localinfer.sampling import Sampler, SamplingParams
+    from localinfer.generate.sampling import Sampler, SamplingParams
 
     prompt = _chat(llama_engine, default_model, task)
     greedy = SamplingParams(greedy=True)
@@ -495,8 +495,8 @@ def test_lookup_equals_plain_greedy_on_the_embedded_model(llama_engine, default_
 
 
 def test_runner_with_lookup_matches_plain_and_leaves_the_kv_consistent(llama_engine, default_model):
-    from localinfer.runner import Runner
-    from localinfer.sampling import SamplingParams
+    from localinfer.generate.runner import Runner
+    from localinfer.generate.sampling import SamplingParams
 
     prompt = _chat(llama_engine, default_model, CODE_TASK)
     greedy = SamplingParams(greedy=True)

@@ -4,18 +4,18 @@ import time
 
 import pytest
 
-from localinfer._deadline import Deadline, TimeLimitExceeded
-from localinfer.engine import LoadPlan
+from localinfer.util.deadline import Deadline, TimeLimitExceeded
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import TemplateError
-from localinfer.spec import ModelSpec
-from localinfer.templates import CHATML, ChatTemplate, check_messages, template_for
+from localinfer.model.spec import ModelSpec
+from localinfer.model.templates import CHATML, ChatTemplate, check_messages, template_for
 
 USER = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    from localinfer.llamacpp import LlamaCppEngine
+    from localinfer.backends.llamacpp.engine import LlamaCppEngine
 
     with LlamaCppEngine(LoadPlan(str(default_model), n_ctx=256, n_threads=1)) as e:
         yield e

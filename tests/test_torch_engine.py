@@ -9,9 +9,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
 from cuda_backend.engine import TorchEngine
-from localinfer.backends import load_engine
-from localinfer.budget import kv_bytes
-from localinfer.engine import LoadPlan
+from localinfer.backends.registry import load_engine
+from localinfer.plan.memory import kv_bytes
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import ContextFullError
 
 # Chunked or batched evaluation changes matmul blocking, hence summation order; a K or V value

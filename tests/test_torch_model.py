@@ -32,8 +32,8 @@ from ggufgen import write_tiny_model
 from cuda_backend.engine import TorchEngine
 from cuda_backend.rope import ROPE_PAIRING
 from cuda_backend.support import SUPPORTED_WEIGHT_TYPES
-from localinfer.backends import load_engine
-from localinfer.engine import LoadPlan
+from localinfer.backends.registry import load_engine
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UnsupportedModelError
 
 TEXT = "the tiny model reads this"

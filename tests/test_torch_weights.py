@@ -19,7 +19,7 @@ from ggufgen import write_tiny_model
 from cuda_backend.support import SUPPORTED_WEIGHT_TYPES
 from cuda_backend.weights import Packed, load_weights, weights_nbytes
 from gguf_tools import GGUFFormatError
-from localinfer.spec import ModelSpec
+from localinfer.model.spec import ModelSpec
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_progress_bar_on_stderr_unless_quiet(typed_models, capfd):
 
 _PEAK = textwrap.dedent("""
     import sys, torch
-    from localinfer.spec import ModelSpec
+    from localinfer.model.spec import ModelSpec
     from cuda_backend.weights import load_weights, weights_nbytes
 
     def status(key):
@@ -143,7 +143,7 @@ def test_peak_host_memory_within_1_2x_of_loaded_model(default_model):
 
 def test_packed_engine_gives_the_same_logits_in_file_bytes(tmp_path):
     from cuda_backend.engine import TorchEngine
-    from localinfer.engine import LoadPlan
+    from localinfer.backends.engine import LoadPlan
 
     path = str(write_tiny_model(tmp_path / "q4.gguf", qtype=T.Q4_0, tied=True))
     plain = TorchEngine(LoadPlan(path, n_ctx=64, n_threads=1, options={"quiet": True}))

@@ -13,8 +13,8 @@ import os
 import sys
 from dataclasses import fields
 
-from ..engine import KV_TYPES, LoadPlan
-from ..errors import DoesNotFitError, UsageError
+from localinfer.backends.engine import KV_TYPES, LoadPlan
+from localinfer.errors import DoesNotFitError, UsageError
 
 _PLAN_DEFAULTS = {f.name: f.default for f in fields(LoadPlan)}
 MAX_CTX = 1 << 24
@@ -47,8 +47,8 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Sampling, reply length, stop strings and prompt-lookup decoding."""
-    from ..runner import DEFAULT_MAX_TOKENS
-    from ..sampling import SamplingParams
+    from localinfer.generate.runner import DEFAULT_MAX_TOKENS
+    from localinfer.generate.sampling import SamplingParams
 
     d = SamplingParams()
     g = p.add_argument_group("sampling")
@@ -78,7 +78,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_from(args: argparse.Namespace):
     """SamplingParams from the flags given (the rest keep their defaults)."""
-    from ..sampling import SamplingParams
+    from localinfer.generate.sampling import SamplingParams
 
     given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                            "repeat_last_n", "seed", "greedy") if getattr(args, k, None) is not None}
@@ -86,8 +86,8 @@ def sampling_from(args: argparse.Namespace):
 
 
 def max_tokens_from(args: argparse.Namespace) -> int:
-    from ..runner import DEFAULT_MAX_TOKENS
-    from ..sampling import check_max_tokens
+    from localinfer.generate.runner import DEFAULT_MAX_TOKENS
+    from localinfer.generate.sampling import check_max_tokens
 
     n = getattr(args, "max_tokens", None)
     return DEFAULT_MAX_TOKENS if n is None else check_max_tokens(n, "-n")
@@ -98,10 +98,10 @@ def decoder_from(args: argparse.Namespace):
     if not getattr(args, "lookup", False):
         if args.lookup_ngram is not None or args.draft_max is not None:
             raise UsageError("--lookup-ngram and --draft-max need --lookup", flag="--lookup")
-        from ..decoding import PlainDecoder
+        from localinfer.generate.decoding import PlainDecoder
 
         return PlainDecoder()
-    from ..speculative import LookupDecoder
+    from localinfer.generate.lookup import LookupDecoder
 
     kw = {}
     if args.lookup_ngram is not None:
@@ -116,8 +116,8 @@ def read_spec(args: argparse.Namespace):
     """(model path, ModelSpec) from the MODEL argument; header reads only."""
     from gguf_tools.split import read_model_header
 
-    from ..models import resolve_model
-    from ..spec import ModelSpec
+    from localinfer.model.sources import resolve_model
+    from localinfer.model.spec import ModelSpec
 
     path = resolve_model(args.model)
     if path.is_dir():
@@ -161,7 +161,7 @@ def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
 
 
 def backend_name(args: argparse.Namespace) -> str:
-    from ..backends import DEFAULT_BACKEND, canonical
+    from localinfer.backends.registry import DEFAULT_BACKEND, canonical
 
     return canonical(args.backend or DEFAULT_BACKEND)
 
@@ -171,8 +171,8 @@ def check_fit(spec, plan: LoadPlan, backend: str, force: bool):
 
     Plugin backends fit knows nothing about are not checked.
     """
-    from ..budget import BACKENDS
-    from ..fit import check_load
+    from localinfer.plan.memory import BACKENDS
+    from localinfer.plan.fit import check_load
 
     if backend not in BACKENDS:
         return None
@@ -190,7 +190,7 @@ def check_fit(spec, plan: LoadPlan, backend: str, force: bool):
 
 def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):
     """(engine, spec, plan, backend name): flags -> fit check -> loaded engine."""
-    from ..backends import load_engine
+    from localinfer.backends.registry import load_engine
 
     path, spec = read_spec(args)
     plan = plan_from(args, path, spec, **overrides)
@@ -205,7 +205,7 @@ def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):
 
 def template_from(args: argparse.Namespace, engine, spec):
     """The chat template: --chat-template FILE, else the GGUF's, else ChatML (with a warning)."""
-    from ..templates import template_for
+    from localinfer.model.templates import template_for
 
     def text(tok):
         if tok is None:

@@ -1,7 +1,7 @@
 """`localinfer bench [MODEL]`: prefill/decode speed, TTFT/ITL, memory and bandwidth per KV type.
 
 Prints a table; ``--json FILE`` also writes versioned results (schema in
-:mod:`localinfer.bench`) that capacity reports calibrate their speed model with.
+:mod:`localinfer.generate.bench`) that capacity reports calibrate their speed model with.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from . import _common
+from localinfer.commands import _common
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -24,7 +24,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _kv_list(text: str) -> tuple[str, ...]:
-    from ..engine import KV_TYPES
+    from localinfer.backends.engine import KV_TYPES
 
     values = tuple(x.strip() for x in text.split(",") if x.strip())
     bad = [v for v in values if v not in KV_TYPES]
@@ -34,7 +34,7 @@ def _kv_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..bench import DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
+    from localinfer.generate.bench import DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
 
     _common.add_model_args(parser, kv_choices=False)
     parser.add_argument("--kv", type=_kv_list, default=KV_TYPES, metavar="LIST",
@@ -50,10 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._atomic import atomic_write
-    from ..backends import load_engine
-    from ..bench import BenchConfig, Progress, render_table, results, run_bench
-    from ..errors import UsageError
+    from localinfer.util.atomic import atomic_write
+    from localinfer.backends.registry import load_engine
+    from localinfer.generate.bench import BenchConfig, Progress, render_table, results, run_bench
+    from localinfer.errors import UsageError
 
     if not 1 <= args.gen <= 1 << 16:
         raise UsageError(f"--gen {args.gen} is out of range", flag="--gen", hint="use 1..65536")
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 def _local_device() -> tuple[str, float | None]:
     """This machine's profile name and peak bandwidth (None when unknown)."""
     try:
-        from ..devices import local_device
+        from localinfer.devices.profiles import local_device
     except ImportError:
         return "this machine", None
     dev = local_device()

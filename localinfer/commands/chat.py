@@ -1,7 +1,7 @@
 """`localinfer chat [MODEL]`: an interactive chat (the embedded model by default).
 
 The model loads only after the fit check passes (``--force`` overrides it);
-see :mod:`localinfer.chat` for the keys and /commands.
+see :mod:`localinfer.generate.chat` for the keys and /commands.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from . import _common
+from localinfer.commands import _common
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,13 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gguf_tools.inspect import safe_text
 
-    from ..chat import ChatSession, read_transcript
+    from localinfer.generate.chat import ChatSession, read_transcript
 
     params = _common.sampling_from(args)
     max_tokens = _common.max_tokens_from(args)
     decoder = _common.decoder_from(args)
     if args.stop:
-        from ..errors import UsageError
+        from localinfer.errors import UsageError
 
         raise UsageError("--stop is not used by chat; the chat template ends each reply", flag="--stop")
     loaded = read_transcript(args.load) if args.load else None

@@ -26,7 +26,7 @@ def _row(p) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..devices import all_devices, get_device, user_profile_dirs
+    from localinfer.devices.profiles import all_devices, get_device, user_profile_dirs
 
     devices = [get_device(args.name)] if args.name else all_devices()
     if args.json:
@@ -48,7 +48,7 @@ def _clean(text: str) -> str:
 
 
 def _table(devices) -> str:
-    from ..units import GB, GiB
+    from localinfer.units import GB, GiB
 
     head = f"{'name':<16}{'kind':<6}{'usable':>10}{'bandwidth':>11}{'BF16':>8}{'link':>10}{'power':>7}  about"
     lines = [head, "-" * 100]
@@ -67,7 +67,7 @@ def _table(devices) -> str:
 
 
 def _detail(p) -> str:
-    from ..units import fmt_bytes
+    from localinfer.units import fmt_bytes
 
     rows = [("name", p.name), ("display name", p.display_name), ("kind", p.kind), ("unified memory", p.unified),
             ("memory", f"{fmt_bytes(p.memory_bytes)} ({p.memory_bytes:,} B)"),

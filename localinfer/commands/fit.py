@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _request(args, spec):
-    from ..errors import UsageError
-    from ..fit import FitRequest
+    from localinfer.errors import UsageError
+    from localinfer.plan.fit import FitRequest
 
     if args.kv_type and (args.type_k or args.type_v):
         raise UsageError("give either --kv-type or -ctk/-ctv, not both", flag="--kv-type",
@@ -83,7 +83,7 @@ def _request(args, spec):
 
 
 def _devices(args):
-    from ..devices import all_devices
+    from localinfer.devices.profiles import all_devices
 
     names = []
     for item in args.device or ():
@@ -94,9 +94,9 @@ def _devices(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..fit import fit_device
-    from ..models import resolve_model
-    from ..spec import ModelSpec
+    from localinfer.plan.fit import fit_device
+    from localinfer.model.sources import resolve_model
+    from localinfer.model.spec import ModelSpec
 
     spec = ModelSpec.from_gguf(resolve_model(args.model))
     req = _request(args, spec)
@@ -121,8 +121,8 @@ def predict_speed(spec, device, req) -> dict | None:
     """
     if req.backend != "llama.cpp" or not device.bandwidth_bytes_per_s or not device.bf16_flops:
         return None
-    from ..cost import model_cost
-    from ..perf import SpeedModel
+    from localinfer.model.cost import model_cost
+    from localinfer.plan.speed import SpeedModel
 
     model = SpeedModel(model_cost(spec), device, ubatch=req.n_ubatch)
     kv = req.type_k if req.type_k == req.type_v else "f16"
@@ -138,7 +138,7 @@ def predict_speed(spec, device, req) -> dict | None:
 
 
 def _as_json(spec, req, results) -> dict:
-    from ..budget import kv_bytes_per_token
+    from localinfer.plan.memory import kv_bytes_per_token
 
     return {
         "model": {"path": spec.path, "name": spec.name, "arch": spec.arch, "n_layers": spec.n_layers,
@@ -155,7 +155,7 @@ def _as_json(spec, req, results) -> dict:
 def _g(n: int | None) -> str:
     if n is None:
         return "—"
-    from ..units import GiB, MiB
+    from localinfer.units import GiB, MiB
 
     if abs(n) >= GiB:
         return f"{n / GiB:.2f} GiB"
@@ -174,7 +174,7 @@ def _clean(text: str) -> str:
 
 def render_text(spec, req, results, speeds: dict | None = None) -> str:
     """The fit report as text that reads at 100 columns."""
-    from ..units import GiB
+    from localinfer.units import GiB
 
     fa = {True: "on", False: "off", None: "auto"}[req.flash_attn]
     head = (f"{_clean(spec.name)}  ({spec.arch}, {spec.n_layers} layers, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
@@ -207,7 +207,7 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
             lines.append(f"  KV type that fits at this context: {r.kv_type}")
         sp = (speeds or {}).get(r.device.name)
         if sp and (r.fits or r.offload is not None):
-            from ..units import fmt_duration
+            from localinfer.units import fmt_duration
 
             lines.extend(_wrap(f"speed (predicted, 1 request, {_ctx(req.n_ctx)} context): prefill "
                                f"{sp['prefill_tok_s']:,.0f} tok/s (TTFT {fmt_duration(sp['ttft_s'])}), decode "

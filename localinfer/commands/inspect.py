@@ -21,8 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from gguf_tools.inspect import account, active_parameters
     from gguf_tools.split import merge, read_shards
 
-    from ..models import resolve_model
-    from ..spec import ModelSpec
+    from localinfer.model.sources import resolve_model
+    from localinfer.model.spec import ModelSpec
 
     path = resolve_model(args.model)
     shards = read_shards(path)
@@ -76,7 +76,7 @@ def _heads(v: tuple[int, ...]) -> str:
 def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str:
     from gguf_tools.inspect import describe_value, safe_text
 
-    from ..units import fmt_bytes
+    from localinfer.units import fmt_bytes
 
     lines = []
     add = lines.append

@@ -10,8 +10,8 @@ import argparse
 import json
 import math
 
-from ..errors import UsageError
-from ..perf import Workload
+from localinfer.errors import UsageError
+from localinfer.plan.speed import Workload
 
 KV_DEFAULT = "f16,q8_0,q4_0"
 
@@ -53,20 +53,20 @@ def _check(v, flag: str, lo: float, hi: float | None = None):
 
 def build(args: argparse.Namespace):
     """(spec, SpeedModel, Plan) for the parsed arguments."""
-    from ..bench_import import load_bench
-    from ..cost import kv_pair, model_cost
-    from ..devices import get_device, local_device
-    from ..drafting import Drafting, model_drafting
-    from ..models import resolve_model
-    from ..perf import SpeedModel
-    from ..planner import (
+    from localinfer.plan.bench_import import load_bench
+    from localinfer.model.cost import kv_pair, model_cost
+    from localinfer.devices.profiles import get_device, local_device
+    from localinfer.plan.speculation import Drafting, model_drafting
+    from localinfer.model.sources import resolve_model
+    from localinfer.plan.speed import SpeedModel
+    from localinfer.plan.planner import (
         candidate_configs,
         default_kv_budget,
         lookup_draft_length,
         plan,
     )
-    from ..spec import ModelSpec
-    from ..units import parse_size
+    from localinfer.model.spec import ModelSpec
+    from localinfer.units import parse_size
 
     _check(args.acceptance, "--acceptance", 0.0, 1.0)
     _check(args.draft_tokens, "--draft-tokens", 1, 64)
@@ -112,8 +112,8 @@ def _s(x: float) -> str:
 
 def render_text(spec, speed, p) -> str:
     """The plan as an aligned table, the choice, and why each other configuration lost."""
-    from ..planner import UNKNOWN
-    from ..units import fmt_bytes
+    from localinfer.plan.planner import UNKNOWN
+    from localinfer.units import fmt_bytes
 
     w, dev = p.workload, speed.device
     shared = f" (first {w.shared_prefix} shared)" if w.shared_prefix else ""
@@ -160,8 +160,8 @@ def render_text(spec, speed, p) -> str:
 
 def prefix_note(speed, w) -> str | None:
     """What keeping the shared prefix cached between batches is worth (V_h = p_h (T_r − T_f) − T_m)."""
-    from ..prefix_cache import prefix_value
-    from ..units import fmt_bytes
+    from localinfer.plan.prefix_value import prefix_value
+    from localinfer.units import fmt_bytes
 
     if not w.shared_prefix:
         return None
@@ -181,7 +181,7 @@ def _clean(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner import plan_dict
+    from localinfer.plan.planner import plan_dict
 
     spec, speed, p = build(args)
     if args.json:

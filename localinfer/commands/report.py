@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import UsageError
+from localinfer.errors import UsageError
 
 FORMATS = ("text", "md", "json", "html")
 DEFAULT_CTX = "2048,8192,32768"
@@ -45,13 +45,13 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def build(args: argparse.Namespace):
     """The Report for the parsed arguments."""
-    from ..bench_import import load_bench
-    from ..cost import kv_pair
-    from ..devices import all_devices, get_device, load_profiles, local_device
-    from ..models import resolve_model
-    from ..perf import Workload
-    from ..reports import build_report
-    from ..spec import ModelSpec
+    from localinfer.plan.bench_import import load_bench
+    from localinfer.model.cost import kv_pair
+    from localinfer.devices.profiles import all_devices, get_device, load_profiles, local_device
+    from localinfer.model.sources import resolve_model
+    from localinfer.plan.speed import Workload
+    from localinfer.report.capacity import build_report
+    from localinfer.model.spec import ModelSpec
 
     contexts = _ints(args.ctx, "--ctx")
     kv_types = tuple(dict.fromkeys(t.strip() for t in args.kv.split(",") if t.strip()))
@@ -86,10 +86,10 @@ def build(args: argparse.Namespace):
 
 def render(report, fmt: str) -> str:
     """The report in one of FORMATS."""
-    from ..reports import render_json, render_md, render_text
+    from localinfer.report.capacity import render_json, render_md, render_text
 
     if fmt == "html":
-        from ..report_html import render_html
+        from localinfer.report.html import render_html
 
         return render_html(report)
     return {"text": render_text, "md": render_md, "json": render_json}[fmt](report)
@@ -98,7 +98,7 @@ def render(report, fmt: str) -> str:
 def run(args: argparse.Namespace) -> int:
     text = render(build(args), args.format)
     if args.output:
-        from .._atomic import atomic_write
+        from localinfer.util.atomic import atomic_write
 
         atomic_write(args.output, text if text.endswith("\n") else text + "\n")
         print(f"wrote {args.output}", file=sys.stderr)

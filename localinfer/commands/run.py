@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from . import _common
+from localinfer.commands import _common
 
 MAX_PROMPT_FILE = 64 << 20
 
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return args.prompt
-    from ..errors import UsageError
+    from localinfer.errors import UsageError
 
     try:
         if args.file == "-":
@@ -53,10 +53,10 @@ def prompt_tokens(args, engine, spec, text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..runner import Runner
+    from localinfer.generate.runner import Runner
 
     if args.raw and args.system:
-        from ..errors import UsageError
+        from localinfer.errors import UsageError
 
         raise UsageError("--system needs the chat template; drop --raw", flag="--system")
     text = read_prompt(args)

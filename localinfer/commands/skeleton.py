@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import UsageError
-from ..units import fmt_bytes
+from localinfer.errors import UsageError
+from localinfer.units import fmt_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from ggufgen import write_tiny_model
 
 from cuda_backend.engine import TorchEngine
 from cuda_backend.graphs import GraphDecoder
-from localinfer.engine import LoadPlan
+from localinfer.backends.engine import LoadPlan
 
 TEXT = "the tiny model runs on the device"
 

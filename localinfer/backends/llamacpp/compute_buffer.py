@@ -1,0 +1,439 @@
+"""llama.cpp's compute buffer, predicted by replaying its graph allocator.
+
+llama.cpp sizes the compute buffer by building the worst-case graph (a full
+``n_ubatch`` of tokens, ``min(n_ubatch, n_outputs_max)`` logit rows, the whole
+KV cache visible) and running ggml's graph allocator over it: tensors are
+placed first-fit-by-size in a growing arena, freed after their last consumer,
+and some ops (norms, adds, rope, softmax...) write in place over a parent that
+has no other consumer.  The buffer is the arena's high-water mark, holes
+included — which is why no closed formula gets it right.
+
+This module builds the same node sequence for llama-style decoders (llama,
+qwen2, qwen3, qwen3moe and relatives) from a :class:`ModelSpec` and replays the
+allocator in pure Python.  On this machine it reproduces llama.cpp's CPU
+compute buffer to the byte (see tests/test_fit_llamacpp.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localinfer.backends.llamacpp.placement import spec_cache
+from localinfer.model.spec import ModelSpec
+
+F32, F16, I32, I64 = 4, 2, 4, 8
+ALIGN = {"cpu": 32, "metal": 32, "cuda": 128}
+_INPLACE = {"SCALE", "ADD", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY"}
+_FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
+# graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
+VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+
+
+@dataclass(frozen=True)
+class ComputeEstimate:
+    device: int          # the compute buffer on the device running the layers
+    host: int            # host-side compute buffer (inputs, embedding lookup) when offloading
+    formula: str
+    host_formula: str = ""
+
+
+class _Graph:
+    """A ggml graph as the allocator sees it: leafs first, then nodes in execution order."""
+
+    def __init__(self):
+        self.size: list[int] = []
+        self.layout: list[tuple] = []
+        self.op: list[str] = []
+        self.src: list[tuple[int, ...]] = []
+        self.view_src: list[int | None] = []
+        self.voff: list[int] = []
+        self.flags: list[int] = []      # 1 input, 2 output, 4 external (weights, KV cache)
+        self.nodes: list[int] = []
+        self.leafs: list[int] = []
+
+    def _new(self, size, layout, op, src, view_src, voff, flags) -> int:
+        self.size.append(size)
+        self.layout.append(layout)
+        self.op.append(op)
+        self.src.append(tuple(src))
+        self.view_src.append(view_src)
+        self.voff.append(voff)
+        self.flags.append(flags)
+        return len(self.size) - 1
+
+    def leaf(self, nbytes: int, shape: tuple, flags: int) -> int:
+        t = self._new(nbytes, shape, "NONE", (), None, 0, flags)
+        self.leafs.append(t)
+        return t
+
+    def weight(self) -> int:
+        return self._new(0, (), "NONE", (), None, 0, 4)
+
+    def op_(self, op: str, shape: tuple, esize: int, *src: int, flags: int = 0) -> int:
+        n = 1
+        for d in shape:
+            n *= d
+        t = self._new(n * esize, (esize,) + tuple(shape), op, src, None, 0, flags)
+        self.nodes.append(t)
+        return t
+
+    def view(self, parent: int, shape: tuple | None = None, voff: int = 0, contiguous: bool = True) -> int:
+        base = self.view_src[parent] if self.view_src[parent] is not None else parent
+        lay = self.layout[parent] if shape is None else ((self.layout[parent][:1] + tuple(shape)) if contiguous
+                                                         else ("strided",) + tuple(shape))
+        t = self._new(self.size[parent], lay, "VIEW", (parent,), base, voff, self.flags[parent] & 4)
+        self.nodes.append(t)
+        return t
+
+
+def attn_rotation(head_dim: int, type_name: str) -> int:
+    """Size of the Hadamard rotation llama.cpp applies around a quantized KV cache (0: none).
+
+    On when the cache type is quantized and the head size is a multiple of 64:
+    K uses the largest power of two dividing the head size, V a 64×64 block.
+    """
+    if type_name in ("f32", "f16", "bf16") or head_dim % 64:
+        return 0
+    return head_dim & -head_dim
+
+
+def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_outputs: int,
+                 flash_attn: bool, n_kv_swa: int, type_k: str = "f16", type_v: str = "f16") -> _Graph:
+    """The node sequence llama.cpp builds for one ubatch of a llama-style decoder."""
+    g = _Graph()
+    E, T, O = spec.n_embd, n_tokens, n_outputs
+    hd, hdv = spec.head_dim_k, spec.head_dim_v
+    has = {t.name.split(".", 2)[-1] for t in spec.tensors if t.name.startswith("blk.0.")}
+    bias = {k: f"attn_{k}.bias" in has for k in "qkv"}
+    qk_norm = "attn_q_norm.weight" in has
+    rope_freqs = spec.tensor("rope_freqs.weight") is not None
+    moe = spec.n_expert > 0
+    kv_all = max((spec.n_head_kv[il] * hdv for il in layers), default=0)
+    swa = spec.has_swa
+    rot_k = attn_rotation(hd, type_k)
+    rot_v = 64 if attn_rotation(hdv, type_v) else 0
+    tokens = g.leaf(T * I32, (T,), 1)
+    g.leaf(E * T * F32, (E, T), 1)                 # inp_embd: created, never used, never freed
+    pos = g.leaf(T * I32, (T,), 1)
+    k_rot = g.leaf(rot_k * rot_k * F32, (rot_k, rot_k), 1) if rot_k else None
+    v_rot = g.leaf(rot_v * rot_v * F32, (rot_v, rot_v), 1) if rot_v else None
+    mesize = F16 if flash_attn else F32
+    kv_inputs: dict[bool, tuple[int, int, int]] = {}   # per cache (full / sliding): k idx, v idx, mask
+
+    def kv_input(is_swa: bool) -> tuple[int, int, int]:
+        if is_swa not in kv_inputs:   # created where first used: that is the allocator's leaf order
+            n = n_kv_swa if is_swa else n_kv
+            kv_inputs[is_swa] = (g.leaf(T * I64, (T,), 1),
+                                 g.leaf((T if flash_attn else kv_all * T) * I64, (T,), 1),
+                                 g.leaf(n * T * mesize, (n, T), 1))
+        return kv_inputs[is_swa]
+
+    gemma = spec.arch.startswith("gemma")
+    post_norms = "post_attention_norm.weight" in has and "post_ffw_norm.weight" in has
+    out_ids = None
+    w = g.weight
+
+    def proj(x, n, key, heads, dim, norm):
+        t = g.op_("MUL_MAT", (n, T), F32, w(), x)
+        if bias[key]:
+            t = g.op_("ADD", (n, T), F32, t, w())
+        t = g.view(t, (dim, heads, T))
+        if norm and qk_norm:
+            t = g.op_("RMS_NORM", (dim, heads, T), F32, t)
+            t = g.op_("MUL", (dim, heads, T), F32, t, w())
+        return t
+
+    def rotate(t, rot, r, shape):
+        n = 1
+        for d in shape:
+            n *= d
+        t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
+        return g.view(t, shape)
+
+    def keys(x, heads):
+        t = proj(x, heads * hd, "k", heads, hd, True)
+        t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
+        return rotate(t, k_rot, rot_k, (hd, heads, T)) if rot_k else t
+
+    def values(x, heads):
+        t = proj(x, heads * hdv, "v", heads, hdv, False)
+        return rotate(t, v_rot, rot_v, (hdv, heads, T)) if rot_v else t
+
+    cur = g.op_("GET_ROWS", (E, T), F32, w(), tokens)
+    if gemma:
+        cur = g.op_("SCALE", (E, T), F32, cur)
+    last = layers[-1]
+    for il in layers:
+        H, Hkv = spec.n_head[il], spec.n_head_kv[il]
+        nq, nk, nv = H * hd, Hkv * hd, Hkv * hdv
+        is_swa = bool(swa and spec.swa_layers[il])
+        inp = cur
+        x = g.op_("RMS_NORM", (E, T), F32, inp)
+        x = g.op_("MUL", (E, T), F32, x, w())
+
+        q = proj(x, nq, "q", H, hd, True)
+        q = g.op_("ROPE", (hd, H, T), F32, q, pos, *((w(),) if rope_freqs else ()))
+        if gemma:
+            q = g.op_("SCALE", (hd, H, T), F32, q)
+        if rot_k:
+            q = rotate(q, k_rot, rot_k, (hd, H, T))
+        if gemma:                    # llama.cpp's graph visits K first for gemma, V first for the others
+            k = keys(x, Hkv)
+            v = values(x, Hkv)
+        else:
+            v = values(x, Hkv)
+            k = keys(x, Hkv)
+        k_idx, v_idx, m = kv_input(is_swa)
+        kc, vc = w(), w()
+        g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
+        if flash_attn:
+            g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(v, (nv, T)), v_idx, vc), vc, 0, 4))
+        else:
+            vr = g.view(g.view(v, (nv, T)), (1, nv * T))
+            g.nodes.append(g._new(0, (), "SET_ROWS", (vr, v_idx, g.view(vc, (1,), contiguous=False)), vc, 0, 4))
+        kv_len = n_kv_swa if is_swa else n_kv
+        qp = g.view(g.view(q), (hd, T, H), contiguous=False)
+        kp = g.view(g.view(kc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
+        vp = g.view(g.view(vc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
+        if flash_attn:
+            a = g.op_("FLASH_ATTN_EXT", (hdv, H, T), F32, qp, kp, vp, m)
+            a = g.view(a, (hdv * H, T))
+            if rot_v:
+                a = rotate(a, v_rot, rot_v, (hdv * H, T))
+        else:
+            kq = g.op_("MUL_MAT", (kv_len, T, H), F32, kp, qp)
+            kq = g.op_("SOFT_MAX", (kv_len, T, H), F32, kq, m)
+            kqv = g.op_("MUL_MAT", (hdv, T, H), F32, vp, kq)
+            a = g.op_("CONT", (hdv * H, T), F32, g.view(kqv, (hdv, H, T), contiguous=False))
+        a = g.op_("MUL_MAT", (E, T), F32, w(), a)
+        R = O if il == last else T
+        if il == last:
+            out_ids = g.leaf(O * I32, (O,), 1)
+            a = g.op_("GET_ROWS", (E, O), F32, a, out_ids)
+        if post_norms:
+            a = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, a), w())
+        if il == last:
+            inp = g.op_("GET_ROWS", (E, O), F32, inp, out_ids)
+        res = g.op_("ADD", (E, R), F32, a, inp)
+        x = g.op_("RMS_NORM", (E, R), F32, res)
+        x = g.op_("MUL", (E, R), F32, x, w())
+        if moe:
+            ne, nu, ff = spec.n_expert, spec.n_expert_used, spec.expert_ff or spec.n_ff[il]
+            lg = g.op_("MUL_MAT", (ne, R), F32, w(), x)
+            pr = g.op_("SOFT_MAX", (ne, R), F32, lg)
+            prr = g.view(pr, (1, ne, R))
+            srt = g.op_("ARGSORT", (ne, R), I32, pr)
+            top = g.view(srt, (nu, R), contiguous=False)
+            wt = g.op_("GET_ROWS", (1, nu, R), F32, prr, top)
+            wtr = g.view(wt, (nu, R))
+            sm = g.op_("SUM_ROWS", (1, R), F32, wtr)
+            sm = g.op_("CLAMP", (1, R), F32, sm)
+            wn = g.view(g.op_("DIV", (nu, R), F32, wtr, sm), (1, nu, R))
+            xr = g.view(x, (E, 1, R))
+            gt = g.op_("MUL_MAT_ID", (ff, nu, R), F32, w(), xr, top)
+            up = g.op_("MUL_MAT_ID", (ff, nu, R), F32, w(), xr, top)
+            gl = g.op_("GLU", (ff, nu, R), F32, gt, up)
+            dn = g.op_("MUL_MAT_ID", (E, nu, R), F32, w(), gl, top)
+            wd = g.op_("MUL", (E, nu, R), F32, dn, wn)
+            views = [g.view(wd, (E, R), voff=i * E * F32, contiguous=False) for i in range(nu)]
+            f = g.op_("ADD", (E, R), F32, views[0], views[1]) if nu > 1 else g.op_("CONT", (E, R), F32, views[0])
+            for vw in views[2:]:
+                f = g.op_("ADD", (E, R), F32, f, vw)
+        else:
+            ff = spec.n_ff[il]
+            gt = g.op_("MUL_MAT", (ff, R), F32, w(), x)
+            up = g.op_("MUL_MAT", (ff, R), F32, w(), x)
+            gl = g.op_("GLU", (ff, R), F32, gt, up)
+            f = g.op_("MUL_MAT", (E, R), F32, w(), gl)
+        if post_norms:
+            f = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, f), w())
+        cur = g.op_("ADD", (E, R), F32, f, res)
+    x = g.op_("RMS_NORM", (E, O), F32, cur)
+    x = g.op_("MUL", (E, O), F32, x, w(), flags=2)
+    g.op_("MUL_MAT", (spec.vocab_size, O), F32, w(), x, flags=2)
+    return g
+
+
+def _replay(g: _Graph, align: int, sizes: list[int] | None = None) -> int:
+    """ggml_gallocr over the graph: returns the arena's high-water mark in bytes."""
+    size = g.size if sizes is None else sizes
+    n = len(g.size)
+    children = [0] * n
+    views = [0] * n
+    allocated = [False] * n
+    offset = [0] * n
+    blocks: list[list[int]] = [[0, 1 << 62]]   # free blocks sorted by offset; the last one is the tail
+    high = 0
+
+    def pad(x: int) -> int:
+        return -(-x // align) * align
+
+    def take(size: int) -> int:
+        nonlocal high
+        size = pad(size)
+        best, best_size = -1, None
+        for i in range(len(blocks) - 1):
+            s = blocks[i][1]
+            if s >= size and (best_size is None or s <= best_size):
+                best, best_size = i, s
+        if best < 0:
+            best = len(blocks) - 1
+        off = blocks[best][0]
+        blocks[best][0] += size
+        blocks[best][1] -= size
+        if blocks[best][1] == 0:
+            del blocks[best]
+        high = max(high, off + size)
+        return off
+
+    def give(off: int, size: int) -> None:
+        size = pad(size)
+        for i, (o, s) in enumerate(blocks):
+            if o + s == off:
+                blocks[i][1] += size
+                if i + 1 < len(blocks) and blocks[i][0] + blocks[i][1] == blocks[i + 1][0]:
+                    blocks[i][1] += blocks[i + 1][1]
+                    del blocks[i + 1]
+                return
+            if off + size == o:
+                blocks[i] = [off, s + size]
+                if i > 0 and blocks[i - 1][0] + blocks[i - 1][1] == off:
+                    blocks[i - 1][1] += blocks[i][1]
+                    del blocks[i]
+                return
+        j = 0
+        while j < len(blocks) and blocks[j][0] < off:
+            j += 1
+        blocks.insert(j, [off, size])
+
+    def alloc(t: int) -> None:
+        if allocated[t] or g.flags[t] & 4 or g.view_src[t] is not None:
+            return
+        allocated[t] = True
+        if g.op[t] in _INPLACE:
+            for p in g.src[t]:
+                if not allocated[p] or g.flags[p] & 2 or g.layout[p] != g.layout[t]:
+                    continue
+                if children[p] != 1 or views[p] != 0:
+                    continue
+                offset[t] = offset[p]
+                allocated[p] = False
+                extra = pad(size[p]) - pad(size[t])
+                if extra > 0:
+                    give(offset[t] + pad(size[t]), extra)
+                return
+        offset[t] = take(size[t])
+
+    def free(t: int) -> None:
+        if g.flags[t] & 2:
+            return
+        give(offset[t], size[t])
+        allocated[t] = False
+
+    for t in g.leafs:
+        alloc(t)
+    for t in g.nodes:
+        if g.view_src[t] is not None:
+            views[g.view_src[t]] += 1
+        for s in g.src[t]:
+            children[s] += 1
+    for t in g.nodes:
+        for s in g.src[t]:
+            alloc(s)
+        alloc(t)
+        for s in g.src[t]:
+            children[s] -= 1
+            if children[s] == 0 and views[s] == 0:
+                vs = g.view_src[s]
+                if vs is not None:
+                    views[vs] -= 1
+                    if views[vs] == 0 and children[vs] == 0 and allocated[vs]:
+                        free(vs)
+                elif allocated[s]:
+                    free(s)
+    return high
+
+
+_BIG = 1_000_003   # a prime no model dimension equals: shapes built with it never collide by accident
+
+
+def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs: int, flash_attn: bool,
+              type_k: str, type_v: str):
+    """The graph once, with every tensor size as base + a·n_kv + b·n_kv_swa (sizes are linear in both)."""
+    memo = spec_cache(spec)
+    key = ("graph", layers, n_ubatch, n_outputs, flash_attn, type_k, type_v)
+    if key not in memo:
+        args = (n_ubatch, n_outputs, flash_attn)
+        g0 = _llama_graph(spec, list(layers), _BIG, *args, _BIG, type_k, type_v)
+        g1 = _llama_graph(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v)
+        g2 = _llama_graph(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v)
+        coef = [(s0 - (s1 - s0) * _BIG - (s2 - s0) * _BIG, s1 - s0, s2 - s0)
+                for s0, s1, s2 in zip(g0.size, g1.size, g2.size)]
+        memo[key] = (g0, coef)
+    return memo[key]
+
+
+def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: int, n_outputs: int,
+                flash_attn: bool, n_kv_swa: int, align: int, type_k: str = "f16", type_v: str = "f16") -> int:
+    memo = spec_cache(spec)
+    rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
+    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, rot)
+    if key not in memo:
+        tk = type_k if rot[0] else "f16"
+        tv = type_v if rot[1] else "f16"
+        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn, tk, tv)
+        sizes = [c + a * n_kv + b * n_kv_swa for c, a, b in coef]
+        memo[key] = _replay(g, align, sizes)
+    return memo[key]
+
+
+def _replay_layers(spec: ModelSpec, layers: list[int]) -> tuple[int, ...]:
+    """Layers to replay: all of them, or the first and last few when the middle repeats exactly."""
+    uniform = (len({spec.n_head[il] for il in layers}) == 1 and len({spec.n_head_kv[il] for il in layers}) == 1
+               and len({spec.n_ff[il] for il in layers}) == 1 and not spec.has_swa)
+    if len(layers) <= _FULL_LAYERS or not uniform:
+        return tuple(layers)
+    return tuple(layers[:3] + layers[-3:])
+
+
+def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: int, flash_attn: bool,
+                     kind: str, gpu_layers: int, type_k: str = "f16", type_v: str = "f16",
+                     n_kv_swa: int | None = None) -> ComputeEstimate:
+    """The compute buffer(s) llama.cpp reserves for this context.
+
+    ``n_kv`` is the cells of one KV stream, ``n_outputs`` the logit rows of the
+    worst-case ubatch (min(n_ubatch, n_outputs_max)).  For an accelerator the
+    layers run on the device and the host keeps the inputs and the embedding
+    lookup; partial offload adds one CPU layer's weights copied up per step
+    (an estimate: not verified on a GPU here).
+    """
+    layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
+    align = ALIGN.get(kind, 32)
+    swa = n_kv if n_kv_swa is None else n_kv_swa
+    formula = (f"ggml graph allocator replayed over the {spec.arch} graph: ubatch {n_ubatch} tokens, "
+               f"{n_outputs} logit rows, {n_kv} KV cells, flash attention {'on' if flash_attn else 'off'}")
+    if spec.arch not in VERIFIED_ARCHS:
+        formula += f" (approximate: a llama-style graph stands in for {spec.arch!r})"
+    try:
+        dev = _pp_compute(spec, _replay_layers(spec, layers), n_kv, n_ubatch, n_outputs, flash_attn, swa, align,
+                          type_k, type_v)
+    except (ValueError, TypeError, ZeroDivisionError, IndexError):   # metadata the graph cannot be built from
+        E, T, F = spec.n_embd, n_ubatch, max(spec.n_ff, default=0) or 4 * spec.n_embd
+        dev = (spec.vocab_size * n_outputs + 4 * E * T + 3 * F * T) * F32
+        formula = "logits + 4 activations + 3 FFN intermediates (rough: the graph could not be built)"
+    if kind == "cpu":
+        return ComputeEstimate(dev, 0, formula)
+    T, E = n_ubatch, spec.n_embd
+    mesize = F16 if flash_attn else F32
+    host = T * I32 * 2 + 2 * E * T * F32 + T * I64 + n_kv * T * mesize + n_outputs * I32
+    host_formula = "inputs (tokens, positions, KV indices, mask, output ids) + embedding rows"
+    if gpu_layers < spec.n_layers:
+        cpu_layers = spec.layer_bytes[: spec.n_layers - gpu_layers]
+        copy = max(cpu_layers, default=0)
+        dev += copy
+        formula += (f" + the largest host layer's weights ({copy} B) copied up for batched matmuls "
+                    "(op offload; an estimate, not verified on a GPU here)")
+        if gpu_layers == 0:
+            host = dev - copy
+            host_formula = "the whole graph runs on the host (same replay)"
+    return ComputeEstimate(dev, host, formula, host_formula)

@@ -1,0 +1,245 @@
+"""The llama.cpp backend, on llama-cpp-python's low-level C API.
+
+The high-level ``llama_cpp.Llama`` keeps a full-vocabulary score row for every
+prompt token when ``logits_all`` is on; here each batch slot carries its own
+output flag, so a prompt prefill asks for no logits at all and a speculative
+verification asks only for the positions it checks.
+
+Memory figures are what llama.cpp itself reports: the exact tensor bytes
+(``llama_model_size``) and the KV / compute / output buffer sizes it logs while
+building the context (MiB with two decimals, so within 0.005 MiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+try:
+    import llama_cpp as _L
+except ImportError as exc:  # pragma: no cover - the registry turns this into BackendUnavailableError
+    raise ImportError(f"llama-cpp-python is not installed ({exc})") from exc
+
+from localinfer.backends.llamacpp import native
+from localinfer.backends.engine import Engine, LoadPlan
+from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
+from localinfer.backends.llamacpp.native import DEFAULT_OUTPUTS_MAX, parse_memory_log  # noqa: F401  (re-exported)
+from localinfer.backends.vocab import LlamaVocab
+
+ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C
+
+
+class LlamaCppEngine(Engine):
+    """One llama.cpp model and context with ``plan.n_seq`` independent KV streams."""
+
+    name = "llama.cpp"
+
+    def __init__(self, plan: LoadPlan):
+        super().__init__(plan)
+        self._model = self._ctx = None
+        self._batch = None
+        path = native.check_readable(plan.model_path)
+        from localinfer.model.spec import ModelSpec
+
+        self.spec = ModelSpec.from_gguf(path)  # bounded header checks before llama.cpp sees the file
+        native.init_backend()
+        with native.log_lock:
+            native.log_lines.clear()
+            try:
+                self._model = native.load_model(path, plan)
+                self._ctx = native.new_context(self._model, plan)
+            except BaseException:
+                self.close()
+                raise
+            self._log = list(native.log_lines)
+        self._mem = _L.llama_get_memory(self._ctx)
+        self.vocab = LlamaVocab(_L.llama_model_get_vocab(self._model))
+        self.n_vocab = self.vocab.n_vocab
+        if not self.vocab.has_vocab:
+            self.close()
+            raise UnsupportedModelError(f"{os.path.basename(path)} has no tokenizer, so it cannot generate text",
+                                        hint="is this a header-only skeleton (localinfer skeleton)? those are for "
+                                             "`localinfer fit`; pass a full model file")
+        per_seq = max(1, plan.n_ctx // plan.n_seq)
+        self.n_ctx = min(per_seq, _L.llama_n_ctx_seq(self._ctx))
+        self.add_bos = self.vocab.add_bos
+        self.bos_id = self.vocab.bos_id
+        self.eos_ids = self.vocab.eos_ids
+        self._reported = parse_memory_log(self._log)
+        self.kv_cells = self._reported["kv_cells"]
+        self._n_batch = plan.n_batch
+        self._n_outputs = native.outputs_cap(plan)
+        self._batch = _L.llama_batch_init(self._n_batch, 0, plan.n_seq)
+        self._views = {k: np.ctypeslib.as_array(getattr(self._batch, k), shape=(self._n_batch,))
+                       for k in ("token", "pos", "n_seq_id", "logits")}
+        self._views["n_seq_id"][:] = 1
+        self._slot_seq = np.full(self._n_batch, -1, dtype=np.int64)
+        self._abort = threading.Event()
+        self.aborted = 0  # llama_decode calls stopped by Ctrl-C inside the graph
+        self._abort_cb = _L.ggml_abort_callback(lambda _data: self._abort.is_set())
+
+    # ---- tokenizer (llama.cpp's own, shared with the other backends) --------
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        """Token ids of text; ``add_bos`` prepends BOS when the model's tokenizer wants one."""
+        return self.vocab.tokenize(text, add_bos=add_bos, special=special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.vocab.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        """A token's vocabulary text, special tokens included (for display)."""
+        return self.vocab.token_text(token)
+
+    # ---- KV cache ----------------------------------------------------------
+    def kv_len(self, seq: int = 0) -> int:
+        self._alive()
+        self._check_seq(seq)
+        return int(_L.llama_memory_seq_pos_max(self._mem, seq)) + 1
+
+    def _trim(self, n: int, seq: int) -> None:
+        self._alive()
+        if not _L.llama_memory_seq_rm(self._mem, seq, n, -1):
+            raise LocalinferError(f"llama.cpp cannot rewind sequence {seq} to {n} tokens for this model",
+                                  hint="recurrent models cannot be trimmed; start a new conversation")
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.n_seq:
+            raise ValueError(f"sequence {seq} outside 0..{self.n_seq - 1}")
+
+    # ---- evaluation --------------------------------------------------------
+    def _fill(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
+        """Write rows into the batch from slot 0: token, position, sequence, logits flag."""
+        n = len(tokens)
+        v = self._views
+        v["token"][:n] = tokens
+        v["pos"][:n] = pos
+        v["logits"][:n] = want
+        seqs = np.asarray(seqs, dtype=np.int64)
+        for i in np.flatnonzero(self._slot_seq[:n] != seqs):
+            self._batch.seq_id[i][0] = int(seqs[i])
+            self._slot_seq[i] = seqs[i]
+
+    def _decode(self, n_tokens: int, abortable: bool) -> None:
+        self._batch.n_tokens = n_tokens
+        rc = self._decode_abortable() if abortable else _L.llama_decode(self._ctx, self._batch)
+        if rc == 2 or (rc == 0 and self._abort.is_set()):
+            self.aborted += rc == 2
+            self._abort.clear()
+            raise KeyboardInterrupt
+        if rc == 1:
+            raise ContextFullError("llama.cpp found no free KV slot for the batch", needed=n_tokens,
+                                   available=self.n_ctx, hint="use a larger --ctx or a shorter prompt")
+        if rc != 0:
+            raise LocalinferError(f"llama_decode failed with status {rc}", hint="rerun with LOCALINFER_LLAMA_LOG=1")
+
+    def _decode_abortable(self) -> int:
+        """llama_decode with Ctrl-C aborting inside the graph (CPU backend)."""
+        self._abort.clear()
+        with native.sigint_sets(self._abort) as armed:
+            if not armed:
+                return _L.llama_decode(self._ctx, self._batch)
+            _L.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+            try:
+                return _L.llama_decode(self._ctx, self._batch)
+            finally:
+                _L.llama_set_abort_callback(self._ctx, native.NO_ABORT, None)
+
+    def _rows(self, indices: Sequence[int]) -> np.ndarray:
+        out = np.empty((len(indices), self.n_vocab), dtype=np.float32)
+        row = self.n_vocab * 4
+        for r, i in enumerate(indices):
+            ptr = _L.llama_get_logits_ith(self._ctx, i)
+            if not ptr:
+                raise LocalinferError(f"llama.cpp returned no logits for batch slot {i}")
+            ctypes.memmove(out.ctypes.data + r * row, ptr, row)
+        return out
+
+    def _eval_chunk(self, tokens, start, logits_at, seq):
+        self._alive()
+        self._check_seq(seq)
+        want = sorted(set(logits_at))
+        rows: dict[int, np.ndarray] = {}
+        lo = 0
+        while lo < len(tokens):  # at most n_outputs_max outputs per llama_decode
+            k = len([i for i in want if i >= lo][: self._n_outputs])
+            hi = len(tokens) if k < self._n_outputs else [i for i in want if i >= lo][k - 1] + 1
+            mine = [i for i in want if lo <= i < hi]
+            flags = np.zeros(hi - lo, dtype=np.int8)
+            flags[[i - lo for i in mine]] = 1
+            self._fill(tokens[lo:hi], np.arange(start + lo, start + hi), np.full(hi - lo, seq), flags)
+            self._decode(hi - lo, abortable=hi - lo >= ABORT_MIN_TOKENS)
+            if mine:
+                rows.update(zip(mine, self._rows([i - lo for i in mine])))
+            lo = hi
+        if not logits_at:
+            return None
+        return rows[logits_at[0]][None] if len(logits_at) == 1 else np.stack([rows[i] for i in logits_at])
+
+    def eval_batch(self, steps: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
+        """One llama_decode over several sequences; logits of each one's last token."""
+        total = sum(len(t) for t in steps.values())
+        if total > self._n_batch or len(steps) > self._n_outputs or any(len(t) == 0 for t in steps.values()):
+            return super().eval_batch(steps)
+        starts = {seq: self.kv_len(seq) for seq in steps}
+        for seq, toks in steps.items():
+            if starts[seq] + len(toks) > self.n_ctx:
+                raise ContextFullError(f"sequence {seq}: {starts[seq] + len(toks)} tokens do not fit in "
+                                       f"the context of {self.n_ctx}", needed=starts[seq] + len(toks),
+                                       available=self.n_ctx, hint="use a larger --ctx")
+        toks, pos, seqs, want, last = [], [], [], [], {}
+        for seq, t in steps.items():
+            toks.extend(t)
+            pos.extend(range(starts[seq], starts[seq] + len(t)))
+            seqs.extend([seq] * len(t))
+            want.extend([0] * (len(t) - 1) + [1])
+            last[seq] = len(toks) - 1
+        self._fill(toks, pos, seqs, want)
+        try:
+            self._decode(len(toks), abortable=len(toks) >= ABORT_MIN_TOKENS)
+            rows = self._rows(list(last.values()))
+        except BaseException:
+            for seq, s in starts.items():
+                if self.kv_len(seq) > s:
+                    self._trim(s, seq)
+            raise
+        return {seq: rows[k] for k, seq in enumerate(last)}
+
+    # ---- resources ---------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes by kind: weights (exact tensor bytes), kv, compute, output (as llama.cpp logged them)."""
+        self._alive()
+        r = self._reported
+        return {"weights": int(_L.llama_model_size(self._model)), "kv": r["kv"],
+                "compute": r["compute"], "output": r["output"]}
+
+    def load_log(self) -> list[str]:
+        """llama.cpp's log lines about buffers and errors, as captured during load."""
+        return list(self._log)
+
+    def _alive(self) -> None:
+        if getattr(self, "_ctx", None) is None:
+            raise LocalinferError("this engine is closed")
+
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            _L.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None) is not None:
+            _L.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "vocab", None) is not None:
+            self.vocab.release()
+        if getattr(self, "_model", None) is not None:
+            _L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+

@@ -1,0 +1,205 @@
+"""llama.cpp plumbing under the engine: its log, loading, context parameters, Ctrl-C.
+
+llama.cpp reports what it allocates only in its log, so every line goes
+through one callback; the lines about buffers and errors are kept (the last
+few hundred) and parsed into byte counts.  Set ``LOCALINFER_LLAMA_LOG=1`` to
+see the whole log on stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import llama_cpp as _L
+from gguf import GGMLQuantizationType
+
+from localinfer.backends.engine import LoadPlan
+from localinfer.errors import ModelNotFoundError, UnsupportedModelError, UsageError
+from localinfer.units import MiB
+
+DEFAULT_OUTPUTS_MAX = 64  # logit rows per llama_decode: drafts + 1 fit easily, 512 would cost n_vocab x 2 KiB
+_LOG_TAIL = 400
+
+# ---- llama.cpp's log: captured, parsed for buffer sizes, shown only when asked ----
+
+log_lock = threading.Lock()
+log_lines: deque[str] = deque(maxlen=_LOG_TAIL)
+_log_partial: list[str] = []
+_log_echo = os.environ.get("LOCALINFER_LLAMA_LOG", "") not in ("", "0")
+
+
+@_L.llama_log_callback
+def _on_log(level: int, text: bytes, _user) -> None:
+    s = text.decode("utf-8", errors="replace") if text else ""
+    if _log_echo:
+        sys.stderr.write(s)
+    _log_partial.append(s)
+    if s.endswith("\n"):
+        line = "".join(_log_partial).rstrip("\n")
+        _log_partial.clear()
+        if _interesting(line):
+            log_lines.append(line)
+
+
+def _interesting(line: str) -> bool:
+    low = line.lower()
+    return "buffer size" in low or "size =" in low or "error" in low or "failed" in low or "unknown" in low
+
+
+_backend_ready = False
+NO_ABORT = _L.ggml_abort_callback(0)
+
+
+def init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        _L.llama_log_set(_on_log, ctypes.c_void_p(0))
+        _L.llama_backend_init()
+        _backend_ready = True
+
+
+_MIB = r"([0-9]+(?:\.[0-9]+)?) MiB"
+_RE_KV_BUF = re.compile(r"KV buffer size\s*=\s*" + _MIB)
+_RE_COMPUTE = re.compile(r"compute buffer size\s*=\s*" + _MIB)
+_RE_OUTPUT = re.compile(r"output buffer size\s*=\s*" + _MIB)
+_RE_MODEL_BUF = re.compile(r"model buffer size\s*=\s*" + _MIB)
+_RE_KV_SIZE = re.compile(r"llama_kv_cache: size =\s*" + _MIB + r" \(\s*(\d+) cells,\s*(\d+) layers")
+
+
+def _mib(text: str) -> int:
+    return round(float(text) * MiB)
+
+
+def parse_memory_log(lines: Sequence[str]) -> dict[str, int]:
+    """Buffer sizes llama.cpp logged while loading: bytes by kind, plus ``kv_cells``.
+
+    A compute buffer is logged again each time the scheduler re-reserves; the
+    last figure per buffer name is the one in use.
+    """
+    kv = compute = output = mapped = cells = 0
+    computes: dict[str, int] = {}
+    for line in lines:
+        if m := _RE_KV_BUF.search(line):
+            kv += _mib(m.group(1))
+        elif m := _RE_COMPUTE.search(line):
+            computes[line.split("compute buffer")[0].split(":", 1)[-1].strip()] = _mib(m.group(1))
+        elif m := _RE_OUTPUT.search(line):
+            output = _mib(m.group(1))
+        elif m := _RE_MODEL_BUF.search(line):
+            mapped += _mib(m.group(1))
+        elif m := _RE_KV_SIZE.search(line):
+            cells += int(m.group(2))
+    compute = sum(computes.values())
+    return {"kv": kv, "compute": compute, "output": output, "model_buffers": mapped, "kv_cells": cells}
+
+
+def ggml_type(name: str, flag: str) -> int:
+    """The ggml type id of a KV cache type name such as ``q8_0``."""
+    try:
+        return int(GGMLQuantizationType[name.upper()])
+    except KeyError:
+        raise UsageError(f"unknown KV type {name!r}", flag=flag) from None
+
+
+
+@contextmanager
+def sigint_sets(event: threading.Event) -> Iterator[bool]:
+    """While inside, Ctrl-C sets ``event`` instead of raising (main thread only; yields whether it does)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, None):
+        yield False
+        return
+    signal.signal(signal.SIGINT, lambda *_: event.set())
+    try:
+        yield True
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def check_readable(path) -> str:
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise ModelNotFoundError(f"model file not found: {p}", hint="check the path, or omit MODEL to use the embedded default")
+    if os.path.isdir(p):
+        raise ModelNotFoundError(f"{p} is a directory, not a GGUF file", hint="pass the path of a .gguf file")
+    try:
+        with open(p, "rb") as f:
+            f.read(4)
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read model file {p}: {exc.strerror}", hint="check its permissions") from None
+    return p
+
+
+def last_error() -> str:
+    """The most specific error llama.cpp logged (its cause, not the "failed to load" summary)."""
+    for words in (("error loading model:",), ("error", "unknown", "failed")):
+        for line in reversed(log_lines):
+            low = line.lower()
+            if any(w in low for w in words):
+                text = line.rsplit("error loading model:", 1)[-1] if "error loading model:" in line else line
+                return text.split(":", 1)[-1].strip() if text is line and ":" in text else text.strip()
+    return "see LOCALINFER_LLAMA_LOG=1 for llama.cpp's log"
+
+
+def load_model(path: str, plan: LoadPlan):
+    mp = _L.llama_model_default_params()
+    mp.n_gpu_layers = plan.n_gpu_layers
+    stop = threading.Event()
+    progress = _L.llama_progress_callback(lambda _fraction, _user: not stop.is_set())
+    mp.progress_callback = progress
+    with sigint_sets(stop):
+        model = _L.llama_model_load_from_file(path.encode(), mp)
+    if stop.is_set():
+        if model:
+            _L.llama_model_free(model)
+        raise KeyboardInterrupt
+    if not model:
+        raise UnsupportedModelError(f"llama.cpp could not load {os.path.basename(path)}: {last_error()}",
+                                    hint="check that llama.cpp supports this architecture and quant type, "
+                                         "or try another --backend", path=path)
+    return model
+
+
+def outputs_cap(plan: LoadPlan) -> int:
+    """Most logit rows one llama_decode may return (llama.cpp reserves compute memory for them)."""
+    cap = plan.options.get("n_outputs_max", DEFAULT_OUTPUTS_MAX)
+    if not isinstance(cap, int) or cap < 1:
+        raise UsageError(f"n_outputs_max must be a positive integer, got {cap!r}")
+    return min(cap, plan.n_batch)
+
+
+def new_context(model, plan: LoadPlan):
+    cp = _L.llama_context_default_params()
+    cp.n_ctx = plan.n_ctx
+    cp.n_batch = plan.n_batch
+    cp.n_ubatch = min(plan.n_ubatch, plan.n_batch)
+    cp.n_seq_max = plan.n_seq
+    cp.n_threads = cp.n_threads_batch = plan.threads
+    cp.type_k = ggml_type(plan.type_k, "-ctk")
+    cp.type_v = ggml_type(plan.type_v, "-ctv")
+    v_quantized = plan.type_v not in ("f32", "f16", "bf16")
+    if plan.flash_attn is False and v_quantized:
+        raise UsageError(f"a {plan.type_v} V cache needs flash attention", flag="-ctv",
+                         hint="drop --no-flash-attn, or use -ctv f16")
+    if plan.flash_attn is None:
+        cp.flash_attn_type = _L.LLAMA_FLASH_ATTN_TYPE_ENABLED if v_quantized else _L.LLAMA_FLASH_ATTN_TYPE_AUTO
+    else:
+        cp.flash_attn_type = _L.LLAMA_FLASH_ATTN_TYPE_ENABLED if plan.flash_attn else _L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.n_outputs_max = outputs_cap(plan)
+    cp.no_perf = True
+    ctx = _L.llama_init_from_model(model, cp)
+    if not ctx:
+        raise UnsupportedModelError(f"llama.cpp could not create a context: {last_error()}",
+                                    hint="try a smaller --ctx, another KV type, or fewer --parallel sequences")
+    return ctx

@@ -1,0 +1,297 @@
+"""Where llama.cpp puts each weight tensor, and the buffers that come out of it.
+
+llama.cpp's layer split (``-ngl N``): the input layer (token embedding) always
+stays on the CPU; of the ``n_layer`` repeating blocks the *last* N go to the
+accelerator; the output layer (``output_norm``, ``output``) goes too only when
+N > n_layer.  Buffers then follow the backend:
+
+* mmap'd host tensors are not copied: ``CPU_Mapped`` (and ``Metal_Mapped``) is
+  the file range from the first to the last byte of the tensors in it;
+* CUDA copies its tensors into ``CUDA0``, each padded (quantized rows to 512
+  values) and aligned to 128 bytes;
+* on x86/ARM CPUs llama.cpp repacks some quant types for faster matmuls into a
+  ``CPU_REPACK`` buffer *beside* the mapping (e.g. Q4_0/Q4_K/IQ4_NL/MXFP4 with
+  AVX2), which is real extra memory.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from gguf_tools.quants import layout, row_bytes
+
+from localinfer.model.spec import ModelSpec
+
+CPU_ALIGN = 32
+CUDA_ALIGN = 128
+CUDA_ROW_PADDING = 512      # MATRIX_ROW_PADDING in ggml-cuda
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+_INPUT_PREFIXES = ("token_embd", "pos_embd", "token_types")
+
+# CPU feature → {GGML type: required multiple of ne[1]}; a tensor is repacked when any rule matches.
+REPACK_RULES: dict[str, dict[str, int]] = {
+    "avx2": {"Q4_0": 8, "Q4_K": 8, "IQ4_NL": 8, "MXFP4": 8},
+    "avx512": {"Q2_K": 8},
+    "i8mm": {"Q4_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 4},
+    "dotprod": {"Q4_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "MXFP4": 4, "Q8_0": 4},
+    "neon": {"IQ4_NL": 4},
+}
+
+
+_SPEC_CACHES: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def spec_cache(spec) -> dict:
+    """A memo dict that lives as long as ``spec`` (ModelSpec hashes all its tensors, which is slow)."""
+    key = id(spec)
+    hit = _SPEC_CACHES.get(key)
+    if hit is not None and hit[0]() is spec:
+        return hit[1]
+    if len(_SPEC_CACHES) > 64:
+        for k in [k for k, (ref, _) in _SPEC_CACHES.items() if ref() is None]:
+            del _SPEC_CACHES[k]
+    memo: dict = {}
+    _SPEC_CACHES[key] = (weakref.ref(spec), memo)
+    return memo
+
+
+def gpu_layer_start(n_layer: int, n_gpu_layers: int) -> int:
+    """First repeating layer on the accelerator for ``-ngl n_gpu_layers`` (negative: all)."""
+    if n_gpu_layers < 0:
+        return 0
+    return max(n_layer - n_gpu_layers, 0)
+
+
+def output_on_gpu(n_layer: int, n_gpu_layers: int) -> bool:
+    return n_gpu_layers < 0 or n_gpu_layers > n_layer
+
+
+def repackable(type_name: str, shape: tuple[int, ...], cpu_features: tuple[str, ...]) -> bool:
+    """Whether llama.cpp's CPU backend repacks a matmul weight of this type and shape."""
+    if len(shape) < 2:
+        return False
+    for feat in cpu_features:
+        need = REPACK_RULES.get(feat, {}).get(type_name)
+        if need and shape[1] % need == 0:
+            return True
+    return False
+
+
+@lru_cache(maxsize=8192)
+def cuda_alloc_size(type_name: str, shape: tuple[int, ...], nbytes: int) -> int:
+    """ggml-cuda's allocation for a weight: one extra padding of a quantized row to 512 values."""
+    if layout(type_name).quantized and shape and shape[0] % CUDA_ROW_PADDING:
+        return nbytes + row_bytes(type_name, CUDA_ROW_PADDING - shape[0] % CUDA_ROW_PADDING)
+    return nbytes
+
+
+@dataclass(frozen=True)
+class Placed:
+    name: str
+    nbytes: int
+    offset: int            # in the data section (mmap range)
+    type_name: str
+    shape: tuple[int, ...]
+    on_gpu: bool
+    matmul: bool           # used as the weight of a matrix multiplication
+    duplicate: bool = False  # a second handle to the same file bytes (tied output, rope_freqs)
+
+
+def place_tensors(spec: ModelSpec, n_gpu_layers: int) -> list[Placed]:
+    """Every weight with its device, in file order, plus the duplicates llama.cpp creates."""
+    n = spec.n_layers
+    start = gpu_layer_start(n, n_gpu_layers)
+    out_gpu = output_on_gpu(n, n_gpu_layers)
+    placed: list[Placed] = []
+    for t in spec.tensors:
+        m = _LAYER_RE.match(t.name)
+        if m:
+            gpu = int(m.group(1)) >= start and n_gpu_layers != 0
+        elif t.name.startswith(_INPUT_PREFIXES):
+            gpu = False
+        elif t.name.startswith("rope_freqs"):
+            gpu = start < n and n_gpu_layers != 0 and start == 0
+        else:
+            gpu = out_gpu
+        matmul = len(t.shape) >= 2 and not t.name.startswith(_INPUT_PREFIXES) and "norm" not in t.name
+        placed.append(Placed(t.name, t.n_bytes, t.offset, t.type.name, tuple(t.shape), gpu, matmul))
+    embd = spec.tensor("token_embd.weight")
+    if spec.tied_embeddings and embd is not None:
+        placed.append(Placed("output.weight (tied)", embd.n_bytes, embd.offset, embd.type.name,
+                             tuple(embd.shape), out_gpu, True, duplicate=True))
+    rope = spec.tensor("rope_freqs.weight")
+    if rope is not None:
+        for il in range(1, n):
+            placed.append(Placed(f"rope_freqs.weight (blk.{il})", rope.n_bytes, rope.offset, rope.type.name,
+                                 tuple(rope.shape), il >= start and n_gpu_layers != 0, False, duplicate=True))
+    return placed
+
+
+@dataclass(frozen=True)
+class WeightPlacement:
+    """llama.cpp's model buffers for one device and ``-ngl``: name → bytes, split by pool."""
+
+    buffers: dict[str, int]
+    device_buffers: tuple[str, ...]
+    n_gpu_layers: int            # repeating layers on the accelerator
+    output_on_device: bool
+    physical_bytes: int          # distinct bytes resident (mapped ranges counted once)
+    repacked: tuple[str, ...]    # tensors copied into CPU_REPACK
+    tensor_bytes: dict[str, int]  # per buffer: bytes of the tensors it holds (a mapping may span more)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(v for k, v in self.buffers.items() if k in self.device_buffers)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(v for k, v in self.buffers.items() if k not in self.device_buffers)
+
+
+def _range(items: list[Placed]) -> tuple[int, int] | None:
+    if not items:
+        return None
+    return min(p.offset for p in items), max(p.offset + p.nbytes for p in items)
+
+
+def _union(ranges: list[tuple[int, int]]) -> int:
+    total, end = 0, -1
+    for lo, hi in sorted(ranges):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def weight_placement(spec: ModelSpec, kind: str, n_gpu_layers: int = -1, *, mmap: bool = True,
+                     cpu_features: tuple[str, ...] = (), repack: bool = True) -> WeightPlacement:
+    """llama.cpp's model buffers on a device of ``kind`` ("cuda", "metal", "cpu").
+
+    ``cpu_features`` is the host CPU's SIMD level (it decides CPU_REPACK).
+    A CPU device has no accelerator: every layer is on the CPU whatever ``n_gpu_layers`` says.
+    """
+    ngl = 0 if kind == "cpu" else n_gpu_layers
+    if ngl >= 0 and ngl > spec.n_layers:
+        ngl = -1
+    memo = spec_cache(spec)
+    key = ("placement", kind, ngl, mmap, tuple(cpu_features), repack)
+    if key not in memo:
+        memo[key] = _weight_placement(spec, kind, ngl, mmap, tuple(cpu_features) if repack else ())
+    return memo[key]
+
+
+@dataclass
+class _Group:
+    """Aggregates of one placement unit (a layer, the input or the output layer)."""
+
+    lo: int = 1 << 62          # mapped file range (a duplicate maps its original's bytes)
+    hi: int = -1
+    held: int = 0              # Σ bytes of the original tensors
+    cpu_alloc: int = 0         # Σ padded bytes of the originals (no mmap)
+    dup_alloc: int = 0         # Σ padded bytes of duplicates (real copies outside a mapping)
+    cuda_alloc: int = 0        # Σ CUDA allocation, duplicates included
+    names: list[str] = field(default_factory=list)
+
+    def add(self, p: Placed) -> None:
+        self.cuda_alloc += _pad(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN)
+        self.names.append(p.name)
+        self.lo, self.hi = min(self.lo, p.offset), max(self.hi, p.offset + p.nbytes)
+        if p.duplicate:
+            self.dup_alloc += _pad(p.nbytes, CPU_ALIGN)
+        else:
+            self.held += p.nbytes
+            self.cpu_alloc += _pad(p.nbytes, CPU_ALIGN)
+
+
+def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:
+    """Per unit ("in", "out", or layer index): (all tensors, CPU-plain tensors, repacked tensors) aggregates."""
+    memo = spec_cache(spec)
+    key = ("groups", feats)
+    if key in memo:
+        return memo[key]
+    units: dict = {}
+    if ("placed",) not in memo:
+        memo[("placed",)] = place_tensors(spec, -1)
+    for p in memo[("placed",)]:
+        m = _LAYER_RE.match(p.name)
+        if m:
+            unit = int(m.group(1))
+        elif p.name.startswith("rope_freqs"):
+            unit = int(p.name.split("blk.")[1].rstrip(")")) if "blk." in p.name else 0
+        elif p.name.startswith(_INPUT_PREFIXES):
+            unit = "in"
+        else:
+            unit = "out"
+        every, plain, rep = units.setdefault(unit, (_Group(), _Group(), _Group()))
+        every.add(p)
+        (rep if p.matmul and repackable(p.type_name, p.shape, feats) else plain).add(p)
+    memo[key] = units
+    return units
+
+
+def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: tuple[str, ...]) -> WeightPlacement:
+    n = spec.n_layers
+    start = gpu_layer_start(n, ngl) if ngl else n
+    out_gpu = kind != "cpu" and output_on_gpu(n, ngl)
+    units = _groups(spec, feats)
+
+    def on_gpu(unit) -> bool:
+        if unit == "in":
+            return False
+        if unit == "out":
+            return out_gpu
+        return kind != "cpu" and unit >= start
+
+    gpu = [units[u][0] for u in units if on_gpu(u)]
+    plain = [units[u][1] for u in units if not on_gpu(u) and units[u][1].names]
+    rep = [units[u][2] for u in units if not on_gpu(u) and units[u][2].names]
+    buffers: dict[str, int] = {}
+    held: dict[str, int] = {}
+    device: list[str] = []
+    ranges: list[tuple[int, int]] = []
+    allocated = 0
+
+    def mapped(name: str, groups: list[_Group]) -> None:
+        lo, hi = min(g.lo for g in groups), max(g.hi for g in groups)
+        if hi < 0:
+            buffers[name] = held[name] = 0
+            return
+        buffers[name], held[name] = hi - lo, sum(g.held for g in groups)
+        ranges.append((lo, hi))
+
+    if gpu:
+        if kind == "cuda":
+            name = "CUDA0 model"
+            buffers[name] = sum(g.cuda_alloc for g in gpu)
+            allocated += buffers[name]
+        elif mmap:
+            name = "Metal_Mapped model"
+            mapped(name, gpu)
+        else:
+            name = "Metal model"
+            buffers[name] = sum(g.cpu_alloc + g.dup_alloc for g in gpu)
+            allocated += buffers[name]
+        device.append(name)
+    if plain:
+        if mmap:
+            mapped("CPU_Mapped model", plain)
+        else:
+            buffers["CPU model"] = sum(g.cpu_alloc for g in plain)
+            allocated += buffers["CPU model"]
+    repacked = tuple(name for g in rep for name in g.names)
+    if rep:
+        buffers["CPU_REPACK model"] = sum(g.cpu_alloc + g.dup_alloc for g in rep)
+        allocated += buffers["CPU_REPACK model"]
+    if kind == "cpu":
+        device = list(buffers)
+    return WeightPlacement(buffers, tuple(device), 0 if kind == "cpu" else n - start, out_gpu,
+                           _union(ranges) + allocated, repacked, {k: held.get(k, v) for k, v in buffers.items()})
+

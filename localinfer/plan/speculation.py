@@ -1,0 +1,171 @@
+"""What speculative decoding buys: tokens per round, time per token, break-evens.
+
+A round drafts ``k`` tokens, verifies ``k + 1`` positions in one target step and
+keeps E[N] = 1 + Σ_j Π_{i≤j} a_i tokens on average.  Time per token is
+Σ T_r / Σ N_r (never the mean of per-round ratios).  A draft is worth making
+longer only while ΔT/ΔN < T/N; verified rows padded up to a captured graph
+shape make ΔT jump.  ``Drafting`` describes a draft source (context lookup or a
+draft model) in the terms the planner needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from localinfer.errors import UsageError
+from localinfer.generate.lookup import choose_draft_length, expected_tokens
+
+__all__ = [
+    "GRAPH_SHAPES",
+    "DraftRow",
+    "Drafting",
+    "acceptances",
+    "choose_draft_length",
+    "draft_forward_s",
+    "draft_length_table",
+    "expected_tokens",
+    "lookup_break_even",
+    "mean_token_time",
+    "padded_rows",
+    "payback_tokens",
+    "worth_lengthening",
+]
+
+GRAPH_SHAPES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def acceptances(a: float | Sequence[float], k: int | None = None) -> list[float]:
+    """Per-position acceptance a_1..a_k: a constant ``a`` repeated k times, or the list as given."""
+    if isinstance(a, (int, float)):
+        if not 0 <= a <= 1 or k is None or k < 0:
+            raise UsageError(f"acceptance must be between 0 and 1 (got {a}) with a draft length >= 0",
+                             flag="--acceptance")
+        return [float(a)] * k
+    seq = [float(x) for x in a]
+    if any(not 0 <= x <= 1 for x in seq):
+        raise UsageError("every acceptance must be between 0 and 1", flag="--acceptance")
+    return seq[:k] if k is not None else seq
+
+
+def mean_token_time(rounds: Iterable[tuple[float, int]]) -> float:
+    """Σ T_r / Σ N_r over (round time, tokens kept) pairs."""
+    total_t = total_n = 0
+    for t, n in rounds:
+        total_t += t
+        total_n += n
+    return total_t / total_n if total_n else math.inf
+
+
+def lookup_break_even(plain_step_s: float, verify_s: float, expected: float) -> float:
+    """Largest drafting time per round that still beats plain decoding: E[N]·T_plain − T_verify."""
+    return expected * plain_step_s - verify_s
+
+
+def payback_tokens(setup_s: float, plain_token_s: float, spec_token_s: float) -> int | None:
+    """Tokens after which a one-off setup (e.g. an index build) has paid for itself."""
+    saved = plain_token_s - spec_token_s
+    return math.ceil(setup_s / saved) if saved > 0 else None
+
+
+def padded_rows(rows: int, shapes: Sequence[int] = GRAPH_SHAPES) -> int:
+    """Rows actually computed when ``rows`` are padded to the next captured graph shape."""
+    for s in sorted(shapes):
+        if s >= rows:
+            return s
+    return rows
+
+
+def draft_forward_s(draft_bytes: int, effective_bandwidth: float) -> float:
+    """One forward of a bandwidth-bound draft network: its weight bytes at the achieved bandwidth."""
+    return draft_bytes / effective_bandwidth
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One draft length m: E[N_m], the round time T_m, and T_m / E[N_m]."""
+
+    length: int
+    expected: float
+    round_s: float
+
+    @property
+    def per_token_s(self) -> float:
+        return self.round_s / self.expected
+
+
+def draft_length_table(acceptance: Sequence[float], round_s, lengths: Iterable[int]) -> list[DraftRow]:
+    """E[N_m], T_m and T_m/E[N_m] for each draft length m (``round_s(m)`` gives T_m)."""
+    return [DraftRow(m, expected_tokens(list(acceptance)[:m]), float(round_s(m))) for m in lengths]
+
+
+def worth_lengthening(t: float, n: float, t_next: float, n_next: float) -> bool:
+    """The marginal rule: lengthen only if ΔT/ΔN < T/N."""
+    dn = n_next - n
+    return dn > 0 and (t_next - t) / dn < t / n
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """A draft source as the planner sees it.
+
+    ``expected`` tokens per round from ``draft_tokens`` drafts (``draft_tokens + 1``
+    verified rows); ``round_extra_s`` drafting time added to each round;
+    ``prefill_factor`` scales prefill (a draft model prefills too);
+    ``memory_bytes`` device memory it holds; ``setup_s`` one-off work.
+    """
+
+    kind: str                     # "lookup" or "model"
+    expected: float
+    draft_tokens: int
+    round_extra_s: float = 0.0
+    prefill_factor: float = 1.0
+    memory_bytes: int = 0
+    setup_s: float = 0.0
+    name: str = ""
+
+    def __post_init__(self):
+        if self.kind not in ("lookup", "model"):
+            raise UsageError(f"unknown draft source {self.kind!r}; use 'lookup' or 'model'", flag="--draft")
+        if not 1 <= self.expected <= self.draft_tokens + 1:
+            raise UsageError(f"expected tokens per round {self.expected} must be between 1 and "
+                             f"draft length + 1 = {self.draft_tokens + 1}", flag="--acceptance")
+
+    @property
+    def rows(self) -> int:
+        return self.draft_tokens + 1
+
+    @classmethod
+    def lookup(cls, acceptance: float | Sequence[float], draft_tokens: int = 4, query_s: float = 1e-4,
+               setup_s: float = 0.0) -> Drafting:
+        """Context lookup (prompt lookup): drafts from an index in host memory, no device memory."""
+        a = acceptances(acceptance, draft_tokens)
+        return cls("lookup", expected_tokens(a), len(a), round_extra_s=query_s, setup_s=setup_s,
+                   name="context lookup")
+
+    @property
+    def label(self) -> str:
+        src = self.name or ("context lookup" if self.kind == "lookup" else "draft model")
+        return f"{src}, E[N] = {self.expected:.2f}"
+
+
+def model_drafting(draft_cost, target, workload, acceptance: float | Sequence[float], draft_tokens: int = 4, *,
+                   parallel: bool = False, kv="f16", name: str = "") -> Drafting:
+    """A draft model on the target's device: its weights and KV in memory, its prefill, its forwards.
+
+    ``target`` is the target's SpeedModel; the draft runs ``draft_tokens``
+    forwards per round (one when ``parallel``, as DFlash-style drafters do).
+    """
+    from localinfer.plan.speed import SpeedModel
+
+    ds = SpeedModel(draft_cost, target.device)
+    w = workload
+    fwd = ds.decode_step(w.requests, w.decode_context, kv).seconds
+    new, cached = w.input_tokens - w.cached_tokens, w.cached_tokens
+    extra = ds.prefill(w.requests, new, cached).seconds / target.prefill(w.requests, new, cached).seconds
+    held = w.input_tokens + w.output_tokens + draft_tokens
+    memory = draft_cost.weight_bytes + w.requests * draft_cost.kv_read_bytes(held, kv)
+    a = acceptances(acceptance, draft_tokens)
+    return Drafting("model", expected_tokens(a), len(a), round_extra_s=fwd * (1 if parallel else len(a)),
+                    prefill_factor=1 + extra, memory_bytes=memory, name=name or draft_cost.name)
