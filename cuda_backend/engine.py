@@ -26,13 +26,14 @@ import numpy as np
 import torch
 
 from gguf_tools import read_header
-from localinfer.plan.memory import NOT_RESIDENT, check_weight_dtype, default_weight_dtype
+from localinfer.backends.memory import NOT_RESIDENT, check_weight_dtype
 from localinfer.backends.engine import Engine, LoadPlan
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.model.spec import ModelSpec
 
 from . import ggml_numerics
 from .kv_cache import KVCache, padded_tokens
+from .memory import default_dtype
 from .model import ModelConfig, Transformer
 from .support import check_kv_types, check_model
 from .tokenizer import load_tokenizer
@@ -60,7 +61,7 @@ def pick_device(plan: LoadPlan) -> torch.device:
 
 def pick_dtype(plan: LoadPlan, spec: ModelSpec, device: torch.device) -> torch.dtype:
     """The weight dtype asked for, else the one `fit --backend torch` assumes (bf16 on CUDA, f32 on CPU)."""
-    return DTYPES[check_weight_dtype(plan.dtype) or default_weight_dtype(spec, "torch", device.type)]
+    return DTYPES[check_weight_dtype(plan.dtype) or default_dtype(spec, device.type)]
 
 
 class TorchEngine(Engine):

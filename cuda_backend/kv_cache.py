@@ -17,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from gguf_tools.quants import layout, parse_type
-from localinfer.plan.memory import TORCH_BLOCK_TOKENS as BLOCK_TOKENS
-from localinfer.plan.memory import blocks_for, row_bytes
+from localinfer.model.kv import row_bytes
+from localinfer.units import ceil_div
 
 from . import quant
+from .memory import TORCH_BLOCK_TOKENS as BLOCK_TOKENS
 from .support import check_kv_types
 
 FLOAT_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -28,7 +29,7 @@ FLOAT_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat1
 
 def padded_tokens(n_tokens: int) -> int:
     """Tokens of storage for n_tokens: whole blocks of the budget's torch block size."""
-    return blocks_for(n_tokens, BLOCK_TOKENS) * BLOCK_TOKENS
+    return ceil_div(n_tokens, BLOCK_TOKENS) * BLOCK_TOKENS
 
 
 def head_bytes(kind: str, head_dim: int) -> int:

@@ -77,3 +77,13 @@ def fmt_duration(seconds: float) -> str:
     if seconds >= 1e-3:
         return f"{seconds * 1e3:.1f} ms"
     return f"{seconds * 1e6:.0f} µs"
+
+
+def ceil_div(a: int, b: int) -> int:
+    """⌈a / b⌉ in integers."""
+    return -(-a // b)
+
+
+def pad_to(n: int, multiple: int) -> int:
+    """n rounded up to a multiple: pad_to(300, 256) = 512."""
+    return ceil_div(n, multiple) * multiple

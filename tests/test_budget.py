@@ -3,19 +3,11 @@
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.plan.memory import (
-    blocks_for,
-    kv_bytes,
-    kv_bytes_per_token,
-    llama_cells,
-    mlx_bytes_per_token,
-    mlx_capacity,
-    output_bytes,
-    page_usage,
-    row_bytes,
-    shared_prefix_kv,
-    tokens_held,
-)
+from localinfer.plan.memory import kv_bytes
+from localinfer.backends.llamacpp.memory import llama_cells, output_bytes
+from localinfer.backends.mlx.memory import mlx_bytes_per_token, mlx_capacity
+from localinfer.model.kv import kv_bytes_per_token, row_bytes
+from localinfer.plan.paging import blocks_for, page_usage, shared_prefix_kv, tokens_held
 from localinfer.backends.llamacpp.compute_buffer import attn_rotation, compute_estimate
 from localinfer.errors import UsageError
 from localinfer.backends.llamacpp.placement import (

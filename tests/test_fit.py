@@ -12,7 +12,8 @@ from localinfer.cli import main
 from localinfer.devices.profiles import profile_from_dict
 from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
-from localinfer.plan.fit import FitRequest, check_load, fit_device
+from localinfer.plan.fit import check_load, fit_device
+from localinfer.backends.memory import FitRequest
 from localinfer.model.spec import ModelSpec
 from localinfer.units import GiB, MiB
 

@@ -6,18 +6,16 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from ggufgen import write_tiny_model
 
-from localinfer.plan.memory import (
-    backend_device,
-    check_weight_dtype,
-    mlx_weight_bytes,
-    resident_weights,
-    torch_weight_bytes,
-)
+from localinfer.plan.memory import backend_device, resident_weights
+from cuda_backend.memory import torch_weight_bytes
+from localinfer.backends.memory import check_weight_dtype
+from localinfer.backends.mlx.memory import mlx_weight_bytes
 from localinfer.cli import main
 from localinfer.devices.profiles import profile_from_dict
 from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
-from localinfer.plan.fit import FitRequest, check_load, fit_device
+from localinfer.plan.fit import check_load, fit_device
+from localinfer.backends.memory import FitRequest
 from localinfer.model.spec import ModelSpec
 
 # Every weight type both engines read, in one file: Q4_0/Q4_1/Q8_0 (MLX keeps them quantized,
@@ -226,7 +224,7 @@ def test_torch_engine_holds_the_prediction_mixed(mixed, name, dtype, options):
 def _mlx_engine(path, **kw):
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
-    from localinfer.backends.mlx import MLXEngine
+    from localinfer.backends.mlx.engine import MLXEngine
 
     return MLXEngine(_plan(path, **kw))
 

@@ -10,18 +10,13 @@ import math
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.plan.memory import (
-    blocks_for,
-    decode_weight_bytes,
-    kv_bytes,
-    kv_bytes_per_token,
-    max_sequences,
-    page_usage,
-    shared_prefix_kv,
-    tokens_held,
-)
+from localinfer.plan.memory import kv_bytes
+from localinfer.model.cost import decode_weight_bytes
+from localinfer.model.kv import kv_bytes_per_token
+from localinfer.plan.paging import blocks_for, max_sequences, page_usage, shared_prefix_kv, tokens_held
 from localinfer.devices.profiles import get_device
-from localinfer.plan.fit import FitRequest, fit_device
+from localinfer.plan.fit import fit_device
+from localinfer.backends.memory import FitRequest
 from localinfer.model.spec import ModelSpec
 from localinfer.units import GiB, KiB, MiB
 

@@ -208,9 +208,10 @@ def test_kv_bytes_equal_the_planners_mlx_formula(tiny, kv_type):
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 def test_fit_plans_the_quantized_kv_of_heads_not_a_multiple_of_64(tmp_path, n_embd, group, kv_type):
     """Such heads get groups of 32 in the engine; `fit --backend mlx` must plan (not refuse) the same bytes."""
-    from localinfer.plan.memory import mlx_quant_group
+    from localinfer.backends.mlx.memory import mlx_quant_group
     from localinfer.devices.profiles import profile_from_dict
-    from localinfer.plan.fit import FitRequest, fit_device
+    from localinfer.plan.fit import fit_device
+    from localinfer.backends.memory import FitRequest
     from localinfer.backends.mlx.kv import cache_bytes
     from localinfer.model.spec import ModelSpec
 
@@ -237,7 +238,7 @@ def test_kv_types_mlx_cannot_hold_are_refused(tiny, type_k, type_v, flag):
 
 @needs_mlx
 def test_registry_device_dtype_and_close(tiny):
-    from localinfer.backends.mlx import MLXEngine
+    from localinfer.backends.mlx.engine import MLXEngine
 
     assert get_backend("mlx") is MLXEngine
     with pytest.raises(BackendUnavailableError, match="Metal"):

@@ -16,7 +16,8 @@ from localinfer.cli import main
 from localinfer.model.cost import model_cost
 from localinfer.devices.profiles import get_device
 from localinfer.errors import UsageError
-from localinfer.plan.fit import FitRequest, fit_device
+from localinfer.plan.fit import fit_device
+from localinfer.backends.memory import FitRequest
 from localinfer.report.html import render_html
 from localinfer.report.capacity import build_report, render_json, render_md, render_text
 from localinfer.model.spec import ModelSpec

@@ -25,8 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from localinfer.errors import ContextFullError, UsageError
-
-KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+from localinfer.model.kv import KV_TYPES
 
 
 @dataclass(frozen=True)
@@ -92,6 +91,12 @@ class Engine(ABC):
     @abstractmethod
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token contributes to the output (may be a partial UTF-8 sequence)."""
+
+    def token_text(self, token: int) -> str:
+        """A token's vocabulary text, special tokens included (for chat templates and display).
+
+        The default decodes the token's output bytes; engines with a vocabulary override it."""
+        return self.detokenize([token])
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")

@@ -1,34 +1,56 @@
-"""Backends by name, imported lazily.
+"""Backends by name, imported lazily: each name has an engine and, usually, a memory model.
 
-The runner and the CLI ask for an engine by name; nothing here imports torch,
-llama_cpp or mlx until that backend is requested.  Third-party backends can
-register through the ``localinfer.backends`` entry-point group (value
-``module:Class``) or by calling :func:`register`.
+The runner and the CLI ask for an engine by name; ``fit`` and ``plan`` ask for
+the same name's memory model (:class:`localinfer.backends.memory.BackendMemory`),
+whose module imports no torch, llama_cpp or mlx.  Nothing here imports a
+backend until it is requested.  The built-in backends are registered exactly as
+third-party ones: through :func:`register`, or the ``localinfer.backends``
+entry-point group (value ``module:Class``; a memory model, if any, under the
+same name in ``localinfer.backend_memory``, value ``module:object``).
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from importlib import metadata
 
 from localinfer.backends.engine import Engine, LoadPlan
 from localinfer.errors import BackendUnavailableError, UsageError
 
-# name -> ("module:Class" or the class itself, pip hint)
-_REGISTRY: dict[str, tuple[str | type[Engine], str]] = {
-    "llama.cpp": ("localinfer.backends.llamacpp.engine:LlamaCppEngine", "pip install llama-cpp-python (see README for build flags)"),
-    "torch": ("cuda_backend.engine:TorchEngine", "pip install 'localinfer[torch]'"),
-    "mlx": ("localinfer.backends.mlx:MLXEngine", "pip install 'localinfer[mlx]'"),
-}
+DEFAULT_BACKEND = "llama.cpp"
+ENGINE_GROUP = "localinfer.backends"
+MEMORY_GROUP = "localinfer.backend_memory"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One registered backend: its engine, its memory model (None: unmodelled) and how to install it."""
+
+    name: str
+    engine: str | type[Engine]          # "module:Class" or the class
+    memory: str | object | None = None  # "module:object" or the object
+    hint: str = ""
+
+
+_REGISTRY: dict[str, Backend] = {}
 _ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "cpp": "llama.cpp", "pytorch": "torch", "cuda": "torch"}
 _entry_points_loaded = False
 
-DEFAULT_BACKEND = "llama.cpp"
+
+def register(name: str, target: str | type[Engine], hint: str = "", *, memory: str | object | None = None) -> None:
+    """Make a backend available by name; target is an Engine subclass or ``"module:Class"``, memory a
+    :class:`~localinfer.backends.memory.BackendMemory` or ``"module:object"`` (None: fit shows llama.cpp's)."""
+    _REGISTRY[name] = Backend(name, target, memory, hint)
 
 
-def register(name: str, target: str | type[Engine], hint: str = "") -> None:
-    """Make a backend available by name; target is an Engine subclass or ``"module:Class"``."""
-    _REGISTRY[name] = (target, hint)
+register("llama.cpp", "localinfer.backends.llamacpp.engine:LlamaCppEngine",
+         "pip install llama-cpp-python (see README for build flags)",
+         memory="localinfer.backends.llamacpp.memory:MEMORY")
+register("torch", "cuda_backend.engine:TorchEngine", "pip install 'localinfer[torch]'",
+         memory="cuda_backend.memory:MEMORY")
+register("mlx", "localinfer.backends.mlx.engine:MLXEngine", "pip install 'localinfer[mlx]'",
+         memory="localinfer.backends.mlx.memory:MEMORY")
 
 
 def _load_entry_points() -> None:
@@ -36,8 +58,10 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for ep in metadata.entry_points(group="localinfer.backends"):
-        _REGISTRY.setdefault(ep.name, (ep.value, f"reinstall the package providing {ep.name}"))
+    memories = {ep.name: ep.value for ep in metadata.entry_points(group=MEMORY_GROUP)}
+    for ep in metadata.entry_points(group=ENGINE_GROUP):
+        if ep.name not in _REGISTRY:
+            register(ep.name, ep.value, f"reinstall the package providing {ep.name}", memory=memories.get(ep.name))
 
 
 def names() -> list[str]:
@@ -53,23 +77,32 @@ def canonical(name: str) -> str:
     return name
 
 
-def get_backend(name: str = DEFAULT_BACKEND) -> type[Engine]:
-    """The engine class for a backend name, importing its module now."""
-    name = canonical(name)
-    target, hint = _REGISTRY[name]
-    if isinstance(target, type):
-        return target
+def _resolve(target: str, name: str, hint: str):
     module_name, _, attr = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        obj = importlib.import_module(module_name)
     except ImportError as exc:
-        raise BackendUnavailableError(
-            f"the {name} backend cannot be imported ({exc})", hint=hint, backend=name
-        ) from None
-    cls = module
+        raise BackendUnavailableError(f"the {name} backend cannot be imported ({exc})", hint=hint,
+                                      backend=name) from None
     for part in attr.split("."):
-        cls = getattr(cls, part)
-    return cls
+        obj = getattr(obj, part)
+    return obj
+
+
+def get_backend(name: str = DEFAULT_BACKEND) -> type[Engine]:
+    """The engine class for a backend name, importing its module now."""
+    entry = _REGISTRY[canonical(name)]
+    if isinstance(entry.engine, type):
+        return entry.engine
+    return _resolve(entry.engine, entry.name, entry.hint)
+
+
+def memory_model(name: str = DEFAULT_BACKEND):
+    """The backend's memory model, or None when it registered none (its module imports no engine runtime)."""
+    entry = _REGISTRY[canonical(name)]
+    if entry.memory is None or not isinstance(entry.memory, str):
+        return entry.memory
+    return _resolve(entry.memory, entry.name, entry.hint)
 
 
 def load_engine(plan: LoadPlan, backend: str = DEFAULT_BACKEND) -> Engine:

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _request(args, spec):
     from localinfer.errors import UsageError
-    from localinfer.plan.fit import FitRequest
+    from localinfer.backends.memory import FitRequest
 
     if args.kv_type and (args.type_k or args.type_v):
         raise UsageError("give either --kv-type or -ctk/-ctv, not both", flag="--kv-type",
@@ -138,7 +138,7 @@ def predict_speed(spec, device, req) -> dict | None:
 
 
 def _as_json(spec, req, results) -> dict:
-    from localinfer.plan.memory import kv_bytes_per_token
+    from localinfer.model.kv import kv_bytes_per_token
 
     return {
         "model": {"path": spec.path, "name": spec.name, "arch": spec.arch, "n_layers": spec.n_layers,

@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from localinfer.plan.memory import KV_TYPES, check_kv_type, row_bytes
+from localinfer.model.kv import KV_TYPES, check_kv_type, row_bytes
 from localinfer.errors import UsageError
-from localinfer.backends.llamacpp.placement import spec_cache
+from localinfer.util.memo import spec_cache
 from localinfer.model.spec import ModelSpec
 
 _LAYER_RE = re.compile(r"^blk\.\d+\.")
@@ -174,13 +174,25 @@ def _build_cost(spec: ModelSpec) -> ModelCost:
     )
 
 
-def ceil_div(a: int, b: int) -> int:
-    """⌈a / b⌉ in integers."""
-    return -(-a // b)
-
-
 def rounds_needed(tokens: int, per_round: float) -> int:
     """Rounds to produce ``tokens`` when each yields ``per_round`` on average (at least 1 each)."""
     if tokens <= 0:
         return 0
     return max(1, math.ceil(tokens / max(per_round, 1.0) - 1e-9))
+
+
+def decode_weight_bytes(spec: ModelSpec, *, active_experts_only: bool = True) -> int:
+    """Weight bytes read per decode step: every tensor but the embedding lookup table.
+
+    With tied embeddings the table is also the output projection, so it is read.
+    MoE: only the routed experts' share of expert tensors (n_used / n_expert).
+    """
+    total = 0
+    for t in spec.tensors:
+        if t.name == "token_embd.weight" and not spec.tied_embeddings:
+            continue
+        if active_experts_only and spec.n_expert and "_exps." in t.name:
+            total += t.n_bytes * spec.n_expert_used // spec.n_expert
+        else:
+            total += t.n_bytes
+    return total

@@ -1,92 +1,31 @@
 """Will a model fit on a device, and how: the per-device verdict behind ``localinfer fit``.
 
-``fit_device(spec, device, request)`` assembles every memory term the way the
-backend allocates it (see :mod:`localinfer.plan.memory`, :mod:`localinfer.backends.llamacpp.placement`,
-:mod:`localinfer.backends.llamacpp.compute_buffer`), checks it against the device's usable
-memory, and answers the questions people ask next: the largest context at this
-parallelism, the most parallel requests at this context, the best KV type that
-fits, how many layers to keep on the accelerator, and the llama.cpp command
-line that realises the plan.  Nothing here imports torch, llama_cpp or mlx.
+``fit_device(spec, device, request)`` asks the backend's memory model (from the
+registry: :mod:`localinfer.backends.llamacpp.memory`, ``cuda_backend.memory``,
+:mod:`localinfer.backends.mlx.memory`, or a plugin's) for every memory term of
+the request, checks it against the device's usable memory, and answers the
+questions people ask next: the largest context at this parallelism, the most
+parallel requests at this context, the best KV type that fits, how many layers
+to keep on the accelerator, and the command line that realises the plan.
+Nothing here imports torch, llama_cpp or mlx, and no backend is named.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from localinfer.plan.memory import (
-    BACKENDS,
-    LlamaCells,
-    MemoryBreakdown,
-    Term,
-    backend_device,
-    check_kv_type,
-    check_weight_dtype,
-    kv_bytes,
-    kv_bytes_from_layer,
-    llama_cells,
-    output_bytes,
-    resident_weights,
-)
-from localinfer.backends.llamacpp.compute_buffer import compute_estimate
+from localinfer.backends.memory import MAX_PARALLEL, BackendMemory, FitRequest, MemoryBreakdown
+from localinfer.backends.registry import DEFAULT_BACKEND, canonical, memory_model
 from localinfer.devices.profiles import DeviceProfile
-from localinfer.errors import UsageError
-from localinfer.backends.llamacpp.placement import gpu_layer_start, weight_placement
 from localinfer.model.spec import ModelSpec
 from localinfer.units import fmt_bytes
 
-MAX_PARALLEL = 256           # llama.cpp's LLAMA_MAX_SEQ
+__all__ = ["FitRequest", "FitResult", "MAX_PARALLEL", "Offload", "backend_memory", "breakdown", "check_load",
+           "fit_device", "max_context", "max_parallel"]
+
 KV_PREFERENCE = ("f16", "q8_0", "q4_0")   # most faithful first
 CTX_STEP = 256
-
-
-@dataclass(frozen=True)
-class FitRequest:
-    """What the user asked for.  ``n_ctx`` is tokens per sequence; llama.cpp gets ``n_ctx × n_seq``."""
-
-    n_ctx: int = 4096
-    n_seq: int = 1
-    type_k: str = "f16"
-    type_v: str = "f16"
-    flash_attn: bool | None = None      # None: llama.cpp's auto (on where supported)
-    n_gpu_layers: int = -1              # -1: every layer on the accelerator
-    n_batch: int = 2048
-    n_ubatch: int = 512
-    n_outputs_max: int | None = None    # None: llama.cpp's default (n_batch)
-    backend: str = "llama.cpp"
-    mmap: bool = True
-    kv_unified: bool = False
-    swa_full: bool = False              # llama.cpp CLI default; its C API (and llama-cpp-python) default to True
-    n_ctx_total: int | None = None      # exact llama.cpp -c when it is not n_ctx × n_seq (check_load)
-    dtype: str | None = None            # torch/mlx weight dtype; None: the engine's default where it runs
-    packed: bool = False                # torch: q8_0/q4_0 matrices kept as GGUF blocks
-
-    def __post_init__(self):
-        if not isinstance(self.n_ctx, int) or isinstance(self.n_ctx, bool) or self.n_ctx <= 0:
-            raise UsageError(f"context must be a positive integer, got {self.n_ctx!r}", flag="--ctx",
-                             hint="e.g. --ctx 8192")
-        if not isinstance(self.n_seq, int) or not 1 <= self.n_seq <= MAX_PARALLEL:
-            raise UsageError(f"parallel sequences must be 1..{MAX_PARALLEL}, got {self.n_seq!r}", flag="--parallel")
-        check_kv_type(self.type_k, "-ctk")
-        check_kv_type(self.type_v, "-ctv")
-        if self.flash_attn is False and self.type_v not in ("f32", "f16", "bf16"):
-            raise UsageError(f"a {self.type_v} V cache needs flash attention", flag="--flash-attn",
-                             hint="use --flash-attn on, or -ctv f16")
-        if not isinstance(self.n_gpu_layers, int) or self.n_gpu_layers < -1:
-            raise UsageError(f"--gpu-layers must be -1 (all) or a count >= 0, got {self.n_gpu_layers!r}",
-                             flag="--gpu-layers")
-        if self.backend not in BACKENDS:
-            raise UsageError(f"unknown backend {self.backend!r}", flag="--backend", hint="use " + ", ".join(BACKENDS))
-        if self.n_batch <= 0 or self.n_ubatch <= 0:
-            raise UsageError("batch sizes must be positive", flag="--batch")
-        check_weight_dtype(self.dtype)
-
-    @property
-    def llama_n_ctx(self) -> int:
-        return self.n_ctx_total or self.n_ctx * self.n_seq
-
-    @property
-    def flash_attn_on(self) -> bool:
-        return self.flash_attn is not False
 
 
 @dataclass(frozen=True)
@@ -104,7 +43,7 @@ class FitResult:
     device: DeviceProfile
     request: FitRequest
     breakdown: MemoryBreakdown
-    cells: LlamaCells | None
+    cells: Any                          # the backend's cache geometry (llama.cpp: LlamaCells), or None
     usable_bytes: int
     fits: bool
     reason: str
@@ -116,7 +55,7 @@ class FitResult:
     offload: Offload | None = None
     command: str = ""
     warnings: tuple[str, ...] = field(default=())
-    supported: bool = True              # False: the backend cannot use this device (see budget.backend_device)
+    supported: bool = True              # False: the backend cannot use this device (see BackendMemory.runs_on)
 
     @property
     def free_bytes(self) -> int:
@@ -160,91 +99,22 @@ def _usable_formula(d: DeviceProfile) -> str:
 
 # ---- the breakdown ----------------------------------------------------------------
 
-def _pool(kind: str, on_device: bool) -> str:
-    return "device" if kind == "cpu" or on_device else "host"
+def backend_memory(backend: str) -> tuple[BackendMemory, str | None]:
+    """The backend's memory model, and a note when it has none (then llama.cpp's rules stand in)."""
+    model = memory_model(backend)
+    if model is None:
+        return memory_model(DEFAULT_BACKEND), f"{backend}: no memory model; fit shows llama.cpp's"
+    return model, None
 
 
-def breakdown(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> tuple[MemoryBreakdown, LlamaCells]:
-    """Every memory term of ``req`` on ``device`` as llama.cpp allocates it, with its formula."""
-    if req.backend != "llama.cpp":
-        return _other_backend(spec, device, req), None
-    kind = device.kind
-    ngl = 0 if kind == "cpu" else req.n_gpu_layers
-    cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified,
-                        swa_full=req.swa_full)
-    n_batch = min(cells.n_ctx, req.n_batch)
-    n_ubatch = min(n_batch, req.n_ubatch)
-    if n_ubatch != req.n_ubatch:
-        cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified,
-                            swa_full=req.swa_full)
-    n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
-    terms: list[Term] = []
-    wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features)
-    for name, nbytes in wp.buffers.items():
-        on_dev = name in wp.device_buffers
-        formula = ("file range from the first to the last byte of the mapped tensors" if "Mapped" in name else
-                   "Σ matmul weights repacked for this CPU (a second copy)" if "REPACK" in name else
-                   "Σ tensor bytes, padded and aligned")
-        counted = nbytes
-        if not on_dev and not device.unified and kind != "cpu" and wp.tensor_bytes[name] != nbytes:
-            counted = wp.tensor_bytes[name]
-            formula = "Σ bytes of the tensors kept on the host (the mapping spans more, read once at load)"
-        terms.append(Term("weights", f"weights ({name.split()[0]})", counted, _pool(kind, on_dev), formula, name,
-                          reported=nbytes if counted != nbytes else None))
-    start = spec.n_layers if (kind == "cpu" or ngl == 0) else gpu_layer_start(spec.n_layers, ngl)
-    kv_dev = kv_bytes_from_layer(spec, start, cells, req.type_k, req.type_v)
-    kv_host = kv_bytes_from_layer(spec, 0, cells, req.type_k, req.type_v) - kv_dev
-    kv_formula = (f"Σ layers (row_bytes({req.type_k}, n_head_kv·{spec.head_dim_k}) + row_bytes({req.type_v}, "
-                  f"n_head_kv·{spec.head_dim_v})) × cells; cells = pad(n_ctx {req.llama_n_ctx}, 256) → "
-                  f"{cells.n_stream} stream(s) × {cells.cells_base}"
-                  + (f" ({cells.cells_swa} in sliding-window layers)" if spec.has_swa else ""))
-    dev = {"cuda": "CUDA0", "metal": "Metal"}.get(kind, "CPU")
-    if kv_dev:
-        terms.append(Term("kv", "KV cache", kv_dev, "device", kv_formula, f"{dev} KV"))
-    if kv_host:
-        terms.append(Term("kv", "KV cache (CPU layers)", kv_host, _pool(kind, False), kv_formula, "CPU KV"))
-    terms.append(Term("output", "output buffer (logits)", output_bytes(spec, req.n_seq), _pool(kind, False),
-                      f"n_vocab {spec.vocab_size} × n_seq {req.n_seq} × 4 B (float32 logits)", "CPU output"))
-    gpu_layers = 0 if start >= spec.n_layers else spec.n_layers - start
-    ce = compute_estimate(spec, n_kv=cells.cells_base, n_ubatch=n_ubatch, n_outputs=n_outputs,
-                          flash_attn=req.flash_attn_on, kind=kind, gpu_layers=gpu_layers,
-                          type_k=req.type_k, type_v=req.type_v, n_kv_swa=cells.cells_swa)
-    terms.append(Term("compute", "compute buffer", ce.device, "device", ce.formula, f"{dev} compute"))
-    if ce.host:
-        terms.append(Term("compute", "compute buffer (host)", ce.host, "host", ce.host_formula, "CPU compute"))
-    unified = device.unified or kind == "cpu"
-    notes: list[str] = []
-    mapped = sum(t.bytes for t in terms if t.key == "weights")
-    if unified and mapped > wp.physical_bytes:
-        terms.append(Term("weights", "weights mapped twice (counted once)", wp.physical_bytes - mapped, "device",
-                          "overlap of the Metal and CPU mapped file ranges", None))
-    if wp.repacked:
-        notes.append(f"llama.cpp repacks {len(wp.repacked)} weight tensors for this CPU "
-                     f"({', '.join(device.cpu_features)}): CPU_REPACK is a second copy beside the mapping")
-    return MemoryBreakdown(tuple(terms), unified, tuple(notes)), cells
-
-
-def _other_backend(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> MemoryBreakdown:
-    """torch / mlx: weights as the engine holds them once loaded, KV as its caches allocate it.
-
-    Where the engine cannot use the device (torch on Metal, mlx on CUDA) it runs
-    on the CPU: in a unified machine's memory, or in a discrete device's host.
-    """
-    rw = resident_weights(spec, req.backend, device.kind, req.dtype, packed=req.packed)
-    pool = "host" if rw.runs_on == "cpu" and device.kind != "cpu" and not device.unified else "device"
-    kv = kv_bytes(spec, req.n_ctx, req.type_k, req.type_v, backend=req.backend, n_seq=req.n_seq)
-    block = "16-token blocks" if req.backend == "torch" else "256-token steps (mlx-lm)"
-    terms = (Term("weights", f"weights ({rw.dtype})", rw.bytes, pool, rw.formula, None),
-             Term("kv", "KV cache", kv, pool, f"{req.backend} KV: n_seq × tokens in {block} × bytes/token", None))
-    notes = ([rw.note] if rw.note and pool == "device" else []) + [f"{req.backend}: activations and work areas are not counted"]
-    return MemoryBreakdown(terms, device.unified or device.kind == "cpu", tuple(notes))
+def breakdown(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> tuple[MemoryBreakdown, Any]:
+    """Every memory term of ``req`` on ``device`` as its backend allocates it, and its cache geometry."""
+    return backend_memory(req.backend)[0].breakdown(spec, device, req)
 
 
 def unsupported(device: DeviceProfile, req: FitRequest) -> str | None:
-    """Why ``req.backend`` cannot run on this discrete device at all (mlx on CUDA), else None."""
-    if req.backend == "llama.cpp":
-        return None
-    runs_on, note = backend_device(req.backend, device.kind)
+    """Why ``req.backend`` cannot use this discrete device at all (it would run on the host CPU), else None."""
+    runs_on, note = backend_memory(req.backend)[0].runs_on(device.kind)
     if runs_on == "cpu" and device.kind != "cpu" and not device.unified:
         return f"not supported: {note}, so this device's memory is not used; use --backend torch or llama.cpp here"
     return None
@@ -329,35 +199,6 @@ def offload_plan(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> Off
     return Offload(lo, bd.device_bytes, bd.host_bytes)
 
 
-def llama_command(spec: ModelSpec, req: FitRequest, cells: LlamaCells | None, device: DeviceProfile,
-                  n_gpu_layers: int | None = None) -> str:
-    """The llama.cpp command line that realises this plan."""
-    path = spec.path if " " not in spec.path else f'"{spec.path}"'
-    tool = "llama-server" if req.n_seq > 1 else "llama-cli"
-    parts = [tool, "-m", path, "-c", str(cells.n_ctx if cells else req.llama_n_ctx)]
-    if req.n_seq > 1:
-        parts += ["-np", str(req.n_seq)]
-    if device.kind != "cpu":
-        ngl = req.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
-        parts += ["-ngl", "999" if ngl < 0 else str(ngl)]
-    else:
-        parts += ["-ngl", "0"]
-    if (req.type_k, req.type_v) != ("f16", "f16"):
-        parts += ["-ctk", req.type_k, "-ctv", req.type_v]
-    parts += ["-fa", "on" if req.flash_attn_on else "off"]
-    if req.n_batch != 2048:
-        parts += ["-b", str(req.n_batch)]
-    if req.n_ubatch != 512:
-        parts += ["-ub", str(req.n_ubatch)]
-    if req.kv_unified:
-        parts.append("-kvu")
-    if req.swa_full and spec.has_swa:
-        parts.append("--swa-full")
-    if not req.mmap:
-        parts.append("--no-mmap")
-    return " ".join(parts)
-
-
 def _reason(bd: MemoryBreakdown, usable: int, device: DeviceProfile) -> str:
     need = bd.device_bytes
     where = "this machine" if device.kind == "cpu" or device.unified else "the device"
@@ -380,7 +221,8 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
     type, offload) for callers that only need the verdict.
     """
     req = request or FitRequest()
-    warnings = []
+    model, note = backend_memory(req.backend)
+    warnings = [note] if note else []
     if spec.n_ctx_train and req.n_ctx > spec.n_ctx_train:
         warnings.append(f"--ctx {req.n_ctx} is beyond the model's trained context {spec.n_ctx_train}"
                         + (f" (RoPE scaling {spec.rope_scaling} is declared)" if spec.rope_scaling else ""))
@@ -398,16 +240,15 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
     if why:
         fits, reason = False, why
     result = FitResult(spec.name, device, req, bd, cells, usable, fits, reason,
-                       command=llama_command(spec, req, cells, device) if req.backend == "llama.cpp" else "",
+                       command=model.command(spec, req, cells, device),
                        warnings=tuple(warnings), supported=why is None)
     if not search or why:
         return result
     mctx = max_context(spec, device, req)
     mpar = max_parallel(spec, device, req) if mctx and mctx >= req.n_ctx else (None if not mctx else 0)
     kvt = best_kv_type(spec, device, req)
-    llama = req.backend == "llama.cpp"
-    off = None if fits or not llama else offload_plan(spec, device, req)
-    ub = None if fits or not llama else max_ubatch(spec, device, req)
+    off = None if fits or not model.offload else offload_plan(spec, device, req)
+    ub = None if fits or not model.offload else max_ubatch(spec, device, req)
     suggestions: list[str] = []
     if not fits:
         if ub:
@@ -421,8 +262,8 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
         if off is not None:
             suggestions.append(f"--gpu-layers {off.gpu_layers}")
     command = result.command
-    if not fits and off is not None and req.backend == "llama.cpp":
-        command = llama_command(spec, req, cells, device, off.gpu_layers)
+    if not fits and off is not None:
+        command = model.command(spec, req, cells, device, off.gpu_layers)
     return replace(result, max_ctx=mctx, max_parallel=mpar, kv_type=kvt, offload=off, ubatch=ub,
                    suggestions=tuple(suggestions), command=command)
 
@@ -441,33 +282,25 @@ def _cpu_view(dev: DeviceProfile) -> DeviceProfile:
                    reserve=DEFAULT_LOCAL_RESERVE, unified=True, host_memory_bytes=None)
 
 
-def check_load(spec: ModelSpec, plan, device: DeviceProfile | None = None, backend: str = "llama.cpp") -> FitResult:
+def check_load(spec: ModelSpec, plan, device: DeviceProfile | None = None, backend: str = DEFAULT_BACKEND
+               ) -> FitResult:
     """Would ``plan`` (a :class:`localinfer.backends.engine.LoadPlan`) fit?  For ``chat``/``run`` before loading.
 
-    ``plan.n_ctx`` is llama.cpp's total context (shared by ``plan.n_seq``
-    sequences).  The device defaults to this machine (probing CUDA for the
-    torch backend).  torch and mlx are checked where the engine will compute:
-    on the CPU when the plan asks for it or the backend cannot use the device.
-    The result's ``reason`` and ``suggestions`` are what to print when refusing.
+    ``plan.n_ctx`` is the total context (shared by ``plan.n_seq`` sequences).
+    The device defaults to this machine (probing CUDA when the backend would
+    use it).  The plan is checked where the engine will compute: on the CPU
+    when the plan asks for it or the backend cannot use the device.  The
+    result's ``reason`` and ``suggestions`` are what to print when refusing.
     """
     from localinfer.devices.profiles import local_device
 
-    on_cpu = backend != "llama.cpp" and ((plan.device or "").lower() == "cpu"
-                                         or (backend == "torch" and plan.n_gpu_layers == 0))
-    dev = device or local_device(probe_cuda=backend == "torch" and not on_cpu)
-    if backend != "llama.cpp":
-        dev = _cpu_view(dev) if on_cpu or backend_device(backend, dev.kind)[0] == "cpu" else dev
-    outputs = plan.options.get("n_outputs_max")
-    if outputs is None and backend == "llama.cpp":
-        import sys
-
-        mod = sys.modules.get("localinfer.backends.llamacpp.engine")
-        outputs = getattr(mod, "DEFAULT_OUTPUTS_MAX", None)
+    model, _ = backend_memory(canonical(backend))
+    dev = device or local_device(probe_cuda=model.probes_cuda(plan))
+    if model.computes_on_cpu(plan, dev.kind):
+        dev = _cpu_view(dev)
     req = FitRequest(
         n_ctx=max(1, -(-plan.n_ctx // plan.n_seq)), n_seq=plan.n_seq, type_k=plan.type_k, type_v=plan.type_v,
         flash_attn=plan.flash_attn, n_gpu_layers=plan.n_gpu_layers, n_batch=plan.n_batch,
-        n_ubatch=min(plan.n_ubatch, plan.n_batch), n_outputs_max=outputs, backend=backend,
-        mmap=bool(plan.options.get("mmap", True)), swa_full=bool(plan.options.get("swa_full", True)),
-        n_ctx_total=plan.n_ctx, dtype=plan.dtype if backend != "llama.cpp" else None,
-        packed=bool(plan.options.get("packed")) and backend == "torch")
+        n_ubatch=min(plan.n_ubatch, plan.n_batch), backend=canonical(backend), n_ctx_total=plan.n_ctx,
+        **model.load_request(plan))
     return fit_device(spec, dev, req)

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from localinfer.errors import UsageError
-from localinfer.backends.llamacpp.placement import spec_cache
+from localinfer.util.memo import spec_cache
 from localinfer.model.spec import ModelSpec
 
 _GROUP_RE = re.compile(r"^blk\.(\d+)\.(\w+?)\.")

@@ -14,8 +14,9 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from localinfer.plan.memory import TORCH_BLOCK_TOKENS, tokens_held
-from localinfer.model.cost import ceil_div
+from cuda_backend.memory import TORCH_BLOCK_TOKENS
+from localinfer.plan.paging import tokens_held
+from localinfer.units import ceil_div
 from localinfer.plan.speculation import Drafting
 from localinfer.errors import UsageError
 from localinfer.plan.offload import OffloadPlan, plan_offload
@@ -237,7 +238,8 @@ def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
 
     The non-KV terms are `localinfer fit`'s breakdown for one ``n_ctx`` sequence.
     """
-    from localinfer.plan.fit import FitRequest, fit_device
+    from localinfer.plan.fit import fit_device
+    from localinfer.backends.memory import FitRequest
 
     bd = fit_device(spec, device, FitRequest(n_ctx=n_ctx), search=False).breakdown
     return device.usable_bytes - (bd.device_bytes - bd.sum("kv", "device"))

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 
 from localinfer.plan.calibration import Calibration
-from localinfer.model.cost import DEFAULT_UBATCH, ModelCost, ceil_div, rounds_needed
+from localinfer.model.cost import DEFAULT_UBATCH, ModelCost, rounds_needed
+from localinfer.units import ceil_div
 from localinfer.errors import UsageError
 
 # Used only when a device profile gives no efficiency of its own.

@@ -118,8 +118,9 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     KV cells, compute and output buffers) at each context and KV type; requests
     and the largest context extend its KV term linearly.
     """
-    from localinfer.plan.memory import kv_bytes_per_token
-    from localinfer.plan.fit import MAX_PARALLEL, FitRequest, fit_device
+    from localinfer.model.kv import kv_bytes_per_token
+    from localinfer.plan.fit import fit_device
+    from localinfer.backends.memory import MAX_PARALLEL, FitRequest
 
     cost = model_cost(spec)
     speed = SpeedModel(cost, device, calibration)

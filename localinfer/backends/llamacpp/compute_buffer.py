@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localinfer.backends.llamacpp.placement import spec_cache
+from localinfer.util.memo import spec_cache
 from localinfer.model.spec import ModelSpec
 
 F32, F16, I32, I64 = 4, 2, 4, 8

@@ -22,10 +22,10 @@ import llama_cpp as _L
 from gguf import GGMLQuantizationType
 
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.llamacpp.memory import DEFAULT_OUTPUTS_MAX
 from localinfer.errors import ModelNotFoundError, UnsupportedModelError, UsageError
 from localinfer.units import MiB
 
-DEFAULT_OUTPUTS_MAX = 64  # logit rows per llama_decode: drafts + 1 fit easily, 512 would cost n_vocab x 2 KiB
 _LOG_TAIL = 400
 
 # ---- llama.cpp's log: captured, parsed for buffer sizes, shown only when asked ----

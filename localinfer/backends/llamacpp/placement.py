@@ -17,13 +17,14 @@ N > n_layer.  Buffers then follow the backend:
 from __future__ import annotations
 
 import re
-import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from gguf_tools.quants import layout, row_bytes
 
 from localinfer.model.spec import ModelSpec
+from localinfer.units import pad_to
+from localinfer.util.memo import spec_cache
 
 CPU_ALIGN = 32
 CUDA_ALIGN = 128
@@ -39,27 +40,6 @@ REPACK_RULES: dict[str, dict[str, int]] = {
     "dotprod": {"Q4_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 8, "MXFP4": 4, "Q8_0": 4},
     "neon": {"IQ4_NL": 4},
 }
-
-
-_SPEC_CACHES: dict[int, tuple[weakref.ref, dict]] = {}
-
-
-def _pad(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def spec_cache(spec) -> dict:
-    """A memo dict that lives as long as ``spec`` (ModelSpec hashes all its tensors, which is slow)."""
-    key = id(spec)
-    hit = _SPEC_CACHES.get(key)
-    if hit is not None and hit[0]() is spec:
-        return hit[1]
-    if len(_SPEC_CACHES) > 64:
-        for k in [k for k, (ref, _) in _SPEC_CACHES.items() if ref() is None]:
-            del _SPEC_CACHES[k]
-    memo: dict = {}
-    _SPEC_CACHES[key] = (weakref.ref(spec), memo)
-    return memo
 
 
 def gpu_layer_start(n_layer: int, n_gpu_layers: int) -> int:
@@ -201,14 +181,14 @@ class _Group:
     names: list[str] = field(default_factory=list)
 
     def add(self, p: Placed) -> None:
-        self.cuda_alloc += _pad(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN)
+        self.cuda_alloc += pad_to(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN)
         self.names.append(p.name)
         self.lo, self.hi = min(self.lo, p.offset), max(self.hi, p.offset + p.nbytes)
         if p.duplicate:
-            self.dup_alloc += _pad(p.nbytes, CPU_ALIGN)
+            self.dup_alloc += pad_to(p.nbytes, CPU_ALIGN)
         else:
             self.held += p.nbytes
-            self.cpu_alloc += _pad(p.nbytes, CPU_ALIGN)
+            self.cpu_alloc += pad_to(p.nbytes, CPU_ALIGN)
 
 
 def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:

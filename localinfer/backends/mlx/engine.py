@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 
 from gguf_tools import read_header
 
-from localinfer.plan.memory import mlx_weight_bytes
+from localinfer.backends.mlx.memory import mlx_weight_bytes
 from localinfer.backends.engine import Engine, LoadPlan
 from localinfer.errors import (
     BackendUnavailableError,

@@ -27,8 +27,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from localinfer.plan.memory import mlx_bytes_per_token, mlx_capacity
-from localinfer.plan.memory import mlx_quant_group as quant_group
+from localinfer.backends.mlx.memory import mlx_bytes_per_token, mlx_capacity
+from localinfer.backends.mlx.memory import mlx_quant_group as quant_group
 from localinfer.errors import UsageError
 from localinfer.model.spec import ModelSpec
 

@@ -1,0 +1,242 @@
+"""llama.cpp's memory: KV cells, the logits buffer, every term of a plan, and the command line.
+
+KV: ``-c`` is padded to 256 cells; without ``--kv-unified`` each of ``-np``
+sequences gets its own stream of pad(c / np, 256) cells; sliding-window layers
+hold pad(min(cells, window + n_ubatch), 256).  Weights follow
+:mod:`localinfer.backends.llamacpp.placement`; the compute buffer
+:mod:`localinfer.backends.llamacpp.compute_buffer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localinfer.backends.llamacpp.compute_buffer import compute_estimate
+from localinfer.backends.llamacpp.placement import gpu_layer_start, weight_placement
+from localinfer.backends.memory import FitRequest, MemoryBreakdown, Term, check_tokens
+from localinfer.errors import UsageError
+from localinfer.model.kv import attention_layers, check_kv_type, kv_rows
+from localinfer.model.spec import ModelSpec
+from localinfer.units import pad_to
+from localinfer.util.memo import spec_cache
+
+LLAMA_CTX_PAD = 256          # llama.cpp pads n_ctx and n_ctx_seq to multiples of 256
+LOGIT_BYTES = 4              # llama.cpp keeps logits as float32
+DEFAULT_OUTPUTS_MAX = 64     # logit rows per llama_decode in our engine: drafts + 1 fit easily
+
+
+@dataclass(frozen=True)
+class LlamaCells:
+    """How llama.cpp sizes its KV cache for a requested context."""
+
+    n_ctx: int           # total cells (what llama.cpp prints as n_ctx)
+    n_ctx_seq: int       # cells each sequence may use
+    n_stream: int        # KV streams (n_seq unless kv_unified)
+    cells_base: int      # cells per stream in full-attention layers
+    cells_swa: int       # cells per stream in sliding-window layers
+
+    @property
+    def total_base(self) -> int:
+        return self.cells_base * self.n_stream
+
+    @property
+    def total_swa(self) -> int:
+        return self.cells_swa * self.n_stream
+
+
+def llama_cells(spec: ModelSpec | None, n_ctx: int, n_seq: int = 1, *, n_ubatch: int = 512,
+                kv_unified: bool = False, swa_full: bool = False) -> LlamaCells:
+    """llama.cpp's cache geometry for ``-c n_ctx -np n_seq`` (n_ctx is the total, as llama.cpp takes it).
+
+    n_ctx is padded to 256; without a unified cache each sequence gets its own
+    stream of pad(n_ctx / n_seq, 256) cells and n_ctx becomes that times n_seq.
+    Sliding-window layers get pad(min(cells, window·(n_seq if unified else 1) + n_ubatch), 256).
+    """
+    if n_ctx <= 0 or n_seq <= 0:
+        raise UsageError(f"context {n_ctx} and parallel {n_seq} must be positive", flag="--ctx")
+    total = pad_to(n_ctx, LLAMA_CTX_PAD)
+    if kv_unified:
+        per_seq, n_stream, cells = total, 1, total
+    else:
+        per_seq = pad_to(total // n_seq, LLAMA_CTX_PAD)
+        if per_seq == 0:
+            raise UsageError(f"context {n_ctx} is too small for {n_seq} sequences", flag="--ctx")
+        total, n_stream, cells = per_seq * n_seq, n_seq, per_seq
+    cells_swa = cells
+    if spec is not None and spec.has_swa and not swa_full:
+        window = spec.sliding_window * (n_seq if kv_unified else 1) + n_ubatch
+        cells_swa = pad_to(min(cells, window), LLAMA_CTX_PAD)
+    return LlamaCells(total, per_seq, n_stream, cells, cells_swa)
+
+
+def llama_kv_layer_bytes(spec: ModelSpec, il: int, cells: LlamaCells, type_k: str, type_v: str,
+                         align: int = 32) -> tuple[int, int]:
+    """(K bytes, V bytes) of layer il's cache tensors in llama.cpp (0 for layers without KV)."""
+    k_row, v_row, swa = kv_rows(spec, type_k, type_v)[il]
+    n = cells.total_swa if swa else cells.total_base
+    return pad_to(k_row * n, align), pad_to(v_row * n, align)
+
+
+def kv_bytes_from_layer(spec: ModelSpec, start: int, cells: LlamaCells, type_k: str, type_v: str) -> int:
+    """llama.cpp KV bytes of layers start..n_layer-1 (cell counts are multiples of 256, so no padding)."""
+
+
+    memo = spec_cache(spec)
+    key = ("kv_suffix", type_k, type_v)
+    if key not in memo:
+        base, swa = [0] * (spec.n_layers + 1), [0] * (spec.n_layers + 1)
+        for il, (k, v, is_swa) in reversed(list(enumerate(kv_rows(spec, type_k, type_v)))):
+            base[il] = base[il + 1] + (0 if is_swa else k + v)
+            swa[il] = swa[il + 1] + (k + v if is_swa else 0)
+        memo[key] = (base, swa)
+    base, swa = memo[key]
+    start = min(max(start, 0), spec.n_layers)
+    return base[start] * cells.total_base + swa[start] * cells.total_swa
+
+
+def output_bytes(spec: ModelSpec, n_seq: int = 1, n_outputs: int = 0) -> int:
+    """llama.cpp's host output buffer: float32 logits for max(n_seq, n_outputs) rows of the vocabulary.
+
+    It is reserved for n_seq rows at context creation and grows when a batch
+    asks for more logits (e.g. speculative verification of k drafts asks k + 1).
+    """
+    return spec.vocab_size * max(n_seq, n_outputs) * LOGIT_BYTES
+
+
+def llama_kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = "f16", *, n_seq: int = 1,
+                   n_ubatch: int = 512, kv_unified: bool = False, swa_full: bool = False, layers=None,
+                   **_ignored) -> int:
+    """KV bytes of ``n_seq`` sequences of ``n_tokens``: llama.cpp gets ``-c n_tokens × n_seq``, cells as in
+    :func:`llama_cells`; K and V types separate."""
+    check_tokens(n_tokens, n_seq)
+    if n_tokens == 0:
+        return 0
+    type_k, type_v = check_kv_type(type_k, "-ctk"), check_kv_type(type_v, "-ctv")
+    cells = llama_cells(spec, n_tokens * n_seq, n_seq, n_ubatch=n_ubatch, kv_unified=kv_unified, swa_full=swa_full)
+    if layers is None:
+        return kv_bytes_from_layer(spec, 0, cells, type_k, type_v)
+    return sum(sum(llama_kv_layer_bytes(spec, il, cells, type_k, type_v)) for il in attention_layers(spec, layers))
+
+
+def _pool(kind: str, on_device: bool) -> str:
+    return "device" if kind == "cpu" or on_device else "host"
+
+
+def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown, LlamaCells]:
+    """Every memory term of ``req`` on ``device`` as llama.cpp allocates it, with its formula."""
+    kind = device.kind
+    ngl = 0 if kind == "cpu" else req.n_gpu_layers
+    cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified,
+                        swa_full=req.swa_full)
+    n_batch = min(cells.n_ctx, req.n_batch)
+    n_ubatch = min(n_batch, req.n_ubatch)
+    if n_ubatch != req.n_ubatch:
+        cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified,
+                            swa_full=req.swa_full)
+    n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
+    terms: list[Term] = []
+    wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features)
+    for name, nbytes in wp.buffers.items():
+        on_dev = name in wp.device_buffers
+        formula = ("file range from the first to the last byte of the mapped tensors" if "Mapped" in name else
+                   "Σ matmul weights repacked for this CPU (a second copy)" if "REPACK" in name else
+                   "Σ tensor bytes, padded and aligned")
+        counted = nbytes
+        if not on_dev and not device.unified and kind != "cpu" and wp.tensor_bytes[name] != nbytes:
+            counted = wp.tensor_bytes[name]
+            formula = "Σ bytes of the tensors kept on the host (the mapping spans more, read once at load)"
+        terms.append(Term("weights", f"weights ({name.split()[0]})", counted, _pool(kind, on_dev), formula, name,
+                          reported=nbytes if counted != nbytes else None))
+    start = spec.n_layers if (kind == "cpu" or ngl == 0) else gpu_layer_start(spec.n_layers, ngl)
+    kv_dev = kv_bytes_from_layer(spec, start, cells, req.type_k, req.type_v)
+    kv_host = kv_bytes_from_layer(spec, 0, cells, req.type_k, req.type_v) - kv_dev
+    kv_formula = (f"Σ layers (row_bytes({req.type_k}, n_head_kv·{spec.head_dim_k}) + row_bytes({req.type_v}, "
+                  f"n_head_kv·{spec.head_dim_v})) × cells; cells = pad(n_ctx {req.llama_n_ctx}, 256) → "
+                  f"{cells.n_stream} stream(s) × {cells.cells_base}"
+                  + (f" ({cells.cells_swa} in sliding-window layers)" if spec.has_swa else ""))
+    dev = {"cuda": "CUDA0", "metal": "Metal"}.get(kind, "CPU")
+    if kv_dev:
+        terms.append(Term("kv", "KV cache", kv_dev, "device", kv_formula, f"{dev} KV"))
+    if kv_host:
+        terms.append(Term("kv", "KV cache (CPU layers)", kv_host, _pool(kind, False), kv_formula, "CPU KV"))
+    terms.append(Term("output", "output buffer (logits)", output_bytes(spec, req.n_seq), _pool(kind, False),
+                      f"n_vocab {spec.vocab_size} × n_seq {req.n_seq} × 4 B (float32 logits)", "CPU output"))
+    gpu_layers = 0 if start >= spec.n_layers else spec.n_layers - start
+    ce = compute_estimate(spec, n_kv=cells.cells_base, n_ubatch=n_ubatch, n_outputs=n_outputs,
+                          flash_attn=req.flash_attn_on, kind=kind, gpu_layers=gpu_layers,
+                          type_k=req.type_k, type_v=req.type_v, n_kv_swa=cells.cells_swa)
+    terms.append(Term("compute", "compute buffer", ce.device, "device", ce.formula, f"{dev} compute"))
+    if ce.host:
+        terms.append(Term("compute", "compute buffer (host)", ce.host, "host", ce.host_formula, "CPU compute"))
+    unified = device.unified or kind == "cpu"
+    notes: list[str] = []
+    mapped = sum(t.bytes for t in terms if t.key == "weights")
+    if unified and mapped > wp.physical_bytes:
+        terms.append(Term("weights", "weights mapped twice (counted once)", wp.physical_bytes - mapped, "device",
+                          "overlap of the Metal and CPU mapped file ranges", None))
+    if wp.repacked:
+        notes.append(f"llama.cpp repacks {len(wp.repacked)} weight tensors for this CPU "
+                     f"({', '.join(device.cpu_features)}): CPU_REPACK is a second copy beside the mapping")
+    return MemoryBreakdown(tuple(terms), unified, tuple(notes)), cells
+
+
+def llama_command(spec: ModelSpec, req: FitRequest, cells: LlamaCells | None, device,
+                  n_gpu_layers: int | None = None) -> str:
+    """The llama.cpp command line that realises this plan."""
+    path = spec.path if " " not in spec.path else f'"{spec.path}"'
+    tool = "llama-server" if req.n_seq > 1 else "llama-cli"
+    parts = [tool, "-m", path, "-c", str(cells.n_ctx if cells else req.llama_n_ctx)]
+    if req.n_seq > 1:
+        parts += ["-np", str(req.n_seq)]
+    if device.kind != "cpu":
+        ngl = req.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+        parts += ["-ngl", "999" if ngl < 0 else str(ngl)]
+    else:
+        parts += ["-ngl", "0"]
+    if (req.type_k, req.type_v) != ("f16", "f16"):
+        parts += ["-ctk", req.type_k, "-ctv", req.type_v]
+    parts += ["-fa", "on" if req.flash_attn_on else "off"]
+    if req.n_batch != 2048:
+        parts += ["-b", str(req.n_batch)]
+    if req.n_ubatch != 512:
+        parts += ["-ub", str(req.n_ubatch)]
+    if req.kv_unified:
+        parts.append("-kvu")
+    if req.swa_full and spec.has_swa:
+        parts.append("--swa-full")
+    if not req.mmap:
+        parts.append("--no-mmap")
+    return " ".join(parts)
+
+
+class LlamaCppMemory:
+    """The memory model the registry hands out for ``llama.cpp``."""
+
+    name = "llama.cpp"
+    offload = True
+
+    def runs_on(self, kind: str) -> tuple[str, str | None]:
+        return kind, None
+
+    def breakdown(self, spec, device, req):
+        return breakdown(spec, device, req)
+
+    def kv_bytes(self, spec, n_tokens, type_k="f16", type_v="f16", **options) -> int:
+        return llama_kv_bytes(spec, n_tokens, type_k, type_v, **options)
+
+    def command(self, spec, req, geometry, device, n_gpu_layers=None) -> str:
+        return llama_command(spec, req, geometry, device, n_gpu_layers)
+
+    def load_request(self, plan) -> dict:
+        """FitRequest fields a LoadPlan implies: logit rows per decode, mmap, llama-cpp-python's swa_full."""
+        return {"n_outputs_max": plan.options.get("n_outputs_max", DEFAULT_OUTPUTS_MAX),
+                "mmap": bool(plan.options.get("mmap", True)), "swa_full": bool(plan.options.get("swa_full", True))}
+
+    def probes_cuda(self, plan) -> bool:
+        return False
+
+    def computes_on_cpu(self, plan, kind: str) -> bool:
+        return kind == "cpu"
+
+
+MEMORY = LlamaCppMemory()

@@ -1,0 +1,213 @@
+"""What a backend must say about memory so that ``fit`` and ``plan`` can check a plan for it.
+
+A backend's memory model is a plain object (its module imports no torch,
+llama_cpp or mlx) with the attributes and methods of :class:`BackendMemory`.
+The registry hands it to the planner by backend name; the planner never
+compares backend names.  This module also holds the vocabulary both sides
+speak: the request (:class:`FitRequest`), the terms of a breakdown, and the
+weights an engine keeps resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from localinfer.errors import UsageError
+from localinfer.model.kv import check_kv_type
+from localinfer.model.spec import ModelSpec
+
+MAX_PARALLEL = 256           # llama.cpp's LLAMA_MAX_SEQ
+QUANT_GROUP = 32             # values per q4_x/q8_0 block = per MLX affine group
+NOT_RESIDENT = ("rope_freqs.weight",)   # folded into RoPE frequencies by the torch and mlx engines
+
+
+WEIGHT_DTYPE_BYTES = {"f32": 4, "float32": 4, "fp32": 4, "bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp16": 2}
+
+
+def check_weight_dtype(dtype: str | None, flag: str = "--dtype") -> str | None:
+    """Normalise a weight dtype name (None: the backend's default); UsageError naming the flag."""
+    if dtype is None:
+        return None
+    t = str(dtype).strip().lower()
+    if t not in WEIGHT_DTYPE_BYTES:
+        raise UsageError(f"{flag}: unknown weight dtype {dtype!r}", flag=flag, hint="use f32, bf16 or f16")
+    return t
+
+
+@dataclass(frozen=True)
+class ResidentWeights:
+    """Weight bytes a torch/mlx engine holds after loading, where, in what dtype, and the formula."""
+
+    bytes: int
+    runs_on: str        # "cuda", "metal" or "cpu": where the engine computes on a device of that kind
+    dtype: str          # compute dtype the dequantized tensors take
+    formula: str
+    note: str | None = None   # set when the engine cannot use the device itself
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of a memory breakdown: bytes, where they live, and how they were computed."""
+
+    key: str            # "weights", "kv", "output", "compute", ...
+    label: str
+    bytes: int
+    pool: str           # "device" or "host"
+    formula: str
+    buffer: str | None = None   # the llama.cpp buffer, e.g. "CUDA0 model", "CPU_Mapped model"
+    reported: int | None = None  # what llama.cpp prints for that buffer, when it differs from ``bytes``
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Every term of a plan's memory, split by pool.  On unified memory both pools are one."""
+
+    terms: tuple[Term, ...]
+    unified: bool
+    notes: tuple[str, ...] = field(default=())
+
+    def sum(self, key: str | None = None, pool: str | None = None) -> int:
+        return sum(t.bytes for t in self.terms
+                   if (key is None or t.key == key) and (pool is None or t.pool == pool))
+
+    @property
+    def weights(self) -> int:
+        return self.sum("weights")
+
+    @property
+    def kv(self) -> int:
+        return self.sum("kv")
+
+    @property
+    def output(self) -> int:
+        return self.sum("output")
+
+    @property
+    def compute(self) -> int:
+        return self.sum("compute")
+
+    @property
+    def device_bytes(self) -> int:
+        """What the accelerator (or, on unified memory, the whole machine) must hold."""
+        return self.total if self.unified else self.sum(pool="device")
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.unified else self.sum(pool="host")
+
+    @property
+    def total(self) -> int:
+        return self.sum()
+
+    def to_dict(self) -> dict:
+        return {
+            "unified": self.unified,
+            "weights": self.weights, "kv": self.kv, "output": self.output, "compute": self.compute,
+            "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "total": self.total,
+            "terms": [t.__dict__ for t in self.terms], "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """What the user asked for.  ``n_ctx`` is tokens per sequence; llama.cpp gets ``n_ctx × n_seq``."""
+
+    n_ctx: int = 4096
+    n_seq: int = 1
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool | None = None      # None: llama.cpp's auto (on where supported)
+    n_gpu_layers: int = -1              # -1: every layer on the accelerator
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_outputs_max: int | None = None    # None: llama.cpp's default (n_batch)
+    backend: str = "llama.cpp"
+    mmap: bool = True
+    kv_unified: bool = False
+    swa_full: bool = False              # llama.cpp CLI default; its C API (and llama-cpp-python) default to True
+    n_ctx_total: int | None = None      # exact llama.cpp -c when it is not n_ctx × n_seq (check_load)
+    dtype: str | None = None            # torch/mlx weight dtype; None: the engine's default where it runs
+    packed: bool = False                # torch: q8_0/q4_0 matrices kept as GGUF blocks
+
+    def __post_init__(self):
+        if not isinstance(self.n_ctx, int) or isinstance(self.n_ctx, bool) or self.n_ctx <= 0:
+            raise UsageError(f"context must be a positive integer, got {self.n_ctx!r}", flag="--ctx",
+                             hint="e.g. --ctx 8192")
+        if not isinstance(self.n_seq, int) or not 1 <= self.n_seq <= MAX_PARALLEL:
+            raise UsageError(f"parallel sequences must be 1..{MAX_PARALLEL}, got {self.n_seq!r}", flag="--parallel")
+        check_kv_type(self.type_k, "-ctk")
+        check_kv_type(self.type_v, "-ctv")
+        if self.flash_attn is False and self.type_v not in ("f32", "f16", "bf16"):
+            raise UsageError(f"a {self.type_v} V cache needs flash attention", flag="--flash-attn",
+                             hint="use --flash-attn on, or -ctv f16")
+        if not isinstance(self.n_gpu_layers, int) or self.n_gpu_layers < -1:
+            raise UsageError(f"--gpu-layers must be -1 (all) or a count >= 0, got {self.n_gpu_layers!r}",
+                             flag="--gpu-layers")
+        from localinfer.backends.registry import names
+
+        if self.backend not in names():
+            raise UsageError(f"unknown backend {self.backend!r}", flag="--backend", hint="use " + ", ".join(names()))
+        if self.n_batch <= 0 or self.n_ubatch <= 0:
+            raise UsageError("batch sizes must be positive", flag="--batch")
+        check_weight_dtype(self.dtype)
+
+    @property
+    def llama_n_ctx(self) -> int:
+        return self.n_ctx_total or self.n_ctx * self.n_seq
+
+    @property
+    def flash_attn_on(self) -> bool:
+        return self.flash_attn is not False
+
+
+@runtime_checkable
+class BackendMemory(Protocol):
+    """A backend's memory rules, as the planner asks for them.
+
+    ``breakdown`` returns every term the backend allocates for ``req`` on
+    ``device`` (and its cache geometry, or None); ``kv_bytes`` the KV cache of
+    ``n_seq`` sequences of ``n_tokens``; ``runs_on`` where it computes on a device
+    of a kind ("cuda" | "metal" | "cpu") and why when not there; ``command`` the
+    command line that realises a plan ("" when there is none); ``load_request``
+    the FitRequest fields a LoadPlan implies; ``probes_cuda`` / ``computes_on_cpu``
+    which device ``run`` checks before loading.  ``offload``: it can split layers
+    between accelerator and host (``--gpu-layers``).
+    """
+
+    name: str
+    offload: bool
+
+    def runs_on(self, kind: str) -> tuple[str, str | None]: ...
+
+    def breakdown(self, spec: ModelSpec, device: Any, req: FitRequest) -> tuple[MemoryBreakdown, Any]: ...
+
+    def kv_bytes(self, spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = "f16", *,
+                 n_seq: int = 1, layers=None, **options) -> int: ...
+
+    def command(self, spec: ModelSpec, req: FitRequest, geometry: Any, device: Any,
+                n_gpu_layers: int | None = None) -> str: ...
+
+    def load_request(self, plan: Any) -> dict: ...
+
+    def probes_cuda(self, plan: Any) -> bool: ...
+
+    def computes_on_cpu(self, plan: Any, kind: str) -> bool: ...
+
+
+def check_tokens(n_tokens: int, n_seq: int) -> None:
+    if n_tokens < 0 or n_seq <= 0:
+        raise UsageError(f"tokens {n_tokens} and sequences {n_seq} must be non-negative/positive", flag="--ctx")
+
+
+def resident_breakdown(rw: ResidentWeights, kv: int, device: Any, backend: str, blocks: str) -> MemoryBreakdown:
+    """Two terms for an engine that loads weights into its own tensors: the weights it holds and its KV cache.
+
+    Where the engine cannot use the device it runs on the CPU: in a unified
+    machine's memory, or in a discrete device's host.
+    """
+    pool = "host" if rw.runs_on == "cpu" and device.kind != "cpu" and not device.unified else "device"
+    terms = (Term("weights", f"weights ({rw.dtype})", rw.bytes, pool, rw.formula, None),
+             Term("kv", "KV cache", kv, pool, f"{backend} KV: n_seq × tokens in {blocks} × bytes/token", None))
+    notes = ([rw.note] if rw.note and pool == "device" else []) + [f"{backend}: activations and work areas are not counted"]
+    return MemoryBreakdown(terms, device.unified or device.kind == "cpu", tuple(notes))

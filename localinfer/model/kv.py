@@ -1,0 +1,76 @@
+"""What one token costs in a KV cache: the cache types, row sizes in GGUF's block layout, bytes per token.
+
+A row of ``n`` values in a quantized type is ``n / block_values`` blocks of
+``block_bytes`` (q8_0: 34 B per 32 values, q4_0: 18 B); f16/bf16 are 2 B a
+value.  Backends decide how many tokens they allocate; these are the bytes of one.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from gguf_tools.quants import layout, parse_type
+from gguf_tools.quants import row_bytes as quant_row_bytes
+
+from localinfer.errors import UsageError
+from localinfer.model.spec import ModelSpec
+from localinfer.util.memo import spec_cache
+
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+
+
+FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def check_kv_type(name: str, flag: str = "--kv-type", allowed: tuple[str, ...] = KV_TYPES) -> str:
+    """Normalise a KV type name; UsageError naming the flag and the accepted values."""
+    t = str(name).strip().lower()
+    if t not in allowed:
+        raise UsageError(f"{flag}: unknown KV type {name!r}", flag=flag, hint="use one of " + ", ".join(allowed))
+    return t
+
+
+@lru_cache(maxsize=4096)
+def row_bytes(type_name: str, n_values: int) -> int:
+    """Bytes of one KV row of n_values (ggml_row_size); UsageError when the type's blocks do not divide it."""
+    lay = layout(parse_type(type_name))
+    if n_values % lay.block_values:
+        raise UsageError(f"a {type_name} KV row needs a multiple of {lay.block_values} values, "
+                         f"this model has {n_values}", flag="--kv-type", hint="use f16 or q8_0")
+    return quant_row_bytes(lay.type, n_values)
+
+
+def attention_layers(spec: ModelSpec, layers=None) -> list[int]:
+    """Layers that hold a KV cache (those with KV heads), optionally restricted to ``layers``."""
+    chosen = range(spec.n_layers) if layers is None else layers
+    return [il for il in chosen if spec.n_head_kv[il] > 0]
+
+
+def kv_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16", *, layers=None) -> int:
+    """KV bytes one token adds across all (or the given) attention layers, GGUF block layout.
+
+    Qwen3-8B in f16: 2 × 36 × 8 × 128 × 2 B = 147,456 B (144 KiB).
+    """
+    type_k, type_v = check_kv_type(type_k, "-ctk"), check_kv_type(type_v, "-ctv")
+    total = 0
+    for il in attention_layers(spec, layers):
+        nk, nv = spec.kv_elements_per_token(il)
+        total += row_bytes(type_k, nk) + row_bytes(type_v, nv)
+    return total
+
+
+def kv_rows(spec: ModelSpec, type_k: str, type_v: str) -> tuple[tuple[int, int, bool], ...]:
+    """Per layer: (K bytes per cell, V bytes per cell, sliding-window layer?); zeros for layers without KV."""
+    memo = spec_cache(spec)
+    key = ("kv_rows", type_k, type_v)
+    if key not in memo:
+        rows = []
+        for il in range(spec.n_layers):
+            if spec.n_head_kv[il] == 0:
+                rows.append((0, 0, False))
+                continue
+            nk, nv = spec.kv_elements_per_token(il)
+            rows.append((row_bytes(type_k, nk), row_bytes(type_v, nv), bool(spec.swa_layers[il] and spec.sliding_window)))
+        memo[key] = tuple(rows)
+    return memo[key]
+
