@@ -1,11 +1,10 @@
-import sys
+"""Fixtures every test folder shares: tiny generated GGUFs and the embedded model."""
+
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from ggufgen import write_tiny_llama, write_tiny_model  # noqa: E402
+from tests.support.ggufgen import write_tiny_llama, write_tiny_model
 
 
 @pytest.fixture(scope="session")

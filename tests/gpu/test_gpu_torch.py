@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from gguf import GGMLQuantizationType as T
-from ggufgen import write_tiny_model
+from tests.support.ggufgen import write_tiny_model
 
 from cuda_backend.engine import TorchEngine
 from cuda_backend.graphs import GraphDecoder

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import chapter
+from tests.support import chapter
 import pytest
-from chapter import close
+from tests.support.chapter import close
 
 from localinfer.devices.profiles import get_device
 from localinfer.errors import UsageError

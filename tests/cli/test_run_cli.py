@@ -113,7 +113,7 @@ def test_a_registered_plugin_backend_gets_the_same_command(capsys):
 
     from localinfer.backends import registry as backends
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "custom_backend.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "custom_backend.py"
     spec = importlib.util.spec_from_file_location("custom_backend_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -27,7 +27,7 @@ pytest.importorskip("llama_cpp")
 
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
-from ggufgen import write_tiny_model
+from tests.support.ggufgen import write_tiny_model
 
 from cuda_backend.engine import TorchEngine
 from cuda_backend.rope import ROPE_PAIRING

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
-import chapter
+from tests.support import chapter
 import pytest
-from chapter import close
+from tests.support.chapter import close
 
 from localinfer.cli import main
 from localinfer.plan.speculation import Drafting

@@ -68,7 +68,7 @@ def test_agrees_with_gguf_reader_on_default_model(default_model):
 def test_quantized_types_agree(tmp_path):
     from gguf import GGMLQuantizationType as T
 
-    from ggufgen import write_tiny_llama
+    from tests.support.ggufgen import write_tiny_llama
 
     for qt in (T.Q8_0, T.Q4_0, T.F16):
         _agree(write_tiny_llama(tmp_path / f"{qt.name}.gguf", qtype=qt))

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType
 
-from ggufgen import write_tiny_llama
+from tests.support.ggufgen import write_tiny_llama
 from gguf_tools import read_header
 from gguf_tools.inspect import account, active_parameters, describe_value, safe_text
 from gguf_tools.presets import PRESETS

@@ -3,7 +3,7 @@
 import pytest
 from gguf import GGUFValueType as V
 from gguf import GGUFWriter
-from ggufgen import write_tiny_model
+from tests.support.ggufgen import write_tiny_model
 
 from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan

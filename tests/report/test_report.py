@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 
-import chapter
+from tests.support import chapter
 import pytest
 
 from gguf_tools.skeleton import write_skeleton

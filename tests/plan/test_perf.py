@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-import chapter
+from tests.support import chapter
 import pytest
-from chapter import close
+from tests.support.chapter import close
 
 from localinfer.plan.calibration import (
     Calibration,

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from ggufgen import write_tiny_model
+from tests.support.ggufgen import write_tiny_model
 
 from cuda_backend.support import SUPPORTED_WEIGHT_TYPES
 from cuda_backend.weights import Packed, load_weights, weights_nbytes

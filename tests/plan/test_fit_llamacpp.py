@@ -12,9 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import fit_accuracy as fa
+from benchmarks import fit_accuracy as fa
 from gguf import GGUFWriter
 
 from gguf_tools.skeleton import write_skeleton

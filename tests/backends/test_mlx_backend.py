@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
-from ggufgen import write_tiny_llama, write_tiny_model
+from tests.support.ggufgen import write_tiny_llama, write_tiny_model
 
 from localinfer.backends.registry import get_backend, load_engine
 from localinfer.backends.engine import LoadPlan

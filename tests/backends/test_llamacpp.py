@@ -214,7 +214,7 @@ def test_bad_model_files(tmp_path, tiny_gguf):
 
 
 def test_unknown_architecture_names_the_cause(tmp_path):
-    from ggufgen import write_tiny_llama
+    from tests.support.ggufgen import write_tiny_llama
 
     path = write_tiny_llama(tmp_path / "foo.gguf", arch="foo")
     with pytest.raises(UnsupportedModelError, match="unknown model architecture"):

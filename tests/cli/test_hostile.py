@@ -18,7 +18,7 @@ from gguf import GGUFWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ggufgen import write_tiny_llama
+from tests.support.ggufgen import write_tiny_llama
 from gguf_tools import GGUFFormatError, read_header
 from gguf_tools.inspect import account
 from gguf_tools.split import read_model_header

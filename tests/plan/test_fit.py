@@ -138,7 +138,7 @@ def test_ctx_beyond_training_needs_declared_rope_scaling(tmp_path, capsys):
     """A scaling type, or only the older rope.scale_linear factor (llama.cpp applies it as
     linear scaling), lets --ctx pass the trained context; neither: refused, naming --ctx."""
     from gguf import GGUFValueType as V
-    from ggufgen import write_tiny_model
+    from tests.support.ggufgen import write_tiny_model
 
     plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=64, n_ff=128, ctx=512)
     linear = write_tiny_model(tmp_path / "linear.gguf", n_embd=64, n_ff=128, ctx=512,

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 from gguf import GGMLQuantizationType as T
-from ggufgen import write_tiny_model
+from tests.support.ggufgen import write_tiny_model
 
 from localinfer.plan.memory import backend_device, resident_weights
 from cuda_backend.memory import torch_weight_bytes

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
-from ggml_capture import capture, layout_ok
+from tests.support.ggml_capture import capture, layout_ok
 
 from cuda_backend import ggml_numerics as G
 from gguf_tools import read_header
