@@ -1,0 +1,54 @@
+"""The executor contract: what the scheduler hands a backend each step, and what it gets back.
+
+A step is one batch: for each scheduled request its sequence slot, the new
+tokens to append at consecutive positions from ``start``, and whether the last
+new token's logits are wanted.  The executor appends every chunk in one forward
+pass (llama.cpp: one ``llama_decode`` whose tokens carry their own sequence id)
+and returns one logits row per chunk that asked for it.
+
+Sequence slots are small integers below ``n_slots``.  ``copy`` makes a slot share
+another's first tokens without recomputing them (a prefix-cache hit; llama.cpp:
+``llama_memory_seq_cp``, the cells gain a second sequence id); ``drop`` forgets a
+slot's positions from ``start`` on (``llama_memory_seq_rm``).  ``cells_used`` is
+the number of KV cells holding at least one sequence's token, so the block
+manager's count can be checked against the backend's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one request in one step."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    start: int                # position of tokens[0]: how many tokens the slot already holds
+    logits: bool = False      # return the logits row of the last new token
+
+
+@runtime_checkable
+class Executor(Protocol):
+    n_slots: int              # sequence slots available
+    n_vocab: int
+
+    def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
+        """Append every chunk in one forward pass; logits rows (float32, n_vocab) by slot for those asking."""
+
+    def copy(self, src: int, dst: int, n_tokens: int) -> None:
+        """Slot ``dst`` (empty) shares positions [0, n_tokens) of slot ``src`` without recompute."""
+
+    def drop(self, slot: int, start: int = 0) -> None:
+        """Forget positions >= start of ``slot`` (0: the whole slot)."""
+
+    def cells_used(self) -> int:
+        """KV cells that hold a token of any slot."""
+
+    def clock(self) -> float:
+        """Seconds on the executor's clock: wall time for real backends, virtual time for the simulator."""
