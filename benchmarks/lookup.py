@@ -45,7 +45,8 @@ from localinfer.model.sources import resolve_model
 from localinfer.generate.runner import Runner
 from localinfer.generate.sampling import Sampler, SamplingParams
 from localinfer.model.spec import ModelSpec
-from localinfer.generate.lookup import LookupDecoder, clairvoyant_speedup
+from localinfer.generate.lookup import LookupDecoder
+from localinfer.plan.speculation import clairvoyant_speedup
 from localinfer.model.templates import template_for
 
 PROMPTS = Path(__file__).parent / "lookup_prompts"

@@ -1,12 +1,14 @@
-"""`inspect`, `fit` and the planning modules never import torch, llama_cpp or mlx.
+"""The layers, checked by folder: imports point one way, and planning never loads a backend runtime.
 
-Runs in a fresh interpreter (the test process itself may have imported anything).
-Modules are discovered by globbing, so ones added later are checked too; only the
-backend modules, which may import their backend lazily, are exempt.
+Static rules read every ``import`` statement (module level or inside a function)
+of every source file, so a module added later is checked too.  A dynamic check
+imports the planning modules in a fresh interpreter, runs the planning commands,
+and asserts that torch, llama_cpp and mlx were never loaded.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -15,9 +17,123 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = ("torch", "llama_cpp", "mlx", "mlx_lm", "cuda_backend")
-BACKEND_MODULES = {"llamacpp", "llamacpp_native", "llamacpp_vocab", "runner", "chat", "mlx_backend"}      # may import a backend, lazily
-PLANNING_COMMANDS = ("inspect", "skeleton", "fit", "devices", "plan", "report")
+HEAVY = ("torch", "llama_cpp", "mlx", "mlx_lm", "triton")
+RUNTIMES = ("localinfer.backends.llamacpp.engine", "localinfer.backends.llamacpp.native", "localinfer.backends.vocab",
+            "localinfer.backends.mlx.engine", "localinfer.backends.mlx.kv", "localinfer.backends.mlx.model",
+            "localinfer.backends.mlx.weights", "localinfer.backends.mlx.reference", "cuda_backend")
+MEMORY_MODULES = ("localinfer/backends/memory.py", "localinfer/backends/llamacpp/memory.py",
+                  "localinfer/backends/llamacpp/placement.py", "localinfer/backends/llamacpp/compute_buffer.py",
+                  "localinfer/backends/mlx/memory.py", "cuda_backend/memory.py")
+ABOVE_BACKENDS = ("localinfer.plan", "localinfer.generate", "localinfer.serve", "localinfer.report",
+                  "localinfer.commands", "localinfer.cli")
+MAX_LINES = 500
+MAX_TOP_LEVEL = 8
+
+# folder -> imports (module prefixes) its files may never make
+RULES: dict[str, tuple[str, ...]] = {
+    "gguf_tools": ("localinfer", "cuda_backend", *HEAVY),
+    "localinfer/util": ("localinfer.model", "localinfer.devices", "localinfer.backends", *ABOVE_BACKENDS, *HEAVY),
+    "localinfer/model": ("localinfer.devices", "localinfer.backends", *ABOVE_BACKENDS, *HEAVY, "cuda_backend"),
+    "localinfer/devices": ("localinfer.backends", *ABOVE_BACKENDS, "cuda_backend"),
+    "localinfer/plan": ("localinfer.generate", "localinfer.serve", "localinfer.report", "localinfer.commands",
+                        "localinfer.cli", *RUNTIMES, *HEAVY),
+    "localinfer/backends": ABOVE_BACKENDS,
+    "cuda_backend": ABOVE_BACKENDS,
+    "localinfer/generate": ("localinfer.serve", "localinfer.report", "localinfer.commands", "localinfer.cli",
+                            *RUNTIMES, *HEAVY),
+    "localinfer/serve": ("localinfer.report", "localinfer.commands", "localinfer.cli"),
+    "localinfer/report": ("localinfer.generate", "localinfer.serve", "localinfer.commands", "localinfer.cli",
+                          *RUNTIMES, *HEAVY),
+}
+
+
+def sources(folder: str = "") -> list[Path]:
+    roots = [ROOT / folder] if folder else [ROOT / "localinfer", ROOT / "gguf_tools", ROOT / "cuda_backend"]
+    return sorted(p for r in roots for p in r.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[tuple[int, str, bool]]:
+    """(line, module, at module level) of every import in a file, relative ones resolved."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module
+            out.append((node.lineno, mod, id(node) in top))
+    return out
+
+
+def _hits(module: str, banned: tuple[str, ...]) -> bool:
+    return any(module == b or module.startswith(b + ".") for b in banned)
+
+
+def violations() -> list[str]:
+    found = []
+    for folder, banned in RULES.items():
+        for path in sources(folder):
+            for line, mod, _ in imports(path):
+                if _hits(mod, banned):
+                    found.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    for rel in MEMORY_MODULES:
+        for line, mod, _ in imports(ROOT / rel):
+            if _hits(mod, (*HEAVY, *RUNTIMES)):
+                found.append(f"{rel}:{line} (a memory model) imports {mod}")
+    for path in sources("localinfer/serve"):
+        if path.name == "llamacpp_executor.py":
+            continue
+        for line, mod, top in imports(path):
+            if top and _hits(mod, (*HEAVY, *RUNTIMES)):
+                found.append(f"{path.relative_to(ROOT)}:{line} imports {mod} at module level")
+    return found
+
+
+def test_imports_point_one_way():
+    assert violations() == []
+
+
+def test_the_rules_catch_a_planning_module_that_imports_the_runner(tmp_path):
+    bad = ROOT / "localinfer" / "plan" / "_hygiene_probe.py"
+    bad.write_text("from localinfer.generate.runner import Runner\nimport torch\n")
+    try:
+        found = violations()
+    finally:
+        bad.unlink()
+    assert any("_hygiene_probe.py:1 imports localinfer.generate.runner" in v for v in found)
+    assert any("_hygiene_probe.py:2 imports torch" in v for v in found)
+
+
+def test_files_fit_on_a_few_screens_and_the_top_level_stays_small():
+    long = {str(p.relative_to(ROOT)): n for p in sources() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+    top = sorted(p.name for p in (ROOT / "localinfer").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, top
+
+
+def test_the_planner_names_no_backend():
+    for path in sources("localinfer/plan"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in ("llama.cpp", "torch", "mlx")
+                    for c in [node.left, *node.comparators]):
+                pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} compares a backend name")
+
+
+# ---- dynamic: planning really loads no backend --------------------------------------
 
 _PROBE = r"""
 import contextlib, importlib, io, json, sys
@@ -43,23 +159,21 @@ for argv in COMMANDS:
 out["after_commands"] = leaked()
 print(json.dumps(out))
 """
+PLANNING_FOLDERS = ("gguf_tools", "localinfer/util", "localinfer/model", "localinfer/devices", "localinfer/plan",
+                    "localinfer/report")
+PLANNING_COMMANDS = ("inspect", "skeleton", "fit", "devices", "plan", "report")
 
 
 def planning_modules() -> list[str]:
-    """Every gguf_tools and localinfer module and planning command, minus the backend modules."""
-    mods = [f"gguf_tools.{p.stem}" for p in sorted((ROOT / "gguf_tools").glob("*.py")) if p.stem != "__init__"]
-    for p in sorted((ROOT / "localinfer").glob("*.py")):
-        if p.stem in ("__init__", "__main__") or p.stem in BACKEND_MODULES or p.stem.startswith("mlx_backend"):
-            continue
-        mods.append(f"localinfer.{p.stem}")
-    for name in PLANNING_COMMANDS:
-        if (ROOT / "localinfer" / "commands" / f"{name}.py").exists():
-            mods.append(f"localinfer.commands.{name}")
-    return ["gguf_tools", "localinfer", *mods]
+    mods = ["localinfer", "localinfer.units", "localinfer.errors", "localinfer.backends.registry"]
+    mods += [module_name(p) for f in PLANNING_FOLDERS for p in sources(f)]
+    mods += [module_name(ROOT / rel) for rel in MEMORY_MODULES]
+    mods += [f"localinfer.commands.{c}" for c in PLANNING_COMMANDS]
+    return mods
 
 
 def _probe(modules: list[str], commands: list[list[str]]) -> dict:
-    code = (_PROBE.replace("FORBIDDEN", repr(FORBIDDEN)).replace("MODULES", repr(modules))
+    code = (_PROBE.replace("FORBIDDEN", repr(HEAVY)).replace("MODULES", repr(modules))
             .replace("COMMANDS", repr(commands)))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,11 +182,10 @@ def _probe(modules: list[str], commands: list[list[str]]) -> dict:
 
 def test_discovery_finds_the_core_modules():
     mods = planning_modules()
-    for name in ("gguf_tools.reader", "gguf_tools.skeleton", "gguf_tools.inspect", "localinfer.model.spec",
-                 "localinfer.units", "localinfer.errors", "localinfer.model.sources", "localinfer.backends.engine",
-                 "localinfer.backends.registry", "localinfer.generate.decoding", "localinfer.commands.inspect"):
+    for name in ("gguf_tools.reader", "localinfer.model.spec", "localinfer.plan.fit", "localinfer.plan.paging",
+                 "localinfer.backends.llamacpp.memory", "cuda_backend.memory", "localinfer.report.capacity"):
         assert name in mods
-    assert "localinfer.backends.llamacpp.engine" not in mods
+    assert not any(m.startswith(RUNTIMES) and m != "cuda_backend.memory" for m in mods)
 
 
 @pytest.fixture(scope="module")
@@ -83,18 +196,13 @@ def skeleton(tmp_path_factory) -> Path:
 
 
 def test_planning_modules_and_commands_import_no_backend(skeleton):
-    commands = [["inspect", str(skeleton)], ["inspect"], ["skeleton", "--list"]]
-    for name in ("fit", "devices", "plan", "report"):
-        if (ROOT / "localinfer" / "commands" / f"{name}.py").exists():
-            commands.append([name, str(skeleton)] if name != "devices" else [name])
+    commands = [["inspect", str(skeleton)], ["inspect"], ["skeleton", "--list"], ["devices"],
+                ["fit", str(skeleton)], ["fit", str(skeleton), "--backend", "torch"],
+                ["fit", str(skeleton), "--backend", "mlx"], ["plan", str(skeleton)], ["report", str(skeleton)]]
     out = _probe(planning_modules(), commands)
-    assert out["commands"]["inspect"] == 0
+    assert out["commands"]["inspect"] == 0 and out["commands"]["fit"] == 0
     if out["after_imports"] or out["after_commands"]:
-        culprits = {}
-        for mod in planning_modules():
-            leaked = _probe([mod], [])["after_imports"]
-            if leaked:
-                culprits[mod] = leaked[:3]
+        culprits = {m: leaked[:3] for m in planning_modules() if (leaked := _probe([m], [])["after_imports"])}
         pytest.fail(f"backend modules imported: at import {out['after_imports'][:5]}, by commands "
                     f"{out['after_commands'][:5]}; importers: {culprits}")
     assert not out["errors"], out["errors"]

@@ -182,7 +182,8 @@ def measure_lookup(runner: Runner, gen: int) -> dict:
     output at the verify cost this run measured (``clairvoyant_time``): what
     any prompt-lookup policy can reach on this engine and machine.
     """
-    from localinfer.generate.lookup import LookupDecoder, clairvoyant_speedup
+    from localinfer.generate.lookup import LookupDecoder
+    from localinfer.plan.speculation import clairvoyant_speedup
 
     plain, g = measure_decode(runner, LOOKUP_PROMPT, gen)
     decoder = LookupDecoder()

@@ -14,8 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from cuda_backend.memory import TORCH_BLOCK_TOKENS
-from localinfer.plan.paging import tokens_held
+from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, tokens_held
 from localinfer.units import ceil_div
 from localinfer.plan.speculation import Drafting
 from localinfer.errors import UsageError
@@ -23,7 +22,6 @@ from localinfer.plan.offload import OffloadPlan, plan_offload
 from localinfer.plan.speed import Estimate, RequestTiming, SpeedModel, Workload
 from localinfer.units import fmt_bytes
 
-DEFAULT_BLOCK_TOKENS = TORCH_BLOCK_TOKENS
 DEFAULT_OFFLOAD_BUFFERS = 2
 NOT_FIT, LATE, ON_TIME, FITS = "does not fit", "late", "on time", "fits"
 UNKNOWN = "fits, speed unknown"

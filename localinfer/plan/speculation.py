@@ -11,18 +11,21 @@ draft model) in the terms the planner needs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from localinfer.errors import UsageError
-from localinfer.generate.lookup import choose_draft_length, expected_tokens
 
 __all__ = [
     "GRAPH_SHAPES",
+    "MAX_DRAFT",
     "DraftRow",
     "Drafting",
     "acceptances",
     "choose_draft_length",
+    "clairvoyant_speedup",
+    "clairvoyant_time",
+    "copy_runs",
     "draft_forward_s",
     "draft_length_table",
     "expected_tokens",
@@ -34,6 +37,95 @@ __all__ = [
 ]
 
 GRAPH_SHAPES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+MAX_DRAFT = 256  # also the longest n-gram; a round verifies at most MAX_DRAFT + 1 tokens
+
+
+def expected_tokens(acceptance: Sequence[float]) -> float:
+    """E[N] for a draft of len(acceptance) tokens: 1 + Σ_j Π_{i<=j} a_i."""
+    total, run = 1.0, 1.0
+    for a in acceptance:
+        run *= a
+        total += run
+    return total
+
+
+def choose_draft_length(acceptance: Sequence[float], cost: Callable[[int], float] | Sequence[float],
+                        lengths: Sequence[int] | None = None) -> int:
+    """The draft length with the least time per emitted token, T_m / E[N_m].
+
+    ``acceptance[j-1]`` is a_j, the chance that draft token j is accepted when
+    all before it were; ``cost(m)`` (or ``cost[m]``) is the time of a round with
+    m drafts.  Starting from no draft, the draft is lengthened to m only while
+    ΔT/ΔN < T/N against the best length so far, which is the marginal rule of
+    SPEC §8.5 applied across cost jumps (padding to graph shapes) as well.
+    """
+    t_of = cost if callable(cost) else cost.__getitem__
+    candidates = range(len(acceptance) + 1) if lengths is None else sorted({0, *lengths})
+    best_m, best_t, best_n = 0, t_of(0), 1.0
+    n_m, run, j = 1.0, 1.0, 0
+    for m in candidates:
+        if m == 0 or m > len(acceptance):
+            continue
+        while j < m:
+            run *= acceptance[j]
+            n_m += run
+            j += 1
+        t_m = t_of(m)
+        if (t_m - best_t) * best_n < (n_m - best_n) * best_t:
+            best_m, best_t, best_n = m, t_m, n_m
+    return best_m
+
+
+def copy_runs(history: Sequence[int], output: Sequence[int], cap: int = MAX_DRAFT) -> list[int]:
+    """For each position i of ``output``, the longest run ``output[i:i + L]`` (L <= cap) that a drafter
+    copying from the text so far could propose there: its source starts before position i of
+    ``history + output`` and may run on into the tokens the copy itself produces (periodic text)."""
+    seq = [*history, *output]
+    where: dict[int, list[int]] = {}
+    for p, t in enumerate(history):
+        where.setdefault(t, []).append(p)
+    runs = []
+    for i, first in enumerate(output):
+        n = len(history) + i
+        want = min(cap, len(output) - i)
+        best = 0
+        for p in where.get(first, ()):
+            length = 1
+            while length < want and seq[p + length] == seq[n + length]:
+                length += 1
+            best = max(best, length)
+            if best == want:
+                break
+        runs.append(best)
+        where.setdefault(first, []).append(n)
+    return runs
+
+
+def clairvoyant_time(history: Sequence[int], output: Sequence[int], cost: Sequence[float]) -> tuple[float, int]:
+    """(time, rounds): the least verify time in which any copying drafter could emit ``output``.
+
+    The drafter knows in advance how long each copy will hold, so it drafts
+    exactly the tokens that will be accepted, as many per round as pays off:
+    ``cost[m - 1]`` is the time of a round that verifies m tokens (pending +
+    m - 1 drafts) and emits m.  No prompt-lookup policy can beat this on the
+    same engine, which makes ``len(output) * cost[0] / time`` the ceiling of
+    its speedup for that output.
+    """
+    runs = copy_runs(history, output, cap=len(cost) - 1)
+    n = len(output)
+    best = [(0.0, 0)] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        best[i] = min((cost[k] + best[i + k + 1][0], best[i + k + 1][1] + 1)
+                      for k in range(min(runs[i], n - 1 - i) + 1))
+    return best[0]
+
+
+def clairvoyant_speedup(history: Sequence[int], output: Sequence[int], cost: Sequence[float]) -> float:
+    """The clairvoyant drafter's speedup over plain decoding (``cost[0]`` a token) on ``output``."""
+    time, _ = clairvoyant_time(history, output, cost)
+    return len(output) * cost[0] / time
 
 
 def acceptances(a: float | Sequence[float], k: int | None = None) -> list[float]:
