@@ -25,6 +25,7 @@ from localinfer.backends.engine import LoadPlan
 from localinfer.backends.llamacpp.memory import DEFAULT_OUTPUTS_MAX
 from localinfer.errors import ModelNotFoundError, UnsupportedModelError, UsageError
 from localinfer.units import MiB
+from localinfer.util import signals
 
 _LOG_TAIL = 400
 
@@ -61,8 +62,9 @@ NO_ABORT = _L.ggml_abort_callback(0)
 def init_backend() -> None:
     global _backend_ready
     if not _backend_ready:
-        _L.llama_log_set(_on_log, ctypes.c_void_p(0))
-        _L.llama_backend_init()
+        with signals.native():
+            _L.llama_log_set(_on_log, ctypes.c_void_p(0))
+            _L.llama_backend_init()
         _backend_ready = True
 
 
@@ -156,14 +158,15 @@ def load_model(path: str, plan: LoadPlan):
     mp = _L.llama_model_default_params()
     mp.n_gpu_layers = plan.n_gpu_layers
     stop = threading.Event()
-    progress = _L.llama_progress_callback(lambda _fraction, _user: not stop.is_set())
+    progress = _L.llama_progress_callback(lambda _fraction, _user: not stop.is_set() and signals.pending() is None)
     mp.progress_callback = progress
-    with sigint_sets(stop):
-        model = _L.llama_model_load_from_file(path.encode(), mp)
-    if stop.is_set():
-        if model:
-            _L.llama_model_free(model)
-        raise KeyboardInterrupt
+    with signals.native():  # SIGTERM stops the load through the progress callback, then raises
+        with sigint_sets(stop):
+            model = _L.llama_model_load_from_file(path.encode(), mp)
+        if stop.is_set() or signals.pending() is not None:
+            if model:
+                _L.llama_model_free(model)
+            raise KeyboardInterrupt
     if not model:
         raise UnsupportedModelError(f"llama.cpp could not load {os.path.basename(path)}: {last_error()}",
                                     hint="check that llama.cpp supports this architecture and quant type, "
@@ -197,8 +200,12 @@ def new_context(model, plan: LoadPlan):
     else:
         cp.flash_attn_type = _L.LLAMA_FLASH_ATTN_TYPE_ENABLED if plan.flash_attn else _L.LLAMA_FLASH_ATTN_TYPE_DISABLED
     cp.n_outputs_max = outputs_cap(plan)
+    cp.kv_unified = bool(plan.options.get("kv_unified", cp.kv_unified))  # one KV stream shared by all sequences
     cp.no_perf = True
-    ctx = _L.llama_init_from_model(model, cp)
+    with signals.native():
+        ctx = _L.llama_init_from_model(model, cp)
+        if ctx and signals.pending() is not None:
+            _L.llama_free(ctx)  # leaving the block raises Terminated
     if not ctx:
         raise UnsupportedModelError(f"llama.cpp could not create a context: {last_error()}",
                                     hint="try a smaller --ctx, another KV type, or fewer --parallel sequences")
