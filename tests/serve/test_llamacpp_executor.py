@@ -1,0 +1,172 @@
+"""The llama.cpp executor on the embedded model, 1 thread, flash attention on.
+
+Logits are compared bit for bit (``np.array_equal``), not by argmax: at one
+thread with flash attention llama.cpp's CPU kernels compute each row of a
+batch the same whatever else is in the batch (a row's dot products run over
+the same weights in the same order, and flash attention skips the cells the
+mask hides instead of adding exp(-inf) terms), so anything short of equality
+is a bug in how the executor builds the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localinfer.errors import ContextFullError
+from localinfer.serve.executor import Chunk, Executor
+
+pytest.importorskip("llama_cpp")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "Once upon a time, in a small village,"]
+N_DECODE = 6
+
+
+@pytest.fixture(scope="module")
+def executor(default_model):
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=4, n_ctx=512, threads=1, flash_attn=True) as ex:
+        yield ex
+
+
+@pytest.fixture
+def ex(executor):
+    for s in range(executor.n_slots):
+        executor.drop(s)
+    assert executor.cells_used() == 0
+    return executor
+
+
+def _tokens(ex, text):
+    return tuple(ex.engine.tokenize(text, add_bos=True))
+
+
+def _alone(ex, tokens, forced, slot=0):
+    """Logits of a prompt then each forced token, one chunk per step and nothing else in the batch."""
+    rows = [ex.step([Chunk(slot, tokens, 0, True)])[slot]]
+    pos = len(tokens)
+    for t in forced:
+        rows.append(ex.step([Chunk(slot, (t,), pos, True)])[slot])
+        pos += 1
+    ex.drop(slot)
+    return rows
+
+
+def test_is_an_executor(ex):
+    assert isinstance(ex, Executor)
+    assert ex.n_slots == 4 and ex.n_cells == 512 and ex.n_vocab == ex.engine.n_vocab
+
+
+def test_a_batch_of_slots_gives_the_logits_each_slot_gives_alone(ex):
+    prompts = [_tokens(ex, p) for p in PROMPTS]
+    # step 0: slots 0 and 1 prefill; then they decode while slot 2's prompt joins at step 2 (mixed batch)
+    rows: dict[int, list[np.ndarray]] = {0: [], 1: [], 2: []}
+    out = ex.step([Chunk(0, prompts[0], 0, True), Chunk(1, prompts[1], 0, True)])
+    for s in (0, 1):
+        rows[s].append(out[s])
+    for step in range(1, N_DECODE + 3):
+        chunks = [Chunk(s, (int(np.argmax(rows[s][-1])),), len(prompts[s]) + len(rows[s]) - 1, True)
+                  for s in (0, 1) if len(rows[s]) <= N_DECODE]
+        if step == 2:
+            chunks.insert(1, Chunk(2, prompts[2], 0, True))
+        elif rows[2] and len(rows[2]) <= N_DECODE:
+            chunks.append(Chunk(2, (int(np.argmax(rows[2][-1])),), len(prompts[2]) + len(rows[2]) - 1, True))
+        if not chunks:
+            break
+        out = ex.step(chunks)
+        assert set(out) == {c.slot for c in chunks}
+        for s, r in out.items():
+            rows[s].append(r)
+    assert ex.cells_used() == sum(len(p) + N_DECODE for p in prompts)
+    for s in (0, 1, 2):
+        ex.drop(s)
+    for s, p in enumerate(prompts):
+        forced = [int(np.argmax(r)) for r in rows[s][:-1]]
+        alone = _alone(ex, p, forced, slot=3)
+        assert len(alone) == len(rows[s]) == N_DECODE + 1
+        for k, (a, b) in enumerate(zip(alone, rows[s])):
+            assert np.array_equal(a, b), f"slot {s} row {k}: max |diff| {np.abs(a - b).max()}"
+
+
+def test_rows_without_logits_return_nothing_and_cost_no_output(ex):
+    p = _tokens(ex, PROMPTS[0])
+    assert ex.step([Chunk(0, p[:3], 0, False), Chunk(1, p, 0, True)]).keys() == {1}
+    assert ex.step([Chunk(0, p[3:], 3, False)]) == {}
+    assert ex.slot_len(0) == len(p) and ex.slot_len(1) == len(p)
+
+
+def test_a_copied_prefix_then_continued_equals_a_cold_run(ex):
+    prefix = _tokens(ex, "You are a helpful assistant. Answer briefly.\n")
+    a = tuple(ex.engine.tokenize("Question: what is two plus two?"))
+    b = tuple(ex.engine.tokenize("Question: name a colour."))
+    ex.step([Chunk(0, prefix + a, 0, True)])
+    before = ex.cells_used()
+    ex.copy(0, 1, len(prefix))
+    assert ex.cells_used() == before                      # sharing adds a sequence id, not cells
+    assert ex.slot_len(1) == len(prefix)
+    cells = ex.cells()
+    assert sum(1 for _, seqs in cells if seqs == (0, 1)) == len(prefix)
+    warm = [ex.step([Chunk(1, b, len(prefix), True)])[1]]
+    for i in range(N_DECODE):
+        warm.append(ex.step([Chunk(1, (int(np.argmax(warm[-1])),), len(prefix) + len(b) + i, True)])[1])
+    assert ex.cells_used() == len(prefix) + len(a) + len(b) + N_DECODE
+    ex.drop(0)
+    assert ex.cells_used() == len(prefix) + len(b) + N_DECODE     # the shared cells stay for slot 1
+    ex.drop(1)
+    cold = _alone(ex, prefix + b, [int(np.argmax(r)) for r in warm[:-1]], slot=2)
+    for k, (c, w) in enumerate(zip(cold, warm)):
+        assert np.array_equal(c, w), f"row {k}: max |diff| {np.abs(c - w).max()}"
+
+
+def test_drop_frees_cells_and_a_partial_drop_rewinds(ex):
+    p = _tokens(ex, PROMPTS[1])
+    ex.step([Chunk(0, p, 0, False), Chunk(1, p[:4], 0, False)])
+    assert ex.cells_used() == len(p) + 4
+    ex.drop(0, start=5)
+    assert ex.cells_used() == 9 and ex.slot_len(0) == 5
+    ex.copy(1, 2, 4)
+    ex.drop(1)
+    assert ex.cells_used() == 9                           # slot 2 still holds slot 1's four cells
+    ex.drop(2)
+    ex.drop(0)
+    assert ex.cells_used() == 0 and ex.cells() == []
+    assert all(ex.slot_len(s) == 0 for s in range(ex.n_slots))
+
+
+def test_out_of_kv_is_a_typed_error_and_the_step_is_undone(ex):
+    filler = tuple(range(1000, 1400))                     # 400 of the 512 cells
+    ex.step([Chunk(0, filler, 0, False)])
+    with pytest.raises(ContextFullError) as info:
+        ex.step([Chunk(0, (5,), 400, True), Chunk(1, tuple(range(2000, 2120)), 0, True)])
+    assert info.value.needed == 121 and info.value.available == 112
+    assert ex.cells_used() == 400 and ex.slot_len(0) == 400 and ex.slot_len(1) == 0
+    out = ex.step([Chunk(0, (5,), 400, True), Chunk(1, tuple(range(2000, 2100)), 0, True)])  # 101 still fit
+    assert set(out) == {0, 1} and ex.cells_used() == 501
+    with pytest.raises(ContextFullError):
+        ex.step([Chunk(3, tuple(range(600)), 0, False)])  # one request longer than the whole cache
+
+
+def test_a_step_split_over_several_decodes_is_undone_whole(default_model):
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=256, threads=1, n_batch=64, n_ubatch=64) as ex:
+        ex.step([Chunk(0, tuple(range(100, 260)), 0, False)])           # three decodes of <= 64 rows
+        assert ex.cells_used() == 160
+        with pytest.raises(ContextFullError):
+            ex.step([Chunk(0, tuple(range(300, 340)), 160, False), Chunk(1, tuple(range(400, 480)), 0, True)])
+        assert ex.cells_used() == 160 and ex.slot_len(0) == 160 and ex.slot_len(1) == 0
+
+
+def test_bad_chunks_are_refused_before_llama_cpp_sees_them(ex):
+    with pytest.raises(ValueError, match="cannot start"):
+        ex.step([Chunk(0, (1, 2), 3)])
+    with pytest.raises(ValueError, match="twice"):
+        ex.step([Chunk(0, (1,), 0), Chunk(0, (2,), 1)])
+    with pytest.raises(ValueError, match="outside"):
+        ex.step([Chunk(9, (1,), 0)])
+    with pytest.raises(ValueError, match="token ids"):
+        ex.step([Chunk(0, (ex.n_vocab,), 0)])
+    with pytest.raises(ValueError, match="holds 0"):
+        ex.copy(0, 1, 3)
+    assert ex.cells_used() == 0
