@@ -1,0 +1,291 @@
+"""Paged KV accounting: blocks of ``p`` tokens, block tables, reference counts and a prefix cache.
+
+A sequence of L tokens holds ⌈L / p⌉ blocks (``plan.paging.blocks_for``, the
+planner's own count).  A full block is named by a chained hash
+``h_i = H(h_{i-1}, tokens of block i)``, so equal hashes mean equal prefixes;
+every hit is checked against the stored parent hash and tokens, so a hash
+collision is a miss, never wrong KV.  Blocks nobody references but whose hash
+is cached wait in an LRU queue and are evicted (oldest first, deepest block of
+a chain before its parent) only when the free pool is empty.
+
+A block whose last reference goes while a step is in flight (between
+``begin_step`` and ``end_step``) may still be read by that step, so it joins
+the pool only at ``end_step``.  Writing into a partly filled block that another
+sequence shares (after ``fork``) copies it first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from localinfer.errors import LocalinferError, UsageError
+from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
+
+ROOT_HASH = 0
+
+
+class OutOfBlocks(LocalinferError):
+    """The KV pool has fewer free blocks than an allocation needs (needed vs available)."""
+
+
+@dataclass
+class Block:
+    id: int
+    ref: int = 0
+    hash: int | None = None          # set once the block is full and computed
+    parent: int | None = None        # the previous block's hash (ROOT_HASH for the first)
+    tokens: tuple[int, ...] = ()     # a hashed block's tokens, for the collision check
+
+
+def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """H(parent hash, tokens): the default block hash."""
+    return hash((parent, tokens))
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy-on-write: ``n_tokens`` of block ``src`` go to the new block ``dst`` before the write."""
+
+    src: int
+    dst: int
+    n_tokens: int
+
+
+class BlockManager:
+    """The KV pool of one model: ``num_blocks`` blocks of ``block_tokens`` tokens."""
+
+    def __init__(self, num_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, *, prefix_cache: bool = True,
+                 hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash):
+        if num_blocks < 0 or block_tokens <= 0:
+            raise UsageError(f"need a non-negative block count and a positive block size, got {num_blocks} "
+                             f"blocks of {block_tokens}", flag="--block")
+        self.block_tokens = block_tokens
+        self.prefix_cache = prefix_cache
+        self.hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()    # cached, unreferenced; oldest first
+        self._cache: dict[int, int] = {}                      # hash -> block id
+        self._deferred: list[int] = []
+        self._in_flight = False
+        self.tables: dict[object, list[int]] = {}
+        self.lengths: dict[object, int] = {}                  # tokens written per sequence
+        self._chain: dict[object, tuple[int, int]] = {}       # per sequence: (whole blocks hashed, last hash)
+        self.used = 0                                         # blocks with a reference
+        self.peak_used = 0
+        self.evictions = 0
+
+    # ---- counts --------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now: the free pool plus evictable cached blocks."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    @property
+    def references(self) -> int:
+        """Block-table entries over all sequences."""
+        return sum(len(t) for t in self.tables.values())
+
+    def tokens_in_use(self) -> int:
+        """Token slots written in referenced blocks, each physical block once (what KV cells hold)."""
+        filled: dict[int, int] = {}
+        p = self.block_tokens
+        for seq, table in self.tables.items():
+            n = self.lengths[seq]
+            for i, b in enumerate(table):
+                filled[b] = max(filled.get(b, 0), min(p, max(0, n - i * p)))
+        return sum(filled.values())
+
+    # ---- the prefix cache ----------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """Cached blocks holding the longest run of whole leading blocks of ``tokens``.
+
+        At least one token is left to compute, so a hit never covers the whole sequence.
+        """
+        if not self.prefix_cache:
+            return []
+        p, found, parent = self.block_tokens, [], ROOT_HASH
+        for i in range((len(tokens) - 1) // p):
+            chunk = tuple(tokens[i * p:(i + 1) * p])
+            h = self.hash_fn(parent, chunk)
+            b = self._cache.get(h)
+            if b is None or self.blocks[b].parent != parent or self.blocks[b].tokens != chunk:
+                break
+            found.append(b)
+            parent = h
+        return found
+
+    def blocks_needed(self, tokens: Sequence[int], reserve_tokens: int | None = None) -> int:
+        """Free blocks ``allocate(tokens, reserve_tokens)`` would take (cached hits that are unreferenced count)."""
+        hit = self.match(tokens)
+        total = blocks_for(max(reserve_tokens or 0, len(tokens)), self.block_tokens)
+        return total - len(hit) + sum(1 for b in hit if self.blocks[b].ref == 0)
+
+    def can_allocate(self, tokens: Sequence[int], reserve_tokens: int | None = None) -> bool:
+        return self.blocks_needed(tokens, reserve_tokens) <= self.num_free
+
+    # ---- sequences -----------------------------------------------------------
+    def allocate(self, seq, tokens: Sequence[int], reserve_tokens: int | None = None) -> int:
+        """Give ``seq`` a block table for ``tokens`` (and room up to ``reserve_tokens``); the tokens found cached."""
+        if seq in self.tables:
+            raise ValueError(f"sequence {seq!r} already has blocks")
+        need = self.blocks_needed(tokens, reserve_tokens)
+        if need > self.num_free:
+            raise OutOfBlocks(f"KV pool: {need} blocks needed, {self.num_free} free", needed=need,
+                              available=self.num_free, hint="lower --max-running or raise --kv-budget")
+        hit = self.match(tokens)
+        for b in hit:
+            self._ref(b)
+        total = blocks_for(max(reserve_tokens or 0, len(tokens)), self.block_tokens)
+        self.tables[seq] = hit + [self._take() for _ in range(total - len(hit))]
+        self.lengths[seq] = len(hit) * self.block_tokens
+        if hit:
+            self._chain[seq] = (len(hit), self.blocks[hit[-1]].hash)
+        return self.lengths[seq]
+
+    def grow_needed(self, seq, n_tokens: int) -> int:
+        """Free blocks ``grow(seq, n_tokens)`` would take."""
+        table, n = self.tables[seq], self.lengths[seq]
+        extra = max(0, blocks_for(n_tokens, self.block_tokens) - len(table))
+        tail = n // self.block_tokens
+        cow = n_tokens > n and n % self.block_tokens and tail < len(table) and self.blocks[table[tail]].ref > 1
+        return extra + bool(cow)
+
+    def grow(self, seq, n_tokens: int) -> list[BlockCopy]:
+        """Make room for ``seq`` to hold ``n_tokens``; the copies to make first (copy-on-write of a shared tail)."""
+        need = self.grow_needed(seq, n_tokens)
+        if need > self.num_free:
+            raise OutOfBlocks(f"KV pool: {need} blocks needed, {self.num_free} free", needed=need,
+                              available=self.num_free, hint="lower --max-running or raise --kv-budget")
+        table, n, p = self.tables[seq], self.lengths[seq], self.block_tokens
+        copies = []
+        tail = n // p
+        if n_tokens > n and n % p and tail < len(table) and self.blocks[table[tail]].ref > 1:
+            new = self._take()
+            copies.append(BlockCopy(table[tail], new, n % p))
+            self._unref(table[tail])
+            table[tail] = new
+        while len(table) < blocks_for(n_tokens, p):
+            table.append(self._take())
+        return copies
+
+    def commit(self, seq, tokens: Sequence[int]) -> None:
+        """``seq`` now holds ``tokens`` (computed); newly full blocks enter the prefix cache."""
+        p, table = self.block_tokens, self.tables[seq]
+        if len(tokens) > len(table) * p:
+            raise ValueError(f"sequence {seq!r} holds {len(table)} blocks, not enough for {len(tokens)} tokens")
+        self.lengths[seq] = len(tokens)
+        if not self.prefix_cache:
+            return
+        done, parent = self._chain.get(seq, (0, ROOT_HASH))
+        for i in range(done, len(tokens) // p):
+            block, chunk = self.blocks[table[i]], tuple(tokens[i * p:(i + 1) * p])
+            h = self.hash_fn(parent, chunk)
+            if block.hash is None and h not in self._cache:
+                block.hash, block.parent, block.tokens = h, parent, chunk
+                self._cache[h] = block.id
+            parent = h
+        self._chain[seq] = (max(done, len(tokens) // p), parent)
+
+    def fork(self, parent, child) -> None:
+        """``child`` shares every block of ``parent`` (parallel branches); writes copy a shared partial tail."""
+        if child in self.tables:
+            raise ValueError(f"sequence {child!r} already has blocks")
+        self.tables[child] = list(self.tables[parent])
+        self.lengths[child] = self.lengths[parent]
+        if parent in self._chain:
+            self._chain[child] = self._chain[parent]
+        for b in self.tables[child]:
+            self._ref(b)
+
+    def free(self, seq) -> None:
+        """Drop ``seq``'s references; its blocks return to the pool now, or at ``end_step`` if a step is in flight."""
+        table = self.tables.pop(seq)
+        self.lengths.pop(seq)
+        self._chain.pop(seq, None)
+        for b in reversed(table):   # the tail first: it is the first to be evicted
+            self._unref(b)
+
+    def sharer(self, seq, n_blocks: int):
+        """Another sequence whose table starts with the same ``n_blocks`` blocks as ``seq``'s, or None."""
+        head = self.tables[seq][:n_blocks]
+        for other, table in self.tables.items():
+            if other != seq and table[:n_blocks] == head and self.lengths[other] >= n_blocks * self.block_tokens:
+                return other
+        return None
+
+    def preload(self, tokens: Sequence[int]) -> int:
+        """Put the whole blocks of ``tokens`` in the prefix cache, unreferenced (a warm cache); blocks stored."""
+        n = len(tokens) // self.block_tokens * self.block_tokens
+        if n == 0 or not self.prefix_cache:
+            return 0
+        key = object()
+        self.allocate(key, tokens[:n])
+        self.commit(key, tuple(tokens[:n]))
+        self.free(key)
+        return n // self.block_tokens
+
+    # ---- steps in flight -----------------------------------------------------
+    def begin_step(self) -> None:
+        self._in_flight = True
+
+    def end_step(self) -> None:
+        """The step in flight completed: blocks freed during it join the pool."""
+        self._in_flight = False
+        deferred, self._deferred = self._deferred, []
+        for b in deferred:
+            self._release(b)
+
+    # ---- blocks --------------------------------------------------------------
+    def _ref(self, b: int) -> None:
+        block = self.blocks[b]
+        if block.ref == 0:
+            self._lru.pop(b, None)
+            self.used += 1
+            self.peak_used = max(self.peak_used, self.used)
+        block.ref += 1
+
+    def _unref(self, b: int) -> None:
+        block = self.blocks[b]
+        block.ref -= 1
+        if block.ref == 0:
+            self.used -= 1
+            if self._in_flight:
+                self._deferred.append(b)
+            else:
+                self._release(b)
+
+    def _release(self, b: int) -> None:
+        block = self.blocks[b]
+        if block.ref:
+            return   # referenced again (a cache hit) before the deferred release
+        if block.hash is not None and self._cache.get(block.hash) == b:
+            self._lru[b] = None
+        else:
+            self._reset(block)
+            self._free.append(b)
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:
+            b, _ = self._lru.popitem(last=False)
+            self.evictions += 1
+            self._reset(self.blocks[b])
+        self._ref(b)
+        return b
+
+    def _reset(self, block: Block) -> None:
+        if block.hash is not None and self._cache.get(block.hash) == block.id:
+            del self._cache[block.hash]
+        block.hash, block.parent, block.tokens = None, None, ()

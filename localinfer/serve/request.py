@@ -1,0 +1,166 @@
+"""A serving request: what it asks for, where it is in its life, and when each token came.
+
+States::
+
+    waiting ──admit──▶ running ──▶ finished (stop | length | cancelled | deadline | error)
+       ▲                  │
+       └──── preempted ◀──┘   (its KV is dropped and recomputed on readmission)
+
+The tokens still to compute are ``all_tokens[computed:]``: after a preemption
+``computed`` is 0 and the prompt *and* the outputs so far are prefilled again;
+the step that computes the last of them yields the next output token.  A request
+with G outputs therefore needs one prefill (yielding output 1) and G − 1 decode
+steps, and holds input + G − 1 tokens of KV when it finishes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from localinfer.errors import UsageError
+from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+
+
+@dataclass(eq=False)
+class Request:
+    """One request.  Times are seconds on the executor's clock; ``deadline_s`` is absolute on it."""
+
+    id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    arrival_s: float = 0.0
+    deadline_s: float | None = None
+    sampling: SamplingParams = GREEDY
+    stop: tuple[tuple[int, ...], ...] = ()     # token sequences that end the output (kept in it)
+    stop_tokens: frozenset[int] = frozenset()  # e.g. the model's end-of-generation ids
+
+    state: State = field(default=State.WAITING, init=False)
+    finish_reason: FinishReason | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)
+    output: list[int] = field(default_factory=list, init=False)
+    token_times: list[float] = field(default_factory=list, init=False)
+    computed: int = field(default=0, init=False)       # tokens of all_tokens held in KV
+    cached: int = field(default=0, init=False)         # of those, found in the prefix cache at admission
+    admitted_s: float | None = field(default=None, init=False)
+    finished_s: float | None = field(default=None, init=False)
+    preemptions: int = field(default=0, init=False)
+    recomputed: int = field(default=0, init=False)     # tokens prefilled again after preemptions
+    seq: int = field(default=-1, init=False)           # admission number: lower is older
+
+    def __post_init__(self):
+        self.prompt = tuple(int(t) for t in self.prompt)
+        if not self.prompt:
+            raise UsageError(f"request {self.id!r}: the prompt is empty", hint="give at least one input token")
+        check_max_tokens(self.max_tokens)
+        if self.deadline_s is not None and self.deadline_s < self.arrival_s:
+            raise UsageError(f"request {self.id!r}: deadline {self.deadline_s} is before arrival {self.arrival_s}",
+                             hint="deadline_ms must be at or after arrival_ms")
+        self.stop = tuple(tuple(int(t) for t in s) for s in self.stop if len(s))
+        self._sampler: Sampler | None = None
+
+    # ---- derived -------------------------------------------------------------
+    @property
+    def all_tokens(self) -> tuple[int, ...]:
+        return self.prompt + tuple(self.output)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next output token."""
+        return self.n_tokens - self.computed
+
+    @property
+    def prefilling(self) -> bool:
+        """More than one token to compute: a prompt (or a recompute) in progress."""
+        return self.remaining > 1 or not self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    @property
+    def first_token_s(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if not self.token_times else self.token_times[0] - self.arrival_s
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Inter-token latencies: the time between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def max_gap_s(self) -> float:
+        return max(self.gaps_s, default=0.0)
+
+    @property
+    def on_time(self) -> bool:
+        """Finished with its whole output (stop or length) by its deadline (or it has none)."""
+        done = self.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        return done and (self.deadline_s is None or self.finished_s <= self.deadline_s + 1e-12)
+
+    @property
+    def sampler(self) -> Sampler:
+        """This request's own sampler, seeded from its SamplingParams."""
+        if self._sampler is None:
+            self._sampler = Sampler(self.sampling)
+        return self._sampler
+
+    # ---- transitions ---------------------------------------------------------
+    def append(self, token: int, now: float) -> FinishReason | None:
+        """Record an output token made at ``now``; the reason if it ends the request."""
+        self.output.append(int(token))
+        self.token_times.append(now)
+        if token in self.stop_tokens or any(_ends_with(self.output, s) for s in self.stop):
+            return FinishReason.STOP
+        if len(self.output) >= self.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        self.state = State.FINISHED
+        self.finish_reason = reason
+        self.finished_s = now
+        self.error = error
+
+    def preempt(self) -> None:
+        """Drop the KV (recompute on readmission): back to waiting, nothing computed."""
+        self.preemptions += 1
+        self.recomputed += self.computed
+        self.computed = 0
+        self.cached = 0
+        self.state = State.WAITING
+
+
+def _ends_with(output: Sequence[int], stop: Sequence[int]) -> bool:
+    return len(output) >= len(stop) and tuple(output[-len(stop):]) == tuple(stop)

@@ -1,0 +1,159 @@
+"""Block manager: paged counts, prefix sharing, fork + copy-on-write, LRU eviction, deferred free."""
+
+import pytest
+
+from localinfer.model.kv import kv_bytes_per_token
+from localinfer.plan.paging import (
+    block_bytes,
+    blocks_for,
+    blocks_in_budget,
+    max_sequences,
+    page_usage,
+    shared_prefix_kv,
+    tokens_held,
+)
+from localinfer.serve.block_manager import BlockManager, OutOfBlocks
+from localinfer.units import GiB, KiB, MiB
+from tests.support import chapter
+
+LENGTHS = [9, 13, 5, 15]    # sequences A, B, C, D; each may grow to 16
+
+
+def toks(n, base):
+    return tuple(range(base, base + n))
+
+
+def test_contiguous_reservation_and_paging():
+    contiguous = BlockManager(8, block_tokens=16)
+    for i, n in enumerate(LENGTHS):
+        contiguous.allocate(i, toks(n, 1000 * i), reserve_tokens=16)
+    assert contiguous.used * 16 == 64
+    paged = BlockManager(64, block_tokens=4)
+    for i, n in enumerate(LENGTHS):
+        paged.allocate(i, toks(n, 1000 * i))
+        paged.commit(i, toks(n, 1000 * i))
+    assert paged.used * 4 == 52
+    assert paged.tokens_in_use() == 42
+    assert contiguous.used * 16 - 42 == 22 and paged.used * 4 - 42 == 10
+    assert paged.used * 4 == page_usage(LENGTHS, 4).slots
+
+
+def test_a_and_b_share_eight_tokens():
+    bm = BlockManager(64, block_tokens=4)
+    seqs = [toks(9, 0), toks(8, 0) + toks(5, 500), toks(5, 2000), toks(15, 3000)]
+    hits = []
+    for i, s in enumerate(seqs):
+        hits.append(bm.allocate(i, s))
+        bm.commit(i, s)
+    assert hits == [0, 8, 0, 0]
+    assert bm.used * 4 == 44
+    assert bm.used == page_usage(LENGTHS, 4, shared_prefix=8, sharing=[0, 1]).physical_blocks
+    assert bm.sharer(1, 2) == 0
+
+
+def test_four_branches_share_95_blocks():
+    p = 16
+    bm = BlockManager(200, block_tokens=p)
+    prefix = toks(95 * p, 0)
+    bm.allocate("trunk", prefix)
+    bm.commit("trunk", prefix)
+    for b in range(1, 4):
+        bm.fork("trunk", b)
+    for b in ["trunk", 1, 2, 3]:
+        assert bm.grow(b, (95 + 9) * p) == []       # whole shared blocks: nothing to copy
+    assert bm.references == 416
+    assert bm.used == 131
+    assert bm.used == 95 + 4 * 9
+
+
+def test_copy_on_write_of_a_shared_partial_tail():
+    bm = BlockManager(8, block_tokens=4)
+    bm.allocate("a", toks(10, 0))
+    bm.commit("a", toks(10, 0))
+    bm.fork("a", "b")
+    assert bm.used == 3
+    copies = bm.grow("b", 11)
+    assert len(copies) == 1 and copies[0].n_tokens == 2 and copies[0].src == bm.tables["a"][2]
+    assert bm.tables["b"][2] == copies[0].dst and bm.tables["b"][:2] == bm.tables["a"][:2]
+    assert bm.used == 4
+    assert bm.grow("a", 11) == []                     # "a" is the tail's only holder now
+
+
+def test_long_requests_sharing_6144_tokens(tmp_path):
+    spec = chapter.spec(tmp_path)
+    k = kv_bytes_per_token(spec)
+    assert k == 144 * KiB
+    held = tokens_held(8192, 256)
+    bm = BlockManager(10_000, block_tokens=16)
+    system = toks(6144, 0)
+    for i in range(16):
+        prompt = system + toks(8192 - 6144, 10_000 * (i + 1))
+        bm.allocate(i, prompt, reserve_tokens=held)
+        bm.commit(i, prompt)
+    total = bm.used * block_bytes(k, 16)
+    assert total == 6048 * MiB
+    kv = shared_prefix_kv(spec, 6144, held, 16)
+    assert (kv.prefix_bytes, kv.private_bytes, kv.total) == (864 * MiB, 324 * MiB, total)
+
+
+@pytest.mark.parametrize("shared, admitted", [(True, 35), (False, 10)])
+def test_12_gib_admits(tmp_path, shared, admitted):
+    spec = chapter.spec(tmp_path)
+    k = kv_bytes_per_token(spec)
+    bm = BlockManager(blocks_in_budget(12 * GiB, k, 16), block_tokens=16)
+    held, n = tokens_held(8192, 256), 0
+    while True:
+        prompt = (toks(6144, 0) if shared else toks(6144, 10**7 * (n + 1))) + toks(2048, 10_000 * (n + 1))
+        if not bm.can_allocate(prompt, held):
+            break
+        bm.allocate(n, prompt, reserve_tokens=held)
+        bm.commit(n, prompt)
+        n += 1
+    assert n == admitted
+    kv = shared_prefix_kv(spec, 6144 if shared else 0, held)
+    assert kv.max_sequences(12 * GiB) == admitted
+    if not shared:
+        assert max_sequences(12 * GiB, blocks_for(held) * block_bytes(k)) == admitted
+    with pytest.raises(OutOfBlocks):
+        bm.allocate("over", toks(8192, 7 * 10**8), reserve_tokens=held)
+
+
+def test_hash_collisions_are_misses():
+    bm = BlockManager(16, block_tokens=4, hash_fn=lambda parent, tokens: 7)
+    bm.allocate("a", toks(12, 0))
+    bm.commit("a", toks(12, 0))
+    assert bm.match(toks(12, 100) + (1,)) == []
+    assert len(bm.match(toks(12, 0) + (1,))) == 1      # only the block stored under the hash
+
+
+def test_lru_eviction_deepest_first():
+    bm = BlockManager(4, block_tokens=4)
+    a = toks(8, 0)
+    bm.allocate("a", a)
+    bm.commit("a", a)
+    bm.free("a")
+    assert (bm.used, bm.num_cached, bm.num_free) == (0, 2, 4)
+    assert len(bm.match(a + (9,))) == 2
+    bm.allocate("b", toks(12, 100))
+    assert bm.evictions == 1
+    assert len(bm.match(a + (9,))) == 1                 # the root block survived
+    bm.free("b")
+    assert bm.allocate("c", a + (9,)) == 4
+
+
+def test_deferred_free_until_the_step_completes():
+    bm = BlockManager(4, block_tokens=4)
+    bm.allocate("a", toks(16, 0), reserve_tokens=16)
+    bm.begin_step()
+    bm.free("a")
+    assert bm.used == 0 and bm.num_free == 0
+    assert not bm.can_allocate(toks(4, 50))
+    bm.end_step()
+    assert bm.num_free == 4
+
+
+def test_preload_warms_the_cache():
+    bm = BlockManager(8, block_tokens=4)
+    assert bm.preload(toks(10, 0)) == 2
+    assert (bm.used, bm.num_cached) == (0, 2)
+    assert bm.allocate("x", toks(10, 0) + (5, 6)) == 8
