@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from gguf_tools.f32copy import write_f32_copy
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
 from localinfer.model.sources import resolve_model
 
 TEXT = Path(__file__).parent / "lookup_prompts" / "grounded" / "01_rename_python.txt"

@@ -188,9 +188,9 @@ MIB = 1 << 20
 
 def predict(path: str, case: Case) -> dict:
     """fit's terms for this machine with the case's settings (dry runs: no mmap)."""
-    from localinfer.devices.profiles import local_device
     from localinfer.backends.llamacpp.memory import breakdown
     from localinfer.backends.memory import FitRequest
+    from localinfer.devices.profiles import local_device
     from localinfer.model.spec import ModelSpec
 
     spec = ModelSpec.from_gguf(path)

@@ -53,8 +53,8 @@ def main() -> None:
     ap.add_argument("--kv", default="f16,q8_0,q4_0")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args()
-    from localinfer.backends.registry import load_engine
     from localinfer.backends.engine import LoadPlan
+    from localinfer.backends.registry import load_engine
     from localinfer.model.sources import resolve_model
 
     model = str(resolve_model(args.model))

@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
 from localinfer.model.sources import resolve_model
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank while the old miller watches. "

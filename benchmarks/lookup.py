@@ -38,16 +38,16 @@ from pathlib import Path
 
 import numpy as np
 
+from localinfer.backends.engine import LoadPlan
 from localinfer.backends.registry import load_engine
 from localinfer.generate.decoding import PlainDecoder
-from localinfer.backends.engine import LoadPlan
-from localinfer.model.sources import resolve_model
+from localinfer.generate.lookup import LookupDecoder
 from localinfer.generate.runner import Runner
 from localinfer.generate.sampling import Sampler, SamplingParams
+from localinfer.model.sources import resolve_model
 from localinfer.model.spec import ModelSpec
-from localinfer.generate.lookup import LookupDecoder
-from localinfer.plan.speculation import clairvoyant_speedup
 from localinfer.model.templates import template_for
+from localinfer.plan.speculation import clairvoyant_speedup
 
 PROMPTS = Path(__file__).parent / "lookup_prompts"
 GREEDY = SamplingParams(greedy=True)

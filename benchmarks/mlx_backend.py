@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
 
 PROMPT = ", ".join(str(i) for i in range(1, 41)) + ","   # greedy keeps counting: no end-of-text
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):",

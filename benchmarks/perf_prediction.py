@@ -22,13 +22,13 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from localinfer.devices.profiles import local_device
+from localinfer.model.cost import model_cost
+from localinfer.model.sources import resolve_model
+from localinfer.model.spec import ModelSpec
 from localinfer.plan.bench_import import load_bench
 from localinfer.plan.calibration import Calibration
-from localinfer.model.cost import model_cost
-from localinfer.devices.profiles import local_device
-from localinfer.model.sources import resolve_model
 from localinfer.plan.speed import SpeedModel
-from localinfer.model.spec import ModelSpec
 
 PROMPTS = (128, 256, 512, 1024, 2048)
 DEPTHS = (0, 256, 512, 1024, 2048)

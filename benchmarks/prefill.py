@@ -30,8 +30,8 @@ TEXT = (Path(__file__).with_name("data") / "kv_text.txt").read_text(encoding="ut
 def sides(model: str, n: int, threads: int) -> dict:
     from llama_cpp import Llama
 
-    from localinfer.backends.registry import load_engine
     from localinfer.backends.engine import LoadPlan
+    from localinfer.backends.registry import load_engine
 
     ctx = n + 256
     out = {}

@@ -23,9 +23,9 @@ from pathlib import Path
 from gguf_tools.skeleton import write_skeleton
 from localinfer.commands.report import render
 from localinfer.devices.profiles import all_devices
+from localinfer.model.spec import ModelSpec
 from localinfer.plan.speed import Workload
 from localinfer.report.capacity import build_report
-from localinfer.model.spec import ModelSpec
 
 MODELS = (("qwen3-8b", None), ("qwen3-235b-a22b", "q2_k"), ("llama-3.1-8b", None))
 CONTEXTS = (2048, 8192, 32768)

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from gguf_tools import read_header
-from localinfer.backends.memory import NOT_RESIDENT, check_weight_dtype
 from localinfer.backends.engine import Engine, LoadPlan
+from localinfer.backends.memory import NOT_RESIDENT, check_weight_dtype
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.model.spec import ModelSpec
 

@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.devices.profiles import all_devices
-from localinfer.plan.fit import fit_device
 from localinfer.backends.memory import FitRequest
+from localinfer.devices.profiles import all_devices
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.fit import fit_device
 
 MODELS = [("qwen3-8b", "bf16"), ("qwen3-8b", "q4_0"), ("llama-3.1-8b", "q8_0"), ("qwen3-235b-a22b", "q2_k")]
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
-from localinfer.model.sources import default_model_path
+from localinfer.backends.registry import load_engine
+from localinfer.generate.lookup import LookupDecoder
 from localinfer.generate.runner import Runner
 from localinfer.generate.sampling import SamplingParams
+from localinfer.model.sources import default_model_path
 from localinfer.model.spec import ModelSpec
-from localinfer.generate.lookup import LookupDecoder
 from localinfer.model.templates import template_for
 
 CODE = '''def word_counts(path):

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
-from localinfer.model.sources import resolve_model
+from localinfer.backends.registry import load_engine
 from localinfer.generate.runner import Runner
 from localinfer.generate.sampling import SamplingParams
+from localinfer.model.sources import resolve_model
 from localinfer.model.spec import ModelSpec
 from localinfer.model.templates import template_for
 

@@ -9,9 +9,9 @@ def printable(text: str) -> str:
     Names read from a hostile file end up in messages; escaped, a message stays
     on one line and cannot move a terminal's cursor or change its colours.
     """
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    from gguf_tools.text import safe_text
+
+    return safe_text(text, limit=None)
 
 
 class GGUFFormatError(ValueError):

@@ -15,12 +15,12 @@ trailing`` as another.  Bits per weight divide bytes × 8 by parameter count.
 
 from __future__ import annotations
 
-import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .quants import layout
 from .reader import GGUFHeader
+from .text import safe_text
 
 
 @dataclass(frozen=True)
@@ -115,28 +115,6 @@ def account(headers: GGUFHeader | list[GGUFHeader]) -> Accounting:
                            key=lambda tb: -tb.n_bytes))
     return Accounting(file_size=size, n_params=n_params, codes=codes, floats=floats, meta=meta,
                       header=head, padding=padding, trailing=trailing, by_type=by_type)
-
-
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\x1b": "\\e"}
-
-
-def safe_text(value: Any, limit: int = 120) -> str:
-    """One printable line: control characters, ANSI escapes and bidi overrides escaped, long text cut."""
-    s = value if isinstance(value, str) else repr(value)
-    out = []
-    for ch in s:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
-            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-        if len(out) > limit:
-            break
-    text = "".join(out)
-    if len(text) > limit:
-        return text[:limit] + f"… ({len(s):,} chars)"
-    return text
 
 
 def describe_value(value: Any, limit: int = 120) -> str:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from ._constants import GGML_QUANT_SIZES
+from ._constants import GGMLQuantizationType as T
 
 # Bytes of value codes per block, for each quantized type.  Metadata is the rest.
 #   *_0 / *_1 : one f16 scale (and an f16 min for *_1) per 32 values

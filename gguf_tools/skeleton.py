@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType, GGUFWriter
 
 from .mix import FTYPES, ModelShape, choose_types, parse_ftype
 from .presets import get_preset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 KiB = 1 << 10
@@ -71,7 +72,10 @@ def fmt_rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / GB:,.1f} GB/s"
 
 
-def fmt_duration(seconds: float) -> str:
+def fmt_duration(seconds: float | None) -> str:
+    """A duration in s, ms or µs (3 significant-ish digits); "—" when unknown or infinite."""
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
     if seconds >= 1:
         return f"{seconds:.2f} s"
     if seconds >= 1e-3:

@@ -14,8 +14,8 @@ import os
 
 import llama_cpp as _L
 
-from localinfer.errors import LocalinferError, UnsupportedModelError
 from localinfer.backends.llamacpp.native import init_backend, last_error, log_lock
+from localinfer.errors import LocalinferError, UnsupportedModelError
 
 
 class LlamaVocab:

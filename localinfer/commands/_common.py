@@ -24,8 +24,10 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
     """MODEL, backend, context, KV type, threads, offload and --force."""
     p.add_argument("model", nargs="?", metavar="MODEL", help="GGUF file (default: the embedded SmolLM2-135M)")
     g = p.add_argument_group("loading")
+    from localinfer.backends.registry import DEFAULT_BACKEND, names
+
     g.add_argument("--backend", default=None, metavar="NAME",
-                   help="engine to run on: llama.cpp (default), torch, mlx, or a registered plugin")
+                   help=f"engine to run on: {', '.join(names())} (default {DEFAULT_BACKEND})")
     g.add_argument("-c", "--ctx", type=int, default=None, metavar="N",
                    help=f"context length in tokens (default: the model's, at most {_PLAN_DEFAULTS['n_ctx']})")
     if kv_choices:
@@ -115,7 +117,6 @@ def decoder_from(args: argparse.Namespace):
 def read_spec(args: argparse.Namespace):
     """(model path, ModelSpec) from the MODEL argument; header reads only."""
     from gguf_tools.split import read_model_header
-
     from localinfer.model.sources import resolve_model
     from localinfer.model.spec import ModelSpec
 

@@ -50,10 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localinfer.util.atomic import atomic_write
     from localinfer.backends.registry import load_engine
-    from localinfer.generate.bench import BenchConfig, Progress, render_table, results, run_bench
     from localinfer.errors import UsageError
+    from localinfer.generate.bench import BenchConfig, Progress, render_table, results, run_bench
+    from localinfer.util.atomic import atomic_write
 
     if not 1 <= args.gen <= 1 << 16:
         raise UsageError(f"--gen {args.gen} is out of range", flag="--gen", hint="use 1..65536")

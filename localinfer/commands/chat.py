@@ -25,7 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gguf_tools.inspect import safe_text
-
     from localinfer.generate.chat import ChatSession, read_transcript
 
     params = _common.sampling_from(args)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from gguf_tools.text import safe_text
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", metavar="NAME", help="show one profile with every fact and its source")
@@ -43,10 +45,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _clean(text: str) -> str:
-    return "".join(c if c.isprintable() else "?" for c in str(text))
-
-
 def _table(devices) -> str:
     from localinfer.units import GB, GiB
 
@@ -58,8 +56,8 @@ def _table(devices) -> str:
         link = "unified" if p.unified and p.kind != "cpu" else (f"{p.link_bytes_per_s / GB:,.0f} GB/s"
                                                                 if p.link_bytes_per_s else "—")
         pw = f"{p.power_w:.0f} W" if p.power_w else "—"
-        desc = _clean(p.display_name)
-        line = (f"{_clean(p.name)[:15]:<16}{p.kind:<6}{p.usable_bytes / GiB:>6.1f} GiB"
+        desc = safe_text(p.display_name, None)
+        line = (f"{safe_text(p.name, None)[:15]:<16}{p.kind:<6}{p.usable_bytes / GiB:>6.1f} GiB"
                 f"{bw:>11}{fl:>8}{link:>10}{pw:>7}  ")
         room = 100 - len(line)
         lines.append(line + (desc if len(desc) <= room else desc[: room - 1] + "…"))
@@ -84,8 +82,8 @@ def _detail(p) -> str:
             ("decode MBU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.decode_mbu) or "—"),
             ("prefill MFU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.prefill_mfu) or "—"),
             ("from", p.origin)]
-    out = [f"{k:<17}{_clean(v)}" for k, v in rows]
+    out = [f"{k:<17}{safe_text(v, None)}" for k, v in rows]
     if p.sources:
         out.append("sources:")
-        out += [f"  {k:<15}{_clean(v)}" for k, v in p.sources.items()]
+        out += [f"  {k:<15}{safe_text(v, None)}" for k, v in p.sources.items()]
     return "\n".join(out)

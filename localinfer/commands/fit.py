@@ -16,6 +16,8 @@ import json
 import math
 import sys
 
+from gguf_tools.text import safe_text
+
 KV_FLAG_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 DEFAULT_CTX = 4096
 WIDTH = 100
@@ -37,8 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-ngl", "--gpu-layers", type=int, default=-1, metavar="N",
                         help="repeating layers on the accelerator (-1: all, the default)")
     parser.add_argument("-ub", "--ubatch", type=int, default=512, metavar="N", help="llama.cpp -ub (default 512)")
-    parser.add_argument("--backend", default="llama.cpp", metavar="NAME",
-                        help="allocation rules: llama.cpp (default), torch, mlx")
+    from localinfer.backends.registry import DEFAULT_BACKEND, names
+
+    parser.add_argument("--backend", default=DEFAULT_BACKEND, metavar="NAME",
+                        help=f"allocation rules: {', '.join(names())} (default {DEFAULT_BACKEND})")
     parser.add_argument("--dtype", default=None, metavar="T",
                         help="torch/mlx weight dtype: f32, bf16, f16 (default: the engine's; torch bf16 on CUDA, "
                              "mlx f16 on Metal, f32 on the CPU)")
@@ -46,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _request(args, spec):
-    from localinfer.errors import UsageError
     from localinfer.backends.memory import FitRequest
+    from localinfer.errors import UsageError
 
     if args.kv_type and (args.type_k or args.type_v):
         raise UsageError("give either --kv-type or -ctk/-ctv, not both", flag="--kv-type",
@@ -94,9 +98,9 @@ def _devices(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from localinfer.plan.fit import fit_device
     from localinfer.model.sources import resolve_model
     from localinfer.model.spec import ModelSpec
+    from localinfer.plan.fit import fit_device
 
     spec = ModelSpec.from_gguf(resolve_model(args.model))
     req = _request(args, spec)
@@ -168,16 +172,12 @@ def _ctx(n: int | None) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def _clean(text: str) -> str:
-    return "".join(c if c.isprintable() else "?" for c in text)
-
-
 def render_text(spec, req, results, speeds: dict | None = None) -> str:
     """The fit report as text that reads at 100 columns."""
     from localinfer.units import GiB
 
     fa = {True: "on", False: "off", None: "auto"}[req.flash_attn]
-    head = (f"{_clean(spec.name)}  ({spec.arch}, {spec.n_layers} layers, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
+    head = (f"{safe_text(spec.name, None)}  ({spec.arch}, {spec.n_layers} layers, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
             f"request: {req.n_ctx} tokens × {req.n_seq} sequence(s), KV {req.type_k}/{req.type_v}, "
             f"flash attention {fa}, backend {req.backend}")
     cols = f"{'device':<22}{'usable':>10}{'weights':>11}{'KV':>10}{'compute':>10}{'left':>11}  {'fits':<5}{'max ctx':>8}{'max par':>8}"
@@ -185,14 +185,14 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
     for r in results:
         bd = r.breakdown
         pool = None if bd.unified else "device"
-        name = _clean(r.device.name)[:21]
+        name = safe_text(r.device.name, None)[:21]
         w, kv, cb, left = (bd.sum("weights", pool), bd.sum("kv", pool), bd.sum("compute", pool) + bd.sum("output", pool),
                            r.free_bytes) if r.supported else (None,) * 4
         lines.append(f"{name:<22}{_g(r.usable_bytes):>10}{_g(w):>11}{_g(kv):>10}{_g(cb):>10}{_g(left):>11}  "
                      f"{'yes' if r.fits else 'NO':<5}{_ctx(r.max_ctx):>8}{(str(r.max_parallel) if r.max_parallel else '—'):>8}")
     lines.append("")
     for r in results:
-        lines.append(f"{_clean(r.device.name)}: {_clean(r.device.display_name)}")
+        lines.append(f"{safe_text(r.device.name, None)}: {safe_text(r.device.display_name, None)}")
         lines.extend(_wrap(r.reason, "  "))
         if not r.fits:
             if r.suggestions:
@@ -226,5 +226,5 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
 def _wrap(text: str, first: str, rest: str | None = None) -> list[str]:
     import textwrap
 
-    return textwrap.wrap(_clean(text), WIDTH, initial_indent=first, subsequent_indent=rest or first,
+    return textwrap.wrap(safe_text(text, None), WIDTH, initial_indent=first, subsequent_indent=rest or first,
                          break_on_hyphens=False, break_long_words=True)

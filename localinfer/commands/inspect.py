@@ -20,7 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gguf_tools.inspect import account, active_parameters
     from gguf_tools.split import merge, read_shards
-
     from localinfer.model.sources import resolve_model
     from localinfer.model.spec import ModelSpec
 
@@ -75,7 +74,6 @@ def _heads(v: tuple[int, ...]) -> str:
 
 def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str:
     from gguf_tools.inspect import describe_value, safe_text
-
     from localinfer.units import fmt_bytes
 
     lines = []
@@ -141,7 +139,7 @@ def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str
 
 
 def _ftype_name(v: int) -> str:
-    from gguf_tools._constants import LlamaFileType
+    from gguf_tools import LlamaFileType
 
     try:
         return LlamaFileType(v).name

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 
+from gguf_tools.text import safe_text
 from localinfer.errors import UsageError
 from localinfer.plan.speed import Workload
 
@@ -53,19 +54,14 @@ def _check(v, flag: str, lo: float, hi: float | None = None):
 
 def build(args: argparse.Namespace):
     """(spec, SpeedModel, Plan) for the parsed arguments."""
-    from localinfer.plan.bench_import import load_bench
-    from localinfer.model.cost import kv_pair, model_cost
     from localinfer.devices.profiles import get_device, local_device
-    from localinfer.plan.speculation import Drafting, model_drafting
+    from localinfer.model.cost import kv_pair, model_cost
     from localinfer.model.sources import resolve_model
-    from localinfer.plan.speed import SpeedModel
-    from localinfer.plan.planner import (
-        candidate_configs,
-        default_kv_budget,
-        lookup_draft_length,
-        plan,
-    )
     from localinfer.model.spec import ModelSpec
+    from localinfer.plan.bench_import import load_bench
+    from localinfer.plan.planner import candidate_configs, default_kv_budget, lookup_draft_length, plan
+    from localinfer.plan.speculation import Drafting, model_drafting
+    from localinfer.plan.speed import SpeedModel
     from localinfer.units import parse_size
 
     _check(args.acceptance, "--acceptance", 0.0, 1.0)
@@ -102,10 +98,6 @@ def build(args: argparse.Namespace):
     return spec, speed, plan(speed, workload, budget, configs, spec=spec)
 
 
-def _ms(x: float) -> str:
-    return "—" if not math.isfinite(x) else f"{x * 1e3:.2f} ms"
-
-
 def _s(x: float) -> str:
     return "—" if not math.isfinite(x) else f"{x:.2f} s"
 
@@ -113,15 +105,15 @@ def _s(x: float) -> str:
 def render_text(spec, speed, p) -> str:
     """The plan as an aligned table, the choice, and why each other configuration lost."""
     from localinfer.plan.planner import UNKNOWN
-    from localinfer.units import fmt_bytes
+    from localinfer.units import fmt_bytes, fmt_duration
 
     w, dev = p.workload, speed.device
     shared = f" (first {w.shared_prefix} shared)" if w.shared_prefix else ""
     deadline = f"deadline {w.deadline_s:g} s" if w.deadline_s else "no deadline"
     src = speed.calibration.cal.source if speed.calibration else "device profile efficiencies"
-    lines = [f"{_clean(spec.name)} on {_clean(dev.display_name)}",
+    lines = [f"{safe_text(spec.name, 200)} on {safe_text(dev.display_name, 200)}",
              (f"{w.requests} request(s) × {w.input_tokens} tokens in{shared} → {w.output_tokens} out; {deadline}; "
-              f"KV budget {fmt_bytes(p.budget_bytes)}; speed from {_clean(src)}"), ""]
+              f"KV budget {fmt_bytes(p.budget_bytes)}; speed from {safe_text(src, 200)}"), ""]
     head = ("", "configuration", "KV+draft", "prefill", "decode", "total", "verdict", "GPU·s/good", "J/good")
     rows = [head]
     for o in p.outcomes:
@@ -129,10 +121,10 @@ def render_text(spec, speed, p) -> str:
         label = o.config.label
         if o.offload is not None:
             off = o.offload
-            label += (f" ({len(off.groups)} groups, copy {_ms(off.copy_s_per_step)}/step"
+            label += (f" ({len(off.groups)} groups, copy {fmt_duration(off.copy_s_per_step)}/step"
                       f"{', hidden' if off.copy_hidden else ''})")
         rows.append((o.name, label, fmt_bytes(o.memory_bytes), _s(t.prefill.seconds),
-                     f"{t.steps} × {_ms(t.step.seconds)}", _s(t.total_s), o.verdict,
+                     f"{t.steps} × {fmt_duration(t.step.seconds)}", _s(t.total_s), o.verdict,
                      "—" if not math.isfinite(o.gpu_s_per_good) else f"{o.gpu_s_per_good:.3f}",
                      "—" if o.joules_per_good is None or not math.isfinite(o.joules_per_good)
                      else f"{o.joules_per_good:.0f}"))
@@ -140,7 +132,7 @@ def render_text(spec, speed, p) -> str:
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     lines.append("")
     if p.best is None and any(o.verdict == UNKNOWN for o in p.outcomes):
-        lines.append(f"speed unknown on {_clean(dev.name)}: measure it with `localinfer bench --json FILE` "
+        lines.append(f"speed unknown on {safe_text(dev.name, 200)}: measure it with `localinfer bench --json FILE` "
                      "and pass --bench FILE")
     elif p.best is None:
         lines.append("nothing is feasible: relax the deadline, shorten the output, add memory, "
@@ -174,10 +166,6 @@ def prefix_note(speed, w) -> str | None:
     return (f"{head}, fetch from host {v.fetch_s * 1e3:.1f} ms, write-back {v.maintain_s * 1e3:.1f} ms; "
             f"keeping it pays when more than {100 * v.break_even_prob:.1f}% of requests reuse it "
             f"({v.value_s * 1e3:.1f} ms saved per request at 50%)")
-
-
-def _clean(text: str) -> str:
-    return "".join(ch if ch.isprintable() else "?" for ch in str(text))[:200]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,13 +45,13 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def build(args: argparse.Namespace):
     """The Report for the parsed arguments."""
-    from localinfer.plan.bench_import import load_bench
-    from localinfer.model.cost import kv_pair
     from localinfer.devices.profiles import all_devices, get_device, load_profiles, local_device
+    from localinfer.model.cost import kv_pair
     from localinfer.model.sources import resolve_model
+    from localinfer.model.spec import ModelSpec
+    from localinfer.plan.bench_import import load_bench
     from localinfer.plan.speed import Workload
     from localinfer.report.capacity import build_report
-    from localinfer.model.spec import ModelSpec
 
     contexts = _ints(args.ctx, "--ctx")
     kv_types = tuple(dict.fromkeys(t.strip() for t in args.kv.split(",") if t.strip()))

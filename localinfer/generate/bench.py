@@ -42,8 +42,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from localinfer.generate.runner import Runner, _percentile
+from localinfer.generate.runner import Runner
 from localinfer.generate.sampling import SamplingParams
+from localinfer.util.stats import percentile
 
 SCHEMA, VERSION = "localinfer.generate.bench", 1
 KV_TYPES = ("f16", "q8_0", "q4_0")
@@ -127,7 +128,7 @@ def measure_decode(runner: Runner, depth: int, gen: int, decoder=None):
     tm = g.timings
     seconds = tm.decode_seconds
     out = {"depth": depth, "tokens": tm.generated, "seconds": seconds, "tok_s": tm.decode_tok_s,
-           "ttft_s": tm.ttft, "itl_p50_s": _percentile(tm.itl, 0.5), "itl_p95_s": _percentile(tm.itl, 0.95)}
+           "ttft_s": tm.ttft, "itl_p50_s": percentile(tm.itl, 0.5), "itl_p95_s": percentile(tm.itl, 0.95)}
     runner.reset()
     return out, g
 
@@ -239,8 +240,8 @@ def render_table(doc: dict) -> str:
         for d in r["decode"]:
             frac = d["bandwidth_fraction"]
             gbs = d["achieved_bytes_per_s"]
-            lines.append(f"  KV {r['type_k']:<11}{d['depth']:>6}{_num(d['tok_s'], 9, 1)}{_ms(d['ttft_s'], 9)}"
-                         f"{_ms(d['itl_p50_s'], 9)}{_ms(d['itl_p95_s'], 9)}"
+            lines.append(f"  KV {r['type_k']:<11}{d['depth']:>6}{_num(d['tok_s'], 9, 1)}{_num(_milli(d['ttft_s']), 9, 1)}"
+                         f"{_num(_milli(d['itl_p50_s']), 9, 1)}{_num(_milli(d['itl_p95_s']), 9, 1)}"
                          f"{_num(gbs / 1e9 if gbs else None, 8, 2)}{(f'{frac * 100:8.1f}%' if frac else '       -')}")
     lines.append("")
     lines.append(f"{'memory MiB':<16}{'weights':>9}{'KV':>9}{'compute':>9}{'peak RSS':>10}")
@@ -263,5 +264,5 @@ def _num(v, w, prec) -> str:
     return f"{v:>{w}.{prec}f}" if v is not None else f"{'-':>{w}}"
 
 
-def _ms(v, w) -> str:
-    return f"{v * 1000:>{w}.1f}" if v is not None else f"{'-':>{w}}"
+def _milli(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3

@@ -36,10 +36,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from localinfer.generate.decoding import DecodeStats, Sampler
 from localinfer.backends.engine import Engine
 from localinfer.errors import UsageError
+from localinfer.generate.decoding import DecodeStats, Sampler
 from localinfer.plan.speculation import MAX_DRAFT, choose_draft_length
+
 
 class NgramIndex:
     """The token history and where each n-gram (n_min..n_max) occurred.

@@ -22,23 +22,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from localinfer.generate.decoding import Decoder, DecodeStats, PlainDecoder
 from localinfer.backends.engine import Engine
 from localinfer.errors import ContextFullError, LocalinferError, UsageError
+from localinfer.generate.decoding import Decoder, DecodeStats, PlainDecoder
 from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.util.stats import percentile
 
 DEFAULT_MAX_TOKENS = 512
 MAX_STOP_STRINGS = 16
-
-
-def _percentile(xs: Sequence[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass
@@ -75,7 +66,7 @@ class Timings:
             "prefill_tokens": self.prefill_tokens, "generated_tokens": self.generated,
             "ttft_s": self.ttft, "prefill_tok_s": self.prefill_tok_s,
             "decode_tok_s": self.decode_tok_s, "decode_s": self.decode_seconds,
-            "itl_p50_s": _percentile(self.itl, 0.5), "itl_p95_s": _percentile(self.itl, 0.95),
+            "itl_p50_s": percentile(self.itl, 0.5), "itl_p95_s": percentile(self.itl, 0.95),
             "total_s": self.total, "context_full": self.context_full,
         }
 

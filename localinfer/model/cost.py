@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from localinfer.model.kv import KV_TYPES, check_kv_type, row_bytes
 from localinfer.errors import UsageError
-from localinfer.util.memo import spec_cache
+from localinfer.model.kv import KV_TYPES, check_kv_type, row_bytes
 from localinfer.model.spec import ModelSpec
+from localinfer.util.memo import spec_cache
 
 _LAYER_RE = re.compile(r"^blk\.\d+\.")
 DEFAULT_UBATCH = 512

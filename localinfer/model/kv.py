@@ -11,7 +11,6 @@ from functools import lru_cache
 
 from gguf_tools.quants import layout, parse_type
 from gguf_tools.quants import row_bytes as quant_row_bytes
-
 from localinfer.errors import UsageError
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache

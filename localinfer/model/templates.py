@@ -28,8 +28,8 @@ from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from localinfer.util.deadline import Deadline, TimeLimitExceeded
 from localinfer.errors import TemplateError
+from localinfer.util.deadline import Deadline, TimeLimitExceeded
 
 TIME_LIMIT_S = 2.0
 MAX_OUTPUT_CHARS = 8 << 20        # rendered prompt and any intermediate string or list

@@ -13,8 +13,8 @@ import math
 import os
 from pathlib import Path
 
-from localinfer.plan.calibration import Calibration, DecodeSample, PrefillSample
 from localinfer.errors import UsageError
+from localinfer.plan.calibration import Calibration, DecodeSample, PrefillSample
 
 MAX_BENCH_BYTES = 16 << 20
 

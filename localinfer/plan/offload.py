@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 
 from localinfer.errors import UsageError
-from localinfer.util.memo import spec_cache
 from localinfer.model.spec import ModelSpec
+from localinfer.util.memo import spec_cache
 
 _GROUP_RE = re.compile(r"^blk\.(\d+)\.(\w+?)\.")
 _KIND_ORDER = ("experts", "ffn", "attention")

@@ -14,13 +14,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, tokens_held
-from localinfer.units import ceil_div
-from localinfer.plan.speculation import Drafting
 from localinfer.errors import UsageError
 from localinfer.plan.offload import OffloadPlan, plan_offload
+from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, tokens_held
+from localinfer.plan.speculation import Drafting
 from localinfer.plan.speed import Estimate, RequestTiming, SpeedModel, Workload
-from localinfer.units import fmt_bytes
+from localinfer.units import ceil_div, fmt_bytes
 
 DEFAULT_OFFLOAD_BUFFERS = 2
 NOT_FIT, LATE, ON_TIME, FITS = "does not fit", "late", "on time", "fits"
@@ -236,8 +235,8 @@ def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
 
     The non-KV terms are `localinfer fit`'s breakdown for one ``n_ctx`` sequence.
     """
-    from localinfer.plan.fit import fit_device
     from localinfer.backends.memory import FitRequest
+    from localinfer.plan.fit import fit_device
 
     bd = fit_device(spec, device, FitRequest(n_ctx=n_ctx), search=False).breakdown
     return device.usable_bytes - (bd.device_bytes - bd.sum("kv", "device"))

@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from localinfer.plan.calibration import Calibration
-from localinfer.model.cost import DEFAULT_UBATCH, ModelCost, rounds_needed
-from localinfer.units import ceil_div
 from localinfer.errors import UsageError
+from localinfer.model.cost import DEFAULT_UBATCH, ModelCost, rounds_needed
+from localinfer.plan.calibration import Calibration
+from localinfer.units import ceil_div
 
 # Used only when a device profile gives no efficiency of its own.
 FALLBACK_DECODE_MBU = 0.6

@@ -16,10 +16,11 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from localinfer.plan.calibration import Calibration
+from gguf_tools.text import safe_text
 from localinfer.model.cost import model_cost
+from localinfer.plan.calibration import Calibration
 from localinfer.plan.speed import SpeedModel
-from localinfer.units import fmt_bytes
+from localinfer.units import fmt_bytes, fmt_duration
 
 SCHEMA, VERSION = "localinfer.report", 1
 KV_ORDER = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")   # most faithful first
@@ -118,9 +119,9 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     KV cells, compute and output buffers) at each context and KV type; requests
     and the largest context extend its KV term linearly.
     """
+    from localinfer.backends.memory import MAX_PARALLEL, FitRequest
     from localinfer.model.kv import kv_bytes_per_token
     from localinfer.plan.fit import fit_device
-    from localinfer.backends.memory import MAX_PARALLEL, FitRequest
 
     cost = model_cost(spec)
     speed = SpeedModel(cost, device, calibration)
@@ -229,18 +230,11 @@ def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | Non
 
 def clean(text) -> str:
     """A file-supplied string made safe for a terminal: control characters shown, length capped."""
-    s = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in str(text))
-    return s if len(s) <= 120 else s[:117] + "..."
+    return safe_text(str(text), 120)
 
 
 def _tok(x: float | None) -> str:
     return "—" if x is None else (f"{x:,.0f}" if x >= 100 else f"{x:.1f}")
-
-
-def _ms(x: float | None) -> str:
-    if x is None:
-        return "—"
-    return f"{x:.2f} s" if x >= 1 else (f"{x * 1e3:.0f} ms" if x >= 1e-3 else f"{x * 1e6:.0f} µs")
 
 
 def _ctx(n: int) -> str:
@@ -264,13 +258,13 @@ def table(report: Report, model: str) -> tuple[list[str], list[list[str]]]:
         o = r.offload
         first = [clean(r.device), fmt_bytes(r.usable_bytes), "fits" if r.weights_fit else "too big",
                  "/".join(_ctx(r.largest_ctx[k]) if r.largest_ctx[k] else "—" for k in report.kv_types)]
-        off = "—" if o is None else f"{o.groups} {o.kinds} groups, {_ms(o.copy_s_per_step)}/step, {_tok(o.decode_tok_s)} tok/s"
+        off = "—" if o is None else f"{o.groups} {o.kinds} groups, {fmt_duration(o.copy_s_per_step)}/step, {_tok(o.decode_tok_s)} tok/s"
         for i, c in enumerate(report.contexts):
             cells = [r.cell(c, k) for k in report.kv_types]
             head_cells = first if i == 0 else ["", "", "", ""]
             c0 = r.cell(c, r.cheapest_kv[c] or kv0)
             rows.append([*head_cells, _ctx(c), "/".join(str(x.max_requests) for x in cells), r.cheapest_kv[c] or "none",
-                         _tok(c0.decode_tok_s), _tok(c0.prefill_tok_s), _ms(c0.ttft_s), off if i == 0 else ""])
+                         _tok(c0.decode_tok_s), _tok(c0.prefill_tok_s), fmt_duration(c0.ttft_s), off if i == 0 else ""])
     return head, rows
 
 

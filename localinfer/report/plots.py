@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from localinfer.model.cost import model_cost
-from localinfer.plan.speed import SpeedModel, Workload
 from localinfer.plan.planner import candidate_configs, plan
+from localinfer.plan.speed import SpeedModel, Workload
 
 BATCHES = tuple(2 ** i for i in range(9))            # 1 … 256
 

@@ -1,0 +1,5 @@
+"""Small helpers every layer shares: atomic writes, deadlines, a per-spec memo, timing statistics.
+
+The sanitiser for untrusted text is ``gguf_tools.text.safe_text`` (the lowest
+layer needs it too); number and size formatters are in :mod:`localinfer.units`.
+"""

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from localinfer.backends.registry import get_backend, load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import get_backend, load_engine
 from localinfer.errors import (
     ContextFullError,
     GGUFFormatError,
@@ -239,9 +239,9 @@ def test_closed_engine_refuses_calls(default_model):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_other_architectures_kv_bytes_and_rewind(tiny_models, arch):
-    from localinfer.plan.memory import kv_bytes
     from localinfer.generate.runner import Runner
     from localinfer.generate.sampling import SamplingParams
+    from localinfer.plan.memory import kv_bytes
 
     spec = ModelSpec.from_gguf(tiny_models[arch])
     with load_engine(LoadPlan(str(tiny_models[arch]), n_ctx=256, type_k="q8_0", type_v="q4_0", n_threads=1)) as e:

@@ -26,10 +26,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
-from tests.support.ggufgen import write_tiny_llama, write_tiny_model
 
-from localinfer.backends.registry import get_backend, load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import get_backend, load_engine
 from localinfer.errors import (
     BackendUnavailableError,
     DoesNotFitError,
@@ -37,6 +36,7 @@ from localinfer.errors import (
     UnsupportedModelError,
     UsageError,
 )
+from tests.support.ggufgen import write_tiny_llama, write_tiny_model
 
 HAVE_MLX = all(importlib.util.find_spec(m) is not None for m in ("mlx", "mlx_lm"))
 needs_mlx = pytest.mark.skipif(not HAVE_MLX, reason="mlx / mlx-lm not installed (pip install 'localinfer[mlx]')")
@@ -191,8 +191,8 @@ def test_quantized_kv_stays_close_to_f16(tiny, kv_type, tol):
 @needs_mlx
 @pytest.mark.parametrize("kv_type", ["f16", "f32", "bf16", "q8_0", "q4_0"])
 def test_kv_bytes_equal_the_planners_mlx_formula(tiny, kv_type):
-    from localinfer.plan.memory import kv_bytes
     from localinfer.model.spec import ModelSpec
+    from localinfer.plan.memory import kv_bytes
 
     spec = ModelSpec.from_gguf(tiny)
     with engine(tiny, n_ctx=1000, n_seq=2, type_k=kv_type, type_v=kv_type) as e:
@@ -208,12 +208,12 @@ def test_kv_bytes_equal_the_planners_mlx_formula(tiny, kv_type):
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 def test_fit_plans_the_quantized_kv_of_heads_not_a_multiple_of_64(tmp_path, n_embd, group, kv_type):
     """Such heads get groups of 32 in the engine; `fit --backend mlx` must plan (not refuse) the same bytes."""
-    from localinfer.backends.mlx.memory import mlx_quant_group
-    from localinfer.devices.profiles import profile_from_dict
-    from localinfer.plan.fit import fit_device
     from localinfer.backends.memory import FitRequest
     from localinfer.backends.mlx.kv import cache_bytes
+    from localinfer.backends.mlx.memory import mlx_quant_group
+    from localinfer.devices.profiles import profile_from_dict
     from localinfer.model.spec import ModelSpec
+    from localinfer.plan.fit import fit_device
 
     path = write_tiny_model(tmp_path / "odd.gguf", n_embd=n_embd, n_ff=256)
     spec = ModelSpec.from_gguf(path)
@@ -306,9 +306,9 @@ def test_tokenization_is_llamacpps(smol, smol_cpp):
 
 @needs_mlx
 def test_runner_plain_and_lookup_decoding_agree(smol):
+    from localinfer.generate.lookup import LookupDecoder
     from localinfer.generate.runner import Runner
     from localinfer.generate.sampling import SamplingParams
-    from localinfer.generate.lookup import LookupDecoder
 
     prompt = smol.tokenize("Monday Tuesday Wednesday. Monday Tuesday Wednesday. Monday")
     runner = Runner(smol)

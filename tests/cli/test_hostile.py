@@ -18,11 +18,11 @@ from gguf import GGUFWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.ggufgen import write_tiny_llama
 from gguf_tools import GGUFFormatError, read_header
 from gguf_tools.inspect import account
 from gguf_tools.split import read_model_header
 from localinfer.model.spec import ModelSpec
+from tests.support.ggufgen import write_tiny_llama
 
 _SCALAR = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i",
            V.FLOAT32: "f", V.BOOL: "B", V.UINT64: "Q", V.INT64: "q", V.FLOAT64: "d"}

@@ -9,10 +9,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
 from cuda_backend.engine import TorchEngine
-from localinfer.backends.registry import load_engine
-from localinfer.plan.memory import kv_bytes
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
 from localinfer.errors import ContextFullError
+from localinfer.plan.memory import kv_bytes
 
 # Chunked or batched evaluation changes matmul blocking, hence summation order; a K or V value
 # one float32 ulp away can round to the neighbouring f16 in the cache.  Measured: 3e-5 with an

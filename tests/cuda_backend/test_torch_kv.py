@@ -13,10 +13,10 @@ from gguf.quants import quantize as gguf_quantize
 
 from cuda_backend import quant
 from cuda_backend.kv_cache import KVCache, cache_bytes, padded_tokens
-from localinfer.plan.memory import kv_bytes
 from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.memory import kv_bytes
 
 GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}
 

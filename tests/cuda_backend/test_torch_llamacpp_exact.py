@@ -20,12 +20,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
-from tests.support.ggml_capture import capture, layout_ok
-
 from cuda_backend import ggml_numerics as G
 from gguf_tools import read_header
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
+from tests.support.ggml_capture import capture, layout_ok
 
 _MISMATCH = G.kernel_mismatch()
 pytestmark = pytest.mark.skipif(_MISMATCH is not None, reason=str(_MISMATCH))

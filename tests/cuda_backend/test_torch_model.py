@@ -27,14 +27,14 @@ pytest.importorskip("llama_cpp")
 
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
-from tests.support.ggufgen import write_tiny_model
 
 from cuda_backend.engine import TorchEngine
 from cuda_backend.rope import ROPE_PAIRING
 from cuda_backend.support import SUPPORTED_WEIGHT_TYPES
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
 from localinfer.errors import UnsupportedModelError
+from tests.support.ggufgen import write_tiny_model
 
 TEXT = "the tiny model reads this"
 ARCHS = ("llama", "qwen2", "qwen3")

@@ -14,12 +14,12 @@ torch = pytest.importorskip("torch")
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from tests.support.ggufgen import write_tiny_model
 
 from cuda_backend.support import SUPPORTED_WEIGHT_TYPES
 from cuda_backend.weights import Packed, load_weights, weights_nbytes
 from gguf_tools import GGUFFormatError
 from localinfer.model.spec import ModelSpec
+from tests.support.ggufgen import write_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from localinfer.backends.registry import load_engine
-from localinfer.generate.decoding import PlainDecoder
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
 from localinfer.errors import ContextFullError, UsageError
+from localinfer.generate.decoding import PlainDecoder
 from localinfer.generate.runner import Runner, _split_stop
 from localinfer.generate.sampling import SamplingParams
 

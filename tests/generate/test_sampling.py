@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from localinfer.generate.decoding import Sampler as SamplerProtocol
 from localinfer.errors import UsageError
+from localinfer.generate.decoding import Sampler as SamplerProtocol
 from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
 
 

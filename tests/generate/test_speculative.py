@@ -15,11 +15,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from localinfer.generate.decoding import PlainDecoder, prefill
+from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
+from localinfer.generate.decoding import PlainDecoder, prefill
 from localinfer.generate.lookup import CostModel, LookupDecoder, LookupStats, NgramIndex
 from localinfer.plan.speculation import choose_draft_length, clairvoyant_time, copy_runs, expected_tokens
-from localinfer.backends.engine import LoadPlan
 from tests.support.fakes import ScriptedEngine, TableSampler, bigram_table
 
 

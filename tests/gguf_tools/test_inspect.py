@@ -8,13 +8,13 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType
 
-from tests.support.ggufgen import write_tiny_llama
 from gguf_tools import read_header
 from gguf_tools.inspect import account, active_parameters, describe_value, safe_text
 from gguf_tools.presets import PRESETS
 from gguf_tools.skeleton import write_skeleton
 from localinfer.cli import main
 from localinfer.units import GiB
+from tests.support.ggufgen import write_tiny_llama
 
 
 def _identities(path):
@@ -84,7 +84,7 @@ def test_quantized_and_float_bits_per_weight(tmp_path):
 def test_safe_text_escapes_control_and_ansi():
     s = safe_text("red\x1b[31mX\x1b[0m\nnext\u202eevil\x07")
     assert "\x1b" not in s and "\n" not in s and "\u202e" not in s and "\x07" not in s
-    assert "\\e[31m" in s and "\\u202e" in s and "\\x07" in s
+    assert "\\x1b[31m" in s and "\\u202e" in s and "\\x07" in s
     long = safe_text("A" * 100_000, 50)
     assert len(long) < 80 and "100,000 chars" in long
     assert describe_value(["a"] * 152_000).startswith("[152,000 items: a, a, a, a, …]")

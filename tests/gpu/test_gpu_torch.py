@@ -12,11 +12,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 from gguf import GGMLQuantizationType as T
-from tests.support.ggufgen import write_tiny_model
 
 from cuda_backend.engine import TorchEngine
 from cuda_backend.graphs import GraphDecoder
 from localinfer.backends.engine import LoadPlan
+from tests.support.ggufgen import write_tiny_model
 
 TEXT = "the tiny model runs on the device"
 

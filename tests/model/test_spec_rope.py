@@ -3,12 +3,12 @@
 import pytest
 from gguf import GGUFValueType as V
 from gguf import GGUFWriter
-from tests.support.ggufgen import write_tiny_model
 
-from localinfer.backends.registry import load_engine
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.registry import load_engine
 from localinfer.errors import GGUFFormatError
 from localinfer.model.spec import DEFAULT_RMS_EPS, DEFAULT_ROPE_BASE, ModelSpec
+from tests.support.ggufgen import write_tiny_model
 
 
 def _header_only(path, **kv):

@@ -4,11 +4,11 @@ import time
 
 import pytest
 
-from localinfer.util.deadline import Deadline, TimeLimitExceeded
 from localinfer.backends.engine import LoadPlan
 from localinfer.errors import TemplateError
 from localinfer.model.spec import ModelSpec
 from localinfer.model.templates import CHATML, ChatTemplate, check_messages, template_for
+from localinfer.util.deadline import Deadline, TimeLimitExceeded
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -3,20 +3,15 @@
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.plan.memory import kv_bytes
-from localinfer.backends.llamacpp.memory import llama_cells, output_bytes
-from localinfer.backends.mlx.memory import mlx_bytes_per_token, mlx_capacity
-from localinfer.model.kv import kv_bytes_per_token, row_bytes
-from localinfer.plan.paging import blocks_for, page_usage, shared_prefix_kv, tokens_held
 from localinfer.backends.llamacpp.compute_buffer import attn_rotation, compute_estimate
+from localinfer.backends.llamacpp.memory import llama_cells, output_bytes
+from localinfer.backends.llamacpp.placement import gpu_layer_start, output_on_gpu, repackable, weight_placement
+from localinfer.backends.mlx.memory import mlx_bytes_per_token, mlx_capacity
 from localinfer.errors import UsageError
-from localinfer.backends.llamacpp.placement import (
-    gpu_layer_start,
-    output_on_gpu,
-    repackable,
-    weight_placement,
-)
+from localinfer.model.kv import kv_bytes_per_token, row_bytes
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.memory import kv_bytes
+from localinfer.plan.paging import blocks_for, page_usage, shared_prefix_kv, tokens_held
 
 TINY = dict(arch="qwen3", n_layers=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, vocab_size=1000,
             context_length=4096)

@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
+from localinfer.backends.engine import LoadPlan
+from localinfer.backends.memory import FitRequest
 from localinfer.cli import main
 from localinfer.devices.profiles import profile_from_dict
-from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
-from localinfer.plan.fit import check_load, fit_device
-from localinfer.backends.memory import FitRequest
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.fit import check_load, fit_device
 from localinfer.units import GiB, MiB
 
 TINY = dict(arch="qwen3", n_layers=8, n_embd=512, n_head=8, n_head_kv=2, head_dim=64, n_ff=1024, vocab_size=4096,
@@ -138,6 +138,7 @@ def test_ctx_beyond_training_needs_declared_rope_scaling(tmp_path, capsys):
     """A scaling type, or only the older rope.scale_linear factor (llama.cpp applies it as
     linear scaling), lets --ctx pass the trained context; neither: refused, naming --ctx."""
     from gguf import GGUFValueType as V
+
     from tests.support.ggufgen import write_tiny_model
 
     plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=64, n_ff=128, ctx=512)

@@ -4,19 +4,18 @@ import argparse
 
 import pytest
 from gguf import GGMLQuantizationType as T
-from tests.support.ggufgen import write_tiny_model
 
-from localinfer.plan.memory import backend_device, resident_weights
 from cuda_backend.memory import torch_weight_bytes
-from localinfer.backends.memory import check_weight_dtype
+from localinfer.backends.engine import LoadPlan
+from localinfer.backends.memory import FitRequest, check_weight_dtype
 from localinfer.backends.mlx.memory import mlx_weight_bytes
 from localinfer.cli import main
 from localinfer.devices.profiles import profile_from_dict
-from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
-from localinfer.plan.fit import check_load, fit_device
-from localinfer.backends.memory import FitRequest
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.fit import check_load, fit_device
+from localinfer.plan.memory import backend_device, resident_weights
+from tests.support.ggufgen import write_tiny_model
 
 # Every weight type both engines read, in one file: Q4_0/Q4_1/Q8_0 (MLX keeps them quantized,
 # torch can keep q8_0/q4_0 packed), K-quants, Q5_0, F16, BF16 and 2-D F32 (dequantized).
@@ -258,8 +257,8 @@ def test_mlx_engine_refuses_above_the_working_set_unless_forced(default_model, m
     Only Apple GPUs report a working-set limit, so the limit is patched to 1 MiB here."""
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
-    from localinfer.errors import DoesNotFitError
     from localinfer.backends.mlx import engine as mlx_engine
+    from localinfer.errors import DoesNotFitError
 
     monkeypatch.setattr(mlx_engine, "working_set_limit", lambda: 1 << 20)
     with pytest.raises(DoesNotFitError):

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from benchmarks import fit_accuracy as fa
 from gguf import GGUFWriter
 
+from benchmarks import fit_accuracy as fa
 from gguf_tools.skeleton import write_skeleton
 
 pytest.importorskip("llama_cpp")

@@ -10,14 +10,14 @@ import math
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.plan.memory import kv_bytes
+from localinfer.backends.memory import FitRequest
+from localinfer.devices.profiles import get_device
 from localinfer.model.cost import decode_weight_bytes
 from localinfer.model.kv import kv_bytes_per_token
-from localinfer.plan.paging import blocks_for, max_sequences, page_usage, shared_prefix_kv, tokens_held
-from localinfer.devices.profiles import get_device
-from localinfer.plan.fit import fit_device
-from localinfer.backends.memory import FitRequest
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.fit import fit_device
+from localinfer.plan.memory import kv_bytes
+from localinfer.plan.paging import blocks_for, max_sequences, page_usage, shared_prefix_kv, tokens_held
 from localinfer.units import GiB, KiB, MiB
 
 SHORT = (2048, 256)          # input, output tokens

@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import math
 
-from tests.support import chapter
 import pytest
-from tests.support.chapter import close
 
-from localinfer.plan.calibration import (
-    Calibration,
-    Curve,
-    DecodeSample,
-    LinearFit,
-    PrefillSample,
-    StepFit,
-)
+from localinfer.errors import UsageError
 from localinfer.model.cost import attention_pairs, model_cost
+from localinfer.plan.calibration import Calibration, Curve, DecodeSample, LinearFit, PrefillSample, StepFit
 from localinfer.plan.speculation import (
     Drafting,
     choose_draft_length,
@@ -29,16 +21,10 @@ from localinfer.plan.speculation import (
     payback_tokens,
     worth_lengthening,
 )
-from localinfer.errors import UsageError
-from localinfer.plan.speed import (
-    SpeedModel,
-    Workload,
-    amdahl,
-    compression_gain,
-    energy_per_good,
-    gpu_seconds,
-)
+from localinfer.plan.speed import SpeedModel, Workload, amdahl, compression_gain, energy_per_good, gpu_seconds
 from localinfer.units import GB, GiB, MiB
+from tests.support import chapter
+from tests.support.chapter import close
 
 
 @pytest.fixture(scope="module")

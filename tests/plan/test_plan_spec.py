@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 
-from tests.support import chapter
 import pytest
-from tests.support.chapter import close
 
 from localinfer.cli import main
+from localinfer.plan.planner import LATE, NOT_FIT, ON_TIME, Config, plan
 from localinfer.plan.speculation import Drafting
 from localinfer.plan.speed import Workload
-from localinfer.plan.planner import LATE, NOT_FIT, ON_TIME, Config, plan
 from localinfer.units import GiB, MiB
+from tests.support import chapter
+from tests.support.chapter import close
 
 # Experiment 8-5 (DFlash on the same card): process peak 17,706 → 20,894 MiB; TTFT 129.4 → 141.6 ms;
 # a round verifies 8 positions and yields 3 tokens on average; its forward fits inside the round.

@@ -5,26 +5,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from tests.support import chapter
 import pytest
-from tests.support.chapter import close
 
 from localinfer.devices.profiles import get_device
 from localinfer.errors import UsageError
 from localinfer.plan.offload import CompressedTransfer, offload_groups, plan_offload
-from localinfer.plan.speed import SpeedModel, Workload
-from localinfer.plan.planner import (
-    LATE,
-    NOT_FIT,
-    ON_TIME,
-    Config,
-    choose,
-    evaluate,
-    kv_memory,
-    plan,
-)
+from localinfer.plan.planner import LATE, NOT_FIT, ON_TIME, Config, choose, evaluate, kv_memory, plan
 from localinfer.plan.prefix_value import choose_prefixes, prefix_value
+from localinfer.plan.speed import SpeedModel, Workload
 from localinfer.units import GB, GiB, MiB
+from tests.support import chapter
+from tests.support.chapter import close
 
 PLAIN_STEP = chapter.MEASURED_STEP[1]      # the batch-1 2K decode step the chapter compares against
 

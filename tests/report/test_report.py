@@ -7,20 +7,20 @@ import os
 import shutil
 import subprocess
 
-from tests.support import chapter
 import pytest
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.plan.bench_import import load_bench
+from localinfer.backends.memory import FitRequest
 from localinfer.cli import main
-from localinfer.model.cost import model_cost
 from localinfer.devices.profiles import get_device
 from localinfer.errors import UsageError
-from localinfer.plan.fit import fit_device
-from localinfer.backends.memory import FitRequest
-from localinfer.report.html import render_html
-from localinfer.report.capacity import build_report, render_json, render_md, render_text
+from localinfer.model.cost import model_cost
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.bench_import import load_bench
+from localinfer.plan.fit import fit_device
+from localinfer.report.capacity import build_report, render_json, render_md, render_text
+from localinfer.report.html import render_html
+from tests.support import chapter
 
 HOSTILE = "evil<script>alert(1)</script>|\x1b[31mred\x07"
 DEVICES = ("rtx-pro-6000", "m2-max-96gb", "rtx-4090")

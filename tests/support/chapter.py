@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from gguf_tools.skeleton import write_skeleton
-from localinfer.plan.calibration import Calibration, DecodeSample, PrefillSample
-from localinfer.model.cost import model_cost
 from localinfer.devices.profiles import get_device
-from localinfer.plan.speed import SpeedModel
+from localinfer.model.cost import model_cost
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.calibration import Calibration, DecodeSample, PrefillSample
+from localinfer.plan.speed import SpeedModel
 
 # SPEC §8.6, experiment 8-1 (vLLM, RTX PRO 6000, 2K in, 256 out, no sharing): measured decode steps
 MEASURED_STEP = {1: 26.26e-3, 4: 26.62e-3, 16: 27.44e-3, 64: 29.63e-3}

@@ -15,8 +15,8 @@ import ctypes as C
 
 import numpy as np
 
-from localinfer.backends.llamacpp import native
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.llamacpp import native
 
 _L = native._L
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localinfer.util.memo import spec_cache
 from localinfer.model.spec import ModelSpec
+from localinfer.util.memo import spec_cache
 
 F32, F16, I32, I64 = 4, 2, 4, 8
 ALIGN = {"cpu": 32, "metal": 32, "cuda": 128}

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from gguf_tools.quants import layout, row_bytes
-
 from localinfer.model.spec import ModelSpec
 from localinfer.units import pad_to
 from localinfer.util.memo import spec_cache

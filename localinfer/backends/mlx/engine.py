@@ -21,22 +21,16 @@ from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_flatten
 
 from gguf_tools import read_header
-
-from localinfer.backends.mlx.memory import mlx_weight_bytes
 from localinfer.backends.engine import Engine, LoadPlan
-from localinfer.errors import (
-    BackendUnavailableError,
-    DoesNotFitError,
-    LocalinferError,
-    UsageError,
-)
 from localinfer.backends.llamacpp.native import check_readable
-from localinfer.backends.vocab import VocabOnly
-from localinfer.model.spec import ModelSpec
-from localinfer.units import fmt_bytes
 from localinfer.backends.mlx import kv
+from localinfer.backends.mlx.memory import mlx_weight_bytes
 from localinfer.backends.mlx.model import build_model, check_supported, head
 from localinfer.backends.mlx.weights import DTYPE_NAMES, load_weights
+from localinfer.backends.vocab import VocabOnly
+from localinfer.errors import BackendUnavailableError, DoesNotFitError, LocalinferError, UsageError
+from localinfer.model.spec import ModelSpec
+from localinfer.units import fmt_bytes
 
 log = logging.getLogger("localinfer.mlx")
 

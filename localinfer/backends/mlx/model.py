@@ -14,9 +14,9 @@ import importlib
 import mlx.core as mx
 from mlx import nn
 
+from localinfer.backends.mlx.weights import LoadedWeights
 from localinfer.errors import UnsupportedModelError
 from localinfer.model.spec import ModelSpec
-from localinfer.backends.mlx.weights import LoadedWeights
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 

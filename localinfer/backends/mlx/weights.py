@@ -32,7 +32,6 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from gguf_tools import TensorInfo
-
 from localinfer.errors import UnsupportedModelError
 from localinfer.model.spec import ModelSpec
 from localinfer.units import fmt_bytes
