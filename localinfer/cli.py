@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
-import threading
 
 from localinfer import __version__
+from localinfer.util import signals
+from localinfer.util.signals import Terminated
 
 # name -> one-line help.  Order is the order of `localinfer --help`.
 COMMANDS: dict[str, str] = {
@@ -73,20 +73,11 @@ def _report(exc: BaseException) -> int:
     return exit_code(exc)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, delivered like Ctrl-C so every cleanup path (KV rollback, temp files) runs."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("LOCALINFER_DEBUG", "") not in ("", "0")
     command = _find_command(argv)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+    signals.install()
     try:
         parser = build_parser(command)
         args, extra = parser.parse_known_args(argv)
@@ -102,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         terminated = isinstance(exc, Terminated)
         print("\nterminated" if terminated else "\ninterrupted", file=sys.stderr)
-        return 143 if terminated else 130
+        return exc.exit_code if terminated else 130
     except BrokenPipeError:
         try:
             sys.stdout = open(os.devnull, "w")

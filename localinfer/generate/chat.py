@@ -20,6 +20,7 @@ from localinfer.errors import LocalinferError, UsageError
 from localinfer.generate.runner import Runner
 from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
 from localinfer.model.templates import check_messages
+from localinfer.util.signals import Terminated
 
 PROMPT = ">>> "
 MAX_TRANSCRIPT_BYTES = 16 << 20
@@ -117,12 +118,14 @@ class ChatSession:
                 if chunk.text:
                     parts.append(chunk.text)
                     self.say(chunk.text, end="")
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             _close_quietly(stream)
             self.messages.append({"role": "assistant", "content": "".join(parts), "interrupted": True})
             self.say(INTERRUPTED)
             self.last = None
             self._autosave()
+            if isinstance(exc, Terminated):  # SIGTERM/SIGHUP leave chat; Ctrl-C only stops the reply
+                raise
             return
         except LocalinferError as exc:
             _close_quietly(stream)
@@ -249,7 +252,9 @@ class ChatSession:
         while True:
             try:
                 line = _read_message(read)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
+                if isinstance(exc, Terminated):
+                    raise
                 self.say()
                 self.note("[Ctrl-C: press Ctrl-D or type /exit to leave]")
                 continue
@@ -264,10 +269,12 @@ class ChatSession:
                 continue
             try:
                 self.turn(line[1:] if line.startswith("//") else line)
-            except KeyboardInterrupt:  # between the streaming parts (template, tokenizer)
+            except KeyboardInterrupt as exc:  # between the streaming parts (template, tokenizer)
                 if self.messages and self.messages[-1]["role"] == "user":
                     self.messages.append({"role": "assistant", "content": "", "interrupted": True})
                 self.say(INTERRUPTED)
+                if isinstance(exc, Terminated):
+                    raise
 
 
 def _read_message(read: Callable[[str], str]) -> str:

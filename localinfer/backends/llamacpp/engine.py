@@ -30,6 +30,7 @@ from localinfer.backends.engine import Engine, LoadPlan
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 from localinfer.backends.llamacpp.native import DEFAULT_OUTPUTS_MAX, parse_memory_log  # noqa: F401  (re-exported)
 from localinfer.backends.vocab import LlamaVocab
+from localinfer.util import signals
 
 ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C
 
@@ -81,7 +82,7 @@ class LlamaCppEngine(Engine):
         self._slot_seq = np.full(self._n_batch, -1, dtype=np.int64)
         self._abort = threading.Event()
         self.aborted = 0  # llama_decode calls stopped by Ctrl-C inside the graph
-        self._abort_cb = _L.ggml_abort_callback(lambda _data: self._abort.is_set())
+        self._abort_cb = _L.ggml_abort_callback(lambda _data: self._abort.is_set() or signals.pending() is not None)
 
     # ---- tokenizer (llama.cpp's own, shared with the other backends) --------
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
@@ -126,7 +127,8 @@ class LlamaCppEngine(Engine):
 
     def _decode(self, n_tokens: int, abortable: bool) -> None:
         self._batch.n_tokens = n_tokens
-        rc = self._decode_abortable() if abortable else _L.llama_decode(self._ctx, self._batch)
+        with signals.native():  # a SIGTERM inside aborts the graph (abortable) and raises Terminated here
+            rc = self._decode_abortable() if abortable else _L.llama_decode(self._ctx, self._batch)
         if rc == 2 or (rc == 0 and self._abort.is_set()):
             self.aborted += rc == 2
             self._abort.clear()
@@ -226,6 +228,10 @@ class LlamaCppEngine(Engine):
             raise LocalinferError("this engine is closed")
 
     def close(self) -> None:
+        with signals.native():
+            self._free()
+
+    def _free(self) -> None:
         if getattr(self, "_batch", None) is not None:
             _L.llama_batch_free(self._batch)
             self._batch = None

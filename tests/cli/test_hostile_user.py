@@ -1,0 +1,176 @@
+"""What a hostile or careless user does at the command line (issue 17): signals, output paths,
+plan limits, resource caps.  Each test reproduces the original failure."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from localinfer.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXIT_WITHIN = 1.5  # seconds from SIGTERM to exit ("about 1 s", with slack for a loaded 2-core machine)
+
+# The child runs the CLI with two observation hooks on llama.cpp's callbacks: the first progress
+# callback of a model load says "STATE load" and stays inside the callback for up to 0.5 s (so the
+# signal lands there, as it does when a large model loads), and the first abort-callback poll of an
+# abortable prefill says "STATE prefill".
+DRIVER = r"""
+import sys, time
+import llama_cpp
+try:
+    from localinfer.util.signals import pending
+except ImportError:  # before the fix
+    pending = lambda: None
+def hook(ctype, state, pause):
+    orig = getattr(llama_cpp, ctype)
+    def make(fn):
+        if not callable(fn):
+            return orig(fn)
+        seen = []
+        def wrapper(*a):
+            if not seen:
+                seen.append(1)
+                sys.stderr.write("STATE " + state + "\n"); sys.stderr.flush()
+                end = time.monotonic() + pause
+                while time.monotonic() < end and pending() is None:
+                    time.sleep(0.005)
+            return fn(*a)
+        return orig(wrapper)
+    setattr(llama_cpp, ctype, make)
+hook("llama_progress_callback", "load", 0.5)
+hook("ggml_abort_callback", "prefill", 0.0)
+from localinfer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class Child:
+    """The CLI in a subprocess, its stdout and stderr read as they come."""
+
+    def __init__(self, *args: str, stdin: bool = False):
+        self.proc = subprocess.Popen([sys.executable, "-c", DRIVER, *args], cwd=REPO,
+                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.out, self.err = [], []
+        self.q: queue.Queue = queue.Queue()
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+
+    def _pump(self, stream, sink):
+        for chunk in iter(lambda: stream.read1(4096), b""):
+            sink.append(chunk.decode("utf-8", "replace"))
+            self.q.put(None)
+
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait_for(self, pred, timeout: float = 60) -> bool:
+        end = time.monotonic() + timeout
+        while not pred():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                return pred()
+            try:
+                self.q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        return True
+
+    def terminate_and_wait(self) -> float:
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"still running 30 s after SIGTERM; stderr: {self.stderr()[-2000:]}")
+        took = time.monotonic() - start
+        time.sleep(0.1)  # let the pumps drain
+        return took
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _check_terminated(child: Child, took: float):
+    err = child.stderr()
+    assert child.proc.returncode == 143, err[-2000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
+    ours = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("STATE ", "loading "))]
+    assert ours == ["terminated"], err[-2000:]
+    assert took < EXIT_WITHIN, f"exit took {took:.2f} s"
+
+
+@pytest.fixture
+def child():
+    made: list[Child] = []
+
+    def start(*args, stdin=False):
+        made.append(Child(*args, stdin=stdin))
+        return made[-1]
+
+    yield start
+    for c in made:
+        c.kill()
+
+
+def test_sigterm_during_model_load_exits_143(child):
+    c = child("run", "--raw", "-p", "hello", "-n", "4", "-t", "1")
+    assert c.wait_for(lambda: "STATE load" in c.stderr()), c.stderr()
+    _check_terminated(c, c.terminate_and_wait())
+    assert c.stdout() == ""
+
+
+def test_sigterm_during_prefill_exits_143(child, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("the quick brown fox jumps over the lazy dog, " * 300)  # ~3000 tokens
+    c = child("run", "--raw", "-f", str(prompt), "-n", "1", "-t", "1")
+    assert c.wait_for(lambda: "STATE prefill" in c.stderr()), c.stderr()
+    if c.stdout():
+        pytest.skip("the prefill finished before the signal could be sent")
+    took = c.terminate_and_wait()
+    if c.stdout():
+        pytest.skip("the prefill finished before the signal arrived")
+    _check_terminated(c, took)
+
+
+def test_sigterm_during_decode_exits_143(child):
+    c = child("run", "--raw", "-p", "Once upon a time", "-n", "4000", "--ignore-eos", "-t", "1")
+    assert c.wait_for(lambda: len(c.stdout()) > 20), c.stderr()
+    if c.proc.poll() is not None:
+        pytest.skip("the reply finished before the signal could be sent")
+    _check_terminated(c, c.terminate_and_wait())
+
+
+def test_sigterm_at_the_chat_prompt_exits_143(child):
+    c = child("chat", "-t", "1", stdin=True)
+    assert c.wait_for(lambda: ">>> " in c.stdout()), c.stderr()
+    _check_terminated(c, c.terminate_and_wait())
+    assert "Ctrl-D" not in c.stdout().split("\n", 1)[-1]
+
+
+def test_sigterm_during_a_chat_reply_exits_143(child, tmp_path):
+    saved = tmp_path / "t.json"
+    c = child("chat", "-t", "1", "-n", "4000", "--ignore-eos", "--save", str(saved), stdin=True)
+    assert c.wait_for(lambda: ">>> " in c.stdout()), c.stderr()
+    c.proc.stdin.write(b"Tell me a very long story.\n")
+    c.proc.stdin.flush()
+    assert c.wait_for(lambda: len(c.stdout().split(">>> ", 1)[-1]) > 20), c.stderr()
+    if c.proc.poll() is not None:
+        pytest.skip("the reply finished before the signal could be sent")
+    _check_terminated(c, c.terminate_and_wait())
+    assert ">>> " not in c.stdout().split(">>> ", 1)[-1]  # did not go back to the prompt
