@@ -72,6 +72,7 @@ class TorchMemory:
 
     name = "torch"
     offload = False
+    speed_modelled = False
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """CUDA or the CPU: there is no Metal (mps) path, so on a Mac it runs on the CPU (same unified memory)."""

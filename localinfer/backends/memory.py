@@ -177,6 +177,7 @@ class BackendMemory(Protocol):
 
     name: str
     offload: bool
+    speed_modelled: bool      # the profiles' speed model (roofline × efficiencies) describes its kernels
 
     def runs_on(self, kind: str) -> tuple[str, str | None]: ...
 

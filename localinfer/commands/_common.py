@@ -11,13 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
 
 from localinfer.backends.engine import KV_TYPES, LoadPlan
-from localinfer.errors import DoesNotFitError, UsageError
-
-_PLAN_DEFAULTS = {f.name: f.default for f in fields(LoadPlan)}
-MAX_CTX = 1 << 24
+from localinfer.errors import UsageError
+from localinfer.generate.load import PLAN_DEFAULTS as _PLAN_DEFAULTS
 
 
 def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> None:
@@ -116,49 +113,19 @@ def decoder_from(args: argparse.Namespace):
 
 def read_spec(args: argparse.Namespace):
     """(model path, ModelSpec) from the MODEL argument; header reads only."""
-    from gguf_tools.split import read_model_header
-    from localinfer.model.sources import resolve_model
-    from localinfer.model.spec import ModelSpec
+    from localinfer.generate.load import open_model
 
-    path = resolve_model(args.model)
-    if path.is_dir():
-        raise UsageError(f"{path} is a directory; pass a .gguf file", flag="MODEL")
-    return path, ModelSpec.from_gguf(read_model_header(path))
+    opened = open_model(args.model, getattr(args, "backend", None))
+    return opened.path, opened.spec
 
 
 def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
     """A LoadPlan from the loading flags, checked against the model."""
-    ctx = args.ctx
-    if ctx is not None and not 0 < ctx <= MAX_CTX:
-        raise UsageError(f"--ctx {ctx} is not a usable context length", flag="--ctx", hint=f"use 1..{MAX_CTX}")
-    train = spec.n_ctx_train or _PLAN_DEFAULTS["n_ctx"]
-    if ctx is None:
-        ctx = min(train, _PLAN_DEFAULTS["n_ctx"])
-    elif ctx > train and not args.force:
-        raise UsageError(f"--ctx {ctx} is longer than the {train} tokens the model was trained on", flag="--ctx",
-                         hint=f"use --ctx {train} or less (or --force to try anyway)")
-    fa = {None: None, "auto": None, "on": True, "off": False}[getattr(args, "flash_attn", None)]
-    given = {"n_ctx": ctx, "flash_attn": fa}
-    for k in ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch"):
-        v = getattr(args, k, None)
-        if v is not None:
-            given[k] = v
-    if given.get("n_threads") is not None and not 0 < given["n_threads"] <= 1024:
-        raise UsageError(f"--threads {given['n_threads']} is out of range", flag="--threads", hint="use 1..1024")
-    for key, flag in (("n_batch", "--batch"), ("n_ubatch", "--ubatch")):
-        v = getattr(args, key, None)
-        if v is not None and not 0 < v <= 1 << 16:
-            raise UsageError(f"{flag} {v} is out of range", flag=flag, hint="use 1..65536")
-    ub = getattr(args, "n_ubatch", None)
-    if ub is not None:
-        given["n_ubatch"] = ub
-        given["n_batch"] = max(given.get("n_batch", _PLAN_DEFAULTS["n_batch"]), ub)
-    elif "n_batch" in given:
-        given["n_ubatch"] = min(given["n_batch"], _PLAN_DEFAULTS["n_ubatch"])
-    given.update(overrides)
-    if getattr(args, "force", False):
-        given["options"] = {**given.get("options", {}), "force": True}    # engines' own checks (mlx working set)
-    return LoadPlan(model_path=str(path), **given)
+    from localinfer.generate.load import load_plan
+
+    names = ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn")
+    options = {k: getattr(args, k, None) for k in names}
+    return load_plan(path, spec, ctx=args.ctx, force=getattr(args, "force", False), **options, **overrides)
 
 
 def backend_name(args: argparse.Namespace) -> str:
@@ -168,26 +135,15 @@ def backend_name(args: argparse.Namespace) -> str:
 
 
 def check_fit(spec, plan: LoadPlan, backend: str, force: bool):
-    """Refuse a plan that does not fit on this machine (``--force`` loads anyway, with a warning).
+    """Refuse a plan that does not fit on this machine (``--force`` loads anyway, with a warning)."""
+    from localinfer.generate.load import check_fit as verdict
 
-    A backend that registered no memory model is not checked (one line says so).
-    """
-    from localinfer.backends.registry import memory_model
-    from localinfer.plan.fit import check_load
-
-    if memory_model(backend) is None:
+    result = verdict(spec, plan, backend, force)
+    if result is None:
         print(f"note: the {backend} backend has no memory model; the fit check is skipped", file=sys.stderr)
-        return None
-    result = check_load(spec, plan, device=None, backend=backend)
-    if result.fits or force:
-        if not result.fits:
-            print(f"warning: {result.reason} (loading anyway: --force)", file=sys.stderr)
-        return result
-    suggestions = list(getattr(result, "suggestions", ()) or ())
-    hint = ("flags that fit: " + "; ".join(str(s) for s in suggestions) + " (or --force)") if suggestions \
-        else "use a smaller --ctx, a quantized KV cache (-ctk q8_0 -ctv q8_0), or --force"
-    raise DoesNotFitError(str(result.reason), needed=int(getattr(result, "needed", 0) or 0),
-                          available=int(getattr(result, "available", 0) or 0), hint=hint)
+    elif not result.fits:
+        print(f"warning: {result.reason} (loading anyway: --force)", file=sys.stderr)
+    return result
 
 
 def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):

@@ -248,3 +248,30 @@ class SpeedModel:
 def _scaled(e: Estimate, factor: float) -> Estimate:
     return Estimate(e.seconds * factor, e.compute_s * factor, e.memory_s * factor,
                     round(e.flops * factor), e.bytes, e.source)
+
+
+def predict_speed(spec, device, req) -> dict | None:
+    """Batch-1 prefill and decode tok/s at the requested context, from the device profile.
+
+    ``None`` where the profile lacks the bandwidth or peak FLOP/s the speed model needs
+    (e.g. this machine's CPU: measure it with ``localinfer bench``), or where the backend's kernels
+    are not what the profile's efficiencies describe (only llama.cpp's are).
+    """
+    from localinfer.backends.registry import memory_model
+    from localinfer.model.cost import model_cost
+
+    backend = memory_model(req.backend)
+    if not getattr(backend, "speed_modelled", False) or not device.bandwidth_bytes_per_s or not device.bf16_flops:
+        return None
+
+    model = SpeedModel(model_cost(spec), device, ubatch=req.n_ubatch)
+    kv = req.type_k if req.type_k == req.type_v else "f16"
+    prefill = model.prefill(1, req.n_ctx)
+    step = model.decode_step(1, req.n_ctx, kv)
+    if not prefill.seconds or not step.seconds or math.isnan(prefill.seconds) or math.isnan(step.seconds):
+        return None
+    return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill.seconds, "ttft_s": prefill.seconds,
+            "decode_tok_s": 1.0 / step.seconds, "decode_step_s": step.seconds,
+            "decode_bound": "compute" if step.compute_s > step.memory_s else "memory",
+            "formula": "decode step = max(F/(P·MFU), (D_w + L·k)/(β·MBU)); prefill = FLOPs (incl. attention "
+                       "pairs c(c+1)/2) / (P·MFU); batch 1, profile efficiencies"}

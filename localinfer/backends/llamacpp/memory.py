@@ -214,6 +214,7 @@ class LlamaCppMemory:
 
     name = "llama.cpp"
     offload = True
+    speed_modelled = True       # the device profiles' efficiencies describe llama.cpp's kernels
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         return kind, None

@@ -129,6 +129,7 @@ class MLXMemory:
 
     name = "mlx"
     offload = False
+    speed_modelled = False
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """Metal or the CPU: MLX's CUDA build is not supported by this backend, which then runs on the host CPU."""

@@ -1,0 +1,92 @@
+"""The fit verdicts rendered: the JSON document of ``localinfer fit --json`` and the 100-column text."""
+
+from __future__ import annotations
+
+import textwrap
+
+from gguf_tools.text import safe_text
+from localinfer.units import GiB, MiB, fmt_duration
+
+WIDTH = 100
+
+
+def fit_json(spec, req, results) -> dict:
+    """The document ``fit --json`` prints: the model, the request, and each device's verdict with every term."""
+    from localinfer.model.kv import kv_bytes_per_token
+
+    return {
+        "model": {"path": spec.path, "name": spec.name, "arch": spec.arch, "n_layers": spec.n_layers,
+                  "weight_bytes": spec.weight_bytes, "file_size": spec.file_size, "n_ctx_train": spec.n_ctx_train,
+                  "kv_bytes_per_token": kv_bytes_per_token(spec, req.type_k, req.type_v),
+                  "kv_bytes_per_token_formula": "Σ layers row_bytes(type_k, n_head_kv·head_dim_k) + "
+                                                "row_bytes(type_v, n_head_kv·head_dim_v)",
+                  "missing": list(spec.missing)},
+        "request": dict(req.__dict__),
+        "devices": [r.to_dict() for r in results],
+    }
+
+
+def _g(n: int | None) -> str:
+    if n is None:
+        return "—"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+def _ctx(n: int | None) -> str:
+    if not n:
+        return "—"
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def render_text(spec, req, results, speeds: dict | None = None) -> str:
+    """The fit report as text that reads at 100 columns."""
+    fa = {True: "on", False: "off", None: "auto"}[req.flash_attn]
+    head = (f"{safe_text(spec.name, None)}  ({spec.arch}, {spec.n_layers} layers, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
+            f"request: {req.n_ctx} tokens × {req.n_seq} sequence(s), KV {req.type_k}/{req.type_v}, "
+            f"flash attention {fa}, backend {req.backend}")
+    cols = f"{'device':<22}{'usable':>10}{'weights':>11}{'KV':>10}{'compute':>10}{'left':>11}  {'fits':<5}{'max ctx':>8}{'max par':>8}"
+    lines = [head, "", cols, "-" * len(cols)]
+    for r in results:
+        bd = r.breakdown
+        pool = None if bd.unified else "device"
+        name = safe_text(r.device.name, None)[:21]
+        w, kv, cb, left = (bd.sum("weights", pool), bd.sum("kv", pool), bd.sum("compute", pool) + bd.sum("output", pool),
+                           r.free_bytes) if r.supported else (None,) * 4
+        lines.append(f"{name:<22}{_g(r.usable_bytes):>10}{_g(w):>11}{_g(kv):>10}{_g(cb):>10}{_g(left):>11}  "
+                     f"{'yes' if r.fits else 'NO':<5}{_ctx(r.max_ctx):>8}{(str(r.max_parallel) if r.max_parallel else '—'):>8}")
+    lines.append("")
+    for r in results:
+        lines.append(f"{safe_text(r.device.name, None)}: {safe_text(r.device.display_name, None)}")
+        lines.extend(_wrap(r.reason, "  "))
+        if not r.fits:
+            if r.suggestions:
+                lines.extend(_wrap("would fit with: " + "; ".join(r.suggestions), "  "))
+            elif r.offload is None and r.supported:
+                lines.append("  nothing fits: not even the weights")
+        if r.offload is not None:
+            lines.extend(_wrap(f"keep {r.offload.gpu_layers} of {spec.n_layers} layers on the accelerator "
+                               f"(-ngl {r.offload.gpu_layers}); the host holds {_g(r.offload.host_bytes)} "
+                               "(layers left behind, embeddings, output buffer)", "  "))
+        if r.kv_type and r.kv_type != req.type_k:
+            lines.append(f"  KV type that fits at this context: {r.kv_type}")
+        sp = (speeds or {}).get(r.device.name)
+        if sp and (r.fits or r.offload is not None):
+            lines.extend(_wrap(f"speed (predicted, 1 request, {_ctx(req.n_ctx)} context): prefill "
+                               f"{sp['prefill_tok_s']:,.0f} tok/s (TTFT {fmt_duration(sp['ttft_s'])}), decode "
+                               f"{sp['decode_tok_s']:,.0f} tok/s ({sp['decode_bound']}-bound; roofline × the "
+                               "profile's efficiencies, no per-kernel overheads, so small models run slower)"
+                               + ("; if all weights were on the accelerator" if r.offload is not None else ""),
+                               "  "))
+        for note in r.breakdown.notes + r.warnings:
+            lines.extend(_wrap("note: " + note, "  "))
+        if r.command and (r.fits or r.offload is not None):
+            lines.extend(_wrap(r.command, "  $ ", "      "))
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _wrap(text: str, first: str, rest: str | None = None) -> list[str]:
+    return textwrap.wrap(safe_text(text, None), WIDTH, initial_indent=first, subsequent_indent=rest or first,
+                         break_on_hyphens=False, break_long_words=True)
