@@ -1,0 +1,182 @@
+"""The step-level serving engine: a scheduler and a block manager driving any Executor.
+
+One ``step``: the scheduler picks the batch (decodes, prompt chunks, admissions);
+newly admitted requests get a sequence slot, and a prefix-cache hit whose blocks
+another running request holds becomes ``executor.copy`` of those positions (no
+recompute); preempted and finished requests' slots are dropped; the executor
+computes the batch in one call; each request asking for a token samples it with
+its own sampler.  Each token, and each finish, becomes a ``StreamChunk`` on that
+request's stream.
+
+Copy-on-write block copies are bookkeeping only here: a backend whose KV cells
+carry several sequence ids (llama.cpp) writes a new cell for the new token and
+never overwrites a shared one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from localinfer.serve.executor import Chunk, Executor
+from localinfer.serve.request import FinishReason, Request
+from localinfer.serve.scheduler import Scheduler, StepPlan
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One event of a request's stream: a new token, or its finish (token None)."""
+
+    request_id: str
+    token: int | None
+    time_s: float
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step computed: (request id, start, new tokens) per chunk, and when."""
+
+    start_s: float
+    end_s: float
+    chunks: tuple[tuple[str, int, int], ...]
+
+
+class Engine:
+    def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False):
+        if scheduler.config.max_running > executor.n_slots:
+            raise ValueError(f"max_running {scheduler.config.max_running} exceeds the executor's "
+                             f"{executor.n_slots} slots")
+        self.executor = executor
+        self.scheduler = scheduler
+        self.blocks = scheduler.blocks
+        self._free_slots = deque(range(executor.n_slots))
+        self.slot_of: dict[str, int] = {}
+        self._streams: dict[str, deque[StreamChunk]] = {}
+        self._stepped: set[str] = set()     # requests whose slot holds the KV of at least one step
+        self.records: list[StepRecord] | None = [] if record else None
+
+    # ---- requests ------------------------------------------------------------
+    def add_request(self, request: Request) -> Request:
+        self.scheduler.add(request)
+        self._streams[request.id] = deque()
+        return request
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop the request now; its KV is freed after the step in flight."""
+        r = self.scheduler.cancel(request_id, self.executor.clock())
+        if r is None:
+            return False
+        self._release(r)
+        self._emit_finish(r)
+        return True
+
+    @property
+    def unfinished(self) -> bool:
+        return self.scheduler.unfinished
+
+    # ---- steps ---------------------------------------------------------------
+    def step(self) -> list[StreamChunk]:
+        """One batch; the events it produced (tokens and finishes)."""
+        ex, sched = self.executor, self.scheduler
+        start = ex.clock()
+        plan = sched.schedule(start)
+        events: list[StreamChunk] = []
+        for r in plan.preempted + plan.refused:
+            self._release(r)
+        events += [self._emit_finish(r) for r in plan.refused]
+        for r in plan.admitted:
+            self._seat(r)
+        if not plan.chunks:
+            sched.complete(plan, {}, start)
+            return events
+        chunks = [Chunk(self.slot_of[c.request.id], c.tokens, c.start, c.samples) for c in plan.chunks]
+        try:
+            rows = ex.step(chunks)
+        except Exception as exc:
+            self._fail(plan, exc)
+            raise
+        sampled = {}
+        for c in plan.chunks:
+            if c.samples:
+                r = c.request
+                sampled[r.id] = r.sampler.sample(rows[self.slot_of[r.id]], r.all_tokens)
+        end = ex.clock()
+        done = sched.complete(plan, sampled, end)
+        self._stepped.update(c.request.id for c in plan.chunks)
+        if self.records is not None:
+            self.records.append(StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens)
+                                                             for c in plan.chunks)))
+        for rid, tok in sampled.items():
+            ev = StreamChunk(rid, tok, end)
+            self._streams[rid].append(ev)
+            events.append(ev)
+        for r in done:
+            self._release(r)
+            events.append(self._emit_finish(r))
+        return events
+
+    def run(self) -> None:
+        """Step until every request has finished, idling until arrivals when nothing is ready."""
+        while self.unfinished:
+            if not self.step() and not self.scheduler.running:
+                self._idle()
+
+    def stream(self, request_id: str) -> Iterator[StreamChunk]:
+        """The request's events as they come, stepping the engine (every request advances) while it runs."""
+        q = self._streams[request_id]
+        while True:
+            while q:
+                ev = q.popleft()
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+            if not self.unfinished:
+                return
+            if not self.step() and not self.scheduler.running:
+                self._idle()
+
+    # ---- internals -----------------------------------------------------------
+    def _seat(self, r: Request) -> None:
+        slot = self._free_slots.popleft()
+        self.slot_of[r.id] = slot
+        p = self.blocks.block_tokens
+        if r.cached:
+            src = self.blocks.sharer(r.id, r.cached // p)
+            if src is not None and src in self._stepped:
+                self.executor.copy(self.slot_of[src], slot, r.cached)
+
+    def _release(self, r: Request) -> None:
+        slot = self.slot_of.pop(r.id, None)
+        self._stepped.discard(r.id)
+        if slot is not None:
+            self.executor.drop(slot)
+            self._free_slots.append(slot)
+
+    def _emit_finish(self, r: Request) -> StreamChunk:
+        ev = StreamChunk(r.id, None, r.finished_s, r.finish_reason, r.error)
+        self._streams.setdefault(r.id, deque()).append(ev)
+        return ev
+
+    def _fail(self, plan: StepPlan, exc: Exception) -> None:
+        now = self.executor.clock()
+        self.scheduler.blocks.end_step()
+        for c in plan.chunks:
+            r = c.request
+            if not r.finished:
+                self.scheduler.finish(r, FinishReason.ERROR, now, f"{type(exc).__name__}: {exc}")
+                self._release(r)
+                self._emit_finish(r)
+
+    def _idle(self) -> None:
+        nxt = self.scheduler.next_arrival()
+        if nxt is None:
+            raise RuntimeError("requests are waiting but none can be admitted")
+        advance = getattr(self.executor, "advance_to", None)
+        if advance is not None:
+            advance(nxt)
+        else:
+            time.sleep(max(0.0, min(nxt - self.executor.clock(), 0.05)))

@@ -1,0 +1,201 @@
+"""Replay a request trace on the simulated executor, through the real scheduler and block manager.
+
+A trace is a JSON list (or JSON Lines) of ``{"id", "arrival_ms", "input",
+"output"}`` with optional ``"prefix"`` (a name) + ``"prefix_len"`` (its first
+tokens are the same in every request naming it) and ``"deadline_ms"`` (absolute,
+on the trace's clock).  Token ids are drawn from seeded generators named by the
+prefix and the request id, so a replay is deterministic.
+
+Summary figures: makespan (last finish), throughput (output tokens / makespan),
+goodput (requests done by their deadline / makespan), TTFT = first token −
+arrival, ITL = gaps between consecutive tokens (p50 / p95 by linear interpolation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from localinfer.errors import UsageError
+from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for, tokens_held
+from localinfer.serve.block_manager import BlockManager
+from localinfer.serve.engine import Engine, StepRecord
+from localinfer.serve.request import Request
+from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.simulated import SimulatedExecutor
+from localinfer.serve.step_model import StepModel
+from localinfer.util.stats import percentile
+
+TOKEN_RANGE = 1 << 30
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    id: str
+    arrival_ms: float
+    input: int
+    output: int
+    prefix: str | None = None
+    prefix_len: int = 0
+    deadline_ms: float | None = None
+
+
+def _bad(where: str, field: str, problem: str, fix: str) -> UsageError:
+    return UsageError(f"{where}: {field} {problem}", hint=fix, field=field)
+
+
+def _number(item: dict, key: str, where: str, *, integer: bool, low: float, required: bool = True):
+    if key not in item:
+        if required:
+            raise _bad(where, f'"{key}"', "is missing", f'give every request "{key}"')
+        return None
+    v = item[key]
+    ok = not isinstance(v, bool) and isinstance(v, int if integer else (int, float))
+    if not ok or not math.isfinite(v) or v < low:
+        kind = "a whole number" if integer else "a number"
+        raise _bad(where, f'"{key}"', f"must be {kind} ≥ {low:g}, got {v!r}", f'fix "{key}" of this request')
+    return v
+
+
+def parse_trace(items, source: str = "trace") -> list[TraceRequest]:
+    """Validate decoded trace entries; UsageError naming the entry and field on anything wrong."""
+    if not isinstance(items, list) or not items:
+        raise UsageError(f"{source}: a trace is a non-empty JSON list (or JSON Lines) of requests",
+                         hint='e.g. [{"id": "r0", "arrival_ms": 0, "input": 2048, "output": 8}]')
+    out, seen = [], set()
+    for i, item in enumerate(items):
+        where = f"{source} entry {i}"
+        if not isinstance(item, dict):
+            raise _bad(where, "entry", "is not an object", 'each request is {"id", "arrival_ms", "input", "output"}')
+        rid = item.get("id")
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool) or str(rid) in seen:
+            raise _bad(where, '"id"', f"must be a unique string, got {rid!r}", "give every request its own id")
+        rid = str(rid)
+        seen.add(rid)
+        unknown = set(item) - {"id", "arrival_ms", "input", "output", "prefix", "prefix_len", "deadline_ms"}
+        if unknown:
+            raise _bad(where, f'"{sorted(unknown)[0]}"', "is not a trace field",
+                       "fields: id, arrival_ms, input, output, prefix, prefix_len, deadline_ms")
+        arrival = _number(item, "arrival_ms", where, integer=False, low=0)
+        n_in = _number(item, "input", where, integer=True, low=1)
+        n_out = _number(item, "output", where, integer=True, low=1)
+        deadline = _number(item, "deadline_ms", where, integer=False, low=arrival, required=False)
+        prefix = item.get("prefix")
+        if prefix is not None and not isinstance(prefix, str):
+            raise _bad(where, '"prefix"', f"must be a name (string), got {prefix!r}", "name the shared prefix")
+        plen = _number(item, "prefix_len", where, integer=True, low=0, required=prefix is not None) or 0
+        if plen and prefix is None:
+            raise _bad(where, '"prefix_len"', "needs a \"prefix\" name", 'add "prefix": "NAME" or drop prefix_len')
+        if plen > n_in:
+            raise _bad(where, '"prefix_len"', f"{plen} exceeds input {n_in}", "the prefix is part of the input")
+        out.append(TraceRequest(rid, float(arrival), n_in, n_out, prefix, plen,
+                                None if deadline is None else float(deadline)))
+    return out
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a trace file: a JSON list, or one JSON object per line."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read trace {p}: {exc}", hint="give a readable JSON or JSONL file") from None
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        items = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise UsageError(f"{p} line {n}: not JSON ({exc.msg})",
+                                     hint="a trace is a JSON list or one JSON object per line") from None
+    return parse_trace(items, str(p))
+
+
+def _draw(name: str, n: int) -> tuple[int, ...]:
+    rng = np.random.default_rng(zlib.crc32(name.encode("utf-8")))
+    return tuple(int(t) for t in rng.integers(0, TOKEN_RANGE, n))
+
+
+def prefix_tokens(name: str, n: int) -> tuple[int, ...]:
+    return _draw("prefix:" + name, n)
+
+
+def trace_prompt(t: TraceRequest) -> tuple[int, ...]:
+    """The request's input tokens: its named prefix's, then its own."""
+    head = prefix_tokens(t.prefix, t.prefix_len) if t.prefix else ()
+    return head + _draw("request:" + t.id, t.input - len(head))
+
+
+@dataclass
+class ReplayResult:
+    requests: list[Request]
+    steps: list[StepRecord]
+    blocks: BlockManager
+    peak_running: int
+    kv_bytes_per_token: int | None = None
+
+    @property
+    def total_s(self) -> float:
+        return max((r.finished_s for r in self.requests), default=0.0)
+
+    @property
+    def peak_kv_bytes(self) -> int | None:
+        k = self.kv_bytes_per_token
+        return None if k is None else self.blocks.peak_used * self.blocks.block_tokens * k
+
+    def summary(self) -> dict:
+        total = self.total_s
+        outs = sum(len(r.output) for r in self.requests)
+        ttft = [r.ttft_s for r in self.requests if r.ttft_s is not None]
+        gaps = [g for r in self.requests for g in r.gaps_s]
+        good = sum(r.on_time for r in self.requests)
+        ms = (lambda v: None if v is None else v * 1e3)
+        return {
+            "makespan_ms": total * 1e3, "output_tokens": outs,
+            "throughput_tok_s": outs / total if total else None,
+            "good_requests": good, "goodput_req_s": good / total if total else None,
+            "ttft_p50_ms": ms(percentile(ttft, 0.5)), "ttft_p95_ms": ms(percentile(ttft, 0.95)),
+            "itl_p50_ms": ms(percentile(gaps, 0.5)), "itl_p95_ms": ms(percentile(gaps, 0.95)),
+        }
+
+    def as_json(self) -> dict:
+        reqs = {r.id: {"first_token_ms": None if r.first_token_s is None else r.first_token_s * 1e3,
+                       "finish_ms": r.finished_s * 1e3, "max_gap_ms": r.max_gap_s * 1e3,
+                       "preemptions": r.preemptions,
+                       "queue_ms": None if r.queue_s is None else r.queue_s * 1e3} for r in self.requests}
+        return {"total_ms": self.total_s * 1e3, "requests": reqs, "peak_kv_bytes": self.peak_kv_bytes,
+                "peak_running": self.peak_running, "peak_kv_blocks": self.blocks.peak_used,
+                "block_tokens": self.blocks.block_tokens, "steps": len(self.steps),
+                "finish_reasons": {r.id: r.finish_reason.value for r in self.requests},
+                **self.summary()}
+
+
+def replay(trace: list[TraceRequest], config: SchedulerConfig, step_model: StepModel, *,
+           block_tokens: int = DEFAULT_BLOCK_TOKENS, kv_blocks: int | None = None,
+           kv_bytes_per_token: int | None = None, prefix_cached: bool = False) -> ReplayResult:
+    """Run ``trace`` to the end; ``kv_blocks`` None is a pool large enough for every request at once."""
+    if block_tokens < 1:
+        raise UsageError(f"--block must be ≥ 1, got {block_tokens}", flag="--block")
+    if kv_blocks is None:
+        kv_blocks = sum(blocks_for(tokens_held(t.input, t.output), block_tokens) for t in trace)
+    blocks = BlockManager(kv_blocks, block_tokens)
+    if prefix_cached:
+        named = {t.prefix: max(x.prefix_len for x in trace if x.prefix == t.prefix) for t in trace if t.prefix}
+        for name, n in named.items():
+            blocks.preload(prefix_tokens(name, n))
+    scheduler = Scheduler(config, blocks, step_model)
+    engine = Engine(SimulatedExecutor(step_model, n_slots=config.max_running), scheduler, record=True)
+    reqs = [Request(t.id, trace_prompt(t), t.output, arrival_s=t.arrival_ms / 1e3,
+                    deadline_s=None if t.deadline_ms is None else t.deadline_ms / 1e3) for t in trace]
+    for r in reqs:
+        engine.add_request(r)
+    engine.run()
+    return ReplayResult(reqs, engine.records, blocks, scheduler.peak_running, kv_bytes_per_token)

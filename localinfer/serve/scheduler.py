@@ -1,0 +1,258 @@
+"""The step scheduler: which tokens of which requests the next batch computes.
+
+Each step, in this order:
+
+1. every running request with one token to compute (a decode) gets it;
+2. every running request still prefilling gets one chunk, in admission order:
+   its whole remainder (``fixed``, ``continuous``) or at most ``chunk_tokens``
+   (``chunked``; or the largest chunk whose predicted step time stays under
+   ``itl_target_s``), all within ``token_budget`` new tokens per step;
+3. arrived waiting requests are admitted, first come first served, while fewer
+   than ``max_running`` hold a slot (``fixed``: only when none is running, so a
+   group starts after the previous one finished), and get their first chunk.
+
+Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
+(a request never runs out); ``on_demand`` takes blocks as tokens are written and,
+when none is left, preempts the newest running request (its KV is dropped and
+recomputed later).  ``deadline_aware`` refuses, at admission, a request whose
+predicted finish (prefill + (G − 1) decode steps at the current batch) is past
+its deadline.  ``cancel`` stops scheduling a request at once; its blocks return
+to the pool when the step in flight completes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from localinfer.errors import UsageError
+from localinfer.plan.paging import blocks_for, tokens_held
+from localinfer.serve.block_manager import BlockCopy, BlockManager
+from localinfer.serve.request import FinishReason, Request, State
+from localinfer.serve.step_model import StepModel, chunk_for_target
+
+POLICIES = ("fixed", "continuous", "chunked")
+ADMISSIONS = ("reserve", "on_demand")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "continuous"
+    max_running: int = 8
+    chunk_tokens: int = 512              # chunked: most prompt tokens of one request per step
+    token_budget: int | None = None      # most new tokens per step (None: no limit)
+    itl_target_s: float | None = None    # chunked: the chunk is the largest predicted to keep the step under this
+    admission: str = "reserve"
+    deadline_aware: bool = False
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise UsageError(f"unknown policy {self.policy!r}", flag="--policy", hint="use " + "|".join(POLICIES))
+        if self.admission not in ADMISSIONS:
+            raise UsageError(f"unknown admission {self.admission!r}", hint="use " + " or ".join(ADMISSIONS))
+        for name, flag in (("max_running", "--max-running"), ("chunk_tokens", "--chunk"),
+                           ("token_budget", "--token-budget")):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UsageError(f"{flag} must be a whole number ≥ 1, got {v!r}", flag=flag)
+        if self.itl_target_s is not None and not self.itl_target_s > 0:
+            raise UsageError(f"the ITL target must be positive, got {self.itl_target_s!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int          # position of the first new token
+    n_tokens: int
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.request.all_tokens[self.start:self.start + self.n_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last token, so the step yields its next output token."""
+        return self.start + self.n_tokens == self.request.n_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    refused: list[Request] = field(default_factory=list)     # finished at admission (deadline, too large)
+    copies: list[BlockCopy] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(c.n_tokens for c in self.chunks)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(c.n_tokens, c.start) for c in self.chunks]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, step_model: StepModel | None = None):
+        if (config.itl_target_s is not None or config.deadline_aware) and step_model is None:
+            raise UsageError("an ITL target or deadline-aware admission needs a step-time model",
+                             hint="give --step-model or --device with --model")
+        self.config = config
+        self.blocks = blocks
+        self.step_model = step_model
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._admitted = 0
+        self.peak_running = 0
+
+    # ---- requests ------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.id in self.requests:
+            raise UsageError(f"duplicate request id {request.id!r}", hint="give every request its own id")
+        self.requests[request.id] = request
+        i = len(self.waiting)
+        while i and self.waiting[i - 1].arrival_s > request.arrival_s:
+            i -= 1
+        self.waiting.insert(i, request)
+
+    def cancel(self, request_id: str, now: float) -> Request | None:
+        """Stop scheduling at once; the blocks return after the step in flight.  None if unknown or finished."""
+        r = self.requests.get(request_id)
+        if r is None or r.finished:
+            return None
+        if r in self.running:
+            self.running.remove(r)
+            self.blocks.free(r.id)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        r.finish(FinishReason.CANCELLED, now)
+        return r
+
+    @property
+    def unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def next_arrival(self) -> float | None:
+        return min((r.arrival_s for r in self.waiting), default=None)
+
+    # ---- one step ------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        """The next batch; the block manager treats it as in flight until ``complete``."""
+        cfg, plan = self.config, StepPlan()
+        budget = [cfg.token_budget if cfg.token_budget is not None else 1 << 62]
+        group_start = not self.running
+        for r in [r for r in self.running if not r.prefilling]:
+            if r in self.running and budget[0] >= 1:
+                self._add_chunk(plan, r, 1, budget)
+        for r in [r for r in self.running if r.prefilling]:
+            if r in self.running:
+                self._prefill_chunk(plan, r, budget)
+        if cfg.policy != "fixed" or group_start:
+            self._admit(plan, now, budget)
+        self.peak_running = max(self.peak_running, len(self.running))
+        self.blocks.begin_step()
+        return plan
+
+    def complete(self, plan: StepPlan, sampled: Mapping[str, int], now: float) -> list[Request]:
+        """The step finished at ``now`` with these output tokens; the requests it finished."""
+        self.blocks.end_step()
+        done = []
+        for ch in plan.chunks:
+            r = ch.request
+            if r.state is not State.RUNNING or r.computed != ch.start:
+                continue    # cancelled or preempted while the step ran
+            r.computed += ch.n_tokens
+            self.blocks.commit(r.id, r.all_tokens[:r.computed])
+            if ch.samples:
+                reason = r.append(sampled[r.id], now)
+                if reason is not None:
+                    self.finish(r, reason, now)
+                    done.append(r)
+        return done
+
+    def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+        if r in self.running:
+            self.running.remove(r)
+            self.blocks.free(r.id)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        r.finish(reason, now, error)
+
+    # ---- internals -----------------------------------------------------------
+    def _chunk_limit(self, plan: StepPlan, r: Request, budget: list[int]) -> int:
+        cfg, n = self.config, r.remaining
+        if cfg.policy != "chunked":
+            return n if n <= budget[0] or not plan.chunks else 0
+        n = min(n, cfg.chunk_tokens, budget[0])
+        if cfg.itl_target_s is not None:
+            fit = chunk_for_target(self.step_model, cfg.itl_target_s, plan.shapes(), r.computed, n)
+            n = fit if fit or plan.chunks else 1
+        return n
+
+    def _prefill_chunk(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
+        n = self._chunk_limit(plan, r, budget)
+        if n > 0:
+            self._add_chunk(plan, r, n, budget)
+
+    def _add_chunk(self, plan: StepPlan, r: Request, n: int, budget: list[int]) -> bool:
+        """Schedule n tokens of r, taking blocks (preempting the newest on demand); False if r was preempted."""
+        while self.blocks.grow_needed(r.id, r.computed + n) > self.blocks.num_free:
+            victim = max(self.running, key=lambda x: x.seq)
+            self._preempt(plan, victim, budget)
+            if victim is r:
+                return False
+        plan.copies += self.blocks.grow(r.id, r.computed + n)
+        plan.chunks.append(ScheduledChunk(r, r.computed, n))
+        budget[0] -= n
+        return True
+
+    def _preempt(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
+        for ch in [c for c in plan.chunks if c.request is r]:
+            plan.chunks.remove(ch)
+            budget[0] += ch.n_tokens
+        self.running.remove(r)
+        self.blocks.free(r.id)
+        r.preempt()
+        r.state = State.WAITING
+        self.waiting.appendleft(r)
+        plan.preempted.append(r)
+
+    def _admit(self, plan: StepPlan, now: float, budget: list[int]) -> None:
+        cfg, bm = self.config, self.blocks
+        while self.waiting and len(self.running) < cfg.max_running and self.waiting[0].arrival_s <= now + 1e-12:
+            r = self.waiting[0]
+            if r in plan.preempted:
+                break    # not in the step that preempted it
+            reserve = tokens_held(len(r.prompt), r.max_tokens)
+            if blocks_for(reserve, bm.block_tokens) > bm.num_blocks:
+                self.waiting.popleft()
+                plan.refused.append(r)
+                r.finish(FinishReason.ERROR, now, f"needs {blocks_for(reserve, bm.block_tokens)} KV blocks, "
+                                                  f"the pool has {bm.num_blocks}")
+                continue
+            if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now) > r.deadline_s:
+                self.waiting.popleft()
+                plan.refused.append(r)
+                r.finish(FinishReason.DEADLINE, now)
+                continue
+            tokens = r.all_tokens
+            if not bm.can_allocate(tokens, reserve if cfg.admission == "reserve" else None):
+                break
+            self.waiting.popleft()
+            r.cached = r.computed = bm.allocate(r.id, tokens, reserve if cfg.admission == "reserve" else None)
+            r.state = State.RUNNING
+            r.seq, self._admitted = self._admitted, self._admitted + 1
+            if r.admitted_s is None:
+                r.admitted_s = now
+            self.running.append(r)
+            plan.admitted.append(r)
+            self._prefill_chunk(plan, r, budget)
+
+    def _predict_finish(self, r: Request, now: float) -> float:
+        hit = len(self.blocks.match(r.all_tokens)) * self.blocks.block_tokens
+        model, n = self.step_model, r.n_tokens
+        first = model.seconds([(n - hit, hit)] + [(1, x.n_tokens) for x in self.running])
+        rest = r.max_tokens - len(r.output) - 1
+        step = model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in self.running])
+        return now + first + rest * step

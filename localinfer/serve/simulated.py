@@ -1,0 +1,85 @@
+"""An executor with no model: a virtual clock and deterministic tokens, for replaying traces.
+
+Each ``step`` advances the clock by a step-time model over the chunks' shapes
+(c new tokens after h held: N = c·h + c(c+1)/2 causal pairs) and returns, for
+each row asked, a one-hot logits row whose token depends only on the sequence
+(its last token and position), so a request gets the same output alone, in a
+batch, or recomputed after a preemption.
+
+KV cells are modelled as llama.cpp holds them: ``copy`` makes the destination
+slot share the source's cells (a cell may carry several sequences), ``drop``
+forgets them, and ``cells_used`` counts distinct cells.  A chunk starting past
+what its slot holds reads a prefix kept in the cache pool (no longer held by
+any slot); the simulator gives those positions cells of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import count
+
+import numpy as np
+
+from localinfer.serve.executor import Chunk
+from localinfer.serve.step_model import StepModel
+
+
+class SimulatedExecutor:
+    def __init__(self, step_model: StepModel, n_slots: int = 1024, n_vocab: int = 4096, start_s: float = 0.0):
+        self.step_model = step_model
+        self.n_slots = n_slots
+        self.n_vocab = n_vocab
+        self.now = float(start_s)
+        self.steps = 0
+        self._cells: dict[int, list[int]] = {}
+        self._last: dict[int, int] = {}
+        self._ids = count()
+
+    def token_for(self, last: int, position: int) -> int:
+        """The deterministic next token after ``last`` at ``position``."""
+        return (int(last) * 1_000_003 + position * 7919 + 1) % self.n_vocab
+
+    def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
+        seen = set()
+        for ch in chunks:
+            if not 0 <= ch.slot < self.n_slots or ch.slot in seen or not ch.tokens:
+                raise ValueError(f"bad chunk for slot {ch.slot}: slots must be distinct, below {self.n_slots}, "
+                                 "with at least one token")
+            held = len(self._cells.get(ch.slot, ()))
+            if ch.start < held:
+                raise ValueError(f"slot {ch.slot} holds {held} positions; a chunk cannot start at {ch.start}")
+            seen.add(ch.slot)
+        self.now += self.step_model.seconds([(len(ch.tokens), ch.start) for ch in chunks])
+        self.steps += 1
+        out = {}
+        for ch in chunks:
+            cells = self._cells.setdefault(ch.slot, [])
+            cells.extend(next(self._ids) for _ in range(ch.start + len(ch.tokens) - len(cells)))
+            self._last[ch.slot] = ch.tokens[-1]
+            if ch.logits:
+                row = np.zeros(self.n_vocab, dtype=np.float32)
+                row[self.token_for(ch.tokens[-1], ch.start + len(ch.tokens))] = 1.0
+                out[ch.slot] = row
+        return out
+
+    def copy(self, src: int, dst: int, n_tokens: int) -> None:
+        cells = self._cells.get(src, [])
+        if n_tokens > len(cells):
+            raise ValueError(f"slot {src} holds {len(cells)} positions, cannot share {n_tokens}")
+        if self._cells.get(dst):
+            raise ValueError(f"slot {dst} is not empty")
+        self._cells[dst] = cells[:n_tokens]
+
+    def drop(self, slot: int, start: int = 0) -> None:
+        if slot in self._cells:
+            del self._cells[slot][start:]
+
+    def cells_used(self) -> int:
+        return len(set().union(*self._cells.values())) if self._cells else 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        """Idle until ``t`` (nothing to compute before the next arrival)."""
+        self.now = max(self.now, float(t))

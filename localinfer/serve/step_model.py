@@ -1,0 +1,88 @@
+"""How long one batched step takes: the simulator's clock and the scheduler's predictions.
+
+A step computes chunks; a chunk is ``c`` new tokens of one request after ``h``
+tokens it already holds, with N(c, h) = c·h + c(c+1)/2 causal (query, key)
+pairs (a decode token after h cached ones: h + 1).  Two models:
+
+- ``LinearStepModel``: T = fixed + per_token·Σc + per_pair·ΣN (e.g. 26.22 ms +
+  30.4 µs/token + 3 ns/pair: 26.26 ms for one decode at 2K, 94.8 ms for a 2K prefill);
+- ``SpeedStepModel``: a device profile's roofline (``plan.speed.SpeedModel``):
+  one decode round for the one-token chunks plus each prompt chunk's prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from localinfer.errors import UsageError
+from localinfer.model.cost import attention_pairs
+
+ChunkShape = tuple[int, int]    # (new tokens c, tokens already held h)
+
+
+class StepModel(Protocol):
+    def seconds(self, chunks: Sequence[ChunkShape]) -> float:
+        """Predicted time of one step computing these chunks (0 for none)."""
+
+
+@dataclass(frozen=True)
+class LinearStepModel:
+    fixed_s: float
+    per_token_s: float
+    per_pair_s: float
+
+    @classmethod
+    def parse(cls, text: str, flag: str = "--step-model") -> LinearStepModel:
+        """``"FIXED_MS,PER_TOKEN_US,PER_PAIR_NS"``, e.g. ``"26.22,30.4,3"``."""
+        parts = str(text).split(",")
+        try:
+            ms, us, ns = (float(x) for x in parts)
+        except ValueError:
+            raise UsageError(f"{flag} needs three numbers FIXED_MS,PER_TOKEN_US,PER_PAIR_NS, got {text!r}",
+                             flag=flag, hint=f"e.g. {flag} 26.22,30.4,3") from None
+        if min(ms, us, ns) < 0 or ms + us + ns <= 0 or any(v != v or v == float("inf") for v in (ms, us, ns)):
+            raise UsageError(f"{flag} coefficients must be finite, non-negative and not all zero, got {text!r}",
+                             flag=flag, hint=f"e.g. {flag} 26.22,30.4,3")
+        return cls(ms * 1e-3, us * 1e-6, ns * 1e-9)
+
+    def seconds(self, chunks: Sequence[ChunkShape]) -> float:
+        if not chunks:
+            return 0.0
+        new = sum(c for c, _ in chunks)
+        pairs = sum(attention_pairs(c, h) for c, h in chunks)
+        return self.fixed_s + self.per_token_s * new + self.per_pair_s * pairs
+
+
+class SpeedStepModel:
+    """A step on a device profile: decode round of the one-token chunks + a prefill per longer chunk."""
+
+    def __init__(self, speed):
+        self.speed = speed
+
+    def seconds(self, chunks: Sequence[ChunkShape]) -> float:
+        decodes = [h + 1 for c, h in chunks if c == 1]
+        t = 0.0
+        if decodes:
+            t += self.speed.decode_step(len(decodes), -(-sum(decodes) // len(decodes))).seconds
+        for c, h in chunks:
+            if c > 1:
+                t += self.speed.prefill(1, c, h).seconds
+        if t != t:
+            raise UsageError("the device profile has no speed figures for this model", flag="--device",
+                             hint="use --step-model FIXED_MS,PER_TOKEN_US,PER_PAIR_NS instead")
+        return t
+
+
+def chunk_for_target(model: StepModel, target_s: float, others: Sequence[ChunkShape], cached: int,
+                     limit: int) -> int:
+    """Largest c ≤ limit whose step (``others`` plus a chunk of c after ``cached``) stays ≤ target_s; 0 if none."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.seconds([*others, (mid, cached)]) <= target_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
