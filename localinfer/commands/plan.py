@@ -51,6 +51,15 @@ def _check(v, flag: str, lo: float, hi: float | None = None):
     return v
 
 
+def _check_context(spec, n_ctx: int) -> None:
+    """Refuse a request longer than the model's trained context, as `fit` and `run` do."""
+    train = spec.n_ctx_train
+    if train and n_ctx > train and not (spec.rope_scaling or spec.rope_freq_scale != 1.0):
+        raise UsageError(f"--input + --output is {n_ctx} tokens, beyond the model's trained context {train} "
+                         "and it declares no RoPE scaling", flag="--input",
+                         hint=f"use --input + --output of {train} or less")
+
+
 def build(args: argparse.Namespace):
     """(spec, SpeedModel, Plan) for the parsed arguments."""
     from localinfer.devices.profiles import get_device, local_device
@@ -61,7 +70,7 @@ def build(args: argparse.Namespace):
     from localinfer.plan.planner import candidate_configs, default_kv_budget, lookup_draft_length, plan
     from localinfer.plan.speculation import Drafting, model_drafting
     from localinfer.plan.speed import SpeedModel
-    from localinfer.units import parse_size
+    from localinfer.units import fmt_bytes, parse_size
 
     _check(args.acceptance, "--acceptance", 0.0, 1.0)
     _check(args.draft_tokens, "--draft-tokens", 1, 64)
@@ -70,13 +79,24 @@ def build(args: argparse.Namespace):
     device = local_device() if args.device == "local" else get_device(args.device)
     calibration = load_bench(args.bench) if args.bench else None
     speed = SpeedModel(model_cost(spec), device, calibration)
+    n_ctx = workload.input_tokens + workload.output_tokens
+    _check_context(spec, n_ctx)
+    room = default_kv_budget(spec, device, n_ctx)  # what the device leaves for KV after weights and buffers
+    if room < 0:
+        raise UsageError(f"{device.name} cannot hold this model with a {n_ctx}-token request: weights and buffers "
+                         f"need {fmt_bytes(device.usable_bytes - room)} of {fmt_bytes(device.usable_bytes)}",
+                         flag="--device", hint="use a shorter --input/--output, a smaller quant, or a larger device")
     if args.kv_budget is None:
-        budget = default_kv_budget(spec, device, workload.input_tokens + workload.output_tokens)
+        budget = room
     else:
         try:
             budget = parse_size(args.kv_budget)
         except ValueError as exc:
             raise UsageError(f"--kv-budget: {exc}", flag="--kv-budget") from None
+        if budget > room:
+            raise UsageError(f"--kv-budget {fmt_bytes(budget)} is more than {device.name} leaves for KV: "
+                             f"{fmt_bytes(room)} after weights and buffers", flag="--kv-budget",
+                             hint=f"use --kv-budget {fmt_bytes(room).replace(' ', '')} or less, or leave it out")
     kv_types = tuple(t.strip() for t in args.kv.split(",") if t.strip())
     for t in kv_types:
         try:
@@ -111,4 +131,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(render_text(spec, speed, p))
-    return 0
+    from localinfer.plan.planner import UNKNOWN
+
+    infeasible = p.best is None and not any(o.verdict == UNKNOWN for o in p.outcomes)
+    return 1 if infeasible else 0

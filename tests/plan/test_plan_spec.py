@@ -120,7 +120,8 @@ def test_plan_command_json(qwen, capsys):
     rc, out, _ = _cli(capsys, qwen.path, "--device", "rtx-pro-6000", "--requests", "16", "--input", "8192",
                       "--shared-prefix", "6144", "--deadline", "7", "--kv-budget", "6GiB", "--json", "--no-offload")
     data = json.loads(out)
-    assert rc == 0 and data["device"] == "rtx-pro-6000" and data["budget_bytes"] == 6 * GiB
+    assert rc == (0 if data["best"] else 1)   # nothing feasible exits 1
+    assert data["device"] == "rtx-pro-6000" and data["budget_bytes"] == 6 * GiB
     verdicts = {o["name"]: o["verdict"] for o in data["outcomes"]}
     assert set(verdicts.values()) <= {NOT_FIT, LATE, ON_TIME}
     assert data["best"] is None or verdicts[data["best"]] == ON_TIME
