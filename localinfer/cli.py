@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "bench": "measure prefill/decode speed, latency and memory",
     "plan": "choose the best configuration for a workload and deadline",
     "report": "cross-device capacity and speed report",
+    "replay": "replay a request trace through the serving scheduler on a simulated clock",
 }
 
 

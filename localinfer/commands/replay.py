@@ -1,0 +1,191 @@
+"""`localinfer replay TRACE`: run a request trace through the scheduler on a simulated clock.
+
+    localinfer replay trace.json --policy chunked --max-running 2 --chunk 2048 --token-budget 4096 \\
+        --step-model 26.22,30.4,3 [--json] [--html timeline.html]
+
+The trace is a JSON list (or JSON Lines) of {"id", "arrival_ms", "input", "output"} with optional
+"prefix" + "prefix_len" and "deadline_ms".  Steps take fixed + per-token + per-causal-pair time
+(--step-model), or what a device profile predicts for a model (--device NAME --model GGUF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from html import escape
+
+from localinfer.errors import UsageError
+
+DEFAULT_STEP_MODEL = "26.22,30.4,3"   # ms, µs/token, ns/pair: a Qwen3-8B BF16 fit on an RTX PRO 6000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from localinfer.serve.scheduler import ADMISSIONS, POLICIES, SchedulerConfig
+
+    d = SchedulerConfig()
+    p.add_argument("trace", metavar="TRACE", help="JSON list or JSON Lines of requests")
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--policy", choices=POLICIES, default=None, help=f"batching policy (default {d.policy})")
+    s.add_argument("--max-running", type=int, default=None, metavar="N",
+                   help=f"requests holding a slot at once (default {d.max_running})")
+    s.add_argument("--chunk", type=int, default=None, metavar="C",
+                   help=f"chunked: most prompt tokens per request per step (default {d.chunk_tokens})")
+    s.add_argument("--token-budget", type=int, default=None, metavar="B", help="most new tokens per step (default: no limit)")
+    s.add_argument("--itl-target", type=float, default=None, metavar="MS",
+                   help="chunked: the largest chunk predicted to keep a step under MS milliseconds")
+    s.add_argument("--admission", choices=ADMISSIONS, default=None,
+                   help=f"reserve input + max output blocks up front, or allocate on demand and preempt "
+                        f"(default {d.admission})")
+    s.add_argument("--deadline-aware", action="store_true", help="refuse requests predicted to miss their deadline")
+    m = p.add_argument_group("step time and memory")
+    m.add_argument("--step-model", default=None, metavar="FIXED_MS,PER_TOKEN_US,PER_PAIR_NS",
+                   help=f"step = fixed + per new token + per causal pair (default {DEFAULT_STEP_MODEL})")
+    m.add_argument("--device", default=None, metavar="NAME", help="predict steps with this device profile (needs --model)")
+    m.add_argument("--model", default=None, metavar="GGUF", help="model for --device and for KV bytes (header only)")
+    m.add_argument("--kv-budget", default=None, metavar="SIZE", help="KV pool, e.g. 12GiB (needs --model)")
+    m.add_argument("--block", type=int, default=None, metavar="P", help="tokens per KV block (default 16)")
+    m.add_argument("--prefix-cached", action="store_true", help="named prefixes are in the prefix cache at the start")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the result as JSON")
+    o.add_argument("--html", default=None, metavar="FILE", help="write the timeline as an HTML page")
+
+
+def _config(args):
+    from localinfer.serve.scheduler import SchedulerConfig
+
+    kw = {k: v for k, v in (("policy", args.policy), ("max_running", args.max_running), ("chunk_tokens", args.chunk),
+                            ("token_budget", args.token_budget), ("admission", args.admission)) if v is not None}
+    if args.itl_target is not None:
+        kw["itl_target_s"] = args.itl_target / 1e3
+    return SchedulerConfig(deadline_aware=args.deadline_aware, **kw)
+
+
+def _step_model_and_kv(args):
+    """(step model, its one-line description, KV bytes per token or None)."""
+    from localinfer.serve.step_model import LinearStepModel, SpeedStepModel
+
+    if args.step_model is not None and args.device is not None:
+        raise UsageError("--step-model and --device are alternatives", flag="--step-model",
+                         hint="give coefficients, or a device profile with --model")
+    spec = None
+    if args.model is not None or args.device is not None:
+        from localinfer.model.sources import resolve_model
+        from localinfer.model.spec import ModelSpec
+
+        if args.model is None:
+            raise UsageError("--device needs --model GGUF to predict step times", flag="--device",
+                             hint="add --model FILE (a skeleton from `localinfer skeleton` works)")
+        spec = ModelSpec.from_gguf(resolve_model(args.model))
+    k = None
+    if spec is not None:
+        from localinfer.model.kv import kv_bytes_per_token
+
+        k = kv_bytes_per_token(spec)
+    if args.device is not None:
+        from localinfer.devices.profiles import get_device
+        from localinfer.model.cost import model_cost
+        from localinfer.plan.speed import SpeedModel
+
+        return SpeedStepModel(SpeedModel(model_cost(spec), get_device(args.device))), f"device {args.device}", k
+    text = args.step_model or DEFAULT_STEP_MODEL
+    lin = LinearStepModel.parse(text)
+    desc = f"{lin.fixed_s * 1e3:g} ms + {lin.per_token_s * 1e6:g} µs/token + {lin.per_pair_s * 1e9:g} ns/pair"
+    return lin, desc, k
+
+
+def _kv_blocks(args, k, block):
+    if args.kv_budget is None:
+        return None
+    if k is None:
+        raise UsageError("--kv-budget needs --model GGUF for the KV bytes per token", flag="--kv-budget",
+                         hint="add --model FILE, or drop --kv-budget for an unbounded pool")
+    from localinfer.plan.paging import blocks_in_budget
+    from localinfer.units import parse_size
+
+    try:
+        budget = parse_size(args.kv_budget)
+    except ValueError as exc:
+        raise UsageError(f"--kv-budget: {exc}", flag="--kv-budget") from None
+    return blocks_in_budget(budget, k, block)
+
+
+def run(args: argparse.Namespace) -> int:
+    from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
+    from localinfer.serve.replay import load_trace, replay
+
+    trace = load_trace(args.trace)
+    config = _config(args)
+    model, desc, k = _step_model_and_kv(args)
+    block = DEFAULT_BLOCK_TOKENS if args.block is None else args.block
+    if block < 1:
+        raise UsageError(f"--block must be ≥ 1, got {block}", flag="--block")
+    result = replay(trace, config, model, block_tokens=block, kv_blocks=_kv_blocks(args, k, block),
+                    kv_bytes_per_token=k, prefix_cached=args.prefix_cached)
+    if args.html:
+        from localinfer.util.atomic import atomic_write
+
+        atomic_write(args.html, render_html(result, config, desc))
+    if args.json:
+        print(json.dumps(result.as_json(), indent=2))
+    else:
+        print(render_text(result, config, desc))
+    return 0
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def render_text(result, config, desc: str) -> str:
+    from gguf_tools.text import safe_text
+
+    head = ("id", "arrival", "queue", "ttft", "finish", "max gap", "out", "preempt", "reason")
+    rows = [(safe_text(r.id)[:24], _ms(r.arrival_s), _ms(r.queue_s), _ms(r.ttft_s), _ms(r.finished_s),
+             _ms(r.max_gap_s if len(r.output) > 1 else None), str(len(r.output)), str(r.preemptions),
+             r.finish_reason.value + ("" if r.on_time or r.deadline_s is None else " (late)"))
+            for r in result.requests]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    s = result.summary()
+    f = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
+    lines = [f"policy {config.policy}, max running {config.max_running}, step {desc} (times in ms)", fmt(head)]
+    lines += [fmt(r) for r in rows]
+    kv = "" if result.peak_kv_bytes is None else f" = {result.peak_kv_bytes / 2**20:.1f} MiB"
+    lines += [
+        f"makespan {f(s['makespan_ms'])} ms; throughput {f(s['throughput_tok_s'])} output tok/s; "
+        f"goodput {s['good_requests']}/{len(result.requests)} on time = {f(s['goodput_req_s'], 2)} req/s",
+        f"TTFT p50 {f(s['ttft_p50_ms'])} ms, p95 {f(s['ttft_p95_ms'])} ms; "
+        f"ITL p50 {f(s['itl_p50_ms'])} ms, p95 {f(s['itl_p95_ms'])} ms",
+        f"peak running {result.peak_running}; peak KV {result.blocks.peak_used} blocks of "
+        f"{result.blocks.block_tokens} tokens{kv}; {len(result.steps)} steps",
+    ]
+    return "\n".join(lines)
+
+
+def render_html(result, config, desc: str) -> str:
+    """A timeline: one row per request, a band per step it took part in (prefill or decode)."""
+    width, row_h, left = 960, 22, 90
+    total = max(result.total_s, 1e-9)
+    x = (lambda t: left + t / total * (width - left - 10))
+    rows = {r.id: i for i, r in enumerate(result.requests)}
+    height = 40 + row_h * len(rows)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="11" '
+             'font-family="sans-serif">']
+    for r in result.requests:
+        y = 20 + rows[r.id] * row_h
+        parts.append(f'<text x="4" y="{y + 14}">{escape(r.id[:12])}</text>')
+        parts.append(f'<line x1="{x(r.arrival_s):.1f}" y1="{y}" x2="{x(r.arrival_s):.1f}" y2="{y + row_h - 4}" '
+                     'stroke="#999"/>')
+    for st in result.steps:
+        for rid, start, n in st.chunks:
+            y = 20 + rows[rid] * row_h
+            color = "#1f77b4" if n > 1 else "#2ca02c"
+            parts.append(f'<rect x="{x(st.start_s):.1f}" y="{y + 2}" width="{max(x(st.end_s) - x(st.start_s) - 0.5, 0.5):.1f}" '
+                         f'height="{row_h - 8}" fill="{color}"><title>{escape(rid)}: {n} tokens from {start}, '
+                         f'{(st.end_s - st.start_s) * 1e3:.1f} ms</title></rect>')
+    parts.append(f'<text x="{left}" y="{height - 4}">0 ms</text><text x="{width - 60}" y="{height - 4}">'
+                 f'{total * 1e3:.0f} ms</text></svg>')
+    title = escape(f"replay: {config.policy}, max running {config.max_running}, {desc}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head><body>"
+            f"<h1>{title}</h1><p>blue: prompt (prefill) chunks; green: decode steps; grey: arrival</p>"
+            f"{''.join(parts)}<pre>{escape(render_text(result, config, desc))}</pre></body></html>")
