@@ -174,3 +174,44 @@ def test_sigterm_during_a_chat_reply_exits_143(child, tmp_path):
         pytest.skip("the reply finished before the signal could be sent")
     _check_terminated(c, c.terminate_and_wait())
     assert ">>> " not in c.stdout().split(">>> ", 1)[-1]  # did not go back to the prompt
+
+
+# ---- plan: numbers the device or the model cannot honour ------------------------------------------
+
+def _cli(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _refused(rc, out, err, *words):
+    assert rc != 0 and out == "" and "Traceback" not in err, (rc, out, err)
+    lines = err.splitlines()
+    assert lines[0].startswith("error: ") and lines[1].startswith("hint: ") and len(lines) == 2, err
+    for w in words:
+        assert w in err, err
+
+
+def test_plan_kv_budget_beyond_the_device_is_refused(capsys):
+    # was: planned with 931.32 GiB on a 24 GB card and said "fits"
+    rc, out, err = _cli(capsys, "plan", "--device", "rtx-4090", "--kv-budget", "1TB")
+    _refused(rc, out, err, "--kv-budget", "931.32 GiB", "rtx-4090")
+    rc, out, err = _cli(capsys, "plan", "--device", "rtx-4090", "--kv-budget", "1GiB")
+    assert rc == 0 and "KV budget 1.00 GiB" in out
+
+
+def test_plan_input_beyond_the_trained_context_is_refused(capsys):
+    # was: "the KV budget is negative: the weights alone do not fit" for a 92 MiB model on an H200
+    rc, out, err = _cli(capsys, "plan", "--device", "h200", "--input", "2147483648")
+    _refused(rc, out, err, "--input", "8192")
+    assert "weights alone" not in err
+    # was: planned a 1M-token context that `fit` refuses
+    rc, out, err = _cli(capsys, "plan", "--device", "h200", "--input", "1000000")
+    _refused(rc, out, err, "trained context 8192")
+
+
+def test_plan_with_nothing_feasible_exits_non_zero(capsys):
+    rc, out, _ = _cli(capsys, "plan", "--device", "h200", "--deadline", "0.0001")
+    assert rc == 1 and "nothing is feasible" in out
+    rc, out, _ = _cli(capsys, "plan", "--device", "h200", "--deadline", "100")
+    assert rc == 0 and "best: " in out
