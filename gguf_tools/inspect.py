@@ -9,7 +9,7 @@ Every byte of the file lands in exactly one bucket::
               + padding          alignment before the data section and between tensors
               + trailing         bytes after the last tensor's padded end
 
-SPEC §8.4 reports ``codes + floats`` as one figure and ``header + padding +
+The summary reports ``codes + floats`` as one figure and ``header + padding +
 trailing`` as another.  Bits per weight divide bytes × 8 by parameter count.
 """
 

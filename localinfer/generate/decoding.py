@@ -9,7 +9,7 @@ A step evaluates ``pending`` (plus any draft tokens) and returns the new
 tokens it emits; the last returned token is the new ``pending``.  After the
 step the KV holds ``context + [pending] + accepted drafts`` - exactly the
 returned tokens minus the last are new in the cache.  So the last token of a
-finished reply is never written to the KV (as the chapter counts it), and a
+finished reply is never written to the KV (docs/memory.md counts it so), and a
 caller that stops early in the returned list trims the KV with ``engine.trim``.
 
 The runner prefills the whole prompt with logits for its last token only,

@@ -16,7 +16,7 @@ A round (``LookupDecoder.step``) has four parts, all through the engine contract
    all k agree).  Greedy: the longest agreeing prefix plus the target's token.
    Sampling: the draft x is accepted with probability p(x) = min(1, p(x)/q(x))
    for the point mass q = δ_x, and a rejected draw is distributed as
-   (p - q)+ / (1 - p(x)), the normalised residual of SPEC §8.5 - so the output
+   (p - q)+ / (1 - p(x)), the normalised residual (docs/speculation.md) - so the output
    distribution is plain sampling's, and with a seeded sampler the random
    stream is consumed exactly as plain decoding consumes it.
 3. Roll back.  ``engine.trim`` cuts the rejected drafts out of the KV.

@@ -1,7 +1,7 @@
 """Measured speed, turned into something the speed model can use.
 
 Decode is placed on a curve of step time against the bytes the step reads
-(piecewise linear between measurements, as the chapter interpolates its
+(piecewise linear between measurements, as docs/speed.md interpolates its
 efficiency table); prefill is a FLOP rate looked up by batch and context.
 A measurement under the very condition asked about is used as it is.
 
@@ -196,7 +196,7 @@ class LinearFit:
 
 @dataclass(frozen=True)
 class StepFit:
-    """Step time = fixed + per_token·(new tokens) + per_pair·(causal pairs), the chapter's fitted model."""
+    """Step time = fixed + per_token·(new tokens) + per_pair·(causal pairs), the fitted model of docs/speed.md."""
 
     fixed_s: float
     per_token_s: float

@@ -59,7 +59,7 @@ def choose_draft_length(acceptance: Sequence[float], cost: Callable[[int], float
     all before it were; ``cost(m)`` (or ``cost[m]``) is the time of a round with
     m drafts.  Starting from no draft, the draft is lengthened to m only while
     ΔT/ΔN < T/N against the best length so far, which is the marginal rule of
-    SPEC §8.5 applied across cost jumps (padding to graph shapes) as well.
+    docs/speculation.md, applied across cost jumps (padding to graph shapes) as well.
     """
     t_of = cost if callable(cost) else cost.__getitem__
     candidates = range(len(acceptance) + 1) if lengths is None else sorted({0, *lengths})

@@ -7,7 +7,7 @@ A decode step makes one token for each of ``b`` requests at context ``L``::
 and a prefill takes its FLOPs (matrices plus attention pairs) over ``P·MFU``,
 never less than one read of the weights per micro-batch.  ``P``, ``β`` and the
 efficiencies come from the device profile; measurements (``Calibration``)
-replace the efficiencies when given.  Request figures follow the chapter:
+replace the efficiencies when given.  Request figures follow docs/speed.md:
 TTFT = queue + prefill, request time = TTFT + Σ ITL, and the GPU-seconds a
 request holds is t = L/r_P + (G − 1)/r_D.
 """

@@ -1,8 +1,8 @@
 """The numbers behind the report's figures (plain data; ``report_html`` draws them).
 
-* bytes per output token against batch (the chapter's Figure 8-3): d(b, L) = D_w/b + L·k
+* bytes per output token against batch (docs/speed.md): d(b, L) = D_w/b + L·k
   for each context, the KV term L·k alone, and the weight share D_w/b;
-* the memory × time feasibility map (Figure 8-35): every configuration of a
+* the memory × time feasibility map: every configuration of a
   workload on each device, KV(+draft) memory against batch completion time, with
   the KV budget and the deadline;
 * capacity against context: requests that fit per device as the context grows.
@@ -20,7 +20,7 @@ BATCHES = tuple(2 ** i for i in range(9))            # 1 … 256
 
 
 def bytes_per_token(spec, contexts) -> dict:
-    """Series for Figure 8-3: d(b, L) per context, the KV term alone, and the weight share."""
+    """Series for the bytes-per-token plot: d(b, L) per context, the KV term alone, and the weight share."""
     cost = model_cost(spec)
     series = []
     for ctx in contexts:
