@@ -103,7 +103,7 @@ class Engine:
         for c in plan.chunks:
             if c.samples:
                 r = c.request
-                sampled[r.id] = r.sampler.sample(rows[self.slot_of[r.id]], r.all_tokens)
+                sampled[r.id] = r.sampler.sample(rows[self.slot_of[r.id]], r.view())
         end = ex.clock()
         done = sched.complete(plan, sampled, end)
         self._stepped.update(c.request.id for c in plan.chunks)

@@ -83,6 +83,10 @@ class Request:
     def all_tokens(self) -> tuple[int, ...]:
         return self.prompt + tuple(self.output)
 
+    def view(self, n: int | None = None) -> TokenView:
+        """The first n of all_tokens (all by default) without copying them."""
+        return TokenView(self, self.n_tokens if n is None else n)
+
     @property
     def n_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -160,6 +164,30 @@ class Request:
         self.computed = 0
         self.cached = 0
         self.state = State.WAITING
+
+
+class TokenView(Sequence[int]):
+    """prompt + output, first ``n`` tokens; slicing copies only the slice."""
+
+    def __init__(self, request: Request, n: int):
+        self.r, self.n = request, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            a, b, step = i.indices(self.n)
+            p = len(self.r.prompt)
+            if step != 1:
+                return tuple(self[k] for k in range(a, b, step))
+            return self.r.prompt[a:min(b, p)] + tuple(self.r.output[max(a - p, 0):max(b - p, 0)])
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        p = len(self.r.prompt)
+        return self.r.prompt[i] if i < p else self.r.output[i - p]
 
 
 def _ends_with(output: Sequence[int], stop: Sequence[int]) -> bool:

@@ -68,7 +68,7 @@ class ScheduledChunk:
 
     @property
     def tokens(self) -> tuple[int, ...]:
-        return self.request.all_tokens[self.start:self.start + self.n_tokens]
+        return self.request.view()[self.start:self.start + self.n_tokens]
 
     @property
     def samples(self) -> bool:
@@ -163,7 +163,7 @@ class Scheduler:
             if r.state is not State.RUNNING or r.computed != ch.start:
                 continue    # cancelled or preempted while the step ran
             r.computed += ch.n_tokens
-            self.blocks.commit(r.id, r.all_tokens[:r.computed])
+            self.blocks.commit(r.id, r.view(r.computed))
             if ch.samples:
                 reason = r.append(sampled[r.id], now)
                 if reason is not None:

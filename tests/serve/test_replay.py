@@ -1,0 +1,136 @@
+"""The scheduling example replayed from its trace file, through the API and the CLI.
+
+At most 2 running; steps take 26.22 ms + 30.4 µs per new token + 3 ns per causal pair.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from localinfer.cli import main
+from localinfer.serve.replay import load_trace, replay
+from localinfer.serve.scheduler import SchedulerConfig
+from localinfer.serve.step_model import LinearStepModel
+from tests.support.chapter import close
+
+TRACE = Path(__file__).parent / "data" / "chapter_trace.json"
+STEP = "26.22,30.4,3"
+CASES = {   # policy, flags -> (total ms, r0's longest gap ms) as printed
+    "fixed": ((), 870, None),
+    "continuous": ((), 766, 376),
+    "chunked": (("--chunk", "2048", "--token-budget", "4096"), 844, 133),
+}
+
+
+def _api(policy):
+    kw = {"chunk_tokens": 2048, "token_budget": 4096} if policy == "chunked" else {}
+    return replay(load_trace(TRACE), SchedulerConfig(policy=policy, max_running=2, **kw),
+                  LinearStepModel.parse(STEP)).as_json()
+
+
+def _cli(capsys, *argv):
+    rc = main(["replay", str(TRACE), "--max-running", "2", "--step-model", STEP, *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("policy", list(CASES))
+def test_api_and_cli_agree_with_the_printed_figures(capsys, policy):
+    flags, total, gap = CASES[policy]
+    rc, out, _ = _cli(capsys, "--policy", policy, "--json", *flags)
+    assert rc == 0
+    got = json.loads(out)
+    assert got == _api(policy)
+    assert close(got["total_ms"], total)
+    if gap is not None:
+        assert close(got["requests"]["r0"]["max_gap_ms"], gap)
+        assert max(r["max_gap_ms"] for r in got["requests"].values()) == got["requests"]["r0"]["max_gap_ms"]
+    assert got["peak_running"] == 2
+    for r in got["requests"].values():
+        assert set(r) == {"first_token_ms", "finish_ms", "max_gap_ms", "preemptions", "queue_ms"}
+        assert r["preemptions"] == 0
+
+
+def test_chunking_cuts_the_gap_and_costs_makespan():
+    cont, chunk = _api("continuous"), _api("chunked")
+    assert chunk["requests"]["r0"]["max_gap_ms"] < cont["requests"]["r0"]["max_gap_ms"] / 2
+    assert chunk["total_ms"] > cont["total_ms"]
+    assert _api("fixed")["total_ms"] > chunk["total_ms"]
+
+
+def test_text_table_totals_and_html(capsys, tmp_path):
+    html = tmp_path / "t.html"
+    rc, out, _ = _cli(capsys, "--policy", "continuous", "--html", str(html))
+    assert rc == 0
+    for word in ("makespan 765.6 ms", "throughput", "goodput 4/4", "TTFT p50", "ITL p50", "r3"):
+        assert word in out
+    page = html.read_text()
+    assert page.startswith("<!doctype html>")
+    assert page.count("<rect") == 8 * 2      # 8 steps, each computing for both running requests
+
+
+def test_jsonl_trace_and_deadlines(capsys, tmp_path):
+    items = json.loads(TRACE.read_text())
+    items[3]["deadline_ms"] = 700
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(i) for i in items) + "\n")
+    rc = main(["replay", str(path), "--max-running", "2", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["good_requests"] == 3 and got["finish_reasons"]["r3"] == "length"
+    rc = main(["replay", str(path), "--max-running", "2", "--json", "--deadline-aware"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["finish_reasons"]["r3"] == "deadline" and got["requests"]["r3"]["first_token_ms"] is None
+
+
+def test_shared_prefix_through_replay(tmp_path, capsys):
+    from tests.support import chapter
+
+    spec_path = tmp_path / "qwen3-8b-default.gguf"
+    chapter.spec(tmp_path)
+    trace = tmp_path / "long.json"
+    trace.write_text(json.dumps([{"id": f"q{i}", "arrival_ms": 0, "input": 8192, "output": 256, "prefix": "sys",
+                                  "prefix_len": 6144} for i in range(40)]))
+    base = ["replay", str(trace), "--model", str(spec_path), "--json", "--prefix-cached"]
+    assert main(base + ["--max-running", "16"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["peak_kv_bytes"] == 6048 * 2**20           # 864 + 16 × 324 MiB
+    assert main(base + ["--max-running", "64", "--kv-budget", "12GiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_running"] == 35
+    trace.write_text(json.dumps([{"id": f"q{i}", "arrival_ms": 0, "input": 8192, "output": 256} for i in range(40)]))
+    assert main(base + ["--max-running", "64", "--kv-budget", "12GiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_running"] == 10
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{}", "non-empty JSON list"),
+    ('[{"id": "a", "arrival_ms": 0, "input": 0, "output": 1}]', '"input" must be a whole number'),
+    ('[{"id": "a", "arrival_ms": 0, "input": 5}]', '"output" is missing'),
+    ('[{"id": "a", "arrival_ms": 0, "input": 5, "output": 1, "colour": 1}]', '"colour" is not a trace field'),
+    ('[{"id": "a", "arrival_ms": 0, "input": 5, "output": 1, "prefix": "s", "prefix_len": 9}]', "exceeds input"),
+    ('[{"id": "a", "arrival_ms": 0, "input": 5, "output": 1}, {"id": "a", "arrival_ms": 0, "input": 5, "output": 1}]',
+     "unique"),
+    ('[{"id": "a", "arrival_ms": 5, "input": 5, "output": 1, "deadline_ms": 1}]', '"deadline_ms" must be'),
+    ("[1, 2", "line 1: not JSON"),
+])
+def test_bad_traces_are_one_line_errors(tmp_path, capsys, content, words):
+    path = tmp_path / "t.json"
+    path.write_text(content)
+    rc = main(["replay", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err and err.startswith("error: ")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--step-model", "1,2"], "three numbers"),
+    (["--step-model", "1,-2,3"], "non-negative"),
+    (["--device", "h200"], "--device needs --model"),
+    (["--kv-budget", "1GiB"], "--kv-budget needs --model"),
+    (["--max-running", "0"], "--max-running must be"),
+    (["--block", "0"], "--block must be"),
+    (["--policy", "chunked", "--itl-target", "50", "--device", "h200"], "--device needs --model"),
+])
+def test_bad_flags_are_one_line_errors(capsys, argv, words):
+    rc = main(["replay", str(TRACE), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err
