@@ -12,10 +12,10 @@ from localinfer.backends.memory import (
     NOT_RESIDENT,
     QUANT_GROUP,
     WEIGHT_DTYPE_BYTES,
+    OwnTensorsMemory,
     ResidentWeights,
     check_tokens,
     check_weight_dtype,
-    resident_breakdown,
 )
 from localinfer.model.kv import kv_bytes_per_token
 from localinfer.model.spec import ModelSpec
@@ -67,12 +67,11 @@ def torch_weight_bytes(spec: ModelSpec, dtype: str = "f32", *, packed: bool = Fa
     return total
 
 
-class TorchMemory:
+class TorchMemory(OwnTensorsMemory):
     """The memory model the registry hands out for ``torch``."""
 
     name = "torch"
-    offload = False
-    speed_modelled = False
+    blocks = "16-token blocks"
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """CUDA or the CPU: there is no Metal (mps) path, so on a Mac it runs on the CPU (same unified memory)."""
@@ -91,16 +90,8 @@ class TorchMemory:
             formula += "; tied output: token_embd counted once"
         return ResidentWeights(torch_weight_bytes(spec, dt, packed=packed), runs_on, dt, formula, note)
 
-    def breakdown(self, spec, device, req):
-        rw = self.resident_weights(spec, device.kind, req.dtype, packed=req.packed)
-        kv = torch_kv_bytes(spec, req.n_ctx, req.type_k, req.type_v, n_seq=req.n_seq)
-        return resident_breakdown(rw, kv, device, self.name, "16-token blocks"), None
-
     def kv_bytes(self, spec, n_tokens, type_k="f16", type_v="f16", **options) -> int:
         return torch_kv_bytes(spec, n_tokens, type_k, type_v, **options)
-
-    def command(self, spec, req, geometry, device, n_gpu_layers=None) -> str:
-        return ""
 
     def load_request(self, plan) -> dict:
         return {"dtype": plan.dtype, "packed": bool(plan.options.get("packed"))}

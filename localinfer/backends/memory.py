@@ -212,3 +212,27 @@ def resident_breakdown(rw: ResidentWeights, kv: int, device: Any, backend: str, 
              Term("kv", "KV cache", kv, pool, f"{backend} KV: n_seq × tokens in {blocks} × bytes/token", None))
     notes = ([rw.note] if rw.note and pool == "device" else []) + [f"{backend}: activations and work areas are not counted"]
     return MemoryBreakdown(terms, device.unified or device.kind == "cpu", tuple(notes))
+
+
+class OwnTensorsMemory:
+    """Shared rules of engines that load the weights into their own tensors (torch, mlx): two terms, weights
+    as held and the KV cache; no layer offload, no command line.  Subclasses give ``name``, ``blocks`` (how
+    the KV grows, for the formula), ``runs_on``, ``resident_weights``, ``kv_bytes`` and ``load_request``."""
+
+    offload = False
+    speed_modelled = False
+    blocks = ""
+
+    def breakdown(self, spec, device, req):
+        rw = self.resident_weights(spec, device.kind, req.dtype, packed=req.packed)
+        kv = self.kv_bytes(spec, req.n_ctx, req.type_k, req.type_v, n_seq=req.n_seq)
+        return resident_breakdown(rw, kv, device, self.name, self.blocks), None
+
+    def command(self, spec, req, geometry, device, n_gpu_layers=None) -> str:
+        return ""
+
+    def probes_cuda(self, plan) -> bool:
+        return False
+
+    def computes_on_cpu(self, plan, kind: str) -> bool:
+        return (plan.device or "").lower() == "cpu" or self.runs_on(kind)[0] == "cpu"

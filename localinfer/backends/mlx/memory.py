@@ -13,10 +13,10 @@ from localinfer.backends.memory import (
     NOT_RESIDENT,
     QUANT_GROUP,
     WEIGHT_DTYPE_BYTES,
+    OwnTensorsMemory,
     ResidentWeights,
     check_tokens,
     check_weight_dtype,
-    resident_breakdown,
 )
 from localinfer.errors import UsageError
 from localinfer.model.kv import FLOAT_BYTES, attention_layers
@@ -124,12 +124,11 @@ def default_dtype(spec: ModelSpec, runs_on: str) -> str:
     return "bf16" if any(t.type.name == "BF16" for t in spec.tensors) else "f16"
 
 
-class MLXMemory:
+class MLXMemory(OwnTensorsMemory):
     """The memory model the registry hands out for ``mlx``."""
 
     name = "mlx"
-    offload = False
-    speed_modelled = False
+    blocks = "256-token steps (mlx-lm)"
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """Metal or the CPU: MLX's CUDA build is not supported by this backend, which then runs on the host CPU."""
@@ -150,25 +149,11 @@ class MLXMemory:
             formula += "; tied output: token_embd counted once"
         return ResidentWeights(mlx_weight_bytes(spec, dt), runs_on, dt, formula, note)
 
-    def breakdown(self, spec, device, req):
-        rw = self.resident_weights(spec, device.kind, req.dtype)
-        kv = mlx_kv_bytes(spec, req.n_ctx, req.type_k, req.type_v, n_seq=req.n_seq)
-        return resident_breakdown(rw, kv, device, self.name, "256-token steps (mlx-lm)"), None
-
     def kv_bytes(self, spec, n_tokens, type_k="f16", type_v="f16", **options) -> int:
         return mlx_kv_bytes(spec, n_tokens, type_k, type_v, **options)
 
-    def command(self, spec, req, geometry, device, n_gpu_layers=None) -> str:
-        return ""
-
     def load_request(self, plan) -> dict:
         return {"dtype": plan.dtype}
-
-    def probes_cuda(self, plan) -> bool:
-        return False
-
-    def computes_on_cpu(self, plan, kind: str) -> bool:
-        return (plan.device or "").lower() == "cpu" or self.runs_on(kind)[0] == "cpu"
 
 
 MEMORY = MLXMemory()
