@@ -1,0 +1,120 @@
+"""The step engine on the simulated executor: streams, prefix copies, cells = blocks, random add/step/cancel."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from localinfer.serve.block_manager import BlockManager
+from localinfer.serve.engine import Engine
+from localinfer.serve.executor import Chunk, Executor
+from localinfer.serve.request import FinishReason, Request
+from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.simulated import SimulatedExecutor
+from localinfer.serve.step_model import LinearStepModel
+
+CARD = LinearStepModel.parse("26.22,30.4,3")
+
+
+def engine(n_blocks=200, p=4, **cfg):
+    ex = SimulatedExecutor(CARD, n_slots=cfg.get("max_running", 8))
+    return Engine(ex, Scheduler(SchedulerConfig(**cfg), BlockManager(n_blocks, p), CARD), record=True)
+
+
+def test_simulated_executor_contract():
+    ex = SimulatedExecutor(CARD, n_slots=4, n_vocab=50)
+    assert isinstance(ex, Executor)
+    rows = ex.step([Chunk(0, (1, 2, 3), 0, True), Chunk(1, (4,), 0)])
+    assert set(rows) == {0} and rows[0].shape == (50,) and rows[0].dtype == np.float32
+    assert ex.clock() == CARD.seconds([(3, 0), (1, 0)])
+    ex.copy(0, 2, 2)
+    assert ex.cells_used() == 4
+    ex.drop(0)
+    assert ex.cells_used() == 3
+    ex.drop(2, 1)
+    assert ex.cells_used() == 2
+
+
+def test_outputs_do_not_depend_on_the_batch():
+    prompts = {f"r{i}": tuple(range(100 * i, 100 * i + 5 + i)) for i in range(4)}
+    alone = {}
+    for rid, pr in prompts.items():
+        e = engine()
+        r = e.add_request(Request(rid, pr, 6))
+        e.run()
+        alone[rid] = r.output
+    e = engine(max_running=4)
+    reqs = [e.add_request(Request(rid, pr, 6)) for rid, pr in prompts.items()]
+    e.run()
+    assert {r.id: r.output for r in reqs} == alone
+    small = engine(n_blocks=6, max_running=4, admission="on_demand")
+    reqs = [small.add_request(Request(rid, pr, 6)) for rid, pr in prompts.items()]
+    small.run()
+    assert {r.id: r.output for r in reqs} == alone
+    assert sum(r.preemptions for r in reqs) > 0
+
+
+def test_stream_of_chunks():
+    e = engine()
+    e.add_request(Request("a", (1, 2, 3), 3))
+    e.add_request(Request("b", (4, 5), 2))
+    events = list(e.stream("a"))
+    assert [ev.token is not None for ev in events] == [True, True, True, False]
+    assert events[-1].finish_reason is FinishReason.LENGTH
+    assert [ev.time_s for ev in events[:3]] == e.scheduler.requests["a"].token_times
+    assert e.scheduler.requests["b"].finished          # every request advanced meanwhile
+    assert [ev.finish_reason for ev in e.stream("b")][-1] is FinishReason.LENGTH
+
+
+def test_prefix_hit_is_a_copy_and_cells_match_blocks():
+    e = engine(n_blocks=100, p=4, max_running=4)
+    system = tuple(range(1000, 1012))                   # three whole blocks
+    a = e.add_request(Request("a", system + (1, 2), 4))
+    e.step()
+    b = e.add_request(Request("b", system + (3,), 4, arrival_s=e.executor.clock()))
+    copies = []
+    real_copy = e.executor.copy
+    e.executor.copy = lambda *args: (copies.append(args), real_copy(*args))
+    while e.unfinished:
+        e.step()
+        if not b.finished and not a.finished:
+            assert e.executor.cells_used() == e.blocks.tokens_in_use()
+    assert b.cached == 12 and copies == [(e.slot_of.get('a', 0), 1, 12)] == [(0, 1, 12)]
+    assert e.executor.cells_used() == 0 and e.blocks.used == 0
+
+
+def test_cancel_through_the_engine():
+    e = engine()
+    r = e.add_request(Request("x", (1, 2, 3), 50))
+    e.step()
+    assert e.cancel("x") and not e.cancel("x")
+    assert list(e.stream("x"))[-1].finish_reason is FinishReason.CANCELLED
+    assert e.executor.cells_used() == 0 and e.blocks.used == 0 and len(r.output) == 1
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "cancel"]), st.integers(1, 40), st.integers(1, 12)),
+               max_size=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops, st.sampled_from(["reserve", "on_demand"]), st.sampled_from(["continuous", "chunked", "fixed"]))
+def test_random_add_step_cancel_leaves_nothing_behind(seq, admission, policy):
+    e = engine(n_blocks=24, p=4, max_running=3, admission=admission, policy=policy, chunk_tokens=8)
+    shared = tuple(range(500, 508))
+    n = 0
+    for op, size, out in seq:
+        if op == "add":
+            prompt = (shared if size % 2 else ()) + tuple(range(10_000 * n, 10_000 * n + size))
+            e.add_request(Request(f"q{n}", prompt, out, arrival_s=e.executor.clock()))
+            n += 1
+        elif op == "step":
+            e.step()
+        elif n:
+            e.cancel(f"q{size % n}")
+        assert e.blocks.used <= e.blocks.num_blocks
+    e.run()
+    assert e.blocks.used == 0 and e.executor.cells_used() == 0
+    assert all(r.finished for r in e.scheduler.requests.values())
+    for r in e.scheduler.requests.values():
+        assert r.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.ERROR)
+        if r.finish_reason is FinishReason.LENGTH:
+            assert len(r.output) == r.max_tokens

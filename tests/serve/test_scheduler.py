@@ -1,0 +1,151 @@
+"""Scheduler: step composition, budgets, admission, preemption, deadlines, cancel; the step-time models."""
+
+import pytest
+
+from localinfer.errors import UsageError
+from localinfer.serve.block_manager import BlockManager
+from localinfer.serve.request import FinishReason, Request, State
+from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.step_model import LinearStepModel, SpeedStepModel, chunk_for_target
+from tests.support import chapter
+
+CARD = LinearStepModel.parse("26.22,30.4,3")
+
+
+def req(rid, n_in, n_out, arrival=0.0, base=None, **kw):
+    base = hash(rid) % 10**6 * 10**4 if base is None else base
+    return Request(rid, tuple(range(base, base + n_in)), n_out, arrival_s=arrival, **kw)
+
+
+def run_step(s: Scheduler, now: float, token: int = 5):
+    plan = s.schedule(now)
+    s.complete(plan, {c.request.id: token for c in plan.chunks if c.samples}, now + 0.01)
+    return plan
+
+
+def test_the_fitted_step_model():
+    assert chapter.close(CARD.seconds([(1, 2047)]) * 1e3, 26.26)      # a decode at 2K: 2048 pairs
+    assert chapter.close(CARD.seconds([(2048, 0)]) * 1e3, 94.8)      # a 2K prefill
+    assert CARD.seconds([]) == 0.0
+
+
+def test_device_step_model(tmp_path):
+    model = SpeedStepModel(chapter.speed(chapter.spec(tmp_path), calibrated=False))
+    one, two = model.seconds([(1, 2047)]), model.seconds([(1, 2047), (1, 2047)])
+    assert 0 < one <= two < 2 * one
+    assert model.seconds([(2048, 0)]) > one
+
+
+def test_chunk_for_an_itl_target():
+    decode = [(1, 2048)]
+    c = chunk_for_target(CARD, 0.060, decode, 0, 8192)
+    assert CARD.seconds(decode + [(c, 0)]) <= 0.060 < CARD.seconds(decode + [(c + 1, 0)])
+    assert chunk_for_target(CARD, 0.020, decode, 0, 8192) == 0
+
+
+def test_decodes_first_then_chunks_in_admission_order_within_the_budget():
+    s = Scheduler(SchedulerConfig(policy="chunked", max_running=3, chunk_tokens=100, token_budget=150),
+                  BlockManager(100, 16))
+    s.add(req("a", 10, 4))
+    run_step(s, 0)                                      # a's prompt; a decodes from now on
+    s.add(req("b", 300, 2))
+    s.add(req("c", 300, 2))
+    plan = s.schedule(0.1)
+    assert [(c.request.id, c.n_tokens) for c in plan.chunks] == [("a", 1), ("b", 100), ("c", 49)]
+    assert plan.new_tokens == 150
+
+
+def test_max_running_and_fcfs():
+    s = Scheduler(SchedulerConfig(max_running=2), BlockManager(100, 16))
+    for i, t in enumerate([0.0, 0.0, 0.0, 5.0]):
+        s.add(req(f"r{i}", 8, 3, arrival=t))
+    plan = run_step(s, 0)
+    assert [r.id for r in plan.admitted] == ["r0", "r1"]
+    assert [r.id for r in s.waiting] == ["r2", "r3"]
+    assert s.requests["r3"].state is State.WAITING
+
+
+def test_fixed_waits_for_the_whole_group():
+    s = Scheduler(SchedulerConfig(policy="fixed", max_running=2), BlockManager(100, 16))
+    s.add(req("long", 8, 5))
+    s.add(req("short", 8, 1))
+    s.add(req("next", 8, 1))
+    run_step(s, 0)
+    assert s.requests["short"].finished and not s.schedule(0.1).admitted
+
+
+def test_reserve_admission_holds_the_output_blocks():
+    s = Scheduler(SchedulerConfig(max_running=4), BlockManager(10, 4))
+    s.add(req("a", 8, 13))                              # 8 + 12 tokens held → 5 blocks
+    s.add(req("b", 8, 13))
+    s.add(req("c", 8, 13))
+    plan = s.schedule(0)
+    assert [r.id for r in plan.admitted] == ["a", "b"] and s.blocks.used == 10
+
+
+def test_too_large_for_the_pool_is_an_error_not_a_hang():
+    s = Scheduler(SchedulerConfig(), BlockManager(4, 4))
+    r = req("big", 100, 2)
+    s.add(r)
+    plan = s.schedule(0)
+    assert plan.refused == [r] and r.finish_reason is FinishReason.ERROR and "KV blocks" in r.error
+
+
+def test_on_demand_preempts_the_newest_and_recomputes():
+    s = Scheduler(SchedulerConfig(max_running=3, admission="on_demand"), BlockManager(6, 4))
+    a, b = req("a", 8, 10), req("b", 8, 10)
+    s.add(a)
+    s.add(b)
+    t, preempted = 0.0, []
+    while s.unfinished:
+        plan = run_step(s, t)
+        preempted += [r.id for r in plan.preempted]
+        t += 0.01
+    assert preempted and set(preempted) == {"b"}
+    assert a.output == b.output == [5] * 10 and b.preemptions >= 1 and b.recomputed > 0
+    assert s.blocks.used == 0
+
+
+def test_deadline_aware_refuses_at_admission():
+    s = Scheduler(SchedulerConfig(deadline_aware=True), BlockManager(1000, 16), CARD)
+    late = req("late", 2048, 100, deadline_s=1.0)       # 95 ms + 99 decodes ≈ 2.7 s
+    fine = req("fine", 2048, 10, deadline_s=1.0)
+    s.add(late)
+    s.add(fine)
+    plan = s.schedule(0)
+    assert plan.refused == [late] and late.finish_reason is FinishReason.DEADLINE
+    assert plan.admitted == [fine]
+    with pytest.raises(UsageError):
+        Scheduler(SchedulerConfig(deadline_aware=True), BlockManager(10, 16))
+
+
+def test_cancel_stops_at_once_and_frees_after_the_step():
+    s = Scheduler(SchedulerConfig(), BlockManager(8, 4))
+    r = req("x", 8, 5)
+    s.add(r)
+    plan = s.schedule(0)
+    assert s.cancel("x", 0.001) is r and r.finish_reason is FinishReason.CANCELLED
+    assert s.blocks.num_free < 8                        # the step in flight still reads them
+    s.complete(plan, {"x": 1}, 0.01)
+    assert s.blocks.num_free == 8 and r.output == []
+    assert s.cancel("x", 0.02) is None and s.cancel("nobody", 0.02) is None
+
+
+@pytest.mark.parametrize("kw, flag", [({"policy": "greedy"}, "--policy"), ({"max_running": 0}, "--max-running"),
+                                      ({"chunk_tokens": 1.5}, "--chunk"), ({"token_budget": -1}, "--token-budget")])
+def test_bad_config(kw, flag):
+    with pytest.raises(UsageError) as e:
+        SchedulerConfig(**kw)
+    assert e.value.flag == flag
+
+
+def test_request_validation_and_stops():
+    with pytest.raises(UsageError):
+        Request("e", (), 4)
+    with pytest.raises(UsageError):
+        Request("e", (1,), 0)
+    r = Request("s", (1, 2), 10, stop=((7, 8),), stop_tokens=frozenset({99}))
+    assert r.append(7, 0.1) is None and r.append(8, 0.2) is FinishReason.STOP
+    assert Request("t", (1,), 5, stop_tokens=frozenset({99})).append(99, 0.0) is FinishReason.STOP
+    v = r.view()
+    assert len(v) == 4 and v[1:3] == (2, 7) and v[-1] == 8 and tuple(v) == r.all_tokens
