@@ -40,10 +40,10 @@ import numpy as np
 
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.registry import load_engine
-from localinfer.generate.decoding import PlainDecoder
-from localinfer.generate.lookup import LookupDecoder
-from localinfer.generate.runner import Runner
-from localinfer.generate.sampling import Sampler, SamplingParams
+from localinfer.generation.decoding import PlainDecoder
+from localinfer.generation.lookup import LookupDecoder
+from localinfer.generation.runner import Runner
+from localinfer.generation.sampling import Sampler, SamplingParams
 from localinfer.model.sources import resolve_model
 from localinfer.model.spec import ModelSpec
 from localinfer.model.templates import template_for

@@ -45,8 +45,8 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", 
 
 def runner_steps(engine, prompt: list[int], n: int):
     """A generator timing localinfer: yields once after prefill, then once per decoded token."""
-    from localinfer.generate.runner import Runner
-    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generation.runner import Runner
+    from localinfer.generation.sampling import SamplingParams
 
     runner = Runner(engine)
     stream = runner.stream(prompt, SamplingParams(greedy=True), max_tokens=n + 1, ignore_eos=True)

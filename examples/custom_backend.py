@@ -20,8 +20,8 @@ import numpy as np
 
 from localinfer.backends import registry as backends
 from localinfer.backends.engine import Engine, LoadPlan
-from localinfer.generate.runner import Runner
-from localinfer.generate.sampling import SamplingParams
+from localinfer.generation.runner import Runner
+from localinfer.generation.sampling import SamplingParams
 
 EOS = 256
 CORPUS = ("the cat sat on the mat. the dog sat on the log. a bird sang in the tree. "

@@ -15,9 +15,9 @@ import argparse
 
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.registry import load_engine
-from localinfer.generate.lookup import LookupDecoder
-from localinfer.generate.runner import Runner
-from localinfer.generate.sampling import SamplingParams
+from localinfer.generation.lookup import LookupDecoder
+from localinfer.generation.runner import Runner
+from localinfer.generation.sampling import SamplingParams
 from localinfer.model.sources import default_model_path
 from localinfer.model.spec import ModelSpec
 from localinfer.model.templates import template_for

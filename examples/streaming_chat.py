@@ -14,8 +14,8 @@ import argparse
 
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.registry import load_engine
-from localinfer.generate.runner import Runner
-from localinfer.generate.sampling import SamplingParams
+from localinfer.generation.runner import Runner
+from localinfer.generation.sampling import SamplingParams
 from localinfer.model.sources import resolve_model
 from localinfer.model.spec import ModelSpec
 from localinfer.model.templates import template_for

@@ -17,16 +17,16 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {
-    "default_model": "localinfer.generate.api",
-    "fit": "localinfer.generate.api",
-    "load": "localinfer.generate.api",
-    "generate": "localinfer.generate.api",
-    "stream": "localinfer.generate.api",
+    "default_model": "localinfer.generation.api",
+    "fit": "localinfer.generation.api",
+    "load": "localinfer.generation.api",
+    "generate": "localinfer.generation.api",
+    "stream": "localinfer.generation.api",
     "generate_batch": "localinfer.serve.batch",
     "FitRequest": "localinfer.backends.memory",
     "LoadPlan": "localinfer.backends.engine",
-    "SamplingParams": "localinfer.generate.sampling",
-    "Runner": "localinfer.generate.runner",
+    "SamplingParams": "localinfer.generation.sampling",
+    "Runner": "localinfer.generation.runner",
     "register_backend": "localinfer.backends.registry:register",
 }
 __all__ = ["__version__", *_API]

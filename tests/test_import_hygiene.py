@@ -24,7 +24,7 @@ RUNTIMES = ("localinfer.backends.llamacpp.engine", "localinfer.backends.llamacpp
 MEMORY_MODULES = ("localinfer/backends/memory.py", "localinfer/backends/llamacpp/memory.py",
                   "localinfer/backends/llamacpp/placement.py", "localinfer/backends/llamacpp/compute_buffer.py",
                   "localinfer/backends/mlx/memory.py", "cuda_backend/memory.py")
-ABOVE_BACKENDS = ("localinfer.plan", "localinfer.generate", "localinfer.serve", "localinfer.report",
+ABOVE_BACKENDS = ("localinfer.plan", "localinfer.generation", "localinfer.serve", "localinfer.report",
                   "localinfer.commands", "localinfer.cli")
 MAX_LINES = 500
 MAX_TOP_LEVEL = 8
@@ -35,14 +35,14 @@ RULES: dict[str, tuple[str, ...]] = {
     "localinfer/util": ("localinfer.model", "localinfer.devices", "localinfer.backends", *ABOVE_BACKENDS, *HEAVY),
     "localinfer/model": ("localinfer.devices", "localinfer.backends", *ABOVE_BACKENDS, *HEAVY, "cuda_backend"),
     "localinfer/devices": ("localinfer.backends", *ABOVE_BACKENDS, "cuda_backend"),
-    "localinfer/plan": ("localinfer.generate", "localinfer.serve", "localinfer.report", "localinfer.commands",
+    "localinfer/plan": ("localinfer.generation", "localinfer.serve", "localinfer.report", "localinfer.commands",
                         "localinfer.cli", *RUNTIMES, *HEAVY),
     "localinfer/backends": ABOVE_BACKENDS,
     "cuda_backend": ABOVE_BACKENDS,
-    "localinfer/generate": ("localinfer.serve", "localinfer.report", "localinfer.commands", "localinfer.cli",
+    "localinfer/generation": ("localinfer.serve", "localinfer.report", "localinfer.commands", "localinfer.cli",
                             *RUNTIMES, *HEAVY),
     "localinfer/serve": ("localinfer.report", "localinfer.commands", "localinfer.cli"),
-    "localinfer/report": ("localinfer.generate", "localinfer.serve", "localinfer.commands", "localinfer.cli",
+    "localinfer/report": ("localinfer.generation", "localinfer.serve", "localinfer.commands", "localinfer.cli",
                           *RUNTIMES, *HEAVY),
 }
 
@@ -107,12 +107,12 @@ def test_imports_point_one_way():
 
 def test_the_rules_catch_a_planning_module_that_imports_the_runner(tmp_path):
     bad = ROOT / "localinfer" / "plan" / "_hygiene_probe.py"
-    bad.write_text("from localinfer.generate.runner import Runner\nimport torch\n")
+    bad.write_text("from localinfer.generation.runner import Runner\nimport torch\n")
     try:
         found = violations()
     finally:
         bad.unlink()
-    assert any("_hygiene_probe.py:1 imports localinfer.generate.runner" in v for v in found)
+    assert any("_hygiene_probe.py:1 imports localinfer.generation.runner" in v for v in found)
     assert any("_hygiene_probe.py:2 imports torch" in v for v in found)
 
 

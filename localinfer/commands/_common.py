@@ -14,7 +14,7 @@ import sys
 
 from localinfer.backends.engine import KV_TYPES, LoadPlan
 from localinfer.errors import UsageError
-from localinfer.generate.load import PLAN_DEFAULTS as _PLAN_DEFAULTS
+from localinfer.generation.load import PLAN_DEFAULTS as _PLAN_DEFAULTS
 
 
 def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> None:
@@ -46,8 +46,8 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Sampling, reply length, stop strings and prompt-lookup decoding."""
-    from localinfer.generate.runner import DEFAULT_MAX_TOKENS
-    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generation.runner import DEFAULT_MAX_TOKENS
+    from localinfer.generation.sampling import SamplingParams
 
     d = SamplingParams()
     g = p.add_argument_group("sampling")
@@ -77,7 +77,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_from(args: argparse.Namespace):
     """SamplingParams from the flags given (the rest keep their defaults)."""
-    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generation.sampling import SamplingParams
 
     given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty",
                                            "repeat_last_n", "seed", "greedy") if getattr(args, k, None) is not None}
@@ -85,8 +85,8 @@ def sampling_from(args: argparse.Namespace):
 
 
 def max_tokens_from(args: argparse.Namespace) -> int:
-    from localinfer.generate.runner import DEFAULT_MAX_TOKENS
-    from localinfer.generate.sampling import check_max_tokens
+    from localinfer.generation.runner import DEFAULT_MAX_TOKENS
+    from localinfer.generation.sampling import check_max_tokens
 
     n = getattr(args, "max_tokens", None)
     return DEFAULT_MAX_TOKENS if n is None else check_max_tokens(n, "-n")
@@ -97,10 +97,10 @@ def decoder_from(args: argparse.Namespace):
     if not getattr(args, "lookup", False):
         if args.lookup_ngram is not None or args.draft_max is not None:
             raise UsageError("--lookup-ngram and --draft-max need --lookup", flag="--lookup")
-        from localinfer.generate.decoding import PlainDecoder
+        from localinfer.generation.decoding import PlainDecoder
 
         return PlainDecoder()
-    from localinfer.generate.lookup import LookupDecoder
+    from localinfer.generation.lookup import LookupDecoder
 
     kw = {}
     if args.lookup_ngram is not None:
@@ -113,7 +113,7 @@ def decoder_from(args: argparse.Namespace):
 
 def read_spec(args: argparse.Namespace):
     """(model path, ModelSpec) from the MODEL argument; header reads only."""
-    from localinfer.generate.load import open_model
+    from localinfer.generation.load import open_model
 
     opened = open_model(args.model, getattr(args, "backend", None))
     return opened.path, opened.spec
@@ -121,11 +121,12 @@ def read_spec(args: argparse.Namespace):
 
 def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
     """A LoadPlan from the loading flags, checked against the model."""
-    from localinfer.generate.load import load_plan
+    from localinfer.generation.load import load_plan
 
     names = ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn")
     options = {k: getattr(args, k, None) for k in names}
-    return load_plan(path, spec, ctx=args.ctx, force=getattr(args, "force", False), **options, **overrides)
+    options.update(overrides)
+    return load_plan(path, spec, ctx=args.ctx, force=getattr(args, "force", False), **options)
 
 
 def backend_name(args: argparse.Namespace) -> str:
@@ -136,7 +137,7 @@ def backend_name(args: argparse.Namespace) -> str:
 
 def check_fit(spec, plan: LoadPlan, backend: str, force: bool):
     """Refuse a plan that does not fit on this machine (``--force`` loads anyway, with a warning)."""
-    from localinfer.generate.load import check_fit as verdict
+    from localinfer.generation.load import check_fit as verdict
 
     result = verdict(spec, plan, backend, force)
     if result is None:

@@ -1,7 +1,7 @@
 """`localinfer bench [MODEL]`: prefill/decode speed, TTFT/ITL, memory and bandwidth per KV type.
 
 Prints a table; ``--json FILE`` also writes versioned results (schema in
-:mod:`localinfer.generate.bench`) that capacity reports calibrate their speed model with.
+:mod:`localinfer.generation.bench`) that capacity reports calibrate their speed model with.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _kv_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from localinfer.generate.bench import DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
+    from localinfer.generation.bench import DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
 
     _common.add_model_args(parser, kv_choices=False)
     parser.add_argument("--kv", type=_kv_list, default=KV_TYPES, metavar="LIST",
@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from localinfer.backends.registry import load_engine
     from localinfer.errors import UsageError
-    from localinfer.generate.bench import BenchConfig, Progress, render_table, results, run_bench
-    from localinfer.util.atomic import atomic_write
+    from localinfer.generation.bench import BenchConfig, Progress, render_table, results, run_bench
+    from localinfer.util.atomic import atomic_write, check_writable
 
     if not 1 <= args.gen <= 1 << 16:
         raise UsageError(f"--gen {args.gen} is out of range", flag="--gen", hint="use 1..65536")
@@ -61,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats {args.repeats} is out of range", flag="--repeats", hint="use 1..100")
     if any(n < 1 for n in args.prompt_lengths):
         raise UsageError("prompt lengths must be at least 1", flag="--prompt-lengths")
+    if args.json and args.json != "-":
+        check_writable(args.json)  # before minutes of measuring
     config = BenchConfig(prompt_lengths=args.prompt_lengths, depths=args.depths, gen_tokens=args.gen,
                          kv_types=args.kv, repeats=args.repeats, lookup=args.lookup)
     path, spec = _common.read_spec(args)

@@ -1,7 +1,7 @@
 """`localinfer chat [MODEL]`: an interactive chat (the embedded model by default).
 
 The model loads only after the fit check passes (``--force`` overrides it);
-see :mod:`localinfer.generate.chat` for the keys and /commands.
+see :mod:`localinfer.generation.chat` for the keys and /commands.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gguf_tools.inspect import safe_text
-    from localinfer.generate.chat import ChatSession, read_transcript
+    from localinfer.generation.chat import ChatSession, read_transcript
 
     params = _common.sampling_from(args)
     max_tokens = _common.max_tokens_from(args)
@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
         raise UsageError("--stop is not used by chat; the chat template ends each reply", flag="--stop")
     loaded = read_transcript(args.load) if args.load else None
+    if args.save:
+        from localinfer.util.atomic import check_writable
+
+        check_writable(args.save)  # before the model loads, not after the first reply
     engine, spec, plan, _backend = _common.load(args)
     with engine:
         template = _common.template_from(args, engine, spec)

@@ -53,7 +53,7 @@ def prompt_tokens(args, engine, spec, text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localinfer.generate.runner import Runner
+    from localinfer.generation.runner import Runner
 
     if args.raw and args.system:
         from localinfer.errors import UsageError

@@ -54,13 +54,13 @@ def from_llama_bench(rows: list, path="<data>") -> Calibration:
 
 
 def from_localinfer_bench(data: dict, path="<data>") -> Calibration:
-    """Samples from ``localinfer bench --json`` (schema ``localinfer.generate.bench`` v1).
+    """Samples from ``localinfer bench --json`` (schema ``localinfer.generation.bench`` v1).
 
     ``decode[].seconds`` sums the ITLs of ``tokens − 1`` steps taken from context
     ``depth``; the mean step is placed at context depth + tokens/2.
     """
-    if data.get("schema") != "localinfer.generate.bench":
-        raise _bad(path, f"schema is {data.get('schema')!r}, not 'localinfer.generate.bench'")
+    if data.get("schema") != "localinfer.generation.bench":
+        raise _bad(path, f"schema is {data.get('schema')!r}, not 'localinfer.generation.bench'")
     runs = data.get("runs")
     if not isinstance(runs, list):
         raise _bad(path, "no 'runs' list")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from localinfer.errors import UsageError
-from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 
 
 class State(enum.Enum):

@@ -239,8 +239,8 @@ def test_closed_engine_refuses_calls(default_model):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_other_architectures_kv_bytes_and_rewind(tiny_models, arch):
-    from localinfer.generate.runner import Runner
-    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generation.runner import Runner
+    from localinfer.generation.sampling import SamplingParams
     from localinfer.plan.memory import kv_bytes
 
     spec = ModelSpec.from_gguf(tiny_models[arch])

@@ -306,9 +306,9 @@ def test_tokenization_is_llamacpps(smol, smol_cpp):
 
 @needs_mlx
 def test_runner_plain_and_lookup_decoding_agree(smol):
-    from localinfer.generate.lookup import LookupDecoder
-    from localinfer.generate.runner import Runner
-    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generation.lookup import LookupDecoder
+    from localinfer.generation.runner import Runner
+    from localinfer.generation.sampling import SamplingParams
 
     prompt = smol.tokenize("Monday Tuesday Wednesday. Monday Tuesday Wednesday. Monday")
     runner = Runner(smol)

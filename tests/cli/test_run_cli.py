@@ -45,7 +45,7 @@ def test_raw_skips_the_template_and_file_prompts(capsys, tmp_path):
 
 
 def test_lookup_stats_in_json(capsys):
-    pytest.importorskip("localinfer.generate.lookup")
+    pytest.importorskip("localinfer.generation.lookup")
     text = "a b c d e f g h i j k l. a b c d e f g h i j k l. a b c d e f"
     code, out, _ = run(capsys, "-p", text, "--raw", "--temp", "0", "-n", "8", "--ignore-eos", "--lookup",
                        "--draft-max", "4", "--json", *FAST)

@@ -103,13 +103,13 @@ def test_untrusted_names_are_escaped(hostile):
 
 
 def _bench_doc(path, cost):
-    """A localinfer.generate.bench v1 document whose decode steps follow 3 ms + bytes / 20 GB/s exactly."""
+    """A localinfer.generation.bench v1 document whose decode steps follow 3 ms + bytes / 20 GB/s exactly."""
     def step(depth, n):
         return 3e-3 + cost.step_bytes(1, depth + n // 2) / 20e9
     decode = [{"depth": d, "tokens": 33, "seconds": 32 * step(d, 33), "tok_s": 1 / step(d, 33)}
               for d in (0, 512, 1024, 2048)]
     prefill = [{"tokens": n, "seconds": cost.prefill_flops(n) / 50e9, "tok_s": 0} for n in (128, 512, 2048)]
-    doc = {"schema": "localinfer.generate.bench", "version": 1, "model": {"name": "m"},
+    doc = {"schema": "localinfer.generation.bench", "version": 1, "model": {"name": "m"},
            "runs": [{"type_k": "f16", "type_v": "f16", "prefill": prefill, "decode": decode}]}
     path.write_text(json.dumps(doc))
     return path
