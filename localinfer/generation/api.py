@@ -39,7 +39,7 @@ def fit(model: str | Path | None = None, device: str = "local", *, ctx: int = 40
     from localinfer.backends.memory import FitRequest
     from localinfer.backends.registry import canonical
     from localinfer.devices.profiles import get_device, local_device
-    from localinfer.generate.load import open_model
+    from localinfer.generation.load import open_model
     from localinfer.plan.fit import fit_device
 
     opened = open_model(model, backend)
@@ -59,7 +59,7 @@ def load(model: str | Path | None = None, *, backend: str | None = None, ctx: in
     Raises DoesNotFitError (its hint names the flags that fit) unless ``force``.
     Extra keywords are LoadPlan fields (``device``, ``dtype``, ``seed``, ``options``).
     """
-    from localinfer.generate.load import load as load_engine
+    from localinfer.generation.load import load as load_engine
 
     if parallel is not None:
         plan["n_seq"] = parallel
@@ -81,7 +81,7 @@ def _tokens(engine: Engine, prompt: Prompt) -> list[int]:
 
 
 def _params(temperature, top_k, top_p, min_p, repeat_penalty, seed):
-    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generation.sampling import SamplingParams
 
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                           repeat_penalty=repeat_penalty, seed=seed, greedy=temperature == 0)
@@ -94,11 +94,11 @@ def stream(engine: Engine, prompt: Prompt, *, max_tokens: int = 256, temperature
 
     ``temperature=0`` is greedy; ``lookup=True`` drafts from the context (prompt lookup), same output.
     """
-    from localinfer.generate.runner import Runner
+    from localinfer.generation.runner import Runner
 
     decoder = None
     if lookup:
-        from localinfer.generate.lookup import LookupDecoder
+        from localinfer.generation.lookup import LookupDecoder
 
         decoder = LookupDecoder()
     params = _params(temperature, top_k, top_p, min_p, repeat_penalty, seed)

@@ -9,9 +9,9 @@ For each KV cache type the model is loaded once, then:
   that depth, from :mod:`localinfer.model.cost`) × decode tok/s, against the local
   device profile's peak when it has one.
 
-JSON results (``--json FILE``), schema ``localinfer.generate.bench`` version 1::
+JSON results (``--json FILE``), schema ``localinfer.generation.bench`` version 1::
 
-    {"schema": "localinfer.generate.bench", "version": 1, "created": ISO-8601, "localinfer": "0.1.0",
+    {"schema": "localinfer.generation.bench", "version": 1, "created": ISO-8601, "localinfer": "0.1.0",
      "model": {"path", "name", "arch", "file_size", "weight_bytes", "decode_read_bytes", "n_params"},
      "backend": {"name", "version"},
      "machine": {"platform", "cpu_count", "load_avg": [1, 5, 15 min], "device": str,
@@ -42,11 +42,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from localinfer.generate.runner import Runner
-from localinfer.generate.sampling import SamplingParams
+from localinfer.generation.runner import Runner
+from localinfer.generation.sampling import SamplingParams
 from localinfer.util.stats import percentile
 
-SCHEMA, VERSION = "localinfer.generate.bench", 1
+SCHEMA, VERSION = "localinfer.generation.bench", 1
 KV_TYPES = ("f16", "q8_0", "q4_0")
 PROMPT_LENGTHS = (128, 512, 2048)
 DEPTHS = (0, 512, 2048)
@@ -183,7 +183,7 @@ def measure_lookup(runner: Runner, gen: int) -> dict:
     output at the verify cost this run measured (``clairvoyant_time``): what
     any prompt-lookup policy can reach on this engine and machine.
     """
-    from localinfer.generate.lookup import LookupDecoder
+    from localinfer.generation.lookup import LookupDecoder
     from localinfer.plan.speculation import clairvoyant_speedup
 
     plain, g = measure_decode(runner, LOOKUP_PROMPT, gen)

@@ -15,11 +15,11 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from localinfer.util.atomic import atomic_write
 from localinfer.errors import LocalinferError, UsageError
-from localinfer.generate.runner import Runner
-from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.generation.runner import Runner
+from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 from localinfer.model.templates import check_messages
+from localinfer.util.atomic import atomic_write
 from localinfer.util.signals import Terminated
 
 PROMPT = ">>> "
@@ -232,9 +232,8 @@ class ChatSession:
         if self.save_path:
             try:
                 atomic_write(self.save_path, json.dumps(self.transcript(), indent=1, ensure_ascii=False) + "\n")
-            except OSError as exc:
-                self.note(f"error: could not save the transcript to {self.save_path}: {exc.strerror} "
-                          "(the previous file is intact)")
+            except LocalinferError as exc:  # OutputError: names the path, and says if a previous file was kept
+                self.note(f"error: the transcript was not saved: {exc}" + (f" ({exc.hint})" if exc.hint else ""))
 
     def _load(self, arg: str) -> None:
         if not arg:

@@ -30,7 +30,7 @@ from localinfer.backends.engine import Engine
 
 
 class Sampler(Protocol):
-    """What decoders need from sampling (implemented in localinfer.generate.sampling)."""
+    """What decoders need from sampling (implemented in localinfer.generation.sampling)."""
 
     greedy: bool
 

@@ -98,7 +98,7 @@ def check_fit(spec, plan: LoadPlan, backend: str, force: bool = False):
 
 
 def load(model: str | Path | None = None, *, backend: str | None = None, force: bool = False, **options) -> Engine:
-    """Open, plan, check and load: an engine ready for ``localinfer.generate`` (close it, or use ``with``)."""
+    """Open, plan, check and load: an engine ready for ``localinfer.generation`` (close it, or use ``with``)."""
     from localinfer.backends.registry import load_engine
 
     opened = open_model(model, backend)

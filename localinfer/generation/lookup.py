@@ -38,7 +38,7 @@ from statistics import median
 
 from localinfer.backends.engine import Engine
 from localinfer.errors import UsageError
-from localinfer.generate.decoding import DecodeStats, Sampler
+from localinfer.generation.decoding import DecodeStats, Sampler
 from localinfer.plan.speculation import MAX_DRAFT, choose_draft_length
 
 

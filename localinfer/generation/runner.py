@@ -3,7 +3,7 @@
 ``Runner.stream`` is the middle layer that ``run``, ``chat`` and ``bench``
 consume: it reuses the cached prefix of the previous request, prefills the
 rest with logits for the last position only, samples the first token from
-them, then calls a :class:`~localinfer.generate.decoding.Decoder` (plain or
+them, then calls a :class:`~localinfer.generation.decoding.Decoder` (plain or
 prompt-lookup) step after step with that token pending, yielding one
 :class:`Chunk` per emitted token and a last one carrying the finish reason
 and the timings.  (Prefilling the whole prompt, rather than ``prompt[:-1]``
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from localinfer.backends.engine import Engine
 from localinfer.errors import ContextFullError, LocalinferError, UsageError
-from localinfer.generate.decoding import Decoder, DecodeStats, PlainDecoder
-from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.generation.decoding import Decoder, DecodeStats, PlainDecoder
+from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 from localinfer.util.stats import percentile
 
 DEFAULT_MAX_TOKENS = 512

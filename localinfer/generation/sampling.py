@@ -117,7 +117,7 @@ def _check_int(name, v, lo, hi, flag):
 
 
 class Sampler:
-    """Implements :class:`localinfer.generate.decoding.Sampler` for one SamplingParams."""
+    """Implements :class:`localinfer.generation.decoding.Sampler` for one SamplingParams."""
 
     def __init__(self, params: SamplingParams | None = None, *, banned: Iterable[int] = ()):
         self.params = params or SamplingParams()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from localinfer.cli import main
-from localinfer.generate.bench import SCHEMA, VERSION, BenchConfig, render_table
+from localinfer.generation.bench import SCHEMA, VERSION, BenchConfig, render_table
 
 SMALL = ["--kv", "f16,q8_0", "--prompt-lengths", "8,24", "--depths", "0,16", "--gen", "4", "-t", "1"]
 

@@ -6,9 +6,9 @@ import pytest
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.registry import load_engine
 from localinfer.errors import ContextFullError, UsageError
-from localinfer.generate.decoding import PlainDecoder
-from localinfer.generate.runner import Runner, _split_stop
-from localinfer.generate.sampling import SamplingParams
+from localinfer.generation.decoding import PlainDecoder
+from localinfer.generation.runner import Runner, _split_stop
+from localinfer.generation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is"
@@ -150,7 +150,7 @@ def test_seeded_sampling_repeats(engine, runner):
 
 
 def test_prompt_lookup_decoder_runs_through_the_same_path(engine, runner):
-    speculative = pytest.importorskip("localinfer.generate.lookup")
+    speculative = pytest.importorskip("localinfer.generation.lookup")
     prompt = engine.tokenize("one two three four five six seven eight. one two three four five six seven eight. one two")
     plain = runner.generate(prompt, GREEDY, max_tokens=12, ignore_eos=True)
     runner.reset()

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from localinfer.errors import UsageError
-from localinfer.generate.decoding import Sampler as SamplerProtocol
-from localinfer.generate.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.generation.decoding import Sampler as SamplerProtocol
+from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 
 
 def softmax(x):

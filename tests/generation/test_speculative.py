@@ -17,8 +17,8 @@ import pytest
 
 from localinfer.backends.engine import LoadPlan
 from localinfer.errors import UsageError
-from localinfer.generate.decoding import PlainDecoder, prefill
-from localinfer.generate.lookup import CostModel, LookupDecoder, LookupStats, NgramIndex
+from localinfer.generation.decoding import PlainDecoder, prefill
+from localinfer.generation.lookup import CostModel, LookupDecoder, LookupStats, NgramIndex
 from localinfer.plan.speculation import choose_draft_length, clairvoyant_time, copy_runs, expected_tokens
 from tests.support.fakes import ScriptedEngine, TableSampler, bigram_table
 
@@ -408,7 +408,7 @@ def _chat(engine, default_model, text):
 
 @pytest.mark.parametrize("task", [CODE_TASK, LIST_TASK], ids=["code", "list"])
 def test_lookup_equals_plain_greedy_on_the_embedded_model(llama_engine, default_model, task):
-    from localinfer.generate.sampling import Sampler, SamplingParams
+    from localinfer.generation.sampling import Sampler, SamplingParams
 
     prompt = _chat(llama_engine, default_model, task)
     greedy = SamplingParams(greedy=True)
@@ -419,8 +419,8 @@ def test_lookup_equals_plain_greedy_on_the_embedded_model(llama_engine, default_
 
 
 def test_runner_with_lookup_matches_plain_and_leaves_the_kv_consistent(llama_engine, default_model):
-    from localinfer.generate.runner import Runner
-    from localinfer.generate.sampling import SamplingParams
+    from localinfer.generation.runner import Runner
+    from localinfer.generation.sampling import SamplingParams
 
     prompt = _chat(llama_engine, default_model, CODE_TASK)
     greedy = SamplingParams(greedy=True)
