@@ -21,6 +21,7 @@ __all__ = [
     "TemplateError",
     "ContextFullError",
     "ProfileError",
+    "OutputError",
     "exit_code",
 ]
 
@@ -80,6 +81,10 @@ class ContextFullError(LocalinferError):
 
 class ProfileError(LocalinferError):
     """A device profile file is malformed or names an unknown device."""
+
+
+class OutputError(LocalinferError):
+    """A file to write cannot be written: the path names a folder, its folder is missing, read-only or full."""
 
 
 def exit_code(exc: BaseException) -> int:

@@ -96,10 +96,12 @@ def render(report, fmt: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from localinfer.util.atomic import atomic_write, check_writable
+
+    if args.output:
+        check_writable(args.output)
     text = render(build(args), args.format)
     if args.output:
-        from localinfer.util.atomic import atomic_write
-
         atomic_write(args.output, text if text.endswith("\n") else text + "\n")
         print(f"wrote {args.output}", file=sys.stderr)
     else:

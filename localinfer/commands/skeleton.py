@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
                          hint="e.g. localinfer skeleton qwen3-8b -o /tmp/qwen3-8b.gguf")
     if os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a directory", flag="-o", hint="give a file name ending in .gguf")
+    from localinfer.errors import OutputError
+    from localinfer.util.atomic import check_writable
+
+    check_writable(args.output)  # "newdir/" names a folder; a missing or read-only folder is named
     if os.path.exists(args.output) and not args.force:
         raise UsageError(f"{args.output} exists", flag="-o",
                          hint="pass --force to overwrite it, or choose another name")
@@ -54,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = load_spec_file(args.spec) if args.spec else args.preset
         path = write_skeleton(source, args.output, type=args.type)
+    except OSError as exc:  # disk full, ...: name the output, not the temp file
+        raise OutputError(f"cannot write {args.output}: {exc.strerror or exc}", path=args.output,
+                          hint="free some disk space or choose another path") from None
     except ValueError as exc:
         bad_type = args.type and "unknown type" in str(exc)
         raise UsageError(str(exc), flag="--type" if bad_type else flag,

@@ -215,3 +215,49 @@ def test_plan_with_nothing_feasible_exits_non_zero(capsys):
     assert rc == 1 and "nothing is feasible" in out
     rc, out, _ = _cli(capsys, "plan", "--device", "h200", "--deadline", "100")
     assert rc == 0 and "best: " in out
+
+
+# ---- output paths --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["report"], ["skeleton", "smollm2-135m"]])
+def test_an_output_path_ending_in_slash_is_not_written_as_a_file(capsys, tmp_path, monkeypatch, argv):
+    # was: wrote a file named newdir and printed "wrote newdir/"
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _cli(capsys, *argv, "-o", "newdir/")
+    _refused(rc, out, err, "newdir/", "folder")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [["report"], ["skeleton", "smollm2-135m"]])
+def test_output_errors_name_the_path_not_a_temp_file(capsys, tmp_path, argv):
+    # was: error: [Errno 21] Is a directory: '/.DIR.szh9ck79.tmp' -> '/DIR' (and no hint)
+    for target, words in ((tmp_path, "is a directory"), (tmp_path / "missing" / "r.txt", "does not exist")):
+        rc, out, err = _cli(capsys, *argv, "-o", str(target))
+        _refused(rc, out, err, str(target), words)
+        assert ".tmp" not in err and "Errno" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_chat_save_to_a_bad_path_is_refused_before_the_model_loads(capsys, tmp_path):
+    # was: checked only after the first reply, "the previous file is intact" when there was none, exit 0
+    bad = tmp_path / "missing" / "t.json"
+    rc, out, err = _cli(capsys, "chat", "--save", str(bad))
+    _refused(rc, out, err, str(bad), "does not exist")
+    assert "loading" not in err
+
+
+def test_chat_save_command_and_autosave_errors_name_the_path(tmp_path):
+    import io
+
+    from localinfer.generation.chat import ChatSession
+    from tests.support.fakes import ScriptedEngine
+
+    out = io.StringIO()
+    bad = tmp_path / "missing" / "t.json"
+    session = ChatSession(ScriptedEngine(lambda t: None, 8), None, out=out, save_path=str(bad))
+    assert session.command(f"/save {tmp_path}") is True
+    session._autosave()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"error: {tmp_path} is a directory") and "hint" not in lines[0] and "e.g." in lines[0]
+    assert str(bad) in lines[1] and "does not exist" in lines[1] and "intact" not in lines[1]
+    assert ".tmp" not in out.getvalue() and os.listdir(tmp_path) == []
