@@ -12,6 +12,10 @@ A block whose last reference goes while a step is in flight (between
 ``begin_step`` and ``end_step``) may still be read by that step, so it joins
 the pool only at ``end_step``.  Writing into a partly filled block that another
 sequence shares (after ``fork``) copies it first (copy-on-write).
+
+With ``pool_hits=False`` a hit stops at the first block no running sequence
+holds: for backends that keep KV only in live sequences (every hit is then a
+copy from one of them), the unreferenced cached blocks are never reused.
 """
 
 from __future__ import annotations
@@ -57,12 +61,13 @@ class BlockManager:
     """The KV pool of one model: ``num_blocks`` blocks of ``block_tokens`` tokens."""
 
     def __init__(self, num_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, *, prefix_cache: bool = True,
-                 hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash):
+                 pool_hits: bool = True, hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash):
         if num_blocks < 0 or block_tokens <= 0:
             raise UsageError(f"need a non-negative block count and a positive block size, got {num_blocks} "
                              f"blocks of {block_tokens}", flag="--block")
         self.block_tokens = block_tokens
         self.prefix_cache = prefix_cache
+        self.pool_hits = pool_hits
         self.hash_fn = hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
@@ -120,6 +125,8 @@ class BlockManager:
             h = self.hash_fn(parent, chunk)
             b = self._cache.get(h)
             if b is None or self.blocks[b].parent != parent or self.blocks[b].tokens != chunk:
+                break
+            if not self.pool_hits and self.blocks[b].ref == 0:
                 break
             found.append(b)
             parent = h

@@ -8,6 +8,11 @@ computes the batch in one call; each request asking for a token samples it with
 its own sampler.  Each token, and each finish, becomes a ``StreamChunk`` on that
 request's stream.
 
+An executor that can bring back a cached prefix no running request holds
+declares ``restores_cached_prefix = True`` (the simulator: a chunk may start past
+what its slot holds); with any other, the block manager must be built with
+``pool_hits=False``.
+
 Copy-on-write block copies are bookkeeping only here: a backend whose KV cells
 carry several sequence ids (llama.cpp) writes a new cell for the new token and
 never overwrites a shared one.
@@ -50,6 +55,9 @@ class Engine:
         if scheduler.config.max_running > executor.n_slots:
             raise ValueError(f"max_running {scheduler.config.max_running} exceeds the executor's "
                              f"{executor.n_slots} slots")
+        if scheduler.blocks.pool_hits and not getattr(executor, "restores_cached_prefix", False):
+            raise ValueError("this executor keeps KV only in live sequences: build the BlockManager with "
+                             "pool_hits=False, so that every prefix hit is a copy from a running request")
         self.executor = executor
         self.scheduler = scheduler
         self.blocks = scheduler.blocks

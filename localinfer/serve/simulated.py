@@ -25,6 +25,8 @@ from localinfer.serve.step_model import StepModel
 
 
 class SimulatedExecutor:
+    restores_cached_prefix = True    # the KV pool keeps unreferenced cached blocks readable
+
     def __init__(self, step_model: StepModel, n_slots: int = 1024, n_vocab: int = 4096, start_s: float = 0.0):
         self.step_model = step_model
         self.n_slots = n_slots

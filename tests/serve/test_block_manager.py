@@ -157,3 +157,14 @@ def test_preload_warms_the_cache():
     assert bm.preload(toks(10, 0)) == 2
     assert (bm.used, bm.num_cached) == (0, 2)
     assert bm.allocate("x", toks(10, 0) + (5, 6)) == 8
+
+
+def test_live_hits_only():
+    bm = BlockManager(8, block_tokens=4, pool_hits=False)
+    a = toks(8, 0)
+    bm.allocate("a", a)
+    bm.commit("a", a)
+    assert bm.allocate("b", a + (1,)) == 8              # "a" still holds the blocks
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_cached == 2 and bm.match(a + (1,)) == []

@@ -118,3 +118,21 @@ def test_random_add_step_cancel_leaves_nothing_behind(seq, admission, policy):
         assert r.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.ERROR)
         if r.finish_reason is FinishReason.LENGTH:
             assert len(r.output) == r.max_tokens
+
+
+def test_an_executor_without_restore_needs_live_hits_only():
+    import pytest
+
+    class Plain(SimulatedExecutor):
+        restores_cached_prefix = False
+
+    sched = lambda **kw: Scheduler(SchedulerConfig(max_running=2), BlockManager(50, 4, **kw))
+    with pytest.raises(ValueError, match="pool_hits=False"):
+        Engine(Plain(CARD, n_slots=2), sched())
+    e = Engine(Plain(CARD, n_slots=2), sched(pool_hits=False))
+    system = tuple(range(1000, 1012))
+    e.add_request(Request("a", system + (1,), 2))
+    e.run()
+    late = e.add_request(Request("b", system + (2,), 2, arrival_s=e.executor.clock()))
+    e.step()
+    assert late.cached == 0 and e.executor.cells_used() == e.blocks.tokens_in_use()
