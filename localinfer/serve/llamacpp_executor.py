@@ -1,34 +1,41 @@
 """The llama.cpp executor: many sequences in one context, one ``llama_decode`` per step.
 
-One llama.cpp context holds ``n_slots`` sequence ids over a *unified* KV cache
-(``kv_unified``: a single stream of ``n_cells`` cells that every sequence draws
-from).  A cell stores one token's K/V rows and the set of sequence ids that
-attend to it, so
+One llama.cpp context holds ``n_slots`` sequence ids.  A KV cell stores one
+token's K/V rows and the set of sequence ids that attend to it.  Two layouts:
 
-* a step is one batch whose rows carry (token, position, sequence id, wants
-  logits); the rows of all chunks go into one ``llama_decode`` (split only when
-  they exceed ``n_batch`` tokens or ``n_outputs_max`` logit rows);
-* ``copy(src, dst, n)`` is ``llama_memory_seq_cp``: cells of positions [0, n)
-  of ``src`` gain the id ``dst``; nothing is recomputed and no bytes move;
-* ``drop(slot, start)`` is ``llama_memory_seq_rm``: the id leaves those cells,
-  and a cell left with no id is free again;
-* ``cells_used()`` is llama.cpp's own count of non-empty cells, read from the
-  header of its sequence-state serialisation for ``seq_id = -1`` (every cell):
+* ``unified`` (the default, ``kv_unified``): one stream of ``n_cells`` cells
+  that every sequence draws from.  ``copy(src, dst, n)`` is
+  ``llama_memory_seq_cp``: the cells of positions [0, n) of ``src`` gain the id
+  ``dst``; nothing is recomputed and no bytes move, so a shared prefix of P
+  tokens with private tails t_i holds P + sum(t_i) cells, not sum(P + t_i).
+* per-slot streams (``unified=False``): slot s owns its own ``n_cells / n_slots``
+  cells; ``copy`` is llama.cpp's stream copy (the bytes of the whole stream,
+  then the tail dropped), so a copied prefix is stored twice.
 
-      u32 io_magic 0xaf143cd8 | i32 seq_id | u32 n_stream (1 here)
-      | u32 cell_count | cell_count x (i32 pos, u32 n_seq, n_seq x i32 seq_id) | K/V rows
+Either way a step is one batch whose rows carry (token, position, sequence id,
+wants logits), all chunks in one ``llama_decode`` (split only past ``n_batch``
+tokens or ``n_outputs_max`` logit rows); ``drop(slot, start)`` is
+``llama_memory_seq_rm``.  ``cells_used()`` is llama.cpp's own count of non-empty
+cells, read from its sequence-state serialisation for ``seq_id = -1`` (every cell):
 
-  so with a shared prefix of P tokens and private tails t_i it reads
-  P + sum(t_i), not sum(P + t_i).
+    u32 io_magic 0xaf143cd8 | i32 seq_id | u32 n_stream
+    | per stream: u32 cell_count | cell_count x (i32 pos, u32 n_seq, n_seq x i32 seq_id)
+                  | u32 v_trans | u32 n_layer | K rows per layer | V rows per layer
 
 A step either appends every chunk or, on any error (no free cells:
-:class:`~localinfer.errors.ContextFullError`; Ctrl-C), leaves every slot as it
-was before the step.
+:class:`~localinfer.errors.ContextFullError`; Ctrl-C), leaves every slot as it was.
 
-On a CPU, llama.cpp computes a token's logits bit for bit the same alone and
-inside a batch of other sequences only with one thread and flash attention on
-(more threads split the matrix products differently per batch shape); see
-``tests/serve/test_llamacpp_executor.py``.
+Batch invariance (llama.cpp's CPU kernels, measured on the embedded model; see
+tests/serve): with flash attention a token's logits inside a batch equal its
+logits alone bit for bit when (1) the rows of its ubatch that attend its
+sequence's cells are fewer than 64 in both runs, or 64+ in both (ggml switches
+from a one-row kernel with an f16 running sum to a tiled float32 one), and
+(2) the cells it attends lie in the cache in the same order — attention sums
+over cells in cell order.  Per-slot streams meet (2) always and count (1) per
+stream.  A unified cache breaks (2) once llama.cpp reuses a freed cell below a
+running sequence's cells (it searches for free cells from a moving head and
+wraps): that sequence's later logits then differ by up to ~0.6 here and greedy
+outputs can part.  Without flash attention rows differ by ~1 in any batch.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from localinfer.errors import ContextFullError, LocalinferError, UnsupportedMode
 from localinfer.serve.executor import Chunk
 
 IO_MAGIC = 0xAF143CD8           # llama_context's state_seq_write_data header
-_HEADER = struct.Struct("<IiII")  # magic, seq_id, n_stream, cell_count of stream 0
+_HEADER = struct.Struct("<IiI")   # magic, seq_id, n_stream
 
 
 class LlamaCppExecutor:
@@ -62,12 +69,14 @@ class LlamaCppExecutor:
     """
 
     def __init__(self, plan: LoadPlan):
-        self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": True}))
+        self.unified = bool(plan.options.get("kv_unified", True))
+        self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))
         ctx = self.engine._ctx
         self._mem = self.engine._mem
         self.n_slots = plan.n_seq
         self.n_vocab = self.engine.n_vocab
-        self.n_cells = int(_L.llama_n_ctx(ctx))
+        self.n_cells = int(_L.llama_n_ctx(ctx))            # all cells of the context
+        self.slot_cells = int(_L.llama_n_ctx_seq(ctx))     # the most one slot can hold
         self.n_batch = plan.n_batch
         self.n_outputs_max = native.outputs_cap(plan)
         self._ext_bytes = 8 if _L.llama_model_rope_type(self.engine._model) in _MROPE else 0
@@ -78,12 +87,12 @@ class LlamaCppExecutor:
 
     @classmethod
     def open(cls, model: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, threads: int | None = None,
-             flash_attn: bool | None = True, n_batch: int = 512, n_ubatch: int = 512, type_k: str = "f16",
-             type_v: str = "f16", n_gpu_layers: int = -1, **options) -> LlamaCppExecutor:
-        """An executor over ``n_ctx`` KV cells shared by ``n_slots`` sequences."""
+             flash_attn: bool | None = True, unified: bool = True, n_batch: int = 512, n_ubatch: int = 512,
+             type_k: str = "f16", type_v: str = "f16", n_gpu_layers: int = -1, **options) -> LlamaCppExecutor:
+        """An executor over ``n_ctx`` KV cells for ``n_slots`` sequences (shared, or n_ctx / n_slots each)."""
         return cls(LoadPlan(os.fspath(model), n_ctx=n_ctx, n_seq=n_slots, n_threads=threads, flash_attn=flash_attn,
                             n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
-                            n_gpu_layers=n_gpu_layers, options=options))
+                            n_gpu_layers=n_gpu_layers, options={**options, "kv_unified": unified}))
 
     # ---- the contract ---------------------------------------------------------
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
@@ -100,9 +109,10 @@ class LlamaCppExecutor:
         except ContextFullError as exc:
             self._rollback(chunks)
             need = sum(len(c.tokens) for c in chunks)
-            used = self.cells_used()
-            raise ContextFullError(f"the KV cache has {self.n_cells - used} free cells of {self.n_cells}; "
-                                   f"this step needs {need}", needed=need, available=self.n_cells - used,
+            free = self.n_cells - self.cells_used()
+            where = "the KV cache has" if self.unified else f"the {self.n_slots} slots' own KV streams have"
+            raise ContextFullError(f"{where} {free} free cells of {self.n_cells}; this step needs {need}",
+                                   needed=need, available=free,
                                    hint="admit fewer requests, preempt one, or use a larger --ctx") from exc
         except BaseException:
             self._rollback(chunks)
@@ -123,8 +133,11 @@ class LlamaCppExecutor:
             raise ValueError(f"slot {dst} holds {self._len[dst]} tokens; drop it before copying into it")
         if not 0 <= n_tokens <= self._len[src]:
             raise ValueError(f"slot {src} holds {self._len[src]} tokens; cannot share {n_tokens}")
-        if n_tokens:
+        if n_tokens and self.unified:
             _L.llama_memory_seq_cp(self._mem, src, dst, 0, n_tokens)
+        elif n_tokens:   # across streams llama.cpp copies whole streams only
+            _L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+            _L.llama_memory_seq_rm(self._mem, dst, n_tokens, -1)
         self._len[dst] = n_tokens
 
     def drop(self, slot: int, start: int = 0) -> None:
@@ -141,9 +154,7 @@ class LlamaCppExecutor:
 
     def cells_used(self) -> int:
         """KV cells holding a token of any slot, as llama.cpp counts them (copies the used cells' rows once)."""
-        magic, _seq, n_stream, count = _HEADER.unpack_from(self._state_blob())
-        self._check_header(magic, n_stream)
-        return count
+        return len(self.cells())
 
     def clock(self) -> float:
         return time.perf_counter()
@@ -156,19 +167,8 @@ class LlamaCppExecutor:
         return int(_L.llama_memory_seq_pos_max(self._mem, slot)) + 1
 
     def cells(self) -> list[tuple[int, tuple[int, ...]]]:
-        """Every non-empty cell in cache order: (position, slots holding it), from llama.cpp's state."""
-        blob = self._state_blob()
-        magic, _seq, n_stream, count = _HEADER.unpack_from(blob)
-        self._check_header(magic, n_stream)
-        out, off = [], _HEADER.size
-        for _ in range(count):
-            pos, n_seq = struct.unpack_from("<iI", blob, off)
-            off += 8 + self._ext_bytes
-            if not 0 < n_seq <= self.n_slots:
-                raise LocalinferError(f"llama.cpp's KV state lists a cell with {n_seq} sequences")
-            out.append((pos, struct.unpack_from(f"<{n_seq}i", blob, off)))
-            off += 4 * n_seq
-        return out
+        """Every non-empty cell, stream by stream in cache order: (position, slots holding it)."""
+        return parse_kv_state(self._state_blob(), self.n_slots, self._ext_bytes)
 
     # ---- internals ------------------------------------------------------------
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> dict[int, np.ndarray]:
@@ -203,10 +203,10 @@ class LlamaCppExecutor:
                 raise ValueError(f"slot {c.slot} holds {self._len[c.slot]} tokens; a chunk cannot start at {c.start}")
             if any(not 0 <= t < self.n_vocab for t in c.tokens):
                 raise ValueError(f"slot {c.slot}: token ids must lie in 0..{self.n_vocab - 1}")
-            if c.start + len(c.tokens) > self.n_cells:
+            if c.start + len(c.tokens) > self.slot_cells:
                 raise ContextFullError(f"slot {c.slot}: {c.start + len(c.tokens)} positions exceed the "
-                                       f"{self.n_cells} KV cells", needed=c.start + len(c.tokens),
-                                       available=self.n_cells, hint="use a larger --ctx or a shorter request")
+                                       f"{self.slot_cells} KV cells a slot can hold", needed=c.start + len(c.tokens),
+                                       available=self.slot_cells, hint="use a larger --ctx or a shorter request")
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:
@@ -222,11 +222,6 @@ class LlamaCppExecutor:
         if _L.llama_state_seq_get_data(ctx, ptr, n, -1) != n or n < _HEADER.size:
             raise LocalinferError("llama.cpp did not serialise its KV state", hint="rerun with LOCALINFER_LLAMA_LOG=1")
         return memoryview(self._state)[:n]
-
-    def _check_header(self, magic: int, n_stream: int) -> None:
-        if magic != IO_MAGIC or n_stream != 1:
-            raise UnsupportedModelError(f"llama.cpp's KV state has an unexpected header (magic {magic:#x}, "
-                                        f"{n_stream} streams)", hint="this llama-cpp-python may be too new or old")
 
     def _alive(self) -> None:
         if getattr(self.engine, "_ctx", None) is None:
@@ -244,6 +239,49 @@ class LlamaCppExecutor:
 
 _MROPE = {getattr(_L, n) for n in ("LLAMA_ROPE_TYPE_MROPE", "LLAMA_ROPE_TYPE_IMROPE", "LLAMA_ROPE_TYPE_VISION")
           if hasattr(_L, n)}
+
+
+def parse_kv_state(blob, n_seq_max: int, ext_bytes: int = 0) -> list[tuple[int, tuple[int, ...]]]:
+    """(position, sequence ids) of every cell in a ``llama_state_seq_get_data(ctx, .., -1)`` blob.
+
+    ``ext_bytes``: the per-cell extra position llama.cpp writes for M-RoPE models (8), else 0.
+    """
+    magic, _seq, n_stream = _HEADER.unpack_from(blob)
+    if magic != IO_MAGIC or not 0 < n_stream <= max(n_seq_max, 1):
+        raise UnsupportedModelError(f"llama.cpp's KV state has an unexpected header (magic {magic:#x}, "
+                                    f"{n_stream} streams)", hint="this llama-cpp-python may be too new or old")
+    out, off = [], _HEADER.size
+    for _ in range(n_stream):
+        (count,), off = struct.unpack_from("<I", blob, off), off + 4
+        for _ in range(count):
+            pos, n_seq = struct.unpack_from("<iI", blob, off)
+            off += 8 + ext_bytes
+            if not 0 < n_seq <= n_seq_max:
+                raise UnsupportedModelError(f"llama.cpp's KV state lists a cell with {n_seq} sequences",
+                                            hint="this llama-cpp-python may be too new or old")
+            out.append((pos, struct.unpack_from(f"<{n_seq}i", blob, off)))
+            off += 4 * n_seq
+        if count:
+            off = _skip_rows(blob, off, count)
+    return out
+
+
+def _skip_rows(blob, off: int, count: int) -> int:
+    """Past one stream's K and V rows: per layer (i32 type, u64 row bytes, rows) for K, the same for V,
+    or (i32 type, u32 element bytes, u32 row width, elements) for a transposed V."""
+    v_trans, n_layer = struct.unpack_from("<II", blob, off)
+    off += 8
+    for _ in range(n_layer):
+        _t, row = struct.unpack_from("<iQ", blob, off)
+        off += 12 + row * count
+    for _ in range(n_layer):
+        if v_trans:
+            _t, el, width = struct.unpack_from("<iII", blob, off)
+            off += 12 + el * width * count
+        else:
+            _t, row = struct.unpack_from("<iQ", blob, off)
+            off += 12 + row * count
+    return off
 
 
 def _pack(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[list[tuple[int, int, int, bool]]]:

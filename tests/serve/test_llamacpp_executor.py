@@ -170,3 +170,59 @@ def test_bad_chunks_are_refused_before_llama_cpp_sees_them(ex):
     with pytest.raises(ValueError, match="holds 0"):
         ex.copy(0, 1, 3)
     assert ex.cells_used() == 0
+
+
+# ---- per-slot KV streams (unified=False) ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def streams(default_model):
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=512, threads=1, unified=False) as ex:
+        yield ex
+
+
+def test_per_slot_streams_store_a_copied_prefix_twice_and_count_it(streams):
+    ex = streams
+    assert ex.slot_cells == 256 and ex.n_cells == 512
+    p = _tokens(ex, PROMPTS[2])
+    ex.step([Chunk(0, p, 0, False)])
+    ex.copy(0, 1, 5)
+    assert ex.cells_used() == len(p) + 5 and ex.slot_len(1) == 5
+    assert sorted(pos for pos, seqs in ex.cells() if seqs == (1,)) == [0, 1, 2, 3, 4]
+    with pytest.raises(ContextFullError):
+        ex.step([Chunk(1, tuple(range(300, 560)), 5, False)])        # past slot 1's own 256 cells
+    assert ex.slot_len(1) == 5
+    ex.drop(0)
+    ex.drop(1)
+    assert ex.cells_used() == 0
+
+
+def test_refilling_a_freed_slot_keeps_per_slot_streams_batch_invariant(streams):
+    """The case that breaks a unified cache: a request ends, its cells free up, the others keep decoding
+    and a new request takes the slot.  With a stream per slot every row still equals its solo run."""
+    ex = streams
+    a, b, c = (_tokens(ex, t) for t in PROMPTS)
+    rows: dict[str, list] = {"a": [], "b": [], "c": []}
+    out = ex.step([Chunk(0, a, 0, True), Chunk(1, b, 0, True)])
+    rows["a"].append(out[0])
+    rows["b"].append(out[1])
+    for i in range(3):                                               # a and b decode 3 tokens
+        out = ex.step([Chunk(0, (int(np.argmax(rows["a"][-1])),), len(a) + i, True),
+                       Chunk(1, (int(np.argmax(rows["b"][-1])),), len(b) + i, True)])
+        rows["a"].append(out[0])
+        rows["b"].append(out[1])
+    ex.drop(0)                                                       # a ends; c takes its slot
+    out = ex.step([Chunk(1, (int(np.argmax(rows["b"][-1])),), len(b) + 3, True), Chunk(0, c, 0, True)])
+    rows["b"].append(out[1])
+    rows["c"].append(out[0])
+    for i in range(3):
+        out = ex.step([Chunk(1, (int(np.argmax(rows["b"][-1])),), len(b) + 4 + i, True),
+                       Chunk(0, (int(np.argmax(rows["c"][-1])),), len(c) + i, True)])
+        rows["b"].append(out[1])
+        rows["c"].append(out[0])
+    ex.drop(0)
+    ex.drop(1)
+    for name, p in zip("abc", (a, b, c)):
+        alone = _alone(ex, p, [int(np.argmax(r)) for r in rows[name][:-1]], slot=1)
+        assert all(np.array_equal(x, y) for x, y in zip(alone, rows[name], strict=True)), name
