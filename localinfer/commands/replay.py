@@ -150,6 +150,7 @@ def render_text(result, config, desc: str) -> str:
     f = (lambda v, d=1: "-" if v is None else f"{v:.{d}f}")
     lines = [f"policy {config.policy}, max running {config.max_running}, step {desc} (times in ms)", fmt(head)]
     lines += [fmt(r) for r in rows]
+    lines += [f"{safe_text(r.id)[:24]}: {safe_text(r.error)}" for r in result.requests if r.error]
     kv = "" if result.peak_kv_bytes is None else f" = {result.peak_kv_bytes / 2**20:.1f} MiB"
     lines += [
         f"makespan {f(s['makespan_ms'])} ms; throughput {f(s['throughput_tok_s'])} output tok/s; "
@@ -157,7 +158,9 @@ def render_text(result, config, desc: str) -> str:
         f"TTFT p50 {f(s['ttft_p50_ms'])} ms, p95 {f(s['ttft_p95_ms'])} ms; "
         f"ITL p50 {f(s['itl_p50_ms'])} ms, p95 {f(s['itl_p95_ms'])} ms",
         f"peak running {result.peak_running}; peak KV {result.blocks.peak_used} blocks of "
-        f"{result.blocks.block_tokens} tokens{kv}; {len(result.steps)} steps",
+        f"{result.blocks.block_tokens} tokens{kv}; {len(result.steps)} steps; "
+        f"{sum(r.preemptions for r in result.requests)} preemptions, "
+        f"{sum(r.recomputed for r in result.requests)} tokens recomputed",
     ]
     return "\n".join(lines)
 

@@ -175,6 +175,9 @@ class ReplayResult:
                 "peak_running": self.peak_running, "peak_kv_blocks": self.blocks.peak_used,
                 "block_tokens": self.blocks.block_tokens, "steps": len(self.steps),
                 "finish_reasons": {r.id: r.finish_reason.value for r in self.requests},
+                "preemptions": sum(r.preemptions for r in self.requests),
+                "recomputed_tokens": sum(r.recomputed for r in self.requests),
+                "cached_tokens": sum(r.cached for r in self.requests),
                 **self.summary()}
 
 

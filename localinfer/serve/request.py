@@ -64,7 +64,8 @@ class Request:
     admitted_s: float | None = field(default=None, init=False)
     finished_s: float | None = field(default=None, init=False)
     preemptions: int = field(default=0, init=False)
-    recomputed: int = field(default=0, init=False)     # tokens prefilled again after preemptions
+    recomputed: int = field(default=0, init=False)     # tokens computed again after preemptions
+    dropped: int = field(default=0, init=False)        # tokens whose KV the last preemption dropped
     seq: int = field(default=-1, init=False)           # admission number: lower is older
 
     def __post_init__(self):
@@ -160,7 +161,7 @@ class Request:
     def preempt(self) -> None:
         """Drop the KV (recompute on readmission): back to waiting, nothing computed."""
         self.preemptions += 1
-        self.recomputed += self.computed
+        self.dropped = self.computed
         self.computed = 0
         self.cached = 0
         self.state = State.WAITING

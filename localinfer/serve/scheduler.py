@@ -241,6 +241,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             r.cached = r.computed = bm.allocate(r.id, tokens, reserve if cfg.admission == "reserve" else None)
+            r.recomputed += max(0, r.dropped - r.cached)    # what the prefix cache did not keep
+            r.dropped = 0
             r.state = State.RUNNING
             r.seq, self._admitted = self._admitted, self._admitted + 1
             if r.admitted_s is None:

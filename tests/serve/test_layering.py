@@ -8,7 +8,7 @@ from pathlib import Path
 import localinfer
 
 ROOT = Path(localinfer.__file__).parent
-ALLOWED = ("localinfer.serve", "localinfer.backends.engine", "localinfer.generation", "localinfer.generate",
+ALLOWED = ("localinfer.serve", "localinfer.backends.engine", "localinfer.generation",
            "localinfer.plan.paging", "localinfer.plan.speed", "localinfer.model", "localinfer.util", "localinfer.errors", "localinfer.units")
 HEAVY = ("torch", "llama_cpp", "mlx")
 # The llama.cpp executor is the one module here that is *about* llama.cpp; it is imported only by name,

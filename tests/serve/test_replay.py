@@ -134,3 +134,19 @@ def test_bad_flags_are_one_line_errors(capsys, argv, words):
     rc = main(["replay", str(TRACE), *argv])
     err = capsys.readouterr().err
     assert rc == 2 and words in err and "Traceback" not in err
+
+
+def test_preemption_through_replay(tmp_path, capsys):
+    from tests.support import chapter
+
+    chapter.spec(tmp_path)
+    trace = tmp_path / "p.json"
+    trace.write_text(json.dumps([{"id": c, "arrival_ms": 0, "input": 2048, "output": 600} for c in "abc"]))
+    base = ["replay", str(trace), "--model", str(tmp_path / "qwen3-8b-default.gguf"), "--max-running", "3", "--json"]
+    assert main(base + ["--kv-budget", "1GiB", "--admission", "on_demand"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert small["preemptions"] >= 1 and small["recomputed_tokens"] > 0
+    assert set(small["finish_reasons"].values()) == {"length"}
+    assert small["peak_kv_bytes"] <= 2**30
+    assert main(base + ["--kv-budget", "2GiB", "--admission", "on_demand"]) == 0
+    assert json.loads(capsys.readouterr().out)["preemptions"] == 0
