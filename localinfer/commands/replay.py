@@ -113,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
     from localinfer.serve.replay import load_trace, replay
 
+    if args.html:
+        from localinfer.util.atomic import check_writable
+
+        check_writable(args.html)
     trace = load_trace(args.trace)
     config = _config(args)
     model, desc, k = _step_model_and_kv(args)

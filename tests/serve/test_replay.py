@@ -150,3 +150,9 @@ def test_preemption_through_replay(tmp_path, capsys):
     assert small["peak_kv_bytes"] <= 2**30
     assert main(base + ["--kv-budget", "2GiB", "--admission", "on_demand"]) == 0
     assert json.loads(capsys.readouterr().out)["preemptions"] == 0
+
+
+def test_html_to_a_folder_fails_before_the_work(tmp_path, capsys):
+    rc = main(["replay", str(TRACE), "--html", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.startswith("error: ") and str(tmp_path) in err and "Traceback" not in err
