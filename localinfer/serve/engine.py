@@ -20,13 +20,14 @@ never overwrites a shared one.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from localinfer.serve.executor import Chunk, Executor
-from localinfer.serve.request import FinishReason, Request
+from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepPlan
 
 
@@ -66,6 +67,9 @@ class Engine:
         self._streams: dict[str, deque[StreamChunk]] = {}
         self._stepped: set[str] = set()     # requests whose slot holds the KV of at least one step
         self.records: list[StepRecord] | None = [] if record else None
+        self._lock = threading.RLock()
+        self._in_step = False
+        self._after_step: list[Request] = []     # cancelled during the step in flight: slots dropped after it
 
     # ---- requests ------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -74,13 +78,17 @@ class Engine:
         return request
 
     def cancel(self, request_id: str) -> bool:
-        """Stop the request now; its KV is freed after the step in flight."""
-        r = self.scheduler.cancel(request_id, self.executor.clock())
-        if r is None:
-            return False
-        self._release(r)
-        self._emit_finish(r)
-        return True
+        """Stop the request now (any thread); its slot and KV are freed after the step in flight."""
+        with self._lock:
+            r = self.scheduler.cancel(request_id, self.executor.clock())
+            if r is None:
+                return False
+            if self._in_step:
+                self._after_step.append(r)
+            else:
+                self._release(r)
+            self._emit_finish(r)
+            return True
 
     @property
     def unfinished(self) -> bool:
@@ -90,42 +98,53 @@ class Engine:
     def step(self) -> list[StreamChunk]:
         """One batch; the events it produced (tokens and finishes)."""
         ex, sched = self.executor, self.scheduler
-        start = ex.clock()
-        plan = sched.schedule(start)
         events: list[StreamChunk] = []
-        for r in plan.preempted + plan.refused:
-            self._release(r)
-        events += [self._emit_finish(r) for r in plan.refused]
-        for r in plan.admitted:
-            self._seat(r)
-        if not plan.chunks:
-            sched.complete(plan, {}, start)
-            return events
-        chunks = [Chunk(self.slot_of[c.request.id], c.tokens, c.start, c.samples) for c in plan.chunks]
+        with self._lock:
+            start = ex.clock()
+            plan = sched.schedule(start)
+            for r in plan.preempted + plan.refused:
+                self._release(r)
+            events += [self._emit_finish(r) for r in plan.refused]
+            for r in plan.admitted:
+                self._seat(r)
+            if not plan.chunks:
+                sched.complete(plan, {}, start)
+                return events
+            chunks = [Chunk(self.slot_of[c.request.id], c.tokens, c.start, c.samples) for c in plan.chunks]
+            self._in_step = True
         try:
             rows = ex.step(chunks)
         except Exception as exc:
-            self._fail(plan, exc)
+            with self._lock:
+                self._end_step()
+                self._fail(plan, exc)
             raise
-        sampled = {}
-        for c in plan.chunks:
-            if c.samples:
-                r = c.request
-                sampled[r.id] = r.sampler.sample(rows[self.slot_of[r.id]], r.view())
-        end = ex.clock()
-        done = sched.complete(plan, sampled, end)
-        self._stepped.update(c.request.id for c in plan.chunks)
-        if self.records is not None:
-            self.records.append(StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens)
-                                                             for c in plan.chunks)))
-        for rid, tok in sampled.items():
-            ev = StreamChunk(rid, tok, end)
-            self._streams[rid].append(ev)
-            events.append(ev)
-        for r in done:
+        with self._lock:
+            self._end_step()
+            sampled = {}
+            for c, ch in zip(plan.chunks, chunks):
+                if c.samples and c.request.state is State.RUNNING:    # not cancelled meanwhile
+                    sampled[c.request.id] = c.request.sampler.sample(rows[ch.slot], c.request.view())
+            end = ex.clock()
+            done = sched.complete(plan, sampled, end)
+            self._stepped.update(c.request.id for c in plan.chunks)
+            if self.records is not None:
+                self.records.append(StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens)
+                                                                 for c in plan.chunks)))
+            for rid, tok in sampled.items():
+                ev = StreamChunk(rid, tok, end)
+                self._streams[rid].append(ev)
+                events.append(ev)
+            for r in done:
+                self._release(r)
+                events.append(self._emit_finish(r))
+            return events
+
+    def _end_step(self) -> None:
+        self._in_step = False
+        pending, self._after_step = self._after_step, []
+        for r in pending:
             self._release(r)
-            events.append(self._emit_finish(r))
-        return events
 
     def run(self) -> None:
         """Step until every request has finished, idling until arrivals when nothing is ready."""
@@ -171,7 +190,7 @@ class Engine:
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
         now = self.executor.clock()
-        self.scheduler.blocks.end_step()
+        self.scheduler.complete(StepPlan(), {}, now)    # the step is over: deferred frees go back
         for c in plan.chunks:
             r = c.request
             if not r.finished:

@@ -136,3 +136,30 @@ def test_an_executor_without_restore_needs_live_hits_only():
     late = e.add_request(Request("b", system + (2,), 2, arrival_s=e.executor.clock()))
     e.step()
     assert late.cached == 0 and e.executor.cells_used() == e.blocks.tokens_in_use()
+
+
+def test_cancel_from_another_thread_frees_after_the_step_in_flight():
+    import threading
+
+    class Slow(SimulatedExecutor):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def step(self, chunks):
+            self.entered.set()
+            assert self.release.wait(10)
+            return super().step(chunks)
+
+    p = 16
+    ex = Slow(CARD, n_slots=2)
+    e = Engine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(200, p), CARD))
+    r = e.add_request(Request("long", tuple(range(104 * p - 10)), 11))     # 104 blocks with its output
+    worker = threading.Thread(target=e.step)
+    worker.start()
+    assert ex.entered.wait(10)
+    assert e.cancel("long") and r.finish_reason is FinishReason.CANCELLED
+    assert e.blocks.used == 0 and e.blocks.num_free == 200 - 104            # still read by the step
+    ex.release.set()
+    worker.join(10)
+    assert e.blocks.num_free == 200 and ex.cells_used() == 0 and r.output == []
