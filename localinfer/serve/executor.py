@@ -31,6 +31,7 @@ class Chunk:
     tokens: tuple[int, ...]
     start: int                # position of tokens[0]: how many tokens the slot already holds
     logits: bool = False      # return the logits row of the last new token
+    blocks: tuple[int, ...] = ()  # the slot's block table after this step, for paging executors; others ignore it
 
 
 @runtime_checkable
