@@ -92,6 +92,29 @@ class Engine(ABC):
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token contributes to the output (may be a partial UTF-8 sequence)."""
 
+    def longest_token_bytes(self) -> int:
+        """Bytes of the longest vocabulary token, output or special text (computed once)."""
+        n = getattr(self, "_longest_token", None)
+        if n is None:
+            n = max((max(len(self.token_bytes(t)), len(self.token_text(t).encode("utf-8", "replace")))
+                     for t in range(self.n_vocab)), default=1)
+            n = self._longest_token = max(n, 1)
+        return n
+
+    def check_text_fits(self, n_bytes: int, what: str = "the prompt") -> None:
+        """Refuse, before tokenizing, text that cannot fit in the context (ContextFullError).
+
+        No token stands for more than :meth:`longest_token_bytes` bytes, so ``n_bytes`` of text
+        are at least ``n_bytes / longest`` tokens; text of at most ``n_ctx`` bytes is never refused.
+        """
+        if n_bytes <= self.n_ctx:
+            return
+        least = -(-n_bytes // self.longest_token_bytes())
+        if least >= self.n_ctx:
+            raise ContextFullError(f"{what} is {n_bytes:,} bytes, so at least {least:,} tokens; "
+                                   f"the context holds {self.n_ctx}", needed=least, available=self.n_ctx,
+                                   hint="use a larger --ctx or a shorter prompt")
+
     def token_text(self, token: int) -> str:
         """A token's vocabulary text, special tokens included (for chat templates and display).
 

@@ -47,6 +47,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def prompt_tokens(args, engine, spec, text: str) -> list[int]:
     if args.raw:
+        engine.check_text_fits(len(text.encode("utf-8", "replace")))  # by bytes, before tokenizing
         return engine.tokenize(text, add_bos=True, special=False)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
     return _common.template_from(args, engine, spec).tokens(engine, messages)

@@ -289,6 +289,9 @@ class ChatTemplate:
     def tokens(self, engine, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids: template text with special tokens, message text without."""
         segs, unlocated = self.segments(messages, add_generation_prompt=add_generation_prompt)
+        check = getattr(engine, "check_text_fits", None)
+        if check is not None:  # refuse by bytes before tokenizing megabytes
+            check(sum(len(s.text.encode("utf-8", "replace")) for s in segs), "the templated prompt")
         for text in unlocated:
             if engine.tokenize(text, special=True) != engine.tokenize(text, special=False):
                 raise TemplateError("this chat template rewrites message text that contains special-token text, "

@@ -261,3 +261,30 @@ def test_chat_save_command_and_autosave_errors_name_the_path(tmp_path):
     assert lines[0].startswith(f"error: {tmp_path} is a directory") and "hint" not in lines[0] and "e.g." in lines[0]
     assert str(bad) in lines[1] and "does not exist" in lines[1] and "intact" not in lines[1]
     assert ".tmp" not in out.getvalue() and os.listdir(tmp_path) == []
+
+
+# ---- prompts too big to tokenize -------------------------------------------------------------------
+
+def test_a_huge_raw_prompt_is_refused_by_bytes_before_tokenizing(capsys, tmp_path):
+    # was: 66 MB tokenized in full (62.5 s, 4.3 GB) before "the prompt is 53541385 tokens"
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 1_200_000)            # 6 MB: under the 8M-character template cap
+    for extra in (["--raw"], []):                 # raw, and through the chat template
+        start = time.monotonic()
+        rc, out, err = _cli(capsys, "run", *extra, "-f", str(big), "-n", "1", "-t", "1")
+        assert rc != 0 and out == "" and "Traceback" not in err
+        assert "6,000," in err and "bytes" in err and "the context holds 4096" in err, err
+        assert time.monotonic() - start < 5      # tokenizing 6 MB took several times that
+
+
+def test_check_text_fits_never_refuses_what_could_fit():
+    from localinfer.errors import ContextFullError
+    from tests.support.fakes import ScriptedEngine
+
+    engine = ScriptedEngine(lambda t: None, n_vocab=100, n_ctx=64)    # token_bytes: "<id> " (at most 3 bytes)
+    assert engine.longest_token_bytes() == 3
+    engine.check_text_fits(64)                    # 64 bytes could be 64 one-byte tokens... still passed on
+    engine.check_text_fits(3 * 63)                # at least 63 tokens: could fit
+    with pytest.raises(ContextFullError) as ei:
+        engine.check_text_fits(3 * 64 + 1)
+    assert ei.value.needed == 65 and ei.value.available == 64
