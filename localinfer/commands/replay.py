@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(args):
     from localinfer.serve.scheduler import SchedulerConfig
 
+    for flag, value in (("--chunk", args.chunk), ("--itl-target", args.itl_target)):
+        if value is not None and args.policy != "chunked":
+            raise UsageError(f"{flag} applies to chunked prefill only", flag=flag, hint="add --policy chunked")
     kw = {k: v for k, v in (("policy", args.policy), ("max_running", args.max_running), ("chunk_tokens", args.chunk),
                             ("token_budget", args.token_budget), ("admission", args.admission)) if v is not None}
     if args.itl_target is not None:

@@ -156,3 +156,25 @@ def test_html_to_a_folder_fails_before_the_work(tmp_path, capsys):
     rc = main(["replay", str(TRACE), "--html", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc != 0 and err.startswith("error: ") and str(tmp_path) in err and "Traceback" not in err
+
+
+def test_itl_target_bounds_every_gap(capsys):
+    rc, out, _ = _cli(capsys, "--policy", "chunked", "--itl-target", "60", "--json")
+    got = json.loads(out)
+    assert rc == 0 and max(r["max_gap_ms"] for r in got["requests"].values()) <= 60.0
+    assert got["total_ms"] > _api("chunked")["total_ms"]          # smaller chunks, more steps
+
+
+def test_device_profile_step_model(tmp_path, capsys):
+    from tests.support import chapter
+
+    chapter.spec(tmp_path)
+    rc = main(["replay", str(TRACE), "--max-running", "2", "--device", "rtx-pro-6000", "--model",
+               str(tmp_path / "qwen3-8b-default.gguf"), "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert rc == 0 and 0 < got["total_ms"] < 10_000 and got["peak_kv_bytes"] > 0
+
+
+def test_chunk_flags_need_the_chunked_policy(capsys):
+    rc, _, err = _cli(capsys, "--chunk", "512")
+    assert rc == 2 and "--policy chunked" in err
