@@ -20,6 +20,7 @@ never overwrites a shared one.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -27,7 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from localinfer.serve.executor import Chunk, Executor
-from localinfer.serve.request import FinishReason, Request, State
+from localinfer.generation.sampling import SamplingParams
+from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepPlan
 
 
@@ -68,6 +70,7 @@ class Engine:
         self._stepped: set[str] = set()     # requests whose slot holds the KV of at least one step
         self.records: list[StepRecord] | None = [] if record else None
         self._lock = threading.RLock()
+        self._ids = itertools.count()
         self._in_step = False
         self._after_step: list[Request] = []     # cancelled during the step in flight: slots dropped after it
 
@@ -76,6 +79,15 @@ class Engine:
         self.scheduler.add(request)
         self._streams[request.id] = deque()
         return request
+
+    def submit(self, prompt, max_tokens: int, *, sampling: SamplingParams = GREEDY, stop=(),
+               stop_tokens=frozenset(), deadline_s: float | None = None, request_id: str | None = None) -> Request:
+        """A new request arriving now (on the executor's clock); ``deadline_s`` is absolute on that clock."""
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            return self.add_request(Request(rid, tuple(prompt), max_tokens, arrival_s=self.executor.clock(),
+                                            deadline_s=deadline_s, sampling=sampling, stop=tuple(stop),
+                                            stop_tokens=frozenset(stop_tokens)))
 
     def cancel(self, request_id: str) -> bool:
         """Stop the request now (any thread); its slot and KV are freed after the step in flight."""

@@ -163,3 +163,18 @@ def test_cancel_from_another_thread_frees_after_the_step_in_flight():
     ex.release.set()
     worker.join(10)
     assert e.blocks.num_free == 200 and ex.cells_used() == 0 and r.output == []
+
+
+def test_submit_and_sampled_requests_are_reproducible():
+    from localinfer.generation.sampling import SamplingParams
+
+    outs = []
+    for _ in range(2):
+        e = engine()
+        hot = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+        a = e.submit((1, 2, 3), 5, sampling=hot)
+        b = e.submit((1, 2, 3), 5, stop_tokens={e.executor.token_for(3, 3)})
+        e.run()
+        assert a.id != b.id and b.finish_reason is FinishReason.STOP and len(b.output) == 1
+        outs.append(a.output)
+    assert outs[0] == outs[1] and len(outs[0]) == 5
