@@ -121,8 +121,12 @@ def read_spec(args: argparse.Namespace):
 
 def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
     """A LoadPlan from the loading flags, checked against the model."""
-    from localinfer.generation.load import load_plan
+    from localinfer.generation.load import load_plan, usable_cores
 
+    threads, cores = getattr(args, "n_threads", None), usable_cores()
+    if threads is not None and cores < threads <= 1024:
+        print(f"warning: -t {threads} is more than the {cores} cores this process may use; using {cores}",
+              file=sys.stderr)
     names = ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn")
     options = {k: getattr(args, k, None) for k in names}
     options.update(overrides)

@@ -288,3 +288,14 @@ def test_check_text_fits_never_refuses_what_could_fit():
     with pytest.raises(ContextFullError) as ei:
         engine.check_text_fits(3 * 64 + 1)
     assert ei.value.needed == 65 and ei.value.available == 64
+
+
+def test_more_threads_than_cores_warns_and_caps(capsys):
+    import json
+
+    from localinfer.generation.load import usable_cores
+
+    rc, out, err = _cli(capsys, "run", "-p", "hi", "-n", "1", "-t", "1000", "--json")
+    cores = usable_cores()
+    assert rc == 0 and json.loads(out)["plan"]["threads"] == cores
+    assert f"warning: -t 1000 is more than the {cores} cores this process may use; using {cores}" in err
