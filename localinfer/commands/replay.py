@@ -20,6 +20,7 @@ DEFAULT_STEP_MODEL = "26.22,30.4,3"   # ms, µs/token, ns/pair: a Qwen3-8B BF16 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
     from localinfer.serve.scheduler import ADMISSIONS, POLICIES, SchedulerConfig
 
     d = SchedulerConfig()
@@ -43,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default=None, metavar="NAME", help="predict steps with this device profile (needs --model)")
     m.add_argument("--model", default=None, metavar="GGUF", help="model for --device and for KV bytes (header only)")
     m.add_argument("--kv-budget", default=None, metavar="SIZE", help="KV pool, e.g. 12GiB (needs --model)")
-    m.add_argument("--block", type=int, default=None, metavar="P", help="tokens per KV block (default 16)")
+    m.add_argument("--block", type=int, default=None, metavar="P",
+                   help=f"tokens per KV block (default {DEFAULT_BLOCK_TOKENS})")
     m.add_argument("--prefix-cached", action="store_true", help="named prefixes are in the prefix cache at the start")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
