@@ -23,6 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", metavar="FILE", help="continue a transcript written by /save or --save")
 
 
+def _check_template(template, engine, system: str | None) -> None:
+    """Render a first message once, so a template that cannot render any conversation stops chat here."""
+    from localinfer.errors import TemplateError
+
+    probe = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hello"}]
+    try:
+        template.tokens(engine, probe)
+    except TemplateError as exc:
+        raise TemplateError(f"the chat template cannot render a first message: {exc}",
+                            hint=exc.hint or "pass --chat-template FILE to use another template") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from gguf_tools.inspect import safe_text
     from localinfer.generation.chat import ChatSession, read_transcript
@@ -42,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     engine, spec, plan, _backend = _common.load(args)
     with engine:
         template = _common.template_from(args, engine, spec)
+        _check_template(template, engine, args.system)
         if sys.stdin.isatty():
             try:
                 import readline  # noqa: F401  (line editing and Up-arrow history for input())

@@ -104,7 +104,7 @@ class ChatSession:
             prompt = self._prompt()
         except LocalinferError as exc:
             self.messages.pop()
-            self.note(f"error: {exc} (your message was not sent; press Up to edit it)")
+            self.note(f"error: {exc}{_hint(exc)} (your message was not sent; press Up to edit it)")
             return
         if prompt is None:
             self.messages.pop()
@@ -131,7 +131,7 @@ class ChatSession:
             _close_quietly(stream)
             self.messages.pop()
             self.say()
-            self.note(f"error: {exc} (your message was not sent; press Up to edit it)")
+            self.note(f"error: {exc}{_hint(exc)} (your message was not sent; press Up to edit it)")
             return
         self.say()
         self.messages.append({"role": "assistant", "content": "".join(parts)})
@@ -310,6 +310,11 @@ def read_transcript(path: str) -> tuple[list[dict], str | None]:
         if src.get("interrupted") is True:
             m["interrupted"] = True
     return plain, system
+
+
+def _hint(exc: BaseException) -> str:
+    hint = getattr(exc, "hint", None)
+    return f"; hint: {hint}" if hint else ""
 
 
 def _close_quietly(stream) -> None:

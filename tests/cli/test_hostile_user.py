@@ -299,3 +299,34 @@ def test_more_threads_than_cores_warns_and_caps(capsys):
     cores = usable_cores()
     assert rc == 0 and json.loads(out)["plan"]["threads"] == cores
     assert f"warning: -t 1000 is more than the {cores} cores this process may use; using {cores}" in err
+
+
+# ---- chat templates ------------------------------------------------------------------------------
+
+def test_chat_with_a_template_that_cannot_render_does_not_open(capsys, tmp_path):
+    # was: chat opened, every message failed, exit 0
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ raise_exception('broken template') }}")
+    rc, out, err = _cli(capsys, "chat", "--chat-template", str(bad))
+    assert rc != 0 and ">>>" not in out and "Traceback" not in err
+    assert "error: the chat template cannot render a first message: chat template: broken template" in err
+    assert "\nhint: " in err
+
+
+def test_in_chat_errors_keep_the_hint():
+    # was: the in-chat error dropped the hint that `run` prints
+    import io
+
+    from localinfer.errors import TemplateError
+    from localinfer.generation.chat import ChatSession
+    from tests.support.fakes import ScriptedEngine
+
+    class Failing:
+        def tokens(self, engine, messages, **kw):
+            raise TemplateError("chat template: two turns only", hint="check the roles and order of the messages")
+
+    out = io.StringIO()
+    session = ChatSession(ScriptedEngine(lambda t: None, 8), Failing(), out=out)
+    session.turn("hello")
+    assert out.getvalue().startswith("error: chat template: two turns only; hint: check the roles and order")
+    assert "not sent" in out.getvalue() and session.messages == []
