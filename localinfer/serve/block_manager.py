@@ -223,13 +223,17 @@ class BlockManager:
         for b in reversed(table):   # the tail first: it is the first to be evicted
             self._unref(b)
 
-    def sharer(self, seq, n_blocks: int):
-        """Another sequence whose table starts with the same ``n_blocks`` blocks as ``seq``'s, or None."""
-        head = self.tables[seq][:n_blocks]
-        for other, table in self.tables.items():
-            if other != seq and table[:n_blocks] == head and self.lengths[other] >= n_blocks * self.block_tokens:
-                return other
-        return None
+    def sharers(self, seq) -> list[tuple[object, int]]:
+        """Other sequences sharing ``seq``'s leading blocks: (sequence, whole blocks in common), most first."""
+        table, p, out = self.tables[seq], self.block_tokens, []
+        for other, theirs in self.tables.items():
+            k = 0
+            limit = min(len(table), len(theirs), self.lengths[other] // p, self.lengths[seq] // p)
+            while k < limit and table[k] == theirs[k]:
+                k += 1
+            if other != seq and k:
+                out.append((other, k))
+        return sorted(out, key=lambda x: -x[1])
 
     def preload(self, tokens: Sequence[int]) -> int:
         """Put the whole blocks of ``tokens`` in the prefix cache, unreferenced (a warm cache); blocks stored."""

@@ -9,9 +9,8 @@ its own sampler.  Each token, and each finish, becomes a ``StreamChunk`` on that
 request's stream.
 
 An executor that can bring back a cached prefix no running request holds
-declares ``restores_cached_prefix = True`` (the simulator: a chunk may start past
-what its slot holds); with any other, the block manager must be built with
-``pool_hits=False``.
+declares ``restores_cached_prefix = True`` and ``restore(slot, n_tokens)`` (the
+simulator); with any other, the block manager must be built with ``pool_hits=False``.
 
 Copy-on-write block copies are bookkeeping only here: a backend whose KV cells
 carry several sequence ids (llama.cpp) writes a new cell for the new token and
@@ -67,7 +66,7 @@ class Engine:
         self._free_slots = deque(range(executor.n_slots))
         self.slot_of: dict[str, int] = {}
         self._streams: dict[str, deque[StreamChunk]] = {}
-        self._stepped: set[str] = set()     # requests whose slot holds the KV of at least one step
+        self._holding: set[str] = set()     # requests whose slot holds the positions their blocks say
         self.records: list[StepRecord] | None = [] if record else None
         self._lock = threading.RLock()
         self._ids = itertools.count()
@@ -139,7 +138,7 @@ class Engine:
                     sampled[c.request.id] = c.request.sampler.sample(rows[ch.slot], c.request.view())
             end = ex.clock()
             done = sched.complete(plan, sampled, end)
-            self._stepped.update(c.request.id for c in plan.chunks)
+            self._holding.update(c.request.id for c in plan.chunks)
             if self.records is not None:
                 self.records.append(StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens)
                                                                  for c in plan.chunks)))
@@ -180,17 +179,24 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------
     def _seat(self, r: Request) -> None:
+        """A slot for r; its cached prefix copied from a request holding it, the rest restored from the pool."""
         slot = self._free_slots.popleft()
         self.slot_of[r.id] = slot
-        p = self.blocks.block_tokens
-        if r.cached:
-            src = self.blocks.sharer(r.id, r.cached // p)
-            if src is not None and src in self._stepped:
-                self.executor.copy(self.slot_of[src], slot, r.cached)
+        if not r.cached:
+            return
+        p, have = self.blocks.block_tokens, 0
+        for other, k in self.blocks.sharers(r.id):
+            if other in self._holding:
+                have = min(k * p, r.cached)
+                self.executor.copy(self.slot_of[other], slot, have)
+                break
+        if have < r.cached:
+            self.executor.restore(slot, r.cached)
+        self._holding.add(r.id)
 
     def _release(self, r: Request) -> None:
         slot = self.slot_of.pop(r.id, None)
-        self._stepped.discard(r.id)
+        self._holding.discard(r.id)
         if slot is not None:
             self.executor.drop(slot)
             self._free_slots.append(slot)

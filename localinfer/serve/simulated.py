@@ -8,9 +8,8 @@ batch, or recomputed after a preemption.
 
 KV cells are modelled as llama.cpp holds them: ``copy`` makes the destination
 slot share the source's cells (a cell may carry several sequences), ``drop``
-forgets them, and ``cells_used`` counts distinct cells.  A chunk starting past
-what its slot holds reads a prefix kept in the cache pool (no longer held by
-any slot); the simulator gives those positions cells of their own.
+forgets them, and ``cells_used`` counts distinct cells.  ``restore`` brings back
+a prefix kept in the cache pool that no slot holds any more (new cells).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ class SimulatedExecutor:
                 raise ValueError(f"bad chunk for slot {ch.slot}: slots must be distinct, below {self.n_slots}, "
                                  "with at least one token")
             held = len(self._cells.get(ch.slot, ()))
-            if ch.start < held:
+            if ch.start != held:
                 raise ValueError(f"slot {ch.slot} holds {held} positions; a chunk cannot start at {ch.start}")
             seen.add(ch.slot)
         self.now += self.step_model.seconds([(len(ch.tokens), ch.start) for ch in chunks])
@@ -56,7 +55,7 @@ class SimulatedExecutor:
         out = {}
         for ch in chunks:
             cells = self._cells.setdefault(ch.slot, [])
-            cells.extend(next(self._ids) for _ in range(ch.start + len(ch.tokens) - len(cells)))
+            cells.extend(next(self._ids) for _ in ch.tokens)
             self._last[ch.slot] = ch.tokens[-1]
             if ch.logits:
                 row = np.zeros(self.n_vocab, dtype=np.float32)
@@ -71,6 +70,11 @@ class SimulatedExecutor:
         if self._cells.get(dst):
             raise ValueError(f"slot {dst} is not empty")
         self._cells[dst] = cells[:n_tokens]
+
+    def restore(self, slot: int, n_tokens: int) -> None:
+        """Slot positions up to n_tokens come back from the cache pool (cells of their own)."""
+        cells = self._cells.setdefault(slot, [])
+        cells.extend(next(self._ids) for _ in range(n_tokens - len(cells)))
 
     def drop(self, slot: int, start: int = 0) -> None:
         if slot in self._cells:

@@ -48,7 +48,7 @@ def test_a_and_b_share_eight_tokens():
     assert hits == [0, 8, 0, 0]
     assert bm.used * 4 == 44
     assert bm.used == page_usage(LENGTHS, 4, shared_prefix=8, sharing=[0, 1]).physical_blocks
-    assert bm.sharer(1, 2) == 0
+    assert bm.sharers(1) == [(0, 2)]
 
 
 def test_four_branches_share_95_blocks():

@@ -111,6 +111,7 @@ def test_random_add_step_cancel_leaves_nothing_behind(seq, admission, policy):
         elif n:
             e.cancel(f"q{size % n}")
         assert e.blocks.used <= e.blocks.num_blocks
+        assert e.executor.cells_used() == e.blocks.tokens_in_use()     # KV cells = tokens in referenced blocks
     e.run()
     assert e.blocks.used == 0 and e.executor.cells_used() == 0
     assert all(r.finished for r in e.scheduler.requests.values())
@@ -178,3 +179,13 @@ def test_submit_and_sampled_requests_are_reproducible():
         assert a.id != b.id and b.finish_reason is FinishReason.STOP and len(b.output) == 1
         outs.append(a.output)
     assert outs[0] == outs[1] and len(outs[0]) == 5
+
+
+def test_warm_pool_hits_are_restored_once_then_copied():
+    e = engine(n_blocks=100, p=4, max_running=3)
+    system = tuple(range(1000, 1012))
+    e.blocks.preload(system)
+    reqs = [e.add_request(Request(f"w{i}", system + (i,), 3)) for i in range(3)]
+    e.step()
+    assert [r.cached for r in reqs] == [12, 12, 12]
+    assert e.executor.cells_used() == e.blocks.tokens_in_use() == 12 + 3     # one copy of the prefix
