@@ -1,0 +1,130 @@
+"""Batch generation equals each prompt run alone through Runner (embedded model, 1 thread, flash attention on).
+
+At one thread with flash attention llama.cpp computes each row of a batch bit
+for bit as alone (tests/serve/test_llamacpp_executor.py), so the texts must be
+equal, greedy or sampled with the same seed, whatever the slots' interleaving.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from localinfer.backends.engine import LoadPlan
+from localinfer.generation.runner import Runner
+from localinfer.generation.sampling import SamplingParams
+
+pytest.importorskip("llama_cpp")
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Three colours:", "Water boils at",
+           "Once upon a time"]
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def executor(default_model):
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=3, n_ctx=768, threads=1, flash_attn=True, unified=False) as ex:
+        yield ex
+
+
+@pytest.fixture(scope="module")
+def alone(default_model):
+    from localinfer.backends.llamacpp.engine import LlamaCppEngine
+
+    with LlamaCppEngine(LoadPlan(str(default_model), n_ctx=256, n_threads=1, flash_attn=True)) as eng:
+        yield eng
+
+
+def _prompts(engine, texts=PROMPTS):
+    return [engine.tokenize(t, add_bos=True) for t in texts]
+
+
+def _runner(engine, prompt, params=GREEDY, **kw):
+    r = Runner(engine)
+    r.reset()
+    return r.generate(prompt, params, **kw)
+
+
+def _batch(executor, prompts, params=GREEDY, **kw):
+    from localinfer.serve.batch import run_batch
+
+    out = run_batch(executor, executor.engine, prompts, params, **kw)
+    assert executor.cells_used() == 0                     # every slot dropped at the end
+    return out
+
+
+def test_greedy_batch_with_refill_equals_each_prompt_alone(executor, alone):
+    prompts = _prompts(alone)
+    got = _batch(executor, prompts, max_tokens=12, parallel=3)          # 5 prompts, 3 slots: two refills
+    for p, r in zip(prompts, got):
+        want = _runner(alone, p, max_tokens=12)
+        assert (r.text, r.tokens, r.finish_reason) == (want.text, want.tokens, want.finish_reason)
+        assert len(r.token_times) == len(r.tokens) and r.ttft_s > 0
+
+
+def test_chunked_prefill_early_stops_and_a_prefix_copy_equal_each_prompt_alone(executor, alone, default_model):
+    from localinfer.model.spec import ModelSpec
+    from localinfer.model.templates import template_for
+
+    tpl = template_for(ModelSpec.from_gguf(default_model))
+    prompts = [tpl.tokens(alone, [{"role": "user", "content": q}]) for q in ("Say hi.", "What is 2+2?", "Name a fruit.")]
+    copies = []
+    copy = executor.copy
+    executor.copy = lambda *a: (copies.append(a), copy(*a))
+    try:
+        got = _batch(executor, prompts, max_tokens=40, parallel=2, chunk=7)
+    finally:
+        del executor.copy
+    assert [r.finish_reason for r in got[:2]] == ["stop", "stop"]   # "2+2" ends first and frees its slot
+    assert [(src, n) for src, _dst, n in copies] == [(0, 16)]   # the third shares the first's template block
+    for p, r in zip(prompts, got):
+        want = _runner(alone, p, max_tokens=40)
+        assert (r.text, r.tokens, r.finish_reason) == (want.text, want.tokens, want.finish_reason)
+
+
+def test_sampled_requests_with_one_seed_equal_each_alone(executor, alone):
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    prompts = _prompts(alone)[:3]
+    got = _batch(executor, prompts, params, max_tokens=10)
+    for p, r in zip(prompts, got):
+        assert r.tokens == _runner(alone, p, params, max_tokens=10).tokens
+
+
+def test_stop_strings_and_the_request_context_end_replies_as_runner_does(executor, alone, default_model):
+    from localinfer.backends.llamacpp.engine import LlamaCppEngine
+
+    prompts = _prompts(alone)[:3]
+    got = _batch(executor, prompts, max_tokens=16, stop=["\n", " a"])
+    for p, r in zip(prompts, got):
+        want = _runner(alone, p, max_tokens=16, stop=["\n", " a"])
+        assert (r.text, r.finish_reason) == (want.text, want.finish_reason)
+    with LlamaCppEngine(LoadPlan(str(default_model), n_ctx=12, n_threads=1, flash_attn=True)) as small:
+        want = _runner(small, prompts[0], max_tokens=30)
+    r = _batch(executor, prompts[:1], max_tokens=30, ctx=12)[0]
+    assert (r.text, r.finish_reason) == (want.text, want.finish_reason) == (r.text, "length")
+    assert len(r.tokens) == 12 - len(prompts[0]) + 1
+
+
+def test_generate_batch_end_to_end(default_model, alone):
+    from localinfer.serve.batch import generate_batch
+
+    texts = generate_batch(default_model, PROMPTS[:3], max_tokens=8, temperature=0, parallel=2, threads=1)
+    assert texts == [_runner(alone, p, max_tokens=8).text for p in _prompts(alone)[:3]]
+    assert generate_batch(default_model, [], max_tokens=8) == []
+
+
+def test_bad_arguments_are_usage_errors(executor, default_model):
+    from localinfer.errors import ContextFullError, UsageError
+    from localinfer.serve.batch import generate_batch, run_batch
+
+    with pytest.raises(UsageError):
+        generate_batch(default_model, ["x"], parallel=0)
+    with pytest.raises(UsageError):
+        generate_batch(default_model, ["x"], backend="mlx")
+    with pytest.raises(UsageError):
+        run_batch(executor, executor.engine, [[1, 2]], ctx=1000)                # 3 x 1000 > 768 cells
+    with pytest.raises(ContextFullError):
+        run_batch(executor, executor.engine, [list(range(300))], parallel=3)   # 256 positions per request
+    with pytest.raises(UsageError):
+        run_batch(executor, executor.engine, [[]])
