@@ -32,6 +32,7 @@ from localinfer.serve.step_model import StepModel
 from localinfer.util.stats import percentile
 
 TOKEN_RANGE = 1 << 30
+MAX_TRACE_TOKENS = 1 << 21    # per request, input and output each: beyond any context a model is trained for
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,18 @@ def _bad(where: str, field: str, problem: str, fix: str) -> UsageError:
     return UsageError(f"{where}: {field} {problem}", hint=fix, field=field)
 
 
-def _number(item: dict, key: str, where: str, *, integer: bool, low: float, required: bool = True):
+def _number(item: dict, key: str, where: str, *, integer: bool, low: float, required: bool = True,
+            high: float = math.inf):
     if key not in item:
         if required:
             raise _bad(where, f'"{key}"', "is missing", f'give every request "{key}"')
         return None
     v = item[key]
     ok = not isinstance(v, bool) and isinstance(v, int if integer else (int, float))
-    if not ok or not math.isfinite(v) or v < low:
+    if not ok or not math.isfinite(v) or not low <= v <= high:
         kind = "a whole number" if integer else "a number"
-        raise _bad(where, f'"{key}"', f"must be {kind} ≥ {low:g}, got {v!r}", f'fix "{key}" of this request')
+        span = f"≥ {low:g}" if high == math.inf else f"between {low:g} and {high:g}"
+        raise _bad(where, f'"{key}"', f"must be {kind} {span}, got {v!r}", f'fix "{key}" of this request')
     return v
 
 
@@ -82,8 +85,8 @@ def parse_trace(items, source: str = "trace") -> list[TraceRequest]:
             raise _bad(where, f'"{sorted(unknown)[0]}"', "is not a trace field",
                        "fields: id, arrival_ms, input, output, prefix, prefix_len, deadline_ms")
         arrival = _number(item, "arrival_ms", where, integer=False, low=0)
-        n_in = _number(item, "input", where, integer=True, low=1)
-        n_out = _number(item, "output", where, integer=True, low=1)
+        n_in = _number(item, "input", where, integer=True, low=1, high=MAX_TRACE_TOKENS)
+        n_out = _number(item, "output", where, integer=True, low=1, high=MAX_TRACE_TOKENS)
         deadline = _number(item, "deadline_ms", where, integer=False, low=arrival, required=False)
         prefix = item.get("prefix")
         if prefix is not None and not isinstance(prefix, str):
