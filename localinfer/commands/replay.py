@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"step = fixed + per new token + per causal pair (default {DEFAULT_STEP_MODEL})")
     m.add_argument("--device", default=None, metavar="NAME", help="predict steps with this device profile (needs --model)")
     m.add_argument("--model", default=None, metavar="GGUF", help="model for --device and for KV bytes (header only)")
-    m.add_argument("--kv-budget", default=None, metavar="SIZE", help="KV pool, e.g. 12GiB (needs --model)")
+    m.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="KV pool, e.g. 12GiB (needs --model; default: room for the --max-running largest requests)")
     m.add_argument("--block", type=int, default=None, metavar="P",
                    help=f"tokens per KV block (default {DEFAULT_BLOCK_TOKENS})")
     m.add_argument("--prefix-cached", action="store_true", help="named prefixes are in the prefix cache at the start")

@@ -187,14 +187,18 @@ class ReplayResult:
 def replay(trace: list[TraceRequest], config: SchedulerConfig, step_model: StepModel, *,
            block_tokens: int = DEFAULT_BLOCK_TOKENS, kv_blocks: int | None = None,
            kv_bytes_per_token: int | None = None, prefix_cached: bool = False) -> ReplayResult:
-    """Run ``trace`` to the end; ``kv_blocks`` None is a pool large enough for every request at once."""
+    """Run ``trace`` to the end; ``kv_blocks`` None: room for the ``max_running`` largest requests and the prefixes."""
     if block_tokens < 1:
         raise UsageError(f"--block must be ≥ 1, got {block_tokens}", flag="--block")
+    named: dict[str, int] = {}
+    for t in trace:
+        if t.prefix:
+            named[t.prefix] = max(named.get(t.prefix, 0), t.prefix_len)
     if kv_blocks is None:
-        kv_blocks = sum(blocks_for(tokens_held(t.input, t.output), block_tokens) for t in trace)
+        need = sorted((blocks_for(tokens_held(t.input, t.output), block_tokens) for t in trace), reverse=True)
+        kv_blocks = sum(need[:config.max_running]) + sum(blocks_for(n, block_tokens) for n in named.values())
     blocks = BlockManager(kv_blocks, block_tokens)
     if prefix_cached:
-        named = {t.prefix: max(x.prefix_len for x in trace if x.prefix == t.prefix) for t in trace if t.prefix}
         for name, n in named.items():
             blocks.preload(prefix_tokens(name, n))
     scheduler = Scheduler(config, blocks, step_model)
