@@ -162,15 +162,15 @@ def render_text(result, config, desc: str) -> str:
     lines += [fmt(r) for r in rows]
     lines += [f"{safe_text(r.id)[:24]}: {safe_text(r.error)}" for r in result.requests if r.error]
     kv = "" if result.peak_kv_bytes is None else f" = {result.peak_kv_bytes / 2**20:.1f} MiB"
+    pre, redo = sum(r.preemptions for r in result.requests), sum(r.recomputed for r in result.requests)
     lines += [
-        f"makespan {f(s['makespan_ms'])} ms; throughput {f(s['throughput_tok_s'])} output tok/s; "
-        f"goodput {s['good_requests']}/{len(result.requests)} on time = {f(s['goodput_req_s'], 2)} req/s",
-        f"TTFT p50 {f(s['ttft_p50_ms'])} ms, p95 {f(s['ttft_p95_ms'])} ms; "
-        f"ITL p50 {f(s['itl_p50_ms'])} ms, p95 {f(s['itl_p95_ms'])} ms",
-        f"peak running {result.peak_running}; peak KV {result.blocks.peak_used} blocks of "
-        f"{result.blocks.block_tokens} tokens{kv}; {len(result.steps)} steps; "
-        f"{sum(r.preemptions for r in result.requests)} preemptions, "
-        f"{sum(r.recomputed for r in result.requests)} tokens recomputed",
+        (f"makespan {f(s['makespan_ms'])} ms; throughput {f(s['throughput_tok_s'])} output tok/s; "
+         f"goodput {s['good_requests']}/{len(result.requests)} on time = {f(s['goodput_req_s'], 2)} req/s"),
+        (f"TTFT p50 {f(s['ttft_p50_ms'])} ms, p95 {f(s['ttft_p95_ms'])} ms; "
+         f"ITL p50 {f(s['itl_p50_ms'])} ms, p95 {f(s['itl_p95_ms'])} ms"),
+        (f"peak running {result.peak_running}; peak KV {result.blocks.peak_used} blocks of "
+         f"{result.blocks.block_tokens} tokens{kv}; {len(result.steps)} steps; {pre} preemptions, "
+         f"{redo} tokens recomputed"),
     ]
     return "\n".join(lines)
 
@@ -182,8 +182,8 @@ def render_html(result, config, desc: str) -> str:
     x = (lambda t: left + t / total * (width - left - 10))
     rows = {r.id: i for i, r in enumerate(result.requests)}
     height = 40 + row_h * len(rows)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="11" '
-             'font-family="sans-serif">']
+    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="11" '
+              'font-family="sans-serif">')]
     for r in result.requests:
         y = 20 + rows[r.id] * row_h
         parts.append(f'<text x="4" y="{y + 14}">{escape(r.id[:12])}</text>')

@@ -82,7 +82,7 @@ def parse_trace(items, source: str = "trace") -> list[TraceRequest]:
         seen.add(rid)
         unknown = set(item) - {"id", "arrival_ms", "input", "output", "prefix", "prefix_len", "deadline_ms"}
         if unknown:
-            raise _bad(where, f'"{sorted(unknown)[0]}"', "is not a trace field",
+            raise _bad(where, f'"{min(unknown)}"', "is not a trace field",
                        "fields: id, arrival_ms, input, output, prefix, prefix_len, deadline_ms")
         arrival = _number(item, "arrival_ms", where, integer=False, low=0)
         n_in = _number(item, "input", where, integer=True, low=1, high=MAX_TRACE_TOKENS)

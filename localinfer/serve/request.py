@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from localinfer.errors import UsageError
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
@@ -122,7 +123,7 @@ class Request:
     def gaps_s(self) -> list[float]:
         """Inter-token latencies: the time between consecutive output tokens."""
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in pairwise(t)]
 
     @property
     def max_gap_s(self) -> float:

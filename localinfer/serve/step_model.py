@@ -12,6 +12,7 @@ pairs (a decode token after h cached ones: h + 1).  Two models:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,7 +43,7 @@ class LinearStepModel:
         except ValueError:
             raise UsageError(f"{flag} needs three numbers FIXED_MS,PER_TOKEN_US,PER_PAIR_NS, got {text!r}",
                              flag=flag, hint=f"e.g. {flag} 26.22,30.4,3") from None
-        if min(ms, us, ns) < 0 or ms + us + ns <= 0 or any(v != v or v == float("inf") for v in (ms, us, ns)):
+        if not all(math.isfinite(v) for v in (ms, us, ns)) or min(ms, us, ns) < 0 or ms + us + ns <= 0:
             raise UsageError(f"{flag} coefficients must be finite, non-negative and not all zero, got {text!r}",
                              flag=flag, hint=f"e.g. {flag} 26.22,30.4,3")
         return cls(ms * 1e-3, us * 1e-6, ns * 1e-9)
@@ -69,7 +70,7 @@ class SpeedStepModel:
         for c, h in chunks:
             if c > 1:
                 t += self.speed.prefill(1, c, h).seconds
-        if t != t:
+        if math.isnan(t):
             raise UsageError("the device profile has no speed figures for this model", flag="--device",
                              hint="use --step-model FIXED_MS,PER_TOKEN_US,PER_PAIR_NS instead")
         return t

@@ -75,10 +75,10 @@ def test_jsonl_trace_and_deadlines(capsys, tmp_path):
     items[3]["deadline_ms"] = 700
     path = tmp_path / "t.jsonl"
     path.write_text("\n".join(json.dumps(i) for i in items) + "\n")
-    rc = main(["replay", str(path), "--max-running", "2", "--json"])
+    assert main(["replay", str(path), "--max-running", "2", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["good_requests"] == 3 and got["finish_reasons"]["r3"] == "length"
-    rc = main(["replay", str(path), "--max-running", "2", "--json", "--deadline-aware"])
+    assert main(["replay", str(path), "--max-running", "2", "--json", "--deadline-aware"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["finish_reasons"]["r3"] == "deadline" and got["requests"]["r3"]["first_token_ms"] is None
 
