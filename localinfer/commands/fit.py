@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from localinfer.plan.speed import predict_speed
     from localinfer.report.fit import fit_json, render_text
 
-    spec = ModelSpec.from_gguf(resolve_model(args.model))
+    spec = ModelSpec.from_gguf(resolve_model(args.model)).require_weights()
     req = _request(args, spec)
     results = [fit_device(spec, dev, req) for dev in _devices(args)]
     speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -26,17 +27,35 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     shards = read_shards(path)
     header = merge(shards)
-    spec = ModelSpec.from_gguf(header)
+    spec, not_a_model = _spec(header)
     acc = account(shards)
-    active = active_parameters(header)
+    active = active_parameters(header) if spec is not None else None
     if args.json:
         out = _as_json(header, spec, acc, active, args.tensors)
+        out["not_a_model"] = not_a_model
         out["shards"] = [s.path for s in shards]
         json.dump(out, sys.stdout, indent=1)
         print()
     else:
-        print(_as_text(header, spec, acc, active, args.tensors, len(shards)))
+        print(_as_text(header, spec, acc, active, args.tensors, len(shards), not_a_model))
     return 0
+
+
+def _spec(header):
+    """(ModelSpec or None, why the file is not a complete model or None): any valid GGUF is shown."""
+    from gguf_tools import GGUFFormatError
+    from localinfer.errors import UnsupportedModelError
+    from localinfer.model.spec import ModelSpec
+
+    try:
+        spec = ModelSpec.from_gguf(header)
+    except GGUFFormatError as exc:  # the container parsed; its metadata does not describe a whole model
+        return None, exc.message if exc.field == "general.type" else f"not a complete model: {exc.message}"
+    try:
+        spec.require_weights()
+    except UnsupportedModelError as exc:
+        return spec, exc.message.removeprefix(f"{spec.path}: ")
+    return spec, None
 
 
 def _model_json(spec) -> dict:
@@ -58,7 +77,7 @@ def _as_json(header, spec, acc, active, tensors: bool) -> dict:
         "path": header.path, "file_size": header.file_size, "version": header.version,
         "alignment": header.alignment, "header_size": header.header_size, "data_offset": header.data_offset,
         "n_tensors": len(header.tensors), "n_kv": len(header.kv), "bytes_read": header.bytes_read,
-        "model": _model_json(spec), "n_params": acc.n_params, "n_params_active": active,
+        "model": _model_json(spec) if spec is not None else None, "n_params": acc.n_params, "n_params_active": active,
         "accounting": acc.as_dict(),
         "metadata": {k: json_value(v) for k, v in header.kv.items()},
     }
@@ -72,7 +91,7 @@ def _heads(v: tuple[int, ...]) -> str:
     return str(v[0]) if len(set(v)) == 1 else f"{min(v)}..{max(v)} per layer"
 
 
-def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str:
+def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1, not_a_model: str | None = None) -> str:
     from gguf_tools.inspect import describe_value, safe_text
     from localinfer.units import fmt_bytes
 
@@ -84,6 +103,22 @@ def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str
         + (f" in {n_shards} shards" if n_shards > 1 else ""))
     add(f"format      GGUF v{header.version}, alignment {header.alignment}, {len(header.tensors):,} tensors, "
         f"{len(header.kv)} metadata keys, data at byte {header.data_offset:,}")
+    if not_a_model:
+        add(f"note        {safe_text(not_a_model, 160)} (fit and run need a full model)")
+    if spec is None:
+        arch_name, name = header.get("general.architecture"), header.get("general.name")
+        add(f"model       {safe_text(name or os.path.basename(header.path), 80)}  (arch {safe_text(arch_name or '?', 40)}"
+            + (f", file type {_ftype_name(ftype)}" if isinstance(ftype, int) else "") + ")")
+        add(f"parameters  {acc.n_params:,} ({acc.n_params / 1e9:.2f} B)")
+    else:
+        _model_lines(add, spec, ftype, acc, active, header)
+    _accounting_lines(add, header, acc, tensors)
+    return "\n".join(lines)
+
+
+def _model_lines(add, spec, ftype, acc, active, header) -> None:
+    from gguf_tools.inspect import safe_text
+
     add(f"model       {safe_text(spec.name, 80)}  (arch {safe_text(spec.arch, 40)}"
         + (f", file type {_ftype_name(ftype)}" if isinstance(ftype, int) else "") + ")")
     arch = (f"layers {spec.n_layers}, embd {spec.n_embd}, heads {_heads(spec.n_head)}/{_heads(spec.n_head_kv)} "
@@ -101,6 +136,11 @@ def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str
         add("note        skeleton file: header only, the data section holds no weights")
     for m in spec.missing:
         add(f"note        {safe_text(m, 160)}")
+
+
+def _accounting_lines(add, header, acc, tensors: bool) -> None:
+    from gguf_tools.inspect import describe_value, safe_text
+    from localinfer.units import fmt_bytes
 
     add("")
     add(f"  {'type':<8}{'tensors':>8}{'parameters':>18}{'bytes':>18}{'codes':>18}{'metadata':>16}{'bits/w':>8}")
@@ -135,7 +175,6 @@ def _as_text(header, spec, acc, active, tensors: bool, n_shards: int = 1) -> str
         for t in header.tensors:
             shape = "×".join(str(d) for d in t.shape)
             add(f"  {safe_text(t.name, 36):<36}{t.type.name:<8}{shape:<26}{t.n_bytes:>16,}{t.file_offset:>18,}")
-    return "\n".join(lines)
 
 
 def _ftype_name(v: int) -> str:

@@ -75,7 +75,7 @@ def build(args: argparse.Namespace):
     _check(args.acceptance, "--acceptance", 0.0, 1.0)
     _check(args.draft_tokens, "--draft-tokens", 1, 64)
     workload = Workload(args.requests, args.input, args.output, args.shared_prefix, deadline_s=args.deadline)
-    spec = ModelSpec.from_gguf(resolve_model(args.model))
+    spec = ModelSpec.from_gguf(resolve_model(args.model)).require_weights()
     device = local_device() if args.device == "local" else get_device(args.device)
     calibration = load_bench(args.bench) if args.bench else None
     speed = SpeedModel(model_cost(spec), device, calibration)
@@ -108,7 +108,7 @@ def build(args: argparse.Namespace):
         k = args.draft_tokens or lookup_draft_length(speed, workload, args.acceptance)
         drafts.append(Drafting.lookup(args.acceptance, k))
         if args.draft:
-            draft = model_cost(ModelSpec.from_gguf(resolve_model(args.draft)))
+            draft = model_cost(ModelSpec.from_gguf(resolve_model(args.draft)).require_weights())
             drafts.append(model_drafting(draft, speed, workload, args.acceptance, k))
     elif args.draft:
         raise UsageError("--draft needs --acceptance (how often the target agrees with the draft)",

@@ -62,7 +62,7 @@ def build(args: argparse.Namespace):
             kv_pair(t)
         except UsageError as exc:
             raise UsageError(f"--kv: {exc}", flag="--kv", hint=exc.hint) from None
-    specs = [ModelSpec.from_gguf(resolve_model(m)) for m in (args.models or [None])]
+    specs = [ModelSpec.from_gguf(resolve_model(m)).require_weights() for m in (args.models or [None])]
     if args.devices:
         profiles = load_profiles()
         names = [n.strip() for n in args.devices.split(",") if n.strip()]

@@ -41,7 +41,8 @@ def open_model(model: str | Path | None = None, backend: str | None = None) -> L
     path = resolve_model(None if model is None else str(model))
     if path.is_dir():
         raise UsageError(f"{path} is a directory; pass a .gguf file", flag="MODEL")
-    return Loaded(path, ModelSpec.from_gguf(read_model_header(path)), canonical(backend or DEFAULT_BACKEND))
+    spec = ModelSpec.from_gguf(read_model_header(path)).require_weights()
+    return Loaded(path, spec, canonical(backend or DEFAULT_BACKEND))
 
 
 def usable_cores() -> int:

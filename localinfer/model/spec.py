@@ -127,6 +127,21 @@ class ModelSpec:
         """(K elements, V elements) one token adds to layer il's cache."""
         return self.n_head_kv[il] * self.head_dim_k, self.n_head_kv[il] * self.head_dim_v
 
+    def require_weights(self) -> "ModelSpec":
+        """This spec, or UnsupportedModelError for a file with no tensors to place or run (vocab-only).
+
+        Header-only specs are fine for the maths; ``fit``, ``plan``, ``report`` and loading ask for weights.
+        """
+        if self.tensors:
+            return self
+        from localinfer.errors import UnsupportedModelError
+
+        if self.tokenizer_model is not None:
+            raise UnsupportedModelError(f"{self.path}: vocab-only file: no weights",
+                                        hint="pass a full model GGUF; this one holds only a tokenizer", path=self.path)
+        raise UnsupportedModelError(f"{self.path}: the file holds no tensors: no weights",
+                                    hint="pass a full model GGUF", path=self.path)
+
     # ---- construction -------------------------------------------------------
 
     @classmethod
@@ -167,6 +182,14 @@ def _per_layer(header: GGUFHeader, key: str, n_layers: int, default: Any = None)
     return (_int(header, key, allow_zero=True),) * n_layers
 
 
+# general.type values of GGUFs that are not models: (what it is, what to pass instead)
+NOT_A_MODEL = {
+    "adapter": ("LoRA adapter: not a model", "pass the base model's GGUF; adapters are applied on top of it"),
+    "mmproj": ("multimodal projector: not a model", "pass the language model's GGUF; the projector goes with it"),
+    "vocab": ("vocab-only file: no weights", "pass a full model GGUF; this one holds only a tokenizer"),
+}
+
+
 def _build(h: GGUFHeader) -> ModelSpec:
     missing: list[str] = []
     arch = h.kv.get("general.architecture")
@@ -174,9 +197,9 @@ def _build(h: GGUFHeader) -> ModelSpec:
         raise _err(h, "general.architecture", "general.architecture is missing; this is not a model file",
                    hint="is this a LoRA adapter, a vocab-only file or a projector? pass a full model GGUF")
     kind = h.kv.get("general.type")
-    if kind in ("adapter", "mmproj", "vocab"):
-        raise _err(h, "general.type", f"this GGUF is a {kind} file, not a model",
-                   hint="pass the base model's GGUF")
+    if kind in NOT_A_MODEL:
+        what, hint = NOT_A_MODEL[kind]
+        raise _err(h, "general.type", what, hint=hint)
     a = arch + "."
 
     layer_bytes: dict[int, int] = defaultdict(int)

@@ -330,3 +330,27 @@ def test_in_chat_errors_keep_the_hint():
     session.turn("hello")
     assert out.getvalue().startswith("error: chat template: two turns only; hint: check the roles and order")
     assert "not sent" in out.getvalue() and session.messages == []
+
+
+# ---- valid GGUFs that are not complete models ------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["vocab", "vocab-untyped", "adapter", "mmproj", "partial", "no-tensors"])
+def test_inspect_shows_any_valid_gguf_and_says_what_it_is_not(capsys, tmp_path, kind):
+    # was: inspect refused them ("llama.embedding_length is missing", "re-download or re-convert it")
+    import json
+
+    from tests.support.ggufgen import write_not_a_model
+
+    path = write_not_a_model(tmp_path / f"{kind}.gguf", kind)
+    rc, out, err = _cli(capsys, "inspect", str(path))
+    assert rc == 0 and err == "", err
+    note = [ln for ln in out.splitlines() if "(fit and run need a full model)" in ln]
+    assert len(note) == 1 and "byte accounting" in out and "metadata" in out
+    rc, out, _ = _cli(capsys, "inspect", str(path), "--json")
+    assert rc == 0 and json.loads(out)["not_a_model"]
+    for argv in (["fit", str(path), "--device", "h200"], ["run", str(path), "-p", "hi"]):
+        rc, out, err = _cli(capsys, *argv)
+        _refused(rc, out, err)
+        assert "re-download" not in err or kind == "partial"
+        if kind.startswith("vocab"):
+            assert "vocab-only file: no weights" in err

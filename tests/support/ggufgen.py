@@ -217,3 +217,36 @@ def write_tiny_model(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+NOT_A_MODEL_KINDS = ("vocab", "vocab-untyped", "adapter", "mmproj", "partial", "no-tensors")
+
+
+def write_not_a_model(path: str | Path, kind: str) -> Path:
+    """A valid GGUF that is not a complete model: ``kind`` from NOT_A_MODEL_KINDS."""
+    path = Path(path)
+    arch = "clip" if kind == "mmproj" else "llama"
+    w = GGUFWriter(str(path), arch)
+    if kind in ("vocab", "adapter", "mmproj"):
+        w.add_type(kind)
+    w.add_block_count(2)
+    if kind in ("vocab", "vocab-untyped", "no-tensors"):       # the whole model's metadata, no tensors
+        w.add_context_length(512)
+        w.add_embedding_length(64)
+        w.add_feed_forward_length(128)
+        w.add_head_count(4)
+        w.add_head_count_kv(2)
+    if kind in ("vocab", "vocab-untyped"):
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(256)])
+        w.add_token_types([1] * 256)
+    tensors = {"adapter": [("blk.0.attn_q.weight.lora_a", (64, 8)), ("blk.0.attn_q.weight.lora_b", (8, 64))],
+               "mmproj": [("v.patch_embd.weight", (16, 16))],
+               "partial": [("blk.0.attn_q.weight", (64, 64)), ("blk.1.attn_q.weight", (64, 64))]}.get(kind, [])
+    for name, shape in tensors:
+        w.add_tensor(name, np.zeros(shape[::-1], dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
