@@ -44,6 +44,25 @@ def cache_bytes(n_layers: int, n_head_kv: int, head_dim: int, n_ctx: int, type_k
     return n_seq * padded_tokens(n_ctx) * per_token
 
 
+def alloc(shape: tuple[int, ...], head_dim: int, kind: str, device: torch.device | str) -> torch.Tensor:
+    """Zeros for K or V rows of head_dim values under leading dims shape: [*shape, head_dim] in a float
+    kind, or uint8 [*shape, head_dim / 32, 34 or 18] GGUF blocks for q8_0 / q4_0."""
+    if kind in FLOAT_TYPES:
+        return torch.zeros(*shape, head_dim, dtype=FLOAT_TYPES[kind], device=device)
+    block = layout(parse_type(kind))
+    return torch.zeros(*shape, head_dim // block.block_values, block.block_bytes, dtype=torch.uint8, device=device)
+
+
+def encode(x: torch.Tensor, kind: str, like: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] as stored in a cache tensor like ``like`` of this kind."""
+    return x.to(like.dtype) if kind in FLOAT_TYPES else quant.quantize(x, kind)
+
+
+def decode(x: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """Stored rows back to [..., head_dim] values in the compute dtype."""
+    return x.to(dtype) if kind in FLOAT_TYPES else quant.dequantize(x, kind, dtype)
+
+
 class KVCache:
     """K and V of every layer for n_seq sequences of up to n_ctx tokens each."""
 
@@ -62,12 +81,7 @@ class KVCache:
         self.v = [self._alloc(type_v) for _ in range(n_layers)]
 
     def _alloc(self, kind: str) -> torch.Tensor:
-        shape = (self.n_seq, self.n_head_kv, self.capacity)
-        if kind in FLOAT_TYPES:
-            return torch.zeros(*shape, self.head_dim, dtype=FLOAT_TYPES[kind], device=self.device)
-        block = layout(parse_type(kind))
-        return torch.zeros(*shape, self.head_dim // block.block_values, block.block_bytes, dtype=torch.uint8,
-                           device=self.device)
+        return alloc((self.n_seq, self.n_head_kv, self.capacity), self.head_dim, kind, self.device)
 
     @property
     def nbytes(self) -> int:
@@ -75,10 +89,10 @@ class KVCache:
 
     @staticmethod
     def _encode(x: torch.Tensor, kind: str, like: torch.Tensor) -> torch.Tensor:
-        return x.to(like.dtype) if kind in FLOAT_TYPES else quant.quantize(x, kind)
+        return encode(x, kind, like)
 
     def _decode(self, x: torch.Tensor, kind: str) -> torch.Tensor:
-        return x.to(self.dtype) if kind in FLOAT_TYPES else quant.dequantize(x, kind, self.dtype)
+        return decode(x, kind, self.dtype)
 
     def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [b, t, n_head_kv, head_dim] of sequences rows [b, 1] at positions pos [b, t]."""

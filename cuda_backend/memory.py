@@ -4,9 +4,18 @@ KV: blocks of 16 tokens per sequence, each token ``row_bytes(type, heads ×
 head_dim)`` per layer in GGUF's block layout (q8_0 34 B and q4_0 18 B per 32
 values; bf16/f16 2 B).  Weights: dequantized at load to the compute dtype, norms
 float32; ``packed`` keeps q8_0/q4_0 matrices as their GGUF blocks.
+
+The serving executor (``cuda_backend/paged_executor.py``) holds the same bytes
+as one pool per layer of ``num_blocks`` blocks: a block of p tokens over every
+layer is ``p · Σ_layers n_head_kv · (K + V row bytes)`` (nano-vllm's
+``2 · layers · p · kv_heads · head_dim · itemsize`` for float types).  On CUDA
+it captures decode steps in graphs at the batch sizes of ``CUDA_GRAPH_BATCHES``
+up to the slots (padded to the next), counted by :func:`torch_graph_bytes`.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from localinfer.backends.memory import (
     NOT_RESIDENT,
@@ -14,12 +23,13 @@ from localinfer.backends.memory import (
     WEIGHT_DTYPE_BYTES,
     OwnTensorsMemory,
     ResidentWeights,
+    Term,
     check_tokens,
     check_weight_dtype,
 )
-from localinfer.model.kv import kv_bytes_per_token
+from localinfer.model.kv import kv_bytes_per_token, row_bytes
 from localinfer.model.spec import ModelSpec
-from localinfer.units import pad_to
+from localinfer.units import ceil_div, pad_to
 
 TORCH_BLOCK_TOKENS = 16              # the torch engine's paged-KV block
 TORCH_PACKED = ("Q8_0", "Q4_0")      # kept as GGUF blocks with packed=True (same bytes as in the file)
@@ -35,6 +45,66 @@ def torch_kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: 
     if n_tokens == 0:
         return 0
     return n_seq * pad_to(n_tokens, block_tokens) * kv_bytes_per_token(spec, type_k, type_v, layers=layers)
+
+
+CUDA_GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)   # decode batch sizes captured in CUDA graphs (a step pads to the next)
+LOGITS_BYTES = 4                           # logits are float32
+
+
+def torch_block_bytes(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16",
+                      block_tokens: int = TORCH_BLOCK_TOKENS) -> int:
+    """One paged-KV block over every layer: ``p × Σ_layers n_head_kv × (K + V row bytes)``."""
+    return block_tokens * kv_bytes_per_token(spec, type_k, type_v)
+
+
+def torch_pool_blocks(n_ctx: int, n_seq: int = 1, block_tokens: int = TORCH_BLOCK_TOKENS) -> int:
+    """Blocks of the pool for a plan of n_seq sequences of n_ctx tokens: ``n_seq × ⌈n_ctx / p⌉``, so the
+    pool's bytes equal :func:`torch_kv_bytes` for the same plan."""
+    check_tokens(n_ctx, n_seq)
+    return n_seq * ceil_div(n_ctx, block_tokens)
+
+
+def torch_budget_blocks(spec: ModelSpec, budget_bytes: int, type_k: str = "f16", type_v: str = "f16",
+                        block_tokens: int = TORCH_BLOCK_TOKENS) -> int:
+    """Blocks that ``budget_bytes`` (memory left after weights and graphs) hold: ``⌊budget / block bytes⌋``."""
+    return max(0, int(budget_bytes)) // torch_block_bytes(spec, type_k, type_v, block_tokens)
+
+
+def graph_batches(n_slots: int) -> tuple[int, ...]:
+    """Captured decode batch sizes for n_slots sequences: those below n_slots and the first at or above it."""
+    out = []
+    for b in CUDA_GRAPH_BATCHES:
+        out.append(b)
+        if b >= n_slots:
+            break
+    return tuple(out)
+
+
+def torch_graph_bytes(spec: ModelSpec, n_ctx: int, n_seq: int = 1, dtype: str = "bf16", type_k: str = "f16",
+                      type_v: str = "f16", *, packed: bool = False, block_tokens: int = TORCH_BLOCK_TOKENS) -> int:
+    """Memory of the decode graphs (an estimate; the CUDA test measures it): one private pool that every
+    captured batch size shares (captured largest first), holding the largest batch B's live tensors at its
+    peak layer, plus one scratch block that padded rows write to:
+
+        B × s × (2·E + (H + 2·H_kv)·d + 3·F + 2·H_kv·L·d + 2·H·L) + B × V × (4 + s)  [+ B·L mask bytes]
+        + the largest matrix n × s when q8_0/q4_0 matrices are dequantized per call (packed)
+        + one KV block
+
+    with s the compute dtype's bytes, L = ⌈n_ctx / p⌉·p the keys a row attends, E/F/V the embedding, FFN
+    and vocabulary sizes, H/H_kv/d the heads, KV heads and head size; quantized K/V add their raw gather.
+    """
+    B = graph_batches(n_seq)[-1]
+    s = WEIGHT_DTYPE_BYTES[check_weight_dtype(dtype) or "bf16"]
+    E, F, V = spec.n_embd, max(spec.n_ff), spec.vocab_size
+    H, Hkv, d = max(spec.n_head), max(spec.n_head_kv), spec.head_dim_k
+    L = pad_to(max(n_ctx, 1), block_tokens)
+    per_row = s * (2 * E + (H + 2 * Hkv) * d + 3 * F + 2 * Hkv * L * d + 2 * H * L) + L
+    raw = sum(0 if t in ("f32", "f16", "bf16") else Hkv * L * row_bytes(t, d) for t in (type_k, type_v))
+    total = B * (per_row + raw) + B * V * (LOGITS_BYTES + s)
+    if packed:
+        total += max((t.n_elements for t in spec.tensors if len(t.shape) == 2 and t.type.name in TORCH_PACKED),
+                     default=0) * s
+    return total + torch_block_bytes(spec, type_k, type_v, block_tokens)
 
 
 def default_dtype(spec: ModelSpec, runs_on: str) -> str:
@@ -89,6 +159,20 @@ class TorchMemory(OwnTensorsMemory):
         if spec.tied_embeddings:
             formula += "; tied output: token_embd counted once"
         return ResidentWeights(torch_weight_bytes(spec, dt, packed=packed), runs_on, dt, formula, note)
+
+    def breakdown(self, spec, device, req):
+        """Weights and the KV pool; on CUDA also the decode graphs (:func:`torch_graph_bytes`)."""
+        bd, geometry = super().breakdown(spec, device, req)
+        rw = self.resident_weights(spec, device.kind, req.dtype, packed=req.packed)
+        if rw.runs_on != "cuda":
+            return bd, geometry
+        pool = bd.terms[0].pool
+        sizes = graph_batches(req.n_seq)
+        graphs = torch_graph_bytes(spec, req.n_ctx, req.n_seq, rw.dtype, req.type_k, req.type_v, packed=req.packed)
+        term = Term("compute", f"CUDA graphs (decode, batch {'/'.join(map(str, sizes))})", graphs, pool,
+                    f"one graph pool: batch {sizes[-1]} × activations over ⌈ctx/16⌉·16 keys + logits, "
+                    "+ 1 scratch KV block (estimate)", None)
+        return replace(bd, terms=bd.terms + (term,)), geometry
 
     def kv_bytes(self, spec, n_tokens, type_k="f16", type_v="f16", **options) -> int:
         return torch_kv_bytes(spec, n_tokens, type_k, type_v, **options)

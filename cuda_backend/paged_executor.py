@@ -1,0 +1,269 @@
+"""The serving executor on the torch model: a paged KV pool, block tables, one forward per step.
+
+It implements the serving engine's executor contract structurally (``step``,
+``copy``, ``drop``, ``cells_used``, ``clock``, ``n_slots``, ``n_vocab``; docs in
+``localinfer/serve/executor.py``) and takes any chunk-like objects with
+``slot, tokens, start, logits`` and optionally ``blocks``.
+
+A step flattens the new tokens of every chunk into one sequence of N rows
+(decodes and prefill pieces together), each with its own position and pool
+slot ``T[p // b]·b + p % b``.  One ``Transformer.forward`` runs them; every layer
+writes the new K/V through that slot mapping and attends over each request's
+keys, gathered through its block table, under the mask
+``same request ∧ key position ≤ query position`` (gather + SDPA).  Logits are
+computed only for the last row of each chunk that asks.  Pure decode steps on
+CUDA replay a captured graph instead (``paged_graphs.py``).
+
+Block tables: given with every chunk (``chunk.blocks``: the serving engine's
+block manager is the one source, blocks reused by a prefix hit are read, not
+recomputed, and a table entry that changed under already written positions
+is a copy-on-write whose content the executor copies), or kept here with a
+reference-counted allocator, where ``copy(src, dst, n)`` shares src's first
+⌈n / b⌉ blocks and a write into a shared block copies it first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Self
+
+import numpy as np
+import torch
+
+from localinfer.errors import ContextFullError, UsageError
+
+from .memory import graph_batches
+from .model import Transformer
+from .paged_graphs import PagedGraphs, StepView
+from .paged_kv import BlockAllocator, PagedKVPool, token_slots
+
+
+class PagedExecutor:
+    """``n_slots`` sequences over a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
+
+    def __init__(self, model: Transformer, *, n_slots: int, num_blocks: int, block_size: int = 16,
+                 type_k: str = "f16", type_v: str = "f16", max_model_len: int | None = None,
+                 cuda_graphs: bool | None = None, padded_decode: bool = False, external_blocks: bool = False):
+        """``max_model_len``: most positions a slot holds (default: the model's RoPE tables).
+        ``cuda_graphs`` (default: on CUDA) captures decode steps; ``padded_decode`` runs them through
+        the same padded path eagerly (the CPU check of it).  ``external_blocks``: every chunk brings
+        its block table (``restores_cached_prefix``: a chunk may start past what its slot holds)."""
+        if model.emulate:
+            raise UsageError("llamacpp_rounding is a verification mode of TorchEngine, not of the serving executor",
+                             hint="load without llamacpp_rounding")
+        if n_slots < 1:
+            raise UsageError(f"n_slots must be >= 1, got {n_slots}", flag="--parallel")
+        self.model, self.device = model, model.device
+        cfg = model.cfg
+        self.n_slots, self.n_vocab, self.block_size = n_slots, cfg.vocab_size, block_size
+        self.max_model_len = min(max_model_len or model.cos.shape[0], model.cos.shape[0])
+        self.max_blocks = -(-self.max_model_len // block_size)
+        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        use_graphs = (graphs and self.device.type == "cuda") or padded_decode
+        self.pool = PagedKVPool(cfg.n_layers, num_blocks, block_size, cfg.n_head_kv, cfg.head_dim, type_k, type_v,
+                                device=self.device, dtype=model.dtype, scratch=use_graphs)
+        self.n_cells = num_blocks * block_size
+        self.external = external_blocks
+        self.alloc = BlockAllocator(num_blocks)
+        self.tables: list[list[int]] = [[] for _ in range(n_slots)]
+        self.lens = [0] * n_slots
+        self.graphs = PagedGraphs(model, self.pool, self.max_blocks, graph_batches(n_slots)) if use_graphs else None
+        self.forward_seconds = 0.0      # time inside the model's forward (step overhead = wall - this)
+        self.steps = 0
+        self.tokens_computed = 0
+
+    @property
+    def restores_cached_prefix(self) -> bool:
+        return self.external
+
+    # ---- the contract ---------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, chunks: Sequence) -> dict[int, np.ndarray]:
+        """Append every chunk in one forward; logits rows (float32, n_vocab) by slot for those asking."""
+        self._check(chunks)
+        if not chunks:
+            return {}
+        undo: list = []
+        try:
+            for c in chunks:
+                self._place(c, undo)
+            rows = self._forward(chunks)
+        except BaseException:
+            for fn in reversed(undo):
+                fn()
+            raise
+        for c in chunks:
+            self.lens[c.slot] = c.start + len(c.tokens)
+        self.steps += 1
+        self.tokens_computed += sum(len(c.tokens) for c in chunks)
+        return rows
+
+    def copy(self, src: int, dst: int, n_tokens: int) -> None:
+        """Slot ``dst`` (empty) shares positions [0, n_tokens) of ``src``: its blocks, no recompute."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        if src == dst or self.lens[dst]:
+            raise ValueError(f"copy needs an empty destination slot other than {src}; slot {dst} holds "
+                             f"{self.lens[dst]} tokens")
+        if not 0 <= n_tokens <= self.lens[src]:
+            raise ValueError(f"slot {src} holds {self.lens[src]} tokens; cannot share {n_tokens}")
+        shared = self.tables[src][:-(-n_tokens // self.block_size)]
+        self._release(dst)
+        if not self.external:
+            for b in shared:
+                self.alloc.ref(b)
+        self.tables[dst] = list(shared)
+        self.lens[dst] = n_tokens
+
+    def drop(self, slot: int, start: int = 0) -> None:
+        """Forget positions >= start of ``slot``; blocks no slot holds return to the pool."""
+        self._check_slot(slot)
+        if start < 0:
+            raise ValueError(f"drop start must be >= 0, got {start}")
+        self.lens[slot] = min(self.lens[slot], start)
+        self._release(slot, -(-self.lens[slot] // self.block_size))
+
+    def cells_used(self) -> int:
+        """Pool token slots holding a token of a live slot, each physical slot once."""
+        filled: dict[int, int] = {}
+        for table, n in zip(self.tables, self.lens):
+            for i, b in enumerate(table[:-(-n // self.block_size)]):
+                filled[b] = max(filled.get(b, 0), min(self.block_size, n - i * self.block_size))
+        return sum(filled.values())
+
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def close(self) -> None:
+        """Free the pool and graphs; close the tokenizer if ``serving.open_executor`` attached one."""
+        vocab = getattr(self, "vocab", None)
+        if vocab is not None:
+            vocab.close()
+            self.vocab = None
+        self.pool = self.graphs = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- block tables ---------------------------------------------------------
+    def _release(self, slot: int, keep: int = 0) -> None:
+        table = self.tables[slot]
+        if not self.external:
+            for b in table[keep:]:
+                self.alloc.unref(b)
+        del table[keep:]
+
+    def _place(self, c, undo: list) -> None:
+        """The slot's table covers positions [0, start + n); shared blocks about to be written are copied."""
+        s, bs, table = c.slot, self.block_size, self.tables[c.slot]
+        old = list(table)
+        undo.append(lambda: table.__setitem__(slice(None), old))
+        if self.external:
+            held = -(-min(self.lens[s], c.start) // bs)
+            for i in range(min(held, len(old), len(c.blocks))):
+                if c.blocks[i] != old[i]:
+                    n = min(bs, self.lens[s] - i * bs)
+                    self.pool.copy_block(old[i], c.blocks[i], n)
+            table[:] = c.blocks
+            return
+        first, need = c.start // bs, -(-(c.start + len(c.tokens)) // bs)
+        if c.start % bs and self.alloc.refs[table[first]] > 1:
+            self._take(undo, need - len(table) + 1)
+            new = self.alloc.take()
+            self.pool.copy_block(table[first], new, c.start % bs)
+            self.alloc.unref(table[first])
+            shared = table[first]
+            table[first] = new
+            undo.append(lambda: (self.alloc.ref(shared), self.alloc.unref(new)))
+        self._take(undo, need - len(table))
+        while len(table) < need:
+            b = self.alloc.take()
+            table.append(b)
+            undo.append(lambda b=b: self.alloc.unref(b))
+
+    def _take(self, undo: list, n: int) -> None:
+        if n > self.alloc.num_free:
+            raise ContextFullError(f"the KV pool has {self.alloc.num_free} free blocks of {self.pool.num_blocks}; "
+                                   f"this step needs {n} more", needed=n, available=self.alloc.num_free,
+                                   hint="admit fewer requests, preempt one, or give the pool more blocks")
+
+    # ---- the forward ----------------------------------------------------------
+    def _forward(self, chunks: Sequence) -> dict[int, np.ndarray]:
+        dev, bs = self.device, self.block_size
+        asking = [c for c in chunks if c.logits]
+        t0 = time.perf_counter()
+        if self.graphs is not None and all(len(c.tokens) == 1 for c in chunks) \
+                and len(chunks) <= self.graphs.batches[-1]:
+            ids = torch.tensor([c.tokens[0] for c in chunks], dtype=torch.long)
+            pos = torch.tensor([c.start for c in chunks], dtype=torch.long)
+            slots = torch.tensor([token_slots(self.tables[c.slot], c.start, c.start + 1, bs)[0] for c in chunks])
+            width = max(len(self.tables[c.slot]) for c in chunks)
+            tables = torch.tensor([self.tables[c.slot] + [0] * (width - len(self.tables[c.slot])) for c in chunks])
+            logits = self.graphs(ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev))
+            at = [i for i, c in enumerate(chunks) if c.logits]
+            out = logits[torch.tensor(at, dtype=torch.long, device=dev)].float().cpu().numpy() if at else None
+        else:
+            out = self._varlen(chunks)
+        self.forward_seconds += time.perf_counter() - t0
+        return {c.slot: out[i] for i, c in enumerate(asking)}
+
+    def _varlen(self, chunks: Sequence) -> np.ndarray | None:
+        """One forward over the flattened new tokens of every chunk (the mask keeps requests apart)."""
+        dev, bs = self.device, self.block_size
+        ids, pos, slots, keys, q_req, k_req, k_pos, rows = [], [], [], [], [], [], [], []
+        for i, c in enumerate(chunks):
+            end = c.start + len(c.tokens)
+            table = self.tables[c.slot]
+            ids += c.tokens
+            pos += range(c.start, end)
+            slots += token_slots(table, c.start, end, bs)
+            keys += token_slots(table, 0, end, bs)
+            q_req += [i] * len(c.tokens)
+            k_req += [i] * end
+            k_pos += range(end)
+            if c.logits:
+                rows.append(len(ids) - 1)
+        pos_t = torch.tensor(pos, dtype=torch.long)
+        qr, kr, kp = (torch.tensor(x, dtype=torch.long) for x in (q_req, k_req, k_pos))
+        mask = ((qr[:, None] == kr[None, :]) & (kp[None, :] <= pos_t[:, None]))[None, None]
+        view = StepView(self.pool, torch.tensor(slots, device=dev), keys=torch.tensor(keys, device=dev))
+        logits = self.model.forward(torch.tensor(ids, device=dev)[None], pos_t.to(dev)[None], view, seqs=None,
+                                    n_attn=len(keys), mask=mask.to(dev), out_rows=torch.tensor(rows, device=dev))
+        return logits.cpu().numpy() if rows else None
+
+    # ---- checks ---------------------------------------------------------------
+    def _check(self, chunks: Sequence) -> None:
+        seen: set[int] = set()
+        for c in chunks:
+            self._check_slot(c.slot)
+            if c.slot in seen:
+                raise ValueError(f"slot {c.slot} appears twice in one step")
+            seen.add(c.slot)
+            if not c.tokens:
+                raise ValueError(f"slot {c.slot}: a chunk needs at least one token")
+            if any(not 0 <= t < self.n_vocab for t in c.tokens):
+                raise ValueError(f"slot {c.slot}: token ids must lie in 0..{self.n_vocab - 1}")
+            end = c.start + len(c.tokens)
+            if end > self.max_model_len:
+                raise ContextFullError(f"slot {c.slot}: {end} positions exceed the {self.max_model_len} a slot "
+                                       "can hold", needed=end, available=self.max_model_len,
+                                       hint="use a larger max_model_len or a shorter request")
+            blocks = tuple(getattr(c, "blocks", ()) or ())
+            if self.external:
+                if len(blocks) * self.block_size < end or any(not 0 <= b < self.pool.num_blocks for b in blocks):
+                    raise ValueError(f"slot {c.slot}: block table {blocks} cannot hold {end} positions")
+                if c.start < self.lens[c.slot]:
+                    raise ValueError(f"slot {c.slot} holds {self.lens[c.slot]} tokens; a chunk cannot start "
+                                     f"at {c.start}")
+            elif blocks:
+                raise ValueError("this executor keeps its own block tables; build it with external_blocks=True")
+            elif c.start != self.lens[c.slot]:
+                raise ValueError(f"slot {c.slot} holds {self.lens[c.slot]} tokens; a chunk cannot start at {c.start}")
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} outside 0..{self.n_slots - 1}")

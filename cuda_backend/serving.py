@@ -1,0 +1,90 @@
+"""Open a GGUF as a paged serving executor: weights, tokenizer, and a pool sized as ``fit`` sizes it.
+
+Pool size: ``num_blocks`` if given; else, with ``gpu_memory_utilization`` on
+CUDA, the memory left after the weights —
+``⌊(free × utilization − graph bytes) / block bytes⌋``
+(``memory.torch_budget_blocks``, ``memory.torch_graph_bytes``); else the plan's
+``n_slots × ⌈n_ctx / 16⌉`` blocks (``memory.torch_pool_blocks``), whose bytes
+are the KV bytes ``fit --backend torch`` prints for ``--ctx n_ctx --parallel n_slots``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gguf_tools import read_header
+from localinfer.backends.engine import LoadPlan
+from localinfer.model.spec import ModelSpec
+
+from .engine import pick_device, pick_dtype
+from .kv_cache import padded_tokens
+from .memory import TORCH_BLOCK_TOKENS, torch_budget_blocks, torch_graph_bytes, torch_pool_blocks
+from .model import ModelConfig, Transformer
+from .paged_executor import PagedExecutor
+from .support import check_kv_types, check_model
+from .tokenizer import load_tokenizer
+from .weights import load_weights
+
+DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class Vocab:
+    """The file's tokenizer and end-of-generation ids (what ``run_batch`` asks of an engine)."""
+
+    def __init__(self, tok, spec: ModelSpec):
+        self.tok = tok
+        self.bos_id = tok.bos_id if tok.has_vocab else spec.bos_token_id
+        self.eos_ids = tok.eos_ids if tok.has_vocab else frozenset(
+            [spec.eos_token_id] if spec.eos_token_id is not None else [])
+
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        return self.tok.tokenize(text, add_bos=add_bos, special=special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tok.token_bytes(token)
+
+    def is_eos(self, token: int) -> bool:
+        return token in self.eos_ids
+
+    def close(self) -> None:
+        self.tok.close()
+
+
+def pool_blocks(spec: ModelSpec, n_ctx: int, n_slots: int, type_k: str, type_v: str, device: torch.device,
+                dtype: torch.dtype, gpu_memory_utilization: float | None = None) -> int:
+    """The pool's blocks for this plan (see the module docstring)."""
+    if gpu_memory_utilization is None or device.type != "cuda":
+        return torch_pool_blocks(n_ctx, n_slots)
+    free, _total = torch.cuda.mem_get_info(device)
+    graphs = torch_graph_bytes(spec, n_ctx, n_slots, DTYPE_NAMES[dtype], type_k, type_v)
+    return torch_budget_blocks(spec, int(free * gpu_memory_utilization) - graphs, type_k, type_v)
+
+
+def open_executor(model_path: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, type_k: str = "f16",
+                  type_v: str = "f16", device: str | None = None, dtype: str | None = None,
+                  threads: int | None = None, num_blocks: int | None = None,
+                  gpu_memory_utilization: float | None = None, packed: bool = False, quiet: bool = True,
+                  **options) -> PagedExecutor:
+    """A :class:`PagedExecutor` over the file; ``executor.vocab`` is its tokenizer, ``executor.spec`` its spec.
+
+    ``n_ctx`` is the most positions one request holds; ``options`` go to PagedExecutor.
+    """
+    plan = LoadPlan(os.fspath(model_path), n_ctx=n_ctx, n_seq=n_slots, type_k=type_k, type_v=type_v,
+                    n_threads=threads, device=device, dtype=dtype, options={"quiet": quiet})
+    spec = ModelSpec.from_gguf(read_header(plan.model_path))
+    check_model(spec)
+    check_kv_types(type_k, type_v, spec.head_dim_k)
+    dev = pick_device(plan)
+    dt = pick_dtype(plan, spec, dev)
+    if threads and dev.type == "cpu":
+        torch.set_num_threads(threads)
+    tok = load_tokenizer(spec.path, spec.tokenizer_model)
+    weights = load_weights(spec, dev, dt, packed=packed, quiet=quiet)
+    model = Transformer(ModelConfig.from_spec(spec), weights, padded_tokens(n_ctx), dt)
+    blocks = num_blocks or pool_blocks(spec, n_ctx, n_slots, type_k, type_v, dev, dt, gpu_memory_utilization)
+    ex = PagedExecutor(model, n_slots=n_slots, num_blocks=blocks, block_size=TORCH_BLOCK_TOKENS, type_k=type_k,
+                       type_v=type_v, max_model_len=n_ctx, **options)
+    ex.vocab, ex.spec = Vocab(tok, spec), spec
+    return ex
