@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from localinfer.errors import UsageError
-from localinfer.plan.paging import blocks_for, tokens_held
+from localinfer.plan.paging import request_blocks, tokens_held
 from localinfer.serve.block_manager import BlockCopy, BlockManager
 from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.step_model import StepModel, chunk_for_target
@@ -225,10 +225,11 @@ class Scheduler:
             if r in plan.preempted:
                 break    # not in the step that preempted it
             reserve = tokens_held(len(r.prompt), r.max_tokens)
-            if blocks_for(reserve, bm.block_tokens) > bm.num_blocks:
+            whole = request_blocks(len(r.prompt), r.max_tokens, bm.block_tokens)
+            if whole > bm.num_blocks:
                 self.waiting.popleft()
                 plan.refused.append(r)
-                r.finish(FinishReason.ERROR, now, f"needs {blocks_for(reserve, bm.block_tokens)} KV blocks, "
+                r.finish(FinishReason.ERROR, now, f"needs {whole} KV blocks, "
                                                   f"the pool has {bm.num_blocks}")
                 continue
             if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now) > r.deadline_s:
