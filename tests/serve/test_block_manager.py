@@ -168,3 +168,14 @@ def test_live_hits_only():
     bm.free("a")
     bm.free("b")
     assert bm.num_cached == 2 and bm.match(a + (1,)) == []
+
+
+def test_paging_helpers_the_block_manager_counts_with():
+    k = 144 * KiB
+    assert block_bytes(k, 16) == 2304 * KiB
+    assert blocks_in_budget(12 * GiB, k, 16) == 12 * GiB // (16 * k) == 5461
+    from localinfer.plan.paging import request_blocks
+
+    assert request_blocks(8192, 256) == 528 and request_blocks(8192, 256, 16, cached_tokens=6144) == 144
+    bm = BlockManager(600, 16)
+    assert bm.blocks_needed(toks(8192, 0), tokens_held(8192, 256)) == request_blocks(8192, 256)
