@@ -49,6 +49,8 @@ class BatchResult:
     prompt_tokens: int
     start_s: float                   # executor clock when the batch started
     token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0             # times its KV was dropped (on-demand admission) and recomputed
+    cached_tokens: int = 0           # prompt tokens copied from a running request at admission
 
     @property
     def ttft_s(self) -> float | None:
@@ -86,13 +88,16 @@ class _Reply:
 def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
               max_tokens: int = DEFAULT_MAX_TOKENS, parallel: int | None = None, ctx: int | None = None,
               chunk: int | None = None, stop: Sequence[str] = (), block_tokens: int = DEFAULT_BLOCK_TOKENS,
-              prefix_cache: bool = True, ignore_eos: bool = False) -> list[BatchResult]:
+              prefix_cache: bool = True, admission: str = "reserve", kv_blocks: int | None = None,
+              ignore_eos: bool = False) -> list[BatchResult]:
     """Replies to prompts (token ids) through ``executor`` and the step engine; results in prompt order.
 
     ``vocab`` gives ``token_bytes``, ``is_eos`` and ``eos_ids`` (an engine or a vocabulary);
     ``ctx`` is each request's context (default: an equal share of the cells);
     ``chunk`` switches to chunked prefill (at most ``chunk`` prompt tokens of a request per step);
     ``prefix_cache``: a prompt whose first full blocks a running request holds copies them (``executor.copy``);
+    ``admission``: ``"reserve"`` (prompt + max output up front) or ``"on_demand"`` (preempting the newest
+    request, recomputed later, when ``kv_blocks`` — default: all the cells — run out);
     ``ignore_eos`` lets replies run through end-of-generation tokens (benchmarks).
     """
     check_max_tokens(max_tokens)
@@ -111,7 +116,9 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
     if chunk is not None and chunk < 1:
         raise UsageError(f"the prefill chunk must be >= 1 token, got {chunk}", flag="--chunk")
     config = SchedulerConfig(policy="continuous" if chunk is None else "chunked", max_running=parallel,
-                             chunk_tokens=chunk or SchedulerConfig.chunk_tokens, admission="reserve")
+                             chunk_tokens=chunk or SchedulerConfig.chunk_tokens, admission=admission)
+    if kv_blocks is not None:
+        pool = min(pool, kv_blocks)
     blocks = BlockManager(pool, block_tokens, prefix_cache=prefix_cache, pool_hits=False)
     engine = Engine(executor, Scheduler(config, blocks))
     start = executor.clock()
@@ -145,7 +152,8 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
         if r.finish_reason is FinishReason.ERROR:
             raise LocalinferError(f"request {r.id} failed: {r.error}")
         reason = "stop" if rep.stopped or r.finish_reason is FinishReason.STOP else "length"
-        out.append(BatchResult(rep.text(), rep.tokens, reason, len(r.prompt), start, rep.times))
+        out.append(BatchResult(rep.text(), rep.tokens, reason, len(r.prompt), start, rep.times, r.preemptions,
+                               r.cached))
     return out
 
 

@@ -8,6 +8,8 @@ equal, greedy or sampled with the same seed, whatever the slots' interleaving.
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from localinfer.backends.engine import LoadPlan
 from localinfer.generation.runner import Runner
@@ -128,3 +130,56 @@ def test_bad_arguments_are_usage_errors(executor, default_model):
         run_batch(executor, executor.engine, [list(range(300))], parallel=3)   # 256 positions per request
     with pytest.raises(UsageError):
         run_batch(executor, executor.engine, [[]])
+
+
+def test_preempted_and_recomputed_requests_give_the_same_replies(executor, alone):
+    prompts = _prompts(alone)[:3]
+    got = _batch(executor, prompts, max_tokens=20, parallel=3, admission="on_demand", kv_blocks=6, chunk=16,
+                 block_tokens=8)                      # 48 cells for three requests of ~26: someone is preempted
+    assert sum(r.preemptions for r in got) > 0
+    for p, r in zip(prompts, got):
+        assert r.tokens == _runner(alone, p, max_tokens=20).tokens
+
+
+# ---- the step engine on a unified llama.cpp cache: its cells are the block manager's ----------------
+
+@pytest.fixture(scope="module")
+def unified(default_model):
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=3, n_ctx=256, threads=1) as ex:
+        yield ex
+
+
+SYSTEM = tuple(range(500, 516))                        # four whole blocks of 4 that most prompts start with
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "step", "cancel"]), st.integers(0, 7),
+                          st.integers(1, 12)), min_size=1, max_size=24),
+       st.sampled_from(["reserve", "on_demand"]))
+def test_random_add_step_cancel_keeps_llama_cpp_cells_equal_to_the_blocks(unified, ops, admission):
+    from localinfer.serve.block_manager import BlockManager
+    from localinfer.serve.engine import Engine
+    from localinfer.serve.request import Request
+    from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+
+    blocks = BlockManager(10, 4, pool_hits=False)        # 40 of the 256 cells: on_demand preempts
+    eng = Engine(unified, Scheduler(SchedulerConfig(max_running=3, admission=admission), blocks))
+    now = unified.clock()
+    ids = []
+    for op, k, n in ops:
+        if op == "add":
+            rid = f"r{len(ids)}"
+            prompt = SYSTEM + tuple(range(1000 + 7 * k, 1003 + 8 * k)) if k < 6 else tuple(range(2000, 2002 + k))
+            eng.add_request(Request(rid, prompt, n, arrival_s=now))
+            ids.append(rid)
+        elif op == "cancel" and ids:
+            eng.cancel(ids[k % len(ids)])
+        elif eng.unfinished:
+            eng.step()
+        assert unified.cells_used() == blocks.tokens_in_use()
+    while eng.unfinished:
+        eng.step()
+        assert unified.cells_used() == blocks.tokens_in_use()
+    assert blocks.used == 0 and unified.cells_used() == 0
