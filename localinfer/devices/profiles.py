@@ -36,6 +36,9 @@ USER_DIR = Path("~/.config/localinfer/profiles")
 ENV_VAR = "LOCALINFER_PROFILES"
 DEFAULT_LOCAL_RESERVE = "10%"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MAX_SIZE = 1 << 50       # 1 PiB: more memory than any one device or host has
+MAX_RATE = 1e18          # per second: above any device's bandwidth (B/s) or dense FLOP/s
+MAX_POWER_W = 1e6
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ def _size(data: dict, key: str, origin: str, *, required: bool = False) -> int |
         raise _bad(origin, key, str(exc)) from None
     if n <= 0:
         raise _bad(origin, key, "must be positive")
+    if n > MAX_SIZE:
+        raise _bad(origin, key, f"{value!r} is more than 1 PiB, beyond any device")
     return n
 
 
@@ -163,6 +168,8 @@ def _rate(data: dict, key: str, origin: str) -> float | None:
             rate = float(m.group(1)) * scale.get(unit, 1.0)
     if not math.isfinite(rate) or rate <= 0:
         raise _bad(origin, key, "must be a positive number")
+    if rate > MAX_RATE:
+        raise _bad(origin, key, f"{value!r} is more than {MAX_RATE:.0e} per second, beyond any device")
     return rate
 
 
@@ -215,8 +222,9 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
     if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
         raise _bad(origin, "sources", "must be a table of field = \"source text\"")
     power = data.get("power_w")
-    if power is not None and (isinstance(power, bool) or not isinstance(power, (int, float)) or power <= 0):
-        raise _bad(origin, "power_w", "must be a positive number of watts")
+    if power is not None and (isinstance(power, bool) or not isinstance(power, (int, float))
+                              or not 0 < power <= MAX_POWER_W):
+        raise _bad(origin, "power_w", f"must be a positive number of watts, at most {MAX_POWER_W:.0e}")
     features = data.get("cpu_features", [])
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
         raise _bad(origin, "cpu_features", "must be a list of strings such as [\"avx2\"]")
@@ -279,13 +287,18 @@ def user_profile_dirs() -> list[Path]:
     return [USER_DIR.expanduser()]
 
 
-def _toml_files(paths: Iterable[Path]) -> list[Path]:
+def _toml_files(paths: Iterable[Path], *, named: bool) -> list[Path]:
+    """The TOML files in these directories (or the files themselves); ``named`` paths must exist."""
     files: list[Path] = []
     for p in paths:
         if p.is_dir():
             files.extend(sorted(p.glob("*.toml")))
         elif p.is_file():
             files.append(p)
+        elif named:
+            raise ProfileError(f"profile path {p} does not exist", path=str(p),
+                               hint=f"fix ${ENV_VAR} (directories or .toml files, {os.pathsep!r}-separated), "
+                                    "or unset it")
     return files
 
 
@@ -296,11 +309,18 @@ def load_profiles(extra_dirs: Iterable[str | os.PathLike] | None = None) -> dict
     The local machine is not included; see :func:`local_device`.
     """
     profiles = {p.name: p for p in builtin_profiles()}
-    dirs = user_profile_dirs() + [Path(d).expanduser() for d in (extra_dirs or ())]
-    for path in _toml_files(dirs):
+    named = os.environ.get(ENV_VAR) is not None
+    files = _toml_files(user_profile_dirs(), named=named)
+    files += _toml_files([Path(d).expanduser() for d in (extra_dirs or ())], named=True)
+    user: dict[str, Path] = {}
+    for path in files:
         prof = load_profile_file(path)
         if prof.name == LOCAL_NAME:
             raise _bad(str(path), "name", f"{LOCAL_NAME!r} is reserved for the detected machine")
+        if prof.name in user and user[prof.name].resolve() != path.resolve():
+            raise _bad(str(path), "name", f"{prof.name!r} is also the name of {user[prof.name]}; "
+                                          "two user profiles cannot share a name (rename or remove one)")
+        user[prof.name] = path
         profiles[prof.name] = prof
     return profiles
 

@@ -22,7 +22,7 @@ BUILTINS = {"rtx-pro-6000", "m2-max-96gb", "h200", "h100-sxm", "a100-80gb-pcie",
 
 @pytest.fixture(autouse=True)
 def _no_user_profiles(monkeypatch, tmp_path):
-    monkeypatch.setenv("LOCALINFER_PROFILES", str(tmp_path / "none"))
+    monkeypatch.setenv("LOCALINFER_PROFILES", "")   # no user profiles (a path that does not exist is an error)
 
 
 def test_builtins_present_with_sources():

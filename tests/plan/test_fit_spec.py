@@ -29,7 +29,7 @@ BLOCK = 16
 
 @pytest.fixture(autouse=True)
 def _builtin_profiles_only(monkeypatch, tmp_path):
-    monkeypatch.setenv("LOCALINFER_PROFILES", str(tmp_path / "none"))
+    monkeypatch.setenv("LOCALINFER_PROFILES", "")   # no user profiles
 
 
 @pytest.fixture(scope="module")
