@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"reserve input + max output blocks up front, or allocate on demand and preempt "
                         f"(default {d.admission})")
     s.add_argument("--deadline-aware", action="store_true", help="refuse requests predicted to miss their deadline")
+    s.add_argument("--drop-late", action="store_true", help="stop a request once its deadline has passed")
     m = p.add_argument_group("step time and memory")
     m.add_argument("--step-model", default=None, metavar="FIXED_MS,PER_TOKEN_US,PER_PAIR_NS",
                    help=f"step = fixed + per new token + per causal pair (default {DEFAULT_STEP_MODEL})")
@@ -63,7 +64,7 @@ def _config(args):
                             ("token_budget", args.token_budget), ("admission", args.admission)) if v is not None}
     if args.itl_target is not None:
         kw["itl_target_s"] = args.itl_target / 1e3
-    return SchedulerConfig(deadline_aware=args.deadline_aware, **kw)
+    return SchedulerConfig(deadline_aware=args.deadline_aware, drop_late=args.drop_late, **kw)
 
 
 def _step_model_and_kv(args):

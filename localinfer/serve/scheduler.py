@@ -16,7 +16,8 @@ Admission ``reserve`` takes the blocks of input + max output − 1 tokens up fro
 when none is left, preempts the newest running request (its KV is dropped and
 recomputed later).  ``deadline_aware`` refuses, at admission, a request whose
 predicted finish (prefill + (G − 1) decode steps at the current batch) is past
-its deadline.  ``cancel`` stops scheduling a request at once; its blocks return
+its deadline; ``drop_late`` finishes (reason deadline) a request still
+unfinished past its deadline at the next step boundary.  ``cancel`` stops scheduling a request at once; its blocks return
 to the pool when the step in flight completes.
 """
 
@@ -45,6 +46,7 @@ class SchedulerConfig:
     itl_target_s: float | None = None    # chunked: the chunk is the largest predicted to keep the step under this
     admission: str = "reserve"
     deadline_aware: bool = False
+    drop_late: bool = False              # finish a request past its deadline at the next step boundary
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -81,7 +83,7 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    refused: list[Request] = field(default_factory=list)     # finished at admission (deadline, too large)
+    refused: list[Request] = field(default_factory=list)     # finished at this boundary (deadline, too large)
     copies: list[BlockCopy] = field(default_factory=list)
 
     @property
@@ -141,6 +143,11 @@ class Scheduler:
         """The next batch; the block manager treats it as in flight until ``complete``."""
         cfg, plan = self.config, StepPlan()
         budget = [cfg.token_budget if cfg.token_budget is not None else 1 << 62]
+        if cfg.drop_late:
+            for r in [*self.running, *self.waiting]:
+                if r.deadline_s is not None and r.arrival_s <= now and now > r.deadline_s:
+                    self.finish(r, FinishReason.DEADLINE, now)
+                    plan.refused.append(r)
         group_start = not self.running
         for r in [r for r in self.running if not r.prefilling]:
             if r in self.running and budget[0] >= 1:

@@ -182,3 +182,14 @@ def test_device_profile_step_model(tmp_path, capsys):
 def test_chunk_flags_need_the_chunked_policy(capsys):
     rc, _, err = _cli(capsys, "--chunk", "512")
     assert rc == 2 and "--policy chunked" in err
+
+
+def test_drop_late_stops_a_request_past_its_deadline(tmp_path, capsys):
+    items = json.loads(TRACE.read_text())
+    items[0]["deadline_ms"] = 300
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(items))
+    assert main(["replay", str(path), "--max-running", "2", "--json", "--drop-late"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["finish_reasons"]["r0"] == "deadline" and 300 < got["requests"]["r0"]["finish_ms"] < 700
+    assert got["total_ms"] < _api("continuous")["total_ms"]
