@@ -98,11 +98,10 @@ def build(args: argparse.Namespace):
                              f"{fmt_bytes(room)} after weights and buffers", flag="--kv-budget",
                              hint=f"use --kv-budget {fmt_bytes(room).replace(' ', '')} or less, or leave it out")
     kv_types = tuple(t.strip() for t in args.kv.split(",") if t.strip())
+    if not kv_types:
+        raise UsageError("--kv needs at least one KV type", flag="--kv", hint=f"e.g. --kv {KV_DEFAULT}")
     for t in kv_types:
-        try:
-            kv_pair(t)
-        except UsageError as exc:
-            raise UsageError(f"--kv: {exc}", flag="--kv", hint=exc.hint) from None
+        kv_pair(t, "--kv")  # its message already names --kv
     drafts = []
     if args.acceptance is not None:
         k = args.draft_tokens or lookup_draft_length(speed, workload, args.acceptance)

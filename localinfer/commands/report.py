@@ -58,10 +58,7 @@ def build(args: argparse.Namespace):
     if not kv_types:
         raise UsageError("--kv needs at least one KV type", flag="--kv")
     for t in kv_types:
-        try:
-            kv_pair(t)
-        except UsageError as exc:
-            raise UsageError(f"--kv: {exc}", flag="--kv", hint=exc.hint) from None
+        kv_pair(t, "--kv")  # its message already names --kv
     specs = [ModelSpec.from_gguf(resolve_model(m)).require_weights() for m in (args.models or [None])]
     if args.devices:
         profiles = load_profiles()

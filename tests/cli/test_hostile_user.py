@@ -354,3 +354,23 @@ def test_inspect_shows_any_valid_gguf_and_says_what_it_is_not(capsys, tmp_path, 
         assert "re-download" not in err or kind == "partial"
         if kind.startswith("vocab"):
             assert "vocab-only file: no weights" in err
+
+
+# ---- wording -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cmd", ["plan", "report"])
+def test_an_unknown_kv_type_names_the_flag_once(capsys, cmd):
+    # was: error: --kv: --kv: unknown KV type 'f17'
+    rc, out, err = _cli(capsys, cmd, "--kv", "f17")
+    _refused(rc, out, err, "unknown KV type 'f17'")
+    assert err.count("--kv") == 1
+
+
+def test_a_failed_context_does_not_hint_at_flags_run_lacks(capsys, monkeypatch):
+    # was: run --ctx 16000000 --force hinted at --parallel, which run does not take
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_init_from_model", lambda model, params: None)
+    rc, out, err = _cli(capsys, "run", "-p", "hi", "-n", "1", "-t", "1")
+    assert rc != 0 and "could not create a context" in err and "Traceback" not in err
+    assert "--parallel" not in err and "hint: try a smaller --ctx" in err

@@ -208,5 +208,6 @@ def new_context(model, plan: LoadPlan):
             _L.llama_free(ctx)  # leaving the block raises Terminated
     if not ctx:
         raise UnsupportedModelError(f"llama.cpp could not create a context: {last_error()}",
-                                    hint="try a smaller --ctx, another KV type, or fewer --parallel sequences")
+                                    hint="try a smaller --ctx or a quantized KV cache (-ctk q8_0 -ctv q8_0)"
+                                         + ("; or fewer parallel sequences" if plan.n_seq > 1 else ""))
     return ctx
