@@ -200,9 +200,11 @@ class PagedExecutor:
                 and len(chunks) <= self.graphs.batches[-1]:
             ids = torch.tensor([c.tokens[0] for c in chunks], dtype=torch.long)
             pos = torch.tensor([c.start for c in chunks], dtype=torch.long)
-            slots = torch.tensor([token_slots(self.tables[c.slot], c.start, c.start + 1, bs)[0] for c in chunks])
+            slots = torch.tensor([token_slots(self.tables[c.slot], c.start, c.start + 1, bs)[0] for c in chunks],
+                                 dtype=torch.long)
             width = max(len(self.tables[c.slot]) for c in chunks)
-            tables = torch.tensor([self.tables[c.slot] + [0] * (width - len(self.tables[c.slot])) for c in chunks])
+            tables = torch.tensor([self.tables[c.slot] + [0] * (width - len(self.tables[c.slot])) for c in chunks],
+                                  dtype=torch.long)
             logits = self.graphs(ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev))
             at = [i for i, c in enumerate(chunks) if c.logits]
             out = logits[torch.tensor(at, dtype=torch.long, device=dev)].float().cpu().numpy() if at else None
@@ -230,9 +232,10 @@ class PagedExecutor:
         pos_t = torch.tensor(pos, dtype=torch.long)
         qr, kr, kp = (torch.tensor(x, dtype=torch.long) for x in (q_req, k_req, k_pos))
         mask = ((qr[:, None] == kr[None, :]) & (kp[None, :] <= pos_t[:, None]))[None, None]
-        view = StepView(self.pool, torch.tensor(slots, device=dev), keys=torch.tensor(keys, device=dev))
-        logits = self.model.forward(torch.tensor(ids, device=dev)[None], pos_t.to(dev)[None], view, seqs=None,
-                                    n_attn=len(keys), mask=mask.to(dev), out_rows=torch.tensor(rows, device=dev))
+        long = {"dtype": torch.long, "device": dev}
+        view = StepView(self.pool, torch.tensor(slots, **long), keys=torch.tensor(keys, **long))
+        logits = self.model.forward(torch.tensor(ids, **long)[None], pos_t.to(dev)[None], view, seqs=None,
+                                    n_attn=len(keys), mask=mask.to(dev), out_rows=torch.tensor(rows, **long))
         return logits.cpu().numpy() if rows else None
 
     # ---- checks ---------------------------------------------------------------
