@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 
+from localinfer.generation.load import MAX_BATCH, MAX_CTX, MAX_GPU_LAYERS
 from localinfer.model.kv import KV_TYPES
 
 DEFAULT_CTX = 4096
@@ -65,8 +66,8 @@ def _request(args, spec):
         ctx = min(DEFAULT_CTX, spec.n_ctx_train) if spec.n_ctx_train else DEFAULT_CTX
     else:
         ctx = args.ctx
-        if ctx <= 0:
-            raise UsageError(f"--ctx must be a positive number of tokens, got {ctx}", flag="--ctx",
+        if not 0 < ctx <= MAX_CTX:
+            raise UsageError(f"--ctx must be from 1 to {MAX_CTX} tokens, got {ctx}", flag="--ctx",
                              hint=f"e.g. --ctx {DEFAULT_CTX}; the model was trained for {spec.n_ctx_train}")
         if spec.n_ctx_train and ctx > spec.n_ctx_train and not (spec.rope_scaling or spec.rope_freq_scale != 1.0):
             raise UsageError(f"--ctx {ctx} is beyond the model's trained context {spec.n_ctx_train} "
@@ -74,8 +75,12 @@ def _request(args, spec):
                              hint=f"use --ctx {spec.n_ctx_train} or less")
     if args.parallel <= 0:
         raise UsageError(f"--parallel must be at least 1, got {args.parallel}", flag="--parallel")
-    if args.ubatch <= 0:
-        raise UsageError(f"--ubatch must be positive, got {args.ubatch}", flag="--ubatch")
+    if not 0 < args.ubatch <= MAX_BATCH:
+        raise UsageError(f"--ubatch must be from 1 to {MAX_BATCH}, got {args.ubatch}", flag="--ubatch",
+                         hint="llama.cpp's default is 512")
+    if args.gpu_layers is not None and args.gpu_layers > MAX_GPU_LAYERS:
+        raise UsageError(f"--gpu-layers {args.gpu_layers} is out of range", flag="--gpu-layers",
+                         hint="use -1 for every layer, or a count up to the model's layers")
     if args.dtype is not None and args.backend == "llama.cpp":
         raise UsageError("--dtype sets the torch and mlx weight dtype; llama.cpp keeps the GGUF's types",
                          flag="--dtype", hint="add --backend torch or --backend mlx, or drop --dtype")

@@ -19,6 +19,7 @@ from localinfer.errors import DoesNotFitError, UsageError
 PLAN_DEFAULTS = {f.name: f.default for f in fields(LoadPlan)}
 MAX_CTX = 1 << 24
 MAX_BATCH = 1 << 16
+MAX_GPU_LAYERS = (1 << 31) - 1
 _FLASH = {None: None, "auto": None, "on": True, "off": False, True: True, False: False}
 
 
@@ -76,6 +77,9 @@ def load_plan(path, spec, *, ctx: int | None = None, force: bool = False, flash_
         raise UsageError(f"--threads {n_threads} is out of range", flag="--threads", hint="use 1..1024")
     if n_threads is not None and n_threads > usable_cores():
         given["n_threads"] = usable_cores()  # more threads than cores only thrash (1001 on 2 cores: 0.1 tok/s)
+    if n_gpu_layers is not None and n_gpu_layers > MAX_GPU_LAYERS:  # llama.cpp takes an int32: 2^32 would be 0
+        raise UsageError(f"--gpu-layers {n_gpu_layers} is out of range", flag="--gpu-layers",
+                         hint="use -1 for every layer, or a count up to the model's layers")
     for v, flag in ((n_batch, "--batch"), (n_ubatch, "--ubatch")):
         if v is not None and not 0 < v <= MAX_BATCH:
             raise UsageError(f"{flag} {v} is out of range", flag=flag, hint=f"use 1..{MAX_BATCH}")

@@ -374,3 +374,16 @@ def test_a_failed_context_does_not_hint_at_flags_run_lacks(capsys, monkeypatch):
     rc, out, err = _cli(capsys, "run", "-p", "hi", "-n", "1", "-t", "1")
     assert rc != 0 and "could not create a context" in err and "Traceback" not in err
     assert "--parallel" not in err and "hint: try a smaller --ctx" in err
+
+
+# ---- same class: numbers with no upper bound -------------------------------------------------------
+
+@pytest.mark.parametrize("argv, flag", [
+    (["fit", "--ubatch", "99999999999999"], "--ubatch"),          # was: accepted silently
+    (["fit", "--gpu-layers", "99999999999999"], "--gpu-layers"),
+    (["fit", "--ctx", "99999999999999"], "--ctx"),
+    (["run", "-p", "hi", "-ngl", str(1 << 32)], "--gpu-layers"),   # was: truncated to 0 by ctypes' int32
+])
+def test_numbers_past_what_the_engine_takes_are_refused(capsys, argv, flag):
+    rc, out, err = _cli(capsys, *argv)
+    _refused(rc, out, err, flag)
