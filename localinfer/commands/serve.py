@@ -1,0 +1,158 @@
+"""`localinfer serve [MODEL]`: an OpenAI-compatible HTTP server on the serving engine.
+
+    localinfer serve [MODEL] [--host 127.0.0.1] [--port 8080] [--parallel N] [--ctx N] [-ctk/-ctv T] [-t N]
+        [--backend NAME] [--api-key KEY | LOCALINFER_API_KEY] [--max-queue N] [--token-budget N]
+        [--chunk N | --itl-target MS] [--prefix-cache on|off]
+
+Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
+sequences, one unified cache) goes through the same fit check as ``run``; a
+plan that does not fit is refused with the flags that would.  Then the socket
+is bound, ``/health`` answers 503 while the model loads in the engine thread
+and 200 once it is ready.  The HTTP side is in ``localinfer/serve/http``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+import threading
+
+from localinfer.commands import _common
+from localinfer.errors import UsageError
+
+API_KEY_ENV = "LOCALINFER_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _common.add_model_args(parser)
+    g = parser.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0: a free one)")
+    g.add_argument("--parallel", "-np", type=int, default=4, metavar="N", help="requests decoded together (default 4)")
+    g.add_argument("--api-key", default=None, metavar="KEY", help=f"require Authorization: Bearer KEY (or ${API_KEY_ENV})")
+    g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    g.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also accept this Host header (DNS-rebinding check; repeatable)")
+    g.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests waiting beyond --parallel before 429 (default 64)")
+    g.add_argument("--token-budget", type=int, default=None, metavar="N", help="most new tokens per step")
+    chunking = g.add_mutually_exclusive_group()
+    chunking.add_argument("--chunk", type=int, default=None, metavar="N", help="prompt tokens per request per step")
+    chunking.add_argument("--itl-target", type=float, default=None, metavar="MS",
+                          help="prefill chunks sized to keep each step under MS milliseconds")
+    g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
+    g.add_argument("--lookup", action="store_true", help="prompt-lookup decoding (not available in serve yet)")
+    g.add_argument("--alias", action="append", default=[], metavar="NAME", help="another model name to accept")
+    g.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES", help="request body cap (default 4 MiB)")
+    g.add_argument("--grace", type=float, default=10.0, metavar="S",
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 10)")
+    g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+
+
+def _check(args) -> str | None:
+    """Validate the serving flags; the API key to use (None: no key)."""
+    for flag, v, lo, hi in (("--port", args.port, 0, 65535), ("--parallel", args.parallel, 1, 256),
+                            ("--max-queue", args.max_queue, 0, 1 << 20), ("--max-body", args.max_body, 1024, 1 << 30)):
+        if not lo <= v <= hi:
+            raise UsageError(f"{flag} {v} is out of range", flag=flag, hint=f"use {lo}..{hi}")
+    for flag, v in (("--token-budget", args.token_budget), ("--chunk", args.chunk)):
+        if v is not None and v < 1:
+            raise UsageError(f"{flag} must be at least 1, got {v}", flag=flag)
+    if args.itl_target is not None and not 0 < args.itl_target < 1e6:
+        raise UsageError(f"--itl-target must be a positive number of milliseconds, got {args.itl_target}",
+                         flag="--itl-target")
+    if not 0 <= args.grace <= 3600:
+        raise UsageError(f"--grace {args.grace} is out of range", flag="--grace", hint="use 0..3600 seconds")
+    if args.lookup:
+        raise UsageError("--lookup is not available in serve yet: the serving engine has no speculative step",
+                         flag="--lookup", hint="drop --lookup (run and chat support it)")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and (not key.strip() or any(c.isspace() for c in key)):
+        raise UsageError("the API key must be non-empty and contain no spaces", flag="--api-key")
+    if not _loopback(args.host):
+        if key is None and not args.insecure:
+            raise UsageError(f"--host {args.host} is reachable from other machines and no API key is set",
+                             flag="--host", hint=f"set --api-key KEY (or ${API_KEY_ENV}), or pass --insecure")
+        if key is None:
+            print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it",
+                  file=sys.stderr)
+    return key
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
+    from localinfer.serve.http.runtime import Runtime, ServeConfig
+
+    key = _check(args)
+    backend = _common.backend_name(args)
+    if backend != "llama.cpp":
+        raise UsageError(f"serve runs on the llama.cpp executor; backend {backend!r} has none yet", flag="--backend",
+                         hint="use --backend llama.cpp")
+    path, spec = _common.read_spec(args)
+    plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
+    plan = plan.with_(options={**plan.options, "kv_unified": True})
+    _common.check_fit(spec, plan, backend, args.force)
+    config = ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=args.token_budget,
+                         chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
+                         prefix_cache=args.prefix_cache == "on")
+    model_id = os.path.basename(str(path)).removesuffix(".gguf")
+    hosts = {*LOOPBACK_NAMES, *(h.lower() for h in args.allow_host)}
+    if args.host not in ("0.0.0.0", "::"):
+        hosts.add(args.host.lower())
+    app_config = AppConfig(model_id=model_id, aliases=(os.path.basename(str(path)), *args.alias), api_key=key,
+                           allowed_hosts=tuple(sorted(hosts)), max_body_bytes=args.max_body,
+                           template=_template_factory(args, spec), created=int(os.path.getmtime(path)))
+    runtime = Runtime(lambda: _open_executor(plan), config)
+    return _serve(args, runtime, app_config, plan)
+
+
+def _open_executor(plan):
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    return LlamaCppExecutor(plan)
+
+
+def _template_factory(args, spec):
+    """The chat template, built once the tokenizer exists (its BOS/EOS text goes into the template)."""
+    def build(tokenizer):
+        return _common.template_from(args, tokenizer, spec)
+    return build
+
+
+def _serve(args, runtime, app_config, plan) -> int:
+    from localinfer.serve.http.server import bind, serve
+
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}", flag="--port",
+                         hint="choose another --port (0: any free one)") from None
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {app_config.model_id} on http://{shown}:{port}/v1 (parallel {args.parallel}, "
+          f"ctx {plan.n_ctx} shared, KV {plan.type_k}/{plan.type_v}); loading...", file=sys.stderr, flush=True)
+
+    def announce_ready():
+        runtime.ready.wait()
+        if runtime.state == "failed":
+            print(f"error: the model failed to load: {runtime.load_error}", file=sys.stderr, flush=True)
+        elif runtime.state == "ready":
+            print(f"ready: {runtime.context_tokens} KV tokens, {runtime.config.parallel} slots", file=sys.stderr,
+                  flush=True)
+
+    threading.Thread(target=announce_ready, daemon=True).start()
+    with sock:
+        signum = serve(runtime, app_config, sock, grace_s=args.grace, log_level=args.log_level)
+    print(f"stopped{f' (signal {signum})' if signum else ''}", file=sys.stderr)
+    return 1 if runtime.state == "failed" and runtime.load_error else 0

@@ -1,0 +1,180 @@
+"""One HTTP generation: its engine requests (n choices), their events, and the OpenAI answer they make.
+
+The handler builds a :class:`Generation` after the prompt is tokenised; it
+submits the choices to the engine thread and starts the disconnect watcher.
+``first()`` waits for the first event so a request refused at admission
+(deadline, shutdown) still gets an HTTP error status even when streaming;
+then ``response()`` collects the whole answer or ``frames()`` streams it.
+``close()`` always runs: it stops the watcher and cancels whatever has not
+finished (the client left, or the handler was cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from localinfer.serve.http import responses as R
+from localinfer.serve.http import sse
+from localinfer.serve.http.errors import APIError
+from localinfer.serve.http.runtime import Event, Runtime
+from localinfer.serve.http.sampler import ServeRequest, sampling_for
+from localinfer.serve.http.schemas import GenerationSpec
+
+
+class Generation:
+    def __init__(self, runtime: Runtime, spec: GenerationSpec, prompt: tuple[int, ...], max_tokens: int,
+                 model: str, receive, eos_ids: frozenset[int]):
+        self.runtime, self.spec, self.prompt, self.model = runtime, spec, prompt, model
+        self.id = ("chatcmpl-" if spec.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        deadline = None if spec.deadline_ms is None else spec.deadline_ms / 1e3
+
+        def make(rid, tokens, arrival, i):
+            return ServeRequest(rid, tokens, max_tokens, arrival_s=arrival,
+                                deadline_s=None if deadline is None else arrival + deadline,
+                                sampling=sampling_for(spec.sampling, i),
+                                stop_tokens=frozenset() if spec.ignore_eos else eos_ids,
+                                banned=eos_ids if spec.ignore_eos else frozenset(),
+                                presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
+                                top_logprobs=spec.logprobs)
+
+        self.handles, self.queue = runtime.submit([prompt] * spec.n, make, asyncio.get_running_loop())
+        self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in self.handles]
+        self.reasons: list[str | None] = [None] * spec.n
+        self.client_gone = False
+        self._first: Event | None = None
+        self._watcher = sse.watch_disconnect(receive, self._disconnected)
+
+    # ---- events ----------------------------------------------------------------
+    def _disconnected(self) -> None:
+        self.client_gone = True
+        for h in self.handles:
+            self.runtime.cancel(h)
+        self.queue.put_nowait(None)             # wake a waiting reader
+
+    async def _next(self) -> Event | None:
+        if self._first is not None:
+            ev, self._first = self._first, None
+            return ev
+        return await self.queue.get()
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.reasons)
+
+    async def first(self) -> None:
+        """Wait for the first event; APIError when the request was refused before any token."""
+        ev = await self.queue.get()
+        if ev is None:
+            return
+        if ev.reason is not None and self.texts[ev.index].tokens == 0:
+            err = self._refusal(ev)
+            if err is not None:
+                raise err
+        self._first = ev
+
+    def _refusal(self, ev: Event) -> APIError | None:
+        if ev.reason == "deadline":
+            return APIError(429, f"the server cannot finish this request within deadline_ms="
+                                 f"{self.spec.deadline_ms:g} at its current load", param="deadline_ms",
+                            code="deadline_unmeetable", headers={"Retry-After": "1"})
+        if ev.reason == "cancelled" and not self.client_gone:
+            return APIError(503, "the server is shutting down", code="shutting_down")
+        if ev.reason == "error":
+            return APIError(500, f"the engine failed on this request: {ev.error or 'unknown error'}",
+                            code="engine_error")
+        return None
+
+    def _apply(self, ev: Event) -> tuple[str, list] | None:
+        """Feed one token event to its choice: (new text, logprob entries), or None if the choice stopped."""
+        text = self.texts[ev.index]
+        if text.stopped:
+            return None
+        seen = text.tokens
+        delta = text.feed(ev.token)
+        lps = []
+        if self.spec.logprobs is not None and ev.token not in text.eos and not text.stopped:
+            entries = self.handles[ev.index].request.logprobs
+            lps = entries[seen:seen + 1]
+        if text.stopped:
+            self.runtime.cancel(self.handles[ev.index], quiet=True)
+        return delta, lps
+
+    def _finish(self, ev: Event) -> str:
+        text = self.texts[ev.index]
+        self.reasons[ev.index] = R.finish_reason(ev.reason, text.stopped)
+        return text.flush()
+
+    def usage(self) -> dict:
+        cached = max((h.request.cached for h in self.handles), default=0)
+        return R.usage(len(self.prompt), sum(t.tokens for t in self.texts), cached)
+
+    # ---- answers -----------------------------------------------------------------
+    async def response(self) -> dict:
+        """The whole non-streaming answer."""
+        parts = [[] for _ in self.handles]
+        lps = [[] for _ in self.handles]
+        errors = []
+        while not self.done:
+            ev = await self._next()
+            if ev is None:
+                continue                          # the client left: the cancels' finishes follow
+            if ev.reason is not None:
+                parts[ev.index].append(self._finish(ev))
+                if ev.reason in ("error", "deadline") or (ev.reason == "cancelled" and not self.texts[ev.index].stopped):
+                    errors.append(ev)
+                continue
+            got = self._apply(ev)
+            if got is not None:
+                parts[ev.index].append(got[0])
+                lps[ev.index] += got[1]
+        if errors and all(t.tokens == 0 for t in self.texts):
+            raise self._refusal(errors[0]) or APIError(500, "the request ended without output", code="engine_error")
+        kind = "chat.completion" if self.spec.chat else "text_completion"
+        out = R.envelope(kind, self.id, self.model)
+        out["choices"] = [R.choice(self.spec.chat, i, "".join(parts[i]), self.reasons[i],
+                                   None if self.spec.logprobs is None else
+                                   R.logprobs_for(self.spec.chat, self.texts[i], lps[i]))
+                          for i in range(len(self.handles))]
+        out["usage"] = self.usage()
+        return out
+
+    async def frames(self) -> AsyncIterator[bytes]:
+        """The streaming answer as SSE frames, ending with the usage chunk (if asked) and [DONE]."""
+        chat, kind = self.spec.chat, "chat.completion.chunk" if self.spec.chat else "text_completion"
+        base = R.envelope(kind, self.id, self.model)
+        extra = {"usage": None} if self.spec.include_usage else {}
+
+        def frame(choices, **more):
+            return sse.event({**base, "choices": choices, **extra, **more})
+
+        if chat:
+            for i in range(len(self.handles)):
+                yield frame([R.chunk_choice(True, i, "", None, None, first=True)])
+        while not self.done:
+            ev = await self._next()
+            if ev is None:
+                continue
+            if ev.reason is not None:
+                tail = self._finish(ev)
+                if ev.reason == "error":
+                    yield sse.event(APIError(500, f"the engine failed on this request: {ev.error}",
+                                             code="engine_error").body())
+                yield frame([R.chunk_choice(chat, ev.index, tail or None, self.reasons[ev.index], None, False)])
+                continue
+            got = self._apply(ev)
+            if got is None or (not got[0] and not got[1]):
+                continue
+            text = self.texts[ev.index]
+            lp = None if self.spec.logprobs is None else R.logprobs_for(chat, text, got[1], text.offset - len(got[0]))
+            yield frame([R.chunk_choice(chat, ev.index, got[0], None, lp, False)])
+        if self.spec.include_usage:
+            yield sse.event({**base, "choices": [], "usage": self.usage()})
+        yield sse.DONE
+
+    def close(self) -> None:
+        self._watcher.cancel()
+        for h in self.handles:
+            if not h.finished:
+                self.runtime.cancel(h)

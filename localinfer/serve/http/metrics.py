@@ -1,0 +1,80 @@
+"""Prometheus metrics (prometheus-client, text exposition format 0.0.4) on a registry of the server's own.
+
+Gauges are read at scrape time from the engine thread's last snapshot (one
+dict replaced atomically after each step), so a scrape never touches the
+engine.  Counters and histograms are updated by the engine thread as requests
+finish (prometheus-client's metrics are thread-safe).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+GAUGES = {
+    "requests_running": "requests holding a sequence slot",
+    "requests_waiting": "requests queued for admission",
+    "kv_blocks_used": "KV blocks referenced by requests",
+    "kv_blocks_cached": "KV blocks held only by the prefix cache (evictable)",
+    "kv_blocks_total": "KV blocks in the pool",
+    "kv_cells_used": "llama.cpp KV cells holding a token (sampled when the server is idle)",
+}
+
+
+class _Snapshot:
+    """Collector of the gauges above from a dict the engine thread replaces."""
+
+    def __init__(self):
+        self.values: dict[str, float] = {k: 0.0 for k in GAUGES}
+
+    def collect(self):
+        values = self.values
+        for name, doc in GAUGES.items():
+            yield GaugeMetricFamily(f"localinfer_{name}", doc, value=values.get(name, 0.0))
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.snapshot = _Snapshot()
+        r.register(self.snapshot)
+        c = lambda name, doc, **kw: Counter(f"localinfer_{name}", doc, registry=r, **kw)  # noqa: E731
+        self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = c("generation_tokens", "tokens generated")
+        self.prefix_hit_tokens = c("prefix_cache_hit_tokens", "prompt tokens found in the prefix cache")
+        self.preemptions = c("preemptions", "requests preempted (KV dropped, recomputed later)")
+        self.cancelled = c("requests_cancelled", "requests cancelled by their client (disconnect or shutdown)")
+        self.finished = c("requests_finished", "requests finished, by reason", labelnames=("reason",))
+        self.rejected = c("requests_rejected", "requests answered with an error status", labelnames=("status",))
+        h = lambda name, doc: Histogram(f"localinfer_{name}", doc, registry=r, buckets=_LATENCY)  # noqa: E731
+        self.ttft = h("time_to_first_token_seconds", "arrival to first token")
+        self.itl = h("inter_token_latency_seconds", "time between consecutive tokens of a request")
+        self.e2e = h("e2e_request_latency_seconds", "arrival to finish")
+
+    def publish(self, values: dict[str, float]) -> None:
+        self.snapshot.values = values
+
+    def gauge(self, name: str) -> float:
+        return self.snapshot.values.get(name, 0.0)
+
+    def finished_request(self, r, *, cancelled: bool) -> None:
+        """Count a finished engine request (called by the engine thread)."""
+        self.prompt_tokens.inc(len(r.prompt))
+        self.generation_tokens.inc(len(r.output))
+        self.prefix_hit_tokens.inc(r.cached)
+        if r.preemptions:
+            self.preemptions.inc(r.preemptions)
+        if cancelled:
+            self.cancelled.inc()
+        self.finished.labels(r.finish_reason.value if r.finish_reason else "unknown").inc()
+        if r.ttft_s is not None:
+            self.ttft.observe(max(0.0, r.ttft_s))
+        for g in r.gaps_s:
+            self.itl.observe(g)
+        if r.finished_s is not None:
+            self.e2e.observe(max(0.0, r.finished_s - r.arrival_s))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,320 @@
+"""The engine thread: one :class:`~localinfer.serve.engine.Engine` stepped in a thread of its own.
+
+The event loop never touches the engine.  It puts ``add`` and ``cancel``
+commands in a locked inbox and wakes the thread; the thread applies them
+between steps, runs ``Engine.step``, and hands each step's tokens and finishes
+back to the loop with one ``loop.call_soon_threadsafe`` (each request's events
+land on its asyncio queue).  A cancel takes effect before the next step; the
+request's blocks are freed once the step in flight completes
+(``Scheduler.cancel``).  Loading happens in this thread too, so ``/health``
+answers 503 until the model is ready.
+
+Admission control at the door: at most ``parallel + max_queue`` requests are
+outstanding; one more is answered 429 with ``Retry-After`` (the mean
+end-to-end time of recent requests times the queue depth over the slots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from localinfer.serve.block_manager import BlockManager
+from localinfer.serve.engine import Engine
+from localinfer.serve.http.errors import APIError
+from localinfer.serve.http.metrics import Metrics
+from localinfer.serve.http.sampler import ServeRequest
+from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibrate
+from localinfer.serve.request import FinishReason
+from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("localinfer.serve")
+IDLE_WAIT_S = 0.5
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server schedules: slots, queue, prefill chunking, prefix cache, shutdown grace."""
+
+    parallel: int = 4
+    max_queue: int = 64
+    token_budget: int | None = None
+    chunk: int | None = None             # prompt tokens per request per step (None: SchedulerConfig's)
+    itl_target_s: float | None = None
+    prefix_cache: bool = True
+    block_tokens: int = 16
+    admission: str = "on_demand"
+
+
+@dataclass(frozen=True)
+class Event:
+    index: int                   # which of the request's n choices
+    token: int | None
+    reason: str | None = None    # stop | length | cancelled | deadline | error
+    error: str | None = None
+
+
+class Handle:
+    """One engine request as the loop sees it."""
+
+    def __init__(self, request: ServeRequest, queue: asyncio.Queue, index: int):
+        self.request, self.queue, self.index = request, queue, index
+        self.finished = False         # set on the loop when its finish event is dispatched
+        self.quiet_cancel = False     # cancelled because a stop string matched: not a client cancel
+
+
+class Runtime:
+    def __init__(self, open_executor: Callable[[], object], config: ServeConfig, metrics: Metrics | None = None):
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self._open = open_executor
+        self.state = "loading"            # loading | ready | failed | draining | stopped
+        self.load_error: str | None = None
+        self.executor = self.engine = self.tokenizer = self.step_model = None
+        self.context_tokens = 0            # per-request limit: prompt + max_tokens
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, Handle]] = []
+        self._active: dict[str, Handle] = {}
+        self._outstanding = 0
+        self._stop_at: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mean_e2e = 1.0
+        self._thread = threading.Thread(target=self._main, name="localinfer-engine", daemon=True)
+        self.ready = threading.Event()
+
+    # ---- lifecycle (loop thread) ----------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def drain(self) -> None:
+        """Refuse new requests (503); those in flight go on."""
+        if self.state in ("ready", "loading"):
+            self.state = "draining"
+
+    def stop(self, grace_s: float = 0.0, join_s: float = 30.0) -> None:
+        """Finish in-flight requests for up to grace_s, cancel the rest, stop the thread, close the executor."""
+        self.drain()
+        with self._cond:
+            self._stop_at = self._now() + max(0.0, grace_s)
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(join_s + grace_s)
+
+    # ---- requests (loop thread) -----------------------------------------------
+    def submit(self, prompts: list[tuple[int, ...]], make: Callable[..., ServeRequest],
+               loop: asyncio.AbstractEventLoop) -> tuple[list[Handle], asyncio.Queue]:
+        """Queue one engine request per prompt; ``make(id, prompt, arrival_s, index)`` builds each."""
+        self.check_serving()
+        n = len(prompts)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            limit = self.config.parallel + self.config.max_queue
+            if self._outstanding + n > limit:
+                wait = math.ceil(self._mean_e2e * max(1, self._outstanding) / self.config.parallel)
+                raise APIError(429, f"the server has {self._outstanding} requests outstanding, its limit "
+                                    f"(--parallel + --max-queue) is {limit}; retry later", code="queue_full",
+                               headers={"Retry-After": str(min(max(wait, 1), 60))})
+            self._loop = loop
+            now = self._now()
+            rid = uuid.uuid4().hex
+            handles = [Handle(make(f"{rid}-{i}", p, now, i), queue, i) for i, p in enumerate(prompts)]
+            self._outstanding += n
+            self._inbox += [("add", h) for h in handles]
+            self._cond.notify()
+        return handles, queue
+
+    def cancel(self, handle: Handle, quiet: bool = False) -> None:
+        """Stop a request (client gone, or a stop string matched when ``quiet``); no-op once finished."""
+        if handle.finished:
+            return
+        handle.quiet_cancel = handle.quiet_cancel or quiet
+        with self._cond:
+            self._inbox.append(("cancel", handle))
+            self._cond.notify()
+
+    def check_serving(self) -> None:
+        if self.state == "loading":
+            raise APIError(503, "the model is still loading; retry shortly", code="loading",
+                           headers={"Retry-After": "1"})
+        if self.state == "failed":
+            raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+        if self.state != "ready":
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    def _now(self) -> float:
+        return self.executor.clock() if self.executor is not None else _perf()
+
+    # ---- the engine thread ---------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._load()
+        except BaseException as exc:  # noqa: BLE001 - reported on /health and to every request
+            self.load_error = " ".join(str(exc).split()) or type(exc).__name__
+            self.state = "failed"
+            log.error("loading failed: %s", self.load_error)
+            self.ready.set()
+            return
+        if self.state == "loading":
+            self.state = "ready"
+        self.ready.set()
+        try:
+            self._serve()
+        finally:
+            self._cancel_all()
+            self._publish(idle=True)
+            self.state = "stopped"
+            close = getattr(self.executor.inner, "close", None)
+            if close is not None:
+                close()
+
+    def _load(self) -> None:
+        inner = self._open()
+        cfg = self.config
+        self.tokenizer = getattr(inner, "engine", None)
+        self.step_model = FittedStepModel(calibrate(inner))
+        self.executor = TimedExecutor(inner, self.step_model)
+        cells = getattr(inner, "n_cells", None) or 0
+        n_blocks = cells // cfg.block_tokens
+        self.context_tokens = n_blocks * cfg.block_tokens
+        blocks = BlockManager(n_blocks, cfg.block_tokens, prefix_cache=cfg.prefix_cache, pool_hits=False)
+        chunk = {"chunk_tokens": cfg.chunk} if cfg.chunk else {}
+        sched = SchedulerConfig(policy="chunked", max_running=cfg.parallel, token_budget=cfg.token_budget,
+                                itl_target_s=cfg.itl_target_s, admission=cfg.admission, deadline_aware=True,
+                                **chunk)
+        self.engine = Engine(self.executor, Scheduler(sched, blocks, self.step_model))
+        self._publish(idle=True)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                if self._iteration():
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug here must not stop the server: fail what is active
+                log.exception("engine loop error: %s", exc)
+                self._dispatch(self._cancel_active(error=f"{type(exc).__name__}: {exc}"))
+
+    def _iteration(self) -> bool:
+        """Apply the inbox, step once, deliver; True when a stop has drained everything."""
+        engine = self.engine
+        with self._cond:
+            if not self._inbox and not engine.unfinished and self._stop_at is None:
+                self._cond.wait(IDLE_WAIT_S)
+            items, self._inbox = self._inbox, []
+        out: list[tuple[Handle, Event]] = []
+        for kind, h in items:
+            if kind == "add":
+                engine.add_request(h.request)
+                self._active[h.request.id] = h
+            elif h.request.id in self._active and engine.cancel(h.request.id):
+                out += self._finished(h)
+        if self._stop_at is not None and self._now() >= self._stop_at:
+            out += self._cancel_active()
+        if engine.unfinished:
+            try:
+                events = engine.step()
+            except Exception as exc:  # noqa: BLE001 - the step's requests are finished with ERROR
+                log.error("engine step failed: %s: %s", type(exc).__name__, exc)
+                events = []
+            out += self._events(events)
+            if not events and not engine.scheduler.running:
+                with self._cond:
+                    self._cond.wait(0.005)
+        self._dispatch(out)
+        self._publish(idle=not engine.unfinished)
+        if self._stop_at is not None and not engine.unfinished and not self._active:
+            with self._cond:
+                return not self._inbox
+        return False
+
+    def _events(self, events) -> list[tuple[Handle, Event]]:
+        out = []
+        for ev in events:
+            h = self._active.get(ev.request_id)
+            if h is None:
+                continue
+            if ev.token is not None:
+                out.append((h, Event(h.index, ev.token)))
+        for h in [h for h in self._active.values() if h.request.finished]:
+            out += self._finished(h)      # finishes from step() and from a failed step alike
+        return out
+
+    def _finished(self, h: Handle) -> list[tuple[Handle, Event]]:
+        r = h.request
+        self._active.pop(r.id, None)
+        self.engine.scheduler.requests.pop(r.id, None)       # the engine keeps every request otherwise
+        getattr(self.engine, "_streams", {}).pop(r.id, None)
+        reason = r.finish_reason or FinishReason.ERROR
+        self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not h.quiet_cancel)
+        if r.finished_s is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self._mean_e2e = 0.9 * self._mean_e2e + 0.1 * (r.finished_s - r.arrival_s)
+        with self._cond:
+            self._outstanding -= 1
+        return [(h, Event(h.index, None, reason.value, r.error))]
+
+    def _cancel_active(self, error: str | None = None) -> list[tuple[Handle, Event]]:
+        out = []
+        for h in list(self._active.values()):
+            if not h.request.finished:
+                try:
+                    if error is not None:
+                        self.engine.scheduler.finish(h.request, FinishReason.ERROR, self._now(), error)
+                    else:
+                        self.engine.cancel(h.request.id)
+                except Exception:  # noqa: BLE001
+                    h.request.finish(FinishReason.ERROR, self._now(), error)
+            out += self._finished(h)
+        return out
+
+    def _cancel_all(self) -> None:
+        with self._cond:
+            items, self._inbox = self._inbox, []
+        out = []
+        for kind, h in items:
+            if kind == "add":
+                h.request.finish(FinishReason.CANCELLED, self._now())
+                self._active[h.request.id] = h
+        if self.engine is not None:
+            out = self._cancel_active()
+        self._dispatch(out)
+
+    def _dispatch(self, out: list[tuple[Handle, Event]]) -> None:
+        if out and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(_deliver, out)
+            except RuntimeError:      # the loop closed meanwhile
+                pass
+
+    def _publish(self, idle: bool = False) -> None:
+        e = self.engine
+        if e is None:
+            return
+        b, s = e.blocks, e.scheduler
+        values = {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
+                  "kv_blocks_used": b.used, "kv_blocks_cached": b.num_cached, "kv_blocks_total": b.num_blocks,
+                  "kv_cells_used": self.metrics.gauge("kv_cells_used")}
+        if idle:
+            values["kv_cells_used"] = self.executor.cells_used()
+        self.metrics.publish(values)
+
+
+def _deliver(out: list[tuple[Handle, Event]]) -> None:
+    for h, ev in out:
+        if ev.reason is not None:
+            h.finished = True
+        h.queue.put_nowait(ev)
+
+
+def _perf() -> float:
+    import time
+
+    return time.perf_counter()

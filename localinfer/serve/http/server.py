@@ -1,0 +1,94 @@
+"""uvicorn around the app: a socket we bind ourselves, the engine thread's lifespan, and a graceful stop.
+
+SIGINT/SIGTERM/SIGHUP: the first one stops accepting connections and makes
+new requests on open connections answer 503, lets in-flight requests finish
+for up to ``grace_s``, then cancels what is left (their KV freed), stops the
+engine thread and returns normally (the CLI exits 0).  A second SIGINT stops
+at once (uvicorn's force exit).  uvicorn re-raises a captured signal after
+shutdown; this server does not, so the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+
+import uvicorn
+from starlette.applications import Starlette
+
+from localinfer.serve.http.app import AppConfig, build_app
+from localinfer.serve.http.runtime import Runtime
+
+SIGNALS = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
+                if s is not None)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, runtime: Runtime):
+        super().__init__(config)
+        self.runtime = runtime
+        self.stopped_by: int | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.runtime.drain()
+        self.stopped_by = self.stopped_by or sig
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {s: signal.signal(s, self.handle_exit) for s in SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in original.items():
+                signal.signal(s, handler)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.0,
+                log_level: str = "warning") -> tuple[_Server, Starlette]:
+    app = build_app(runtime, app_config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        runtime.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, runtime.stop, 0.0)
+            app.state.prep.shutdown(wait=False)
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s, access_log=False,
+                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=5)
+    return _Server(config, runtime), app
+
+
+def serve(runtime: Runtime, app_config: AppConfig, sock: socket.socket, *, grace_s: float = 10.0,
+          log_level: str = "warning", announce=None) -> int | None:
+    """Serve on ``sock`` until a signal (or ``server.should_exit``); the signal number that stopped it."""
+    server, _ = make_server(runtime, app_config, grace_s=grace_s, log_level=log_level)
+    if announce is not None:
+        announce(server)
+    logging.getLogger("localinfer.serve").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
+    server.run(sockets=[sock])
+    sys.stderr.flush()
+    return server.stopped_by

@@ -1,0 +1,110 @@
+"""Step times measured on the running server, fitted to the linear step model the scheduler predicts with.
+
+The model is :class:`~localinfer.serve.step_model.LinearStepModel` (docs/serving:
+``T = fixed + per_token·Σc + per_pair·ΣN``, N the causal pairs of each chunk).
+:class:`TimedExecutor` wraps the executor, times every step and keeps the last
+``window`` (shape, seconds) pairs; every ``refit`` steps a non-negative least-squares
+fit over them replaces the coefficients, so deadline-aware admission and the
+ITL-target chunk size follow what this machine really does (threads, other load).
+Before any step the model is seeded by :func:`calibrate` (one decode step and
+one prefill of ``n`` tokens).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from localinfer.model.cost import attention_pairs
+from localinfer.serve.executor import Chunk
+from localinfer.serve.step_model import LinearStepModel
+
+
+class FittedStepModel:
+    """A LinearStepModel whose coefficients are refitted from measured steps (thread-safe reads)."""
+
+    def __init__(self, initial: LinearStepModel, *, window: int = 512, refit: int = 32):
+        self.model = initial
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)   # (tokens, pairs, seconds)
+        self._refit, self._since = refit, 0
+        self._lock = threading.Lock()
+
+    def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
+        return self.model.seconds(chunks)
+
+    def observe(self, shapes: Sequence[tuple[int, int]], seconds: float) -> None:
+        tokens = sum(c for c, _ in shapes)
+        pairs = sum(attention_pairs(c, h) for c, h in shapes)
+        with self._lock:
+            self._obs.append((tokens, pairs, seconds))
+            self._since += 1
+            if self._since >= self._refit and len(self._obs) >= 8:
+                self._since = 0
+                self.model = _fit(np.array(self._obs), self.model)
+
+
+def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
+    """Least squares T ≈ a + b·tokens + c·pairs with a, b, c ≥ 0 (drop a term that comes out negative)."""
+    X = np.column_stack([np.ones(len(obs)), obs[:, 0], obs[:, 1]])
+    y = obs[:, 2]
+    keep = [0, 1, 2]
+    for _ in range(3):
+        coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+        if (coef >= 0).all():
+            full = np.zeros(3)
+            full[keep] = coef
+            if full.sum() <= 0:
+                return old
+            return LinearStepModel(float(full[0]), float(full[1]), float(full[2]))
+        keep = [k for k, c in zip(keep, coef) if c >= 0] or [0]
+    return old
+
+
+class TimedExecutor:
+    """An Executor that forwards every call and reports each step's shapes and wall time to a FittedStepModel."""
+
+    def __init__(self, inner, model: FittedStepModel | None = None):
+        self.inner = inner
+        self.model = model
+        self.n_slots = inner.n_slots
+        self.n_vocab = inner.n_vocab
+        self.n_cells = getattr(inner, "n_cells", None)
+        self.steps = 0
+
+    def step(self, chunks: Sequence[Chunk]):
+        t0 = self.inner.clock()
+        rows = self.inner.step(chunks)
+        if chunks and self.model is not None:
+            self.model.observe([(len(c.tokens), c.start) for c in chunks], self.inner.clock() - t0)
+        self.steps += 1
+        return rows
+
+    def copy(self, src: int, dst: int, n_tokens: int) -> None:
+        self.inner.copy(src, dst, n_tokens)
+
+    def drop(self, slot: int, start: int = 0) -> None:
+        self.inner.drop(slot, start)
+
+    def cells_used(self) -> int:
+        return self.inner.cells_used()
+
+    def clock(self) -> float:
+        return self.inner.clock()
+
+
+def calibrate(executor, n: int = 64) -> LinearStepModel:
+    """Seed coefficients from two steps on slot 0 (a prefill of n tokens, then one decode), dropped afterwards."""
+    n = max(2, min(n, (getattr(executor, "n_cells", None) or n + 1) - 1))
+    tokens = tuple(i % max(1, executor.n_vocab - 1) + 1 for i in range(n))
+    t0 = executor.clock()
+    executor.step([Chunk(0, tokens, 0, True)])
+    t1 = executor.clock()
+    executor.step([Chunk(0, (1,), n, True)])
+    t2 = executor.clock()
+    executor.drop(0)
+    decode, prefill = t2 - t1, t1 - t0
+    per_token = max(0.0, (prefill - decode) / (n - 1))
+    return LinearStepModel(max(decode - per_token, 1e-4), per_token, 0.0)
