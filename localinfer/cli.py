@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "plan": "choose the best configuration for a workload and deadline",
     "report": "cross-device capacity and speed report",
     "replay": "replay a request trace through the serving scheduler on a simulated clock",
+    "serve": "an OpenAI-compatible HTTP server on the serving engine",
 }
 
 
