@@ -16,6 +16,7 @@ import llama_cpp as _L
 
 from localinfer.backends.llamacpp.native import init_backend, last_error, log_lock
 from localinfer.errors import LocalinferError, UnsupportedModelError
+from localinfer.util import signals
 
 
 class LlamaVocab:
@@ -93,9 +94,12 @@ class VocabOnly(LlamaVocab):
         init_backend()  # llama.cpp's log goes to the llama.cpp backend's capture, not stderr
         params = _L.llama_model_default_params()
         params.vocab_only = True
-        with log_lock:
+        with log_lock, signals.native():  # llama.cpp logs through a ctypes callback: SIGTERM is raised after
             self._model = _L.llama_model_load_from_file(os.fsencode(path), params)
-            if not self._model:
+            if self._model and signals.pending() is not None:
+                _L.llama_model_free(self._model)
+                self._model = None
+            elif not self._model:
                 raise UnsupportedModelError(
                     f"llama.cpp cannot read the tokenizer of {os.path.basename(path)}: {last_error()}",
                     hint="check the file with `localinfer inspect`", path=path)
@@ -104,8 +108,9 @@ class VocabOnly(LlamaVocab):
     def close(self) -> None:
         self.release()
         if getattr(self, "_model", None) is not None:
-            _L.llama_model_free(self._model)
-            self._model = None
+            model, self._model = self._model, None
+            with signals.native():
+                _L.llama_model_free(model)
 
     def __del__(self):
         with contextlib.suppress(Exception):
