@@ -64,6 +64,7 @@ class PagedExecutor:
         self.pool = PagedKVPool(cfg.n_layers, num_blocks, block_size, cfg.n_head_kv, cfg.head_dim, type_k, type_v,
                                 device=self.device, dtype=model.dtype, scratch=use_graphs)
         self.n_cells = num_blocks * block_size
+        self.slot_cells = self.max_model_len       # the most one slot can hold (llama.cpp executor's name)
         self.external = external_blocks
         self.alloc = BlockAllocator(num_blocks)
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]

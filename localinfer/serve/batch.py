@@ -173,8 +173,8 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     (``temperature=0``: greedy).  ``ctx`` is each request's context (default:
     longest prompt + max_tokens, at most the trained context).
     """
-    if backend not in ("llama.cpp", "llamacpp"):
-        raise UsageError(f"generate_batch runs on the llama.cpp executor; backend {backend!r} has none yet",
+    if backend not in ("llama.cpp", "llamacpp", "torch"):
+        raise UsageError(f"generate_batch runs on the llama.cpp or torch executor; backend {backend!r} has none yet",
                          flag="--backend", hint="use backend='llama.cpp', or Runner for one prompt at a time")
     params = sampling or SamplingParams()
     changes = {k: v for k, v in (("temperature", temperature), ("seed", seed)) if v is not None}
@@ -200,6 +200,14 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     if ctx is None:
         ctx = max(len(t) for t in token_lists) + max_tokens
         ctx = min(ctx, spec.n_ctx_train) if spec.n_ctx_train else ctx
+    if backend == "torch":   # cuda_backend's paged executor: a pool of parallel x ceil(ctx / 16) blocks
+        from cuda_backend.serving import open_executor
+
+        with open_executor(path, n_slots=parallel, n_ctx=ctx, threads=threads, type_k=type_k, type_v=type_v,
+                           device="cpu" if n_gpu_layers == 0 else None) as ex:
+            results = run_batch(ex, ex.vocab, token_lists, params, max_tokens=max_tokens, parallel=parallel,
+                                ctx=ctx, chunk=chunk, stop=stop)
+        return [r.text for r in results]
     slot = _pad(blocks_for(ctx) * DEFAULT_BLOCK_TOKENS)
     with LlamaCppExecutor.open(path, n_slots=parallel, n_ctx=parallel * slot, threads=threads,
                                flash_attn=flash_attn, unified=kv_unified, type_k=type_k, type_v=type_v,
