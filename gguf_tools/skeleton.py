@@ -66,13 +66,21 @@ SPEC_FIELDS: dict[str, tuple[type | tuple, Any, str]] = {
 }
 
 
+MAX_SPEC_BYTES = 1 << 20
+
+
 def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a TOML or JSON file of SPEC_FIELDS; ValueError on a malformed file."""
     p = Path(path)
     try:
-        raw = p.read_bytes()
+        if not p.is_file():  # a FIFO or a device (/dev/zero) would block or never end
+            raise ValueError(f"spec file {p} is not a regular file")
+        with open(p, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise ValueError(f"cannot read spec file {p}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise ValueError(f"spec file {p} is over {MAX_SPEC_BYTES >> 10} KiB; a spec is a few fields")
     try:
         if p.suffix.lower() == ".json":
             data = json.loads(raw)

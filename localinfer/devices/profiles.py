@@ -39,6 +39,7 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MAX_SIZE = 1 << 50       # 1 PiB: more memory than any one device or host has
 MAX_RATE = 1e18          # per second: above any device's bandwidth (B/s) or dense FLOP/s
 MAX_POWER_W = 1e6
+MAX_PROFILE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,14 @@ def load_profile_file(path: str | os.PathLike) -> DeviceProfile:
     """Parse one TOML profile file."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        if not path.is_file():  # a FIFO named *.toml would block, /dev/zero never end
+            raise ProfileError(f"profile {path}: not a regular file", path=str(path), hint="remove it")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+        if len(raw) > MAX_PROFILE_BYTES:
+            raise ProfileError(f"profile {path}: over {MAX_PROFILE_BYTES >> 10} KiB; a profile is a few keys",
+                               path=str(path), hint="fix the file (schema: localinfer/profiles/README.md) or remove it")
+        data = tomllib.loads(raw.decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"profile {path}: not valid TOML: {exc}", path=str(path),
                            hint="fix the file (schema: localinfer/profiles/README.md) or remove it") from None

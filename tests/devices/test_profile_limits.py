@@ -55,3 +55,16 @@ def test_a_profile_path_that_does_not_exist_is_an_error(tmp_path, monkeypatch):
     assert "nonexistent" in str(err) and "LOCALINFER_PROFILES" in err.hint
     monkeypatch.setenv("LOCALINFER_PROFILES", "")          # empty: no user profiles
     assert "rtx-4090" in load_profiles()
+
+
+def test_a_fifo_or_a_huge_file_among_the_profiles_is_refused_without_reading_it(tmp_path, monkeypatch):
+    import os
+
+    d = tmp_path / "p"
+    d.mkdir()
+    os.mkfifo(d / "a.toml")                          # was: open() blocked forever
+    monkeypatch.setenv("LOCALINFER_PROFILES", str(d))
+    assert "not a regular file" in str(pytest.raises(ProfileError, load_profiles).value)
+    (d / "a.toml").unlink()
+    (d / "a.toml").write_text(GOOD.format(name="big", memory="24GB") + "#" * (2 << 20) + "\n")
+    assert "KiB" in str(pytest.raises(ProfileError, load_profiles).value)
