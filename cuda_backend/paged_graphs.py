@@ -64,6 +64,7 @@ class PagedGraphs:
         self.tables = torch.zeros(top, max_blocks, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.out: dict[int, torch.Tensor] = {}
+        self.measured_bytes = 0         # CUDA memory reserved by warm-up and capture
         if dev.type == "cuda":
             self._capture(warmup)
 
@@ -72,6 +73,8 @@ class PagedGraphs:
 
     def _capture(self, warmup: int) -> None:
         dev = self.model.device
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_reserved(dev)
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -85,6 +88,7 @@ class PagedGraphs:
                 self.out[b] = self._run(b)
             self.graphs[b] = graph
         torch.cuda.synchronize(dev)
+        self.measured_bytes = torch.cuda.memory_reserved(dev) - before
 
     def batch_for(self, n: int) -> int:
         """The captured size a step of n requests pads to."""

@@ -43,3 +43,17 @@ def test_torch_batch_equals_each_prompt_alone(default_model, alone, params):
     got = generate_batch(default_model, PROMPTS, max_tokens=8, sampling=params, parallel=3, backend="torch",
                          threads=1, type_k="f32", type_v="f32", n_gpu_layers=0, chunk=4)
     assert got == want and all(want)
+
+
+def test_open_executor_allocates_what_fit_prints(tiny_models):
+    from cuda_backend.memory import MEMORY
+    from cuda_backend.serving import open_executor
+    from localinfer.backends.memory import FitRequest
+    from localinfer.devices.profiles import local_device
+
+    req = FitRequest(n_ctx=100, n_seq=3, type_k="q8_0", type_v="f16", backend="torch")
+    with open_executor(tiny_models["llama"], n_slots=3, n_ctx=100, type_k="q8_0", type_v="f16", device="cpu",
+                       threads=1) as ex:
+        bd, _ = MEMORY.breakdown(ex.spec, local_device(), req)
+        assert ex.pool.num_blocks == 3 * 7 and ex.pool.nbytes == bd.kv and ex.graphs is None
+        assert ex.slot_cells == 100 and ex.vocab.eos_ids
