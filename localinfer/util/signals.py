@@ -6,7 +6,9 @@ rollback, temp files) runs.  Inside a :func:`native` block — a call into
 llama.cpp, whose log, progress and abort callbacks run Python code where ctypes
 prints and drops any exception — the handler only records the signal: the
 callbacks poll :func:`pending` to stop the native work, and leaving the block
-raises :class:`Terminated`.
+raises :class:`Terminated`.  Ctrl-C (SIGINT) is deferred the same way inside a
+block, while Python's default handler is in place, and raised as
+``KeyboardInterrupt`` on the way out (a termination signal wins over it).
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ _pending: int | None = None
 def _on_signal(signum, _frame) -> None:
     global _pending
     if _depth:
-        _pending = signum
+        if _pending is None or _pending == signal.SIGINT:
+            _pending = signum
         return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated(signum)
 
 
@@ -66,11 +71,18 @@ def native() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    sigint = None
+    if not _depth and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        sigint = signal.signal(signal.SIGINT, _on_signal)
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
+        if sigint is not None:
+            signal.signal(signal.SIGINT, sigint)
         if not _depth and _pending is not None:
             signum, _pending = _pending, None
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
             raise Terminated(signum)
