@@ -70,7 +70,7 @@ class PagedExecutor:
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.lens = [0] * n_slots
         self.graphs = PagedGraphs(model, self.pool, self.max_blocks, graph_batches(n_slots)) if use_graphs else None
-        self.forward_seconds = 0.0      # time inside the model's forward (step overhead = wall - this)
+        self.forward_seconds = 0.0      # inside the model's forward or graph replay (overhead: wall - this)
         self.steps = 0
         self.tokens_computed = 0
 
@@ -196,7 +196,6 @@ class PagedExecutor:
     def _forward(self, chunks: Sequence) -> dict[int, np.ndarray]:
         dev, bs = self.device, self.block_size
         asking = [c for c in chunks if c.logits]
-        t0 = time.perf_counter()
         if self.graphs is not None and all(len(c.tokens) == 1 for c in chunks) \
                 and len(chunks) <= self.graphs.batches[-1]:
             ids = torch.tensor([c.tokens[0] for c in chunks], dtype=torch.long)
@@ -206,12 +205,15 @@ class PagedExecutor:
             width = max(len(self.tables[c.slot]) for c in chunks)
             tables = torch.tensor([self.tables[c.slot] + [0] * (width - len(self.tables[c.slot])) for c in chunks],
                                   dtype=torch.long)
-            logits = self.graphs(ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev))
+            args = ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev)
+            t0 = time.perf_counter()
+            logits = self.graphs(*args)
+            self._sync()
+            self.forward_seconds += time.perf_counter() - t0
             at = [i for i, c in enumerate(chunks) if c.logits]
             out = logits[torch.tensor(at, dtype=torch.long, device=dev)].float().cpu().numpy() if at else None
         else:
             out = self._varlen(chunks)
-        self.forward_seconds += time.perf_counter() - t0
         return {c.slot: out[i] for i, c in enumerate(asking)}
 
     def _varlen(self, chunks: Sequence) -> np.ndarray | None:
@@ -235,9 +237,17 @@ class PagedExecutor:
         mask = ((qr[:, None] == kr[None, :]) & (kp[None, :] <= pos_t[:, None]))[None, None]
         long = {"dtype": torch.long, "device": dev}
         view = StepView(self.pool, torch.tensor(slots, **long), keys=torch.tensor(keys, **long))
-        logits = self.model.forward(torch.tensor(ids, **long)[None], pos_t.to(dev)[None], view, seqs=None,
-                                    n_attn=len(keys), mask=mask.to(dev), out_rows=torch.tensor(rows, **long))
+        args = torch.tensor(ids, **long)[None], pos_t.to(dev)[None], mask.to(dev), torch.tensor(rows, **long)
+        t0 = time.perf_counter()
+        logits = self.model.forward(args[0], args[1], view, seqs=None, n_attn=len(keys), mask=args[2],
+                                    out_rows=args[3])
+        self._sync()
+        self.forward_seconds += time.perf_counter() - t0
         return logits.cpu().numpy() if rows else None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- checks ---------------------------------------------------------------
     def _check(self, chunks: Sequence) -> None:
