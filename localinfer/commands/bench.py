@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     if any(n < 1 for n in args.prompt_lengths):
         raise UsageError("prompt lengths must be at least 1", flag="--prompt-lengths")
     if args.json and args.json != "-":
-        check_writable(args.json)  # before minutes of measuring
+        from localinfer.model.sources import resolve_model
+
+        check_writable(args.json, inputs=[resolve_model(args.model)])  # before minutes of measuring
     config = BenchConfig(prompt_lengths=args.prompt_lengths, depths=args.depths, gen_tokens=args.gen,
                          kv_types=args.kv, repeats=args.repeats, lookup=args.lookup)
     path, spec = _common.read_spec(args)

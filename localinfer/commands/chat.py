@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if args.save:
         from localinfer.util.atomic import check_writable
 
-        check_writable(args.save)  # before the model loads, not after the first reply
+        from localinfer.model.sources import resolve_model
+
+        check_writable(args.save, inputs=[resolve_model(args.model)])  # before the model loads
     engine, spec, plan, _backend = _common.load(args)
     with engine:
         template = _common.template_from(args, engine, spec)

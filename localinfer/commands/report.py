@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     from localinfer.util.atomic import atomic_write, check_writable
 
     if args.output:
-        check_writable(args.output)
+        from localinfer.model.sources import resolve_model
+
+        check_writable(args.output, inputs=[resolve_model(m) for m in (args.models or [None])])
     text = render(build(args), args.format)
     if args.output:
         atomic_write(args.output, text if text.endswith("\n") else text + "\n")

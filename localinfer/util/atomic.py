@@ -56,9 +56,18 @@ def _failed(given: str, full: str, exc: OSError) -> OutputError:
     return OutputError(f"cannot write {given}: {exc.strerror or exc}", path=given, errno=exc.errno, hint=hint)
 
 
-def check_writable(path: str | os.PathLike) -> str:
-    """Fail now, with an OutputError, if :func:`atomic_write` could not write ``path`` (probes the folder)."""
+def check_writable(path: str | os.PathLike, inputs=()) -> str:
+    """Fail now, with an OutputError, if :func:`atomic_write` could not write ``path`` (probes the folder)
+    or ``path`` is one of the ``inputs`` (a model file must never be written over)."""
     given, full, folder = _target(path)
+    for src in inputs:
+        try:
+            same = os.path.exists(full) and os.path.samefile(full, src)
+        except OSError:
+            same = False
+        if same:
+            raise OutputError(f"{given} is an input of this command ({os.fspath(src)}); refusing to write over it",
+                              path=given, hint="choose another output path")
     try:
         fd, tmp = tempfile.mkstemp(prefix=".localinfer-probe.", dir=folder)
     except OSError as exc:

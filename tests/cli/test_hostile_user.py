@@ -387,3 +387,17 @@ def test_a_failed_context_does_not_hint_at_flags_run_lacks(capsys, monkeypatch):
 def test_numbers_past_what_the_engine_takes_are_refused(capsys, argv, flag):
     rc, out, err = _cli(capsys, *argv)
     _refused(rc, out, err, flag)
+
+
+@pytest.mark.parametrize("argv", [["report", "{m}", "-o", "{m}"], ["chat", "{m}", "--save", "{m}"],
+                                  ["bench", "{m}", "--json", "{m}"]])
+def test_an_output_path_that_is_the_model_is_refused(capsys, tmp_path, default_model, argv):
+    # was: report -o model.gguf (or chat --save / bench --json) replaced the model with text
+    import shutil
+
+    model = tmp_path / "m.gguf"
+    shutil.copyfile(default_model, model)
+    size = model.stat().st_size
+    rc, out, err = _cli(capsys, *[a.format(m=model) for a in argv])
+    _refused(rc, out, err, "refusing to write over it")
+    assert model.stat().st_size == size
