@@ -49,7 +49,10 @@ def _spec(header):
 
     try:
         spec = ModelSpec.from_gguf(header)
-    except GGUFFormatError as exc:  # the container parsed; its metadata does not describe a whole model
+    except GGUFFormatError as exc:
+        if not exc.facts.get("missing"):
+            raise  # metadata that contradicts itself or the tensors is refused, as fit and run refuse it
+        # the container parsed; it is another kind of GGUF, or its metadata stops short of a whole model
         return None, exc.message if exc.field == "general.type" else f"not a complete model: {exc.message}"
     try:
         spec.require_weights()

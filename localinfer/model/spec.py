@@ -154,9 +154,15 @@ class ModelSpec:
         return _build(header)
 
 
-def _err(header: GGUFHeader, key: str, message: str, hint: str | None = None) -> GGUFFormatError:
+def _err(header: GGUFHeader, key: str, message: str, hint: str | None = None, **facts) -> GGUFFormatError:
     return GGUFFormatError(message, field=key, path=header.path,
-                           hint=hint or "the file's metadata is inconsistent; re-download or re-convert it")
+                           hint=hint or "the file's metadata is inconsistent; re-download or re-convert it", **facts)
+
+
+def _missing(header: GGUFHeader, key: str, message: str, hint: str | None = None) -> GGUFFormatError:
+    """A key a model needs is absent: the file may be a valid GGUF of another kind (``facts['missing']``)."""
+    return _err(header, key, message, hint or "is this a complete model? `localinfer inspect` shows what the file holds",
+                missing=True)
 
 
 def _int(header: GGUFHeader, key: str, *, default: Any = None, allow_zero: bool = False) -> Any:
@@ -194,12 +200,12 @@ def _build(h: GGUFHeader) -> ModelSpec:
     missing: list[str] = []
     arch = h.kv.get("general.architecture")
     if not isinstance(arch, str) or not arch:
-        raise _err(h, "general.architecture", "general.architecture is missing; this is not a model file",
+        raise _missing(h, "general.architecture", "general.architecture is missing; this is not a model file",
                    hint="is this a LoRA adapter, a vocab-only file or a projector? pass a full model GGUF")
     kind = h.kv.get("general.type")
     if kind in NOT_A_MODEL:
         what, hint = NOT_A_MODEL[kind]
-        raise _err(h, "general.type", what, hint=hint)
+        raise _err(h, "general.type", what, hint=hint, missing=True)
     a = arch + "."
 
     layer_bytes: dict[int, int] = defaultdict(int)
@@ -214,7 +220,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
     n_layers = _int(h, a + "block_count")
     if n_layers is None:
         if max_layer < 0:
-            raise _err(h, a + "block_count", f"{a}block_count is missing and no blk.N tensors exist")
+            raise _missing(h, a + "block_count", f"{a}block_count is missing and no blk.N tensors exist")
         n_layers = max_layer + 1
         missing.append(f"{a}block_count (counted {n_layers} from tensors)")
     if n_layers > 100_000:
@@ -232,7 +238,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
     n_embd = _int(h, a + "embedding_length")
     if n_embd is None:
         if tok is None:
-            raise _err(h, a + "embedding_length", f"{a}embedding_length is missing")
+            raise _missing(h, a + "embedding_length", f"{a}embedding_length is missing")
         n_embd = tok.shape[0]
     if tok is not None and tok.shape[0] != n_embd:
         raise _err(h, a + "embedding_length",
@@ -240,7 +246,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
 
     n_head = _per_layer(h, a + "attention.head_count", n_layers)
     if n_head is None:
-        raise _err(h, a + "attention.head_count", f"{a}attention.head_count is missing")
+        raise _missing(h, a + "attention.head_count", f"{a}attention.head_count is missing")
     n_head_kv = _per_layer(h, a + "attention.head_count_kv", n_layers) or n_head
     for il in range(n_layers):
         hq, hkv = n_head[il], n_head_kv[il]
