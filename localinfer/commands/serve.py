@@ -90,7 +90,19 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _need_server_packages() -> None:
+    import importlib.util
+
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        from localinfer.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"localinfer serve needs {', '.join(missing)}, which are not installed",
+                                      hint="./install.sh serve, or pip install 'localinfer[serve]'")
+
+
 def run(args: argparse.Namespace) -> int:
+    _need_server_packages()
     from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
     from localinfer.serve.http.runtime import Runtime, ServeConfig
 

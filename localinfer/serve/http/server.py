@@ -73,7 +73,10 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, runtime.stop, 0.0)
+            stopper = threading.Thread(target=runtime.stop, args=(0.0,), name="localinfer-stop", daemon=True)
+            stopper.start()
+            while stopper.is_alive():                       # not run_in_executor: works during interpreter exit
+                await asyncio.sleep(0.02)
             app.state.prep.shutdown(wait=False)
 
     app.router.lifespan_context = lifespan

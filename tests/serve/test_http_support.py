@@ -1,0 +1,123 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) around the embedded model, for the HTTP tests.
+
+One thread, flash attention on, so a greedy request gives the same tokens alone
+and inside any batch (see tests/serve/test_llamacpp_executor.py).  ``shared()``
+starts one server per test session; ``LiveServer(...)`` starts one with its own
+settings (API key, queue length) and ``stop()`` ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+
+MODEL_ID = "smollm2"
+
+
+class LiveServer:
+    def __init__(self, model, *, parallel: int = 4, max_queue: int = 8, ctx: int = 1024, api_key: str | None = None,
+                 grace_s: float = 2.0, **serve):
+        from localinfer.backends.engine import LoadPlan
+        from localinfer.model.spec import ModelSpec
+        from localinfer.model.templates import template_for
+        from localinfer.serve.http.app import AppConfig
+        from localinfer.serve.http.runtime import Runtime, ServeConfig
+        from localinfer.serve.http.server import bind, make_server
+        from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+        plan = LoadPlan(str(model), n_ctx=ctx, n_seq=parallel, n_threads=1, flash_attn=True,
+                        options={"kv_unified": True})
+        spec = ModelSpec.from_gguf(str(model))
+
+        def template(tok):
+            eos = getattr(spec, "eos_token_id", None)
+            return template_for(spec, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                                eos_token="" if eos is None else tok.token_text(eos))
+
+        self.runtime = Runtime(lambda: LlamaCppExecutor(plan), ServeConfig(parallel=parallel, max_queue=max_queue,
+                                                                           **serve))
+        self.config = AppConfig(model_id=MODEL_ID, api_key=api_key, template=template)
+        self.sock = bind("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.server, self.app = make_server(self.runtime, self.config, grace_s=grace_s)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not (self.server.started and self.runtime.ready.is_set()):
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        assert self.runtime.state == "ready", self.runtime.load_error
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled sample values from /metrics (name -> value)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        text = httpx.get(self.url + "/metrics", headers=headers, timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds a block (AssertionError after timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["localinfer_requests_running"] == 0 and m["localinfer_requests_waiting"] == 0
+                    and m["localinfer_kv_blocks_used"] == 0 and self.runtime.outstanding == 0)
+            if idle or time.monotonic() > deadline:
+                assert idle, {k: v for k, v in m.items() if "bucket" not in k}
+                return m
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+_shared: LiveServer | None = None
+
+
+def shared(model, config) -> LiveServer:
+    """The session's server (stopped when pytest finishes: ``config`` is the pytest config)."""
+    global _shared
+    if _shared is None:
+        _shared = LiveServer(model)
+        config.add_cleanup(_stop_shared)
+    return _shared
+
+
+def _stop_shared() -> None:
+    global _shared
+    if _shared is not None:
+        _shared.stop()
+        _shared = None
+
+
+def sse_events(lines) -> list:
+    """Decoded ``data:`` payloads of an SSE body (``[DONE]`` kept as the string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
