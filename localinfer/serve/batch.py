@@ -162,7 +162,7 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
                    sampling: SamplingParams | None = None, parallel: int = DEFAULT_PARALLEL,
                    backend: str = "llama.cpp", threads: int | None = None, ctx: int | None = None,
                    flash_attn: bool | None = True, type_k: str = "f16", type_v: str = "f16",
-                   n_gpu_layers: int = -1, chunk: int | None = None, stop: Sequence[str] = (),
+                   n_gpu_layers: int = -1, ubatch: int = 512, chunk: int | None = None, stop: Sequence[str] = (),
                    chat: bool = False, kv_unified: bool = False) -> list[str]:
     """Replies to many prompts, ``parallel`` at a time in one llama.cpp context; texts in prompt order.
 
@@ -171,7 +171,9 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     model's chat template) or token ids.  ``sampling`` gives every parameter
     (default: SamplingParams()); ``temperature`` and ``seed`` override its fields
     (``temperature=0``: greedy).  ``ctx`` is each request's context (default:
-    longest prompt + max_tokens, at most the trained context).
+    longest prompt + max_tokens, at most the trained context).  Replies equal what Runner gives each
+    prompt alone (same threads and flash attention) for prompts under 64 tokens; for longer ones when
+    both run with ``ubatch`` < 64 (see :mod:`localinfer.serve.llamacpp_executor`).
     """
     if backend not in ("llama.cpp", "llamacpp", "torch"):
         raise UsageError(f"generate_batch runs on the llama.cpp or torch executor; backend {backend!r} has none yet",
@@ -211,7 +213,7 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     slot = _pad(blocks_for(ctx) * DEFAULT_BLOCK_TOKENS)
     with LlamaCppExecutor.open(path, n_slots=parallel, n_ctx=parallel * slot, threads=threads,
                                flash_attn=flash_attn, unified=kv_unified, type_k=type_k, type_v=type_v,
-                               n_gpu_layers=n_gpu_layers, quiet=True) as ex:
+                               n_gpu_layers=n_gpu_layers, n_ubatch=ubatch, quiet=True) as ex:
         results = run_batch(ex, ex.engine, token_lists, params, max_tokens=max_tokens, parallel=parallel, ctx=ctx,
                             chunk=chunk, stop=stop)
     return [r.text for r in results]

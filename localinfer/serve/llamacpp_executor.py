@@ -25,17 +25,24 @@ cells, read from its sequence-state serialisation for ``seq_id = -1`` (every cel
 A step either appends every chunk or, on any error (no free cells:
 :class:`~localinfer.errors.ContextFullError`; Ctrl-C), leaves every slot as it was.
 
-Batch invariance (llama.cpp's CPU kernels, measured on the embedded model; see
-tests/serve): with flash attention a token's logits inside a batch equal its
-logits alone bit for bit when (1) the rows of its ubatch that attend its
-sequence's cells are fewer than 64 in both runs, or 64+ in both (ggml switches
-from a one-row kernel with an f16 running sum to a tiled float32 one), and
-(2) the cells it attends lie in the cache in the same order — attention sums
-over cells in cell order.  Per-slot streams meet (2) always and count (1) per
-stream.  A unified cache breaks (2) once llama.cpp reuses a freed cell below a
-running sequence's cells (it searches for free cells from a moving head and
-wraps): that sequence's later logits then differ by up to ~0.6 here and greedy
-outputs can part.  Without flash attention rows differ by ~1 in any batch.
+Batch invariance (llama.cpp's CPU kernels, embedded model; tests/serve and
+benchmarks/serving.py): a token's logits inside a batch equal its logits alone
+bit for bit when its attention runs the same kernel over the same cells in the
+same order.  Per-slot streams lay each slot's cells out as a solo context does:
+exact at 1 and 2 threads, flash attention on or off (a slot as large as the
+solo context).  Two things still part them:
+
+* the kernel: ggml's flash attention takes a one-row kernel (f16 running sum)
+  for fewer than 64 query rows of a stream in a ubatch and a tiled float32 one
+  for 64 or more, so prompts of 64+ tokens prefilled alongside others (llama.cpp
+  splits such a batch into equal shares per sequence) differ by up to ~0.8 from
+  a solo prefill; with ``n_ubatch`` < 64 on both sides every row takes the
+  one-row kernel and they are equal again;
+* a unified cache: attention spans every slot's cells (without flash attention
+  rows then differ by ~1.1), and a sequence's cells leave position order once
+  llama.cpp reuses a freed cell below them (it searches free cells from a
+  moving head and wraps); measured, 2 of 8 greedy 32-token replies stayed
+  identical with 4 slots refilled.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import os
 import struct
 import time
 from collections.abc import Sequence
+from typing import Self
 
 import llama_cpp as _L
 import numpy as np
@@ -230,7 +238,7 @@ class LlamaCppExecutor:
     def close(self) -> None:
         self.engine.close()
 
-    def __enter__(self) -> LlamaCppExecutor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

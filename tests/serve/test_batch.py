@@ -183,3 +183,18 @@ def test_random_add_step_cancel_keeps_llama_cpp_cells_equal_to_the_blocks(unifie
         eng.step()
         assert unified.cells_used() == blocks.tokens_in_use()
     assert blocks.used == 0 and unified.cells_used() == 0
+
+
+def test_long_prompts_equal_each_alone_when_both_sides_run_ubatches_under_64(default_model):
+    """Prompts of 64+ tokens prefilled together take the one-row attention kernel only if every ubatch
+    stays under 64 rows; with n_ubatch 32 on both sides the batch equals each prompt alone."""
+    from localinfer.backends.llamacpp.engine import LlamaCppEngine
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    text = "The quick brown fox jumps over the lazy dog near the river bank. "
+    with LlamaCppEngine(LoadPlan(str(default_model), n_ctx=256, n_threads=1, flash_attn=True, n_ubatch=32)) as eng:
+        prompts = [eng.tokenize(text * k + q, add_bos=True) for k, q in ((6, "Then"), (5, "Why"), (1, "So"))]
+        assert min(len(p) for p in prompts[:2]) >= 64
+        want = [_runner(eng, p, max_tokens=8).tokens for p in prompts]
+    with LlamaCppExecutor.open(default_model, n_slots=3, n_ctx=768, threads=1, unified=False, n_ubatch=32) as ex:
+        assert [r.tokens for r in _batch(ex, prompts, max_tokens=8)] == want
