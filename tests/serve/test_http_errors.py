@@ -1,0 +1,178 @@
+"""Bad input and faults over raw HTTP (what the openai client will not send): each a 4xx in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests.serve.test_http_support import MODEL_ID, LiveServer, shared
+
+httpx = pytest.importorskip("httpx")
+
+CHAT = "/v1/chat/completions"
+OK = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def srv(default_model, request):
+    return shared(default_model, request.config)
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        yield c
+
+
+def _error(r, status: int, param=None, code=None) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    msg = body["error"]["message"]
+    assert msg and "\n" not in msg and "Traceback" not in msg and "/work" not in msg
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return msg
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("temperature", "hot", "temperature"), ("temperature", float("nan"), "temperature"),
+    ("temperature", 2.5, "temperature"), ("top_p", 0, "top_p"), ("top_p", 1.5, "top_p"),
+    ("top_k", "x", "top_k"), ("min_p", -0.1, "min_p"), ("max_tokens", 0, "max_tokens"),
+    ("max_tokens", 10**9, "max_tokens"), ("max_tokens", True, "max_tokens"), ("n", 0, "n"), ("n", 99, "n"),
+    ("seed", -1, "seed"), ("seed", 1.5, "seed"), ("stop", 7, "stop"), ("stop", ["a", "b", "c", "d", "e"], "stop"),
+    ("presence_penalty", 3, "presence_penalty"), ("frequency_penalty", "0", "frequency_penalty"),
+    ("stream", "yes", "stream"), ("top_logprobs", 3, "top_logprobs"), ("messages", "hi", "messages"),
+    ("messages", [], "messages"), ("messages", [{"role": "wizard", "content": "x"}], "messages[0].role"),
+    ("messages", [{"role": "user", "content": 5}], "messages[0].content"),
+    ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
+     "messages[0].content[0]"),
+    ("model", 3, "model"), ("tools", [{"type": "function"}], "tools"), ("logit_bias", {"1": 5}, "logit_bias"),
+    ("stream_options", "x", "stream_options"), ("deadline_ms", -5, "deadline_ms"),
+])
+def test_wrong_types_and_out_of_range_name_the_field(http, field, value, param):
+    body = dict(OK, **{field: value})
+    if field == "top_logprobs":
+        body["logprobs"] = False
+    raw = json.dumps(body, allow_nan=True)
+    msg = _error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400, param)
+    assert param.split("[")[0] in msg
+
+
+def test_completions_fields(http):
+    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ""}), 400, "prompt")
+    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ["a", "b"]}), 400, "prompt")
+    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "x", "logprobs": 6}), 400, "logprobs")
+    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": [1, 10**9]}), 400, "prompt")
+    r = http.post("/v1/completions", json={"model": MODEL_ID, "prompt": [1, 504, 3458], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_malformed_json_body_and_content_type(http):
+    for raw in (b"{", b"[1, 2", b"\xff\xfe", b"null", b"[]", b"", b'"text"'):
+        _error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
+    _error(http.post(CHAT, content=json.dumps(OK), headers={"content-type": "text/plain"}), 415)
+    _error(http.post(CHAT, content=json.dumps(OK), headers={"content-type": "application/x-www-form-urlencoded"}),
+           415)
+
+
+def test_unknown_model_route_and_method(http):
+    _error(http.post(CHAT, json=dict(OK, model="gpt-4")), 404, "model", "model_not_found")
+    _error(http.get("/v1/nothing"), 404)
+    _error(http.get(CHAT), 405)
+
+
+def test_prompt_over_the_context_gives_both_numbers(http):
+    msg = _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "word " * 900, "max_tokens": 200}),
+                 400, "max_tokens", "context_length_exceeded")
+    assert "200" in msg and "1024" in msg
+    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "word " * 1100}), 400, "prompt",
+           "context_length_exceeded")
+
+
+def test_body_over_the_cap_is_413(http, srv):
+    cap = srv.config.max_body_bytes
+    big = json.dumps(dict(OK, messages=[{"role": "user", "content": "x" * (cap + 10)}]))
+    _error(http.post(CHAT, content=big, headers={"content-type": "application/json"}), 413)
+
+    def chunks():                                   # no Content-Length: the cap applies while reading
+        for _ in range(cap // 65536 + 2):
+            yield b" " * 65536
+    _error(http.post(CHAT, content=chunks(), headers={"content-type": "application/json"}), 413)
+    assert http.post(CHAT, json=OK).status_code == 200
+
+
+def test_host_header_is_checked_and_no_cors(http, srv):
+    _error(http.get("/v1/models", headers={"host": "evil.example"}), 403, "host", "host_not_allowed")
+    _error(http.get("/v1/models", headers={"host": "evil.example:8080"}), 403)
+    r = http.get("/v1/models", headers={"host": f"localhost:{srv.port}", "origin": "http://evil.example"})
+    assert r.status_code == 200 and not any(h.lower().startswith("access-control") for h in r.headers)
+    assert http.options(CHAT, headers={"origin": "http://evil.example",
+                                       "access-control-request-method": "POST"}).status_code == 405
+
+
+def test_health_and_metrics(http, srv):
+    assert http.get("/health").json() == {"status": "ok"}
+    text = http.get("/metrics").text
+    for name in ("localinfer_requests_running", "localinfer_requests_waiting", "localinfer_kv_blocks_used",
+                 "localinfer_kv_blocks_cached", "localinfer_kv_blocks_total", "localinfer_prompt_tokens_total",
+                 "localinfer_generation_tokens_total", "localinfer_prefix_cache_hit_tokens_total",
+                 "localinfer_preemptions_total", "localinfer_requests_cancelled_total",
+                 "localinfer_time_to_first_token_seconds_bucket", "localinfer_inter_token_latency_seconds_bucket",
+                 "localinfer_e2e_request_latency_seconds_bucket"):
+        assert f"\n{name}" in text, name
+    assert srv.metrics()["localinfer_kv_blocks_total"] == 1024 // 16
+
+
+def test_disconnect_mid_stream_cancels_and_frees_blocks(srv):
+    before = srv.metrics()["localinfer_requests_cancelled_total"]
+    body = json.dumps(dict(OK, max_tokens=400, stream=True, ignore_eos=True)).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while got.count(b"data: ") < 3:
+            got += s.recv(65536)
+        assert b" 200 " in got.split(b"\r\n")[0]
+    deadline = time.monotonic() + 10
+    while srv.metrics()["localinfer_requests_cancelled_total"] == before:
+        assert time.monotonic() < deadline, "the disconnect was not noticed"
+        time.sleep(0.05)
+    m = srv.wait_idle()
+    assert m["localinfer_kv_blocks_used"] == 0 and m["localinfer_kv_cells_used"] == 0
+    assert m["localinfer_generation_tokens_total"] > 0
+
+
+def test_api_key_guards_everything_but_health(default_model):
+    openai = pytest.importorskip("openai")
+    srv = LiveServer(default_model, parallel=1, max_queue=0, ctx=256, api_key="s3cret")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            for path in ("/v1/models", "/metrics"):
+                _error(c.get(path), 401, code="invalid_api_key")
+                _error(c.get(path, headers={"authorization": "Bearer wrong"}), 401)
+                _error(c.get(path, headers={"authorization": "Basic s3cret"}), 401)
+                assert c.get(path, headers={"authorization": "Bearer s3cret"}).status_code == 200
+            _error(c.post(CHAT, json=OK), 401)
+            # with a key, any Host is fine (a DNS-rebinding page cannot know the key)
+            assert c.get("/v1/models", headers={"authorization": "Bearer s3cret", "host": "box.lan"}).status_code == 200
+        with openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        with openai.OpenAI(base_url=srv.base_url, api_key="s3cret", max_retries=0) as good:
+            assert good.chat.completions.create(**dict(OK, max_tokens=1)).usage.completion_tokens == 1
+            s1 = good.chat.completions.create(**dict(OK, max_tokens=200), stream=True, extra_body={"ignore_eos": True})
+            next(iter(s1))                                  # --parallel 1 --max-queue 0: the next one is refused
+            with pytest.raises(openai.RateLimitError) as e:
+                good.chat.completions.create(**OK)
+            assert e.value.response.headers["retry-after"].isdigit()
+            assert e.value.body["code"] == "queue_full"
+            s1.close()
+    finally:
+        srv.stop()
