@@ -9,7 +9,13 @@ For each KV cache type the model is loaded once, then:
   that depth, from :mod:`localinfer.model.cost`) × decode tok/s, against the local
   device profile's peak when it has one.
 
-JSON results (``--json FILE``), schema ``localinfer.generation.bench`` version 1::
+With ``--batch-sizes`` it also measures batch scaling through the serving
+engine (measured by :mod:`localinfer.serve.bench`; held and drawn here): b
+greedy requests decoding together, tok/s against b, next to the bytes read per
+output token d(b, L) = D_w/b + L·k (docs/speed.md).
+
+JSON results (``--json FILE``), schema ``localinfer.generation.bench`` version 2
+(version 1 plus ``settings.batch_sizes`` and ``batch_scaling``)::
 
     {"schema": "localinfer.generation.bench", "version": 1, "created": ISO-8601, "localinfer": "0.1.0",
      "model": {"path", "name", "arch", "file_size", "weight_bytes", "decode_read_bytes", "n_params"},
@@ -26,10 +32,25 @@ JSON results (``--json FILE``), schema ``localinfer.generation.bench`` version 1
                            "itl_p95_s", "read_bytes_per_token", "achieved_bytes_per_s",
                            "bandwidth_fraction": float | null}],
                "lookup": {"tokens", "tok_s", "plain_tok_s", "acceptance", "tokens_per_round",
-                          "verify_cost_s": [T(1), T(2), ...] | null, "bound": float | null} | null}]}
+                          "verify_cost_s": [T(1), T(2), ...] | null, "bound": float | null} | null}],
+     "batch_scaling": null | {"type_k", "type_v", "flash_attn", "kv_unified": bool, "gen_tokens",
+                              "weight_read_bytes": D_w, "kv_token_bytes": k,
+                              "rows": [{"batch", "depth", "tokens", "decode_tokens", "decode_steps",
+                                        "prefill_s", "decode_s", "tok_s", "request_tok_s", "vs_batch1",
+                                        "mean_context", "formula_bytes_per_token", "engine_bytes_per_token",
+                                        "achieved_bytes_per_s", "bandwidth_fraction", "step_overhead"}]}}
 
 Times are seconds, sizes bytes, rates per second.  ``decode[].seconds`` is the
 sum of the ITLs (the first token is in ``ttft_s``), so ``tok_s = (tokens-1)/seconds``.
+In ``batch_scaling.rows`` the first step prefills every prompt (and yields each
+request's first token); ``decode_s`` spans the ``decode_steps`` steps after it,
+engine work included, so ``tok_s = decode_tokens/decode_s`` (all requests) and
+``request_tok_s`` is one request's mean rate.  ``formula_bytes_per_token`` is
+d(b, L̄) at the decode tokens' mean context L̄ (keys attended: depth + gen/2);
+``engine_bytes_per_token`` sums D_w(b) + Σ L_i·k over the steps the engine ran,
+per output token (equal to the formula when every step holds all b requests);
+``achieved_bytes_per_s = engine_bytes_per_token × tok_s``; ``step_overhead`` is
+the share of ``decode_s`` spent outside the executor's step.
 """
 
 from __future__ import annotations
@@ -39,18 +60,19 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from localinfer.generation.runner import Runner
 from localinfer.generation.sampling import SamplingParams
 from localinfer.util.stats import percentile
 
-SCHEMA, VERSION = "localinfer.generation.bench", 1
+SCHEMA, VERSION = "localinfer.generation.bench", 2
 KV_TYPES = ("f16", "q8_0", "q4_0")
 PROMPT_LENGTHS = (128, 512, 2048)
 DEPTHS = (0, 512, 2048)
 GEN_TOKENS = 32
+BATCH_SIZES = (1, 2, 4, 8)   # the --batch-sizes the docs use; bench measures none unless asked
 LOOKUP_PROMPT = 256  # tokens of self-repeating text the lookup comparison starts from
 _FILLER = ("The quick brown fox jumps over the lazy dog while seven wizards quietly judge the boxing match; "
            "meanwhile engineers measure latency, bandwidth and memory on every machine they own. ")
@@ -198,8 +220,71 @@ def measure_lookup(runner: Runner, gen: int) -> dict:
             "verify_cost_s": curve, "bound": bound}
 
 
+def step_read_bytes(cost, contexts: Sequence[float], kv: str = "f16") -> float:
+    """D(b, ·) of one decode step whose b requests attend ``contexts`` keys each: D_w(b) + Σ L_i·k."""
+    return cost.decode_read_bytes(len(contexts)) + sum(cost.kv_read_bytes(c, kv) for c in contexts)
+
+
+def batch_row(cost, kv: str, *, batch: int, depth: int, tokens: int, decode_steps: Sequence[Sequence[int]],
+              prefill_s: float, decode_s: float, executor_s: float, request_tok_s: float | None,
+              peak_bandwidth: float | None = None) -> dict:
+    """One batch-scaling row from what the engine ran.
+
+    ``decode_steps`` lists, per decode step, the keys each of its requests
+    attended (position + 1); ``tokens`` counts every output token, prefill's
+    first ones included.  Bytes read are the model's (docs/speed.md), never a
+    hardware counter: the formula d(b, L̄) = D_w/b + L̄·k at the mean context,
+    and the same terms summed over the steps actually taken.
+    """
+    contexts = [c for step in decode_steps for c in step]
+    n = len(contexts)
+    mean_ctx = sum(contexts) / n if n else float(depth)
+    engine = sum(step_read_bytes(cost, step, kv) for step in decode_steps) / n if n else None
+    tok_s = n / decode_s if n and decode_s > 0 else None
+    achieved = engine * tok_s if engine is not None and tok_s else None
+    return {"batch": batch, "depth": depth, "tokens": tokens, "decode_tokens": n, "decode_steps": len(decode_steps),
+            "prefill_s": prefill_s, "decode_s": decode_s, "tok_s": tok_s, "request_tok_s": request_tok_s,
+            "vs_batch1": None, "mean_context": mean_ctx,
+            "formula_bytes_per_token": cost.per_token_read_bytes(batch, mean_ctx, kv),
+            "engine_bytes_per_token": engine, "achieved_bytes_per_s": achieved,
+            "bandwidth_fraction": achieved / peak_bandwidth if achieved and peak_bandwidth else None,
+            "step_overhead": 1 - executor_s / decode_s if decode_s > 0 else None}
+
+
+def batch_section(cost, rows: list[dict], *, kv: str, flash_attn: bool | None, kv_unified: bool,
+                  gen_tokens: int) -> dict:
+    """The ``batch_scaling`` document: rows with ``vs_batch1`` (tok/s against batch 1 at the same depth)."""
+    base = {r["depth"]: r["tok_s"] for r in rows if r["batch"] == 1}
+    for r in rows:
+        b1 = base.get(r["depth"])
+        r["vs_batch1"] = r["tok_s"] / b1 if b1 and r["tok_s"] else None
+    return {"type_k": kv, "type_v": kv, "flash_attn": flash_attn, "kv_unified": kv_unified,
+            "gen_tokens": gen_tokens, "weight_read_bytes": cost.decode_read_bytes(1),
+            "kv_token_bytes": cost.kv_token_bytes(kv), "rows": rows}
+
+
+def render_batch(section: dict) -> list[str]:
+    """The batch-scaling table: measured tok/s beside d(b, L̄) and the bandwidth it implies."""
+    layout = "one KV pool" if section["kv_unified"] else "a KV stream per request"
+    title = (f"batch scaling (KV {section['type_k']}, {section['gen_tokens']} tokens per request, {layout}): "
+             f"d(b, L) = D_w/b + L·k, D_w {section['weight_read_bytes'] / 1e6:.1f} MB, "
+             f"k {section['kv_token_bytes'] / 1e3:.1f} KB/token")
+    head = (f"{'':<2}{'batch':>5}{'depth':>7}{'tok/s':>9}{'per req':>9}{'vs b=1':>8}{'L mean':>8}"
+            f"{'MB/tok d(b,L)':>15}{'engine':>8}{'GB/s':>8}{'of peak':>9}{'overhead':>9}")
+    lines = [title, head]
+    for r in section["rows"]:
+        frac, ach, eng, over = (r["bandwidth_fraction"], r["achieved_bytes_per_s"], r["engine_bytes_per_token"],
+                                r["step_overhead"])
+        lines.append(f"{'':<2}{r['batch']:>5}{r['depth']:>7}{_num(r['tok_s'], 9, 1)}{_num(r['request_tok_s'], 9, 1)}"
+                     f"{_times(r['vs_batch1'])}{r['mean_context']:>8.0f}"
+                     f"{r['formula_bytes_per_token'] / 1e6:>15.2f}{_num(eng / 1e6 if eng else None, 8, 2)}"
+                     f"{_num(ach / 1e9 if ach else None, 8, 2)}{(f'{frac * 100:8.1f}%' if frac else '        -')}"
+                     f"{(f'{over * 100:8.1f}%' if over is not None else '        -')}")
+    return lines
+
+
 def results(model_path: str, spec, backend: str, backend_version: str, settings: dict, runs: list[dict],
-            device_name: str, peak_bandwidth: float | None) -> dict:
+            device_name: str, peak_bandwidth: float | None, batch_scaling: dict | None = None) -> dict:
     """The versioned JSON document."""
     from localinfer import __version__
     from localinfer.model.cost import model_cost
@@ -216,7 +301,7 @@ def results(model_path: str, spec, backend: str, backend_version: str, settings:
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                     "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                     "device": device_name, "peak_bandwidth_bytes_per_s": peak_bandwidth},
-        "settings": settings, "runs": runs,
+        "settings": settings, "runs": runs, "batch_scaling": batch_scaling,
     }
 
 
@@ -257,6 +342,8 @@ def render_table(doc: dict) -> str:
                          f"{lk['acceptance'] * 100:.0f}% accepted"
                          + (f"; a clairvoyant drafter would reach {lk['bound']:.2f}x at this verify cost"
                             if lk.get("bound") else ""))
+    if doc.get("batch_scaling"):
+        lines += ["", *render_batch(doc["batch_scaling"])]
     return "\n".join(lines)
 
 
@@ -266,3 +353,7 @@ def _num(v, w, prec) -> str:
 
 def _milli(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
+
+
+def _times(ratio: float | None) -> str:
+    return f"{ratio:7.2f}x" if ratio else f"{'-':>8}"
