@@ -1,5 +1,7 @@
 """`localinfer bench [MODEL]`: prefill/decode speed, TTFT/ITL, memory and bandwidth per KV type.
 
+``--batch-sizes 1,2,4,8`` adds batch scaling through the serving engine (:mod:`localinfer.serve.bench`):
+tok/s at each batch beside the bytes read per output token, d(b, L) = D_w/b + L·k (docs/speed.md).
 Prints a table; ``--json FILE`` also writes versioned results (schema in
 :mod:`localinfer.generation.bench`) that capacity reports calibrate their speed model with.
 """
@@ -34,7 +36,7 @@ def _kv_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from localinfer.generation.bench import DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
+    from localinfer.generation.bench import BATCH_SIZES, DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
 
     _common.add_model_args(parser, kv_choices=False)
     parser.add_argument("--kv", type=_kv_list, default=KV_TYPES, metavar="LIST",
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen", type=int, default=GEN_TOKENS, metavar="N", help="tokens generated per decode run")
     parser.add_argument("--repeats", type=int, default=1, metavar="N", help="runs per measurement; the best counts")
     parser.add_argument("--lookup", action="store_true", help="also measure prompt-lookup decoding")
+    parser.add_argument("--batch-sizes", type=_ints, default=(), metavar="LIST",
+                        help=f"also measure batch scaling through the serving engine: this many requests decoding "
+                             f"together, at each --depths, first --kv type (e.g. {','.join(map(str, BATCH_SIZES))})")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE ('-': stdout)")
 
 
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats {args.repeats} is out of range", flag="--repeats", hint="use 1..100")
     if any(n < 1 for n in args.prompt_lengths):
         raise UsageError("prompt lengths must be at least 1", flag="--prompt-lengths")
+    _check_batches(args)
     if args.json and args.json != "-":
         from localinfer.model.sources import resolve_model
 
@@ -81,18 +87,34 @@ def run(args: argparse.Namespace) -> int:
     plans = {kv: _common.plan_from(args, path, spec, type_k=kv, type_v=kv) for kv in config.kv_types}
     for plan in plans.values():
         _common.check_fit(spec, plan, backend, args.force)
+    batch_plan = None
+    if args.batch_sizes:
+        from localinfer.serve.bench import batch_plan as widen
+
+        batch_plan = widen(plans[config.kv_types[0]], args.batch_sizes, config.depths, config.gen_tokens)
+        _common.check_fit(spec, batch_plan, backend, args.force)
 
     def load(type_k: str, type_v: str, _n_ctx: int):
         return load_engine(plans[type_k], backend)
 
     steps = len(config.kv_types) * (len(config.prompt_lengths) + len(config.depths) + int(config.lookup))
-    progress = Progress(steps)
+    progress = Progress(steps + len(args.batch_sizes) * len(config.depths))
     runs = run_bench(str(path), load, config, progress=progress, peak_bandwidth=peak)
+    batch_scaling = None
+    if batch_plan is not None:
+        from localinfer.model.cost import model_cost
+        from localinfer.serve.bench import run_batch_scaling
+
+        batch_scaling = run_batch_scaling(batch_plan, model_cost(spec), config.kv_types[0], args.batch_sizes,
+                                          config.depths, config.gen_tokens, repeats=config.repeats,
+                                          peak_bandwidth=peak, progress=progress)
     first = next(iter(plans.values()))
     settings = {"n_ctx": n_ctx, "threads": first.threads, "n_batch": first.n_batch, "n_ubatch": first.n_ubatch,
                 "gen_tokens": config.gen_tokens, "repeats": config.repeats,
-                "prompt_lengths": list(config.prompt_lengths), "depths": list(config.depths), "lookup": config.lookup}
-    doc = results(str(path), spec, backend, _backend_version(backend), settings, runs, device_name, peak)
+                "prompt_lengths": list(config.prompt_lengths), "depths": list(config.depths), "lookup": config.lookup,
+                "batch_sizes": list(args.batch_sizes)}
+    doc = results(str(path), spec, backend, _backend_version(backend), settings, runs, device_name, peak,
+                  batch_scaling)
     text = json.dumps(doc, indent=1)
     if args.json == "-":
         print(text)
@@ -102,6 +124,21 @@ def run(args: argparse.Namespace) -> int:
         atomic_write(args.json, text + "\n")
         print(f"results written to {args.json}", file=sys.stderr)
     return 0
+
+
+def _check_batches(args: argparse.Namespace) -> None:
+    """--batch-sizes: whole numbers 1..256, at least one decode step per request, on the llama.cpp engine."""
+    from localinfer.errors import UsageError
+
+    if not args.batch_sizes:
+        return
+    if any(not 1 <= b <= 256 for b in args.batch_sizes):
+        raise UsageError("batch sizes must lie in 1..256", flag="--batch-sizes", hint="e.g. --batch-sizes 1,2,4,8")
+    if args.gen < 2:
+        raise UsageError("batch scaling needs --gen 2 or more (a decode step after the prefill)", flag="--gen")
+    if _common.backend_name(args) != "llama.cpp":
+        raise UsageError("--batch-sizes runs on the llama.cpp serving engine", flag="--backend",
+                         hint="drop --backend, or drop --batch-sizes")
 
 
 def _local_device() -> tuple[str, float | None]:
