@@ -129,6 +129,8 @@ class Generation:
             if got is not None:
                 parts[ev.index].append(got[0])
                 lps[ev.index] += got[1]
+        if self.client_gone:
+            raise APIError(499, "the client closed the request", code="client_closed")   # nginx's 499; nobody reads it
         if errors and all(t.tokens == 0 for t in self.texts):
             raise self._refusal(errors[0]) or APIError(500, "the request ended without output", code="engine_error")
         kind = "chat.completion" if self.spec.chat else "text_completion"
