@@ -10,7 +10,8 @@ A step flattens the new tokens of every chunk into one sequence of N rows
 slot ``T[p // b]·b + p % b``.  One ``Transformer.forward`` runs them; every layer
 writes the new K/V through that slot mapping and attends over each request's
 keys, gathered through its block table, under the mask
-``same request ∧ key position ≤ query position`` (gather + SDPA).  Logits are
+``same request ∧ key position ≤ query position`` (gather + SDPA; a step whose
+mask would pass ``max_mask_elements`` is split into several forwards).  Logits are
 computed only for the last row of each chunk that asks.  Pure decode steps on
 CUDA replay a captured graph instead (``paged_graphs.py``).
 
@@ -70,8 +71,10 @@ class PagedExecutor:
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.lens = [0] * n_slots
         self.graphs = PagedGraphs(model, self.pool, self.max_blocks, graph_batches(n_slots)) if use_graphs else None
+        self.max_mask_elements = 1 << 26   # a step whose attention mask would be larger runs in several forwards
         self.forward_seconds = 0.0      # inside the model's forward or graph replay (overhead: wall - this)
         self.steps = 0
+        self.forwards = 0               # model forwards (or graph replays): one per step unless split
         self.tokens_computed = 0
 
     @property
@@ -210,11 +213,27 @@ class PagedExecutor:
             logits = self.graphs(*args)
             self._sync()
             self.forward_seconds += time.perf_counter() - t0
+            self.forwards += 1
             at = [i for i, c in enumerate(chunks) if c.logits]
             out = logits[torch.tensor(at, dtype=torch.long, device=dev)].float().cpu().numpy() if at else None
         else:
-            out = self._varlen(chunks)
+            parts = [self._varlen(g) for g in self._groups(chunks)]
+            out = np.concatenate([p for p in parts if p is not None]) if asking else None
         return {c.slot: out[i] for i, c in enumerate(asking)}
+
+    def _groups(self, chunks: Sequence) -> list[list]:
+        """Chunks in order, in as few groups as keep each forward's mask (new tokens × keys, all the
+        group's requests) within ``max_mask_elements``: one group, one forward, unless the step is large."""
+        groups: list[list] = [[]]
+        rows = keys = 0
+        for c in chunks:
+            n, end = len(c.tokens), c.start + len(c.tokens)
+            if groups[-1] and (rows + n) * (keys + end) > self.max_mask_elements:
+                groups.append([])
+                rows = keys = 0
+            groups[-1].append(c)
+            rows, keys = rows + n, keys + end
+        return groups
 
     def _varlen(self, chunks: Sequence) -> np.ndarray | None:
         """One forward over the flattened new tokens of every chunk (the mask keeps requests apart)."""
@@ -243,6 +262,7 @@ class PagedExecutor:
                                     out_rows=args[3])
         self._sync()
         self.forward_seconds += time.perf_counter() - t0
+        self.forwards += 1
         return logits.cpu().numpy() if rows else None
 
     def _sync(self) -> None:

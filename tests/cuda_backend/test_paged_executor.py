@@ -107,8 +107,10 @@ def test_tiny_gguf_and_padded_decode_path(tmp_path):
     for padded in (False, True):       # True: the CUDA-graph step (padding to 4 rows), run eagerly
         ex = PagedExecutor(eng.model, n_slots=3, num_blocks=12, type_k="f32", type_v="f32", padded_decode=padded)
         assert (ex.graphs is not None) == padded
+        ex.max_mask_elements = 800 if padded else ex.max_mask_elements   # prefill step split into forwards
         for paged, ref in zip(drive(ex, prompts, 5), refs):
             check(paged, ref, ATOL_F32)
+        assert ex.forwards == ex.steps + padded          # the 55-token first step ran as 22 + 33
     eng.close()
 
 
