@@ -1,0 +1,146 @@
+"""`localinfer serve` as a command: bad flags exit non-zero without a traceback, /health is 503 while loading,
+and SIGTERM/SIGINT let the request in flight finish, then exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.serve.test_http_support import sse_events
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel"), (["--max-queue", "-1"], "--max-queue"),
+    (["--host", "0.0.0.0"], "API key"), (["--host", "192.168.1.5", "--api-key", ""], "API key"),
+    (["--lookup"], "--lookup"), (["--chunk", "0"], "--chunk"), (["--itl-target", "-3"], "--itl-target"),
+    (["--ctx", "100000"], "--ctx"), (["--backend", "torch"], "llama.cpp"), (["--grace", "-1"], "--grace"),
+    (["--chunk", "8", "--itl-target", "5"], "not allowed with"), (["--prefix-cache", "maybe"], "invalid choice"),
+    (["--api-key", "has space"], "API key"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
+    from localinfer.cli import main
+
+    monkeypatch.delenv("LOCALINFER_API_KEY", raising=False)
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as exc:                         # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert words in err and "Traceback" not in err
+
+
+def test_health_is_503_while_loading(default_model):
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.serve.http.app import AppConfig
+    from localinfer.serve.http.runtime import Runtime, ServeConfig
+    from localinfer.serve.http.server import bind, make_server
+    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+
+    go = threading.Event()
+
+    def slow_open():
+        go.wait(30)
+        return LlamaCppExecutor(LoadPlan(str(default_model), n_ctx=256, n_seq=1, n_threads=1))
+
+    runtime = Runtime(slow_open, ServeConfig(parallel=1))
+    sock = bind("127.0.0.1", 0)
+    server, _ = make_server(runtime, AppConfig(model_id="m", template=None))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and r.headers["retry-after"] == "1"
+        go.set()
+        assert runtime.ready.wait(30)
+        assert httpx.get(url + "/health").status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        go.set()
+        server.should_exit = True
+        t.join(30)
+        sock.close()
+
+
+def _start(*flags):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("LOCALINFER_API_KEY", None)
+    p = subprocess.Popen([sys.executable, "-m", "localinfer", "serve", "-t", "1", "--port", "0", "--ctx", "512",
+                          "-fa", "on", *flags], stderr=subprocess.PIPE, text=True, env=env)
+    first = p.stderr.readline()
+    m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", first)
+    assert m, first
+    url = f"http://127.0.0.1:{m.group(1)}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return p, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and p.poll() is None, first + p.stderr.read()
+        time.sleep(0.1)
+
+
+def test_sigterm_finishes_the_stream_in_flight_then_exits_0():
+    p, url = _start("--grace", "20")
+    try:
+        body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Once upon a time", "max_tokens": 48,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        lines: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            p.send_signal(signal.SIGTERM)
+            lines += list(it)
+        events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert p.wait(30) == 0
+        err = p.stderr.read()
+        assert "Traceback" not in err and "stopped (signal 15)" in err
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_sigint_when_idle_exits_0():
+    p, url = _start("--api-key", "k")
+    try:
+        assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer k"}).json()["data"][0]["id"]
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 0
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_json_error_shape_from_the_command(tmp_path):
+    p, url = _start()
+    try:
+        r = httpx.post(url + "/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and json.loads(r.text)["error"]["code"] == "invalid_json"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
