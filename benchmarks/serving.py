@@ -10,13 +10,19 @@ Throughput, at 1 and 2 threads, flash attention on, per-slot KV streams (generat
   ``llama_decode``; decode tok/s is 8·(N − 1) / (last token time − first token time).
 
 Both run with EOS banned (sequential) or ignored (engine), so each request yields exactly N tokens;
-the two are timed A B B A A B and the medians compared (other processes share this machine's cores;
-every run is printed).  Step overhead is the share of the
+the two are timed A B B A A B and the medians compared, and the best runs (other processes share this
+machine's cores, and a 2-thread run stalls whenever one of its threads is descheduled; every run is printed).  Step overhead is the share of the
 engine's wall time spent outside ``llama_decode`` (batch building, sampling 8 rows, bookkeeping).
 
 Identity: for threads 1/2 × flash attention on/off × KV layout (per-slot streams / unified),
 how many of 8 greedy replies (32 tokens, natural stop, 4 slots so slots are refilled) equal the
 reply Runner gives alone with the same settings.
+
+Shared prefix: 6 requests whose prompts start with the same 1,008-token system prompt (+ a private
+question), 3 slots on a unified cache, 1 thread; the first request arrives alone, the other 5 once
+its prompt is in KV.  TTFT p50 of the 5 with the prefix cache (a hit is ``llama_memory_seq_cp`` from
+a running request) against without, and llama.cpp's cells at the peak against the formula
+shared prefix + Σ private tokens (checked after every step).
 
     python benchmarks/serving.py [--tokens 64] [--out benchmarks/results/serving_cpu.txt]
 """
@@ -105,12 +111,13 @@ def throughput(model: str, threads: int, n: int, out: list[str]) -> None:
     s, b = _median(seq, "decode_tok_s"), _median(bat, "decode_tok_s")
     sw, bw = _median(seq, "wall_s"), _median(bat, "wall_s")
     ov = _median(bat, "overhead")
+    bb, sb = max(r["decode_tok_s"] for r in bat), max(r["decode_tok_s"] for r in seq)
     runs_b = ", ".join(format(r["decode_tok_s"], ".1f") for r in bat)
     runs_s = ", ".join(format(r["decode_tok_s"], ".1f") for r in seq)
     out.append(f"threads={threads}: decode {b:7.1f} tok/s engine (8 concurrent) vs {s:6.1f} tok/s sequential "
                f"-> {b / s:.2f}x | end to end {8 * n / bw:6.1f} vs {8 * n / sw:6.1f} output tok/s -> "
-               f"{sw / bw:.2f}x | step overhead {ov:.1%} of the engine's wall time "
-               f"(runs: engine {runs_b}; sequential {runs_s})")
+               f"{sw / bw:.2f}x | best run each {bb:.1f} vs {sb:.1f} -> {bb / sb:.2f}x | step overhead {ov:.1%} of "
+               f"the engine's wall time | decode runs: engine {runs_b}; sequential {runs_s}")
     print(out[-1], flush=True)
 
 
@@ -135,6 +142,47 @@ def identity(model: str, out: list[str]) -> None:
                 print(out[-1], flush=True)
 
 
+def shared_prefix(model: str, out: list[str], prefix_len: int = 1008, n: int = 6, slots: int = 3) -> None:
+    from localinfer.serve.block_manager import BlockManager
+    from localinfer.serve.engine import Engine
+    from localinfer.serve.request import Request
+    from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+
+    ttft = {}
+    with LlamaCppExecutor.open(model, n_slots=slots, n_ctx=4096, threads=1) as ex:
+        text = "You are a careful assistant. Answer in one short sentence. " * 200
+        system = ex.engine.tokenize(text, add_bos=True)[:prefix_len]
+        prompts = [tuple(system + ex.engine.tokenize(f" Question {i}: {q}")) for i, q in enumerate(QUESTIONS)]
+        for cache in (True, False):
+            blocks = BlockManager(ex.n_cells // 16, 16, prefix_cache=cache, pool_hits=False)
+            eng = Engine(ex, Scheduler(SchedulerConfig(max_running=slots), blocks))
+            first = eng.add_request(Request("r0", prompts[0], 4, arrival_s=ex.clock()))
+            while not first.output:
+                eng.step()
+            now, peak, exact = ex.clock(), (0, 0), True
+            rest = [eng.add_request(Request(f"r{i}", prompts[i], 4, arrival_s=now)) for i in range(1, n)]
+            while eng.unfinished:
+                eng.step()
+                running = eng.scheduler.running
+                cells = ex.cells_used()
+                shared = prefix_len if cache and running else 0
+                formula = shared + sum(r.computed - shared for r in running)
+                exact &= cells == formula == blocks.tokens_in_use()
+                peak = max(peak, (cells, formula))
+            ttft[cache] = statistics.median(r.ttft_s for r in rest)
+            if cache:
+                hits = sum(1 for r in rest if r.cached)
+                out.append(f"prefix cache on : TTFT p50 {ttft[cache] * 1e3:7.1f} ms over {len(rest)} requests "
+                           f"({hits} hits); peak cells {peak[0]} = formula {peak[1]} "
+                           f"(shared {prefix_len} + private); every step equal: {exact}")
+            else:
+                out.append(f"prefix cache off: TTFT p50 {ttft[cache] * 1e3:7.1f} ms; peak cells {peak[0]} "
+                           f"= Σ tokens {peak[1]}; every step equal: {exact}")
+            print(out[-1], flush=True)
+    out.append(f"TTFT p50 without / with the prefix cache: {ttft[False] / ttft[True]:.1f}x")
+    print(out[-1], flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request in the throughput runs")
@@ -147,14 +195,16 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     out = [f"# benchmarks/serving.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
            f"# machine: {machine()}",
-           f"# model: {os.path.basename(model)}; llama-cpp-python {llama_cpp.__version__}; flash attention on; "
-           f"8 chat prompts of {QUESTIONS[0]!r}.. ({args.tokens} tokens each)"]
+           (f"# model: {os.path.basename(model)}; llama-cpp-python {llama_cpp.__version__}; flash attention on; "
+            f"8 chat prompts {QUESTIONS[0]!r}, {QUESTIONS[1]!r}.. ({args.tokens} tokens each)")]
     print("\n".join(out), flush=True)
     out.append("## throughput: 8 concurrent requests through the step engine vs the same 8 through Runner")
     for threads in (1, 2):
         throughput(model, threads, args.tokens, out)
     out.append("## identity: greedy replies (32 tokens, 4 slots refilled) against Runner alone, same settings")
     identity(model, out)
+    out.append("## shared 1,008-token prefix, 6 requests, 3 slots, unified KV, 1 thread")
+    shared_prefix(model, out)
     out.append(f"# {time.perf_counter() - t0:.0f} s")
     print(out[-1])
     if args.out:
