@@ -120,6 +120,16 @@ class PagedExecutor:
         self.tables[dst] = list(shared)
         self.lens[dst] = n_tokens
 
+    def restore(self, slot: int, n_tokens: int) -> None:
+        """Positions [held, n_tokens) of ``slot`` come back from the pool (a prefix cached in blocks no slot
+        holds): their blocks, already written, arrive with the slot's next chunk (external block tables only)."""
+        self._check_slot(slot)
+        if not self.external:
+            raise ValueError("restore needs block tables from the block manager (external_blocks=True)")
+        if n_tokens > self.max_model_len:
+            raise ValueError(f"slot {slot} cannot hold {n_tokens} positions")
+        self.lens[slot] = max(self.lens[slot], n_tokens)
+
     def drop(self, slot: int, start: int = 0) -> None:
         """Forget positions >= start of ``slot``; blocks no slot holds return to the pool."""
         self._check_slot(slot)

@@ -7,6 +7,8 @@ tolerance of test_paged_executor.py (batched float32 matmuls sum in another orde
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,43 @@ def test_engine_prefix_hit_is_a_copy(eng):
     assert r2.cached == 32
     assert ex.tokens_computed - before == 2 + 3 + 3          # b: 2 prompt tokens + 3 decodes; a: 3 decodes
     assert r1.output == greedy_alone(eng, p1, 4) and r2.output == greedy_alone(eng, p2, 4)
+
+
+class TablesFromEngine:
+    """The executor with every chunk carrying its request's block table from the engine's block manager
+    (what the step engine does once it passes ``Chunk.blocks``)."""
+
+    def __init__(self, ex):
+        self.ex, self.engine = ex, None
+
+    def __getattr__(self, name):
+        return getattr(self.ex, name)
+
+    def step(self, chunks):
+        rid = {slot: r for r, slot in self.engine.slot_of.items()}
+        tables = self.engine.blocks.tables
+        return self.ex.step([replace(c, blocks=tuple(tables[rid[c.slot]])) for c in chunks])
+
+
+def test_engine_with_block_tables_from_the_block_manager(eng):
+    """Pool prefix hits (the first request has finished), preemption + recompute, one block source."""
+    shared = prompts_for(eng.n_vocab, [36], seed=10)[0]
+    prompts = [shared + [3, 4], shared[:20] + [5] * 9, shared + [6], prompts_for(eng.n_vocab, [25], seed=11)[0]]
+    want = [greedy_alone(eng, p, 5) for p in prompts]
+    for n_blocks, admission in ((30, "reserve"), (6, "on_demand")):
+        ex = TablesFromEngine(PagedExecutor(eng.model, n_slots=3, num_blocks=n_blocks, type_k="f32", type_v="f32",
+                                            external_blocks=True))
+        sched = Scheduler(SchedulerConfig(max_running=3, admission=admission),
+                          BlockManager(n_blocks, 16, pool_hits=True))
+        e = ex.engine = Engine(ex, sched)
+        first = e.add_request(Request("r0", prompts[0], 5))
+        run_checking_cells(e, ex)                           # r0 finishes; its two whole blocks stay cached
+        reqs = [first] + [e.add_request(Request(f"r{i}", p, 5)) for i, p in enumerate(prompts[1:], 1)]
+        before = ex.tokens_computed
+        run_checking_cells(e, ex)
+        assert [r.output for r in reqs] == want
+        assert reqs[2].cached == 32 or reqs[2].preemptions      # read from the pool, not recomputed
+        if admission == "on_demand":         # r3 is preempted; back, its first block is read from the pool
+            assert reqs[3].preemptions == 1 and reqs[3].cached == 16
+        else:
+            assert ex.tokens_computed - before == sum(len(p) for p in prompts[1:]) - 32 - 16 + 3 * 4
