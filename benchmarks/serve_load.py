@@ -1,0 +1,260 @@
+"""Load test any OpenAI-compatible server: closed-loop concurrency levels and open-loop Poisson arrivals.
+
+    python benchmarks/serve_load.py --url http://127.0.0.1:8080/v1 [--concurrency 1,4,8] [--rate 0.5,1]
+    python benchmarks/serve_load.py MODEL.gguf --threads 2 --ctx 4096 --parallel 8     # starts localinfer serve
+
+Every request is a streaming ``/v1/completions`` of ``--output-tokens`` tokens with EOS ignored
+(``ignore_eos``, which llama-server and vLLM also read) on a prompt of about ``--prompt-tokens``
+tokens (seeded random common words, one token each in most BPE vocabularies); ``--shared-prefix N``
+starts every prompt with the same N-word block, as a system prompt would.  Per request: TTFT
+(request sent to first text), ITL (gaps between text chunks), end-to-end time, output tokens
+(``usage.completion_tokens`` when the server sends ``stream_options.include_usage``, else text chunks).
+
+Per run: TTFT / ITL / e2e p50, p95, p99; output tokens/s and requests/s over the makespan; goodput,
+vLLM's ``--goodput`` definition: requests per second that finished correctly (HTTP 200, the whole
+output) with TTFT ≤ ``--slo-ttft`` and e2e ≤ ``--slo-e2e``.  Closed loop: ``c`` workers, each sending
+its next request when the last one ends, ``--requests`` in all.  Open loop: arrivals at exponential
+gaps of mean 1/rate, whatever the server does.  JSON (``--out``) carries the machine and every setting.
+Only 127.0.0.1 servers are expected here; the URL is whatever you give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
+         "you were her she there been one all we their has would when if so no will more out up into do any your what "
+         "some can other than then its only time new about two may first also after like these could made over").split()
+
+
+@dataclass
+class Result:
+    ok: bool
+    status: int
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    gaps_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def prompts(n: int, words: int, shared: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    prefix = " ".join(rng.choice(WORDS) for _ in range(shared))
+    out = []
+    for i in range(n):
+        own = " ".join(rng.choice(WORDS) for _ in range(max(1, words - shared)))
+        out.append((prefix + " " if prefix else "") + f"{i}: " + own)
+    return out
+
+
+async def one(client: httpx.AsyncClient, args, model: str, prompt: str) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    times, usage = [], None
+    try:
+        async with client.stream("POST", "/completions", json=body) as r:
+            if r.status_code != 200:
+                return Result(False, r.status_code, error=(await r.aread()).decode(errors="replace")[:200])
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                if any(c.get("text") for c in ev.get("choices") or []):
+                    times.append(time.perf_counter())
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        return Result(False, 0, error=f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    n = usage["completion_tokens"] if usage else len(times)
+    return Result(bool(times) and n >= args.output_tokens, 200, times[0] - t0 if times else None, end - t0, n,
+                  [b - a for a, b in zip(times, times[1:])])
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarise(results: list[Result], makespan: float, args) -> dict:
+    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    good = [r for r in results if r.ok and r.ttft_s <= args.slo_ttft and r.e2e_s <= args.slo_e2e]
+    out = {"requests": len(results), "ok": sum(r.ok for r in results), "makespan_s": round(makespan, 3),
+           "output_tokens": sum(r.output_tokens for r in results),
+           "output_tok_s": round(sum(r.output_tokens for r in results) / makespan, 2),
+           "requests_s": round(sum(r.ok for r in results) / makespan, 4),
+           "goodput_req_s": round(len(good) / makespan, 4), "good": len(good),
+           "errors": sorted({f"{r.status} {r.error}" for r in results if not r.ok})[:5]}
+    for name, xs in (("ttft", [r.ttft_s for r in results if r.ttft_s is not None]),
+                     ("itl", [g for r in results for g in r.gaps_s]),
+                     ("e2e", [r.e2e_s for r in results if r.ok])):
+        for q in (50, 95, 99):
+            out[f"{name}_p{q}_ms"] = ms(pct(xs, q / 100))
+    return out
+
+
+class Progress:
+    def __init__(self, total: int, label: str):
+        self.total, self.done, self.label = total, 0, label
+
+    def tick(self) -> None:
+        self.done += 1
+        bar = "#" * (30 * self.done // self.total)
+        print(f"\r{self.label:>14} [{bar:<30}] {self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+        if self.done == self.total:
+            print(file=sys.stderr)
+
+
+async def closed_loop(client, args, model, texts, concurrency: int) -> dict:
+    queue = list(texts)
+    results: list[Result] = []
+    bar = Progress(len(texts), f"concurrency {concurrency}")
+
+    async def worker():
+        while queue:
+            results.append(await one(client, args, model, queue.pop(0)))
+            bar.tick()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"mode": "closed", "concurrency": concurrency, **summarise(results, time.perf_counter() - t0, args)}
+
+
+async def open_loop(client, args, model, texts, rate: float) -> dict:
+    rng = random.Random(args.seed)
+    bar = Progress(len(texts), f"rate {rate:g}/s")
+
+    async def later(delay, text):
+        await asyncio.sleep(delay)
+        r = await one(client, args, model, text)
+        bar.tick()
+        return r
+
+    at, tasks = 0.0, []
+    t0 = time.perf_counter()
+    for text in texts:
+        tasks.append(asyncio.ensure_future(later(at, text)))
+        at += rng.expovariate(rate)
+    results = await asyncio.gather(*tasks)
+    return {"mode": "open", "rate_req_s": rate, **summarise(list(results), time.perf_counter() - t0, args)}
+
+
+async def run_all(args, url: str) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits) as client:
+        model = args.model_name or (await client.get("/models")).json()["data"][0]["id"]
+        texts = prompts(args.requests, args.prompt_tokens, args.shared_prefix, args.seed)
+        await one(client, args, model, texts[0][:200])                  # warm-up, not counted
+        runs = [await closed_loop(client, args, model, texts, c) for c in args.concurrency]
+        runs += [await open_loop(client, args, model, texts, r) for r in args.rate]
+    return {"model": model, "runs": runs}
+
+
+def start_localinfer(args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "localinfer", "serve", *([args.model] if args.model != "default" else []),
+           "--port", "0", "--parallel", str(args.parallel), "--ctx", str(args.ctx), "-t", str(args.threads),
+           "--max-queue", "1024", *args.serve_arg]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    m = re.search(r"(http://127\.0\.0\.1:\d+/v1)", p.stderr.readline())
+    if not m:
+        p.kill()
+        sys.exit("localinfer serve did not start: " + p.stderr.read()[-500:])
+    url = m.group(1)
+    for _ in range(600):
+        try:
+            if httpx.get(url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
+                return p, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    p.kill()
+    sys.exit("localinfer serve did not become ready")
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", help="start `localinfer serve MODEL` ('default': the embedded model)")
+    ap.add_argument("--url", help="base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8080/v1")
+    ap.add_argument("--label", default=None, help="name of the server in the JSON (default: the URL)")
+    ap.add_argument("--model-name", default=None, help="model field to send (default: the first of /v1/models)")
+    ap.add_argument("--api-key", default=os.environ.get("LOCALINFER_API_KEY"))
+    ap.add_argument("--concurrency", default="1,4,8", help="closed-loop levels (comma list; '' for none)")
+    ap.add_argument("--rate", default="", help="open-loop Poisson arrival rates in requests/s (comma list)")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="words shared by every prompt")
+    ap.add_argument("--slo-ttft", type=float, default=10.0, metavar="S")
+    ap.add_argument("--slo-e2e", type=float, default=10.0, metavar="S")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="with MODEL: serve -t")
+    ap.add_argument("--ctx", type=int, default=4096, help="with MODEL: total KV context")
+    ap.add_argument("--parallel", type=int, default=8, help="with MODEL: serve --parallel")
+    ap.add_argument("--serve-arg", action="append", default=[], help="with MODEL: extra flag for serve")
+    ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
+    args = ap.parse_args(argv)
+    if (args.url is None) == (args.model is None):
+        ap.error("give --url URL or MODEL")
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.rate = [float(r) for r in args.rate.split(",") if r]
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_localinfer(args)
+    try:
+        out = asyncio.run(run_all(args, url.rstrip("/")))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    settings = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
+    doc = {"server": args.label or url, "machine": machine(), "settings": settings, **out,
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        with open(args.out + ".tmp", "w") as f:
+            f.write(text + "\n")
+        os.replace(args.out + ".tmp", args.out)
+    else:
+        print(text)
+    for r in out["runs"]:
+        key = f"c={r['concurrency']}" if r["mode"] == "closed" else f"rate={r['rate_req_s']}"
+        print(f"{key:>10}: {r['output_tok_s']:7.2f} tok/s  TTFT p50 {r['ttft_p50_ms']} p95 {r['ttft_p95_ms']} ms  "
+              f"ITL p50 {r['itl_p50_ms']} ms  e2e p50 {r['e2e_p50_ms']} ms  goodput {r['goodput_req_s']}/s  "
+              f"ok {r['ok']}/{r['requests']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
