@@ -17,8 +17,9 @@ CUDA replay a captured graph instead (``paged_graphs.py``).
 
 Block tables: given with every chunk (``chunk.blocks``: the serving engine's
 block manager is the one source, blocks reused by a prefix hit are read, not
-recomputed, and a table entry that changed under already written positions
-is a copy-on-write whose content the executor copies), or kept here with a
+recomputed — ``restore(slot, n)`` marks them held —, and a table entry that
+changed under already written positions is a copy-on-write whose content the
+executor copies), or kept here with a
 reference-counted allocator, where ``copy(src, dst, n)`` shares src's first
 ⌈n / b⌉ blocks and a write into a shared block copies it first.
 """

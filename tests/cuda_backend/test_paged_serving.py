@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
@@ -161,3 +163,44 @@ def test_engine_with_block_tables_from_the_block_manager(eng):
             assert reqs[3].preemptions == 1 and reqs[3].cached == 16
         else:
             assert ex.tokens_computed - before == sum(len(p) for p in prompts[1:]) - 32 - 16 + 3 * 4
+
+
+_ALONE: dict[tuple[int, ...], list[int]] = {}
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 6), st.integers(0, 12)),
+                min_size=1, max_size=6),
+       st.sampled_from(["reserve", "on_demand"]), st.booleans(), st.integers(6, 12))
+def test_random_requests_and_cancels(eng, specs, admission, external, n_blocks):
+    """Requests from three prefix families, some cancelled at a random step: after every step the pool's
+    cells equal the block manager's tokens, at the end nothing is held, and every reply that ran to its end
+    equals the request alone."""
+    family = prompts_for(eng.n_vocab, [40, 40, 40], seed=12)
+    inner = PagedExecutor(eng.model, n_slots=3, num_blocks=n_blocks, type_k="f32", type_v="f32",
+                          external_blocks=external)
+    ex = TablesFromEngine(inner) if external else inner
+    e = Engine(ex, Scheduler(SchedulerConfig(max_running=3, admission=admission, policy="chunked", chunk_tokens=16),
+                             BlockManager(n_blocks, 16, pool_hits=external)))
+    if external:
+        ex.engine = e
+    reqs, cancel_at = [], {}
+    for i, (f, n, out, at) in enumerate(specs):
+        reqs.append(e.add_request(Request(f"r{i}", family[f][:n] + [i + 1], out)))
+        cancel_at[f"r{i}"] = at if at % 3 == 0 else None
+    step = 0
+    while e.unfinished:
+        e.step()
+        step += 1
+        for rid, at in cancel_at.items():
+            if at == step:
+                e.cancel(rid)
+        assert inner.cells_used() == e.blocks.tokens_in_use()
+    assert inner.cells_used() == 0 and all(not t for t in inner.tables)
+    assert external or inner.alloc.num_free == n_blocks
+    for r in reqs:
+        if r.finish_reason is not None and r.finish_reason.name == "LENGTH":
+            key = (*r.prompt, r.max_tokens)
+            if key not in _ALONE:
+                _ALONE[key] = greedy_alone(eng, list(r.prompt), r.max_tokens)
+            assert r.output == _ALONE[key]
