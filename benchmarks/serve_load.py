@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -34,9 +35,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
-         "you were her she there been one all we their has would when if so no will more out up into do any your what "
-         "some can other than then its only time new about two may first also after like these could made over").split()
+WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
+         "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her",
+         "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "no", "will",
+         "more", "out", "up", "into", "do", "any", "your", "what", "some", "can", "other", "than", "then", "its",
+         "only", "time", "new", "about", "two", "may", "first", "also", "after", "like", "these", "could", "made",
+         "over"]
 
 
 @dataclass
@@ -82,7 +86,7 @@ async def one(client: httpx.AsyncClient, args, model: str, prompt: str) -> Resul
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else len(times)
     return Result(bool(times) and n >= args.output_tokens, 200, times[0] - t0 if times else None, end - t0, n,
-                  [b - a for a, b in zip(times, times[1:])])
+                  [b - a for a, b in itertools.pairwise(times)])
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -96,7 +100,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def summarise(results: list[Result], makespan: float, args) -> dict:
-    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    ms = lambda v: None if v is None else round(v * 1e3, 1)
     good = [r for r in results if r.ok and r.ttft_s <= args.slo_ttft and r.e2e_s <= args.slo_e2e]
     out = {"requests": len(results), "ok": sum(r.ok for r in results), "makespan_s": round(makespan, 3),
            "output_tokens": sum(r.output_tokens for r in results),

@@ -104,7 +104,8 @@ def _need_server_packages() -> None:
 def run(args: argparse.Namespace) -> int:
     _need_server_packages()
     from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
-    from localinfer.serve.http.runtime import Runtime, ServeConfig
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.http.runtime import Runtime
 
     key = _check(args)
     backend = _common.backend_name(args)

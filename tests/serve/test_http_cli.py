@@ -44,7 +44,8 @@ def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
 def test_health_is_503_while_loading(default_model):
     from localinfer.backends.engine import LoadPlan
     from localinfer.serve.http.app import AppConfig
-    from localinfer.serve.http.runtime import Runtime, ServeConfig
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.http.runtime import Runtime
     from localinfer.serve.http.server import bind, make_server
     from localinfer.serve.llamacpp_executor import LlamaCppExecutor
 

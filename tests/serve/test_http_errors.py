@@ -162,9 +162,9 @@ def test_api_key_guards_everything_but_health(default_model):
             _error(c.post(CHAT, json=OK), 401)
             # with a key, any Host is fine (a DNS-rebinding page cannot know the key)
             assert c.get("/v1/models", headers={"authorization": "Bearer s3cret", "host": "box.lan"}).status_code == 200
-        with openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0) as bad:
-            with pytest.raises(openai.AuthenticationError):
-                bad.models.list()
+        with openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0) as bad, \
+                pytest.raises(openai.AuthenticationError):
+            bad.models.list()
         with openai.OpenAI(base_url=srv.base_url, api_key="s3cret", max_retries=0) as good:
             assert good.chat.completions.create(**dict(OK, max_tokens=1)).usage.completion_tokens == 1
             s1 = good.chat.completions.create(**dict(OK, max_tokens=200), stream=True, extra_body={"ignore_eos": True})

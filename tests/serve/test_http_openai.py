@@ -131,7 +131,7 @@ def test_eight_concurrent_async_requests(srv):
 
 def test_shared_prefix_is_reported_as_cached(client, srv):
     system = "You are a careful assistant. " * 30
-    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]
     before = srv.metrics()["localinfer_prefix_cache_hit_tokens_total"]
     stream = client.chat.completions.create(model=MODEL_ID, messages=msgs("Tell a story."), temperature=0,
                                             max_tokens=48, extra_body={"ignore_eos": True}, stream=True)

@@ -28,7 +28,8 @@ class LiveServer:
         from localinfer.model.spec import ModelSpec
         from localinfer.model.templates import template_for
         from localinfer.serve.http.app import AppConfig
-        from localinfer.serve.http.runtime import Runtime, ServeConfig
+        from localinfer.serve.http.config import ServeConfig
+        from localinfer.serve.http.runtime import Runtime
         from localinfer.serve.http.server import bind, make_server
         from localinfer.serve.llamacpp_executor import LlamaCppExecutor
 

@@ -15,9 +15,11 @@ Handlers hand it requests through a locked inbox and receive tokens through
 template rendering and tokenisation run in a worker thread.
 
 Modules: ``app`` (routes and the access guard), ``schemas`` (body
-validation), ``responses`` (OpenAI response objects), ``runtime`` (the engine
-thread), ``sampler`` (penalties and logprobs per request), ``stepfit``
-(a step-time model fitted online for deadline-aware admission), ``metrics``
-(Prometheus), ``sse`` (server-sent events with disconnect detection),
-``server`` (uvicorn with signals and grace period).
+validation), ``generation`` (one request's choices and its answer),
+``responses`` (OpenAI response objects), ``runtime`` (the engine thread),
+``config`` (scheduling settings and the engine they build), ``sampler``
+(penalties and logprobs per request), ``stepfit`` (a step-time model fitted
+online for deadline-aware admission), ``metrics`` (Prometheus), ``sse``
+(server-sent events with disconnect detection), ``server`` (uvicorn with
+signals and grace period).
 """

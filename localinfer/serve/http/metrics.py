@@ -40,7 +40,7 @@ class Metrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.snapshot = _Snapshot()
         r.register(self.snapshot)
-        c = lambda name, doc, **kw: Counter(f"localinfer_{name}", doc, registry=r, **kw)  # noqa: E731
+        c = lambda name, doc, **kw: Counter(f"localinfer_{name}", doc, registry=r, **kw)
         self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = c("generation_tokens", "tokens generated")
         self.prefix_hit_tokens = c("prefix_cache_hit_tokens", "prompt tokens found in the prefix cache")
@@ -48,7 +48,7 @@ class Metrics:
         self.cancelled = c("requests_cancelled", "requests cancelled by their client (disconnect or shutdown)")
         self.finished = c("requests_finished", "requests finished, by reason", labelnames=("reason",))
         self.rejected = c("requests_rejected", "requests answered with an error status", labelnames=("status",))
-        h = lambda name, doc: Histogram(f"localinfer_{name}", doc, registry=r, buckets=_LATENCY)  # noqa: E731
+        h = lambda name, doc: Histogram(f"localinfer_{name}", doc, registry=r, buckets=_LATENCY)
         self.ttft = h("time_to_first_token_seconds", "arrival to first token")
         self.itl = h("inter_token_latency_seconds", "time between consecutive tokens of a request")
         self.e2e = h("e2e_request_latency_seconds", "arrival to finish")

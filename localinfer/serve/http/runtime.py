@@ -20,35 +20,19 @@ import asyncio
 import logging
 import math
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.http.config import ServeConfig, build_engine
 from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.metrics import Metrics
 from localinfer.serve.http.sampler import ServeRequest
-from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibrate
 from localinfer.serve.request import FinishReason
-from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("localinfer.serve")
 IDLE_WAIT_S = 0.5
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """How the server schedules: slots, queue, prefill chunking, prefix cache, shutdown grace."""
-
-    parallel: int = 4
-    max_queue: int = 64
-    token_budget: int | None = None
-    chunk: int | None = None             # prompt tokens per request per step (None: SchedulerConfig's)
-    itl_target_s: float | None = None
-    prefix_cache: bool = True
-    block_tokens: int = 16
-    admission: str = "on_demand"
 
 
 @dataclass(frozen=True)
@@ -152,7 +136,7 @@ class Runtime:
         return self._outstanding
 
     def _now(self) -> float:
-        return self.executor.clock() if self.executor is not None else _perf()
+        return self.executor.clock() if self.executor is not None else time.perf_counter()
 
     # ---- the engine thread ---------------------------------------------------
     def _main(self) -> None:
@@ -179,19 +163,9 @@ class Runtime:
 
     def _load(self) -> None:
         inner = self._open()
-        cfg = self.config
         self.tokenizer = getattr(inner, "engine", None)
-        self.step_model = FittedStepModel(calibrate(inner))
-        self.executor = TimedExecutor(inner, self.step_model)
-        cells = getattr(inner, "n_cells", None) or 0
-        n_blocks = cells // cfg.block_tokens
-        self.context_tokens = n_blocks * cfg.block_tokens
-        blocks = BlockManager(n_blocks, cfg.block_tokens, prefix_cache=cfg.prefix_cache, pool_hits=False)
-        chunk = {"chunk_tokens": cfg.chunk} if cfg.chunk else {}
-        sched = SchedulerConfig(policy="chunked", max_running=cfg.parallel, token_budget=cfg.token_budget,
-                                itl_target_s=cfg.itl_target_s, admission=cfg.admission, deadline_aware=True,
-                                **chunk)
-        self.engine = Engine(self.executor, Scheduler(sched, blocks, self.step_model))
+        self.executor, self.engine, self.step_model = build_engine(inner, self.config)
+        self.context_tokens = self.engine.blocks.num_blocks * self.config.block_tokens
         self._publish(idle=True)
 
     def _serve(self) -> None:
@@ -199,8 +173,8 @@ class Runtime:
             try:
                 if self._iteration():
                     return
-            except Exception as exc:  # noqa: BLE001 - a bug here must not stop the server: fail what is active
-                log.exception("engine loop error: %s", exc)
+            except Exception as exc:
+                log.exception("engine loop error")
                 self._dispatch(self._cancel_active(error=f"{type(exc).__name__}: {exc}"))
 
     def _iteration(self) -> bool:
@@ -312,9 +286,3 @@ def _deliver(out: list[tuple[Handle, Event]]) -> None:
         if ev.reason is not None:
             h.finished = True
         h.queue.put_nowait(ev)
-
-
-def _perf() -> float:
-    import time
-
-    return time.perf_counter()

@@ -52,7 +52,7 @@ class EventStream:
             completed = True
         except OSError:
             pass                                  # the client went away mid-send
-        except Exception:  # noqa: BLE001 - headers are gone; end the stream, keep the server
+        except Exception:
             logging.getLogger("localinfer.serve").exception("stream failed")
         finally:
             self.on_close(completed)

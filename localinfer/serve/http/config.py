@@ -1,0 +1,45 @@
+"""How the server schedules (:class:`ServeConfig`) and the engine it builds over an executor.
+
+The KV pool is the executor's cells in blocks of ``block_tokens`` (docs/serving:
+a sequence of L tokens holds ⌈L / p⌉ blocks), so a request's prompt +
+max_tokens may use at most ``⌊cells / p⌋ · p`` positions.  Every prefix hit is a
+copy from a running request (``pool_hits=False``: llama.cpp keeps KV only in
+live sequences).  Prompts are prefilled in chunks (``chunked``), and admission
+is deadline-aware with a step model fitted on this machine (:mod:`.stepfit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localinfer.serve.block_manager import BlockManager
+from localinfer.serve.engine import Engine
+from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibrate
+from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server schedules: slots, queue, prefill chunking, prefix cache, shutdown grace."""
+
+    parallel: int = 4
+    max_queue: int = 64
+    token_budget: int | None = None
+    chunk: int | None = None             # prompt tokens per request per step (None: SchedulerConfig's)
+    itl_target_s: float | None = None
+    prefix_cache: bool = True
+    block_tokens: int = 16
+    admission: str = "on_demand"
+
+
+def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, FittedStepModel]:
+    """(timed executor, engine, step model) over a loaded executor."""
+    model = FittedStepModel(calibrate(inner))
+    executor = TimedExecutor(inner, model)
+    n_blocks = (getattr(inner, "n_cells", None) or 0) // config.block_tokens
+    blocks = BlockManager(n_blocks, config.block_tokens, prefix_cache=config.prefix_cache, pool_hits=False)
+    chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
+    sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
+                            itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
+                            **chunk)
+    return executor, Engine(executor, Scheduler(sched, blocks, model)), model
