@@ -80,13 +80,23 @@ def graph_batches(n_slots: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+GRAPH_WIDTH_SPLITS = 4   # per batch size, graphs for block tables of the full width, 1/2, 1/4 and 1/8 of it
+
+
+def graph_widths(max_blocks: int) -> tuple[int, ...]:
+    """Block-table widths captured per batch size: ``⌈m / 2^k⌉`` for k < GRAPH_WIDTH_SPLITS, so a decode
+    step attends at most twice the keys its longest request holds (or m / 8), not always m."""
+    return tuple(sorted({-(-max_blocks // (1 << k)) for k in range(GRAPH_WIDTH_SPLITS)}))
+
+
 def torch_graph_bytes(spec: ModelSpec, n_ctx: int, n_seq: int = 1, dtype: str = "bf16", type_k: str = "f16",
                       type_v: str = "f16", *, packed: bool = False, block_tokens: int = TORCH_BLOCK_TOKENS) -> int:
     """Memory of the decode graphs (an estimate; the CUDA test measures it): one private pool that every
     captured batch size shares (captured largest first), holding the largest batch B's live tensors at its
     peak layer, plus one scratch block that padded rows write to:
 
-        B × s × (2·E + (H + 2·H_kv)·d + 3·F + 2·H_kv·L·d + 2·H·L) + B × V × (4 + s)  [+ B·L mask bytes]
+        B × s × (2·E + (H + 2·H_kv)·d + 3·F + 2·H_kv·L·d + 2·H·L) + B × V × s  [+ B·L mask bytes]
+        + Σ_graphs b × V × 4   (each graph's float32 logits stay allocated: every batch size × table width)
         + the largest matrix n × s when q8_0/q4_0 matrices are dequantized per call (packed)
         + one KV block
 
@@ -100,7 +110,8 @@ def torch_graph_bytes(spec: ModelSpec, n_ctx: int, n_seq: int = 1, dtype: str = 
     L = pad_to(max(n_ctx, 1), block_tokens)
     per_row = s * (2 * E + (H + 2 * Hkv) * d + 3 * F + 2 * Hkv * L * d + 2 * H * L) + L
     raw = sum(0 if t in ("f32", "f16", "bf16") else Hkv * L * row_bytes(t, d) for t in (type_k, type_v))
-    total = B * (per_row + raw) + B * V * (LOGITS_BYTES + s)
+    widths = len(graph_widths(ceil_div(L, block_tokens)))
+    total = B * (per_row + raw) + B * V * s + widths * sum(graph_batches(n_seq)) * V * LOGITS_BYTES
     if packed:
         total += max((t.n_elements for t in spec.tensors if len(t.shape) == 2 and t.type.name in TORCH_PACKED),
                      default=0) * s
@@ -170,7 +181,7 @@ class TorchMemory(OwnTensorsMemory):
         sizes = graph_batches(req.n_seq)
         graphs = torch_graph_bytes(spec, req.n_ctx, req.n_seq, rw.dtype, req.type_k, req.type_v, packed=req.packed)
         term = Term("compute", f"CUDA graphs (decode, batch {'/'.join(map(str, sizes))})", graphs, pool,
-                    f"one graph pool: batch {sizes[-1]} × activations over ⌈ctx/16⌉·16 keys + logits, "
+                    f"one graph pool: batch {sizes[-1]} × activations over ⌈ctx/16⌉·16 keys + every graph's logits, "
                     "+ 1 scratch KV block (estimate)", None)
         return replace(bd, terms=bd.terms + (term,)), geometry
 

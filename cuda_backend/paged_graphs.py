@@ -4,10 +4,11 @@ A decode step of B requests is tokens, positions and slots [B] plus block tables
 [B, m] (m = blocks of the longest sequence a slot may hold).  Attention reads
 all m·b keys of each table under the mask ``key ≤ position`` built on the
 device, so nothing depends on host values.  One graph per batch size of
-``memory.graph_batches(n_slots)``, captured largest first into one shared
-memory pool (``memory.torch_graph_bytes`` counts it); a step of n requests
-replays the graph of the next size ≥ n, its padded rows writing the pool's
-scratch slot and reading block 0 (their logits are dropped).  Off CUDA the same
+``memory.graph_batches(n_slots)`` and table width of ``memory.graph_widths(m)``,
+captured largest first into one shared memory pool (``memory.torch_graph_bytes``
+counts it); a step of n requests whose longest table has w blocks replays the
+graph of the next size ≥ n and the next width ≥ w, its padded rows writing the
+pool's scratch slot and reading block 0 (their logits are dropped).  Off CUDA the same
 padded step runs eagerly, which is how the CPU tests exercise it.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .memory import graph_widths
 from .model import Transformer
 from .paged_kv import PagedKVPool
 
@@ -62,14 +64,16 @@ class PagedGraphs:
         self.pos = torch.zeros(top, dtype=torch.long, device=dev)
         self.slots = torch.full((top,), pool.scratch_slot, dtype=torch.long, device=dev)
         self.tables = torch.zeros(top, max_blocks, dtype=torch.long, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.out: dict[int, torch.Tensor] = {}
+        self.widths = graph_widths(max_blocks)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # by (batch, table width)
+        self.out: dict[tuple[int, int], torch.Tensor] = {}
         self.measured_bytes = 0         # CUDA memory reserved by warm-up and capture
         if dev.type == "cuda":
             self._capture(warmup)
 
-    def _run(self, b: int) -> torch.Tensor:
-        return decode_forward(self.model, self.pool, self.tokens[:b], self.pos[:b], self.slots[:b], self.tables[:b])
+    def _run(self, b: int, w: int) -> torch.Tensor:
+        return decode_forward(self.model, self.pool, self.tokens[:b], self.pos[:b], self.slots[:b],
+                              self.tables[:b, :w])
 
     def _capture(self, warmup: int) -> None:
         dev = self.model.device
@@ -80,13 +84,14 @@ class PagedGraphs:
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(warmup):
-                self._run(self.batches[-1])
+                self._run(self.batches[-1], self.widths[-1])
         torch.cuda.current_stream(dev).wait_stream(stream)
         for b in reversed(self.batches):      # largest first: the smaller ones fit in its pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool), torch.inference_mode():
-                self.out[b] = self._run(b)
-            self.graphs[b] = graph
+            for w in reversed(self.widths):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool), torch.inference_mode():
+                    self.out[b, w] = self._run(b, w)
+                self.graphs[b, w] = graph
         torch.cuda.synchronize(dev)
         self.measured_bytes = torch.cuda.memory_reserved(dev) - before
 
@@ -97,10 +102,14 @@ class PagedGraphs:
                 return b
         raise ValueError(f"{n} requests exceed the largest captured batch {self.batches[-1]}")
 
+    def width_for(self, w: int) -> int:
+        """The captured table width a step whose longest table has w blocks pads to."""
+        return next(x for x in self.widths if x >= w)
+
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor) -> torch.Tensor:
-        n, b = tokens.shape[0], self.batch_for(tokens.shape[0])
+        n, b, w = tokens.shape[0], self.batch_for(tokens.shape[0]), self.width_for(tables.shape[1])
         self.tokens[:n].copy_(tokens)
         self.pos[:n].copy_(pos)
         self.slots[:n].copy_(slots)
@@ -110,7 +119,7 @@ class PagedGraphs:
         self.pos[n:b].zero_()
         self.slots[n:b].fill_(self.pool.scratch_slot)
         self.tables[n:b].zero_()
-        if b in self.graphs:
-            self.graphs[b].replay()
-            return self.out[b][:n]
-        return self._run(b)[:n]
+        if (b, w) in self.graphs:
+            self.graphs[b, w].replay()
+            return self.out[b, w][:n]
+        return self._run(b, w)[:n]

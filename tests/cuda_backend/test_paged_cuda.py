@@ -33,7 +33,7 @@ def _decode(ex, prompts, n):
 def test_graph_replay_equals_eager(default_model, batch):
     kw = {"n_slots": 8, "n_ctx": 256, "device": "cuda", "dtype": "bf16"}
     with open_executor(default_model, cuda_graphs=False, **kw) as eager, open_executor(default_model, **kw) as g:
-        assert eager.graphs is None and sorted(g.graphs.graphs) == [1, 2, 4, 8]
+        assert eager.graphs is None and sorted({b for b, _ in g.graphs.graphs}) == [1, 2, 4, 8]
         prompts = prompts_for(eager.n_vocab, [20 + 3 * i for i in range(batch)])
         a, b = _decode(eager, prompts, 4), _decode(g, prompts, 4)
         assert np.abs(a - b).max() <= 0.1 * np.abs(a).max()    # bf16: another attention shape, same tokens
@@ -45,5 +45,5 @@ def test_graph_memory_within_fit_estimate(default_model):
         estimate = torch_graph_bytes(ex.spec, 2048, 16, "bf16")
         used = ex.graphs.measured_bytes
         print(f"graph memory: measured {used / MIB:.1f} MiB, estimate {estimate / MIB:.1f} MiB")
-        assert sorted(ex.graphs.graphs) == [1, 2, 4, 8, 16]
+        assert len(ex.graphs.graphs) == 5 * len(ex.graphs.widths) == 5 * 4
         assert used <= estimate + 16 * MIB       # the caching allocator reserves 2 MiB segments

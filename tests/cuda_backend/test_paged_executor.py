@@ -111,6 +111,7 @@ def test_tiny_gguf_and_padded_decode_path(tmp_path):
         for paged, ref in zip(drive(ex, prompts, 5), refs):
             check(paged, ref, ATOL_F32)
         assert ex.forwards == ex.steps + padded          # the 55-token first step ran as 22 + 33
+        assert not padded or (ex.graphs.widths == (2, 4, 8, 16) and ex.graphs.width_for(3) == 4)
     eng.close()
 
 

@@ -10,6 +10,7 @@ from cuda_backend.kv_cache import KVCache
 from cuda_backend.memory import (
     MEMORY,
     graph_batches,
+    graph_widths,
     torch_block_bytes,
     torch_budget_blocks,
     torch_graph_bytes,
@@ -81,6 +82,7 @@ def test_graph_batches_pad_to_the_next_size():
     assert graph_batches(1) == (1,)
     assert graph_batches(5) == (1, 2, 4, 8)
     assert graph_batches(32) == graph_batches(100) == (1, 2, 4, 8, 16, 32)
+    assert graph_widths(16) == (2, 4, 8, 16) and graph_widths(5) == (1, 2, 3, 5) and graph_widths(1) == (1,)
 
 
 def test_fit_counts_cuda_graphs_on_cuda_only(default_model):
