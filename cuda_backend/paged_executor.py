@@ -187,20 +187,20 @@ class PagedExecutor:
             return
         first, need = c.start // bs, -(-(c.start + len(c.tokens)) // bs)
         if c.start % bs and self.alloc.refs[table[first]] > 1:
-            self._take(undo, need - len(table) + 1)
+            self._ensure_free(need - len(table) + 1)
             new = self.alloc.take()
             self.pool.copy_block(table[first], new, c.start % bs)
             self.alloc.unref(table[first])
             shared = table[first]
             table[first] = new
             undo.append(lambda: (self.alloc.ref(shared), self.alloc.unref(new)))
-        self._take(undo, need - len(table))
+        self._ensure_free(need - len(table))
         while len(table) < need:
             b = self.alloc.take()
             table.append(b)
             undo.append(lambda b=b: self.alloc.unref(b))
 
-    def _take(self, undo: list, n: int) -> None:
+    def _ensure_free(self, n: int) -> None:
         if n > self.alloc.num_free:
             raise ContextFullError(f"the KV pool has {self.alloc.num_free} free blocks of {self.pool.num_blocks}; "
                                    f"this step needs {n} more", needed=n, available=self.alloc.num_free,
@@ -249,28 +249,28 @@ class PagedExecutor:
     def _varlen(self, chunks: Sequence) -> np.ndarray | None:
         """One forward over the flattened new tokens of every chunk (the mask keeps requests apart)."""
         dev, bs = self.device, self.block_size
-        ids, pos, slots, keys, q_req, k_req, k_pos, rows = [], [], [], [], [], [], [], []
+        ids, pos, q_req, k_pos, k_req, tables, rows, n = [], [], [], [], [], [], [], 0
         for i, c in enumerate(chunks):
             end = c.start + len(c.tokens)
-            table = self.tables[c.slot]
             ids += c.tokens
-            pos += range(c.start, end)
-            slots += token_slots(table, c.start, end, bs)
-            keys += token_slots(table, 0, end, bs)
-            q_req += [i] * len(c.tokens)
-            k_req += [i] * end
-            k_pos += range(end)
+            pos.append(torch.arange(c.start, end))
+            q_req.append(torch.full((len(c.tokens),), i))
+            k_pos.append(torch.arange(end))
+            k_req.append(torch.full((end,), i))
+            tables.append(torch.tensor(self.tables[c.slot], dtype=torch.long))
+            n += len(c.tokens)
             if c.logits:
-                rows.append(len(ids) - 1)
-        pos_t = torch.tensor(pos, dtype=torch.long)
-        qr, kr, kp = (torch.tensor(x, dtype=torch.long) for x in (q_req, k_req, k_pos))
+                rows.append(n - 1)
+        keys = torch.cat([t[p // bs] * bs + p % bs for t, p in zip(tables, k_pos)])
+        slots = torch.cat([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)])
+        pos_t, kp, qr, kr = (torch.cat(x).to(dev) for x in (pos, k_pos, q_req, k_req))
         mask = ((qr[:, None] == kr[None, :]) & (kp[None, :] <= pos_t[:, None]))[None, None]
-        long = {"dtype": torch.long, "device": dev}
-        view = StepView(self.pool, torch.tensor(slots, **long), keys=torch.tensor(keys, **long))
-        args = torch.tensor(ids, **long)[None], pos_t.to(dev)[None], mask.to(dev), torch.tensor(rows, **long)
+        view = StepView(self.pool, slots.to(dev), keys=keys.to(dev))
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)[None]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         t0 = time.perf_counter()
-        logits = self.model.forward(args[0], args[1], view, seqs=None, n_attn=len(keys), mask=args[2],
-                                    out_rows=args[3])
+        logits = self.model.forward(ids_t, pos_t[None], view, seqs=None, n_attn=keys.shape[0], mask=mask,
+                                    out_rows=rows_t)
         self._sync()
         self.forward_seconds += time.perf_counter() - t0
         self.forwards += 1
