@@ -145,3 +145,49 @@ def test_json_error_shape_from_the_command(tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
+
+
+def test_sigterm_past_the_grace_period_cancels_and_still_ends_the_stream():
+    p, url = _start("--grace", "1")
+    try:
+        body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Once upon a time", "max_tokens": 480,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            it = r.iter_lines()
+            lines = [next(it)]
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGTERM)
+            lines += list(it)
+        assert time.monotonic() - t0 < 4
+        events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "cancelled"
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_binding(capsys, tmp_path):
+    from gguf_tools.skeleton import write_skeleton
+    from localinfer.cli import main
+
+    big = write_skeleton("qwen3-235b-a22b", tmp_path / "big.gguf")     # header only, sparse data
+    code = main(["serve", str(big), "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: needs") and "hint:" in err and "serving" not in err
+
+
+def test_insecure_non_loopback_bind_warns(capsys, monkeypatch):
+    import argparse
+
+    from localinfer.commands import serve
+
+    monkeypatch.delenv("LOCALINFER_API_KEY", raising=False)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve._check(parser.parse_args(["--host", "0.0.0.0", "--insecure"])) is None
+    assert "without an API key" in capsys.readouterr().err
+    monkeypatch.setenv("LOCALINFER_API_KEY", "from-env")
+    assert serve._check(parser.parse_args(["--host", "0.0.0.0"])) == "from-env"
+    assert serve._check(parser.parse_args(["--api-key", "flag"])) == "flag"

@@ -64,6 +64,15 @@ def test_wrong_types_and_out_of_range_name_the_field(http, field, value, param):
     assert param.split("[")[0] in msg
 
 
+def test_deadline_header(http):
+    _error(http.post(CHAT, json=OK, headers={"x-localinfer-deadline-ms": "soon"}), 400, "x-localinfer-deadline-ms")
+    _error(http.post(CHAT, json=OK, headers={"x-localinfer-deadline-ms": "0"}), 400, "x-localinfer-deadline-ms")
+    late = dict(OK, messages=[{"role": "user", "content": "hi " * 300}], max_tokens=300)
+    r = http.post(CHAT, json=late, headers={"x-localinfer-deadline-ms": "1"})
+    _error(r, 429, "deadline_ms", "deadline_unmeetable")
+    assert http.post(CHAT, json=OK, headers={"x-localinfer-deadline-ms": "600000"}).status_code == 200
+
+
 def test_completions_fields(http):
     _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ""}), 400, "prompt")
     _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ["a", "b"]}), 400, "prompt")

@@ -81,12 +81,17 @@ class Runtime:
         if self.state in ("ready", "loading"):
             self.state = "draining"
 
-    def stop(self, grace_s: float = 0.0, join_s: float = 30.0) -> None:
-        """Finish in-flight requests for up to grace_s, cancel the rest, stop the thread, close the executor."""
+    def shutdown_after(self, grace_s: float) -> None:
+        """Refuse new requests now; cancel those still running ``grace_s`` from now (returns at once)."""
         self.drain()
         with self._cond:
-            self._stop_at = self._now() + max(0.0, grace_s)
+            at = self._now() + max(0.0, grace_s)
+            self._stop_at = at if self._stop_at is None else min(self._stop_at, at)
             self._cond.notify()
+
+    def stop(self, grace_s: float = 0.0, join_s: float = 30.0) -> None:
+        """Finish in-flight requests for up to grace_s, cancel the rest, stop the thread, close the executor."""
+        self.shutdown_after(grace_s)
         if self._thread.is_alive():
             self._thread.join(join_s + grace_s)
 
@@ -94,10 +99,10 @@ class Runtime:
     def submit(self, prompts: list[tuple[int, ...]], make: Callable[..., ServeRequest],
                loop: asyncio.AbstractEventLoop) -> tuple[list[Handle], asyncio.Queue]:
         """Queue one engine request per prompt; ``make(id, prompt, arrival_s, index)`` builds each."""
-        self.check_serving()
         n = len(prompts)
         queue: asyncio.Queue = asyncio.Queue()
-        with self._cond:
+        with self._cond:                          # checked under the lock the engine thread exits under
+            self.check_serving()
             limit = self.config.parallel + self.config.max_queue
             if self._outstanding + n > limit:
                 wait = math.ceil(self._mean_e2e * max(1, self._outstanding) / self.config.parallel)
@@ -207,7 +212,9 @@ class Runtime:
         self._publish(idle=not engine.unfinished)
         if self._stop_at is not None and not engine.unfinished and not self._active:
             with self._cond:
-                return not self._inbox
+                if not self._inbox:
+                    self.state = "stopped"
+                    return True
         return False
 
     def _events(self, events) -> list[tuple[Handle, Event]]:

@@ -2,8 +2,9 @@
 
 SIGINT/SIGTERM/SIGHUP: the first one stops accepting connections and makes
 new requests on open connections answer 503, lets in-flight requests finish
-for up to ``grace_s``, then cancels what is left (their KV freed), stops the
-engine thread and returns normally (the CLI exits 0).  A second SIGINT stops
+for up to ``grace_s``, then cancels what is left (their KV freed; a stream
+gets a last chunk with ``finish_reason: "cancelled"`` and ``[DONE]``), stops
+the engine thread and returns normally (the CLI exits 0).  A second SIGINT stops
 at once (uvicorn's force exit).  uvicorn re-raises a captured signal after
 shutdown; this server does not, so the exit status is 0.
 """
@@ -29,13 +30,13 @@ SIGNALS = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None), get
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, runtime: Runtime):
+    def __init__(self, config: uvicorn.Config, runtime: Runtime, grace_s: float):
         super().__init__(config)
-        self.runtime = runtime
+        self.runtime, self.grace_s = runtime, grace_s
         self.stopped_by: int | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.runtime.drain()
+        self.runtime.shutdown_after(self.grace_s)     # the engine cancels what is left; streams end cleanly
         self.stopped_by = self.stopped_by or sig
         super().handle_exit(sig, frame)
 
@@ -80,9 +81,10 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
             app.state.prep.shutdown(wait=False)
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s, access_log=False,
+    # uvicorn waits a little longer than the engine, so cancelled streams still send their last chunk
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0, access_log=False,
                             lifespan="on", server_header=False, date_header=True, timeout_keep_alive=5)
-    return _Server(config, runtime), app
+    return _Server(config, runtime, grace_s), app
 
 
 def serve(runtime: Runtime, app_config: AppConfig, sock: socket.socket, *, grace_s: float = 10.0,

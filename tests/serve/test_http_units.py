@@ -1,0 +1,117 @@
+"""The server's pure parts without a server: body parsing, penalties and logprobs, text with stop strings,
+the fitted step model, the error shape."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from localinfer.serve.http.errors import APIError
+from localinfer.serve.http.responses import TextStream
+from localinfer.serve.http.sampler import ServeRequest, logprob_of, sampling_for
+from localinfer.serve.http.schemas import parse
+from localinfer.serve.http.stepfit import FittedStepModel
+from localinfer.serve.request import FinishReason
+from localinfer.serve.step_model import LinearStepModel
+
+pytest.importorskip("prometheus_client")
+
+
+def test_parse_defaults_aliases_and_precedence():
+    s = parse({"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                          {"role": "assistant", "content": None}, {"role": "user", "content": "x"}],
+               "max_tokens": 9, "max_completion_tokens": 5, "top_k": -1, "stop": "END", "seed": 3,
+               "stream": True, "stream_options": {"include_usage": True}, "response_format": {"type": "text"}},
+              chat=True, deadline_header="250")
+    assert [m["role"] for m in s.messages] == ["system", "assistant", "user"] and s.messages[1]["content"] == ""
+    assert s.max_tokens == 5 and s.sampling.top_k == 0 and s.sampling.seed == 3 and s.stop == ("END",)
+    assert s.stream and s.include_usage and s.deadline_ms == 250 and s.logprobs is None and s.n == 1
+    c = parse({"model": "m", "prompt": [[1, 2, 3]], "logprobs": 0, "deadline_ms": 500}, chat=False,
+              deadline_header="100")
+    assert c.prompt == (1, 2, 3) and c.logprobs == 0 and c.deadline_ms == 100
+    assert parse({"model": "m", "prompt": ["one"]}, chat=False).prompt == "one"
+
+
+@pytest.mark.parametrize("body, param", [
+    ([], None), ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0].text"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+])
+def test_parse_refusals_name_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        parse(body, chat=True)
+    err = e.value
+    assert err.status == 400 and err.param == param and "\n" not in err.message
+    assert set(json.loads(err.json_bytes())["error"]) == {"message", "type", "param", "code"}
+
+
+def _request(**kw) -> ServeRequest:
+    from localinfer.generation.sampling import SamplingParams
+
+    return ServeRequest("r", (1, 2), 8, sampling=SamplingParams(temperature=0), **kw)
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    logits = np.array([0.0, 5.0, 4.5, 1.0], dtype=np.float32)
+    r = _request(frequency_penalty=0.3)
+    assert r.sampler.sample(logits, r.view()) == 1
+    r.output.append(1)                                  # once: 5 - 0.3 = 4.7 > 4.5
+    assert r.sampler.sample(logits, r.view()) == 1
+    r.output.append(1)                                  # twice: 5 - 0.6 = 4.4 < 4.5
+    assert r.sampler.sample(logits, r.view()) == 2
+    p = _request(presence_penalty=0.6)
+    p.output += [1, 1, 1]                               # presence counts once: 5 - 0.6 = 4.4
+    assert p.sampler.sample(logits, p.view()) == 2
+    banned = _request(banned=frozenset({1}))
+    assert banned.sampler.sample(logits, banned.view()) == 2
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    logits = np.array([1.0, 3.0, 2.0], dtype=np.float32)
+    lse = math.log(sum(math.exp(x) for x in (1.0, 3.0, 2.0)))
+    lp = logprob_of(logits, 2, 2)
+    assert lp.token == 2 and lp.logprob == pytest.approx(2.0 - lse)
+    assert [t for t, _ in lp.top] == [1, 2] and lp.top[0][1] == pytest.approx(3.0 - lse)
+    r = _request(top_logprobs=1, frequency_penalty=2.0)
+    r.output.append(1)
+    tok = r.sampler.sample(logits, r.view())            # the penalty moves the choice, not the logprob
+    assert tok == 2 and r.logprobs[-1].logprob == pytest.approx(2.0 - lse) and r.logprobs[-1].top[0][0] == 1
+    assert sampling_for(r.sampling.with_(seed=7), 2).seed == 9 and sampling_for(r.sampling, 2).seed is None
+
+
+PIECES = {1: b"Hel", 2: b"lo", 3: b" wor", 4: b"ld", 5: b"\xe2\x82", 6: b"\xac", 9: b"</s>"}
+
+
+class _Tok:
+    def token_bytes(self, t):
+        return PIECES[t]
+
+
+def test_text_stream_holds_back_a_forming_stop_and_joins_utf8():
+    t = TextStream(_Tok(), ("lo w",), frozenset({9}))
+    assert [t.feed(x) for x in (1, 2)] == ["He", "l"]            # "l", then "lo", could start "lo w"
+    assert t.feed(3) == "" and t.stopped and t.tokens == 3
+    assert t.feed(4) == "" and t.flush() == ""
+    u = TextStream(_Tok(), (), frozenset({9}))
+    assert [u.feed(x) for x in (5, 6, 9)] == ["", "€", ""] and u.flush() == "" and u.tokens == 3
+    v = TextStream(_Tok(), ("xyz",), frozenset())
+    assert v.feed(1) == "Hel" and v.feed(2) == "lo" and v.flush() == "" and not v.stopped
+
+
+def test_fitted_step_model_learns_the_machine():
+    m = FittedStepModel(LinearStepModel(0.1, 0.0, 0.0), refit=8)
+    for n in (1, 1, 8, 16, 32, 64, 1, 128, 4, 2):
+        m.observe([(n, 0)], 0.010 + 0.001 * n)
+    assert m.model.fixed_s == pytest.approx(0.010, rel=1e-3) and m.model.per_token_s == pytest.approx(0.001, rel=1e-3)
+    assert m.seconds([(100, 0)]) == pytest.approx(0.110, rel=1e-2)
+
+
+def test_finish_reason_values_stay_the_engines():
+    assert {r.value for r in FinishReason} >= {"stop", "length", "cancelled", "deadline", "error"}
