@@ -10,6 +10,10 @@ starts every prompt with the same N-word block, as a system prompt would.  Per r
 (request sent to first text), ITL (gaps between text chunks), end-to-end time, output tokens
 (``usage.completion_tokens`` when the server sends ``stream_options.include_usage``, else text chunks).
 
+While a run goes, ``/metrics`` (next to the base URL) is polled every 0.2 s for the peak of the KV
+gauges both servers export: ``localinfer_kv_blocks_used`` (× 16 tokens: an upper bound on cells) and
+llama-server's ``llamacpp:kv_cache_tokens`` (absent unless it runs with ``--metrics``).
+
 Per run: TTFT / ITL / e2e p50, p95, p99; output tokens/s and requests/s over the makespan; goodput,
 vLLM's ``--goodput`` definition: requests per second that finished correctly (HTTP 200, the whole
 output) with TTFT ≤ ``--slo-ttft`` and e2e ≤ ``--slo-e2e``.  Closed loop: ``c`` workers, each sending
@@ -28,6 +32,7 @@ import os
 import platform
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -128,6 +133,38 @@ class Progress:
             print(file=sys.stderr)
 
 
+PEAK_GAUGES = {"localinfer_kv_blocks_used": 16, "llamacpp:kv_cache_tokens": 1, "localinfer_requests_running": 1,
+               "llamacpp:requests_processing": 1}
+
+
+class PeakWatcher:
+    """Polls /metrics while a run goes; the peak of each gauge in PEAK_GAUGES (scaled to tokens)."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str):
+        self.client, self.url, self.peaks = client, url, {}
+        self.task = None
+
+    async def _poll(self):
+        while True:
+            try:
+                text = (await self.client.get(self.url, timeout=5)).text
+                for line in text.splitlines():
+                    name, _, value = line.partition(" ")
+                    if name in PEAK_GAUGES:
+                        v = float(value) * PEAK_GAUGES[name]
+                        self.peaks[name] = max(self.peaks.get(name, 0.0), v)
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.2)
+
+    def __enter__(self):
+        self.task = asyncio.ensure_future(self._poll())
+        return self
+
+    def __exit__(self, *exc):
+        self.task.cancel()
+
+
 async def closed_loop(client, args, model, texts, concurrency: int) -> dict:
     queue = list(texts)
     results: list[Result] = []
@@ -139,8 +176,10 @@ async def closed_loop(client, args, model, texts, concurrency: int) -> dict:
             bar.tick()
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return {"mode": "closed", "concurrency": concurrency, **summarise(results, time.perf_counter() - t0, args)}
+    with PeakWatcher(client, args.metrics_url) as peaks:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"mode": "closed", "concurrency": concurrency, **summarise(results, time.perf_counter() - t0, args),
+            "peaks": peaks.peaks}
 
 
 async def open_loop(client, args, model, texts, rate: float) -> dict:
@@ -155,14 +194,17 @@ async def open_loop(client, args, model, texts, rate: float) -> dict:
 
     at, tasks = 0.0, []
     t0 = time.perf_counter()
-    for text in texts:
-        tasks.append(asyncio.ensure_future(later(at, text)))
-        at += rng.expovariate(rate)
-    results = await asyncio.gather(*tasks)
-    return {"mode": "open", "rate_req_s": rate, **summarise(list(results), time.perf_counter() - t0, args)}
+    with PeakWatcher(client, args.metrics_url) as peaks:
+        for text in texts:
+            tasks.append(asyncio.ensure_future(later(at, text)))
+            at += rng.expovariate(rate)
+        results = await asyncio.gather(*tasks)
+    return {"mode": "open", "rate_req_s": rate, **summarise(list(results), time.perf_counter() - t0, args),
+            "peaks": peaks.peaks}
 
 
 async def run_all(args, url: str) -> dict:
+    args.metrics_url = re.sub(r"/v1$", "", url) + "/metrics"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits) as client:
@@ -232,6 +274,7 @@ def main(argv=None) -> int:
         ap.error("give --url URL or MODEL")
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.rate = [float(r) for r in args.rate.split(",") if r]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # so the server we started is stopped too
     proc = None
     url = args.url
     if url is None:

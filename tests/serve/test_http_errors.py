@@ -64,6 +64,12 @@ def test_wrong_types_and_out_of_range_name_the_field(http, field, value, param):
     assert param.split("[")[0] in msg
 
 
+def test_more_choices_than_the_server_holds(http, srv):
+    limit = srv.runtime.config.parallel + srv.runtime.config.max_queue
+    msg = _error(http.post(CHAT, json=dict(OK, n=limit + 1)), 400, "n")
+    assert str(limit) in msg
+
+
 def test_deadline_header(http):
     _error(http.post(CHAT, json=OK, headers={"x-localinfer-deadline-ms": "soon"}), 400, "x-localinfer-deadline-ms")
     _error(http.post(CHAT, json=OK, headers={"x-localinfer-deadline-ms": "0"}), 400, "x-localinfer-deadline-ms")

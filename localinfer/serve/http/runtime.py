@@ -104,6 +104,9 @@ class Runtime:
         with self._cond:                          # checked under the lock the engine thread exits under
             self.check_serving()
             limit = self.config.parallel + self.config.max_queue
+            if n > limit:
+                raise APIError(400, f"n={n} choices exceed what this server holds at once ({limit}: --parallel + "
+                                    f"--max-queue)", param="n", code="invalid_value")
             if self._outstanding + n > limit:
                 wait = math.ceil(self._mean_e2e * max(1, self._outstanding) / self.config.parallel)
                 raise APIError(429, f"the server has {self._outstanding} requests outstanding, its limit "
