@@ -83,7 +83,8 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
     app.router.lifespan_context = lifespan
     # uvicorn waits a little longer than the engine, so cancelled streams still send their last chunk
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0, access_log=False,
-                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=5)
+                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=5,
+                            limit_concurrency=1024)            # connections; past it uvicorn answers 503
     return _Server(config, runtime, grace_s), app
 
 
