@@ -137,25 +137,44 @@ PEAK_GAUGES = {"localinfer_kv_blocks_used": 16, "llamacpp:kv_cache_tokens": 1, "
                "llamacpp:requests_processing": 1}
 
 
+COUNTERS = ("localinfer_engine_step_seconds_total", "localinfer_engine_decode_seconds_total",
+            "localinfer_engine_steps_total")
+
+
 class PeakWatcher:
-    """Polls /metrics while a run goes; the peak of each gauge in PEAK_GAUGES (scaled to tokens)."""
+    """Polls /metrics while a run goes: the peak of each gauge in PEAK_GAUGES (scaled to tokens), and how
+    much each of COUNTERS grew (localinfer: time in executor steps and inside llama_decode)."""
 
     def __init__(self, client: httpx.AsyncClient, url: str):
         self.client, self.url, self.peaks = client, url, {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
         self.task = None
 
     async def _poll(self):
         while True:
-            try:
-                text = (await self.client.get(self.url, timeout=5)).text
-                for line in text.splitlines():
-                    name, _, value = line.partition(" ")
-                    if name in PEAK_GAUGES:
-                        v = float(value) * PEAK_GAUGES[name]
-                        self.peaks[name] = max(self.peaks.get(name, 0.0), v)
-            except (httpx.HTTPError, ValueError):
-                pass
+            await self.sample()
             await asyncio.sleep(0.2)
+
+    async def sample(self):
+        try:
+            text = (await self.client.get(self.url, timeout=5)).text
+        except httpx.HTTPError:
+            return
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            try:
+                v = float(value)
+            except ValueError:
+                continue
+            if name in PEAK_GAUGES:
+                self.peaks[name] = max(self.peaks.get(name, 0.0), v * PEAK_GAUGES[name])
+            elif name in COUNTERS:
+                self.first.setdefault(name, v)
+                self.last[name] = v
+
+    def grown(self) -> dict[str, float]:
+        return {k.removeprefix("localinfer_"): round(self.last[k] - self.first[k], 3) for k in self.last}
 
     def __enter__(self):
         self.task = asyncio.ensure_future(self._poll())
@@ -177,9 +196,11 @@ async def closed_loop(client, args, model, texts, concurrency: int) -> dict:
 
     t0 = time.perf_counter()
     with PeakWatcher(client, args.metrics_url) as peaks:
+        await peaks.sample()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await peaks.sample()
     return {"mode": "closed", "concurrency": concurrency, **summarise(results, time.perf_counter() - t0, args),
-            "peaks": peaks.peaks}
+            "peaks": peaks.peaks, "engine": peaks.grown()}
 
 
 async def open_loop(client, args, model, texts, rate: float) -> dict:
@@ -195,12 +216,14 @@ async def open_loop(client, args, model, texts, rate: float) -> dict:
     at, tasks = 0.0, []
     t0 = time.perf_counter()
     with PeakWatcher(client, args.metrics_url) as peaks:
+        await peaks.sample()
         for text in texts:
             tasks.append(asyncio.ensure_future(later(at, text)))
             at += rng.expovariate(rate)
         results = await asyncio.gather(*tasks)
+        await peaks.sample()
     return {"mode": "open", "rate_req_s": rate, **summarise(list(results), time.perf_counter() - t0, args),
-            "peaks": peaks.peaks}
+            "peaks": peaks.peaks, "engine": peaks.grown()}
 
 
 async def run_all(args, url: str) -> dict:
@@ -299,7 +322,8 @@ def main(argv=None) -> int:
         key = f"c={r['concurrency']}" if r["mode"] == "closed" else f"rate={r['rate_req_s']}"
         print(f"{key:>10}: {r['output_tok_s']:7.2f} tok/s  TTFT p50 {r['ttft_p50_ms']} p95 {r['ttft_p95_ms']} ms  "
               f"ITL p50 {r['itl_p50_ms']} ms  e2e p50 {r['e2e_p50_ms']} ms  goodput {r['goodput_req_s']}/s  "
-              f"ok {r['ok']}/{r['requests']}", file=sys.stderr)
+              f"ok {r['ok']}/{r['requests']}  in llama_decode {r['engine'].get('engine_decode_seconds_total', '-')} s",
+              file=sys.stderr)
     return 0
 
 

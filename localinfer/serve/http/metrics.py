@@ -9,7 +9,7 @@ finish (prometheus-client's metrics are thread-safe).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -20,6 +20,11 @@ GAUGES = {
     "kv_blocks_cached": "KV blocks held only by the prefix cache (evictable)",
     "kv_blocks_total": "KV blocks in the pool",
     "kv_cells_used": "llama.cpp KV cells holding a token (sampled when the server is idle)",
+}
+COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of steps, and of it inside llama_decode
+    "engine_step_seconds": "seconds the engine spent in executor steps",
+    "engine_decode_seconds": "seconds of those inside the backend's forward pass (llama_decode)",
+    "engine_steps": "executor steps taken",
 }
 
 
@@ -33,6 +38,8 @@ class _Snapshot:
         values = self.values
         for name, doc in GAUGES.items():
             yield GaugeMetricFamily(f"localinfer_{name}", doc, value=values.get(name, 0.0))
+        for name, doc in COUNTERS.items():
+            yield CounterMetricFamily(f"localinfer_{name}", doc, value=values.get(name, 0.0))
 
 
 class Metrics:

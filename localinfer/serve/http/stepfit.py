@@ -73,13 +73,22 @@ class TimedExecutor:
         self.n_vocab = inner.n_vocab
         self.n_cells = getattr(inner, "n_cells", None)
         self.steps = 0
+        self.step_seconds = 0.0
+
+    @property
+    def decode_seconds(self) -> float:
+        return getattr(self.inner, "decode_seconds", 0.0)
 
     def step(self, chunks: Sequence[Chunk]):
         t0 = self.inner.clock()
-        rows = self.inner.step(chunks)
+        try:
+            rows = self.inner.step(chunks)
+        finally:
+            dt = self.inner.clock() - t0
+            self.step_seconds += dt
+            self.steps += 1
         if chunks and self.model is not None:
-            self.model.observe([(len(c.tokens), c.start) for c in chunks], self.inner.clock() - t0)
-        self.steps += 1
+            self.model.observe([(len(c.tokens), c.start) for c in chunks], dt)
         return rows
 
     def copy(self, src: int, dst: int, n_tokens: int) -> None:
