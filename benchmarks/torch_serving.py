@@ -23,6 +23,7 @@ with the range, since the VM is shared.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from pathlib import Path
@@ -95,8 +96,9 @@ def main() -> None:
     same_static = sum(a == b for a, b in zip(conc["outputs"], ref["outputs"]))
     head = (f"torch serving on the CPU: {N_REQUESTS} requests x {args.prompt} prompt + {args.tokens} output "
             f"tokens, {path.name} float32, f16 KV, {args.threads} thread(s)")
-    machine = (f"machine: {platform.machine()} (2-vCPU VM, AVX-512, shared), {torch.get_num_threads()} torch "
-               f"thread(s), torch {torch.__version__}, no GPU")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    machine = (f"machine: {platform.machine()} (2-vCPU VM, AVX-512, shared; load average {load} at the end), "
+               f"{torch.get_num_threads()} torch thread(s), torch {torch.__version__}, no GPU")
     lines = [head, machine, ""]
     for name, r in (("concurrent (8 slots)", conc), ("sequential (1 slot)", seq)):
         over = (r["wall_s"] - r["forward_s"]) / r["steps"] * 1e3
