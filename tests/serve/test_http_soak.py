@@ -99,3 +99,24 @@ def test_soak_with_disconnects_cancels_and_a_burst(default_model):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
     finally:
         srv.stop()
+
+
+def test_kv_pressure_preempts_and_every_request_still_finishes(default_model):
+    """Four requests whose KV cannot all fit (ctx 128 = 8 blocks): the newest is preempted and recomputed."""
+    srv = LiveServer(default_model, parallel=4, max_queue=4, ctx=128)
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                bodies = [{"model": MODEL_ID, "prompt": f"Story {i}: once upon a time", "max_tokens": 60,
+                           "temperature": 0, "ignore_eos": True} for i in range(4)]
+                return await asyncio.gather(*(c.post(TEXT, json=b) for b in bodies))
+
+        replies = asyncio.run(main())
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        assert all(r.json()["usage"]["completion_tokens"] == 60 for r in replies)
+        assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in replies)
+        m = srv.wait_idle()
+        assert m["localinfer_preemptions_total"] > 0 and m["localinfer_kv_blocks_used"] == 0
+        assert m["localinfer_kv_cells_used"] == 0
+    finally:
+        srv.stop()
