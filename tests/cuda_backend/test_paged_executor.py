@@ -8,7 +8,7 @@ requests' keys under the mask (exact zeros that move the reduction's lane
 split).  A request alone in the paged executor has the static engine's shapes
 and its logits are equal to the bit.  In batches, measured max |Δlogit|
 (logits of magnitude ~10-30): ≤ 1.1e-6 on the tiny models, 5.3e-5 on the
-embedded 30-layer model, with an f32 KV cache; with f16/q8_0/q4_0 caches a K or
+embedded 30-layer model, with an f32 KV cache; with f16/bf16/q8_0/q4_0 caches a K or
 V value one ulp away can round to the neighbouring cache value (measured up
 to 5e-3 by test_torch_engine), 6.7e-6 here.  A wrong position, mask or block
 costs whole units, so ATOL_F32 = 2e-4 and ATOL_LOSSY = 2e-2 separate the two
@@ -115,7 +115,7 @@ def test_tiny_gguf_and_padded_decode_path(tmp_path):
     eng.close()
 
 
-@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["f16", "bf16", "q8_0", "q4_0"])
 def test_lossy_caches_equal_static(tiny_models, kind):
     eng = static_engine(tiny_models["llama"], kind)
     prompts = prompts_for(eng.n_vocab, [40, 9], seed=2)
