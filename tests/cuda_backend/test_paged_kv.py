@@ -100,3 +100,18 @@ def test_fit_counts_cuda_graphs_on_cuda_only(default_model):
     assert more > graphs[0].bytes
     on_cpu, _ = MEMORY.breakdown(spec, local_device(), req)
     assert on_cpu.compute == 0 and on_cpu.kv == bd.kv  # no graphs without CUDA (this machine has none)
+
+
+def test_pool_from_memory_left_after_weights(tiny_models, monkeypatch):
+    """With gpu_memory_utilization on CUDA: ⌊(free × utilization − graph bytes) / block bytes⌋ (free is read
+    after the weights are loaded); elsewhere the plan's n_slots × ⌈n_ctx / 16⌉ blocks."""
+    from cuda_backend.serving import pool_blocks
+
+    spec = ModelSpec.from_gguf(tiny_models["llama"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 20 << 30))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    got = pool_blocks(spec, 1024, 8, "f16", "q8_0", cuda, torch.bfloat16, 0.5)
+    want = ((5 << 30) - torch_graph_bytes(spec, 1024, 8, "bf16", "f16", "q8_0")) // torch_block_bytes(spec, "f16", "q8_0")
+    assert got == want > 0
+    assert pool_blocks(spec, 1024, 8, "f16", "q8_0", cpu, torch.float32, 0.5) == torch_pool_blocks(1024, 8) == 512
+    assert pool_blocks(spec, 1024, 8, "f16", "q8_0", cuda, torch.bfloat16) == 512
