@@ -10,7 +10,8 @@ as one pool per layer of ``num_blocks`` blocks: a block of p tokens over every
 layer is ``p · Σ_layers n_head_kv · (K + V row bytes)`` (nano-vllm's
 ``2 · layers · p · kv_heads · head_dim · itemsize`` for float types).  On CUDA
 it captures decode steps in graphs at the batch sizes of ``CUDA_GRAPH_BATCHES``
-up to the slots (padded to the next), counted by :func:`torch_graph_bytes`.
+up to the slots (padded to the next) and the table widths of :func:`graph_widths`,
+counted by :func:`torch_graph_bytes`.
 """
 
 from __future__ import annotations
