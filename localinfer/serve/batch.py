@@ -92,7 +92,7 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
               ignore_eos: bool = False) -> list[BatchResult]:
     """Replies to prompts (token ids) through ``executor`` and the step engine; results in prompt order.
 
-    ``vocab`` gives ``token_bytes``, ``is_eos`` and ``eos_ids`` (an engine or a vocabulary);
+    ``vocab`` gives ``token_bytes`` and ``eos_ids`` (an engine or a vocabulary);
     ``ctx`` is each request's context (default: an equal share of the cells);
     ``chunk`` switches to chunked prefill (at most ``chunk`` prompt tokens of a request per step);
     ``prefix_cache``: a prompt whose first full blocks a running request holds copies them (``executor.copy``);
