@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -86,7 +88,7 @@ def test_graph_batches_pad_to_the_next_size():
 
 
 def test_fit_counts_cuda_graphs_on_cuda_only(default_model):
-    from localinfer.devices.profiles import get_device, local_device
+    from localinfer.devices.profiles import get_device
 
     spec = ModelSpec.from_gguf(default_model)
     req = FitRequest(n_ctx=4096, n_seq=8, backend="torch")
@@ -98,8 +100,8 @@ def test_fit_counts_cuda_graphs_on_cuda_only(default_model):
     assert bd.kv == torch_pool_blocks(4096, 8) * torch_block_bytes(spec)
     more = torch_graph_bytes(spec, 8192, 32, "bf16")
     assert more > graphs[0].bytes
-    on_cpu, _ = MEMORY.breakdown(spec, local_device(), req)
-    assert on_cpu.compute == 0 and on_cpu.kv == bd.kv  # no graphs without CUDA (this machine has none)
+    on_cpu, _ = MEMORY.breakdown(spec, replace(gpu, kind="cpu"), req)
+    assert on_cpu.compute == 0 and on_cpu.kv == bd.kv  # no graphs without CUDA
 
 
 def test_pool_from_memory_left_after_weights(tiny_models, monkeypatch):
