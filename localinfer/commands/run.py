@@ -34,7 +34,10 @@ def read_prompt(args: argparse.Namespace) -> str:
 
     try:
         if args.file == "-":
-            data = sys.stdin.buffer.read(MAX_PROMPT_FILE + 1)
+            from localinfer.util.signals import waiting_for_input
+
+            with waiting_for_input():
+                data = sys.stdin.buffer.read(MAX_PROMPT_FILE + 1)
         else:
             with open(args.file, "rb") as f:
                 data = f.read(MAX_PROMPT_FILE + 1)

@@ -20,7 +20,7 @@ from localinfer.generation.runner import Runner
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 from localinfer.model.templates import check_messages
 from localinfer.util.atomic import atomic_write
-from localinfer.util.signals import Terminated
+from localinfer.util.signals import Terminated, waiting_for_input
 
 PROMPT = ">>> "
 MAX_TRANSCRIPT_BYTES = 16 << 20
@@ -277,10 +277,11 @@ class ChatSession:
 
 
 def _read_message(read: Callable[[str], str]) -> str:
-    lines = [read(PROMPT)]
-    while lines[-1].endswith("\\"):
-        lines[-1] = lines[-1][:-1]
-        lines.append(read("... "))
+    with waiting_for_input():  # SIGTERM or Ctrl-C interrupts the read whichever thread the kernel hands it to
+        lines = [read(PROMPT)]
+        while lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(read("... "))
     return "\n".join(lines)
 
 
