@@ -22,8 +22,11 @@ def installed():
 
 
 def _kill(sig=signal.SIGTERM):
+    import time
+
     os.kill(os.getpid(), sig)
-    for _ in range(1000):          # the handler runs between bytecodes of the main thread
+    end = time.monotonic() + 2     # outside a native block the handler raises in this loop; inside,
+    while time.monotonic() < end and signals.pending() is None:   # a callback would see pending()
         pass
 
 
@@ -68,3 +71,47 @@ def test_other_threads_do_not_defer(installed):
     t.start()
     t.join()
     assert out == [0]
+
+
+def test_ctrl_c_inside_native_code_waits_too_and_a_termination_wins(installed):
+    with pytest.raises(KeyboardInterrupt) as ei:
+        with signals.native():
+            _kill(signal.SIGINT)                   # was: raised inside llama.cpp's log callback and lost
+            assert signals.pending() == signal.SIGINT
+    assert not isinstance(ei.value, Terminated)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(Terminated):
+        with signals.native():
+            _kill(signal.SIGTERM)
+            _kill(signal.SIGINT)
+
+
+def test_a_signal_handed_to_another_thread_still_interrupts_a_blocking_read(installed):
+    # was: chat at its prompt ignored SIGTERM when the kernel gave it to an idle thread (OpenBLAS's)
+    import time
+
+    r, w = os.pipe()
+    ready, done = threading.Event(), threading.Event()
+
+    def idle():
+        ready.set()
+        done.wait(10)
+
+    other = threading.Thread(target=idle)
+    other.start()
+    ready.wait()
+    threading.Timer(0.2, signal.pthread_kill, (other.ident, signal.SIGTERM)).start()
+    unblock = threading.Timer(5, os.write, (w, b"x"))          # so a failure cannot hang the suite
+    unblock.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(Terminated):
+            with signals.waiting_for_input():
+                os.read(r, 1)
+        assert time.monotonic() - start < 2
+    finally:
+        unblock.cancel()
+        done.set()
+        other.join()
+        os.close(r)
+        os.close(w)
