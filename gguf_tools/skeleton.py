@@ -94,6 +94,12 @@ def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+# upper bounds far above any real model, so a typo cannot plan a billion tensors or an exabyte file
+SPEC_LIMITS = {"n_layers": 10_000, "n_embd": 1 << 20, "n_head": 1 << 12, "n_head_kv": 1 << 12, "head_dim": 1 << 14,
+               "n_ff": 1 << 22, "vocab_size": 1 << 24, "context_length": 1 << 30, "n_expert": 1 << 14,
+               "n_expert_used": 1 << 14, "expert_ff": 1 << 22}
+
+
 def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:
     """Check a spec dict and fill defaults; ValueError naming the bad field."""
     unknown = sorted(set(spec) - set(SPEC_FIELDS))
@@ -111,6 +117,8 @@ def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"spec field {key!r} must be {getattr(kind, '__name__', 'a number')}, got {v!r}")
         if kind is int and v < 0:
             raise ValueError(f"spec field {key!r} must not be negative, got {v}")
+        if kind is int and v > SPEC_LIMITS.get(key, v):
+            raise ValueError(f"spec field {key!r} is {v}, more than any model has (limit {SPEC_LIMITS[key]:,})")
         out[key] = v
     s = out
     if s["arch"] not in ARCHS:
