@@ -267,7 +267,8 @@ def machine() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "system": platform.platform(),
+            "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}    # other work on the machine
 
 
 def main(argv=None) -> int:
@@ -298,6 +299,7 @@ def main(argv=None) -> int:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.rate = [float(r) for r in args.rate.split(",") if r]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))      # so the server we started is stopped too
+    load_before = [round(x, 2) for x in os.getloadavg()]
     proc = None
     url = args.url
     if url is None:
@@ -309,7 +311,8 @@ def main(argv=None) -> int:
             proc.terminate()
             proc.wait(60)
     settings = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
-    doc = {"server": args.label or url, "machine": machine(), "settings": settings, **out,
+    doc = {"server": args.label or url, "machine": dict(machine(), loadavg_before=load_before), "settings": settings,
+           **out,
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     text = json.dumps(doc, indent=1)
     if args.out:

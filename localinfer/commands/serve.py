@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also accept this Host header (DNS-rebinding check; repeatable)")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
-    g.add_argument("--token-budget", type=int, default=None, metavar="N", help="most new tokens per step")
+    g.add_argument("--token-budget", type=int, default=None, metavar="N",
+                   help="most new tokens per step (default: -b, so a step is one llama_decode and decodes go on "
+                        "while long prompts are chunked)")
     chunking = g.add_mutually_exclusive_group()
     chunking.add_argument("--chunk", type=int, default=None, metavar="N", help="prompt tokens per request per step")
     chunking.add_argument("--itl-target", type=float, default=None, metavar="MS",
@@ -116,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
     _common.check_fit(spec, plan, backend, args.force)
-    config = ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=args.token_budget,
+    budget = args.token_budget if args.token_budget is not None else plan.n_batch
+    config = ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                          chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
                          prefix_cache=args.prefix_cache == "on")
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
