@@ -87,9 +87,9 @@ class Child:
                 pass
         return True
 
-    def terminate_and_wait(self) -> float:
+    def terminate_and_wait(self, sig: int = signal.SIGTERM) -> float:
         start = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -163,6 +163,16 @@ def test_sigterm_at_the_chat_prompt_exits_143(child):
     assert "Ctrl-D" not in c.stdout().split("\n", 1)[-1]
 
 
+def test_sighup_at_the_chat_prompt_exits_129(child):
+    # a closed terminal sends SIGHUP: chat leaves instead of waiting for input that never comes
+    c = child("chat", "-t", "1", stdin=True)
+    assert c.wait_for(lambda: ">>> " in c.stdout()), c.stderr()
+    took = c.terminate_and_wait(signal.SIGHUP)
+    err = c.stderr()
+    assert c.proc.returncode == 129 and "Traceback" not in err and err.rstrip().endswith("terminated"), err
+    assert took < EXIT_WITHIN
+
+
 def test_sigterm_during_a_chat_reply_exits_143(child, tmp_path):
     saved = tmp_path / "t.json"
     c = child("chat", "-t", "1", "-n", "4000", "--ignore-eos", "--save", str(saved), stdin=True)
@@ -174,6 +184,10 @@ def test_sigterm_during_a_chat_reply_exits_143(child, tmp_path):
         pytest.skip("the reply finished before the signal could be sent")
     _check_terminated(c, c.terminate_and_wait())
     assert ">>> " not in c.stdout().split(">>> ", 1)[-1]  # did not go back to the prompt
+    import json
+
+    last = json.loads(saved.read_text())["messages"][-1]   # the partial reply was kept, marked
+    assert last["role"] == "assistant" and last["interrupted"] is True and last["content"]
 
 
 # ---- plan: numbers the device or the model cannot honour ------------------------------------------
