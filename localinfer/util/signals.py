@@ -49,6 +49,7 @@ class Terminated(KeyboardInterrupt):
 
 _depth = 0
 _pending: int | None = None
+_owned: frozenset = frozenset()  # the signals the outermost native block blocks: those routed to _on_signal
 
 
 def _record(signum: int) -> None:
@@ -75,8 +76,8 @@ def install() -> None:
 
 def pending() -> int | None:
     """The signal waiting for the end of the :func:`native` block, if any (for callbacks to poll)."""
-    if _pending is None and _depth and _CAN_MASK:
-        waiting = signal.sigpending() & _MASKED
+    if _pending is None and _depth and _owned:
+        waiting = signal.sigpending() & _owned
         if waiting:
             return max(waiting, key=lambda s: s != signal.SIGINT)
     return _pending
@@ -89,7 +90,7 @@ def native() -> Iterator[None]:
     Only the main thread receives signals, so elsewhere this does nothing.  A
     pending signal replaces whatever exception is leaving the block.
     """
-    global _depth, _pending
+    global _depth, _pending, _owned
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -98,8 +99,10 @@ def native() -> Iterator[None]:
     if outermost:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             sigint = signal.signal(signal.SIGINT, _on_signal)
-        if _CAN_MASK:
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, _MASKED)
+        owned = frozenset(s for s in _MASKED if signal.getsignal(s) is _on_signal)  # others keep their handlers
+        if _CAN_MASK and owned:
+            _owned = owned
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, owned)
     _depth += 1
     try:
         yield
@@ -108,13 +111,14 @@ def native() -> Iterator[None]:
         if outermost:
             try:
                 if mask is not None:
-                    for s in signal.sigpending() & _MASKED:
+                    for s in signal.sigpending() & _owned:
                         _record(s)  # what arrived while blocked; unblocking delivers it to the handlers too
                     _depth += 1     # ... which only record it again
                     try:
                         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                     finally:
                         _depth -= 1
+                        _owned = frozenset()
             finally:
                 if sigint is not None:
                     signal.signal(signal.SIGINT, sigint)

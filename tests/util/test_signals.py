@@ -115,3 +115,19 @@ def test_a_signal_handed_to_another_thread_still_interrupts_a_blocking_read(inst
         other.join()
         os.close(r)
         os.close(w)
+
+
+def test_a_signal_with_a_handler_of_its_own_is_left_to_it(installed):
+    import time
+
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    try:
+        with signals.native():                     # neither blocked nor recorded
+            os.kill(os.getpid(), signal.SIGINT)
+            end = time.monotonic() + 2
+            while not got and time.monotonic() < end:
+                pass
+            assert got and signals.pending() is None
+    finally:
+        signal.signal(signal.SIGINT, old)
