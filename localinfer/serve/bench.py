@@ -79,7 +79,13 @@ def measure_batch(executor, cost, kv: str, batch: int, depth: int, gen: int, *,
 
 def measure_batch_scaling(executor, cost, kv: str, batches: Sequence[int], depths: Sequence[int], gen: int, *,
                           repeats: int = 1, peak_bandwidth: float | None = None, progress=None) -> dict:
-    """The ``batch_scaling`` section: every depth × batch (best tok/s of ``repeats``), after one warm-up batch."""
+    """The ``batch_scaling`` section: every depth × batch, after one warm-up batch.
+
+    Each row is the best tok/s of ``repeats`` runs, taken round-robin over the
+    batch sizes (b = 1, 2, 4, ..., then again), so that load from other
+    processes falls on every batch size alike.
+    """
+    batches = tuple(dict.fromkeys(batches))
     if gen < 2:
         raise ValueError(f"batch scaling needs at least 2 tokens per request (a decode step), got {gen}")
     if max(batches) > executor.n_slots:
@@ -87,15 +93,15 @@ def measure_batch_scaling(executor, cost, kv: str, batches: Sequence[int], depth
     measure_batch(executor, cost, kv, max(batches), 1, 2)         # warm up every slot's graph
     rows = []
     for depth in depths:
-        for b in batches:
-            best = None
-            for _ in range(repeats):
+        best: dict[int, dict] = {}
+        for rep in range(repeats):
+            for b in batches:
                 row = measure_batch(executor, cost, kv, b, depth, gen, peak_bandwidth=peak_bandwidth)
-                if best is None or (row["tok_s"] or 0) > (best["tok_s"] or 0):
-                    best = row
-            rows.append(best)
-            if progress:
-                progress.step(f"batch {b} @{depth}")
+                if b not in best or (row["tok_s"] or 0) > (best[b]["tok_s"] or 0):
+                    best[b] = row
+                if progress and rep == repeats - 1:
+                    progress.step(f"batch {b} @{depth}")
+        rows += [best[b] for b in batches]
     flash = getattr(getattr(executor.engine, "plan", None), "flash_attn", None)
     return batch_section(cost, rows, kv=kv, flash_attn=flash, kv_unified=executor.unified, gen_tokens=gen)
 

@@ -19,7 +19,7 @@ pytest.importorskip("llama_cpp")
 
 GEN, DEPTHS, BATCHES = 4, (0, 12), (1, 2, 4)
 ARGV = ["bench", "--kv", "f16", "--prompt-lengths", "8", "--depths", ",".join(map(str, DEPTHS)), "--gen", str(GEN),
-        "-t", "1", "--batch-sizes", ",".join(map(str, BATCHES))]
+        "-t", "1", "--repeats", "2", "--batch-sizes", ",".join(map(str, BATCHES))]
 
 
 @pytest.fixture(scope="module")
