@@ -19,7 +19,7 @@ from localinfer.errors import LocalinferError, UsageError
 from localinfer.generation.runner import Runner
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 from localinfer.model.templates import check_messages
-from localinfer.util.atomic import atomic_write
+from localinfer.util.atomic import atomic_write, check_writable
 from localinfer.util.signals import Terminated, waiting_for_input
 
 PROMPT = ">>> "
@@ -225,7 +225,10 @@ class ChatSession:
     def _save(self, arg: str) -> None:
         if not arg:
             raise UsageError("use /save FILE")
-        atomic_write(os.path.expanduser(arg), json.dumps(self.transcript(), indent=1, ensure_ascii=False) + "\n")
+        path = os.path.expanduser(arg)
+        model = getattr(getattr(self.engine, "plan", None), "model_path", None)
+        check_writable(path, inputs=[model] if model else [])  # never over the model file
+        atomic_write(path, json.dumps(self.transcript(), indent=1, ensure_ascii=False) + "\n")
         self.note(f"[saved {len(self.messages)} messages to {arg}]")
 
     def _autosave(self) -> None:

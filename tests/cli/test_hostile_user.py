@@ -415,3 +415,21 @@ def test_an_output_path_that_is_the_model_is_refused(capsys, tmp_path, default_m
     rc, out, err = _cli(capsys, *[a.format(m=model) for a in argv])
     _refused(rc, out, err, "refusing to write over it")
     assert model.stat().st_size == size
+
+
+def test_chat_save_command_refuses_the_model_file(tmp_path, default_model):
+    # was: /save MODEL.gguf replaced the model with the transcript
+    import io
+    import shutil
+
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.generation.chat import ChatSession
+    from tests.support.fakes import ScriptedEngine
+
+    model = tmp_path / "m.gguf"
+    shutil.copyfile(default_model, model)
+    engine = ScriptedEngine(lambda t: None, 8)
+    engine.plan = LoadPlan(model_path=str(model), n_ctx=4096, n_batch=64)
+    out = io.StringIO()
+    ChatSession(engine, None, out=out).command(f"/save {model}")
+    assert "refusing to write over it" in out.getvalue() and model.stat().st_size == default_model.stat().st_size
