@@ -233,7 +233,7 @@ async def run_all(args, url: str) -> dict:
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits) as client:
         model = args.model_name or (await client.get("/models")).json()["data"][0]["id"]
         texts = prompts(args.requests, args.prompt_tokens, args.shared_prefix, args.seed)
-        await one(client, args, model, texts[0][:200])                  # warm-up, not counted
+        await one(client, args, model, "warm-up: " + " ".join(WORDS[:20]))   # not counted; shares no prefix
         runs = [await closed_loop(client, args, model, texts, c) for c in args.concurrency]
         runs += [await open_loop(client, args, model, texts, r) for r in args.rate]
     return {"model": model, "runs": runs}
