@@ -18,7 +18,9 @@ Per run: TTFT / ITL / e2e p50, p95, p99; output tokens/s and requests/s over the
 vLLM's ``--goodput`` definition: requests per second that finished correctly (HTTP 200, the whole
 output) with TTFT ≤ ``--slo-ttft`` and e2e ≤ ``--slo-e2e``.  Closed loop: ``c`` workers, each sending
 its next request when the last one ends, ``--requests`` in all.  Open loop: arrivals at exponential
-gaps of mean 1/rate, whatever the server does.  JSON (``--out``) carries the machine and every setting.
+gaps of mean 1/rate, whatever the server does.  ``--deadline-ms`` sends a per-request deadline that
+localinfer's deadline-aware admission uses (refused requests count as not good).  JSON (``--out``)
+carries the machine and every setting.
 Only 127.0.0.1 servers are expected here; the URL is whatever you give.
 """
 
@@ -72,10 +74,14 @@ def prompts(n: int, words: int, shared: int, seed: int) -> list[str]:
 async def one(client: httpx.AsyncClient, args, model: str, prompt: str) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    headers = {}
+    if args.deadline_ms:
+        body["deadline_ms"] = args.deadline_ms
+        headers["x-localinfer-deadline-ms"] = str(args.deadline_ms)
     t0 = time.perf_counter()
     times, usage = [], None
     try:
-        async with client.stream("POST", "/completions", json=body) as r:
+        async with client.stream("POST", "/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 return Result(False, r.status_code, error=(await r.aread()).decode(errors="replace")[:200])
             async for line in r.aiter_lines():
@@ -286,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shared-prefix", type=int, default=0, metavar="N", help="words shared by every prompt")
     ap.add_argument("--slo-ttft", type=float, default=10.0, metavar="S")
     ap.add_argument("--slo-e2e", type=float, default=10.0, metavar="S")
+    ap.add_argument("--deadline-ms", type=float, default=None,
+                    help="send this deadline (localinfer's deadline_ms field and x-localinfer-deadline-ms header)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="with MODEL: serve -t")

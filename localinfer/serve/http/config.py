@@ -4,8 +4,11 @@ The KV pool is the executor's cells in blocks of ``block_tokens`` (docs/serving:
 a sequence of L tokens holds ⌈L / p⌉ blocks), so a request's prompt +
 max_tokens may use at most ``⌊cells / p⌋ · p`` positions.  Every prefix hit is a
 copy from a running request (``pool_hits=False``: llama.cpp keeps KV only in
-live sequences).  Prompts are prefilled in chunks (``chunked``), and admission
-is deadline-aware with a step model fitted on this machine (:mod:`.stepfit`).
+live sequences).  Prompts are prefilled in chunks (``chunked``); a request
+with a deadline is refused at admission when the step model fitted on this
+machine (:mod:`.stepfit`) predicts it late, and stopped (finish reason
+``deadline``) once its deadline has passed — its result is worthless then and
+its slot serves someone else.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
     sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
-                            **chunk)
+                            drop_late=True, **chunk)
     engine = Engine(executor, Scheduler(sched, blocks, model))
 
     def tokens_for_slot(slot: int):
