@@ -26,6 +26,9 @@ its prompt is in KV.  TTFT p50 of the 5 with the prefix cache (a hit is ``llama_
 a running request) against without, and llama.cpp's cells at the peak against the formula
 shared prefix + Σ private tokens (checked after every step).
 
+Preemption: with a KV pool too small for the running requests (on-demand admission), how many
+preemptions and recomputed tokens, and whether the replies stay those of a run that reserves KV.
+
     python benchmarks/serving.py [--tokens 64] [--out benchmarks/results/serving_cpu.txt]
 """
 
@@ -188,6 +191,20 @@ def shared_prefix(model: str, out: list[str], prefix_len: int = 1008, n: int = 6
     print(out[-1], flush=True)
 
 
+def preemption(model: str, out: list[str]) -> None:
+    """8 requests, 4 slots, on-demand admission in a pool of 12 blocks of 16 (192 cells for ~4 x 70)."""
+    with LlamaCppExecutor.open(model, n_slots=4, n_ctx=4 * SLOT_CELLS, threads=1, unified=False) as ex:
+        prompts = prompts_for(ex.engine, model)
+        want = run_batch(ex, ex.engine, prompts, GREEDY, max_tokens=32, parallel=4)
+        got = run_batch(ex, ex.engine, prompts, GREEDY, max_tokens=32, parallel=4, admission="on_demand",
+                        kv_blocks=12)
+    same = sum(a.tokens == b.tokens for a, b in zip(want, got))
+    out.append(f"KV pool of 192 cells, on-demand admission: {sum(r.preemptions for r in got)} preemptions, "
+               f"{sum(r.recomputed_tokens for r in got)} tokens recomputed; {same}/{len(got)} replies identical "
+               f"to the run that reserves every request's KV up front")
+    print(out[-1], flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request in the throughput runs")
@@ -208,6 +225,8 @@ def main(argv=None) -> None:
         throughput(model, threads, args.tokens, out)
     out.append("## identity: greedy replies (32 tokens, 4 slots refilled) against Runner alone, same settings")
     identity(model, out)
+    out.append("## preemption: 8 requests, 4 slots, per-slot streams, 1 thread")
+    preemption(model, out)
     out.append("## shared 1,008-token prefix, 6 requests, 3 slots, unified KV, 1 thread")
     shared_prefix(model, out)
     out.append(f"# {time.perf_counter() - t0:.0f} s; load average at the end {os.getloadavg()[0]:.2f} "

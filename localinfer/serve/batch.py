@@ -50,6 +50,7 @@ class BatchResult:
     start_s: float                   # executor clock when the batch started
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0             # times its KV was dropped (on-demand admission) and recomputed
+    recomputed_tokens: int = 0       # tokens computed again after those preemptions
     cached_tokens: int = 0           # prompt tokens copied from a running request at admission
 
     @property
@@ -152,8 +153,9 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
         if r.finish_reason is FinishReason.ERROR:
             raise LocalinferError(f"request {r.id} failed: {r.error}")
         reason = "stop" if rep.stopped or r.finish_reason is FinishReason.STOP else "length"
-        out.append(BatchResult(rep.text(), rep.tokens, reason, len(r.prompt), start, rep.times, r.preemptions,
-                               r.cached))
+        out.append(BatchResult(rep.text(), rep.tokens, reason, len(r.prompt), start, rep.times,
+                               preemptions=r.preemptions, recomputed_tokens=r.recomputed,
+                               cached_tokens=r.cached))
     return out
 
 
