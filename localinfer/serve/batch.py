@@ -166,7 +166,8 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
                    flash_attn: bool | None = True, type_k: str = "f16", type_v: str = "f16",
                    n_gpu_layers: int = -1, ubatch: int = 512, chunk: int | None = None, stop: Sequence[str] = (),
                    chat: bool = False, kv_unified: bool = False) -> list[str]:
-    """Replies to many prompts, ``parallel`` at a time in one llama.cpp context; texts in prompt order.
+    """Replies to many prompts, ``parallel`` at a time in one llama.cpp context (``backend="torch"``:
+    cuda_backend's paged executor); texts in prompt order.
 
     ``model`` is a GGUF path (None: the embedded default).  Prompts are text
     (tokenised with BOS; ``chat=True`` wraps each as one user message in the
