@@ -250,7 +250,12 @@ def start_localinfer(args) -> tuple[subprocess.Popen, str]:
            "--port", "0", "--parallel", str(args.parallel), "--ctx", str(args.ctx), "-t", str(args.threads),
            "--max-queue", "1024", *args.serve_arg]
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    m = re.search(r"(http://127\.0\.0\.1:\d+/v1)", p.stderr.readline())
+    m = None
+    for _ in range(20):                               # the address line, after any notes
+        line = p.stderr.readline()
+        m = re.search(r"(http://127\.0\.0\.1:\d+/v1)", line)
+        if m or not line:
+            break
     if not m:
         p.kill()
         sys.exit("localinfer serve did not start: " + p.stderr.read()[-500:])

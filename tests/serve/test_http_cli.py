@@ -85,8 +85,13 @@ def _start(*flags):
     env.pop("LOCALINFER_API_KEY", None)
     p = subprocess.Popen([sys.executable, "-m", "localinfer", "serve", "-t", "1", "--port", "0", "--ctx", "512",
                           "-fa", "on", *flags], stderr=subprocess.PIPE, text=True, env=env)
-    first = p.stderr.readline()
-    m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", first)
+    first, m = "", None
+    for _ in range(20):                               # the address line, after any notes
+        line = p.stderr.readline()
+        first += line
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if m or not line:
+            break
     assert m, first
     url = f"http://127.0.0.1:{m.group(1)}"
     deadline = time.monotonic() + 60
