@@ -1,6 +1,6 @@
 """How the server schedules (:class:`ServeConfig`) and the engine it builds over an executor.
 
-The KV pool is the executor's cells in blocks of ``block_tokens`` (docs/serving:
+The KV pool is the executor's cells in blocks of ``block_tokens`` (docs/serving.md:
 a sequence of L tokens holds ⌈L / p⌉ blocks), so a request's prompt +
 max_tokens may use at most ``⌊cells / p⌋ · p`` positions.  Every prefix hit is a
 copy from a running request (``pool_hits=False``: llama.cpp keeps KV only in

@@ -1,6 +1,6 @@
 """Step times measured on the running server, fitted to the linear step model the scheduler predicts with.
 
-The model is :class:`~localinfer.serve.step_model.LinearStepModel` (docs/serving:
+The model is :class:`~localinfer.serve.step_model.LinearStepModel` (docs/serving.md:
 ``T = fixed + per_token·Σc + per_pair·ΣN``, N the causal pairs of each chunk).
 :class:`TimedExecutor` wraps the executor, times every step and keeps the last
 ``window`` (shape, seconds) pairs; every ``refit`` steps a non-negative least-squares
