@@ -154,6 +154,7 @@ class TorchMemory(OwnTensorsMemory):
 
     name = "torch"
     blocks = "16-token blocks"
+    default_dtype = staticmethod(default_dtype)
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """CUDA or the CPU: there is no Metal (mps) path, so on a Mac it runs on the CPU (same unified memory)."""
@@ -163,9 +164,7 @@ class TorchMemory(OwnTensorsMemory):
 
     def resident_weights(self, spec: ModelSpec, kind: str, dtype: str | None = None, *, packed: bool = False
                          ) -> ResidentWeights:
-        runs_on, note = self.runs_on(kind)
-        dt = check_weight_dtype(dtype) or default_dtype(spec, runs_on)
-        size = WEIGHT_DTYPE_BYTES[dt]
+        runs_on, note, dt, size = self.placement(spec, kind, dtype)
         formula = (f"torch on {runs_on}, {dt}: Σ tensors n × {size} B (dequantized at load), norms n × 4 B (float32)"
                    + (", q8_0/q4_0 matrices their GGUF bytes (packed)" if packed else ""))
         if spec.tied_embeddings:

@@ -64,9 +64,8 @@ def _find_command(argv: list[str]) -> str | None:
 
 
 def _report(exc: BaseException) -> int:
-    from localinfer.errors import exit_code
-
     from gguf_tools.errors import printable
+    from localinfer.errors import exit_code
 
     print(f"error: {printable(str(exc).replace(chr(10), ' '))}", file=sys.stderr)
     hint = getattr(exc, "hint", None)
@@ -104,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:  # the one error boundary
         from gguf_tools.errors import GGUFFormatError
-
         from localinfer.errors import LocalinferError
 
         if debug:

@@ -223,6 +223,12 @@ class OwnTensorsMemory:
     speed_modelled = False
     blocks = ""
 
+    def placement(self, spec, kind: str, dtype: str | None) -> tuple[str, str | None, str, int]:
+        """(where it computes, why not on the device, weight dtype, bytes per value) on a device of ``kind``."""
+        runs_on, note = self.runs_on(kind)
+        dt = check_weight_dtype(dtype) or self.default_dtype(spec, runs_on)
+        return runs_on, note, dt, WEIGHT_DTYPE_BYTES[dt]
+
     def breakdown(self, spec, device, req):
         rw = self.resident_weights(spec, device.kind, req.dtype, packed=req.packed)
         kv = self.kv_bytes(spec, req.n_ctx, req.type_k, req.type_v, n_seq=req.n_seq)

@@ -25,11 +25,11 @@ try:
 except ImportError as exc:  # pragma: no cover - the registry turns this into BackendUnavailableError
     raise ImportError(f"llama-cpp-python is not installed ({exc})") from exc
 
-from localinfer.backends.llamacpp import native
 from localinfer.backends.engine import Engine, LoadPlan
-from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
+from localinfer.backends.llamacpp import native
 from localinfer.backends.llamacpp.native import DEFAULT_OUTPUTS_MAX, parse_memory_log  # noqa: F401  (re-exported)
 from localinfer.backends.vocab import LlamaVocab
+from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 from localinfer.util import signals
 
 ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C

@@ -129,6 +129,7 @@ class MLXMemory(OwnTensorsMemory):
 
     name = "mlx"
     blocks = "256-token steps (mlx-lm)"
+    default_dtype = staticmethod(default_dtype)
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """Metal or the CPU: MLX's CUDA build is not supported by this backend, which then runs on the host CPU."""
@@ -140,9 +141,7 @@ class MLXMemory(OwnTensorsMemory):
     def resident_weights(self, spec: ModelSpec, kind: str, dtype: str | None = None, *, packed: bool = False
                          ) -> ResidentWeights:
         """SmolLM2-135M Q4_1 (96,576,768 B in the file): 98,275,968 B on Metal, 115,156,224 B on the CPU."""
-        runs_on, note = self.runs_on(kind)
-        dt = check_weight_dtype(dtype) or default_dtype(spec, runs_on)
-        size = WEIGHT_DTYPE_BYTES[dt]
+        runs_on, note, dt, size = self.placement(spec, kind, dtype)
         formula = (f"mlx on {runs_on}, {dt}: Q4_0/Q4_1 n/32 × (16 + 2·{size}) B, Q8_0 n/32 × (32 + 2·{size}) B "
                    f"(affine groups of 32, scale and bias in {dt}); other tensors n × {size} B (dequantized)")
         if spec.tied_embeddings:
