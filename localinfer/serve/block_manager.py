@@ -198,9 +198,13 @@ class BlockManager:
         for i in range(done, len(tokens) // p):
             block, chunk = self.blocks[table[i]], tuple(tokens[i * p:(i + 1) * p])
             h = self.hash_fn(parent, chunk)
-            if block.hash is None and h not in self._cache:
-                block.hash, block.parent, block.tokens = h, parent, chunk
-                self._cache[h] = block.id
+            if block.hash is None:
+                cached = self._cache.get(h)
+                if cached is not None and not self.pool_hits and self.blocks[cached].ref == 0:
+                    self._unhash(cached)    # a live copy serves hits better than one nobody holds
+                if h not in self._cache:
+                    block.hash, block.parent, block.tokens = h, parent, chunk
+                    self._cache[h] = block.id
             parent = h
         self._chain[seq] = (max(done, len(tokens) // p), parent)
 
@@ -283,6 +287,15 @@ class BlockManager:
         if block.hash is not None and self._cache.get(block.hash) == b:
             self._lru[b] = None
         else:
+            self._reset(block)
+            self._free.append(b)
+
+    def _unhash(self, b: int) -> None:
+        """Take unreferenced block ``b`` out of the prefix cache (into the free pool, unless a release is pending)."""
+        block = self.blocks[b]
+        del self._cache[block.hash]
+        if b in self._lru:
+            del self._lru[b]
             self._reset(block)
             self._free.append(b)
 

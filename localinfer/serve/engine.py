@@ -191,7 +191,10 @@ class Engine:
                 self.executor.copy(self.slot_of[other], slot, have)
                 break
         if have < r.cached:
-            self.executor.restore(slot, r.cached)
+            if getattr(self.executor, "restores_cached_prefix", False):
+                self.executor.restore(slot, r.cached)
+            else:   # the hit spans blocks of several live requests: compute what no single one can give
+                self.executor.step([Chunk(slot, r.prompt[have:r.cached], have, False)])
         self._holding.add(r.id)
 
     def _release(self, r: Request) -> None:

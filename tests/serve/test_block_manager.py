@@ -179,3 +179,17 @@ def test_paging_helpers_the_block_manager_counts_with():
     assert request_blocks(8192, 256) == 528 and request_blocks(8192, 256, 16, cached_tokens=6144) == 144
     bm = BlockManager(600, 16)
     assert bm.blocks_needed(toks(8192, 0), tokens_held(8192, 256)) == request_blocks(8192, 256)
+
+
+def test_a_live_block_takes_over_the_hash_of_one_nobody_holds():
+    """Without pool hits, a finished request's cached block must not hide an identical live one."""
+    bm = BlockManager(64, 4, pool_hits=False)
+    p = tuple(range(100, 116))
+    bm.allocate("a", p + (1,))
+    bm.commit("a", p + (1,))
+    bm.free("a")
+    bm.allocate("b", p + (2,))
+    bm.commit("b", p + (2,))
+    hit = bm.match(p + (3,))
+    assert len(hit) == 4 and hit == bm.tables["b"][:4]
+    assert bm.num_free == 64 - len(bm.tables["b"])        # a's old blocks went back to the pool

@@ -189,3 +189,34 @@ def test_warm_pool_hits_are_restored_once_then_copied():
     e.step()
     assert [r.cached for r in reqs] == [12, 12, 12]
     assert e.executor.cells_used() == e.blocks.tokens_in_use() == 12 + 3     # one copy of the prefix
+
+
+class _CopyOnlyExecutor(SimulatedExecutor):
+    """Keeps KV only in live slots, like llama.cpp: no restore from the pool."""
+
+    restores_cached_prefix = False
+
+
+def test_a_hit_spanning_two_live_requests_is_completed_by_computing_the_gap():
+    p = 4
+    ex = _CopyOnlyExecutor(CARD, n_slots=4)
+    eng = Engine(ex, Scheduler(SchedulerConfig("continuous", max_running=4), BlockManager(64, p, pool_hits=False),
+                               CARD))
+    base = tuple(range(10, 18))                     # two whole blocks
+    a = eng.submit(base + (1,), 40)                 # prefilled in the same step as b: a registers blocks 0-1,
+    b = eng.submit(base + tuple(range(30, 38)) + (2,), 40)   # b its own copy of them plus blocks 2-3
+    eng.step()
+    gaps = []
+    step = ex.step
+    ex.step = lambda chunks: gaps.extend(c for c in chunks if c.start == 8 and not c.logits) or step(chunks)
+    c = eng.submit(base + tuple(range(30, 38)) + (3,), 4)    # hit of 4 blocks: 2 from a, 2 more from b
+    for _ in range(20):
+        eng.step()
+        if c.finished_s is not None:
+            break
+    assert c.cached == 16 and c.finish_reason is not None and len(c.output) == 4
+    assert [len(g.tokens) for g in gaps] == [8]           # a gave 8 by copy, the other 8 were computed
+    assert ex.cells_used() == eng.blocks.tokens_in_use()
+    eng.cancel(a.id), eng.cancel(b.id)
+    eng.run()
+    assert ex.cells_used() == 0 and eng.blocks.used == 0
