@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from localinfer.util.stats import percentile
+
 WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not",
          "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her",
          "she", "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "no", "will",
@@ -100,16 +102,6 @@ async def one(client: httpx.AsyncClient, args, model: str, prompt: str) -> Resul
                   [b - a for a, b in itertools.pairwise(times)])
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    pos = (len(s) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def summarise(results: list[Result], makespan: float, args) -> dict:
     ms = lambda v: None if v is None else round(v * 1e3, 1)
     good = [r for r in results if r.ok and r.ttft_s <= args.slo_ttft and r.e2e_s <= args.slo_e2e]
@@ -123,7 +115,7 @@ def summarise(results: list[Result], makespan: float, args) -> dict:
                      ("itl", [g for r in results for g in r.gaps_s]),
                      ("e2e", [r.e2e_s for r in results if r.ok])):
         for q in (50, 95, 99):
-            out[f"{name}_p{q}_ms"] = ms(pct(xs, q / 100))
+            out[f"{name}_p{q}_ms"] = ms(percentile(xs, q / 100))
     return out
 
 

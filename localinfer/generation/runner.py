@@ -135,7 +135,7 @@ class Runner:
         """
         engine = self.engine
         check_max_tokens(max_tokens)
-        stops = _check_stops(stop)
+        stops = check_stops(stop)
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise UsageError("the prompt is empty", flag="-p")
@@ -195,7 +195,7 @@ class Runner:
                     reason = "stop"
                 else:
                     held += utf8.decode(engine.token_bytes(tok))
-                    text, held, hit = _split_stop(held, stops)
+                    text, held, hit = split_stop(held, stops)
                     if hit:
                         reason = "stop"
                 if reason is None and tm.generated >= max_tokens:
@@ -244,7 +244,7 @@ def _plain_step(engine, context, pending, sampler, seq, stats: DecodeStats) -> l
     return [token]
 
 
-def _check_stops(stop: Sequence[str]) -> list[str]:
+def check_stops(stop: Sequence[str]) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     stops = [s for s in stop if s]
@@ -253,7 +253,7 @@ def _check_stops(stop: Sequence[str]) -> list[str]:
     return stops
 
 
-def _split_stop(text: str, stops: list[str]) -> tuple[str, str | None, bool]:
+def split_stop(text: str, stops: list[str]) -> tuple[str, str | None, bool]:
     """(text safe to emit, text held back, whether a stop string was hit).
 
     Held-back text is the longest tail that could still grow into a stop string;

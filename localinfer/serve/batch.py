@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from localinfer.errors import ContextFullError, LocalinferError, UsageError
-from localinfer.generation.runner import _check_stops, _split_stop
+from localinfer.generation.runner import check_stops, split_stop
 from localinfer.generation.sampling import SamplingParams, check_max_tokens
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
 from localinfer.serve.block_manager import BlockManager
@@ -77,7 +77,7 @@ class _Reply:
         self.tokens.append(token)
         self.times.append(now)
         self.held += self.utf8.decode(self.vocab.token_bytes(token))
-        text, self.held, self.stopped = _split_stop(self.held, self.stops)
+        text, self.held, self.stopped = split_stop(self.held, self.stops)
         self.parts.append(text)
         return self.stopped
 
@@ -102,7 +102,7 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
     ``ignore_eos`` lets replies run through end-of-generation tokens (benchmarks).
     """
     check_max_tokens(max_tokens)
-    stops = _check_stops(stop)
+    stops = check_stops(stop)
     params = params or SamplingParams()
     parallel = min(parallel or executor.n_slots, executor.n_slots)
     unified = getattr(executor, "unified", True)

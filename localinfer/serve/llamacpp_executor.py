@@ -79,15 +79,15 @@ class LlamaCppExecutor:
     def __init__(self, plan: LoadPlan):
         self.unified = bool(plan.options.get("kv_unified", True))
         self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))
-        ctx = self.engine._ctx
-        self._mem = self.engine._mem
+        ctx = self.engine.context
+        self._mem = self.engine.kv_memory
         self.n_slots = plan.n_seq
         self.n_vocab = self.engine.n_vocab
         self.n_cells = int(_L.llama_n_ctx(ctx))            # all cells of the context
         self.slot_cells = int(_L.llama_n_ctx_seq(ctx))     # the most one slot can hold
         self.n_batch = plan.n_batch
         self.n_outputs_max = native.outputs_cap(plan)
-        self._ext_bytes = 8 if _L.llama_model_rope_type(self.engine._model) in _MROPE else 0
+        self._ext_bytes = 8 if _L.llama_model_rope_type(self.engine.model_handle) in _MROPE else 0
         self._len = [0] * self.n_slots
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
@@ -182,16 +182,16 @@ class LlamaCppExecutor:
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> dict[int, np.ndarray]:
         eng = self.engine
         tokens, pos, seqs, want = zip(*rows)
-        eng._fill(tokens, pos, seqs, want)
+        eng.fill_batch(tokens, pos, seqs, want)
         t0 = time.perf_counter()
         try:
-            eng._decode(len(rows), abortable=len(rows) >= ABORT_MIN_TOKENS)
+            eng.decode_batch(len(rows), abortable=len(rows) >= ABORT_MIN_TOKENS)
         finally:
             self.decode_seconds += time.perf_counter() - t0
         at = [i for i, w in enumerate(want) if w]
         if not at:
             return {}
-        logits = eng._rows(at)
+        logits = eng.logit_rows(at)
         return {seqs[i]: logits[k] for k, i in enumerate(at)}
 
     def _rollback(self, chunks: Sequence[Chunk]) -> None:
@@ -222,7 +222,7 @@ class LlamaCppExecutor:
 
     def _state_blob(self) -> memoryview:
         self._alive()
-        ctx = self.engine._ctx
+        ctx = self.engine.context
         n = int(_L.llama_state_seq_get_size(ctx, -1))
         if self._state.size < n:
             self._state = np.zeros(n, dtype=np.uint8)

@@ -122,7 +122,7 @@ def test_the_one_token_decode_step_keeps_the_eval_contract(engine, monkeypatch):
         assert engine.kv_len() == len(toks) + 1
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine, "_rows", interrupted)
+    monkeypatch.setattr(engine, "logit_rows", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.eval([5])
     assert engine.kv_len() == len(toks)

@@ -87,7 +87,7 @@ def test_rope_pairing_is_llamacpps(tiny_models):
 
     for arch, path in tiny_models.items():
         with load_engine(_plan(path), "llama.cpp") as eng:
-            rope_type = llama_cpp.llama_model_rope_type(eng._model)
+            rope_type = llama_cpp.llama_model_rope_type(eng.model_handle)
         assert {0: "norm", 2: "neox"}[rope_type] == ROPE_PAIRING[arch], arch
 
 

@@ -7,7 +7,7 @@ from localinfer.backends.engine import LoadPlan
 from localinfer.backends.registry import load_engine
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.generation.decoding import PlainDecoder
-from localinfer.generation.runner import Runner, _split_stop
+from localinfer.generation.runner import Runner, split_stop
 from localinfer.generation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -74,10 +74,10 @@ def test_stop_strings_cut_the_text(engine, runner):
     assert engine.kv_len() == len(runner.cached())
 
 
-def test_split_stop_holds_back_possible_prefixes():
-    assert _split_stop("hello wor", ["world"]) == ("hello ", "wor", False)
-    assert _split_stop("hello world!", ["world"]) == ("hello ", None, True)
-    assert _split_stop("abc", []) == ("abc", "", False)
+def testsplit_stop_holds_back_possible_prefixes():
+    assert split_stop("hello wor", ["world"]) == ("hello ", "wor", False)
+    assert split_stop("hello world!", ["world"]) == ("hello ", None, True)
+    assert split_stop("abc", []) == ("abc", "", False)
 
 
 def test_prefix_of_the_previous_request_is_reused(engine, runner):

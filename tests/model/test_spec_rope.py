@@ -59,5 +59,5 @@ def test_the_rope_scale_is_the_one_llamacpp_loads(tmp_path, extra):
 
     path = write_tiny_model(tmp_path / "m.gguf", n_embd=64, n_ff=128, extra_kv=extra)
     with load_engine(LoadPlan(str(path), n_ctx=64, n_threads=1, options={"quiet": True}), "llama.cpp") as eng:
-        theirs = llama_cpp.llama_model_rope_freq_scale_train(eng._model)
+        theirs = llama_cpp.llama_model_rope_freq_scale_train(eng.model_handle)
     assert ModelSpec.from_gguf(path).rope_freq_scale == pytest.approx(theirs)

@@ -113,7 +113,23 @@ class LlamaCppEngine(Engine):
             raise ValueError(f"sequence {seq} outside 0..{self.n_seq - 1}")
 
     # ---- evaluation --------------------------------------------------------
-    def _fill(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
+    # ---- the native handles, for executors that drive this context directly ----------------
+    @property
+    def context(self):
+        """The llama_context (None once closed)."""
+        return self._ctx
+
+    @property
+    def kv_memory(self):
+        """The context's llama_memory handle."""
+        return self._mem
+
+    @property
+    def model_handle(self):
+        """The llama_model (None once closed)."""
+        return self._model
+
+    def fill_batch(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
         """Write rows into the batch from slot 0: token, position, sequence, logits flag."""
         n = len(tokens)
         v = self._views
@@ -125,7 +141,7 @@ class LlamaCppEngine(Engine):
             self._batch.seq_id[i][0] = int(seqs[i])
             self._slot_seq[i] = seqs[i]
 
-    def _decode(self, n_tokens: int, abortable: bool) -> None:
+    def decode_batch(self, n_tokens: int, abortable: bool) -> None:
         self._batch.n_tokens = n_tokens
         with signals.native():  # a SIGTERM inside aborts the graph (abortable) and raises Terminated here
             rc = self._decode_abortable() if abortable else _L.llama_decode(self._ctx, self._batch)
@@ -151,7 +167,7 @@ class LlamaCppEngine(Engine):
             finally:
                 _L.llama_set_abort_callback(self._ctx, native.NO_ABORT, None)
 
-    def _rows(self, indices: Sequence[int]) -> np.ndarray:
+    def logit_rows(self, indices: Sequence[int]) -> np.ndarray:
         out = np.empty((len(indices), self.n_vocab), dtype=np.float32)
         row = self.n_vocab * 4
         for r, i in enumerate(indices):
@@ -173,10 +189,10 @@ class LlamaCppEngine(Engine):
             mine = [i for i in want if lo <= i < hi]
             flags = np.zeros(hi - lo, dtype=np.int8)
             flags[[i - lo for i in mine]] = 1
-            self._fill(tokens[lo:hi], np.arange(start + lo, start + hi), np.full(hi - lo, seq), flags)
-            self._decode(hi - lo, abortable=hi - lo >= ABORT_MIN_TOKENS)
+            self.fill_batch(tokens[lo:hi], np.arange(start + lo, start + hi), np.full(hi - lo, seq), flags)
+            self.decode_batch(hi - lo, abortable=hi - lo >= ABORT_MIN_TOKENS)
             if mine:
-                rows.update(zip(mine, self._rows([i - lo for i in mine])))
+                rows.update(zip(mine, self.logit_rows([i - lo for i in mine])))
             lo = hi
         if not logits_at:
             return None
@@ -200,10 +216,10 @@ class LlamaCppEngine(Engine):
             seqs.extend([seq] * len(t))
             want.extend([0] * (len(t) - 1) + [1])
             last[seq] = len(toks) - 1
-        self._fill(toks, pos, seqs, want)
+        self.fill_batch(toks, pos, seqs, want)
         try:
-            self._decode(len(toks), abortable=len(toks) >= ABORT_MIN_TOKENS)
-            rows = self._rows(list(last.values()))
+            self.decode_batch(len(toks), abortable=len(toks) >= ABORT_MIN_TOKENS)
+            rows = self.logit_rows(list(last.values()))
         except BaseException:
             for seq, s in starts.items():
                 if self.kv_len(seq) > s:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import time
 
-from localinfer.generation.runner import _split_stop
+from localinfer.generation.runner import split_stop
 from localinfer.serve.http.sampler import TokenLogprob
 
 FINISH = {"stop": "stop", "length": "length"}
@@ -35,7 +35,7 @@ class TextStream:
         self.tokens += 1
         if self.stopped or token in self.eos:
             return ""
-        text, self.held, hit = _split_stop(self.held + self.utf8.decode(self.tok.token_bytes(token)), self.stops)
+        text, self.held, hit = split_stop(self.held + self.utf8.decode(self.tok.token_bytes(token)), self.stops)
         self.stopped = hit
         self.offset += len(text)
         return text
