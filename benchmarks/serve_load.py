@@ -230,10 +230,12 @@ async def run_all(args, url: str) -> dict:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits) as client:
         model = args.model_name or (await client.get("/models")).json()["data"][0]["id"]
-        texts = prompts(args.requests, args.prompt_tokens, args.shared_prefix, args.seed)
+        def texts(i: int) -> list[str]:   # fresh prompts per run: a server's cache of the last run must not answer
+            return prompts(args.requests, args.prompt_tokens, args.shared_prefix, args.seed + 1000 * i)
+
         await one(client, args, model, "warm-up: " + " ".join(WORDS[:20]))   # not counted; shares no prefix
-        runs = [await closed_loop(client, args, model, texts, c) for c in args.concurrency]
-        runs += [await open_loop(client, args, model, texts, r) for r in args.rate]
+        runs = [await closed_loop(client, args, model, texts(i), c) for i, c in enumerate(args.concurrency)]
+        runs += [await open_loop(client, args, model, texts(len(runs) + i), r) for i, r in enumerate(args.rate)]
     return {"model": model, "runs": runs}
 
 
