@@ -14,7 +14,7 @@ from localinfer.util.signals import Terminated
 
 @pytest.fixture
 def installed():
-    old = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    old = {s: signal.getsignal(s) for s in (*signals.SIGNALS, signal.SIGINT)}
     signals.install()
     yield
     for s, h in old.items():
@@ -24,7 +24,8 @@ def installed():
 def _kill(sig=signal.SIGTERM):
     import time
 
-    os.kill(os.getpid(), sig)
+    signal.pthread_kill(threading.main_thread().ident, sig)   # to this thread: with os.kill the kernel may hand
+    #   it to a native helper thread, and CPython runs the Python-level handler only later (not reproducible)
     end = time.monotonic() + 2     # outside a native block the handler raises in this loop; inside,
     while time.monotonic() < end and signals.pending() is None:   # a callback would see pending()
         time.sleep(0.001)   # a bare busy loop may not run the Python-level handler (CPython checks it lazily)
