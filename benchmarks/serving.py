@@ -49,7 +49,7 @@ from localinfer.model.sources import default_model_path
 from localinfer.model.spec import ModelSpec
 from localinfer.model.templates import template_for
 from localinfer.serve.batch import run_batch
-from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
 GREEDY = SamplingParams(temperature=0)
 QUESTIONS = ["What is 2+2?", "Say hi.", "Name a fruit.", "What colour is the sky?", "Give me a number.",

@@ -2,7 +2,7 @@
 
 It implements the serving engine's executor contract structurally (``step``,
 ``copy``, ``drop``, ``cells_used``, ``clock``, ``n_slots``, ``n_vocab``; docs in
-``localinfer/serve/executor.py``) and takes any chunk-like objects with
+``localinfer/backends/executor.py``) and takes any chunk-like objects with
 ``slot, tokens, start, logits`` and optionally ``blocks``.
 
 A step flattens the new tokens of every chunk into one sequence of N rows
@@ -33,6 +33,7 @@ from typing import Self
 import numpy as np
 import torch
 
+from localinfer.backends.executor import check_chunks, check_slot
 from localinfer.errors import ContextFullError, UsageError
 
 from .memory import graph_batches
@@ -282,21 +283,10 @@ class PagedExecutor:
 
     # ---- checks ---------------------------------------------------------------
     def _check(self, chunks: Sequence) -> None:
-        seen: set[int] = set()
+        check_chunks(chunks, self.n_slots, self.n_vocab, self.max_model_len,
+                     "use a larger max_model_len or a shorter request")
         for c in chunks:
-            self._check_slot(c.slot)
-            if c.slot in seen:
-                raise ValueError(f"slot {c.slot} appears twice in one step")
-            seen.add(c.slot)
-            if not c.tokens:
-                raise ValueError(f"slot {c.slot}: a chunk needs at least one token")
-            if any(not 0 <= t < self.n_vocab for t in c.tokens):
-                raise ValueError(f"slot {c.slot}: token ids must lie in 0..{self.n_vocab - 1}")
             end = c.start + len(c.tokens)
-            if end > self.max_model_len:
-                raise ContextFullError(f"slot {c.slot}: {end} positions exceed the {self.max_model_len} a slot "
-                                       "can hold", needed=end, available=self.max_model_len,
-                                       hint="use a larger max_model_len or a shorter request")
             blocks = tuple(getattr(c, "blocks", ()) or ())
             if self.external:
                 if len(blocks) * self.block_size < end or any(not 0 <= b < self.pool.num_blocks for b in blocks):
@@ -310,5 +300,4 @@ class PagedExecutor:
                 raise ValueError(f"slot {c.slot} holds {self.lens[c.slot]} tokens; a chunk cannot start at {c.start}")
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.n_slots:
-            raise ValueError(f"slot {slot} outside 0..{self.n_slots - 1}")
+        check_slot(slot, self.n_slots)

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _open_executor(plan):
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     return LlamaCppExecutor(plan)
 

@@ -16,7 +16,7 @@ slot its own stream (``kv_unified=False``), where llama.cpp computes every
 token exactly as alone (1 thread, flash attention on: tests/serve/test_batch.py);
 ``kv_unified=True`` shares one pool of cells, which is what prefix sharing
 needs, but can reorder a sequence's cells after a request ends (see
-:mod:`localinfer.serve.llamacpp_executor`).
+:mod:`localinfer.backends.llamacpp.executor`).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     (``temperature=0``: greedy).  ``ctx`` is each request's context (default:
     longest prompt + max_tokens, at most the trained context).  Replies equal what Runner gives each
     prompt alone (same threads and flash attention) for prompts under 64 tokens; for longer ones when
-    both run with ``ubatch`` < 64 (see :mod:`localinfer.serve.llamacpp_executor`).
+    both run with ``ubatch`` < 64 (see :mod:`localinfer.backends.llamacpp.executor`).
     """
     if backend not in ("llama.cpp", "llamacpp", "torch"):
         raise UsageError(f"generate_batch runs on the llama.cpp or torch executor; backend {backend!r} has none yet",
@@ -192,7 +192,7 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     from localinfer.backends.vocab import VocabOnly
     from localinfer.model.sources import default_model_path
     from localinfer.model.spec import ModelSpec
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     path = os.fspath(model) if model is not None else str(default_model_path())
     spec = ModelSpec.from_gguf(path)

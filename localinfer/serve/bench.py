@@ -109,7 +109,7 @@ def measure_batch_scaling(executor, cost, kv: str, batches: Sequence[int], depth
 def run_batch_scaling(plan: LoadPlan, cost, kv: str, batches: Sequence[int], depths: Sequence[int], gen: int,
                       **kw) -> dict:
     """Open a llama.cpp executor for ``batch_plan(plan, ...)`` and measure (see :func:`measure_batch_scaling`)."""
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     with LlamaCppExecutor(batch_plan(plan, batches, depths, gen)) as ex:
         return measure_batch_scaling(ex, cost, kv, batches, depths, gen, **kw)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from localinfer.generation.sampling import SamplingParams
-from localinfer.serve.executor import Chunk, Executor
+from localinfer.backends.executor import Chunk, Executor
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepPlan
 

@@ -19,7 +19,7 @@ from itertools import count
 
 import numpy as np
 
-from localinfer.serve.executor import Chunk
+from localinfer.backends.executor import Chunk
 from localinfer.serve.step_model import StepModel
 
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from cuda_backend.memory import torch_graph_bytes
 from cuda_backend.serving import open_executor
-from localinfer.serve.executor import Chunk
+from localinfer.backends.executor import Chunk
 from tests.cuda_backend.test_paged_executor import prompts_for
 
 MIB = 1 << 20

@@ -27,7 +27,7 @@ from cuda_backend.engine import TorchEngine
 from cuda_backend.paged_executor import PagedExecutor
 from localinfer.backends.engine import LoadPlan
 from localinfer.errors import ContextFullError
-from localinfer.serve.executor import Chunk
+from localinfer.backends.executor import Chunk
 from tests.support.ggufgen import write_tiny_llama
 
 torch.set_num_threads(1)

@@ -20,7 +20,7 @@ pytest.importorskip("llama_cpp")
 from cuda_backend.paged_executor import PagedExecutor
 from localinfer.serve.block_manager import BlockManager
 from localinfer.serve.engine import Engine
-from localinfer.serve.executor import Chunk, Executor
+from localinfer.backends.executor import Chunk, Executor
 from localinfer.serve.request import Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from tests.cuda_backend.test_paged_executor import ATOL_F32, alone, prompts_for, static_engine

@@ -1,7 +1,7 @@
 """Batch generation equals each prompt run alone through Runner (embedded model, 1 thread, flash attention on).
 
 At one thread with flash attention llama.cpp computes each row of a batch bit
-for bit as alone (tests/serve/test_llamacpp_executor.py), so the texts must be
+for bit as alone (tests/backends/test_llamacpp_executor.py), so the texts must be
 equal, greedy or sampled with the same seed, whatever the slots' interleaving.
 """
 
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture(scope="module")
 def executor(default_model):
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     with LlamaCppExecutor.open(default_model, n_slots=3, n_ctx=768, threads=1, flash_attn=True, unified=False) as ex:
         yield ex
@@ -145,7 +145,7 @@ def test_preempted_and_recomputed_requests_give_the_same_replies(executor, alone
 
 @pytest.fixture(scope="module")
 def unified(default_model):
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     with LlamaCppExecutor.open(default_model, n_slots=3, n_ctx=256, threads=1) as ex:
         yield ex
@@ -189,7 +189,7 @@ def test_long_prompts_equal_each_alone_when_both_sides_run_ubatches_under_64(def
     """Prompts of 64+ tokens prefilled together take the one-row attention kernel only if every ubatch
     stays under 64 rows; with n_ubatch 32 on both sides the batch equals each prompt alone."""
     from localinfer.backends.llamacpp.engine import LlamaCppEngine
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     text = "The quick brown fox jumps over the lazy dog near the river bank. "
     with LlamaCppEngine(LoadPlan(str(default_model), n_ctx=256, n_threads=1, flash_attn=True, n_ubatch=32)) as eng:

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from localinfer.serve.block_manager import BlockManager
 from localinfer.serve.engine import Engine
-from localinfer.serve.executor import Chunk, Executor
+from localinfer.backends.executor import Chunk, Executor
 from localinfer.serve.request import FinishReason, Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor

@@ -12,7 +12,7 @@ pytest.importorskip("llama_cpp")
 
 @pytest.fixture(scope="module")
 def executor(default_model):
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     with LlamaCppExecutor.open(default_model, n_slots=3, n_ctx=768, threads=1, flash_attn=True) as ex:
         yield ex

@@ -47,7 +47,7 @@ def test_health_is_503_while_loading(default_model):
     from localinfer.serve.http.config import ServeConfig
     from localinfer.serve.http.runtime import Runtime
     from localinfer.serve.http.server import bind, make_server
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     go = threading.Event()
 

@@ -1,7 +1,7 @@
 """A real uvicorn server on 127.0.0.1 (a free port) around the embedded model, for the HTTP tests.
 
 One thread, flash attention on, so a greedy request gives the same tokens alone
-and inside any batch (see tests/serve/test_llamacpp_executor.py).  ``shared()``
+and inside any batch (see tests/backends/test_llamacpp_executor.py).  ``shared()``
 starts one server per test session; ``LiveServer(...)`` starts one with its own
 settings (API key, queue length) and ``stop()`` ends it.
 """
@@ -31,7 +31,7 @@ class LiveServer:
         from localinfer.serve.http.config import ServeConfig
         from localinfer.serve.http.runtime import Runtime
         from localinfer.serve.http.server import bind, make_server
-        from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+        from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
         plan = LoadPlan(str(model), n_ctx=ctx, n_seq=parallel, n_threads=1, flash_attn=True,
                         options={"kv_unified": True})

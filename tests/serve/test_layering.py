@@ -8,12 +8,9 @@ from pathlib import Path
 import localinfer
 
 ROOT = Path(localinfer.__file__).parent
-ALLOWED = ("localinfer.serve", "localinfer.backends.engine", "localinfer.generation",
+ALLOWED = ("localinfer.serve", "localinfer.backends.engine", "localinfer.backends.executor", "localinfer.generation",
            "localinfer.plan.paging", "localinfer.plan.speed", "localinfer.model", "localinfer.util", "localinfer.errors", "localinfer.units")
 HEAVY = ("torch", "llama_cpp", "mlx")
-# The llama.cpp executor is the one module here that is *about* llama.cpp; it is imported only by name,
-# lazily, by whoever chooses that backend (its own tests cover it).
-OWN_BACKEND = {"llamacpp_executor.py"}
 
 
 def _module_level_imports(path: Path):
@@ -35,8 +32,6 @@ def _all_imports(path: Path):
 
 def test_serve_imports_only_lower_layers():
     for path in sorted((ROOT / "serve").glob("*.py")):
-        if path.name in OWN_BACKEND:
-            continue
         for name in _module_level_imports(path):
             assert not name.split(".")[0] in HEAVY, f"{path.name} imports {name} at module level"
             if name.startswith("localinfer"):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from localinfer.model.cost import attention_pairs
-from localinfer.serve.executor import Chunk
+from localinfer.backends.executor import Chunk
 from localinfer.serve.step_model import LinearStepModel
 
 

@@ -22,6 +22,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from localinfer.errors import ContextFullError
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -53,3 +55,27 @@ class Executor(Protocol):
 
     def clock(self) -> float:
         """Seconds on the executor's clock: wall time for real backends, virtual time for the simulator."""
+
+
+def check_slot(slot: int, n_slots: int) -> None:
+    if not 0 <= slot < n_slots:
+        raise ValueError(f"slot {slot} outside 0..{n_slots - 1}")
+
+
+def check_chunks(chunks: Sequence, n_slots: int, n_vocab: int, capacity: int, hint: str) -> None:
+    """What every executor refuses in a step: a slot out of range or twice, an empty chunk, a token id outside
+    the vocabulary, or positions past the ``capacity`` a slot holds (ContextFullError, with ``hint``)."""
+    seen: set[int] = set()
+    for c in chunks:
+        check_slot(c.slot, n_slots)
+        if c.slot in seen:
+            raise ValueError(f"slot {c.slot} appears twice in one step")
+        seen.add(c.slot)
+        if not c.tokens:
+            raise ValueError(f"slot {c.slot}: a chunk needs at least one token")
+        if any(not 0 <= t < n_vocab for t in c.tokens):
+            raise ValueError(f"slot {c.slot}: token ids must lie in 0..{n_vocab - 1}")
+        end = c.start + len(c.tokens)
+        if end > capacity:
+            raise ContextFullError(f"slot {c.slot}: {end} positions exceed the {capacity} KV cells a slot can hold",
+                                   needed=end, available=capacity, hint=hint)

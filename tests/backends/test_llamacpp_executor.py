@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from localinfer.errors import ContextFullError
-from localinfer.serve.executor import Chunk, Executor
+from localinfer.backends.executor import Chunk, Executor
 
 pytest.importorskip("llama_cpp")
 
@@ -26,7 +26,7 @@ N_DECODE = 6
 
 @pytest.fixture(scope="module")
 def executor(default_model):
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     with LlamaCppExecutor.open(default_model, n_slots=4, n_ctx=512, threads=1, flash_attn=True) as ex:
         yield ex
@@ -150,7 +150,7 @@ def test_out_of_kv_is_a_typed_error_and_the_step_is_undone(ex):
 
 
 def test_a_step_split_over_several_decodes_is_undone_whole(default_model):
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=256, threads=1, n_batch=64, n_ubatch=64) as ex:
         ex.step([Chunk(0, tuple(range(100, 260)), 0, False)])           # three decodes of <= 64 rows
@@ -178,7 +178,7 @@ def test_bad_chunks_are_refused_before_llama_cpp_sees_them(ex):
 
 @pytest.fixture(scope="module")
 def streams(default_model):
-    from localinfer.serve.llamacpp_executor import LlamaCppExecutor
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=512, threads=1, unified=False) as ex:
         yield ex

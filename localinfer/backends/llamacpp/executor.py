@@ -58,17 +58,17 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.executor import Chunk, check_chunks, check_slot
 from localinfer.backends.llamacpp import native
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
-from localinfer.serve.executor import Chunk
 
 IO_MAGIC = 0xAF143CD8           # llama_context's state_seq_write_data header
 _HEADER = struct.Struct("<IiI")   # magic, seq_id, n_stream
 
 
 class LlamaCppExecutor:
-    """The :class:`~localinfer.serve.executor.Executor` contract on one llama.cpp context.
+    """The :class:`~localinfer.backends.executor.Executor` contract on one llama.cpp context.
 
     ``engine`` is the underlying :class:`LlamaCppEngine` (tokenizer, EOS ids,
     memory figures); do not evaluate through it while the executor is in use.
@@ -199,26 +199,13 @@ class LlamaCppExecutor:
             _L.llama_memory_seq_rm(self._mem, c.slot, c.start, -1)
 
     def _check_chunks(self, chunks: Sequence[Chunk]) -> None:
-        seen: set[int] = set()
+        check_chunks(chunks, self.n_slots, self.n_vocab, self.slot_cells, "use a larger --ctx or a shorter request")
         for c in chunks:
-            self._check_slot(c.slot)
-            if c.slot in seen:
-                raise ValueError(f"slot {c.slot} appears twice in one step")
-            seen.add(c.slot)
-            if not c.tokens:
-                raise ValueError(f"slot {c.slot}: a chunk needs at least one token")
             if c.start != self._len[c.slot]:
                 raise ValueError(f"slot {c.slot} holds {self._len[c.slot]} tokens; a chunk cannot start at {c.start}")
-            if any(not 0 <= t < self.n_vocab for t in c.tokens):
-                raise ValueError(f"slot {c.slot}: token ids must lie in 0..{self.n_vocab - 1}")
-            if c.start + len(c.tokens) > self.slot_cells:
-                raise ContextFullError(f"slot {c.slot}: {c.start + len(c.tokens)} positions exceed the "
-                                       f"{self.slot_cells} KV cells a slot can hold", needed=c.start + len(c.tokens),
-                                       available=self.slot_cells, hint="use a larger --ctx or a shorter request")
 
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.n_slots:
-            raise ValueError(f"slot {slot} outside 0..{self.n_slots - 1}")
+        check_slot(slot, self.n_slots)
 
     def _state_blob(self) -> memoryview:
         self._alive()
