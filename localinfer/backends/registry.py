@@ -12,7 +12,7 @@ same name in ``localinfer.backend_memory``, value ``module:object``).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 
 from localinfer.backends.engine import Engine, LoadPlan
@@ -98,11 +98,15 @@ def get_backend(name: str = DEFAULT_BACKEND) -> type[Engine]:
 
 
 def memory_model(name: str = DEFAULT_BACKEND):
-    """The backend's memory model, or None when it registered none (its module imports no engine runtime)."""
+    """The backend's memory model, or None when it registered none (its module imports no engine runtime).
+
+    Resolved once: fit's searches ask for it on every candidate plan."""
     entry = _REGISTRY[canonical(name)]
     if entry.memory is None or not isinstance(entry.memory, str):
         return entry.memory
-    return _resolve(entry.memory, entry.name, entry.hint)
+    model = _resolve(entry.memory, entry.name, entry.hint)
+    _REGISTRY[entry.name] = replace(entry, memory=model)
+    return model
 
 
 def load_engine(plan: LoadPlan, backend: str = DEFAULT_BACKEND) -> Engine:

@@ -12,6 +12,7 @@ a sandbox.  Every option defaults to what the CLI uses.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -68,16 +69,26 @@ def load(model: str | Path | None = None, *, backend: str | None = None, ctx: in
                        n_batch=batch, n_ubatch=ubatch, flash_attn=flash_attn, **plan)
 
 
+_TEMPLATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # engine -> its chat template
+
+
+def _template(engine: Engine):
+    """The model's chat template, read from the header once per engine."""
+    if engine not in _TEMPLATES:
+        from localinfer.model.spec import ModelSpec
+        from localinfer.model.templates import template_for
+
+        spec = ModelSpec.from_gguf(engine.plan.model_path)
+        bos = "" if engine.bos_id is None else engine.token_text(engine.bos_id)
+        eos = "" if spec.eos_token_id is None else engine.token_text(spec.eos_token_id)
+        _TEMPLATES[engine] = template_for(spec, bos_token=bos, eos_token=eos)
+    return _TEMPLATES[engine]
+
+
 def _tokens(engine: Engine, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str):
         return engine.tokenize(prompt, add_bos=True)
-    from localinfer.model.spec import ModelSpec
-    from localinfer.model.templates import template_for
-
-    spec = ModelSpec.from_gguf(engine.plan.model_path)
-    bos = "" if engine.bos_id is None else engine.token_text(engine.bos_id)
-    eos = "" if spec.eos_token_id is None else engine.token_text(spec.eos_token_id)
-    return template_for(spec, bos_token=bos, eos_token=eos).tokens(engine, list(prompt))
+    return _template(engine).tokens(engine, list(prompt))
 
 
 def _params(temperature, top_k, top_p, min_p, repeat_penalty, seed):
