@@ -115,33 +115,3 @@ def test_fitted_step_model_learns_the_machine():
 
 def test_finish_reason_values_stay_the_engines():
     assert {r.value for r in FinishReason} >= {"stop", "length", "cancelled", "deadline", "error"}
-
-
-def test_restore_prefills_what_the_slot_lacks():
-    """A hit longer than any one live request holds: the missing positions are computed from the request's tokens."""
-    from localinfer.serve.http.stepfit import TimedExecutor
-
-    class Inner:
-        n_slots, n_vocab = 2, 100
-
-        def __init__(self):
-            self.lens, self.steps = [0, 5], []
-
-        def slot_len(self, slot):
-            return self.lens[slot]
-
-        def step(self, chunks):
-            self.steps.append([(c.slot, c.tokens, c.start, c.logits) for c in chunks])
-            for c in chunks:
-                self.lens[c.slot] = c.start + len(c.tokens)
-            return {}
-
-        def clock(self):
-            return 0.0
-
-    ex = TimedExecutor(Inner())
-    ex.tokens_for_slot = lambda slot: tuple(range(10, 30))
-    ex.restore(1, 9)
-    assert ex.inner.steps == [[(1, (15, 16, 17, 18), 5, False)]] and ex.inner.lens[1] == 9
-    ex.restore(1, 4)                                    # already holds more: nothing to do
-    assert len(ex.inner.steps) == 1

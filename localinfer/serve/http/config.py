@@ -46,10 +46,4 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
                             drop_late=True, **chunk)
     engine = Engine(executor, Scheduler(sched, blocks, model))
-
-    def tokens_for_slot(slot: int):
-        rid = next(r for r, s in engine.slot_of.items() if s == slot)
-        return engine.scheduler.requests[rid].all_tokens
-
-    executor.tokens_for_slot = tokens_for_slot
     return executor, engine, model

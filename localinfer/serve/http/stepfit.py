@@ -74,7 +74,6 @@ class TimedExecutor:
         self.n_cells = getattr(inner, "n_cells", None)
         self.steps = 0
         self.step_seconds = 0.0
-        self.tokens_for_slot = None         # slot -> the seated request's tokens (for restore)
 
     @property
     def decode_seconds(self) -> float:
@@ -94,19 +93,6 @@ class TimedExecutor:
 
     def copy(self, src: int, dst: int, n_tokens: int) -> None:
         self.inner.copy(src, dst, n_tokens)
-
-    def restore(self, slot: int, n_tokens: int) -> None:
-        """Bring ``slot`` up to ``n_tokens`` by computing what it lacks.
-
-        The engine calls this when a prefix hit is longer than what any single running request
-        holds (the hit's blocks belong to two live requests); llama.cpp cannot copy from several
-        sequences into one, so the missing positions are prefilled from the tokens of the request
-        seated in the slot (``tokens_for_slot``, set by :func:`~.config.build_engine`).
-        """
-        have = self.inner.slot_len(slot)
-        if n_tokens > have:
-            tokens = tuple(self.tokens_for_slot(slot)[have:n_tokens])
-            self.step([Chunk(slot, tokens, have, False)])
 
     def drop(self, slot: int, start: int = 0) -> None:
         self.inner.drop(slot, start)
