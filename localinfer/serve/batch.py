@@ -213,7 +213,10 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
             results = run_batch(ex, ex.vocab, token_lists, params, max_tokens=max_tokens, parallel=parallel,
                                 ctx=ctx, chunk=chunk, stop=stop)
         return [r.text for r in results]
-    slot = _pad(blocks_for(ctx) * DEFAULT_BLOCK_TOKENS)
+    from localinfer.backends.llamacpp.memory import LLAMA_CTX_PAD
+    from localinfer.units import pad_to
+
+    slot = pad_to(blocks_for(ctx) * DEFAULT_BLOCK_TOKENS, LLAMA_CTX_PAD)   # llama.cpp's 256-cell pages
     with LlamaCppExecutor.open(path, n_slots=parallel, n_ctx=parallel * slot, threads=threads,
                                flash_attn=flash_attn, unified=kv_unified, type_k=type_k, type_v=type_v,
                                n_gpu_layers=n_gpu_layers, n_ubatch=ubatch, quiet=True) as ex:
@@ -241,8 +244,3 @@ def _tokenize(vocab, spec, prompts, chat: bool) -> list[list[int]]:
 
 def _text(vocab, token: int | None) -> str:
     return "" if token is None else vocab.token_text(token)
-
-
-def _pad(n: int, to: int = 256) -> int:
-    """llama.cpp rounds a context with flash attention up to whole 256-cell pages."""
-    return -(-n // to) * to

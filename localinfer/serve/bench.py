@@ -32,7 +32,10 @@ GREEDY = SamplingParams(temperature=0.0)
 def batch_plan(plan: LoadPlan, batches: Sequence[int], depths: Sequence[int], gen: int) -> LoadPlan:
     """``plan`` widened to ``max(batches)`` slots, each holding the deepest prompt + ``gen`` (256-cell pages)."""
     need = max(max(depths), 1) + gen
-    slot = -(-blocks_for(need) * DEFAULT_BLOCK_TOKENS // 256) * 256
+    from localinfer.backends.llamacpp.memory import LLAMA_CTX_PAD
+    from localinfer.units import pad_to
+
+    slot = pad_to(blocks_for(need) * DEFAULT_BLOCK_TOKENS, LLAMA_CTX_PAD)
     n = max(batches)
     return plan.with_(n_seq=n, n_ctx=n * slot, options={**plan.options, "kv_unified": False, "quiet": True})
 

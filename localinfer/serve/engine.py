@@ -88,6 +88,15 @@ class Engine:
                                             deadline_s=deadline_s, sampling=sampling, stop=tuple(stop),
                                             stop_tokens=frozenset(stop_tokens)))
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record and unread stream (a long-running server calls this per request)."""
+        with self._lock:
+            r = self.scheduler.requests.get(request_id)
+            if r is not None and not r.finished:
+                raise ValueError(f"request {request_id!r} has not finished")
+            self.scheduler.requests.pop(request_id, None)
+            self._streams.pop(request_id, None)
+
     def cancel(self, request_id: str) -> bool:
         """Stop the request now (any thread); its slot and KV are freed after the step in flight."""
         with self._lock:

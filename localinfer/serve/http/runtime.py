@@ -58,6 +58,7 @@ class Runtime:
         self.metrics = metrics or Metrics()
         self._open = open_executor
         self.state = "loading"            # loading | ready | failed | draining | stopped
+        self._idle_published = False      # kv_cells_used read at the start of this idle spell
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
@@ -235,8 +236,7 @@ class Runtime:
     def _finished(self, h: Handle) -> list[tuple[Handle, Event]]:
         r = h.request
         self._active.pop(r.id, None)
-        self.engine.scheduler.requests.pop(r.id, None)       # the engine keeps every request otherwise
-        getattr(self.engine, "_streams", {}).pop(r.id, None)
+        self.engine.forget(r.id)                              # the engine keeps every request otherwise
         reason = r.finish_reason or FinishReason.ERROR
         self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not h.quiet_cancel)
         if r.finished_s is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -288,8 +288,9 @@ class Runtime:
                   "kv_cells_used": self.metrics.gauge("kv_cells_used"), "engine_steps": self.executor.steps,
                   "engine_step_seconds": self.executor.step_seconds,
                   "engine_decode_seconds": self.executor.decode_seconds}
-        if idle:
+        if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait
             values["kv_cells_used"] = self.executor.cells_used()
+        self._idle_published = idle
         self.metrics.publish(values)
 
 
