@@ -144,10 +144,9 @@ class FitRequest:
         if not isinstance(self.n_gpu_layers, int) or self.n_gpu_layers < -1:
             raise UsageError(f"--gpu-layers must be -1 (all) or a count >= 0, got {self.n_gpu_layers!r}",
                              flag="--gpu-layers")
-        from localinfer.backends.registry import names
+        from localinfer.backends.registry import canonical
 
-        if self.backend not in names():
-            raise UsageError(f"unknown backend {self.backend!r}", flag="--backend", hint="use " + ", ".join(names()))
+        object.__setattr__(self, "backend", canonical(self.backend))   # aliases (llamacpp, cuda) as run takes them
         if self.n_batch <= 0 or self.n_ubatch <= 0:
             raise UsageError("batch sizes must be positive", flag="--batch")
         check_weight_dtype(self.dtype)

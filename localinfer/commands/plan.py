@@ -62,7 +62,7 @@ def _check_context(spec, n_ctx: int) -> None:
 
 def build(args: argparse.Namespace):
     """(spec, SpeedModel, Plan) for the parsed arguments."""
-    from localinfer.devices.profiles import get_device, local_device
+    from localinfer.devices.profiles import get_device
     from localinfer.model.cost import kv_pair, model_cost
     from localinfer.model.sources import resolve_model
     from localinfer.model.spec import ModelSpec
@@ -76,7 +76,7 @@ def build(args: argparse.Namespace):
     _check(args.draft_tokens, "--draft-tokens", 1, 64)
     workload = Workload(args.requests, args.input, args.output, args.shared_prefix, deadline_s=args.deadline)
     spec = ModelSpec.from_gguf(resolve_model(args.model)).require_weights()
-    device = local_device() if args.device == "local" else get_device(args.device)
+    device = get_device(args.device)
     calibration = load_bench(args.bench) if args.bench else None
     speed = SpeedModel(model_cost(spec), device, calibration)
     n_ctx = workload.input_tokens + workload.output_tokens

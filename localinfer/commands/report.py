@@ -45,7 +45,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def build(args: argparse.Namespace):
     """The Report for the parsed arguments."""
-    from localinfer.devices.profiles import all_devices, get_device, load_profiles, local_device
+    from localinfer.devices.profiles import all_devices, get_device, load_profiles
     from localinfer.model.cost import kv_pair
     from localinfer.model.sources import resolve_model
     from localinfer.model.spec import ModelSpec
@@ -63,7 +63,7 @@ def build(args: argparse.Namespace):
     if args.devices:
         profiles = load_profiles()
         names = [n.strip() for n in args.devices.split(",") if n.strip()]
-        devices = [local_device() if n == "local" else get_device(n, profiles) for n in names]
+        devices = [get_device(n, profiles) for n in names]
     else:
         devices = all_devices()
     calibrations = {}

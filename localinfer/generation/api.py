@@ -39,12 +39,12 @@ def fit(model: str | Path | None = None, device: str = "local", *, ctx: int = 40
     """
     from localinfer.backends.memory import FitRequest
     from localinfer.backends.registry import canonical
-    from localinfer.devices.profiles import get_device, local_device
+    from localinfer.devices.profiles import get_device
     from localinfer.generation.load import open_model
     from localinfer.plan.fit import fit_device
 
     opened = open_model(model, backend)
-    dev = local_device() if device == "local" else get_device(device)
+    dev = get_device(device)
     req = FitRequest(n_ctx=ctx, n_seq=parallel, type_k=kv_type or type_k, type_v=kv_type or type_v,
                      backend=canonical(backend), **request)
     return fit_device(opened.spec, dev, req)

@@ -145,8 +145,8 @@ class LlamaCppEngine(Engine):
         self._batch.n_tokens = n_tokens
         with signals.native():  # a SIGTERM inside aborts the graph (abortable) and raises Terminated here
             rc = self._decode_abortable() if abortable else _L.llama_decode(self._ctx, self._batch)
+            self.aborted += rc == 2     # counted here: leaving the block raises when the signal was deferred
         if rc == 2 or (rc == 0 and self._abort.is_set()):
-            self.aborted += rc == 2
             self._abort.clear()
             raise KeyboardInterrupt
         if rc == 1:
