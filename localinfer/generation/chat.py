@@ -290,6 +290,8 @@ def _read_message(read: Callable[[str], str]) -> str:
 
 def read_transcript(path: str) -> tuple[list[dict], str | None]:
     """(messages, system) from a /save file; raises UsageError naming what is wrong."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise UsageError(f"{path} is not a regular file", hint="give a transcript written by /save")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_TRANSCRIPT_BYTES + 1)

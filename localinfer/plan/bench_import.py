@@ -85,6 +85,8 @@ def from_localinfer_bench(data: dict, path="<data>") -> Calibration:
 def load_bench(path: str | os.PathLike) -> Calibration:
     """A Calibration from a bench result file (format detected from its content)."""
     p = Path(path)
+    if p.exists() and not p.is_file():
+        raise _bad(path, "not a regular file; not a bench result")
     try:
         with open(p, "rb") as f:
             raw = f.read(MAX_BENCH_BYTES + 1)

@@ -433,3 +433,22 @@ def test_chat_save_command_refuses_the_model_file(tmp_path, default_model):
     out = io.StringIO()
     ChatSession(engine, None, out=out).command(f"/save {model}")
     assert "refusing to write over it" in out.getvalue() and model.stat().st_size == default_model.stat().st_size
+
+
+@pytest.mark.parametrize("reader", ["transcript", "bench"])
+def test_a_fifo_given_as_a_transcript_or_bench_file_is_refused_not_waited_on(tmp_path, reader):
+    import signal as _signal
+
+    from localinfer.errors import LocalinferError
+    from localinfer.generation.chat import read_transcript
+    from localinfer.plan.bench_import import load_bench
+
+    fifo = tmp_path / "in.json"
+    os.mkfifo(fifo)
+    _signal.signal(_signal.SIGALRM, lambda *_: pytest.fail("blocked opening a FIFO"))
+    _signal.alarm(5)
+    try:
+        with pytest.raises(LocalinferError, match="not a regular file"):
+            (read_transcript if reader == "transcript" else load_bench)(str(fifo))
+    finally:
+        _signal.alarm(0)
