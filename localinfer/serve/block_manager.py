@@ -16,6 +16,11 @@ sequence shares (after ``fork``) copies it first (copy-on-write).
 With ``pool_hits=False`` a hit stops at the first block no running sequence
 holds: for backends that keep KV only in live sequences (every hit is then a
 copy from one of them), the unreferenced cached blocks are never reused.
+
+A block is hashed once per sequence: admission makes one ``match`` and hands
+its hit to ``allocate``, and a ``PrefixHashes`` memo kept by the caller (a
+request keeps its own) carries the hashes from ``match`` to later matches and
+to ``commit``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,31 @@ class Block:
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     """H(parent hash, tokens): the default block hash."""
     return hash((parent, tokens))
+
+
+class PrefixHashes:
+    """The chain hashes of a sequence's leading whole blocks, each computed once (a memo for one sequence).
+
+    The sequence may only grow at its end (a request's prompt + outputs): a whole block
+    never changes then, so its hash stays valid.  ``truncate`` drops the hashes past a
+    shorter sequence; a manager with another block size or hash function starts over.
+    """
+
+    __slots__ = ("values", "_key")
+
+    def __init__(self):
+        self.values: list[int] = []
+        self._key: tuple | None = None
+
+    def truncate(self, n_tokens: int, block_tokens: int) -> None:
+        """Keep only the hashes of blocks wholly inside the first ``n_tokens``."""
+        del self.values[n_tokens // block_tokens:]
+
+    def _for(self, key: tuple) -> PrefixHashes:
+        if self._key != key:
+            self.values.clear()
+            self._key = key
+        return self
 
 
 @dataclass(frozen=True)
@@ -112,45 +142,62 @@ class BlockManager:
         return sum(filled.values())
 
     # ---- the prefix cache ----------------------------------------------------
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> list[int]:
         """Cached blocks holding the longest run of whole leading blocks of ``tokens``.
 
         At least one token is left to compute, so a hit never covers the whole sequence.
+        ``hashes`` (the memo of these tokens) supplies the hashes computed before and keeps new ones.
         """
         if not self.prefix_cache:
             return []
+        memo = self._memo(hashes)
         p, found, parent = self.block_tokens, [], ROOT_HASH
         for i in range((len(tokens) - 1) // p):
-            chunk = tuple(tokens[i * p:(i + 1) * p])
-            h = self.hash_fn(parent, chunk)
+            h = self._block_hash(tokens, i, parent, memo)
             b = self._cache.get(h)
-            if b is None or self.blocks[b].parent != parent or self.blocks[b].tokens != chunk:
+            if b is None:
                 break
-            if not self.pool_hits and self.blocks[b].ref == 0:
+            block = self.blocks[b]
+            if block.parent != parent or block.tokens != tuple(tokens[i * p:(i + 1) * p]):
+                break
+            if not self.pool_hits and block.ref == 0:
                 break
             found.append(b)
             parent = h
         return found
 
-    def blocks_needed(self, tokens: Sequence[int], reserve_tokens: int | None = None) -> int:
-        """Free blocks ``allocate(tokens, reserve_tokens)`` would take (cached hits that are unreferenced count)."""
-        hit = self.match(tokens)
+    def blocks_needed(self, tokens: Sequence[int], reserve_tokens: int | None = None,
+                      hit: list[int] | None = None) -> int:
+        """Free blocks ``allocate(tokens, reserve_tokens)`` would take (cached hits that are unreferenced count).
+
+        ``hit`` is ``match(tokens)`` made since the pool last changed (matched now if not given).
+        """
+        if hit is None:
+            hit = self.match(tokens)
         total = blocks_for(max(reserve_tokens or 0, len(tokens)), self.block_tokens)
         return total - len(hit) + sum(1 for b in hit if self.blocks[b].ref == 0)
 
-    def can_allocate(self, tokens: Sequence[int], reserve_tokens: int | None = None) -> bool:
-        return self.blocks_needed(tokens, reserve_tokens) <= self.num_free
+    def can_allocate(self, tokens: Sequence[int], reserve_tokens: int | None = None,
+                     hit: list[int] | None = None) -> bool:
+        return self.blocks_needed(tokens, reserve_tokens, hit) <= self.num_free
 
     # ---- sequences -----------------------------------------------------------
-    def allocate(self, seq, tokens: Sequence[int], reserve_tokens: int | None = None) -> int:
-        """Give ``seq`` a block table for ``tokens`` (and room up to ``reserve_tokens``); the tokens found cached."""
+    def allocate(self, seq, tokens: Sequence[int], reserve_tokens: int | None = None,
+                 hit: list[int] | None = None) -> int:
+        """Give ``seq`` a block table for ``tokens`` (and room up to ``reserve_tokens``); the tokens found cached.
+
+        ``hit`` is ``match(tokens)`` made since the pool last changed (matched now if not given).
+        """
         if seq in self.tables:
             raise ValueError(f"sequence {seq!r} already has blocks")
-        need = self.blocks_needed(tokens, reserve_tokens)
+        if hit is None:
+            hit = self.match(tokens)
+        elif any(self._cache.get(self.blocks[b].hash) != b for b in hit):
+            raise ValueError("the prefix hit is stale: a block in it left the cache since the match")
+        need = self.blocks_needed(tokens, reserve_tokens, hit)
         if need > self.num_free:
             raise OutOfBlocks(f"KV pool: {need} blocks needed, {self.num_free} free", needed=need,
                               available=self.num_free, hint="lower --max-running or raise --kv-budget")
-        hit = self.match(tokens)
         for b in hit:
             self._ref(b)
         total = blocks_for(max(reserve_tokens or 0, len(tokens)), self.block_tokens)
@@ -186,19 +233,24 @@ class BlockManager:
             table.append(self._take())
         return copies
 
-    def commit(self, seq, tokens: Sequence[int]) -> None:
-        """``seq`` now holds ``tokens`` (computed); newly full blocks enter the prefix cache."""
+    def commit(self, seq, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> None:
+        """``seq`` now holds ``tokens`` (computed); newly full blocks enter the prefix cache.
+
+        ``hashes`` is the memo of these tokens, as given to ``match``.
+        """
         p, table = self.block_tokens, self.tables[seq]
         if len(tokens) > len(table) * p:
             raise ValueError(f"sequence {seq!r} holds {len(table)} blocks, not enough for {len(tokens)} tokens")
         self.lengths[seq] = len(tokens)
         if not self.prefix_cache:
             return
+        memo = self._memo(hashes)
         done, parent = self._chain.get(seq, (0, ROOT_HASH))
         for i in range(done, len(tokens) // p):
-            block, chunk = self.blocks[table[i]], tuple(tokens[i * p:(i + 1) * p])
-            h = self.hash_fn(parent, chunk)
+            block = self.blocks[table[i]]
+            h = self._block_hash(tokens, i, parent, memo)
             if block.hash is None:
+                chunk = tuple(tokens[i * p:(i + 1) * p])
                 cached = self._cache.get(h)
                 if cached is not None and not self.pool_hits and self.blocks[cached].ref == 0:
                     self._unhash(cached)    # a live copy serves hits better than one nobody holds
@@ -244,11 +296,24 @@ class BlockManager:
         n = len(tokens) // self.block_tokens * self.block_tokens
         if n == 0 or not self.prefix_cache:
             return 0
-        key = object()
-        self.allocate(key, tokens[:n])
-        self.commit(key, tuple(tokens[:n]))
+        key, whole, memo = object(), tuple(tokens[:n]), PrefixHashes()
+        self.allocate(key, whole, hit=self.match(whole, memo))
+        self.commit(key, whole, memo)
         self.free(key)
         return n // self.block_tokens
+
+    def _memo(self, hashes: PrefixHashes | None) -> PrefixHashes | None:
+        return None if hashes is None else hashes._for((self.block_tokens, self.hash_fn))
+
+    def _block_hash(self, tokens: Sequence[int], i: int, parent: int, memo: PrefixHashes | None) -> int:
+        """The chain hash of whole block ``i`` of ``tokens`` (``parent``: block i − 1's), from the memo if it has it."""
+        if memo is not None and i < len(memo.values):
+            return memo.values[i]
+        p = self.block_tokens
+        h = self.hash_fn(parent, tuple(tokens[i * p:(i + 1) * p]))
+        if memo is not None and i == len(memo.values):
+            memo.values.append(h)
+        return h
 
     # ---- steps in flight -----------------------------------------------------
     def begin_step(self) -> None:

@@ -22,6 +22,7 @@ from itertools import pairwise
 
 from localinfer.errors import UsageError
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.serve.block_manager import PrefixHashes
 
 
 class State(enum.Enum):
@@ -79,6 +80,8 @@ class Request:
                              hint="deadline_ms must be at or after arrival_ms")
         self.stop = tuple(tuple(int(t) for t in s) for s in self.stop if len(s))
         self._sampler: Sampler | None = None
+        self._hashes = PrefixHashes()
+        self._hashed = (self.prompt, 0)    # the prompt and output count the hashes were last handed out for
 
     # ---- derived -------------------------------------------------------------
     @property
@@ -141,6 +144,19 @@ class Request:
         if self._sampler is None:
             self._sampler = Sampler(self.sampling)
         return self._sampler
+
+    def prefix_hashes(self, block_tokens: int) -> PrefixHashes:
+        """The block hashes of ``all_tokens``, kept across steps and preemptions (outputs only append).
+
+        A new prompt starts them over; fewer outputs than before drop the hashes past them.
+        """
+        prompt, n_out = self._hashed
+        if prompt is not self.prompt:
+            self._hashes = PrefixHashes()
+        elif len(self.output) < n_out:
+            self._hashes.truncate(self.n_tokens, block_tokens)
+        self._hashed = (self.prompt, len(self.output))
+        return self._hashes
 
     # ---- transitions ---------------------------------------------------------
     def append(self, token: int, now: float) -> FinishReason | None:

@@ -170,7 +170,7 @@ class Scheduler:
             if r.state is not State.RUNNING or r.computed != ch.start:
                 continue    # cancelled or preempted while the step ran
             r.computed += ch.n_tokens
-            self.blocks.commit(r.id, r.view(r.computed))
+            self.blocks.commit(r.id, r.view(r.computed), r.prefix_hashes(self.blocks.block_tokens))
             if ch.samples:
                 reason = r.append(sampled[r.id], now)
                 if reason is not None:
@@ -239,16 +239,18 @@ class Scheduler:
                 r.finish(FinishReason.ERROR, now, f"needs {whole} KV blocks, "
                                                   f"the pool has {bm.num_blocks}")
                 continue
-            if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now) > r.deadline_s:
+            tokens = r.view()
+            hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))
+            if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now, hit) > r.deadline_s:
                 self.waiting.popleft()
                 plan.refused.append(r)
                 r.finish(FinishReason.DEADLINE, now)
                 continue
-            tokens = r.all_tokens
-            if not bm.can_allocate(tokens, reserve if cfg.admission == "reserve" else None):
+            held = reserve if cfg.admission == "reserve" else None
+            if not bm.can_allocate(tokens, held, hit):
                 break
             self.waiting.popleft()
-            r.cached = r.computed = bm.allocate(r.id, tokens, reserve if cfg.admission == "reserve" else None)
+            r.cached = r.computed = bm.allocate(r.id, tokens, held, hit)
             r.recomputed += max(0, r.dropped - r.cached)    # what the prefix cache did not keep
             r.dropped = 0
             r.state = State.RUNNING
@@ -259,8 +261,8 @@ class Scheduler:
             plan.admitted.append(r)
             self._prefill_chunk(plan, r, budget)
 
-    def _predict_finish(self, r: Request, now: float) -> float:
-        hit = len(self.blocks.match(r.all_tokens)) * self.blocks.block_tokens
+    def _predict_finish(self, r: Request, now: float, hit_blocks: list[int]) -> float:
+        hit = len(hit_blocks) * self.blocks.block_tokens
         model, n = self.step_model, r.n_tokens
         first = model.seconds([(n - hit, hit)] + [(1, x.n_tokens) for x in self.running])
         rest = r.max_tokens - len(r.output) - 1

@@ -149,3 +149,54 @@ def test_request_validation_and_stops():
     assert Request("t", (1,), 5, stop_tokens=frozenset({99})).append(99, 0.0) is FinishReason.STOP
     v = r.view()
     assert len(v) == 4 and v[1:3] == (2, 7) and v[-1] == 8 and tuple(v) == r.all_tokens
+
+
+class CountingHash:
+    """A block hash that counts how often each block (parent hash, tokens) is hashed."""
+
+    def __init__(self):
+        self.calls: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def __call__(self, parent, tokens):
+        self.calls[parent, tokens] = self.calls.get((parent, tokens), 0) + 1
+        return hash((parent, tokens))
+
+    def of(self, r: Request) -> int:
+        return sum(n for (_, t), n in self.calls.items() if t[0] in r.prompt)
+
+
+def test_each_prompt_block_is_hashed_once_even_while_it_waits():
+    h = CountingHash()
+    s = Scheduler(SchedulerConfig(max_running=4, deadline_aware=True), BlockManager(8, 4, hash_fn=h), CARD)
+    a = req("a", 18, 12, deadline_s=1e9)            # 5 blocks held for 18 + 11 tokens
+    s.add(a)
+    run_step(s, 0)
+    assert h.of(a) == 18 // 4                       # the match's miss, then the prefill's commit: each block once
+    b = req("b", 17, 4, deadline_s=1e9)             # 5 blocks: waits until a finishes
+    s.add(b)
+    t = 0.01
+    for _ in range(8):
+        run_step(s, t)
+        t += 0.01
+        assert b.state is State.WAITING and h.of(b) == 1   # its first block, matched once, not every step
+    while s.unfinished:
+        run_step(s, t)
+        t += 0.01
+    assert a.finished and b.finished and h.of(b) == (17 + 3) // 4
+    assert set(h.calls.values()) == {1}
+
+
+def test_a_preempted_request_rehashes_no_block():
+    h = CountingHash()
+    s = Scheduler(SchedulerConfig(max_running=3, admission="on_demand"), BlockManager(6, 4, hash_fn=h))
+    a, b = req("a", 8, 10), req("b", 8, 10)
+    s.add(a)
+    s.add(b)
+    t = 0.0
+    while s.unfinished:
+        run_step(s, t)
+        t += 0.01
+    assert b.preemptions >= 1 and b.recomputed > 0 and a.output == b.output == [5] * 10
+    assert set(h.calls.values()) == {1}             # prompt and output blocks: once each, across readmissions
+    b.output[-4:] = []                              # fewer tokens: the hashes past them go
+    assert len(b.prefix_hashes(4).values) == (8 + 6) // 4
