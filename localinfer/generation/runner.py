@@ -17,7 +17,6 @@ cache is left holding exactly what the runner's bookkeeping says.
 
 from __future__ import annotations
 
-import codecs
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,10 +25,10 @@ from localinfer.backends.engine import Engine
 from localinfer.errors import ContextFullError, LocalinferError, UsageError
 from localinfer.generation.decoding import Decoder, DecodeStats, PlainDecoder
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
+from localinfer.generation.text import ReplyText, check_stops
 from localinfer.util.stats import percentile
 
 DEFAULT_MAX_TOKENS = 512
-MAX_STOP_STRINGS = 16
 
 
 @dataclass
@@ -178,8 +177,7 @@ class Runner:
         ``emitted[0]``; stopping after ``emitted[i]`` rewinds the KV to ``kv_base + i``.
         """
         engine = self.engine
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        held, reason, last = "", None, None
+        reply, reason, last = ReplyText(engine.token_bytes, stops), None, None
         emitted, kv_base = [first], len(context)
         while True:
             now = time.perf_counter()
@@ -194,9 +192,8 @@ class Runner:
                 if engine.is_eos(tok):
                     reason = "stop"
                 else:
-                    held += utf8.decode(engine.token_bytes(tok))
-                    text, held, hit = split_stop(held, stops)
-                    if hit:
+                    text = reply.feed(tok)
+                    if reply.stopped:
                         reason = "stop"
                 if reason is None and tm.generated >= max_tokens:
                     reason = "length"
@@ -220,7 +217,7 @@ class Runner:
             context.append(pending)
             context.extend(emitted[:-1])
             kv_base = len(context) - len(emitted) + 1
-        tail = "" if held is None else held + utf8.decode(b"", final=True)
+        tail = reply.flush()
         tm.total = time.perf_counter() - t0
         yield Chunk(tail, None, finish_reason=reason, timings=tm, stats=decoder.stats)
 
@@ -242,32 +239,3 @@ def _plain_step(engine, context, pending, sampler, seq, stats: DecodeStats) -> l
     stats.emitted += 1
     stats.round_times.append(time.perf_counter() - t0)
     return [token]
-
-
-def check_stops(stop: Sequence[str]) -> list[str]:
-    if isinstance(stop, str):
-        stop = [stop]
-    stops = [s for s in stop if s]
-    if len(stops) > MAX_STOP_STRINGS or any(not isinstance(s, str) or len(s) > 256 for s in stops):
-        raise UsageError(f"at most {MAX_STOP_STRINGS} stop strings of up to 256 characters", flag="--stop")
-    return stops
-
-
-def split_stop(text: str, stops: list[str]) -> tuple[str, str | None, bool]:
-    """(text safe to emit, text held back, whether a stop string was hit).
-
-    Held-back text is the longest tail that could still grow into a stop string;
-    after a hit nothing is held (``None``).
-    """
-    if not stops:
-        return text, "", False
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], None, True
-    keep = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                keep = max(keep, k)
-                break
-    return text[: len(text) - keep], text[len(text) - keep:], False

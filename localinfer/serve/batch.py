@@ -21,14 +21,13 @@ needs, but can reorder a sequence's cells after a request ends (see
 
 from __future__ import annotations
 
-import codecs
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from localinfer.errors import ContextFullError, LocalinferError, UsageError
-from localinfer.generation.runner import check_stops, split_stop
 from localinfer.generation.sampling import SamplingParams, check_max_tokens
+from localinfer.generation.text import ReplyText, check_stops
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
 from localinfer.serve.block_manager import BlockManager
 from localinfer.serve.engine import Engine
@@ -59,16 +58,18 @@ class BatchResult:
 
 
 class _Reply:
-    """A request's text as Runner builds it: bytes decoded incrementally, stop strings held back."""
+    """A request's text as Runner builds it (``ReplyText``), with its output tokens and their times."""
 
     def __init__(self, vocab, stops: list[str], eos: frozenset[int]):
-        self.vocab, self.stops, self.eos = vocab, stops, eos
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.eos = eos
+        self.reply = ReplyText(vocab.token_bytes, stops)
         self.parts: list[str] = []
-        self.held: str | None = ""
         self.tokens: list[int] = []
         self.times: list[float] = []
-        self.stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.reply.stopped
 
     def add(self, token: int, now: float) -> bool:
         """Take one output token; True when a stop string ended the reply."""
@@ -76,14 +77,11 @@ class _Reply:
             return False                 # the request finishes with STOP; the token is not part of the text
         self.tokens.append(token)
         self.times.append(now)
-        self.held += self.utf8.decode(self.vocab.token_bytes(token))
-        text, self.held, self.stopped = split_stop(self.held, self.stops)
-        self.parts.append(text)
+        self.parts.append(self.reply.feed(token))
         return self.stopped
 
     def text(self) -> str:
-        tail = "" if self.held is None else self.held + self.utf8.decode(b"", final=True)
-        return "".join(self.parts) + tail
+        return "".join(self.parts) + self.reply.flush()
 
 
 def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, *,

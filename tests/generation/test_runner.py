@@ -7,7 +7,8 @@ from localinfer.backends.engine import LoadPlan
 from localinfer.backends.registry import load_engine
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.generation.decoding import PlainDecoder
-from localinfer.generation.runner import Runner, split_stop
+from localinfer.generation.runner import Runner
+from localinfer.generation.text import split_stop
 from localinfer.generation.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)

@@ -10,43 +10,20 @@ prefix cache).  A stop string ends the reply and is not part of its text.
 
 from __future__ import annotations
 
-import codecs
 import time
 
-from localinfer.generation.runner import split_stop
+from localinfer.generation.text import ReplyText
 from localinfer.serve.http.sampler import TokenLogprob
 
 FINISH = {"stop": "stop", "length": "length"}
 
 
-class TextStream:
-    """Incremental text of one choice: UTF-8 across token boundaries, EOS tokens dropped, stop strings cut."""
+class TextStream(ReplyText):
+    """Incremental text of one choice (``ReplyText`` over the server's tokenizer)."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...], eos_ids: frozenset[int]):
-        self.tok, self.stops, self.eos = tokenizer, list(stops), eos_ids
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.held: str | None = ""
-        self.stopped = False          # a stop string matched
-        self.tokens = 0               # tokens received (EOS included)
-        self.offset = 0               # characters emitted so far
-
-    def feed(self, token: int) -> str:
-        """Text that is safe to emit after this token ('' while a stop string may be forming)."""
-        self.tokens += 1
-        if self.stopped or token in self.eos:
-            return ""
-        text, self.held, hit = split_stop(self.held + self.utf8.decode(self.tok.token_bytes(token)), self.stops)
-        self.stopped = hit
-        self.offset += len(text)
-        return text
-
-    def flush(self) -> str:
-        """What was held back, once the choice has finished without a stop string."""
-        if self.stopped or self.held is None:
-            return ""
-        text, self.held = self.held + self.utf8.decode(b"", final=True), None
-        self.offset += len(text)
-        return text
+        super().__init__(tokenizer.token_bytes, stops, eos_ids)
+        self.tok = tokenizer
 
     def piece(self, token: int) -> str:
         return self.tok.token_bytes(token).decode("utf-8", errors="replace")
