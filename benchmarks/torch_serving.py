@@ -46,7 +46,7 @@ N_REQUESTS = 8
 def serve(path, prompts, n_tokens: int, slots: int, threads: int) -> dict:
     ctx = len(prompts[0]) + n_tokens
     with open_executor(path, n_slots=slots, n_ctx=ctx, threads=threads, device="cpu") as ex:
-        blocks = BlockManager(ex.pool.num_blocks, ex.block_size, pool_hits=False)
+        blocks = BlockManager(ex.pool.num_blocks, ex.block_size, pool_hits=ex.restores_cached_prefix)
         engine = Engine(ex, Scheduler(SchedulerConfig(max_running=slots), blocks))
         reqs = [engine.add_request(Request(str(i), p, n_tokens)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()

@@ -15,13 +15,17 @@ mask would pass ``max_mask_elements`` is split into several forwards).  Logits a
 computed only for the last row of each chunk that asks.  Pure decode steps on
 CUDA replay a captured graph instead (``paged_graphs.py``).
 
-Block tables: given with every chunk (``chunk.blocks``: the serving engine's
-block manager is the one source, blocks reused by a prefix hit are read, not
-recomputed — ``restore(slot, n)`` marks them held —, and a table entry that
-changed under already written positions is a copy-on-write whose content the
-executor copies), or kept here with a
-reference-counted allocator, where ``copy(src, dst, n)`` shares src's first
-⌈n / b⌉ blocks and a write into a shared block copies it first.
+Block tables: with ``external_blocks=True`` (what ``serving.open_executor``
+builds, and what runs under the serving engine) they come with every chunk
+(``chunk.blocks``, which the engine fills from its block manager's table for
+the request: the one source of blocks, of one block size): blocks reused by a
+prefix hit are read, not recomputed — ``restore(slot, n)`` marks them held —,
+a table entry that changed under already written positions is a copy-on-write
+whose content the executor copies, and a table too short for the chunk's
+positions is refused with an error naming both counts.  Without it (driving the
+executor by hand) they are kept here with a reference-counted allocator, where
+``copy(src, dst, n)`` shares src's first ⌈n / b⌉ blocks and a write into a
+shared block copies it first; a chunk's ``blocks`` are then not read.
 """
 
 from __future__ import annotations
@@ -213,16 +217,12 @@ class PagedExecutor:
         asking = [c for c in chunks if c.logits]
         if self.graphs is not None and all(len(c.tokens) == 1 for c in chunks) \
                 and len(chunks) <= self.graphs.batches[-1]:
-            ids = torch.tensor([c.tokens[0] for c in chunks], dtype=torch.long)
-            pos = torch.tensor([c.start for c in chunks], dtype=torch.long)
-            slots = torch.tensor([token_slots(self.tables[c.slot], c.start, c.start + 1, bs)[0] for c in chunks],
-                                 dtype=torch.long)
-            width = max(len(self.tables[c.slot]) for c in chunks)
-            tables = torch.tensor([self.tables[c.slot] + [0] * (width - len(self.tables[c.slot])) for c in chunks],
-                                  dtype=torch.long)
-            args = ids.to(dev), pos.to(dev), slots.to(dev), tables.to(dev)
+            ids = [c.tokens[0] for c in chunks]
+            pos = [c.start for c in chunks]
+            slots = [token_slots(self.tables[c.slot], c.start, c.start + 1, bs)[0] for c in chunks]
+            tables = [self.tables[c.slot][:c.start // bs + 1] for c in chunks]   # the blocks this step reads
             t0 = time.perf_counter()
-            logits = self.graphs(*args)
+            logits = self.graphs.step(ids, pos, slots, tables)     # one host-to-device copy into the graph's inputs
             self._sync()
             self.forward_seconds += time.perf_counter() - t0
             self.forwards += 1
@@ -287,16 +287,22 @@ class PagedExecutor:
                      "use a larger max_model_len or a shorter request")
         for c in chunks:
             end = c.start + len(c.tokens)
-            blocks = tuple(getattr(c, "blocks", ()) or ())
             if self.external:
-                if len(blocks) * self.block_size < end or any(not 0 <= b < self.pool.num_blocks for b in blocks):
-                    raise ValueError(f"slot {c.slot}: block table {blocks} cannot hold {end} positions")
+                blocks = tuple(getattr(c, "blocks", ()) or ())
+                if len(blocks) * self.block_size < end:
+                    raise ValueError(
+                        f"slot {c.slot}: its block table has {len(blocks)} blocks of {self.block_size} tokens "
+                        f"({len(blocks) * self.block_size} positions) but the chunk writes positions "
+                        f"{c.start}..{end - 1}: the block manager's tables and this executor disagree (is "
+                        f"Chunk.blocks filled, and do both use blocks of {self.block_size} tokens?)")
+                bad = [b for b in blocks if not 0 <= b < self.pool.num_blocks]
+                if bad:
+                    raise ValueError(f"slot {c.slot}: block ids {bad} lie outside the pool's {self.pool.num_blocks} "
+                                     f"blocks: the block manager has more blocks than the pool")
                 if c.start < self.lens[c.slot]:
                     raise ValueError(f"slot {c.slot} holds {self.lens[c.slot]} tokens; a chunk cannot start "
                                      f"at {c.start}")
-            elif blocks:
-                raise ValueError("this executor keeps its own block tables; build it with external_blocks=True")
-            elif c.start != self.lens[c.slot]:
+            elif c.start != self.lens[c.slot]:   # own tables: a chunk's blocks (if any) are not read
                 raise ValueError(f"slot {c.slot} holds {self.lens[c.slot]} tokens; a chunk cannot start at {c.start}")
 
     def _check_slot(self, slot: int) -> None:

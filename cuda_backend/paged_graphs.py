@@ -10,9 +10,18 @@ counts it); a step of n requests whose longest table has w blocks replays the
 graph of the next size ≥ n and the next width ≥ w, its padded rows writing the
 pool's scratch slot and reading block 0 (their logits are dropped).  Off CUDA the same
 padded step runs eagerly, which is how the CPU tests exercise it.
+
+Inputs cross to the device once: ``step`` writes the tokens, positions, slots
+and tables of the padded batch into one host staging buffer (pinned on CUDA),
+row i = ``[token, pos, slot, table...]``, and one non-blocking copy moves its
+first b rows into the static device buffer the graphs read (tokens, positions,
+slots and tables are column views of it).  The next ``step`` waits for that
+copy before it rewrites the staging buffer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -51,7 +60,7 @@ def decode_forward(model: Transformer, pool: PagedKVPool, tokens: torch.Tensor, 
 
 
 class PagedGraphs:
-    """``graphs(tokens, pos, slots, tables) -> logits [n, vocab]`` for n <= max(batches) requests."""
+    """``graphs.step(tokens, pos, slots, tables) -> logits [n, vocab]`` for n <= max(batches) requests."""
 
     def __init__(self, model: Transformer, pool: PagedKVPool, max_blocks: int, batches: tuple[int, ...],
                  warmup: int = 2):
@@ -59,15 +68,21 @@ class PagedGraphs:
             raise ValueError("padded decode steps need a pool with a scratch block")
         dev = model.device
         self.model, self.pool, self.batches = model, pool, tuple(sorted(batches))
+        self.max_blocks = max_blocks
         top = self.batches[-1]
-        self.tokens = torch.zeros(top, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(top, dtype=torch.long, device=dev)
-        self.slots = torch.full((top,), pool.scratch_slot, dtype=torch.long, device=dev)
-        self.tables = torch.zeros(top, max_blocks, dtype=torch.long, device=dev)
+        self.pinned = dev.type == "cuda"
+        self.inputs = torch.zeros(top, 3 + max_blocks, dtype=torch.long, device=dev)   # what the graphs read
+        self.inputs[:, 2] = pool.scratch_slot
+        self.host = torch.zeros(top, 3 + max_blocks, dtype=torch.long, pin_memory=self.pinned)
+        self._host = self.host.numpy()
+        self._copied = torch.cuda.Event() if self.pinned else None      # the last staging copy, done when set
+        self.tokens, self.pos, self.slots = self.inputs[:, 0], self.inputs[:, 1], self.inputs[:, 2]
+        self.tables = self.inputs[:, 3:]
         self.widths = graph_widths(max_blocks)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}    # by (batch, table width)
         self.out: dict[tuple[int, int], torch.Tensor] = {}
         self.measured_bytes = 0         # CUDA memory reserved by warm-up and capture
+        self.host_copies = 0            # host-to-device input copies (one per step)
         if dev.type == "cuda":
             self._capture(warmup)
 
@@ -104,22 +119,43 @@ class PagedGraphs:
 
     def width_for(self, w: int) -> int:
         """The captured table width a step whose longest table has w blocks pads to."""
-        return next(x for x in self.widths if x >= w)
+        for x in self.widths:
+            if x >= w:
+                return x
+        raise ValueError(f"a block table of {w} blocks exceeds the {self.max_blocks} a slot can hold")
+
+    def load(self, tokens: Sequence[int], pos: Sequence[int], slots: Sequence[int],
+             tables: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """Stage one decode step (host lists) and copy it to the device in one transfer; (batch, width) to run."""
+        n = len(tokens)
+        if not n == len(pos) == len(slots) == len(tables):
+            raise ValueError("tokens, positions, slots and tables need one entry per request")
+        b, w = self.batch_for(n), self.width_for(max(len(t) for t in tables))
+        if self._copied is not None:
+            self._copied.synchronize()          # the previous step's copy has read the staging rows
+        h = self._host
+        h[:b, :3 + w] = 0
+        h[:n, 0], h[:n, 1], h[:n, 2] = tokens, pos, slots
+        h[n:b, 2] = self.pool.scratch_slot
+        for i, t in enumerate(tables):
+            h[i, 3:3 + len(t)] = t
+        self.inputs[:b].copy_(self.host[:b], non_blocking=self.pinned)
+        if self._copied is not None:
+            self._copied.record()
+        self.host_copies += 1
+        return b, w
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                 tables: torch.Tensor) -> torch.Tensor:
-        n, b, w = tokens.shape[0], self.batch_for(tokens.shape[0]), self.width_for(tables.shape[1])
-        self.tokens[:n].copy_(tokens)
-        self.pos[:n].copy_(pos)
-        self.slots[:n].copy_(slots)
-        self.tables[:n].zero_()
-        self.tables[:n, :tables.shape[1]].copy_(tables)
-        self.tokens[n:b].zero_()
-        self.pos[n:b].zero_()
-        self.slots[n:b].fill_(self.pool.scratch_slot)
-        self.tables[n:b].zero_()
+    def step(self, tokens: Sequence[int], pos: Sequence[int], slots: Sequence[int],
+             tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits [n, vocab] of one decode step given as host lists (block tables may differ in length)."""
+        b, w = self.load(tokens, pos, slots, tables)
         if (b, w) in self.graphs:
             self.graphs[b, w].replay()
-            return self.out[b, w][:n]
-        return self._run(b, w)[:n]
+            return self.out[b, w][:len(tokens)]
+        return self._run(b, w)[:len(tokens)]
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor) -> torch.Tensor:
+        """``step`` from tensors (tables [n, m], zero-padded)."""
+        return self.step(tokens.tolist(), pos.tolist(), slots.tolist(), tables.tolist())

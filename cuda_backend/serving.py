@@ -6,6 +6,12 @@ CUDA, the memory left after the weights —
 (``memory.torch_budget_blocks``, ``memory.torch_graph_bytes``); else the plan's
 ``n_slots × ⌈n_ctx / 16⌉`` blocks (``memory.torch_pool_blocks``), whose bytes
 are the KV bytes ``fit --backend torch`` prints for ``--ctx n_ctx --parallel n_slots``.
+
+Blocks hold ``BLOCK_TOKENS`` tokens: the serving engine's block size
+(``plan.paging.DEFAULT_BLOCK_TOKENS``, which the block manager, ``run_batch``
+and ``fit``'s torch memory model use too).  The executor takes its block tables
+from the engine's block manager (``external_blocks=True``; pass
+``external_blocks=False`` to drive it by hand with its own tables).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from localinfer.model.spec import ModelSpec
 
 from .engine import pick_device, pick_dtype
 from .kv_cache import padded_tokens
+from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
+
 from .memory import TORCH_BLOCK_TOKENS, torch_budget_blocks, torch_graph_bytes, torch_pool_blocks
 from .model import ModelConfig, Transformer
 from .paged_executor import PagedExecutor
@@ -28,6 +36,10 @@ from .tokenizer import load_tokenizer
 from .weights import load_weights
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS     # one block size: the block manager's
+if TORCH_BLOCK_TOKENS != BLOCK_TOKENS:  # fit's torch KV bytes are counted in blocks of TORCH_BLOCK_TOKENS
+    raise ImportError(f"cuda_backend.memory.TORCH_BLOCK_TOKENS ({TORCH_BLOCK_TOKENS}) must equal the serving "
+                      f"engine's block size ({BLOCK_TOKENS})")
 
 
 class Vocab:
@@ -56,10 +68,11 @@ def pool_blocks(spec: ModelSpec, n_ctx: int, n_slots: int, type_k: str, type_v: 
                 dtype: torch.dtype, gpu_memory_utilization: float | None = None) -> int:
     """The pool's blocks for this plan (see the module docstring)."""
     if gpu_memory_utilization is None or device.type != "cuda":
-        return torch_pool_blocks(n_ctx, n_slots)
+        return torch_pool_blocks(n_ctx, n_slots, BLOCK_TOKENS)
     free, _total = torch.cuda.mem_get_info(device)
-    graphs = torch_graph_bytes(spec, n_ctx, n_slots, DTYPE_NAMES[dtype], type_k, type_v)
-    return torch_budget_blocks(spec, int(free * gpu_memory_utilization) - graphs, type_k, type_v)
+    graphs = torch_graph_bytes(spec, n_ctx, n_slots, DTYPE_NAMES[dtype], type_k, type_v, block_tokens=BLOCK_TOKENS)
+    return torch_budget_blocks(spec, int(free * gpu_memory_utilization) - graphs, type_k, type_v,
+                               block_tokens=BLOCK_TOKENS)
 
 
 def open_executor(model_path: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, type_k: str = "f16",
@@ -69,8 +82,10 @@ def open_executor(model_path: str | os.PathLike, *, n_slots: int = 8, n_ctx: int
                   **options) -> PagedExecutor:
     """A :class:`PagedExecutor` over the file; ``executor.vocab`` is its tokenizer, ``executor.spec`` its spec.
 
-    ``n_ctx`` is the most positions one request holds; ``options`` go to PagedExecutor.
+    ``n_ctx`` is the most positions one request holds; ``options`` go to PagedExecutor
+    (``external_blocks`` defaults to True: block tables from the serving engine's block manager).
     """
+    options.setdefault("external_blocks", True)
     plan = LoadPlan(os.fspath(model_path), n_ctx=n_ctx, n_seq=n_slots, type_k=type_k, type_v=type_v,
                     n_threads=threads, device=device, dtype=dtype, options={"quiet": quiet})
     spec = ModelSpec.from_gguf(read_header(plan.model_path))
@@ -84,7 +99,7 @@ def open_executor(model_path: str | os.PathLike, *, n_slots: int = 8, n_ctx: int
     weights = load_weights(spec, dev, dt, packed=packed, quiet=quiet)
     model = Transformer(ModelConfig.from_spec(spec), weights, padded_tokens(n_ctx), dt)
     blocks = num_blocks or pool_blocks(spec, n_ctx, n_slots, type_k, type_v, dev, dt, gpu_memory_utilization)
-    ex = PagedExecutor(model, n_slots=n_slots, num_blocks=blocks, block_size=TORCH_BLOCK_TOKENS, type_k=type_k,
+    ex = PagedExecutor(model, n_slots=n_slots, num_blocks=blocks, block_size=BLOCK_TOKENS, type_k=type_k,
                        type_v=type_v, max_model_len=n_ctx, **options)
     ex.vocab, ex.spec = Vocab(tok, spec), spec
     return ex

@@ -12,9 +12,16 @@ An executor that can bring back a cached prefix no running request holds
 declares ``restores_cached_prefix = True`` and ``restore(slot, n_tokens)`` (the
 simulator); with any other, the block manager must be built with ``pool_hits=False``.
 
+Every chunk carries its request's block table from the block manager
+(``Chunk.blocks``), so a paging executor (the torch one, built with
+``external_blocks=True``) writes and reads exactly the blocks the manager
+counts; an executor that declares ``block_size`` must use the manager's.
+Executors that keep KV their own way (llama.cpp) ignore the tables.
+
 Copy-on-write block copies are bookkeeping only here: a backend whose KV cells
 carry several sequence ids (llama.cpp) writes a new cell for the new token and
-never overwrites a shared one.
+never overwrites a shared one; a paging executor sees a table entry change
+under positions it holds and copies that block itself.
 """
 
 from __future__ import annotations
@@ -60,6 +67,10 @@ class Engine:
         if scheduler.blocks.pool_hits and not getattr(executor, "restores_cached_prefix", False):
             raise ValueError("this executor keeps KV only in live sequences: build the BlockManager with "
                              "pool_hits=False, so that every prefix hit is a copy from a running request")
+        size = getattr(executor, "block_size", None)
+        if size is not None and size != scheduler.blocks.block_tokens:
+            raise ValueError(f"the executor's KV blocks hold {size} tokens, the block manager's "
+                             f"{scheduler.blocks.block_tokens}: one block size for both")
         self.executor = executor
         self.scheduler = scheduler
         self.blocks = scheduler.blocks
@@ -130,7 +141,7 @@ class Engine:
             if not plan.chunks:
                 sched.complete(plan, {}, start)
                 return events
-            chunks = [Chunk(self.slot_of[c.request.id], c.tokens, c.start, c.samples) for c in plan.chunks]
+            chunks = [self._chunk(c.request, c.tokens, c.start, c.samples) for c in plan.chunks]
             self._in_step = True
         try:
             rows = ex.step(chunks)
@@ -203,8 +214,12 @@ class Engine:
             if getattr(self.executor, "restores_cached_prefix", False):
                 self.executor.restore(slot, r.cached)
             else:   # the hit spans blocks of several live requests: compute what no single one can give
-                self.executor.step([Chunk(slot, r.prompt[have:r.cached], have, False)])
+                self.executor.step([self._chunk(r, r.view()[have:r.cached], have, False)])
         self._holding.add(r.id)
+
+    def _chunk(self, r: Request, tokens, start: int, logits: bool) -> Chunk:
+        """r's new tokens for its slot, with its block table from the block manager (the one source of blocks)."""
+        return Chunk(self.slot_of[r.id], tuple(tokens), start, logits, blocks=tuple(self.blocks.tables[r.id]))
 
     def _release(self, r: Request) -> None:
         slot = self.slot_of.pop(r.id, None)

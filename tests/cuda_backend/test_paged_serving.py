@@ -7,8 +7,6 @@ tolerance of test_paged_executor.py (batched float32 matmuls sum in another orde
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -74,7 +72,7 @@ def test_block_tables_from_the_block_manager(eng):
     bm.commit("b", b + [11])
     bm.commit("c", b + [9])
     assert ex.cells_used() == bm.tokens_in_use()
-    with pytest.raises(ValueError, match="cannot hold"):
+    with pytest.raises(ValueError, match="0 blocks of 16 tokens"):
         ex.step([Chunk(0, (1,), 0, True)])
 
 
@@ -125,33 +123,16 @@ def test_engine_prefix_hit_is_a_copy(eng):
     assert r1.output == greedy_alone(eng, p1, 4) and r2.output == greedy_alone(eng, p2, 4)
 
 
-class TablesFromEngine:
-    """The executor with every chunk carrying its request's block table from the engine's block manager
-    (what the step engine does once it passes ``Chunk.blocks``)."""
-
-    def __init__(self, ex):
-        self.ex, self.engine = ex, None
-
-    def __getattr__(self, name):
-        return getattr(self.ex, name)
-
-    def step(self, chunks):
-        rid = {slot: r for r, slot in self.engine.slot_of.items()}
-        tables = self.engine.blocks.tables
-        return self.ex.step([replace(c, blocks=tuple(tables[rid[c.slot]])) for c in chunks])
-
-
 def test_engine_with_block_tables_from_the_block_manager(eng):
     """Pool prefix hits (the first request has finished), preemption + recompute, one block source."""
     shared = prompts_for(eng.n_vocab, [36], seed=10)[0]
     prompts = [shared + [3, 4], shared[:20] + [5] * 9, shared + [6], prompts_for(eng.n_vocab, [25], seed=11)[0]]
     want = [greedy_alone(eng, p, 5) for p in prompts]
     for n_blocks, admission in ((30, "reserve"), (6, "on_demand")):
-        ex = TablesFromEngine(PagedExecutor(eng.model, n_slots=3, num_blocks=n_blocks, type_k="f32", type_v="f32",
-                                            external_blocks=True))
+        ex = PagedExecutor(eng.model, n_slots=3, num_blocks=n_blocks, type_k="f32", type_v="f32", external_blocks=True)
         sched = Scheduler(SchedulerConfig(max_running=3, admission=admission),
                           BlockManager(n_blocks, 16, pool_hits=True))
-        e = ex.engine = Engine(ex, sched)
+        e = Engine(ex, sched)          # every chunk carries its request's table from the block manager
         first = e.add_request(Request("r0", prompts[0], 5))
         run_checking_cells(e, ex)                           # r0 finishes; its two whole blocks stay cached
         reqs = [first] + [e.add_request(Request(f"r{i}", p, 5)) for i, p in enumerate(prompts[1:], 1)]
@@ -179,11 +160,8 @@ def test_random_requests_and_cancels(eng, specs, admission, external, n_blocks):
     family = prompts_for(eng.n_vocab, [40, 40, 40], seed=12)
     inner = PagedExecutor(eng.model, n_slots=3, num_blocks=n_blocks, type_k="f32", type_v="f32",
                           external_blocks=external)
-    ex = TablesFromEngine(inner) if external else inner
-    e = Engine(ex, Scheduler(SchedulerConfig(max_running=3, admission=admission, policy="chunked", chunk_tokens=16),
-                             BlockManager(n_blocks, 16, pool_hits=external)))
-    if external:
-        ex.engine = e
+    e = Engine(inner, Scheduler(SchedulerConfig(max_running=3, admission=admission, policy="chunked",
+                                                chunk_tokens=16), BlockManager(n_blocks, 16, pool_hits=external)))
     reqs, cancel_at = [], {}
     for i, (f, n, out, at) in enumerate(specs):
         reqs.append(e.add_request(Request(f"r{i}", family[f][:n] + [i + 1], out)))

@@ -220,3 +220,27 @@ def test_a_hit_spanning_two_live_requests_is_completed_by_computing_the_gap():
     eng.cancel(a.id), eng.cancel(b.id)
     eng.run()
     assert ex.cells_used() == 0 and eng.blocks.used == 0
+
+
+def test_every_chunk_carries_its_block_table():
+    """The engine is the one source of blocks: each chunk's ``blocks`` is the block manager's table for its
+    request at that step (covering the chunk's positions), through prefix hits, preemption and finishes."""
+    e = engine(n_blocks=10, p=4, max_running=3, admission="on_demand", policy="chunked", chunk_tokens=6)
+    seen = []
+    real_step = e.executor.step
+
+    def step(chunks):
+        owner = {slot: rid for rid, slot in e.slot_of.items()}
+        for c in chunks:
+            assert c.blocks == tuple(e.blocks.tables[owner[c.slot]])
+            assert len(c.blocks) * e.blocks.block_tokens >= c.start + len(c.tokens)
+        seen.extend(chunks)
+        return real_step(chunks)
+
+    e.executor.step = step
+    shared = tuple(range(300, 308))
+    reqs = [e.add_request(Request(f"r{i}", shared + tuple(range(10 * i, 10 * i + 3 + i)), 6)) for i in range(4)]
+    e.run()
+    assert seen and all(c.blocks for c in seen)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
+    assert sum(r.preemptions for r in reqs) > 0 and any(r.cached for r in reqs)
