@@ -168,13 +168,9 @@ def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):
 
 def template_from(args: argparse.Namespace, engine, spec):
     """The chat template: --chat-template FILE, else the GGUF's, else ChatML (with a warning)."""
-    from localinfer.model.templates import template_for
+    from localinfer.model.templates import template_with_vocab
 
-    def text(tok):
-        return "" if tok is None else engine.token_text(tok)
-
-    eos = getattr(spec, "eos_token_id", None)
-    tpl = template_for(spec, args.chat_template, bos_token=text(getattr(engine, "bos_id", None)), eos_token=text(eos))
+    tpl = template_with_vocab(spec, engine, args.chat_template)
     if "fallback" in tpl.origin:
         print("warning: the model has no chat template; using ChatML (pass --chat-template FILE to choose)",
               file=sys.stderr)

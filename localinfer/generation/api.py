@@ -76,12 +76,9 @@ def _template(engine: Engine):
     """The model's chat template, read from the header once per engine."""
     if engine not in _TEMPLATES:
         from localinfer.model.spec import ModelSpec
-        from localinfer.model.templates import template_for
+        from localinfer.model.templates import template_with_vocab
 
-        spec = ModelSpec.from_gguf(engine.plan.model_path)
-        bos = "" if engine.bos_id is None else engine.token_text(engine.bos_id)
-        eos = "" if spec.eos_token_id is None else engine.token_text(spec.eos_token_id)
-        _TEMPLATES[engine] = template_for(spec, bos_token=bos, eos_token=eos)
+        _TEMPLATES[engine] = template_with_vocab(ModelSpec.from_gguf(engine.plan.model_path), engine)
     return _TEMPLATES[engine]
 
 

@@ -350,3 +350,15 @@ def template_for(spec=None, path: str | os.PathLike | None = None, *, bos_token:
     if isinstance(source, str) and source.strip():
         return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token, origin="the GGUF metadata")
     return ChatTemplate(CHATML, bos_token=bos_token, eos_token=eos_token, origin="the built-in ChatML fallback")
+
+
+def template_with_vocab(spec, vocab, path: str | os.PathLike | None = None) -> ChatTemplate:
+    """``template_for(spec, path)`` with the BOS and EOS texts the template may print, read from ``vocab``.
+
+    ``vocab`` is anything with ``token_text`` and ``bos_id`` (an engine, a tokenizer); the EOS is the spec's.
+    """
+    def text(token: int | None) -> str:
+        return "" if token is None else vocab.token_text(token)
+
+    return template_for(spec, path, bos_token=text(getattr(vocab, "bos_id", None)),
+                        eos_token=text(getattr(spec, "eos_token_id", None)))

@@ -230,15 +230,11 @@ def _tokenize(vocab, spec, prompts, chat: bool) -> list[list[int]]:
             out.append([int(t) for t in p])
         elif chat:
             if template is None:
-                from localinfer.model.templates import template_for
+                from localinfer.model.templates import template_with_vocab
 
-                template = template_for(spec, bos_token=_text(vocab, vocab.bos_id),
-                                        eos_token=_text(vocab, getattr(spec, "eos_token_id", None)))
+                template = template_with_vocab(spec, vocab)
             out.append(template.tokens(vocab, [{"role": "user", "content": p}]))
         else:
             out.append(vocab.tokenize(p, add_bos=True))
     return out
 
-
-def _text(vocab, token: int | None) -> str:
-    return "" if token is None else vocab.token_text(token)

@@ -7,7 +7,7 @@ import pytest
 from localinfer.backends.engine import LoadPlan
 from localinfer.errors import TemplateError
 from localinfer.model.spec import ModelSpec
-from localinfer.model.templates import CHATML, ChatTemplate, check_messages, template_for
+from localinfer.model.templates import CHATML, ChatTemplate, check_messages, template_for, template_with_vocab
 from localinfer.util.deadline import Deadline, TimeLimitExceeded
 
 USER = [{"role": "user", "content": "hi"}]
@@ -133,6 +133,24 @@ def test_template_file_override_and_its_errors(tmp_path):
     huge.write_text("x" * (300 << 10))
     with pytest.raises(TemplateError, match="limit"):
         template_for(None, huge)
+
+
+def test_bos_and_eos_texts_come_from_the_vocab(tmp_path):
+    class Vocab:
+        bos_id = 1
+
+        def token_text(self, t):
+            return {1: "<s>", 2: "</s>"}[t]
+
+    class Spec:
+        chat_template, eos_token_id = "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}", 2
+
+    assert template_with_vocab(Spec(), Vocab()).render(USER) == "<s>hi</s>"
+    Vocab.bos_id, Spec.eos_token_id = None, None                 # a model without them prints nothing there
+    assert template_with_vocab(Spec(), Vocab()).render(USER) == "hi"
+    own = tmp_path / "t.jinja"
+    own.write_text("[{{ bos_token }}]")
+    assert template_with_vocab(Spec(), Vocab(), own).render(USER) == "[]"     # --chat-template FILE wins
 
 
 def test_models_without_a_template_get_chatml():
