@@ -22,6 +22,7 @@ __all__ = [
     "ContextFullError",
     "ProfileError",
     "OutputError",
+    "RemoteServerError",
     "exit_code",
 ]
 
@@ -85,6 +86,10 @@ class ProfileError(LocalinferError):
 
 class OutputError(LocalinferError):
     """A file to write cannot be written: the path names a folder, its folder is missing, read-only or full."""
+
+
+class RemoteServerError(LocalinferError):
+    """A server being load-tested cannot be reached, did not start, or answered outside the OpenAI API."""
 
 
 def exit_code(exc: BaseException) -> int:
