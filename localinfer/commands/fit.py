@@ -100,13 +100,12 @@ def _devices(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from localinfer.model.sources import resolve_model
-    from localinfer.model.spec import ModelSpec
+    from localinfer.generation.load import open_model
     from localinfer.plan.fit import fit_device
     from localinfer.plan.speed import predict_speed
     from localinfer.report.fit import fit_json, render_text
 
-    spec = ModelSpec.from_gguf(resolve_model(args.model)).require_weights()
+    spec = open_model(args.model).spec
     req = _request(args, spec)
     results = [fit_device(spec, dev, req) for dev in _devices(args)]
     speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}

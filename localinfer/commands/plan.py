@@ -64,8 +64,7 @@ def build(args: argparse.Namespace):
     """(spec, SpeedModel, Plan) for the parsed arguments."""
     from localinfer.devices.profiles import get_device
     from localinfer.model.cost import kv_pair, model_cost
-    from localinfer.model.sources import resolve_model
-    from localinfer.model.spec import ModelSpec
+    from localinfer.generation.load import open_model
     from localinfer.plan.bench_import import load_bench
     from localinfer.plan.planner import candidate_configs, default_kv_budget, lookup_draft_length, plan
     from localinfer.plan.speculation import Drafting, model_drafting
@@ -75,7 +74,7 @@ def build(args: argparse.Namespace):
     _check(args.acceptance, "--acceptance", 0.0, 1.0)
     _check(args.draft_tokens, "--draft-tokens", 1, 64)
     workload = Workload(args.requests, args.input, args.output, args.shared_prefix, deadline_s=args.deadline)
-    spec = ModelSpec.from_gguf(resolve_model(args.model)).require_weights()
+    spec = open_model(args.model).spec
     device = get_device(args.device)
     calibration = load_bench(args.bench) if args.bench else None
     speed = SpeedModel(model_cost(spec), device, calibration)
@@ -107,7 +106,7 @@ def build(args: argparse.Namespace):
         k = args.draft_tokens or lookup_draft_length(speed, workload, args.acceptance)
         drafts.append(Drafting.lookup(args.acceptance, k))
         if args.draft:
-            draft = model_cost(ModelSpec.from_gguf(resolve_model(args.draft)).require_weights())
+            draft = model_cost(open_model(args.draft).spec)
             drafts.append(model_drafting(draft, speed, workload, args.acceptance, k))
     elif args.draft:
         raise UsageError("--draft needs --acceptance (how often the target agrees with the draft)",

@@ -76,13 +76,12 @@ def _step_model_and_kv(args):
                          hint="give coefficients, or a device profile with --model")
     spec = None
     if args.model is not None or args.device is not None:
-        from localinfer.model.sources import resolve_model
-        from localinfer.model.spec import ModelSpec
+        from localinfer.generation.load import open_model
 
         if args.model is None:
             raise UsageError("--device needs --model GGUF to predict step times", flag="--device",
                              hint="add --model FILE (a skeleton from `localinfer skeleton` works)")
-        spec = ModelSpec.from_gguf(resolve_model(args.model))
+        spec = open_model(args.model).spec
     k = None
     if spec is not None:
         from localinfer.model.kv import kv_bytes_per_token

@@ -46,9 +46,8 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def build(args: argparse.Namespace):
     """The Report for the parsed arguments."""
     from localinfer.devices.profiles import all_devices, get_device, load_profiles
+    from localinfer.generation.load import open_model
     from localinfer.model.cost import kv_pair
-    from localinfer.model.sources import resolve_model
-    from localinfer.model.spec import ModelSpec
     from localinfer.plan.bench_import import load_bench
     from localinfer.plan.speed import Workload
     from localinfer.report.capacity import build_report
@@ -59,7 +58,7 @@ def build(args: argparse.Namespace):
         raise UsageError("--kv needs at least one KV type", flag="--kv")
     for t in kv_types:
         kv_pair(t, "--kv")  # its message already names --kv
-    specs = [ModelSpec.from_gguf(resolve_model(m)).require_weights() for m in (args.models or [None])]
+    specs = [open_model(m).spec for m in (args.models or [None])]
     if args.devices:
         profiles = load_profiles()
         names = [n.strip() for n in args.devices.split(",") if n.strip()]
