@@ -37,7 +37,7 @@ def _command_module(name: str):
     return importlib.import_module(f"localinfer.commands.{name}")
 
 
-def build_parser(command: str | None) -> argparse.ArgumentParser:
+def build_parser(command: str | None, argv: list[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="localinfer",
         description="Plan and run GGUF language models on the machines you own.",
@@ -49,7 +49,10 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
         if name == command:
-            _command_module(name).add_arguments(p)
+            module = _command_module(name)
+            # a command whose flags depend on its first argument (`bench serve`) chooses them from what follows it
+            forms = getattr(module, "arguments_for", None)
+            (forms(argv[argv.index(name) + 1:]) if forms else module.add_arguments)(p)
             parser.set_defaults(_subparser=p)
     return parser
 
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     command = _find_command(argv)
     signals.install()
     try:
-        parser = build_parser(command)
+        parser = build_parser(command, argv)
         args, extra = parser.parse_known_args(argv)
         if extra:
             # report unknown flags against the subcommand's own usage

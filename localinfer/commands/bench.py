@@ -1,15 +1,23 @@
-"""`localinfer bench [MODEL]`: prefill/decode speed, TTFT/ITL, memory and bandwidth per KV type.
+"""`localinfer bench [MODEL]`: prefill/decode speed, TTFT/ITL, memory and bandwidth per KV type;
+`localinfer bench serve --url URL | MODEL`: load-test an OpenAI-compatible HTTP server.
 
 ``--batch-sizes 1,2,4,8`` adds batch scaling through the serving engine (:mod:`localinfer.serve.bench`):
 tok/s at each batch beside the bytes read per output token, d(b, L) = D_w/b + L·k (docs/speed.md).
 Prints a table; ``--json FILE`` also writes versioned results (schema in
 :mod:`localinfer.generation.bench`) that capacity reports calibrate their speed model with.
+
+``bench serve`` runs :mod:`localinfer.serve.loadgen` (closed-loop concurrency levels, Poisson arrivals,
+TTFT/ITL/e2e percentiles, goodput) against ``--url``, or against a ``localinfer serve MODEL`` it starts and
+stops itself; ``benchmarks/serve_load.py`` takes the same flags (:func:`add_load_arguments`).  ``serve``
+must come right after ``bench``; a file named ``serve`` in the current folder is still benchmarked as a
+model unless ``--url`` is given (``bench ./serve`` is always the file).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from localinfer.commands import _common
@@ -38,6 +46,7 @@ def _kv_list(text: str) -> tuple[str, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from localinfer.generation.bench import BATCH_SIZES, DEPTHS, GEN_TOKENS, KV_TYPES, PROMPT_LENGTHS
 
+    parser.epilog = "localinfer bench serve --help: load-test an OpenAI-compatible server instead"
     _common.add_model_args(parser, kv_choices=False)
     parser.add_argument("--kv", type=_kv_list, default=KV_TYPES, metavar="LIST",
                         help=f"KV cache types to compare (default: {','.join(KV_TYPES)})")
@@ -55,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_form", None) == SERVE:
+        return run_serve(args)
     from localinfer.backends.registry import load_engine
     from localinfer.errors import UsageError
     from localinfer.generation.bench import BenchConfig, Progress, render_table, results, run_bench
@@ -165,3 +176,150 @@ def _backend_version(backend: str) -> str:
         except metadata.PackageNotFoundError:
             continue
     return ", ".join(found) or "unknown"
+
+
+# --- bench serve: the load generator -----------------------------------------------------------------------
+
+SERVE = "serve"
+
+
+def serve_requested(rest: list[str]) -> bool:
+    """Whether ``bench REST...`` means ``bench serve``: ``serve`` right after ``bench``, and no file of that name
+    here (a model file named ``serve`` stays a model) unless ``--url`` says a server is meant."""
+    words = [a for a in rest if a != "--debug"]
+    if not words or words[0] != SERVE:
+        return False
+    return any(a == "--url" or a.startswith("--url=") for a in words) or not os.path.isfile(SERVE)
+
+
+def arguments_for(rest: list[str]):
+    """The flags of the form ``rest`` (the arguments after ``bench``) asks for; the CLI calls this."""
+    return add_serve_arguments if serve_requested(rest) else add_arguments
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("load-test an OpenAI-compatible server: closed-loop concurrency levels and Poisson "
+                          "arrivals; TTFT, ITL, end-to-end p50/p95/p99, tok/s, req/s and goodput")
+    parser.add_argument("bench_form", choices=[SERVE], metavar="serve", help="measure an HTTP server")
+    add_load_arguments(parser)
+    parser.add_argument("--json", "--out", dest="json", metavar="FILE", help="write the results as JSON to FILE "
+                        "('-': stdout instead of the table)")
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load generator's flags (``bench serve`` and benchmarks/serve_load.py), defaults from LoadConfig."""
+    from localinfer.serve.loadgen import LoadConfig
+
+    d = LoadConfig()
+    join = lambda xs: ",".join(f"{x:g}" for x in xs)
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="start `localinfer serve MODEL` and measure it (default: the embedded model)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--url", help="base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8080/v1")
+    g.add_argument("--label", default=None, help="name of the server in the JSON (default: the URL)")
+    g.add_argument("--model-name", default=None, help="model field to send (default: the first of /v1/models)")
+    g.add_argument("--api-key", default=None, metavar="KEY", help="bearer token (default: $LOCALINFER_API_KEY)")
+    g.add_argument("--timeout", type=float, default=d.timeout, metavar="S", help="per-request timeout (default %(default)gs)")
+    g = parser.add_argument_group("load")
+    g.add_argument("--concurrency", default=join(d.concurrency), metavar="LIST",
+                   help=f"closed-loop levels (comma list; '' for none; default {join(d.concurrency)})")
+    g.add_argument("--rate", default=join(d.rate), metavar="LIST",
+                   help="open-loop Poisson arrival rates in requests/s (comma list)")
+    g.add_argument("--requests", type=int, default=d.requests, metavar="N", help="requests per level (default %(default)s)")
+    g.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, metavar="N", help="words per prompt (default %(default)s)")
+    g.add_argument("--output-tokens", type=int, default=d.output_tokens, metavar="N", help="tokens per reply, EOS ignored (default %(default)s)")
+    g.add_argument("--shared-prefix", type=int, default=d.shared_prefix, metavar="N",
+                   help="words shared by every prompt")
+    g.add_argument("--slo-ttft", type=float, default=d.slo_ttft, metavar="S", help="goodput's TTFT limit (default %(default)g)")
+    g.add_argument("--slo-e2e", type=float, default=d.slo_e2e, metavar="S", help="goodput's end-to-end limit (default %(default)g)")
+    g.add_argument("--deadline-ms", type=float, default=None, metavar="MS",
+                   help="send this deadline (localinfer's deadline_ms field and x-localinfer-deadline-ms header)")
+    g.add_argument("--extra-body", default=None, metavar="JSON", help="a JSON object merged into every request")
+    g.add_argument("--seed", type=int, default=d.seed, help="prompt and arrival seed (default %(default)s)")
+    g = parser.add_argument_group("with MODEL (the server started)")
+    g.add_argument("--threads", type=int, default=2, metavar="N", help="serve -t (default 2)")
+    g.add_argument("--ctx", type=int, default=4096, metavar="N", help="total KV context (default 4096)")
+    g.add_argument("--parallel", type=int, default=8, metavar="N", help="serve --parallel (default 8)")
+    g.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                   help="extra flag for serve, e.g. --serve-arg=--prefix-cache=off (repeatable)")
+
+
+def _list(text: str, flag: str, kind) -> tuple:
+    from localinfer.errors import UsageError
+
+    try:
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a comma list of {'whole ' if kind is int else ''}numbers",
+                         flag=flag, hint=f"e.g. {flag} {'1,4,8' if kind is int else '0.5,1'}") from None
+
+
+def load_config(args: argparse.Namespace):
+    """A checked LoadConfig from the load flags (UsageError naming the flag)."""
+    from localinfer.commands.serve import API_KEY_ENV
+    from localinfer.errors import UsageError
+    from localinfer.serve.loadgen import LoadConfig
+
+    extra = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError:
+            extra = None
+        if not isinstance(extra, dict):
+            raise UsageError("--extra-body is not a JSON object", flag="--extra-body", hint='e.g. {"min_tokens": 128}')
+    return LoadConfig(concurrency=_list(args.concurrency, "--concurrency", int), rate=_list(args.rate, "--rate", float),
+                      requests=args.requests, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                      shared_prefix=args.shared_prefix, slo_ttft=args.slo_ttft, slo_e2e=args.slo_e2e,
+                      deadline_ms=args.deadline_ms, timeout=args.timeout, seed=args.seed, model_name=args.model_name,
+                      extra_body=extra, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+
+
+def serve_document(args: argparse.Namespace, progress=None) -> dict:
+    """Check the flags (and that ``args.json`` can be written), start ``localinfer serve MODEL`` unless ``--url``
+    is given, run every level and return the JSON document (see :mod:`localinfer.serve.loadgen`)."""
+    from localinfer.errors import UsageError
+    from localinfer.serve import loadgen
+    from localinfer.util.atomic import check_writable
+
+    config = load_config(args)
+    if args.url is not None and args.model is not None:
+        raise UsageError(f"give --url URL or MODEL, not both (got {args.model})", flag="--url",
+                         hint="drop MODEL to measure the running server, or --url to start localinfer serve MODEL")
+    url = loadgen.check_url(args.url) if args.url is not None else None
+    if args.model is not None:
+        from localinfer.model.sources import resolve_model
+
+        resolve_model(args.model)                     # a missing file is refused before a server starts
+    if args.json and args.json != "-":
+        check_writable(args.json)                     # before minutes of measuring
+    load_before = loadgen.loadavg()
+    if url is None:
+        from localinfer.serve.loadgen_server import LocalServe
+
+        with LocalServe(args.model, threads=args.threads, ctx=args.ctx, parallel=args.parallel,
+                        extra=args.serve_arg) as started:
+            measured = loadgen.run_load(started, config, progress)
+        url = started
+    else:
+        measured = loadgen.run_load(url, config, progress)
+    settings = {"model": args.model, "url": args.url, "label": args.label, **config.settings(),
+                "threads": args.threads, "ctx": args.ctx, "parallel": args.parallel, "serve_arg": args.serve_arg,
+                "out": args.json, "metrics_url": loadgen.server_root(url) + "/metrics"}
+    return loadgen.document(args.label or url, measured, settings, load_before)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from localinfer.serve.loadgen import ProgressBar, render_table
+    from localinfer.util.atomic import atomic_write
+
+    doc = serve_document(args, progress=ProgressBar())
+    text = json.dumps(doc, indent=1)
+    if args.json == "-":
+        print(text)
+        return 0
+    print(render_table(doc))
+    if args.json:
+        atomic_write(args.json, text + "\n")
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0
