@@ -16,7 +16,7 @@ import json
 import sys
 
 from localinfer.generation.load import MAX_BATCH, MAX_CTX, MAX_GPU_LAYERS
-from localinfer.model.kv import KV_TYPES
+from localinfer.model.kv import KV_TYPES, check_kv_type
 
 DEFAULT_CTX = 4096
 
@@ -54,11 +54,10 @@ def _request(args, spec):
     if args.kv_type and (args.type_k or args.type_v):
         raise UsageError("give either --kv-type or -ctk/-ctv, not both", flag="--kv-type",
                          hint="--kv-type q8_0 sets both K and V")
-    for flag, value in (("--kv-type", args.kv_type), ("-ctk", args.type_k), ("-ctv", args.type_v)):
-        if value is not None and value.lower() not in KV_TYPES:
-            raise UsageError(f"{flag}: unknown KV type {value!r}", flag=flag, hint="use one of " + ", ".join(KV_TYPES))
-    type_k = (args.kv_type or args.type_k or "f16").lower()
-    type_v = (args.kv_type or args.type_v or "f16").lower()
+    kv = {flag: check_kv_type(value, flag) for flag, value in
+          (("--kv-type", args.kv_type), ("-ctk", args.type_k), ("-ctv", args.type_v)) if value is not None}
+    type_k = kv.get("--kv-type") or kv.get("-ctk") or "f16"
+    type_v = kv.get("--kv-type") or kv.get("-ctv") or "f16"
     fa = {"on": True, "off": False, "auto": None}.get(str(args.flash_attn).lower(), "bad")
     if fa == "bad":
         raise UsageError(f"--flash-attn takes on, off or auto, not {args.flash_attn!r}", flag="--flash-attn")
@@ -69,10 +68,10 @@ def _request(args, spec):
         if not 0 < ctx <= MAX_CTX:
             raise UsageError(f"--ctx must be from 1 to {MAX_CTX} tokens, got {ctx}", flag="--ctx",
                              hint=f"e.g. --ctx {DEFAULT_CTX}; the model was trained for {spec.n_ctx_train}")
-        if spec.n_ctx_train and ctx > spec.n_ctx_train and not (spec.rope_scaling or spec.rope_freq_scale != 1.0):
-            raise UsageError(f"--ctx {ctx} is beyond the model's trained context {spec.n_ctx_train} "
-                             "and it declares no RoPE scaling", flag="--ctx",
-                             hint=f"use --ctx {spec.n_ctx_train} or less")
+        limit = spec.context_limit
+        if limit is not None and ctx > limit:
+            raise UsageError(f"--ctx {ctx} is beyond the model's trained context {limit} "
+                             "and it declares no RoPE scaling", flag="--ctx", hint=f"use --ctx {limit} or less")
     if args.parallel <= 0:
         raise UsageError(f"--parallel must be at least 1, got {args.parallel}", flag="--parallel")
     if not 0 < args.ubatch <= MAX_BATCH:

@@ -53,8 +53,8 @@ def _check(v, flag: str, lo: float, hi: float | None = None):
 
 def _check_context(spec, n_ctx: int) -> None:
     """Refuse a request longer than the model's trained context, as `fit` and `run` do."""
-    train = spec.n_ctx_train
-    if train and n_ctx > train and not (spec.rope_scaling or spec.rope_freq_scale != 1.0):
+    train = spec.context_limit
+    if train is not None and n_ctx > train:
         raise UsageError(f"--input + --output is {n_ctx} tokens, beyond the model's trained context {train} "
                          "and it declares no RoPE scaling", flag="--input",
                          hint=f"use --input + --output of {train} or less")

@@ -119,6 +119,16 @@ class ModelSpec:
         return 1.0 / self.rope_scaling_factor if self.rope_scaling_factor else 1.0
 
     @property
+    def context_limit(self) -> int | None:
+        """The longest context the model takes: its trained context, unless it declares RoPE scaling (None: no limit).
+
+        ``fit`` and ``plan`` refuse a longer request; a model with RoPE scaling is trusted to stretch.
+        """
+        if not self.n_ctx_train or self.rope_scaling or self.rope_freq_scale != 1.0:
+            return None
+        return self.n_ctx_train
+
+    @property
     def yarn_orig_ctx(self) -> int:
         """The context YaRN scaling starts from: rope.scaling.original_context_length, else n_ctx_train."""
         return self.rope_orig_ctx or self.n_ctx_train

@@ -151,6 +151,30 @@ def test_ctx_beyond_training_needs_declared_rope_scaling(tmp_path, capsys):
     assert "2048" in out
 
 
+def test_fit_and_plan_share_the_trained_context_rule_and_the_kv_check(tmp_path, capsys):
+    from gguf import GGUFValueType as V
+
+    from localinfer.model.kv import check_kv_type
+    from tests.support.ggufgen import write_tiny_model
+
+    plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=64, n_ff=128, ctx=512)
+    linear = write_tiny_model(tmp_path / "linear.gguf", n_embd=64, n_ff=128, ctx=512,
+                              extra_kv={"llama.rope.scale_linear": (4.0, V.FLOAT32)})
+    assert ModelSpec.from_gguf(plain).context_limit == 512 and ModelSpec.from_gguf(linear).context_limit is None
+    for argv, ok in ((["fit", str(plain), "--ctx", "512"], True), (["fit", str(plain), "--ctx", "513"], False),
+                     (["plan", str(plain), "--input", "500", "--output", "12"], True),
+                     (["plan", str(plain), "--input", "500", "--output", "13"], False),
+                     (["plan", str(linear), "--input", "500", "--output", "13"], True)):
+        code, _, err = run_cli(capsys, *argv, "--device", "h200")
+        assert (code == 0) == ok and ("trained context 512" in err) != ok, (argv, err)
+    for flag in ("--kv-type", "-ctk", "-ctv"):
+        code, _, err = run_cli(capsys, "fit", str(plain), flag, "f17", "--device", "h200")
+        want = pytest.raises(UsageError, check_kv_type, "f17", flag).value
+        assert code != 0 and f"error: {want}" in err and want.hint in err
+    code, out, _ = run_cli(capsys, "fit", str(plain), "-ctk", "Q8_0", "--device", "h200", "--json")
+    assert code == 0 and json.loads(out)["request"]["type_k"] == "q8_0" and json.loads(out)["request"]["type_v"] == "f16"
+
+
 def test_fit_text_reads_at_100_columns(capsys, model):
     code, out, err = run_cli(capsys, "fit", str(model), "--ctx", "8192", "--device", "small-gpu", "h200", "local")
     assert code == 0, err
