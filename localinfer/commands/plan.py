@@ -63,8 +63,8 @@ def _check_context(spec, n_ctx: int) -> None:
 def build(args: argparse.Namespace):
     """(spec, SpeedModel, Plan) for the parsed arguments."""
     from localinfer.devices.profiles import get_device
-    from localinfer.model.cost import kv_pair, model_cost
     from localinfer.generation.load import open_model
+    from localinfer.model.cost import kv_pair, model_cost
     from localinfer.plan.bench_import import load_bench
     from localinfer.plan.planner import candidate_configs, default_kv_budget, lookup_draft_length, plan
     from localinfer.plan.speculation import Drafting, model_drafting
