@@ -248,11 +248,29 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 # integer codes block by block: 8 lanes, each the exact integer sum of 4
 # neighbouring products, accumulated over the blocks with one FMA per block
 # (scale d_w·d_x), reduced by hsum_float_8; q4_1 adds Σ m_w · s_x in a scalar.
+# llamafile's tinyBLAS_Q0_AVX (q8_0 and q4_0 weights) sums in the same order.
+#
+# Q4_0 matrices with a multiple of 8 rows are different: llama.cpp (CPU_REPACK
+# buffer, on by default) repacks them into block_q4_0x8 and multiplies them with
+# ggml_gemm/gemv_q4_0_8x8_q8_0, where each output is one float32 lane: the whole
+# block's integer dot product, then one FMA per block with the float32 product
+# d_w·d_x, and no horizontal sum.  A tied output matrix is repacked too (llama.cpp
+# loads token_embd a second time as the output, a MUL_MAT weight); the embedding
+# lookup dequantizes, which is exact in either layout.
 
 _BLOCK = 32
 # block bytes, offset of the codes, and whether a min follows the scale
 _LAYOUT = {"Q8_0": (34, 2), "Q4_0": (18, 2), "Q4_1": (20, 4)}
 EMULATED_TYPES = frozenset(_LAYOUT)
+
+
+def repacked_by_llamacpp(name: str, type_name: str, rows: int) -> bool:
+    """Whether llama.cpp's x86 CPU backend multiplies this matrix with its repacked
+    gemm/gemv_q4_0_8x8_q8_0 kernels (ggml_repack_get_optimal_repack_type for AVX2: Q4_0
+    with rows % 8 == 0; every such matrix a MUL_MAT reads, token_embd as a tied output
+    included).  ``name`` is for the record: no emulated type depends on it today."""
+    del name
+    return type_name == "Q4_0" and rows % 8 == 0
 
 
 @dataclass(frozen=True)
@@ -265,9 +283,11 @@ class BlockMatrix:
     d: torch.Tensor
     m: torch.Tensor | None
     kind: str
+    repacked: bool = False      # multiplied as llama.cpp's repacked q4_0x8 kernels do (see repacked_by_llamacpp)
 
     @classmethod
-    def from_blocks(cls, raw, type_name: str, rows: int, device: torch.device | str = "cpu") -> BlockMatrix:
+    def from_blocks(cls, raw, type_name: str, rows: int, device: torch.device | str = "cpu",
+                    repacked: bool = False) -> BlockMatrix:
         """Parse a matrix's GGUF bytes (uint8, rows × row bytes)."""
         size, start = _LAYOUT[type_name]
         blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, size)
@@ -285,7 +305,7 @@ class BlockMatrix:
                 codes -= 8
         lanes = torch.from_numpy(codes).reshape(rows, nb * 8, 4).permute(1, 2, 0).contiguous()
         return cls(lanes.to(device), half(0).to(device), half(2).to(device) if type_name == "Q4_1" else None,
-                   type_name)
+                   type_name, repacked and type_name == "Q4_0")
 
     @property
     def codes(self) -> torch.Tensor:
@@ -331,7 +351,8 @@ def linear(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     step = max(1, _CHUNK_TERMS // (w.lanes.shape[0] * w.lanes.shape[2]))
-    parts = [_linear_rows(rows[i:i + step], w) for i in range(0, rows.shape[0], step)]
+    kernel = _linear_rows_repacked if w.repacked else _linear_rows
+    parts = [kernel(rows[i:i + step], w) for i in range(0, rows.shape[0], step)]
     out = torch.cat(parts) if parts else rows.new_zeros(0, w.lanes.shape[2])
     return out.reshape(*lead, w.lanes.shape[2])
 
@@ -355,6 +376,20 @@ def _linear_rows(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
             summs = summs + mins_s[ib]
         out = out + summs
     return out
+
+
+def _linear_rows_repacked(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
+    """gemm/gemv_q4_0_8x8_q8_0 (AVX2): per output, acc = fma(Σ_block x_q·w_q, d_w·d_x, acc) over the blocks."""
+    xq, dx, _ = quantize_q8(x, False)
+    t, nb = xq.shape[0], xq.shape[1]
+    n_out = w.lanes.shape[2]
+    dots = torch.bmm(xq.transpose(0, 1), w.lanes.reshape(nb, _BLOCK, n_out))          # [nb, t, out], exact
+    scale = (dx.t()[:, :, None] * w.d.t()[:, None, :]).double()                        # f32 d_w·d_x: exact
+    terms = scale * dots.double()                                                       # exact in float64
+    acc = terms[0].float()
+    for ib in range(1, nb):
+        acc = (acc + terms[ib]).float()
+    return acc
 
 
 # ---- SwiGLU --------------------------------------------------------------------------------------

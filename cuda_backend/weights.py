@@ -133,7 +133,9 @@ def load_weights(spec: ModelSpec, device: torch.device | str, dtype: torch.dtype
     def take(info: TensorInfo) -> None:
         if llamacpp_rounding and info.type.name in ggml_numerics.EMULATED_TYPES and len(info.shape) == 2:
             raw = _raw(spec.path, info, spec.file_size)
-            out[info.name] = ggml_numerics.BlockMatrix.from_blocks(raw, info.type.name, info.n_elements // info.shape[0], device)
+            rows = info.n_elements // info.shape[0]
+            out[info.name] = ggml_numerics.BlockMatrix.from_blocks(
+                raw, info.type.name, rows, device, ggml_numerics.repacked_by_llamacpp(info.name, info.type.name, rows))
             del raw
             return
         want = torch.float32 if len(info.shape) == 1 and not info.name.endswith(".bias") else dtype
