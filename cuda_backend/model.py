@@ -19,14 +19,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from localinfer.backends.engine import LoadPlan
+from localinfer.backends.llamacpp.memory import DEFAULT_OUTPUTS_MAX
 from localinfer.model.spec import ModelSpec
 
 from . import ggml_numerics, quant, rope
 from .kv_cache import KVCache
 from .weights import Packed, Weight
+
+# The llama.cpp backend's defaults for the logit rows per llama_decode and the tokens per
+# graph (n_outputs_max, LoadPlan.n_ubatch): the emulation cuts a prefill as it does.
+_LLAMACPP_OUTPUTS_MAX = DEFAULT_OUTPUTS_MAX
+_LLAMACPP_UBATCH = LoadPlan.__dataclass_fields__["n_ubatch"].default
 
 # llama.cpp converts queries to the K cache's dot-product type before Q·Kᵀ.
 _QUERY_ROUNDING = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q8_0"}
@@ -177,8 +185,13 @@ class Transformer:
             self.cos, self.sin = rope.tables(cfg.rope, n_pos, freq_factors, device)
             self.rope = rope.apply
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        if self.emulate:    # llama.cpp's 1.0f/sqrtf(n_embd_head), in float32 (an ulp below for head size 96)
+            self.scale = float(np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim)))
         # llama.cpp's context cells and threads, for the emulated decode kernel choice (see flash_attention)
         self.ggml_ctx_cells, self.ggml_threads = 0, 1
+        # how the llama.cpp backend cuts an eval chunk into graphs (see _ggml_pieces): at most
+        # ggml_outputs_max logit rows per llama_decode, at most ggml_ubatch tokens per graph
+        self.ggml_outputs_max, self.ggml_ubatch = _LLAMACPP_OUTPUTS_MAX, _LLAMACPP_UBATCH
         # torch's CPU SDPA costs milliseconds per call at decode sizes; plain matmuls do not.
         self.manual_attention = device.type == "cpu"
 
@@ -256,7 +269,46 @@ class Transformer:
 
     def prefill(self, tokens: torch.Tensor, start: int, cache: KVCache, seq: int,
                 out_rows: torch.Tensor | None) -> torch.Tensor:
-        """Append tokens [t] to sequence seq at positions start..; logits at out_rows."""
+        """Append tokens [t] to sequence seq at positions start..; logits at out_rows.
+
+        Emulating llama.cpp, the chunk runs as the llama.cpp backend runs it: one forward
+        per graph llama.cpp computes (see :meth:`_ggml_pieces`), since the kernels (the
+        flash-attention one above all) depend on how many rows a graph has."""
+        t = tokens.shape[0]
+        if not self.emulate or t == 1:
+            return self._prefill(tokens, start, cache, seq, out_rows)
+        rows = list(range(t)) if out_rows is None else [int(i) for i in out_rows.tolist()]
+        pieces = self._ggml_pieces(t, rows)
+        if len(pieces) == 1:
+            return self._prefill(tokens, start, cache, seq, out_rows)
+        got: dict[int, torch.Tensor] = {}
+        for lo, hi, mine in pieces:
+            sel = torch.tensor([i - lo for i in mine], dtype=torch.long, device=tokens.device)
+            logits = self._prefill(tokens[lo:hi], start + lo, cache, seq, sel)
+            got.update(zip(mine, logits))
+        if not rows:
+            return torch.zeros(0, self.cfg.vocab_size, device=tokens.device)
+        return torch.stack([got[i] for i in rows])
+
+    def _ggml_pieces(self, t: int, rows: list[int]) -> list[tuple[int, int, list[int]]]:
+        """The graphs llama.cpp computes for one eval chunk of t tokens with logits at rows:
+        (lo, hi, output rows) per graph.  The llama.cpp backend's _eval_chunk ends a
+        llama_decode after ggml_outputs_max output rows (the last of them included), and
+        llama_decode cuts its batch into ubatches of ggml_ubatch tokens."""
+        want = sorted(set(rows))
+        cap, ub = max(1, self.ggml_outputs_max), max(1, self.ggml_ubatch)
+        pieces, lo = [], 0
+        while lo < t:
+            ahead = [i for i in want if i >= lo]
+            hi = t if len(ahead) < cap else ahead[cap - 1] + 1
+            for u in range(lo, hi, ub):
+                v = min(u + ub, hi)
+                pieces.append((u, v, [i for i in want if u <= i < v]))
+            lo = hi
+        return pieces
+
+    def _prefill(self, tokens: torch.Tensor, start: int, cache: KVCache, seq: int,
+                 out_rows: torch.Tensor | None) -> torch.Tensor:
         t = tokens.shape[0]
         dev = self.device
         pos = torch.arange(start, start + t, device=dev)[None]
