@@ -42,9 +42,10 @@ def _read(t: _Tensor) -> np.ndarray:
 
 def capture(model_path: str, batches: list[list[int]], *, n_ctx: int = 256, threads: int = 1,
             flash_attn: bool = True, type_k: str = "f16", type_v: str = "f16",
-            names: tuple[str, ...] | None = None) -> list[dict[str, list[np.ndarray]]]:
+            names: tuple[str, ...] | None = None, all_logits: bool = False) -> list[dict[str, list[np.ndarray]]]:
     """The F32/F16 tensors of each decode of ``batches`` (one llama_decode per list):
-    all of them, or those whose name is in ``names``."""
+    all of them, or those whose name is in ``names``.  ``all_logits`` asks for logits at
+    every position (otherwise only the last), so the last layer keeps all its rows."""
     seen: dict[str, list[np.ndarray]] = {}
 
     def on_tensor(ptr, ask, _user):
@@ -68,14 +69,22 @@ def capture(model_path: str, batches: list[list[int]], *, n_ctx: int = 256, thre
     cp.cb_eval, cp.cb_eval_user_data = callback, None
     ctx = _L.llama_init_from_model(model, cp)
     out = []
+    batch = _L.llama_batch_init(max(map(len, batches), default=1), 0, 1)
+    start = 0
     try:
         for tokens in batches:
             seen = {}
-            arr = (_L.llama_token * len(tokens))(*tokens)
-            if _L.llama_decode(ctx, _L.llama_batch_get_one(arr, len(tokens))) != 0:
+            for i, token in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, start + i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = all_logits or i == len(tokens) - 1
+            batch.n_tokens = len(tokens)
+            if _L.llama_decode(ctx, batch) != 0:
                 raise RuntimeError("llama_decode failed")
+            start += len(tokens)
             out.append(seen)
     finally:
+        _L.llama_batch_free(batch)
         _L.llama_free(ctx)
         _L.llama_model_free(model)
     return out

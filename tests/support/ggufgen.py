@@ -146,6 +146,7 @@ def write_tiny_model(
     overrides: dict[str, GGMLQuantizationType] | None = None,
     extra_kv: dict | None = None,
     seed: int = 0,
+    n_extra_tokens: int = 0,
 ) -> Path:
     """A random-weight llama / qwen2 / qwen3 model that llama.cpp loads and tokenizes.
 
@@ -155,11 +156,15 @@ def write_tiny_model(
     or n_ff: keep them multiples of 256 for K-quants), the output matrix
     output_qtype (default qtype) unless tied; ``overrides`` maps a name fragment
     (``"ffn_down"``, ``"token_embd"``) to the type of the matrices whose names contain it.
+    ``n_extra_tokens`` appends that many control tokens (to choose the vocabulary size).
     """
     rng = np.random.default_rng(seed)
     path = Path(path)
     head_dim = n_embd // n_head
     tokens, types, merges = byte_level_vocab()
+    n_base = len(tokens)
+    tokens += [f"<|extra_{i}|>" for i in range(n_extra_tokens)]
+    types += [3] * n_extra_tokens
     n_vocab = len(tokens)
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
@@ -175,8 +180,8 @@ def write_tiny_model(
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(n_vocab - 2)
-    w.add_eos_token_id(n_vocab - 1)
+    w.add_bos_token_id(n_base - 2)
+    w.add_eos_token_id(n_base - 1)
     w.add_add_bos_token(False)
     for key, value in (extra_kv or {}).items():
         w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else w.add_string(key, value)
