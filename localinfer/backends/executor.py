@@ -2,9 +2,11 @@
 
 A step is one batch: for each scheduled request its sequence slot, the new
 tokens to append at consecutive positions from ``start``, and whether the last
-new token's logits are wanted.  The executor appends every chunk in one forward
-pass (llama.cpp: one ``llama_decode`` whose tokens carry their own sequence id)
-and returns one logits row per chunk that asked for it.
+new token's logits are wanted (``n_logits`` > 1: the last n_logits tokens', as a
+speculative step verifying drafts needs).  The executor appends every chunk in one
+forward pass (llama.cpp: one ``llama_decode`` whose tokens carry their own
+sequence id) and returns, per chunk that asked, one logits row (``n_logits`` 1)
+or an ``[n_logits, n_vocab]`` array.
 
 Sequence slots are small integers below ``n_slots``.  ``copy`` makes a slot share
 another's first tokens without recomputing them (a prefix-cache hit; llama.cpp:
@@ -33,6 +35,7 @@ class Chunk:
     tokens: tuple[int, ...]
     start: int                # position of tokens[0]: how many tokens the slot already holds
     logits: bool = False      # return the logits row of the last new token
+    n_logits: int = 1         # with logits: rows for this many of the last new tokens (an array when > 1)
     blocks: tuple[int, ...] = ()  # the slot's block table after this step, for paging executors; others ignore it
 
 
@@ -73,6 +76,8 @@ def check_chunks(chunks: Sequence, n_slots: int, n_vocab: int, capacity: int, hi
         seen.add(c.slot)
         if not c.tokens:
             raise ValueError(f"slot {c.slot}: a chunk needs at least one token")
+        if c.logits and not 1 <= c.n_logits <= len(c.tokens):
+            raise ValueError(f"slot {c.slot}: n_logits {c.n_logits} must lie in 1..{len(c.tokens)} (the new tokens)")
         if any(not 0 <= t < n_vocab for t in c.tokens):
             raise ValueError(f"slot {c.slot}: token ids must lie in 0..{n_vocab - 1}")
         end = c.start + len(c.tokens)

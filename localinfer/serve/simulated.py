@@ -58,9 +58,11 @@ class SimulatedExecutor:
             cells.extend(next(self._ids) for _ in ch.tokens)
             self._last[ch.slot] = ch.tokens[-1]
             if ch.logits:
-                row = np.zeros(self.n_vocab, dtype=np.float32)
-                row[self.token_for(ch.tokens[-1], ch.start + len(ch.tokens))] = 1.0
-                out[ch.slot] = row
+                n = len(ch.tokens)
+                rows = np.zeros((ch.n_logits, self.n_vocab), dtype=np.float32)
+                for i, j in enumerate(range(n - ch.n_logits, n)):
+                    rows[i, self.token_for(ch.tokens[j], ch.start + j + 1)] = 1.0
+                out[ch.slot] = rows[0] if ch.n_logits == 1 else rows
         return out
 
     def copy(self, src: int, dst: int, n_tokens: int) -> None:

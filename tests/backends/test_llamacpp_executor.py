@@ -160,6 +160,19 @@ def test_a_step_split_over_several_decodes_is_undone_whole(default_model):
         assert ex.cells_used() == 160 and ex.slot_len(0) == 160 and ex.slot_len(1) == 0
 
 
+def test_several_logit_rows_of_one_chunk_equal_the_rows_of_one_token_steps(ex):
+    """A speculative step verifies pending + drafts in one chunk with ``n_logits`` rows: each row is what
+    decoding that token alone gives (fewer than 64 rows: the same attention kernel)."""
+    p, forced = _tokens(ex, PROMPTS[1]), (1, 42, 7)
+    alone = _alone(ex, p, forced)
+    rows = ex.step([Chunk(0, p + forced, 0, True, n_logits=len(forced) + 1)])[0]
+    assert rows.shape == (len(forced) + 1, ex.n_vocab)
+    assert all(np.array_equal(rows[i], alone[i]) for i in range(len(forced) + 1))
+    ex.drop(0)
+    one = ex.step([Chunk(0, p, 0, True, n_logits=1)])[0]
+    assert one.shape == (ex.n_vocab,) and np.array_equal(one, alone[0])
+
+
 def test_bad_chunks_are_refused_before_llama_cpp_sees_them(ex):
     with pytest.raises(ValueError, match="cannot start"):
         ex.step([Chunk(0, (1, 2), 3)])
@@ -169,6 +182,9 @@ def test_bad_chunks_are_refused_before_llama_cpp_sees_them(ex):
         ex.step([Chunk(9, (1,), 0)])
     with pytest.raises(ValueError, match="token ids"):
         ex.step([Chunk(0, (ex.n_vocab,), 0)])
+    for n in (0, 3):
+        with pytest.raises(ValueError, match="n_logits"):
+            ex.step([Chunk(0, (1, 2), 0, True, n_logits=n)])
     with pytest.raises(ValueError, match="holds 0"):
         ex.copy(0, 1, 3)
     assert ex.cells_used() == 0

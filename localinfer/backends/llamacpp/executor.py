@@ -110,10 +110,11 @@ class LlamaCppExecutor:
         if not chunks:
             return {}
         groups = _pack(chunks, self.n_batch, self.n_outputs_max)
-        out: dict[int, np.ndarray] = {}
+        got: dict[int, list[np.ndarray]] = {}
         try:
             for rows in groups:
-                out.update(self._decode(rows))
+                for slot, row in self._decode(rows):
+                    got.setdefault(slot, []).append(row)
         except ContextFullError as exc:
             self._rollback(chunks)
             need = sum(len(c.tokens) for c in chunks)
@@ -128,7 +129,7 @@ class LlamaCppExecutor:
         for c in chunks:
             self._len[c.slot] = c.start + len(c.tokens)
         self.steps += 1
-        return out
+        return {c.slot: got[c.slot][0] if c.n_logits == 1 else np.stack(got[c.slot]) for c in chunks if c.logits}
 
     def copy(self, src: int, dst: int, n_tokens: int) -> None:
         """Slot ``dst`` (empty) shares positions [0, n_tokens) of ``src``: llama_memory_seq_cp, no recompute."""
@@ -179,7 +180,7 @@ class LlamaCppExecutor:
         return parse_kv_state(self._state_blob(), self.n_slots, self._ext_bytes)
 
     # ---- internals ------------------------------------------------------------
-    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> dict[int, np.ndarray]:
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> list[tuple[int, np.ndarray]]:
         eng = self.engine
         tokens, pos, seqs, want = zip(*rows)
         eng.fill_batch(tokens, pos, seqs, want)
@@ -190,9 +191,9 @@ class LlamaCppExecutor:
             self.decode_seconds += time.perf_counter() - t0
         at = [i for i, w in enumerate(want) if w]
         if not at:
-            return {}
+            return []
         logits = eng.logit_rows(at)
-        return {seqs[i]: logits[k] for k, i in enumerate(at)}
+        return [(seqs[i], logits[k]) for k, i in enumerate(at)]
 
     def _rollback(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
@@ -290,7 +291,7 @@ def _pack(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[list[tu
     for c in chunks:
         last = len(c.tokens) - 1
         for i, t in enumerate(c.tokens):
-            w = c.logits and i == last
+            w = c.logits and i > last - c.n_logits
             if len(groups[-1]) == n_batch or (w and outs == n_outputs):
                 groups.append([])
                 outs = 0
