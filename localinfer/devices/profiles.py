@@ -29,6 +29,7 @@ from typing import Any
 
 from localinfer.errors import ProfileError, UsageError
 from localinfer.units import GB, GiB, parse_size
+from localinfer.util.files import MISSING, NOT_REGULAR, TOO_LARGE, read_capped
 
 KINDS = ("cuda", "metal", "cpu")
 LOCAL_NAME = "local"
@@ -259,15 +260,17 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
 def load_profile_file(path: str | os.PathLike) -> DeviceProfile:
     """Parse one TOML profile file."""
     path = Path(path)
+
+    def refuse(problem: str, exc: OSError | None) -> ProfileError:
+        if problem in (MISSING, NOT_REGULAR):   # a FIFO named *.toml would block, /dev/zero never end
+            return ProfileError(f"profile {path}: not a regular file", path=str(path), hint="remove it")
+        if problem == TOO_LARGE:
+            return ProfileError(f"profile {path}: over {MAX_PROFILE_BYTES >> 10} KiB; a profile is a few keys",
+                                path=str(path), hint="fix the file (schema: localinfer/profiles/README.md) or remove it")
+        return ProfileError(f"profile {path}: cannot read: {exc}", path=str(path))
+
     try:
-        if not path.is_file():  # a FIFO named *.toml would block, /dev/zero never end
-            raise ProfileError(f"profile {path}: not a regular file", path=str(path), hint="remove it")
-        with open(path, "rb") as f:
-            raw = f.read(MAX_PROFILE_BYTES + 1)
-        if len(raw) > MAX_PROFILE_BYTES:
-            raise ProfileError(f"profile {path}: over {MAX_PROFILE_BYTES >> 10} KiB; a profile is a few keys",
-                               path=str(path), hint="fix the file (schema: localinfer/profiles/README.md) or remove it")
-        data = tomllib.loads(raw.decode("utf-8"))
+        data = tomllib.loads(read_capped(path, MAX_PROFILE_BYTES, refuse).decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(f"profile {path}: not valid TOML: {exc}", path=str(path),
                            hint="fix the file (schema: localinfer/profiles/README.md) or remove it") from None

@@ -20,6 +20,7 @@ from localinfer.generation.runner import Runner
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 from localinfer.model.templates import check_messages
 from localinfer.util.atomic import atomic_write, check_writable
+from localinfer.util.files import NOT_REGULAR, TOO_LARGE, read_capped
 from localinfer.util.signals import Terminated, waiting_for_input
 
 PROMPT = ">>> "
@@ -290,15 +291,14 @@ def _read_message(read: Callable[[str], str]) -> str:
 
 def read_transcript(path: str) -> tuple[list[dict], str | None]:
     """(messages, system) from a /save file; raises UsageError naming what is wrong."""
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise UsageError(f"{path} is not a regular file", hint="give a transcript written by /save")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TRANSCRIPT_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    if len(data) > MAX_TRANSCRIPT_BYTES:
-        raise UsageError(f"{path} is over {MAX_TRANSCRIPT_BYTES >> 20} MiB")
+    def refuse(problem: str, exc: OSError | None) -> UsageError:
+        if problem == NOT_REGULAR:
+            return UsageError(f"{path} is not a regular file", hint="give a transcript written by /save")
+        if problem == TOO_LARGE:
+            return UsageError(f"{path} is over {MAX_TRANSCRIPT_BYTES >> 20} MiB")
+        return UsageError(f"cannot read {path}: {exc.strerror}")
+
+    data = read_capped(path, MAX_TRANSCRIPT_BYTES, refuse)
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 
 from localinfer.errors import UsageError
 from localinfer.plan.calibration import Calibration, DecodeSample, PrefillSample
+from localinfer.util.files import NOT_REGULAR, TOO_LARGE, read_capped
 
 MAX_BENCH_BYTES = 16 << 20
 
@@ -84,16 +84,14 @@ def from_localinfer_bench(data: dict, path="<data>") -> Calibration:
 
 def load_bench(path: str | os.PathLike) -> Calibration:
     """A Calibration from a bench result file (format detected from its content)."""
-    p = Path(path)
-    if p.exists() and not p.is_file():
-        raise _bad(path, "not a regular file; not a bench result")
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(MAX_BENCH_BYTES + 1)
-    except OSError as exc:
-        raise _bad(path, f"cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_BENCH_BYTES:
-        raise _bad(path, f"larger than {MAX_BENCH_BYTES >> 20} MiB; not a bench result")
+    def refuse(problem: str, exc: OSError | None) -> UsageError:
+        if problem == NOT_REGULAR:
+            return _bad(path, "not a regular file; not a bench result")
+        if problem == TOO_LARGE:
+            return _bad(path, f"larger than {MAX_BENCH_BYTES >> 20} MiB; not a bench result")
+        return _bad(path, f"cannot read: {exc.strerror or exc}")
+
+    raw = read_capped(path, MAX_BENCH_BYTES, refuse)
     text = raw.decode("utf-8", errors="replace").strip()
     try:
         data = json.loads(text)
