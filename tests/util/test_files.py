@@ -72,8 +72,7 @@ def test_each_reader_keeps_its_messages(tmp_path, no_blocking):
     cases = [
         (load_profile_file, ProfileError, fifo, f"profile {fifo}: not a regular file"),
         (load_profile_file, ProfileError, absent, f"profile {absent}: not a regular file"),
-        (load_profile_file, ProfileError, big, f"profile {big}: over {MAX_PROFILE_BYTES >> 10} KiB; a profile is a "
-                                               "few keys"),
+        (load_profile_file, ProfileError, big, f"profile {big}: over {MAX_PROFILE_BYTES >> 10} KiB; a profile is a few keys"),
         (load_bench, UsageError, fifo, f"--bench {fifo}: not a regular file; not a bench result"),
         (load_bench, UsageError, absent, f"--bench {absent}: cannot read: No such file or directory"),
         (load_bench, UsageError, big, f"--bench {big}: larger than 16 MiB; not a bench result"),
