@@ -21,8 +21,9 @@ samples the first reply token from them, and starts with that token as
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -42,6 +43,35 @@ class Sampler(Protocol):
 
     def sample_from(self, probs: np.ndarray) -> int:
         """Draw one token from an already-final distribution (uses the sampler's RNG)."""
+
+
+class History(Sequence):
+    """``base[:n] + extra``, the history a sampler reads, without copying the context.
+
+    A sampler reads at most its last ``repeat_last_n`` tokens; a slice copies only what it covers.
+    """
+
+    __slots__ = ("_base", "_extra", "_n")
+
+    def __init__(self, base: list[int], n: int, extra: list[int]):
+        self._base, self._n, self._extra = base, n, extra
+
+    def __len__(self) -> int:
+        return self._n + len(self._extra)
+
+    def __getitem__(self, i):
+        n = self._n
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            head = self._base[start:min(stop, n)] if start < n else []
+            return head + self._extra[max(start - n, 0):max(stop - n, 0)]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._base[i] if i < n else self._extra[i - n]
 
 
 @dataclass
@@ -103,7 +133,7 @@ class PlainDecoder:
         t0 = time.perf_counter()
         logits = engine.eval([pending], seq=seq)[0]
         t1 = time.perf_counter()
-        token = sampler.sample(logits, [*context, pending])
+        token = sampler.sample(logits, History(context, len(context), [pending]))
         self.stats.rounds += 1
         self.stats.emitted += 1
         self.stats.eval_seconds += t1 - t0

@@ -38,7 +38,7 @@ from statistics import median
 
 from localinfer.backends.engine import Engine
 from localinfer.errors import UsageError
-from localinfer.generation.decoding import DecodeStats, Sampler
+from localinfer.generation.decoding import DecodeStats, History, Sampler
 from localinfer.plan.speculation import MAX_DRAFT, choose_draft_length
 
 
@@ -123,32 +123,6 @@ class NgramIndex:
             q = p + len(out)
             out.append(toks[q] if q < size else out[q - size])
         return out
-
-
-class _History(Sequence):
-    """``tokens[:n] + extra[:m]`` without copying the context (handed to the sampler)."""
-
-    __slots__ = ("_base", "_extra", "_n")
-
-    def __init__(self, base: list[int], n: int, extra: list[int]):
-        self._base, self._n, self._extra = base, n, extra
-
-    def __len__(self) -> int:
-        return self._n + len(self._extra)
-
-    def __getitem__(self, i):
-        n = self._n
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            head = self._base[start:min(stop, n)] if start < n else []
-            return head + self._extra[max(start - n, 0):max(stop - n, 0)]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self._base[i] if i < n else self._extra[i - n]
 
 
 class CostModel:
@@ -393,7 +367,7 @@ class LookupDecoder:
         base, n = self.index.tokens, len(self.index.tokens)
         out: list[int] = []
         for i in range(len(draft) + 1):
-            tok = sampler.sample(rows[i], _History(base, n, out))
+            tok = sampler.sample(rows[i], History(base, n, out))
             out.append(tok)
             if i == len(draft) or tok != draft[i]:
                 break

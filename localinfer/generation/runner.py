@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from localinfer.backends.engine import Engine
 from localinfer.errors import ContextFullError, LocalinferError, UsageError
-from localinfer.generation.decoding import Decoder, DecodeStats, PlainDecoder
+from localinfer.generation.decoding import Decoder, DecodeStats, History, PlainDecoder
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 from localinfer.generation.text import ReplyText, check_stops
 from localinfer.util.stats import percentile
@@ -234,7 +234,7 @@ class Runner:
 def _plain_step(engine, context, pending, sampler, seq, stats: DecodeStats) -> list[int]:
     t0 = time.perf_counter()
     logits = engine.eval([pending], seq=seq)[0]
-    token = sampler.sample(logits, [*context, pending])
+    token = sampler.sample(logits, History(context, len(context), [pending]))
     stats.rounds += 1
     stats.emitted += 1
     stats.round_times.append(time.perf_counter() - t0)

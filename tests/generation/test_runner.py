@@ -8,8 +8,8 @@ from localinfer.backends.registry import load_engine
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.generation.decoding import PlainDecoder
 from localinfer.generation.runner import Runner
-from localinfer.generation.text import split_stop
 from localinfer.generation.sampling import SamplingParams
+from localinfer.generation.text import split_stop
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain is"
@@ -160,3 +160,24 @@ def test_prompt_lookup_decoder_runs_through_the_same_path(engine, runner):
     assert spec.tokens == plain.tokens
     assert spec.stats is dec.stats and dec.stats.drafted > 0 and dec.stats.rounds < 12
     assert engine.kv_len() == len(runner.cached()) == len(prompt) + 11
+
+
+def test_each_step_hands_the_sampler_a_view_of_the_history_not_a_copy():
+    from tests.support.fakes import ScriptedEngine
+
+    seen = []
+
+    class Spy:
+        greedy = True
+
+        def sample(self, logits, history):
+            seen.append((history, list(history[-3:]), len(history)))
+            return int(np.argmax(logits))
+
+    eng = ScriptedEngine(lambda toks: np.eye(8)[(toks[-1] + 1) % 8], 8)
+    out = Runner(eng).generate([1, 2, 3, 4], sampler=Spy(), max_tokens=5)
+    assert out.tokens == [5, 6, 7, 0, 1]
+    full = [1, 2, 3, 4, *out.tokens]
+    assert [(tail, n) for _, tail, n in seen] == [(full[n - 3:n], n) for n in range(4, 9)]
+    assert all(not isinstance(h, list) for h, _, _ in seen[1:])     # decode steps: no copy of the context
+
