@@ -61,7 +61,7 @@ class PrefixHashes:
     shorter sequence; a manager with another block size or hash function starts over.
     """
 
-    __slots__ = ("values", "_key")
+    __slots__ = ("_key", "values")
 
     def __init__(self):
         self.values: list[int] = []
