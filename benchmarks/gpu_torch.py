@@ -15,12 +15,47 @@ cache contents are zeros, which costs the same as real keys.
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import json
+import os
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+WHEEL_DIRS = (".whl", "benchmarks/wheels")     # where ensure_gguf looks for a carried gguf wheel
+
+
+def ensure_gguf() -> str | None:
+    """Make ``gguf`` importable (localinfer reads its constants through gguf_tools).  A GPU machine without it
+    (and without internet) gets it from a carried pure-Python wheel: ``$GGUF_WHEEL`` (a file or a folder) or
+    ``.whl/`` / ``benchmarks/wheels/`` in the checkout, unpacked into a temporary folder put on sys.path.
+    The wheel's path, or None when gguf was installed already."""
+    try:
+        import gguf  # noqa: F401
+        return None
+    except ImportError:
+        pass
+    places = [os.environ.get("GGUF_WHEEL", "")] + [str(ROOT / d) for d in WHEEL_DIRS]
+    for place in filter(None, places):
+        wheels = [place] if os.path.isfile(place) else sorted(glob.glob(os.path.join(place, "gguf-*.whl")))
+        for whl in wheels:
+            if os.path.isfile(whl):
+                target = tempfile.mkdtemp(prefix="gguf-wheel-")
+                with zipfile.ZipFile(whl) as z:
+                    z.extractall(target)
+                sys.path.insert(0, target)
+                importlib.invalidate_caches()
+                return whl
+    raise SystemExit("the gguf package is missing and no wheel was found: here, `python3 -m pip download --no-deps "
+                     "-d .whl gguf` (pure Python), then carry .whl (or set GGUF_WHEEL)")
+
+
+GGUF_WHEEL = ensure_gguf()
 
 import torch
 
@@ -31,6 +66,17 @@ from cuda_backend.rope import RopeConfig
 
 QWEN3_8B = {"n_layers": 36, "n_embd": 4096, "n_head": 32, "n_head_kv": 8, "head_dim": 128, "n_ff": 12288, "vocab_size": 151936}
 TINY = {"n_layers": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 512, "vocab_size": 1024}
+
+
+def device_profile(name: str):
+    """The device profile by name; from the checkout's profiles/ when localinfer is not installed (the
+    built-in profiles are the package ``localinfer.profiles`` only in an installed copy)."""
+    from localinfer.devices.profiles import get_device, load_profile_file
+
+    try:
+        return get_device(name)
+    except ModuleNotFoundError:
+        return load_profile_file(ROOT / "profiles" / f"{name}.toml")
 
 
 def make_config(dims: dict) -> ModelConfig:
@@ -189,9 +235,7 @@ def main() -> None:
     prefill_n = 64 if args.tiny else args.prefill
     dtype = torch.bfloat16
 
-    from localinfer.devices.profiles import get_device
-
-    prof = get_device(args.profile)
+    prof = device_profile(args.profile)
     beta, peak = prof.bandwidth_bytes_per_s, prof.bf16_flops
     cfg = make_config(dims)
     weights = random_weights(cfg, device, dtype)

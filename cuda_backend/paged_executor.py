@@ -40,7 +40,7 @@ import torch
 from localinfer.backends.executor import check_chunks, check_slot
 from localinfer.errors import ContextFullError, UsageError
 
-from .memory import graph_batches
+from .memory import graph_batches as default_graph_batches
 from .model import Transformer
 from .paged_graphs import PagedGraphs, StepView
 from .paged_kv import BlockAllocator, PagedKVPool, token_slots
@@ -51,10 +51,12 @@ class PagedExecutor:
 
     def __init__(self, model: Transformer, *, n_slots: int, num_blocks: int, block_size: int = 16,
                  type_k: str = "f16", type_v: str = "f16", max_model_len: int | None = None,
-                 cuda_graphs: bool | None = None, padded_decode: bool = False, external_blocks: bool = False):
+                 cuda_graphs: bool | None = None, padded_decode: bool = False, external_blocks: bool = False,
+                 graph_batches: Sequence[int] | None = None):
         """``max_model_len``: most positions a slot holds (default: the model's RoPE tables).
-        ``cuda_graphs`` (default: on CUDA) captures decode steps; ``padded_decode`` runs them through
-        the same padded path eagerly (the CPU check of it).  ``external_blocks``: every chunk brings
+        ``cuda_graphs`` (default: on CUDA) captures decode steps at ``graph_batches`` (default
+        ``memory.graph_batches(n_slots)``, what ``fit --backend torch`` counts); ``padded_decode`` runs them
+        through the same padded path eagerly (the CPU check of it).  ``external_blocks``: every chunk brings
         its block table (``restores_cached_prefix``: a chunk may start past what its slot holds)."""
         if model.emulate:
             raise UsageError("llamacpp_rounding is a verification mode of TorchEngine, not of the serving executor",
@@ -76,7 +78,8 @@ class PagedExecutor:
         self.alloc = BlockAllocator(num_blocks)
         self.tables: list[list[int]] = [[] for _ in range(n_slots)]
         self.lens = [0] * n_slots
-        self.graphs = PagedGraphs(model, self.pool, self.max_blocks, graph_batches(n_slots)) if use_graphs else None
+        batches = tuple(graph_batches) if graph_batches is not None else default_graph_batches(n_slots)
+        self.graphs = PagedGraphs(model, self.pool, self.max_blocks, batches) if use_graphs else None
         self.max_mask_elements = 1 << 26   # a step whose attention mask would be larger runs in several forwards
         self.forward_seconds = 0.0      # inside the model's forward or graph replay (overhead: wall - this)
         self.steps = 0

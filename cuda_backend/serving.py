@@ -23,11 +23,10 @@ import torch
 from gguf_tools import read_header
 from localinfer.backends.engine import LoadPlan
 from localinfer.model.spec import ModelSpec
+from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
 
 from .engine import pick_device, pick_dtype
 from .kv_cache import padded_tokens
-from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
-
 from .memory import TORCH_BLOCK_TOKENS, torch_budget_blocks, torch_graph_bytes, torch_pool_blocks
 from .model import ModelConfig, Transformer
 from .paged_executor import PagedExecutor
