@@ -6,10 +6,12 @@ before each matmul, so one ulp on the wrong side of a rounding tie moves a
 value by a whole step and the models drift apart.  To follow llama.cpp token
 for token, the torch backend's ``llamacpp_rounding`` mode reproduces how
 ggml's CPU kernels round, not just what they compute.  Each piece was checked
-against tensors captured from llama.cpp's graph (tests/ggml_capture.py):
+against tensors captured from llama.cpp's graph (tests/support/ggml_capture.py):
 
 * matmuls with q4_0/q4_1/q8_0 weights (:func:`linear`): activations quantized
   to q8_0/q8_1 blocks, integer lane sums, one FMA per block, ``hsum_float_8``;
+  Q4_0 matrices with a multiple of 8 rows as llama.cpp repacks them (q4_0x8:
+  whole-block integer dots, one FMA per block, no lane sum);
 * SwiGLU (:func:`swiglu`) with ``ggml_v_expf``, ggml's vectorised exp;
 * RoPE (:func:`rope_tables`, :func:`rope_apply`): θ multiplied up in float32,
   libm's cosf/sinf, the rotation contracted to FMAs;
@@ -20,15 +22,28 @@ against tensors captured from llama.cpp's graph (tests/ggml_capture.py):
   token over a KV view of 512+ cells, the split kernel: one chunk per thread,
   partial results merged in thread order.
 
+The kernel llama.cpp picks depends on the graph's shape, so the model runs a
+prefill in the graphs the llama.cpp backend computes (cuda_backend/model.py,
+``Transformer._ggml_pieces``: a llama_decode ends after 64 logit rows, a batch
+runs in ubatches), and scales scores by llama.cpp's float32 ``1.0f/sqrtf(d)``.
+Checked on every row of 300- to 1100-token prompts on generated llama, qwen2 and
+qwen3 files (head sizes 16 to 256, grouped and plain KV heads, Q/K norms, biases,
+rope_freqs, tied and untied outputs, 1 to 3 threads) and on the embedded model
+(tests/cuda_backend/test_torch_llamacpp_exact*.py, benchmarks/llamacpp_exact.py).
+
 float64 stands in for FMA: the products here (f16·f32, f32·f32, f16·f16·int)
 are exact in float64, so one rounding to float32 afterwards is the FMA's
 single rounding.  Two torch traps matter at this precision: ``torch.sqrt`` on
 the CPU is not correctly rounded (``torch.rsqrt`` matches ``1.0f/sqrtf``), and
 ``scalar / tensor`` is a reciprocal times the scalar (``full_like(t, c) / t`` is
 a true division).  Not reproduced: matmuls with K-quant and F16 weights (their
-activations are rounded, the dot order is not), several sequences decoded in one
-llama.cpp batch, and other CPUs' kernels (AVX-512 and ARM NEON sum in other
-orders; :func:`kernel_mismatch` says when the installed build is one of them).
+activations are rounded, the dot order is not), attention without flash attention
+or on a quantized KV cache, YaRN RoPE, several sequences decoded in one llama.cpp
+batch, a llama.cpp backend run with an ``n_ubatch`` or ``n_outputs_max`` other than
+the defaults (the torch engine does not hand them to the model: set
+``Transformer.ggml_ubatch`` / ``ggml_outputs_max``), and other CPUs' kernels (AVX-512
+and ARM NEON sum in other orders; :func:`kernel_mismatch` says when the installed
+build is one of them).
 """
 
 from __future__ import annotations
@@ -381,7 +396,7 @@ def _linear_rows(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
 def _linear_rows_repacked(x: torch.Tensor, w: BlockMatrix) -> torch.Tensor:
     """gemm/gemv_q4_0_8x8_q8_0 (AVX2): per output, acc = fma(Σ_block x_q·w_q, d_w·d_x, acc) over the blocks."""
     xq, dx, _ = quantize_q8(x, False)
-    t, nb = xq.shape[0], xq.shape[1]
+    nb = xq.shape[1]
     n_out = w.lanes.shape[2]
     dots = torch.bmm(xq.transpose(0, 1), w.lanes.reshape(nb, _BLOCK, n_out))          # [nb, t, out], exact
     scale = (dx.t()[:, :, None] * w.d.t()[:, None, :]).double()                        # f32 d_w·d_x: exact

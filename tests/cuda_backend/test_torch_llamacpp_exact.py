@@ -7,9 +7,18 @@ exp, its RoPE table, its RMS-norm rounding and its flash-attention kernels
 (f16 running output for fewer than 64 query rows, the tiled float32 kernel
 for more, the split-KV kernel for one token over 512+ cells on several threads).  So the logits are not close to llama.cpp's: they are the same
 float32 numbers.  The kernels are checked one by one on tensors captured from
-llama.cpp's own graph (tests/ggml_capture.py), and the whole model on the
+llama.cpp's own graph (tests/support/ggml_capture.py), and the whole model on the
 embedded SmolLM2 Q4_1 file (f16 KV cache, flash attention on, the llama.cpp
-backend's defaults).
+backend's defaults); generated models of other shapes and prompts past 256
+tokens, every row, are in test_torch_llamacpp_exact_models.py.
+
+They run only when the loaded llama.cpp uses the x86 AVX2 kernels the emulation
+reproduces (``kernel_mismatch()`` is None).  llama-cpp-python's own wheel is built
+for the machine it was built on, AVX-512 where the CPU has it; point it at an
+AVX2-only build of its vendored llama.cpp to run them there (how to build one: the
+docstring of test_torch_llamacpp_exact_models.py)::
+
+    LLAMA_CPP_LIB_PATH=/path/to/avx2/build/bin pytest tests/cuda_backend/ -k llamacpp_exact
 """
 
 from __future__ import annotations
@@ -136,3 +145,20 @@ def test_logits_equal_llamacpp_through_prefill_and_decode(default_model, threads
             a, b = ours.eval([token])[0], ref.eval([token])[0]
             assert np.array_equal(a, b), f"decode at {ours.kv_len()}: max |d| {np.abs(a - b).max()}"
             token = int(b.argmax())
+
+
+@pytest.mark.slow
+def test_every_row_of_a_289_token_prompt_equals_llamacpp(default_model):
+    """The case that once failed: logits at every position of a 289-token prompt in one eval
+    (1 thread, n_ctx 1024).  The llama.cpp backend asks at most 64 rows per llama_decode, so
+    rows 256-288 run as a 33-row graph, the one-row attention kernel; the torch model used to
+    run all 289 rows through the tiled one (rows 256 on differed by up to 1.0)."""
+    kw = {"n_ctx": 1024, "n_threads": 1, "flash_attn": True}
+    ours = load_engine(LoadPlan(str(default_model), options={"quiet": True, "llamacpp_rounding": True}, **kw), "torch")
+    ref = load_engine(LoadPlan(str(default_model), options={"quiet": True}, **kw), "llama.cpp")
+    with ours, ref:
+        ids = ref.tokenize(TEXT * 20)[:289]
+        assert len(ids) == 289
+        every = list(range(289))
+        a, b = ours.eval(ids, logits_at=every), ref.eval(ids, logits_at=every)
+        assert np.array_equal(a, b), f"rows {np.nonzero((a != b).any(-1))[0][:5].tolist()}...: max |d| {np.abs(a - b).max()}"

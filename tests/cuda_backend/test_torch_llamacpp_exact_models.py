@@ -4,8 +4,9 @@ Random-weight GGUFs (tests/support/ggufgen.py) in the emulated weight types and
 shapes the embedded model does not have: Q4_0 matrices that llama.cpp repacks
 (its q4_0x8 gemm/gemv kernels, a different sum order than vec_dot), an untied
 and a tied output matrix, qwen3's per-head Q/K norms, qwen2's biases, head
-sizes 32, 64, 80 (not a multiple of the 32-wide f16 loop), 96 and 128, grouped
-and ungrouped KV heads.  Each runs a 300-token prompt in one eval with logits at
+sizes 16, 32, 64, 80 (not a multiple of the 32-wide f16 loop), 96 (whose
+1/sqrt(d) rounds an ulp apart in double and in float32), 128 and 256, grouped
+and ungrouped KV heads, Llama 3's rope_freqs.  Each runs a 300-token prompt in one eval with logits at
 every position (n_ctx 1024, flash attention on, f16 KV cache, as the llama.cpp
 backend runs it: the later llama_decode calls see a 512-cell KV view and the
 last one has fewer than 64 rows, so the one-row attention kernel), then decode
@@ -43,17 +44,23 @@ TEXT = "The quick brown fox jumps over the lazy dog near the river bank while th
 # name: write_tiny_model arguments (head size = n_embd / n_head)
 SHAPES = {
     # Q4_0 everywhere, 264-token vocabulary: every matrix, the output one included, is repacked
-    "llama-q4_0-hd64": dict(arch="llama", qtype=Q.Q4_0, n_embd=256, n_head=4, n_head_kv=2, n_extra_tokens=5),
+    "llama-q4_0-hd64": {"arch": "llama", "qtype": Q.Q4_0, "n_embd": 256, "n_head": 4, "n_head_kv": 2,
+                        "n_extra_tokens": 5},
     # tied: llama.cpp loads token_embd again as the output matrix, and repacks that copy
-    "llama-q4_0-tied-hd64": dict(arch="llama", qtype=Q.Q4_0, n_embd=256, n_head=4, n_head_kv=2, n_extra_tokens=5,
-                                 tied=True),
-    "qwen3-q8_0-hd128": dict(arch="qwen3", qtype=Q.Q8_0, n_embd=256, n_head=2, n_head_kv=1),
-    "qwen3-q4_0-hd96": dict(arch="qwen3", qtype=Q.Q4_0, n_embd=384, n_head=4, n_head_kv=2, n_ff=768),
-    "qwen2-q8_0-hd32": dict(arch="qwen2", qtype=Q.Q8_0, n_embd=256, n_head=8, n_head_kv=2),
-    "llama-q4_1-hd80": dict(arch="llama", qtype=Q.Q4_1, n_embd=320, n_head=4, n_head_kv=4, n_ff=640),
+    "llama-q4_0-tied-hd64": {"arch": "llama", "qtype": Q.Q4_0, "n_embd": 256, "n_head": 4, "n_head_kv": 2,
+                             "n_extra_tokens": 5, "tied": True},
+    "qwen3-q8_0-hd128": {"arch": "qwen3", "qtype": Q.Q8_0, "n_embd": 256, "n_head": 2, "n_head_kv": 1},
+    "qwen3-q4_0-hd96": {"arch": "qwen3", "qtype": Q.Q4_0, "n_embd": 384, "n_head": 4, "n_head_kv": 2, "n_ff": 768},
+    "qwen2-q8_0-hd32": {"arch": "qwen2", "qtype": Q.Q8_0, "n_embd": 256, "n_head": 8, "n_head_kv": 2},
+    "llama-q4_1-hd80": {"arch": "llama", "qtype": Q.Q4_1, "n_embd": 320, "n_head": 4, "n_head_kv": 4, "n_ff": 640},
+    "qwen3-q8_0-hd256": {"arch": "qwen3", "qtype": Q.Q8_0, "n_embd": 512, "n_head": 2, "n_head_kv": 1, "n_ff": 512},
+    # Llama 3's per-frequency RoPE factors and a large base
+    "llama-q8_0-hd16-ropefreqs": {"arch": "llama", "qtype": Q.Q8_0, "n_embd": 128, "n_head": 8, "n_head_kv": 2,
+                                  "n_ff": 256, "rope_freqs": True, "rope_base": 500000.0},
     # mixed types in one model, a 259-token vocabulary (output not repacked)
-    "llama-mixed-hd64": dict(arch="llama", qtype=Q.Q4_0, n_embd=256, n_head=4, n_head_kv=1, output_qtype=Q.Q8_0,
-                             overrides={"attn_v": Q.Q8_0, "ffn_down": Q.Q4_1, "token_embd": Q.Q4_1}),
+    "llama-mixed-hd64": {"arch": "llama", "qtype": Q.Q4_0, "n_embd": 256, "n_head": 4, "n_head_kv": 1,
+                         "output_qtype": Q.Q8_0,
+                         "overrides": {"attn_v": Q.Q8_0, "ffn_down": Q.Q4_1, "token_embd": Q.Q4_1}},
 }
 
 
@@ -106,6 +113,14 @@ def test_two_threads_and_a_split_kv_decode_equal_llamacpp(models, name):
     ours, ref = _pair(models[name], n_threads=2)
     with ours, ref:
         _prefill_and_decode(ours, ref, 600, steps=2)
+
+
+@needs_avx2
+def test_a_1100_token_prompt_on_three_threads_equals_llamacpp(models):
+    """KV views up to 1280 cells; the split-KV decode in three chunks."""
+    ours, ref = _pair(models["llama-q4_0-hd64"], n_ctx=2048, n_threads=3)
+    with ours, ref:
+        _prefill_and_decode(ours, ref, 1100, steps=2)
 
 
 @needs_avx2
