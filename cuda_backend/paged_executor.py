@@ -46,6 +46,18 @@ from .paged_graphs import PagedGraphs, StepView
 from .paged_kv import BlockAllocator, PagedKVPool, token_slots
 
 
+def _to_host(t: torch.Tensor) -> np.ndarray:
+    """Logits rows on the host.  From CUDA through pinned memory (torch's caching host allocator reuses the
+    buffer once the rows are dropped): one direct copy, at about twice a pageable copy's rate; 39 MB at
+    batch 64 of a 151,936-token vocabulary."""
+    if t.device.type != "cuda":
+        return t.cpu().numpy()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host.numpy()
+
+
 class PagedExecutor:
     """``n_slots`` sequences over a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
@@ -230,7 +242,7 @@ class PagedExecutor:
             self.forward_seconds += time.perf_counter() - t0
             self.forwards += 1
             at = [i for i, c in enumerate(chunks) if c.logits]
-            out = logits[torch.tensor(at, dtype=torch.long, device=dev)].float().cpu().numpy() if at else None
+            out = _to_host(logits[torch.tensor(at, dtype=torch.long, device=dev)].float()) if at else None
         else:
             parts = [self._varlen(g) for g in self._groups(chunks)]
             out = np.concatenate([p for p in parts if p is not None]) if asking else None
@@ -278,7 +290,7 @@ class PagedExecutor:
         self._sync()
         self.forward_seconds += time.perf_counter() - t0
         self.forwards += 1
-        return logits.cpu().numpy() if rows else None
+        return _to_host(logits) if rows else None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
