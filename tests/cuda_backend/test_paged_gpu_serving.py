@@ -24,6 +24,7 @@ def load(out: Path) -> dict:
     return json.loads((out / "gpu_serving.json").read_text())
 
 
+@pytest.mark.slow    # ~10 s alone, ~30 s on a busy 2-core machine
 def test_smoke_runs_every_section(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     r = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
