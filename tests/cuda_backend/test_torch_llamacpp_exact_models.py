@@ -134,14 +134,34 @@ def test_eval_chunks_not_a_multiple_of_64_equal_llamacpp(models, n_batch):
 
 @needs_avx2
 def test_ubatch_smaller_than_batch_equals_llamacpp(models):
-    """llama_decode runs a batch in n_ubatch-token graphs; the model cuts its forward there too
-    (the torch engine does not pass n_ubatch on, so the test sets it)."""
+    """llama_decode runs a batch in n_ubatch-token graphs: 250 tokens in ubatches of 96 end
+    in a 58-row graph, the one-row attention kernel.  The model cuts its forward there
+    too once told n_ubatch (the torch engine does not pass it on, so the test sets it)."""
     ours, ref = _pair(models["llama-q4_0-hd64"], n_batch=512, n_ubatch=96)
     with ours, ref:
+        ids = ref.tokenize(TEXT * 8)[:250]
+        at = [5, 200, 249]
+        want = ref.eval(ids, logits_at=at)
+        assert not np.array_equal(ours.eval(ids, logits_at=at), want)      # one 250-row graph: tiled throughout
+        ours.trim(0)
         ours.model.ggml_ubatch = 96
-        ids = ref.tokenize(TEXT * 8)[:270]
-        _assert_equal(ours.eval(ids, logits_at=[5, 200, 269]), ref.eval(ids, logits_at=[5, 200, 269]),
-                      "270 tokens in ubatches of 96")
+        _assert_equal(ours.eval(ids, logits_at=at), want, "250 tokens in ubatches of 96")
+
+
+@needs_avx2
+def test_n_outputs_max_option_equals_llamacpp_once_the_model_knows_it(models):
+    """The llama.cpp backend's n_outputs_max option (logit rows per llama_decode) moves the
+    graph boundaries; the torch engine does not pass it on, so the test sets it."""
+    path = models["qwen3-q8_0-hd128"]
+    kw = {"n_ctx": 1024, "n_threads": 1, "flash_attn": True}
+    opts = {"quiet": True, "n_outputs_max": 16}
+    ours = load_engine(LoadPlan(str(path), options={**opts, "llamacpp_rounding": True}, **kw), "torch")
+    ref = load_engine(LoadPlan(str(path), options=opts, **kw), "llama.cpp")
+    with ours, ref:
+        ours.model.ggml_outputs_max = 16
+        ids = ref.tokenize(TEXT * 4)[:150]
+        every = list(range(150))
+        _assert_equal(ours.eval(ids, logits_at=every), ref.eval(ids, logits_at=every), "16 rows per llama_decode")
 
 
 @needs_avx2
@@ -180,4 +200,4 @@ def test_prefill_pieces_follow_the_llamacpp_backend():
     m.ggml_outputs_max = 2
     assert m._ggml_pieces(10, [7, 1, 3, 1]) == [(0, 4, [1, 3]), (4, 10, [7])]
     m.ggml_outputs_max, m.ggml_ubatch = 64, 96
-    assert [(lo, hi) for lo, hi, _ in m._ggml_pieces(270, [5, 200, 269])] == [(0, 96), (96, 192), (192, 270)]
+    assert [(lo, hi) for lo, hi, _ in m._ggml_pieces(250, [5, 200, 249])] == [(0, 96), (96, 192), (192, 250)]
