@@ -2,7 +2,7 @@
 
     localinfer serve [MODEL] [--host 127.0.0.1] [--port 8080] [--parallel N] [--ctx N] [-ctk/-ctv T] [-t N]
         [--backend NAME] [--api-key KEY | LOCALINFER_API_KEY] [--max-queue N] [--token-budget N]
-        [--chunk N | --itl-target MS] [--prefix-cache on|off]
+        [--chunk N | --itl-target MS] [--prefix-cache on|off] [--lookup [--draft-max N]]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
@@ -26,6 +26,8 @@ API_KEY_ENV = "LOCALINFER_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from localinfer.serve.speculation import DRAFT_MAX
+
     _common.add_model_args(parser)
     g = parser.add_argument_group("serving")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -45,7 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunking.add_argument("--itl-target", type=float, default=None, metavar="MS",
                           help="prefill chunks sized to keep each step under MS milliseconds")
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
-    g.add_argument("--lookup", action="store_true", help="prompt-lookup decoding (not available in serve yet)")
+    g.add_argument("--lookup", action="store_true",
+                   help="prompt-lookup speculative decoding: verify n-gram drafts inside the batched steps")
+    g.add_argument("--draft-max", type=int, default=None, metavar="N",
+                   help=f"with --lookup: most draft tokens per request and step (default {DRAFT_MAX})")
     g.add_argument("--alias", action="append", default=[], metavar="NAME", help="another model name to accept")
     g.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES", help="request body cap (default 4 MiB)")
     g.add_argument("--grace", type=float, default=10.0, metavar="S",
@@ -67,9 +72,12 @@ def _check(args) -> str | None:
                          flag="--itl-target")
     if not 0 <= args.grace <= 3600:
         raise UsageError(f"--grace {args.grace} is out of range", flag="--grace", hint="use 0..3600 seconds")
-    if args.lookup:
-        raise UsageError("--lookup is not available in serve yet: the serving engine has no speculative step",
-                         flag="--lookup", hint="drop --lookup (run and chat support it)")
+    from localinfer.serve.speculation import check_draft_max
+
+    if args.draft_max is not None:
+        if not args.lookup:
+            raise UsageError("--draft-max needs --lookup", flag="--draft-max", hint="add --lookup")
+        check_draft_max(args.draft_max)
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and (not key.strip() or any(c.isspace() for c in key)):
         raise UsageError("the API key must be non-empty and contain no spaces", flag="--api-key")
@@ -108,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
     from localinfer.serve.http.config import ServeConfig
     from localinfer.serve.http.runtime import Runtime
+    from localinfer.serve.speculation import DRAFT_MAX
 
     key = _check(args)
     backend = _common.backend_name(args)
@@ -121,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     budget = args.token_budget if args.token_budget is not None else plan.n_batch
     config = ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                          chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
-                         prefix_cache=args.prefix_cache == "on")
+                         prefix_cache=args.prefix_cache == "on",
+                         draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0)
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
     hosts = {*LOOPBACK_NAMES, *(h.lower() for h in args.allow_host)}
     if args.host not in ("0.0.0.0", "::"):

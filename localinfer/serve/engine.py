@@ -67,6 +67,9 @@ class Engine:
         if scheduler.blocks.pool_hits and not getattr(executor, "restores_cached_prefix", False):
             raise ValueError("this executor keeps KV only in live sequences: build the BlockManager with "
                              "pool_hits=False, so that every prefix hit is a copy from a running request")
+        if scheduler.drafter is not None and not getattr(executor, "verifies_drafts", False):
+            raise ValueError("this executor returns one logits row per chunk: it cannot verify lookup drafts "
+                             "(it declares verifies_drafts = True when it honours Chunk.n_logits)")
         size = getattr(executor, "block_size", None)
         if size is not None and size != scheduler.blocks.block_tokens:
             raise ValueError(f"the executor's KV blocks hold {size} tokens, the block manager's "
@@ -141,7 +144,7 @@ class Engine:
             if not plan.chunks:
                 sched.complete(plan, {}, start)
                 return events
-            chunks = [self._chunk(c.request, c.tokens, c.start, c.samples) for c in plan.chunks]
+            chunks = [self._chunk(c.request, c.tokens, c.start, c.samples, 1 + len(c.draft)) for c in plan.chunks]
             self._in_step = True
         try:
             rows = ex.step(chunks)
@@ -152,20 +155,27 @@ class Engine:
             raise
         with self._lock:
             self._end_step()
-            sampled = {}
+            sampled, before = {}, {}
             for c, ch in zip(plan.chunks, chunks):
-                if c.samples and c.request.state is State.RUNNING:    # not cancelled meanwhile
-                    sampled[c.request.id] = c.request.sampler.sample(rows[ch.slot], c.request.view())
+                r = c.request
+                if c.samples and r.state is State.RUNNING:    # not cancelled meanwhile
+                    before[r.id] = (r, len(r.output))
+                    sampled[r.id] = (sched.drafter.verify(r, rows[ch.slot], c.draft) if c.draft
+                                     else r.sampler.sample(rows[ch.slot], r.view()))
             end = ex.clock()
             done = sched.complete(plan, sampled, end)
+            for r, position in plan.trims:     # drafts the step did not keep
+                if r.id in self.slot_of:
+                    ex.drop(self.slot_of[r.id], position)
             self._holding.update(c.request.id for c in plan.chunks)
             if self.records is not None:
                 self.records.append(StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens)
                                                                  for c in plan.chunks)))
-            for rid, tok in sampled.items():
-                ev = StreamChunk(rid, tok, end)
-                self._streams[rid].append(ev)
-                events.append(ev)
+            for rid, (r, n) in before.items():
+                for tok in r.output[n:]:
+                    ev = StreamChunk(rid, tok, end)
+                    self._streams[rid].append(ev)
+                    events.append(ev)
             for r in done:
                 self._release(r)
                 events.append(self._emit_finish(r))
@@ -217,9 +227,10 @@ class Engine:
                 self.executor.step([self._chunk(r, r.view()[have:r.cached], have, False)])
         self._holding.add(r.id)
 
-    def _chunk(self, r: Request, tokens, start: int, logits: bool) -> Chunk:
+    def _chunk(self, r: Request, tokens, start: int, logits: bool, n_logits: int = 1) -> Chunk:
         """r's new tokens for its slot, with its block table from the block manager (the one source of blocks)."""
-        return Chunk(self.slot_of[r.id], tuple(tokens), start, logits, blocks=tuple(self.blocks.tables[r.id]))
+        return Chunk(self.slot_of[r.id], tuple(tokens), start, logits, n_logits=n_logits if logits else 1,
+                     blocks=tuple(self.blocks.tables[r.id]))
 
     def _release(self, r: Request) -> None:
         slot = self.slot_of.pop(r.id, None)

@@ -24,13 +24,14 @@ to the pool when the step in flight completes.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from localinfer.errors import UsageError
 from localinfer.plan.paging import request_blocks, tokens_held
 from localinfer.serve.block_manager import BlockCopy, BlockManager
 from localinfer.serve.request import FinishReason, Request, State
+from localinfer.serve.speculation import Drafter, check_draft_max
 from localinfer.serve.step_model import StepModel, chunk_for_target
 
 POLICIES = ("fixed", "continuous", "chunked")
@@ -47,6 +48,7 @@ class SchedulerConfig:
     admission: str = "reserve"
     deadline_aware: bool = False
     drop_late: bool = False              # finish a request past its deadline at the next step boundary
+    draft_max: int = 0                   # prompt-lookup drafts per decoding request and step (0: none)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -58,6 +60,8 @@ class SchedulerConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UsageError(f"{flag} must be a whole number ≥ 1, got {v!r}", flag=flag)
+        if self.draft_max:
+            check_draft_max(self.draft_max)
         if self.itl_target_s is not None and not self.itl_target_s > 0:
             raise UsageError(f"the ITL target must be positive, got {self.itl_target_s!r}")
 
@@ -66,16 +70,18 @@ class SchedulerConfig:
 class ScheduledChunk:
     request: Request
     start: int          # position of the first new token
-    n_tokens: int
+    n_tokens: int       # new tokens, drafts included
+    draft: tuple[int, ...] = ()     # speculative tokens after the request's last one (verified by this step)
 
     @property
     def tokens(self) -> tuple[int, ...]:
-        return self.request.view()[self.start:self.start + self.n_tokens]
+        own = self.request.view()[self.start:self.start + self.n_tokens - len(self.draft)]
+        return tuple(own) + self.draft if self.draft else own
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the request's last token, so the step yields its next output token."""
-        return self.start + self.n_tokens == self.request.n_tokens
+        """The chunk reaches the request's last token, so the step yields its next output token (or more)."""
+        return self.start + self.n_tokens - len(self.draft) == self.request.n_tokens
 
 
 @dataclass
@@ -85,6 +91,7 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     refused: list[Request] = field(default_factory=list)     # finished at this boundary (deadline, too large)
     copies: list[BlockCopy] = field(default_factory=list)
+    trims: list[tuple[Request, int]] = field(default_factory=list)  # after complete: drop KV from here (drafts)
 
     @property
     def new_tokens(self) -> int:
@@ -102,6 +109,7 @@ class Scheduler:
         self.config = config
         self.blocks = blocks
         self.step_model = step_model
+        self.drafter = Drafter(config.draft_max) if config.draft_max else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -157,28 +165,48 @@ class Scheduler:
                 self._prefill_chunk(plan, r, budget)
         if cfg.policy != "fixed" or group_start:
             self._admit(plan, now, budget)
+        if self.drafter is not None:
+            self._draft(plan, budget)
         self.peak_running = max(self.peak_running, len(self.running))
         self.blocks.begin_step()
         return plan
 
-    def complete(self, plan: StepPlan, sampled: Mapping[str, int], now: float) -> list[Request]:
-        """The step finished at ``now`` with these output tokens; the requests it finished."""
+    def complete(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]], now: float) -> list[Request]:
+        """The step finished at ``now`` with these output tokens (a list for a chunk that verified a draft:
+        the accepted drafts and the next token); the requests it finished.  A draft not wholly kept leaves
+        ``plan.trims``: (request, position) from which its slot's KV is to be dropped."""
         self.blocks.end_step()
         done = []
         for ch in plan.chunks:
             r = ch.request
             if r.state is not State.RUNNING or r.computed != ch.start:
                 continue    # cancelled or preempted while the step ran
-            r.computed += ch.n_tokens
-            self.blocks.commit(r.id, r.view(r.computed), r.prefix_hashes(self.blocks.block_tokens))
-            if ch.samples:
-                reason = r.append(sampled[r.id], now)
+            if not ch.samples:
+                r.computed += ch.n_tokens
+                self.blocks.commit(r.id, r.view(r.computed), r.prefix_hashes(self.blocks.block_tokens))
+                continue
+            got = sampled[r.id]
+            reason, kept = None, 0
+            for tok in ([got] if isinstance(got, int) else got):
+                kept += 1
+                reason = r.append(tok, now)
                 if reason is not None:
-                    self.finish(r, reason, now)
-                    done.append(r)
+                    break
+            if self.drafter is not None:
+                self.drafter.observe(r, r.output[len(r.output) - kept:])
+            # KV holds the chunk's own tokens and the kept drafts; the last token kept is the next pending one
+            r.computed = ch.start + ch.n_tokens - len(ch.draft) - 1 + kept
+            self.blocks.commit(r.id, r.view(r.computed), r.prefix_hashes(self.blocks.block_tokens))
+            if kept < len(ch.draft) + 1:
+                plan.trims.append((r, r.computed))
+            if reason is not None:
+                self.finish(r, reason, now)
+                done.append(r)
         return done
 
     def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(r.id)
         if r in self.running:
             self.running.remove(r)
             self.blocks.free(r.id)
@@ -213,6 +241,23 @@ class Scheduler:
         plan.chunks.append(ScheduledChunk(r, r.computed, n))
         budget[0] -= n
         return True
+
+    def _draft(self, plan: StepPlan, budget: list[int]) -> None:
+        """Lengthen decode chunks with prompt-lookup drafts, from what the step leaves: free blocks and budget."""
+        model, bm = self.step_model, self.blocks
+        for i, ch in enumerate(plan.chunks):
+            r = ch.request
+            if ch.n_tokens != 1 or not ch.samples or not r.output:
+                continue
+            room = min(budget[0], r.max_tokens - len(r.output) - 1)
+            if room <= 0:
+                continue
+            draft = self.drafter.propose(r, room, None if model is None else _step_with(model, plan.shapes(), i))
+            if not draft or bm.grow_needed(r.id, r.computed + 1 + len(draft)) > bm.num_free:
+                continue
+            plan.copies += bm.grow(r.id, r.computed + 1 + len(draft))
+            plan.chunks[i] = ScheduledChunk(r, ch.start, 1 + len(draft), draft)
+            budget[0] -= len(draft)
 
     def _preempt(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
         for ch in [c for c in plan.chunks if c.request is r]:
@@ -268,3 +313,9 @@ class Scheduler:
         rest = r.max_tokens - len(r.output) - 1
         step = model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in self.running])
         return now + first + rest * step
+
+
+def _step_with(model: StepModel, shapes: list[tuple[int, int]], i: int):
+    """The predicted step time with chunk i verifying m tokens instead of its one: m -> seconds."""
+    h = shapes[i][1]
+    return lambda m: model.seconds([*shapes[:i], (m, h), *shapes[i + 1:]])

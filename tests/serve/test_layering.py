@@ -9,7 +9,7 @@ import localinfer
 
 ROOT = Path(localinfer.__file__).parent
 ALLOWED = ("localinfer.serve", "localinfer.backends.engine", "localinfer.backends.executor", "localinfer.generation",
-           "localinfer.plan.paging", "localinfer.plan.speed", "localinfer.model", "localinfer.util", "localinfer.errors", "localinfer.units")
+           "localinfer.plan.paging", "localinfer.plan.speed", "localinfer.plan.speculation", "localinfer.model", "localinfer.util", "localinfer.errors", "localinfer.units")
 HEAVY = ("torch", "llama_cpp", "mlx")
 
 

@@ -76,6 +76,8 @@ class LlamaCppExecutor:
     ``llama_decode`` and the steps taken (step overhead = wall time - decode time).
     """
 
+    verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk)
+
     def __init__(self, plan: LoadPlan):
         self.unified = bool(plan.options.get("kv_unified", True))
         self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))

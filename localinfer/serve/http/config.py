@@ -8,7 +8,8 @@ live sequences).  Prompts are prefilled in chunks (``chunked``); a request
 with a deadline is refused at admission when the step model fitted on this
 machine (:mod:`.stepfit`) predicts it late, and stopped (finish reason
 ``deadline``) once its deadline has passed — its result is worthless then and
-its slot serves someone else.
+its slot serves someone else.  With ``draft_max`` (``serve --lookup``) decoding
+requests verify prompt-lookup drafts inside the same steps (:mod:`localinfer.serve.speculation`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class ServeConfig:
     prefix_cache: bool = True
     block_tokens: int = 16
     admission: str = "on_demand"
+    draft_max: int = 0                   # prompt-lookup drafts per request and step (0: no lookup)
 
 
 def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, FittedStepModel]:
@@ -44,6 +46,6 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
     sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
-                            drop_late=True, **chunk)
+                            drop_late=True, draft_max=config.draft_max, **chunk)
     engine = Engine(executor, Scheduler(sched, blocks, model))
     return executor, engine, model

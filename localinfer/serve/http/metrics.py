@@ -25,6 +25,8 @@ COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of step
     "engine_step_seconds": "seconds the engine spent in executor steps",
     "engine_decode_seconds": "seconds of those inside the backend's forward pass (llama_decode)",
     "engine_steps": "executor steps taken",
+    "spec_draft_tokens": "prompt-lookup draft tokens verified (serve --lookup)",
+    "spec_accepted_tokens": "of those, accepted",
 }
 
 

@@ -72,6 +72,7 @@ class TimedExecutor:
         self.n_slots = inner.n_slots
         self.n_vocab = inner.n_vocab
         self.n_cells = getattr(inner, "n_cells", None)
+        self.verifies_drafts = getattr(inner, "verifies_drafts", False)
         self.steps = 0
         self.step_seconds = 0.0
 
