@@ -16,7 +16,9 @@ Admission ``reserve`` takes the blocks of input + max output − 1 tokens up fro
 when none is left, preempts the newest running request (its KV is dropped and
 recomputed later).  ``deadline_aware`` refuses, at admission, a request whose
 predicted finish (prefill + (G − 1) decode steps at the current batch) is past
-its deadline; ``drop_late`` finishes (reason deadline) a request still
+its deadline, and holds it in the queue while admitting it would push a running
+request predicted on time past its own (so overload makes the newcomers wait or
+be refused, not everyone late); ``drop_late`` finishes (reason deadline) a request still
 unfinished past its deadline at the next step boundary.  ``cancel`` stops scheduling a request at once; its blocks return
 to the pool when the step in flight completes.
 """
@@ -286,11 +288,13 @@ class Scheduler:
                 continue
             tokens = r.view()
             hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))
-            if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now, hit) > r.deadline_s:
+            if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now, hit, plan) > r.deadline_s:
                 self.waiting.popleft()
                 plan.refused.append(r)
                 r.finish(FinishReason.DEADLINE, now)
                 continue
+            if cfg.deadline_aware and self._makes_late(r, now, hit, plan):
+                break    # waits: it would make a running request miss its deadline (it is refused once it is late)
             held = reserve if cfg.admission == "reserve" else None
             if not bm.can_allocate(tokens, held, hit):
                 break
@@ -306,10 +310,36 @@ class Scheduler:
             plan.admitted.append(r)
             self._prefill_chunk(plan, r, budget)
 
-    def _predict_finish(self, r: Request, now: float, hit_blocks: list[int]) -> float:
+    def _makes_late(self, r: Request, now: float, hit_blocks: list[int], plan: StepPlan) -> bool:
+        """Admitting r now would push a running request predicted on time past its deadline.
+
+        This step: what it already holds (decodes, chunks, this step's other admissions) with and without
+        r's prefill; the steps after: one decode per running request, with and without r's.
+        """
+        timed = [x for x in self.running if x.deadline_s is not None]
+        if not timed:
+            return False
+        model, n = self.step_model, r.n_tokens
+        hit = len(hit_blocks) * self.blocks.block_tokens
+        others = [(1, x.n_tokens) for x in self.running]
+        alone, now_alone = model.seconds(others), model.seconds(plan.shapes())
+        first = model.seconds([*plan.shapes(), (n - hit, hit)])
+        with_r = model.seconds([(1, n), *others])
+        r_steps = r.max_tokens - len(r.output) - 1
+        for x in timed:
+            left = x.max_tokens - len(x.output)        # x's steps still to come, this one included
+            shared = min(left - 1, r_steps)
+            if (now + first + shared * with_r + (left - 1 - shared) * alone > x.deadline_s
+                    >= now + now_alone + (left - 1) * alone):
+                return True
+        return False
+
+    def _predict_finish(self, r: Request, now: float, hit_blocks: list[int], plan: StepPlan) -> float:
+        """When r would finish if admitted now: its prefill in this step (beside what the step holds), then its
+        decodes beside every running request's."""
         hit = len(hit_blocks) * self.blocks.block_tokens
         model, n = self.step_model, r.n_tokens
-        first = model.seconds([(n - hit, hit)] + [(1, x.n_tokens) for x in self.running])
+        first = model.seconds([*plan.shapes(), (n - hit, hit)])
         rest = r.max_tokens - len(r.output) - 1
         step = model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in self.running])
         return now + first + rest * step

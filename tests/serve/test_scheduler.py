@@ -200,3 +200,41 @@ def test_a_preempted_request_rehashes_no_block():
     assert set(h.calls.values()) == {1}             # prompt and output blocks: once each, across readmissions
     b.output[-4:] = []                              # fewer tokens: the hashes past them go
     assert len(b.prefix_hashes(4).values) == (8 + 6) // 4
+
+
+def test_deadline_aware_holds_a_newcomer_that_would_make_a_running_request_late():
+    s = Scheduler(SchedulerConfig(deadline_aware=True, max_running=4), BlockManager(1000, 16), CARD)
+    first = req("first", 2048, 30, deadline_s=0.9)      # alone: 95 ms + 29 × ~26 ms ≈ 0.86 s
+    s.add(first)
+    run_step(s, 0.0)
+    late_maker = req("newcomer", 2048, 30, arrival=0.01)  # its 2K prefill step and bigger decodes push first late
+    s.add(late_maker)
+    now = CARD.seconds([(2048, 0)])                       # the clock as the step model runs it
+    plan = run_step(s, now)
+    assert plan.admitted == [] and late_maker in s.waiting and not late_maker.finished
+    while first in s.running:
+        now += CARD.seconds([(1, first.n_tokens)])
+        run_step(s, now)
+    assert first.finish_reason is FinishReason.LENGTH and now <= first.deadline_s and late_maker.admitted_s is None
+    plan = run_step(s, now)
+    assert plan.admitted == [late_maker]
+
+
+def test_under_overload_deadline_aware_admission_keeps_admitted_requests_on_time():
+    from localinfer.serve.engine import Engine
+    from localinfer.serve.simulated import SimulatedExecutor
+
+    model = LinearStepModel(0.02, 0.0001, 0.0)
+    goods = {}
+    for aware in (False, True):
+        ex = SimulatedExecutor(model, n_slots=8)
+        s = Scheduler(SchedulerConfig(max_running=8, deadline_aware=aware, drop_late=aware), BlockManager(4000, 16),
+                      model)
+        e = Engine(ex, s)
+        rs = [e.add_request(req(f"r{i}", 200, 60, arrival=0.08 * i, deadline_s=0.08 * i + 2.0)) for i in range(60)]
+        e.run()
+        goods[aware] = sum(r.on_time for r in rs)
+        if aware:
+            admitted = [r for r in rs if r.first_token_s is not None]
+            assert sum(r.on_time for r in admitted) >= 0.9 * len(admitted)
+    assert goods[True] > goods[False]
