@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     steps = len(config.kv_types) * (len(config.prompt_lengths) + len(config.depths) + int(config.lookup))
     progress = Progress(steps + len(args.batch_sizes) * len(config.depths))
-    runs = run_bench(str(path), load, config, progress=progress, peak_bandwidth=peak)
+    runs = run_bench(str(path), load, config, progress=progress, peak_bandwidth=peak, spec=spec)
     batch_scaling = None
     if batch_plan is not None:
         from localinfer.model.cost import model_cost

@@ -156,12 +156,13 @@ def measure_decode(runner: Runner, depth: int, gen: int, decoder=None):
 
 
 def run_bench(model_path: str, load: Callable[[str, str, int], object], config: BenchConfig, *,
-              progress: Progress | None = None, peak_bandwidth: float | None = None) -> list[dict]:
-    """Measure every KV type; ``load(type_k, type_v, n_ctx)`` returns a loaded engine."""
+              progress: Progress | None = None, peak_bandwidth: float | None = None, spec=None) -> list[dict]:
+    """Measure every KV type; ``load(type_k, type_v, n_ctx)`` returns a loaded engine.  ``spec``: the model's
+    ModelSpec when the caller has read the header already (else it is read here)."""
     from localinfer.model.cost import model_cost
     from localinfer.model.spec import ModelSpec
 
-    cost = model_cost(ModelSpec.from_gguf(model_path))
+    cost = model_cost(spec if spec is not None else ModelSpec.from_gguf(model_path))
     runs = []
     for kv in config.kv_types:
         engine = load(kv, kv, config.n_ctx_needed)
