@@ -1,6 +1,8 @@
 """The torch engine's memory: its paged KV cache and the tensors it holds after loading (no torch import here).
 
-KV: blocks of 16 tokens per sequence, each token ``row_bytes(type, heads ×
+KV: blocks of ``TORCH_BLOCK_TOKENS`` tokens per sequence — the serving engine's
+block size, ``localinfer.model.kv.DEFAULT_BLOCK_TOKENS`` (16), one number in one
+place —, each token ``row_bytes(type, heads ×
 head_dim)`` per layer in GGUF's block layout (q8_0 34 B and q4_0 18 B per 32
 values; bf16/f16 2 B).  Weights: dequantized at load to the compute dtype, norms
 float32; ``packed`` keeps q8_0/q4_0 matrices as their GGUF blocks.
@@ -9,9 +11,11 @@ The serving executor (``cuda_backend/paged_executor.py``) holds the same bytes
 as one pool per layer of ``num_blocks`` blocks: a block of p tokens over every
 layer is ``p · Σ_layers n_head_kv · (K + V row bytes)`` (nano-vllm's
 ``2 · layers · p · kv_heads · head_dim · itemsize`` for float types).  On CUDA
-it captures decode steps in graphs at the batch sizes of ``CUDA_GRAPH_BATCHES``
-up to the slots (padded to the next) and the table widths of :func:`graph_widths`,
-counted by :func:`torch_graph_bytes`.
+it captures decode steps in graphs at the batch sizes of :func:`graph_batches`
+(powers of two below the slots, then the slot count itself, at most
+``CUDA_GRAPH_MAX_BATCH``; a step pads to the next) and the table widths of
+:func:`graph_widths`, counted by :func:`torch_graph_bytes` — the executor and
+``fit`` call the same function, so fit counts exactly the graphs captured.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from localinfer.backends.memory import (
     check_tokens,
     check_weight_dtype,
 )
-from localinfer.model.kv import kv_bytes_per_token, row_bytes
+from localinfer.model.kv import DEFAULT_BLOCK_TOKENS, kv_bytes_per_token, row_bytes
 from localinfer.model.spec import ModelSpec
 from localinfer.units import ceil_div, pad_to
 
-TORCH_BLOCK_TOKENS = 16              # the torch engine's paged-KV block
+TORCH_BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS   # the torch engine's paged-KV block: the serving engine's
 TORCH_PACKED = ("Q8_0", "Q4_0")      # kept as GGUF blocks with packed=True (same bytes as in the file)
 # llamacpp_rounding keeps these matrices as float32 codes plus float32 per-block scales (and q4_1 mins) ...
 TORCH_BLOCK_CODES = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2}
@@ -41,14 +45,14 @@ TORCH_MINS = ("Q5_1",)               # ... and adds per-block mins [rows, ne0 / 
 
 def torch_kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = "f16", *, n_seq: int = 1,
                    layers=None, block_tokens: int = TORCH_BLOCK_TOKENS, **_ignored) -> int:
-    """``n_seq × pad(n_tokens, 16) × bytes per token``."""
+    """``n_seq × pad(n_tokens, p) × bytes per token`` (p = ``block_tokens``, 16)."""
     check_tokens(n_tokens, n_seq)
     if n_tokens == 0:
         return 0
     return n_seq * pad_to(n_tokens, block_tokens) * kv_bytes_per_token(spec, type_k, type_v, layers=layers)
 
 
-CUDA_GRAPH_BATCHES = (1, 2, 4, 8, 16, 32)   # decode batch sizes captured in CUDA graphs (a step pads to the next)
+CUDA_GRAPH_MAX_BATCH = 512   # largest decode batch captured in a CUDA graph (nano-vllm's cap); larger steps run eagerly
 LOGITS_BYTES = 4                           # logits are float32
 
 
@@ -72,13 +76,15 @@ def torch_budget_blocks(spec: ModelSpec, budget_bytes: int, type_k: str = "f16",
 
 
 def graph_batches(n_slots: int) -> tuple[int, ...]:
-    """Captured decode batch sizes for n_slots sequences: those below n_slots and the first at or above it."""
-    out = []
-    for b in CUDA_GRAPH_BATCHES:
+    """Captured decode batch sizes for n_slots sequences: the powers of two below n_slots, then n_slots itself
+    (a step never holds more decodes than slots, so none pads past it), capped at ``CUDA_GRAPH_MAX_BATCH``:
+    1, 2, 4, …, 32, 64 for 64 slots; 1, 2, 4, 5 for 5; 1, 2, …, 32, 48 for 48."""
+    top = max(1, min(int(n_slots), CUDA_GRAPH_MAX_BATCH))
+    out, b = [], 1
+    while b < top:
         out.append(b)
-        if b >= n_slots:
-            break
-    return tuple(out)
+        b *= 2
+    return (*out, top)
 
 
 GRAPH_WIDTH_SPLITS = 4   # per batch size, graphs for block tables of the full width, 1/2, 1/4 and 1/8 of it
@@ -153,7 +159,7 @@ class TorchMemory(OwnTensorsMemory):
     """The memory model the registry hands out for ``torch``."""
 
     name = "torch"
-    blocks = "16-token blocks"
+    blocks = f"{TORCH_BLOCK_TOKENS}-token blocks"
     default_dtype = staticmethod(default_dtype)
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
@@ -178,11 +184,11 @@ class TorchMemory(OwnTensorsMemory):
         if rw.runs_on != "cuda":
             return bd, geometry
         pool = bd.terms[0].pool
-        sizes = graph_batches(req.n_seq)
+        sizes, p = graph_batches(req.n_seq), TORCH_BLOCK_TOKENS
         graphs = torch_graph_bytes(spec, req.n_ctx, req.n_seq, rw.dtype, req.type_k, req.type_v, packed=req.packed)
         term = Term("compute", f"CUDA graphs (decode, batch {'/'.join(map(str, sizes))})", graphs, pool,
-                    f"one graph pool: batch {sizes[-1]} × activations over ⌈ctx/16⌉·16 keys + every graph's logits, "
-                    "+ 1 scratch KV block (estimate)", None)
+                    f"one graph pool: batch {sizes[-1]} × activations over ⌈ctx/{p}⌉·{p} keys + every graph's "
+                    "logits, + 1 scratch KV block (estimate)", None)
         return replace(bd, terms=bd.terms + (term,)), geometry
 
     def kv_bytes(self, spec, n_tokens, type_k="f16", type_v="f16", **options) -> int:

@@ -40,6 +40,7 @@ import torch
 from localinfer.backends.executor import check_chunks, check_slot
 from localinfer.errors import ContextFullError, UsageError
 
+from .memory import TORCH_BLOCK_TOKENS
 from .memory import graph_batches as default_graph_batches
 from .model import Transformer
 from .paged_graphs import PagedGraphs, StepView
@@ -61,7 +62,7 @@ def _to_host(t: torch.Tensor) -> np.ndarray:
 class PagedExecutor:
     """``n_slots`` sequences over a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    def __init__(self, model: Transformer, *, n_slots: int, num_blocks: int, block_size: int = 16,
+    def __init__(self, model: Transformer, *, n_slots: int, num_blocks: int, block_size: int = TORCH_BLOCK_TOKENS,
                  type_k: str = "f16", type_v: str = "f16", max_model_len: int | None = None,
                  cuda_graphs: bool | None = None, padded_decode: bool = False, external_blocks: bool = False,
                  graph_batches: Sequence[int] | None = None):

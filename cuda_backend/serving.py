@@ -4,12 +4,13 @@ Pool size: ``num_blocks`` if given; else, with ``gpu_memory_utilization`` on
 CUDA, the memory left after the weights —
 ``⌊(free × utilization − graph bytes) / block bytes⌋``
 (``memory.torch_budget_blocks``, ``memory.torch_graph_bytes``); else the plan's
-``n_slots × ⌈n_ctx / 16⌉`` blocks (``memory.torch_pool_blocks``), whose bytes
+``n_slots × ⌈n_ctx / p⌉`` blocks (``memory.torch_pool_blocks``), whose bytes
 are the KV bytes ``fit --backend torch`` prints for ``--ctx n_ctx --parallel n_slots``.
 
-Blocks hold ``BLOCK_TOKENS`` tokens: the serving engine's block size
-(``plan.paging.DEFAULT_BLOCK_TOKENS``, which the block manager, ``run_batch``
-and ``fit``'s torch memory model use too).  The executor takes its block tables
+Blocks hold ``BLOCK_TOKENS`` = p tokens: the serving engine's block size
+(``localinfer.model.kv.DEFAULT_BLOCK_TOKENS``, which ``memory.TORCH_BLOCK_TOKENS``
+is, and which the block manager, ``run_batch`` and ``fit``'s torch memory model
+use too: one number, one place).  The executor takes its block tables
 from the engine's block manager (``external_blocks=True``; pass
 ``external_blocks=False`` to drive it by hand with its own tables).
 """
@@ -23,7 +24,6 @@ import torch
 from gguf_tools import read_header
 from localinfer.backends.engine import LoadPlan
 from localinfer.model.spec import ModelSpec
-from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
 
 from .engine import pick_device, pick_dtype
 from .kv_cache import padded_tokens
@@ -35,10 +35,7 @@ from .tokenizer import load_tokenizer
 from .weights import load_weights
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
-BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS     # one block size: the block manager's
-if TORCH_BLOCK_TOKENS != BLOCK_TOKENS:  # fit's torch KV bytes are counted in blocks of TORCH_BLOCK_TOKENS
-    raise ImportError(f"cuda_backend.memory.TORCH_BLOCK_TOKENS ({TORCH_BLOCK_TOKENS}) must equal the serving "
-                      f"engine's block size ({BLOCK_TOKENS})")
+BLOCK_TOKENS = TORCH_BLOCK_TOKENS     # one block size: the block manager's (localinfer.model.kv), fit's
 
 
 class Vocab:

@@ -3,6 +3,10 @@
 A row of ``n`` values in a quantized type is ``n / block_values`` blocks of
 ``block_bytes`` (q8_0: 34 B per 32 values, q4_0: 18 B); f16/bf16 are 2 B a
 value.  Backends decide how many tokens they allocate; these are the bytes of one.
+
+Paged caches hold tokens in blocks of ``DEFAULT_BLOCK_TOKENS`` (the serving
+engine's block manager, the planner's ``plan.paging`` and the torch backend's
+pool all count in it: one block size, one place); ``blocks_for`` is ⌈L / p⌉.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_n
 
 
 FLOAT_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+DEFAULT_BLOCK_TOKENS = 16    # tokens per paged-KV block (vLLM's default): the block manager's and the torch pool's
+
+
+def blocks_for(n_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+    """Paged-KV blocks for n_tokens: ⌈L / p⌉."""
+    return -(-n_tokens // block_tokens)
 
 
 def check_kv_type(name: str, flag: str = "--kv-type", allowed: tuple[str, ...] = KV_TYPES) -> str:

@@ -1,6 +1,8 @@
 """Paged KV arithmetic: blocks of ``p`` tokens, block tables, shared prefixes, how many requests a budget holds.
 
-A sequence of ``L`` tokens takes ⌈L / p⌉ blocks; a prefix common to several
+A sequence of ``L`` tokens takes ⌈L / p⌉ blocks (``blocks_for``; the block size
+``DEFAULT_BLOCK_TOKENS`` is defined in ``localinfer.model.kv``, where the torch
+backend reads it too, and re-exported here); a prefix common to several
 sequences is stored once, as far as its whole blocks go.  The serving engine's
 block manager and the planner both count with these functions.
 """
@@ -10,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localinfer.errors import UsageError
-from localinfer.model.kv import kv_bytes_per_token
+from localinfer.model.kv import DEFAULT_BLOCK_TOKENS, blocks_for, kv_bytes_per_token
 from localinfer.model.spec import ModelSpec
 from localinfer.units import pad_to
 
-DEFAULT_BLOCK_TOKENS = 16    # tokens per KV block (vLLM's default, and the torch engine's block)
+# DEFAULT_BLOCK_TOKENS and blocks_for live in localinfer.model.kv (backends count in them too) and are
+# importable from here as before.
 
 
 def tokens_held(n_input: int, n_output: int) -> int:
@@ -22,11 +25,6 @@ def tokens_held(n_input: int, n_output: int) -> int:
     if n_input < 0 or n_output < 0:
         raise UsageError("input and output lengths must be non-negative", flag="--ctx")
     return n_input + max(n_output - 1, 0)
-
-
-def blocks_for(n_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
-    """Paged-KV blocks for n_tokens: ⌈L / p⌉."""
-    return -(-n_tokens // block_tokens)
 
 
 @dataclass(frozen=True)

@@ -104,8 +104,8 @@ def test_tiny_gguf_and_padded_decode_path(tmp_path):
     eng = static_engine(path)
     prompts = prompts_for(eng.n_vocab, [19, 3, 33], seed=1)
     refs = [alone(eng, p, 5) for p in prompts]
-    for padded in (False, True):       # True: the CUDA-graph step (padding to 4 rows), run eagerly
-        ex = PagedExecutor(eng.model, n_slots=3, num_blocks=12, type_k="f32", type_v="f32", padded_decode=padded)
+    for padded in (False, True):       # True: the CUDA-graph step (3 decodes padded to 4), run eagerly
+        ex = PagedExecutor(eng.model, n_slots=4, num_blocks=12, type_k="f32", type_v="f32", padded_decode=padded)
         assert (ex.graphs is not None) == padded
         ex.max_mask_elements = 800 if padded else ex.max_mask_elements   # prefill step split into forwards
         for paged, ref in zip(drive(ex, prompts, 5), refs):

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from cuda_backend.kv_cache import KVCache
 from cuda_backend.memory import (
+    CUDA_GRAPH_MAX_BATCH,
     MEMORY,
     graph_batches,
     graph_widths,
@@ -80,10 +81,14 @@ def test_allocator_counts_references():
     assert a.num_free == 3
 
 
-def test_graph_batches_pad_to_the_next_size():
-    assert graph_batches(1) == (1,)
-    assert graph_batches(5) == (1, 2, 4, 8)
-    assert graph_batches(32) == graph_batches(100) == (1, 2, 4, 8, 16, 32)
+def test_graph_batches_reach_the_slots():
+    """Powers of two below the slots, then the slot count (a step never holds more decodes), capped at 512."""
+    assert graph_batches(1) == (1,) and graph_batches(2) == (1, 2)
+    assert graph_batches(5) == (1, 2, 4, 5)
+    assert graph_batches(32) == (1, 2, 4, 8, 16, 32)
+    assert graph_batches(64) == (1, 2, 4, 8, 16, 32, 64)      # a 64-slot engine gets its batch-64 graph
+    assert graph_batches(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert graph_batches(10_000)[-1] == CUDA_GRAPH_MAX_BATCH == 512
     assert graph_widths(16) == (2, 4, 8, 16) and graph_widths(5) == (1, 2, 3, 5) and graph_widths(1) == (1,)
 
 
@@ -100,6 +105,10 @@ def test_fit_counts_cuda_graphs_on_cuda_only(default_model):
     assert bd.kv == torch_pool_blocks(4096, 8) * torch_block_bytes(spec)
     more = torch_graph_bytes(spec, 8192, 32, "bf16")
     assert more > graphs[0].bytes
+    wide, _ = MEMORY.breakdown(spec, gpu, replace(req, n_seq=64))    # fit counts the batch-64 graph it captures
+    term = next(t for t in wide.terms if t.key == "compute")
+    assert term.label.endswith("batch 1/2/4/8/16/32/64)") and term.bytes == torch_graph_bytes(spec, 4096, 64, "bf16")
+    assert term.bytes > torch_graph_bytes(spec, 4096, 32, "bf16")
     on_cpu, _ = MEMORY.breakdown(spec, replace(gpu, kind="cpu"), req)
     assert on_cpu.compute == 0 and on_cpu.kv == bd.kv  # no graphs without CUDA
 

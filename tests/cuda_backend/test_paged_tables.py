@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
 
+from cuda_backend.memory import graph_batches
 from cuda_backend.paged_executor import PagedExecutor
 from cuda_backend.serving import BLOCK_TOKENS, open_executor
 from localinfer.backends.executor import Chunk
@@ -112,11 +113,12 @@ def test_padded_decode_copies_inputs_once(tiny_models):
     eng = static_engine(tiny_models["llama"])
     prompts = prompts_for(eng.n_vocab, [21, 5, 40], seed=23)
     refs = [alone(eng, p, 4) for p in prompts]
-    ex = PagedExecutor(eng.model, n_slots=3, num_blocks=16, type_k="f32", type_v="f32", padded_decode=True,
+    ex = PagedExecutor(eng.model, n_slots=4, num_blocks=16, type_k="f32", type_v="f32", padded_decode=True,
                        max_model_len=96)
-    for paged, ref in zip(drive(ex, prompts, 4), refs):
+    for paged, ref in zip(drive(ex, prompts, 4), refs):      # 3 decodes a step: padded to the batch-4 graph
         check(paged, ref, ATOL_F32)
     g = ex.graphs
+    assert g.batches == graph_batches(4) == (1, 2, 4)
     assert g.host_copies == 4 and ex.steps == 5             # the prompt step is varlen; 4 decode steps staged
     assert g.inputs.shape == (4, 3 + ex.max_blocks) and g.tokens.data_ptr() == g.inputs.data_ptr()
     b, w = g.load([7], [20], [ex.pool.scratch_slot - 1], [[1, 2]])     # one request: padded to 1 row, width 2
@@ -125,4 +127,14 @@ def test_padded_decode_copies_inputs_once(tiny_models):
     assert (b, w) == (4, 1) and g.inputs[3, :4].tolist() == [0, 0, ex.pool.scratch_slot, 0]   # the padded row
     with pytest.raises(ValueError, match="exceeds the 6 a slot can hold"):
         g.load([1], [0], [0], [list(range(7))])
+    eng.close()
+
+
+def test_the_executor_captures_the_batches_fit_counts(tiny_models):
+    """A 64-slot executor pads decode steps up to a batch-64 graph, the batch sizes fit's graph memory counts."""
+    eng = static_engine(tiny_models["llama"])
+    ex = PagedExecutor(eng.model, n_slots=64, num_blocks=8, type_k="f32", type_v="f32", padded_decode=True,
+                       max_model_len=64)
+    assert ex.graphs.batches == graph_batches(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert ex.graphs.batch_for(33) == 64 and ex.graphs.inputs.shape[0] == 64
     eng.close()
