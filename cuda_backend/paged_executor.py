@@ -12,8 +12,11 @@ writes the new K/V through that slot mapping and attends over each request's
 keys, gathered through its block table, under the mask
 ``same request ∧ key position ≤ query position`` (gather + SDPA; a step whose
 mask would pass ``max_mask_elements`` is split into several forwards).  Logits are
-computed only for the last row of each chunk that asks.  Pure decode steps on
-CUDA replay a captured graph instead (``paged_graphs.py``).
+computed only for the rows asked: the last ``n_logits`` rows of each chunk that
+asks (one row, or an ``[n_logits, n_vocab]`` array when a chunk verifies drafts:
+``verifies_drafts``).  Pure decode steps (one token per chunk) on CUDA replay a
+captured graph instead (``paged_graphs.py``); a draft chunk has several tokens,
+so a step holding one runs the varlen forward.
 
 Block tables: with ``external_blocks=True`` (what ``serving.open_executor``
 builds, and what runs under the serving engine) they come with every chunk
@@ -62,6 +65,8 @@ def _to_host(t: torch.Tensor) -> np.ndarray:
 class PagedExecutor:
     """``n_slots`` sequences over a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
+    verifies_drafts = True      # honours Chunk.n_logits (the last n rows of a chunk, for draft verification)
+
     def __init__(self, model: Transformer, *, n_slots: int, num_blocks: int, block_size: int = TORCH_BLOCK_TOKENS,
                  type_k: str = "f16", type_v: str = "f16", max_model_len: int | None = None,
                  cuda_graphs: bool | None = None, padded_decode: bool = False, external_blocks: bool = False,
@@ -106,7 +111,8 @@ class PagedExecutor:
     # ---- the contract ---------------------------------------------------------
     @torch.inference_mode()
     def step(self, chunks: Sequence) -> dict[int, np.ndarray]:
-        """Append every chunk in one forward; logits rows (float32, n_vocab) by slot for those asking."""
+        """Append every chunk in one forward; by slot for those asking, logits (float32): one row [n_vocab]
+        (``n_logits`` 1) or the last n_logits tokens' rows [n_logits, n_vocab]."""
         self._check(chunks)
         if not chunks:
             return {}
@@ -244,10 +250,15 @@ class PagedExecutor:
             self.forwards += 1
             at = [i for i, c in enumerate(chunks) if c.logits]
             out = _to_host(logits[torch.tensor(at, dtype=torch.long, device=dev)].float()) if at else None
-        else:
-            parts = [self._varlen(g) for g in self._groups(chunks)]
-            out = np.concatenate([p for p in parts if p is not None]) if asking else None
-        return {c.slot: out[i] for i, c in enumerate(asking)}
+            return {c.slot: out[i] for i, c in enumerate(asking)}
+        parts = [self._varlen(g) for g in self._groups(chunks)]
+        out = np.concatenate([p for p in parts if p is not None]) if asking else None
+        rows, i = {}, 0
+        for c in asking:        # rows in chunk order: n_logits of them per asking chunk
+            n = _n_logits(c)
+            rows[c.slot] = out[i] if n == 1 else out[i:i + n]
+            i += n
+        return rows
 
     def _groups(self, chunks: Sequence) -> list[list]:
         """Chunks in order, in as few groups as keep each forward's mask (new tokens × keys, all the
@@ -277,7 +288,7 @@ class PagedExecutor:
             tables.append(torch.tensor(self.tables[c.slot], dtype=torch.long))
             n += len(c.tokens)
             if c.logits:
-                rows.append(n - 1)
+                rows += range(n - _n_logits(c), n)
         keys = torch.cat([t[p // bs] * bs + p % bs for t, p in zip(tables, k_pos)])
         slots = torch.cat([t[p // bs] * bs + p % bs for t, p in zip(tables, pos)])
         pos_t, kp, qr, kr = (torch.cat(x).to(dev) for x in (pos, k_pos, q_req, k_req))
@@ -323,3 +334,8 @@ class PagedExecutor:
 
     def _check_slot(self, slot: int) -> None:
         check_slot(slot, self.n_slots)
+
+
+def _n_logits(c) -> int:
+    """Logits rows a chunk asks for (chunk-likes without ``n_logits`` ask for one)."""
+    return getattr(c, "n_logits", 1) if c.logits else 0
