@@ -1,0 +1,232 @@
+"""localinfer serve beside llama.cpp's llama-server and llama-cpp-python's server, one run, same load.
+
+    python benchmarks/serve_peers.py --llama-server PATH [--llama-cpp-python PYTHON] \
+        [--scenarios closed,prefix,poisson] [--out benchmarks/results/serve_peers_cpu]
+
+Every server runs the same model (default: the embedded SmolLM2 Q4_1) with the same threads, the same
+total context and flash attention on; each is started once per scenario and left idle while the others
+are measured.  Each load level goes to every server in turn, before the next level, so the other work
+on a shared machine falls on all of them alike.  The load is ``benchmarks/serve_load.py`` (the same code
+as ``localinfer bench serve``), run once per server and level, fresh prompts per level.
+
+Scenarios (issue 15's measurements):
+
+- ``closed``: closed loop at concurrency 1, 4, 8; 16 requests of about 300 prompt tokens, 128 output
+  tokens with EOS ignored; total context 4096 over 8 slots (llama-server ``-np 8 --kv-unified``).
+- ``prefix``: concurrency 4, every prompt starting with the same 1,000-token system prefix (1,300 tokens
+  in all); total context 8192 over 8 slots.  Reports TTFT and the peak KV cells in use: localinfer's
+  ``localinfer_kv_blocks_used`` × 16 (an upper bound on its cells), llama-server's Σ over busy slots of
+  prompt + generated tokens from ``/slots`` (each slot holds its own copy of the prefix).
+- ``poisson``: open-loop Poisson arrivals at rates that overload the machine, 10 s TTFT and end-to-end
+  SLOs; every request carries a 10 s deadline (``x-localinfer-deadline-ms``, which only localinfer reads:
+  it refuses at admission what it predicts would be late).  Goodput as vLLM defines it.
+
+llama-cpp-python's server has no ``ignore_eos``: it gets ``min_tokens`` (= output tokens) instead, and
+``--interrupt_requests False`` (its default cuts a running stream to one token when another request
+waits).  Its other settings are its defaults (``logits_all`` on among them).  Writes OUT.json (every
+run's full figures, the machine, the commands) and OUT.txt (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from localinfer.model.sources import resolve_model
+
+SCENARIOS = {
+    "closed": {"ctx": 4096, "levels": [["--concurrency", "1"], ["--concurrency", "4"], ["--concurrency", "8"]],
+               "load": ["--requests", "16", "--prompt-tokens", "300", "--output-tokens", "128"]},
+    "prefix": {"ctx": 8192, "levels": [["--concurrency", "4"]],
+               "load": ["--requests", "16", "--prompt-tokens", "1300", "--shared-prefix", "1000",
+                        "--output-tokens", "128"]},
+    "poisson": {"ctx": 4096, "levels": [["--concurrency", "", "--rate", "0.6"], ["--concurrency", "", "--rate", "1.0"]],
+                "load": ["--requests", "40", "--prompt-tokens", "300", "--output-tokens", "128",
+                         "--slo-ttft", "10", "--slo-e2e", "10", "--deadline-ms", "10000"]},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def commands(args, model: str, ctx: int, ports: dict[str, int]) -> dict[str, list[str]]:
+    t = str(args.threads)
+    out = {"localinfer": [sys.executable, "-m", "localinfer", "serve", model, "--port", str(ports["localinfer"]),
+                          "--parallel", "8",
+                          "--ctx", str(ctx), "-t", t, "--max-queue", "1024"]}
+    if args.llama_server:
+        out["llama-server"] = [args.llama_server, "-m", model, "--host", "127.0.0.1",
+                               "--port", str(ports["llama-server"]),
+                               "-c", str(ctx), "-np", "8", "--kv-unified", "--no-webui", "-t", t, "-tb", t,
+                               "-fa", "on", "--metrics"]
+    if args.llama_cpp_python:
+        out["llama-cpp-python"] = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", model,
+                                   "--host", "127.0.0.1", "--port", str(ports["llama-cpp-python"]),
+                                   "--n_ctx", str(ctx),
+                                   "--n_threads", t, "--n_threads_batch", t, "--flash_attn", "True",
+                                   "--interrupt_requests", "False"]
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server exited with {proc.returncode}: {log.read_text()[-800:]}")
+        try:   # /v1/models may answer while the model loads; /health says when it is ready (where it exists)
+            if (httpx.get(url + "/models", timeout=2).status_code == 200
+                    and httpx.get(url.removesuffix("/v1") + "/health", timeout=2).status_code in (200, 404)):
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    sys.exit(f"{url} did not become ready: {log.read_text()[-800:]}")
+
+
+SMOKE = {"--requests": "3", "--output-tokens": "8"}     # --smoke: the same runs, tiny
+
+
+def load_flags(args, scenario: dict) -> list[str]:
+    flags = list(scenario["load"])
+    if args.smoke:
+        for k, v in SMOKE.items():
+            flags[flags.index(k) + 1] = v
+    return flags
+
+
+def load(args, name: str, url: str, scenario: dict, level: list[str], tmp: Path, seed: int) -> dict:
+    """One serve_load.py run; ``seed`` draws this level's prompts (the same for every server, new per level,
+    so no server answers a level from its cache of the last one)."""
+    out = tmp / f"{name}.json"
+    flags = load_flags(args, scenario) + ["--seed", str(seed)]
+    extra = ["--extra-body", json.dumps({"min_tokens": int(flags[flags.index("--output-tokens") + 1])})
+             ] if name == "llama-cpp-python" else []
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", url, "--label", name,
+           *flags, *level, *extra, "--out", str(out)]
+    subprocess.run(cmd, check=True, timeout=3600)
+    return json.loads(out.read_text())
+
+
+def machine() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
+
+
+def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
+    scenario = SCENARIOS[key]
+    ports = {name: free_port() for name in ("localinfer", "llama-server", "llama-cpp-python")}
+    cmds = commands(args, model, scenario["ctx"], ports)
+    url_of = lambda name: f"http://127.0.0.1:{ports[name]}/v1"
+    procs = {}
+    try:
+        for name, cmd in cmds.items():
+            log = tmp / f"{key}-{name}.log"
+            procs[name] = (subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT), log)
+        for name, (proc, log) in procs.items():
+            wait_ready(url_of(name), proc, log)
+        levels = []
+        for li, level in enumerate(scenario["levels"]):
+            row = {"level": " ".join(x for x in level if x).replace("--concurrency --rate", "--rate")}
+            for name in cmds:
+                print(f"{key} {row['level']}: {name}", file=sys.stderr, flush=True)
+                seed = 1 + 100 * list(SCENARIOS).index(key) + li
+                doc = load(args, name, url_of(name), scenario, level, tmp, seed)
+                row[name] = {"run": doc["runs"][0], "machine": doc["machine"]}
+            levels.append(row)
+        return {"scenario": key, "ctx": scenario["ctx"], "load": load_flags(args, scenario), "commands": cmds,
+                "levels": levels}
+    finally:
+        for proc, _ in procs.values():
+            proc.terminate()
+        for proc, _ in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def ratio(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def table(results: list[dict]) -> str:
+    lines = []
+    for sc in results:
+        lines.append(f"\n[{sc['scenario']}] ctx {sc['ctx']}, {' '.join(sc['load'])}")
+        names = [n for n in ("localinfer", "llama-server", "llama-cpp-python") if n in sc["levels"][0]]
+        head = (f"{'level':<18}{'server':<18}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'e2e p50':>9}"
+                f"{'good/s':>8}{'ok':>7}{'peak cells':>11}")
+        lines.append(head)
+        for row in sc["levels"]:
+            for n in names:
+                r = row[n]["run"]
+                p = r.get("peaks", {})
+                cells = p.get("localinfer_kv_blocks_used") or p.get("llama_server_slot_tokens")
+                lines.append(f"{row['level']:<18}{n:<18}{r['output_tok_s']:>8.1f}"
+                             f"{(r['ttft_p50_ms'] or 0) / 1e3:>9.2f}s{(r['ttft_p95_ms'] or 0) / 1e3:>9.2f}s"
+                             f"{(r['e2e_p50_ms'] or 0) / 1e3:>8.2f}s{r['goodput_req_s']:>8.3f}"
+                             f"{r['ok']:>4}/{r['requests']:<3}{cells if cells else '-':>10}")
+            li = row["localinfer"]["run"]
+            for n in names[1:]:
+                r = row[n]["run"]
+                pl, pr = li.get("peaks", {}), r.get("peaks", {})
+                lines.append(f"{'':<18}{'ratio vs ' + n:<30}tok/s {ratio(li['output_tok_s'], r['output_tok_s'])}"
+                             f"  TTFT p50 {ratio(li['ttft_p50_ms'], r['ttft_p50_ms'])}"
+                             f"  p95 {ratio(li['ttft_p95_ms'], r['ttft_p95_ms'])}"
+                             f"  goodput {ratio(li['goodput_req_s'], r['goodput_req_s'])}"
+                             f"  cells {ratio(pl.get('localinfer_kv_blocks_used'), pr.get('llama_server_slot_tokens'))}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded model)")
+    ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    ap.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
+                    help="a Python that has llama-cpp-python[server] (run as PYTHON -m llama_cpp.server)")
+    ap.add_argument("--scenarios", default="closed,prefix,poisson")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/serve_peers_cpu")
+    ap.add_argument("--smoke", action="store_true", help=f"tiny loads ({SMOKE}): checks the script runs")
+    args = ap.parse_args(argv)
+    model = str(resolve_model(args.model))
+    keys = [k for k in args.scenarios.split(",") if k]
+    bad = [k for k in keys if k not in SCENARIOS]
+    if bad:
+        ap.error(f"unknown scenario(s) {bad}; use {','.join(SCENARIOS)}")
+    before = machine()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [run_scenario(args, model, k, Path(tmp)) for k in keys]
+    doc = {"machine": dict(machine(), loadavg_before=before["loadavg_1_5_15"]), "model": model,
+           "threads": args.threads, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "scenarios": results}
+    text = table(results)
+    for suffix, body in ((".json", json.dumps(doc, indent=1) + "\n"), (".txt", text + "\n")):
+        path = Path(args.out + suffix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path = path.with_suffix(path.suffix + ".tmp")
+        tmp_path.write_text(body)
+        os.replace(tmp_path, path)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
