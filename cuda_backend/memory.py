@@ -178,14 +178,18 @@ class TorchMemory(OwnTensorsMemory):
         return ResidentWeights(torch_weight_bytes(spec, dt, packed=packed), runs_on, dt, formula, note)
 
     def breakdown(self, spec, device, req):
-        """Weights and the KV pool; on CUDA also the decode graphs (:func:`torch_graph_bytes`)."""
+        """Weights and the KV pool; on CUDA also the decode graphs (:func:`torch_graph_bytes`), whose rows attend
+        the most positions one sequence may hold: ``n_ctx`` per sequence, or the whole context when the plan
+        shares one (``n_ctx_total``: ``run``/``serve``'s check, where ``serving.open_plan`` lets one request
+        hold all of it)."""
         bd, geometry = super().breakdown(spec, device, req)
         rw = self.resident_weights(spec, device.kind, req.dtype, packed=req.packed)
         if rw.runs_on != "cuda":
             return bd, geometry
         pool = bd.terms[0].pool
         sizes, p = graph_batches(req.n_seq), TORCH_BLOCK_TOKENS
-        graphs = torch_graph_bytes(spec, req.n_ctx, req.n_seq, rw.dtype, req.type_k, req.type_v, packed=req.packed)
+        keys = req.n_ctx_total or req.n_ctx
+        graphs = torch_graph_bytes(spec, keys, req.n_seq, rw.dtype, req.type_k, req.type_v, packed=req.packed)
         term = Term("compute", f"CUDA graphs (decode, batch {'/'.join(map(str, sizes))})", graphs, pool,
                     f"one graph pool: batch {sizes[-1]} × activations over ⌈ctx/{p}⌉·{p} keys + every graph's "
                     "logits, + 1 scratch KV block (estimate)", None)

@@ -39,13 +39,19 @@ BLOCK_TOKENS = TORCH_BLOCK_TOKENS     # one block size: the block manager's (loc
 
 
 class Vocab:
-    """The file's tokenizer and end-of-generation ids (what ``run_batch`` asks of an engine)."""
+    """The file's tokenizer and end-of-generation ids (what ``run_batch`` and ``serve``'s HTTP side and chat
+    template ask of an engine)."""
 
     def __init__(self, tok, spec: ModelSpec):
         self.tok = tok
+        self.n_vocab = getattr(tok, "n_vocab", None) or spec.vocab_size
+        self.add_bos = bool(getattr(tok, "add_bos", False))
         self.bos_id = tok.bos_id if tok.has_vocab else spec.bos_token_id
         self.eos_ids = tok.eos_ids if tok.has_vocab else frozenset(
             [spec.eos_token_id] if spec.eos_token_id is not None else [])
+
+    def token_text(self, token: int) -> str:
+        return self.tok.token_text(token) if self.tok.has_vocab else ""
 
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
         return self.tok.tokenize(text, add_bos=add_bos, special=special)
@@ -99,3 +105,17 @@ def open_executor(model_path: str | os.PathLike, *, n_slots: int = 8, n_ctx: int
                        type_v=type_v, max_model_len=n_ctx, **options)
     ex.vocab, ex.spec = Vocab(tok, spec), spec
     return ex
+
+
+def open_plan(plan: LoadPlan, **options) -> PagedExecutor:
+    """The executor for a serving plan (``serve --backend torch``): ``plan.n_seq`` slots sharing ``plan.n_ctx``
+    KV positions, as ``fit``'s check of the plan counts them (``check_load``: ⌈n_ctx / n_seq⌉ tokens per
+    sequence) — the pool is ``n_seq × ⌈⌈n_ctx / n_seq⌉ / p⌉`` blocks, the bytes fit printed —, and, the pool
+    being one for all, one request may hold up to ``n_ctx`` positions (llama.cpp's unified KV; the decode
+    graphs' keys, which fit counts as the plan's ``n_ctx_total``).  ``n_gpu_layers=0`` runs on the CPU."""
+    n_seq = plan.n_seq
+    device = "cpu" if plan.n_gpu_layers == 0 else plan.device
+    return open_executor(plan.model_path, n_slots=n_seq, n_ctx=plan.n_ctx, type_k=plan.type_k, type_v=plan.type_v,
+                         device=device, dtype=plan.dtype, threads=plan.n_threads,
+                         num_blocks=torch_pool_blocks(-(-plan.n_ctx // n_seq), n_seq, BLOCK_TOKENS),
+                         packed=bool(plan.options.get("packed")), quiet=plan.options.get("quiet", True), **options)

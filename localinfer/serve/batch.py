@@ -86,7 +86,7 @@ class _Reply:
 
 def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None, *,
               max_tokens: int = DEFAULT_MAX_TOKENS, parallel: int | None = None, ctx: int | None = None,
-              chunk: int | None = None, stop: Sequence[str] = (), block_tokens: int = DEFAULT_BLOCK_TOKENS,
+              chunk: int | None = None, stop: Sequence[str] = (), block_tokens: int | None = None,
               prefix_cache: bool = True, admission: str = "reserve", kv_blocks: int | None = None,
               ignore_eos: bool = False) -> list[BatchResult]:
     """Replies to prompts (token ids) through ``executor`` and the step engine; results in prompt order.
@@ -94,7 +94,9 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
     ``vocab`` gives ``token_bytes`` and ``eos_ids`` (an engine or a vocabulary);
     ``ctx`` is each request's context (default: an equal share of the cells);
     ``chunk`` switches to chunked prefill (at most ``chunk`` prompt tokens of a request per step);
-    ``prefix_cache``: a prompt whose first full blocks a running request holds copies them (``executor.copy``);
+    ``block_tokens``: the KV block size (default: the executor's ``block_size``, else 16);
+    ``prefix_cache``: a prompt whose first full blocks a running request holds copies them (``executor.copy``),
+    or, on an executor that ``restores_cached_prefix`` (torch), reads them from the pool where they stayed;
     ``admission``: ``"reserve"`` (prompt + max output up front) or ``"on_demand"`` (preempting the newest
     request, recomputed later, when ``kv_blocks`` — default: all the cells — run out);
     ``ignore_eos`` lets replies run through end-of-generation tokens (benchmarks).
@@ -102,6 +104,7 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
     check_max_tokens(max_tokens)
     stops = check_stops(stop)
     params = params or SamplingParams()
+    block_tokens = block_tokens or getattr(executor, "block_size", None) or DEFAULT_BLOCK_TOKENS
     parallel = min(parallel or executor.n_slots, executor.n_slots)
     unified = getattr(executor, "unified", True)
     if ctx is None:
@@ -118,7 +121,8 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
                              chunk_tokens=chunk or SchedulerConfig.chunk_tokens, admission=admission)
     if kv_blocks is not None:
         pool = min(pool, kv_blocks)
-    blocks = BlockManager(pool, block_tokens, prefix_cache=prefix_cache, pool_hits=False)
+    blocks = BlockManager(pool, block_tokens, prefix_cache=prefix_cache,
+                          pool_hits=getattr(executor, "restores_cached_prefix", False))
     engine = Engine(executor, Scheduler(config, blocks))
     start = executor.clock()
     stop_tokens = frozenset() if ignore_eos else frozenset(vocab.eos_ids)

@@ -57,3 +57,36 @@ def test_open_executor_allocates_what_fit_prints(tiny_models):
         bd, _ = MEMORY.breakdown(ex.spec, local_device(), req)
         assert ex.pool.num_blocks == 3 * 7 and ex.pool.nbytes == bd.kv and ex.graphs is None
         assert ex.slot_cells == 100 and ex.vocab.eos_ids
+
+
+def test_open_plan_is_the_serving_plan_fit_checks(tiny_models):
+    """serve --backend torch: n_seq slots sharing n_ctx positions; the pool is the KV fit counts for the plan,
+    one request may hold all n_ctx positions."""
+    from cuda_backend.serving import open_plan
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.model.spec import ModelSpec
+    from localinfer.plan.fit import check_load
+
+    path = str(tiny_models["llama"])
+    plan = LoadPlan(path, n_ctx=100, n_seq=3, n_gpu_layers=0, n_threads=1, type_k="q8_0", type_v="f16")
+    fit = check_load(ModelSpec.from_gguf(path), plan, backend="torch")
+    with open_plan(plan) as ex:
+        assert ex.n_slots == 3 and ex.slot_cells == 100 and ex.pool.num_blocks == 3 * 3   # 3 × ⌈⌈100/3⌉/16⌉
+        assert ex.pool.nbytes == fit.breakdown.kv and ex.device.type == "cpu"
+        assert ex.vocab.n_vocab == ex.n_vocab and ex.vocab.token_text(ex.vocab.bos_id)
+
+
+def test_run_batch_takes_the_executors_block_size_and_pool_hits(tiny_models):
+    """run_batch builds its block manager with the executor's block size and, since the torch executor restores
+    cached prefixes, takes hits from the pool: a prompt seen by a finished request is read, not recomputed."""
+    from cuda_backend.serving import open_executor
+    from localinfer.serve.batch import run_batch
+    from tests.cuda_backend.test_paged_executor import prompts_for
+
+    with open_executor(tiny_models["llama"], n_slots=1, n_ctx=96, device="cpu", threads=1, type_k="f32",
+                       type_v="f32") as ex:
+        prompt = prompts_for(ex.n_vocab, [40], seed=5)[0]
+        before = ex.tokens_computed
+        a, b = run_batch(ex, ex.vocab, [prompt, prompt], GREEDY, max_tokens=3, parallel=1, ignore_eos=True)
+    assert a.tokens == b.tokens and a.cached_tokens == 0 and b.cached_tokens == 32
+    assert ex.tokens_computed - before == 2 * (40 + 2) - 32

@@ -111,6 +111,10 @@ def test_fit_counts_cuda_graphs_on_cuda_only(default_model):
     assert term.bytes > torch_graph_bytes(spec, 4096, 32, "bf16")
     on_cpu, _ = MEMORY.breakdown(spec, replace(gpu, kind="cpu"), req)
     assert on_cpu.compute == 0 and on_cpu.kv == bd.kv  # no graphs without CUDA
+    shared = replace(req, n_ctx=1024, n_seq=4, n_ctx_total=4096)   # run/serve: 4 sequences share 4096 positions
+    bd, _ = MEMORY.breakdown(spec, gpu, shared)      # one may hold them all (serving.open_plan): graphs attend 4096
+    assert bd.compute == torch_graph_bytes(spec, 4096, 4, "bf16") and bd.kv == torch_pool_blocks(1024, 4) * \
+        torch_block_bytes(spec)
 
 
 def test_pool_from_memory_left_after_weights(tiny_models, monkeypatch):

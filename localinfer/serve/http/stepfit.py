@@ -72,7 +72,10 @@ class TimedExecutor:
         self.n_slots = inner.n_slots
         self.n_vocab = inner.n_vocab
         self.n_cells = getattr(inner, "n_cells", None)
+        self.slot_cells = getattr(inner, "slot_cells", None)
         self.verifies_drafts = getattr(inner, "verifies_drafts", False)
+        self.restores_cached_prefix = getattr(inner, "restores_cached_prefix", False)   # paged (torch) executors
+        self.block_size = getattr(inner, "block_size", None)
         self.steps = 0
         self.step_seconds = 0.0
 
@@ -95,6 +98,9 @@ class TimedExecutor:
     def copy(self, src: int, dst: int, n_tokens: int) -> None:
         self.inner.copy(src, dst, n_tokens)
 
+    def restore(self, slot: int, n_tokens: int) -> None:
+        self.inner.restore(slot, n_tokens)
+
     def drop(self, slot: int, start: int = 0) -> None:
         self.inner.drop(slot, start)
 
@@ -106,13 +112,19 @@ class TimedExecutor:
 
 
 def calibrate(executor, n: int = 64) -> LinearStepModel:
-    """Seed coefficients from two steps on slot 0 (a prefill of n tokens, then one decode), dropped afterwards."""
-    n = max(2, min(n, (getattr(executor, "n_cells", None) or n + 1) - 1))
+    """Seed coefficients from two steps on slot 0 (a prefill of n tokens, then one decode), dropped afterwards.
+
+    A paging executor (``block_size``) gets the pool's first blocks as slot 0's table (before any block
+    manager hands blocks out)."""
+    cells = min(c for c in (getattr(executor, "n_cells", None), getattr(executor, "slot_cells", None), n + 1) if c)
+    n = max(2, min(n, cells - 1))
     tokens = tuple(i % max(1, executor.n_vocab - 1) + 1 for i in range(n))
+    p = getattr(executor, "block_size", None)
+    blocks = tuple(range(-(-(n + 1) // p))) if p else ()
     t0 = executor.clock()
-    executor.step([Chunk(0, tokens, 0, True)])
+    executor.step([Chunk(0, tokens, 0, True, blocks=blocks)])
     t1 = executor.clock()
-    executor.step([Chunk(0, (1,), n, True)])
+    executor.step([Chunk(0, (1,), n, True, blocks=blocks)])
     t2 = executor.clock()
     executor.drop(0)
     decode, prefill = t2 - t1, t1 - t0
