@@ -14,8 +14,24 @@ the pool only at ``end_step``.  Writing into a partly filled block that another
 sequence shares (after ``fork``) copies it first (copy-on-write).
 
 With ``pool_hits=False`` a hit stops at the first block no running sequence
-holds: for backends that keep KV only in live sequences (every hit is then a
-copy from one of them), the unreferenced cached blocks are never reused.
+holds and no parked sequence keeps: for backends that keep KV only in
+sequences (every hit is then a copy from one of them).
+
+Parked sequences (``parking``, turned on by an engine that keeps finished
+requests' KV in spare sequence slots): ``free(seq)`` then leaves the
+sequence's leading committed whole blocks that the cache names (its *kept
+prefix*) backed by the parked sequence ``seq``: unreferenced, they wait in the
+LRU as cached blocks, and with ``pool_hits=False`` they stay hits, since the
+parked sequence still holds their KV.  ``unpark(seq, keep)`` shortens or forgets
+a parked sequence (a preempted request's KV is dropped; a parked sequence
+evicted for its slot); an unreferenced block no parked sequence backs leaves
+the cache at once.  Evicting a backed block (LRU, for an allocation) cuts every
+parked sequence holding it from that block on and calls
+``on_evict(seq, first position cut)``, so the owner drops those positions
+(``executor.drop``) and the KV cells and blocks agree: ``tokens_held``.  With
+parking, a block whose parent in its own sequence is not the cached one (two
+sequences computed one prefix at once) is not cached, so whoever holds a
+cached block holds its whole chain and one copy seats any hit.
 
 A block is hashed once per sequence: admission makes one ``match`` and hands
 its hit to ``allocate``, and a ``PrefixHashes`` memo kept by the caller (a
@@ -109,6 +125,10 @@ class BlockManager:
         self.lengths: dict[object, int] = {}                  # tokens written per sequence
         self._chain: dict[object, tuple[int, int]] = {}       # per sequence: (whole blocks hashed, last hash)
         self.used = 0                                         # blocks with a reference
+        self.parking = False                                  # free() parks (set by the engine that keeps the KV)
+        self.parked: dict[object, list[int]] = {}             # parked sequence -> its kept prefix's blocks
+        self._backers: dict[int, set] = {}                    # block -> parked sequences keeping it
+        self.on_evict: Callable[[object, int], None] | None = None
         self.peak_used = 0
         self.evictions = 0
 
@@ -141,6 +161,10 @@ class BlockManager:
                 filled[b] = max(filled.get(b, 0), min(p, max(0, n - i * p)))
         return sum(filled.values())
 
+    def tokens_held(self) -> int:
+        """``tokens_in_use`` plus the whole blocks that only parked sequences keep (what KV cells hold then)."""
+        return self.tokens_in_use() + self.block_tokens * sum(1 for b in self._backers if self.blocks[b].ref == 0)
+
     # ---- the prefix cache ----------------------------------------------------
     def match(self, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> list[int]:
         """Cached blocks holding the longest run of whole leading blocks of ``tokens``.
@@ -160,7 +184,7 @@ class BlockManager:
             block = self.blocks[b]
             if block.parent != parent or block.tokens != tuple(tokens[i * p:(i + 1) * p]):
                 break
-            if not self.pool_hits and block.ref == 0:
+            if not self.pool_hits and block.ref == 0 and b not in self._backers:
                 break
             found.append(b)
             parent = h
@@ -252,9 +276,13 @@ class BlockManager:
             if block.hash is None:
                 chunk = tuple(tokens[i * p:(i + 1) * p])
                 cached = self._cache.get(h)
-                if cached is not None and not self.pool_hits and self.blocks[cached].ref == 0:
+                if (cached is not None and not self.pool_hits and self.blocks[cached].ref == 0
+                        and cached not in self._backers):
                     self._unhash(cached)    # a live copy serves hits better than one nobody holds
-                if h not in self._cache:
+                # parking: a block whose parent in this sequence is not the cached one (both computed at once)
+                # stays out, so that whoever holds a cached block holds its whole chain (one copy seats a hit)
+                own = not self.parking or i == 0 or self._cache.get(parent) == table[i - 1]
+                if h not in self._cache and own:
                     block.hash, block.parent, block.tokens = h, parent, chunk
                     self._cache[h] = block.id
             parent = h
@@ -272,12 +300,47 @@ class BlockManager:
             self._ref(b)
 
     def free(self, seq) -> None:
-        """Drop ``seq``'s references; its blocks return to the pool now, or at ``end_step`` if a step is in flight."""
+        """Drop ``seq``'s references; its blocks return to the pool now, or at ``end_step`` if a step is in flight.
+
+        With ``parking`` the sequence is parked: its kept prefix (leading committed whole blocks
+        the cache names) stays backed by ``seq`` until ``unpark`` or eviction.
+        """
         table = self.tables.pop(seq)
-        self.lengths.pop(seq)
+        n = self.lengths.pop(seq)
         self._chain.pop(seq, None)
+        if self.parking:
+            self._park(seq, table, n)
         for b in reversed(table):   # the tail first: it is the first to be evicted
             self._unref(b)
+
+    def unpark(self, seq, keep_tokens: int = 0) -> int:
+        """Keep only the first ``keep_tokens`` (whole blocks) of parked ``seq`` (0: forget it); tokens it keeps.
+
+        An unreferenced block no parked sequence backs any more leaves the cache (to the free pool).
+        """
+        kept = self.parked.get(seq)
+        if kept is None:
+            return 0
+        k = min(len(kept), max(0, keep_tokens) // self.block_tokens)
+        gone = kept[k:]
+        del kept[k:]
+        if not kept:
+            del self.parked[seq]
+        for b in gone:
+            self._unback(b, seq)
+        return k * self.block_tokens
+
+    def parked_sharers(self, seq) -> list[tuple[object, int]]:
+        """Parked sequences sharing ``seq``'s leading blocks: (parked sequence, whole blocks in common), most first."""
+        table, out = self.tables[seq], []
+        n = min(len(table), self.lengths[seq] // self.block_tokens)
+        for other, kept in self.parked.items():
+            k, limit = 0, min(n, len(kept))
+            while k < limit and kept[k] == table[k]:
+                k += 1
+            if k:
+                out.append((other, k))
+        return sorted(out, key=lambda x: -x[1])
 
     def sharers(self, seq) -> list[tuple[object, int]]:
         """Other sequences sharing ``seq``'s leading blocks: (sequence, whole blocks in common), most first."""
@@ -300,6 +363,7 @@ class BlockManager:
         self.allocate(key, whole, hit=self.match(whole, memo))
         self.commit(key, whole, memo)
         self.free(key)
+        self.unpark(key)     # no sequence holds a preloaded block's KV
         return n // self.block_tokens
 
     def _memo(self, hashes: PrefixHashes | None) -> PrefixHashes | None:
@@ -345,11 +409,51 @@ class BlockManager:
             else:
                 self._release(b)
 
+    def _park(self, seq, table: list[int], n_tokens: int) -> None:
+        self.unpark(seq)
+        kept = []
+        for b in table[:n_tokens // self.block_tokens]:
+            h = self.blocks[b].hash
+            if h is None or self._cache.get(h) != b:
+                break
+            kept.append(b)
+        if kept:
+            self.parked[seq] = kept
+            for b in kept:
+                self._backers.setdefault(b, set()).add(seq)
+
+    def _unback(self, b: int, seq) -> None:
+        """Parked ``seq`` no longer keeps block ``b``; an unreferenced block nobody keeps leaves the cache."""
+        backers = self._backers.get(b)
+        if backers is None:
+            return
+        backers.discard(seq)
+        if not backers:
+            del self._backers[b]
+            if self.blocks[b].ref == 0 and b in self._lru:
+                self._unhash(b)
+
+    def _evict_backed(self, b: int) -> None:
+        """Cached block ``b`` is evicted: every parked sequence keeping it is cut from it on (``on_evict``)."""
+        p = self.block_tokens
+        for seq in list(self._backers.get(b, ())):
+            kept = self.parked[seq]
+            j = kept.index(b)
+            gone = kept[j:]
+            del kept[j:]
+            if not kept:
+                del self.parked[seq]
+            for d in gone:
+                self._unback(d, seq)
+            if self.on_evict is not None:
+                self.on_evict(seq, j * p)
+
     def _release(self, b: int) -> None:
         block = self.blocks[b]
         if block.ref:
             return   # referenced again (a cache hit) before the deferred release
-        if block.hash is not None and self._cache.get(block.hash) == b:
+        if (block.hash is not None and self._cache.get(block.hash) == b
+                and (self.pool_hits or not self.parking or b in self._backers)):
             self._lru[b] = None
         else:
             self._reset(block)
@@ -370,6 +474,7 @@ class BlockManager:
         else:
             b, _ = self._lru.popitem(last=False)
             self.evictions += 1
+            self._evict_backed(b)
             self._reset(self.blocks[b])
         self._ref(b)
         return b

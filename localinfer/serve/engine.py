@@ -12,6 +12,18 @@ An executor that can bring back a cached prefix no running request holds
 declares ``restores_cached_prefix = True`` and ``restore(slot, n_tokens)`` (the
 simulator); with any other, the block manager must be built with ``pool_hits=False``.
 
+Parking (``park_slots`` > 0: sequence slots beyond ``max_running``, for an
+executor that keeps KV only in its sequences, llama.cpp): a request that
+finishes or is cancelled keeps its slot, cut to its kept prefix (the whole
+committed blocks the prefix cache names, ``BlockManager.free`` with
+``parking``); those blocks stay in the cache as evictable, and a later request
+whose prompt matches them is seated by ``executor.copy`` from the parked slot,
+as from a running request.  The block manager's eviction of such a block drops
+the parked slot's positions from that block on (``executor.drop(slot,
+start)``), so KV cells and blocks agree (``BlockManager.tokens_held``); when all
+``park_slots`` are parked, the least recently used parked sequence gives its
+slot up whole.  A preempted request, or one that failed, is not parked.
+
 Every chunk carries its request's block table from the block manager
 (``Chunk.blocks``), so a paging executor (the torch one, built with
 ``external_blocks=True``) writes and reads exactly the blocks the manager
@@ -29,7 +41,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,10 +72,16 @@ class StepRecord:
 
 
 class Engine:
-    def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False):
+    def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False, park_slots: int = 0):
         if scheduler.config.max_running > executor.n_slots:
             raise ValueError(f"max_running {scheduler.config.max_running} exceeds the executor's "
                              f"{executor.n_slots} slots")
+        if park_slots and not 0 < park_slots <= executor.n_slots - scheduler.config.max_running:
+            raise ValueError(f"{park_slots} parked slots and max_running {scheduler.config.max_running} exceed the "
+                             f"executor's {executor.n_slots} slots")
+        if park_slots and scheduler.blocks.pool_hits:
+            raise ValueError("parking is for executors that keep KV only in sequences: build the BlockManager "
+                             "with pool_hits=False")
         if scheduler.blocks.pool_hits and not getattr(executor, "restores_cached_prefix", False):
             raise ValueError("this executor keeps KV only in live sequences: build the BlockManager with "
                              "pool_hits=False, so that every prefix hit is a copy from a running request")
@@ -86,6 +104,10 @@ class Engine:
         self._ids = itertools.count()
         self._in_step = False
         self._after_step: list[Request] = []     # cancelled during the step in flight: slots dropped after it
+        self.park_slots = park_slots
+        self._parked: OrderedDict[str, int] = OrderedDict()   # parked request id -> slot, least recently used first
+        self.blocks.parking = bool(park_slots)
+        self.blocks.on_evict = self._evicted if park_slots else None
 
     # ---- requests ------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -209,21 +231,31 @@ class Engine:
 
     # ---- internals -----------------------------------------------------------
     def _seat(self, r: Request) -> None:
-        """A slot for r; its cached prefix copied from a request holding it, the rest restored from the pool."""
+        """A slot for r; its cached prefix copied from a running or parked request holding it, the rest restored
+        from the pool."""
         slot = self._free_slots.popleft()
         self.slot_of[r.id] = slot
+        if r.id in self._parked:      # an earlier request of the same id is parked: it gives its slot up now
+            self._unpark(r.id)
         if not r.cached:
             return
-        p, have = self.blocks.block_tokens, 0
+        p, have, src = self.blocks.block_tokens, 0, None
         for other, k in self.blocks.sharers(r.id):
             if other in self._holding:
-                have = min(k * p, r.cached)
-                self.executor.copy(self.slot_of[other], slot, have)
+                have, src = min(k * p, r.cached), self.slot_of[other]
                 break
+        for other, k in self.blocks.parked_sharers(r.id):
+            if other in self._parked:
+                if min(k * p, r.cached) > have:
+                    have, src = min(k * p, r.cached), self._parked[other]
+                    self._parked.move_to_end(other)     # used: the last to give its slot up
+                break
+        if src is not None:
+            self.executor.copy(src, slot, have)
         if have < r.cached:
             if getattr(self.executor, "restores_cached_prefix", False):
                 self.executor.restore(slot, r.cached)
-            else:   # the hit spans blocks of several live requests: compute what no single one can give
+            else:   # the hit spans blocks of several requests: compute what no single one can give
                 self.executor.step([self._chunk(r, r.view()[have:r.cached], have, False)])
         self._holding.add(r.id)
 
@@ -233,11 +265,44 @@ class Engine:
                      blocks=tuple(self.blocks.tables[r.id]))
 
     def _release(self, r: Request) -> None:
+        """r leaves its slot: parked (cut to its kept prefix) if it finished without error, else dropped."""
         slot = self.slot_of.pop(r.id, None)
         self._holding.discard(r.id)
-        if slot is not None:
+        park = self.park_slots and slot is not None and r.state is State.FINISHED \
+            and r.finish_reason is not FinishReason.ERROR
+        kept = self.blocks.unpark(r.id, r.n_tokens if park else 0)
+        if slot is None:
+            return
+        if not kept:
             self.executor.drop(slot)
             self._free_slots.append(slot)
+            return
+        self.executor.drop(slot, kept)
+        self._parked[r.id] = slot
+        while len(self._parked) > self.park_slots:
+            self._unpark(next(iter(self._parked)))
+
+    def _unpark(self, rid: str) -> None:
+        """Parked ``rid`` gives its slot up: its KV is dropped and its blocks leave the cache (unless shared)."""
+        slot = self._parked.pop(rid)
+        self.blocks.unpark(rid)
+        self.executor.drop(slot)
+        self._free_slots.append(slot)
+
+    def _evicted(self, rid: str, start: int) -> None:
+        """The block manager evicted parked ``rid``'s blocks from position ``start`` on: drop that KV."""
+        slot = self._parked.get(rid, self.slot_of.get(rid))     # slot_of: freed in this schedule, released later
+        if slot is None:
+            return
+        self.executor.drop(slot, start)
+        if start == 0 and self._parked.get(rid) == slot:
+            del self._parked[rid]
+            self._free_slots.append(slot)
+
+    @property
+    def parked(self) -> int:
+        """Requests whose KV is parked in a slot for later prefix hits."""
+        return len(self._parked)
 
     def _emit_finish(self, r: Request) -> StreamChunk:
         ev = StreamChunk(r.id, None, r.finished_s, r.finish_reason, r.error)

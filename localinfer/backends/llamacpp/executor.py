@@ -22,6 +22,14 @@ cells, read from its sequence-state serialisation for ``seq_id = -1`` (every cel
     | per stream: u32 cell_count | cell_count x (i32 pos, u32 n_seq, n_seq x i32 seq_id)
                   | u32 v_trans | u32 n_layer | K rows per layer | V rows per layer
 
+Sequence ids need not all be running requests: the server gives the context
+``--parallel`` + parked ids (``n_seq_max``; a unified cache's size does not
+depend on it), and a finished request's sequence stays *parked* with its
+prompt's whole blocks, evictable, so a later prompt with the same prefix is a
+``copy`` from it (serve/engine.py).  Parking cuts a sequence's tail
+(``drop(slot, start)``), which recurrent and hybrid models cannot do:
+``drops_tail`` is False for them.
+
 A step either appends every chunk or, on any error (no free cells:
 :class:`~localinfer.errors.ContextFullError`; Ctrl-C), leaves every slot as it was.
 
@@ -90,6 +98,8 @@ class LlamaCppExecutor:
         self.n_batch = plan.n_batch
         self.n_outputs_max = native.outputs_cap(plan)
         self._ext_bytes = 8 if _L.llama_model_rope_type(self.engine.model_handle) in _MROPE else 0
+        model = self.engine.model_handle
+        self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
         self._len = [0] * self.n_slots
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0

@@ -1,0 +1,111 @@
+"""Parked sequences on the real llama.cpp executor (embedded model, 1 thread, flash attention on): a finished
+request's KV serves a later prompt by llama_memory_seq_cp, evictions drop its cells, cells = blocks throughout.
+
+Every chunk stays under 64 rows (chunks of 16), so each row takes ggml's one-row flash-attention kernel and a
+greedy reply is the same whether its prefix was copied from a parked sequence or computed (the cold run is on
+the same executor, everything dropped first).
+"""
+
+import pytest
+
+from localinfer.serve.block_manager import BlockManager
+from localinfer.serve.engine import Engine
+from localinfer.serve.request import FinishReason, Request
+from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+
+pytest.importorskip("llama_cpp")
+
+P = 16
+TEXT = ("You are a helpful assistant. Answer briefly and clearly, and say so when you do not know. "
+        "Keep to the facts you are given, and never invent a source. When a question is unclear, ask one short "
+        "question back. Use plain words, short sentences, and the metric system for every measurement. ")
+
+
+@pytest.fixture(scope="module")
+def executor(default_model):
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=4, n_ctx=256, threads=1, flash_attn=True) as ex:
+        assert ex.drops_tail and ex.n_cells == 256
+        yield ex
+
+
+def _engine(ex, park=2, **cfg):
+    for slot in range(ex.n_slots):
+        ex.drop(slot)
+    assert ex.cells_used() == 0
+    config = SchedulerConfig(max_running=2, policy="chunked", chunk_tokens=P, **cfg)
+    return Engine(ex, Scheduler(config, BlockManager(ex.n_cells // P, P, pool_hits=False)), park_slots=park)
+
+
+def _run(e):
+    while e.unfinished:
+        e.step()
+        assert e.executor.cells_used() == e.blocks.tokens_held()     # each cell a block's, each block's cells
+
+
+def _cold(ex, prompt, n):
+    e = _engine(ex, park=0)
+    r = e.add_request(Request("cold", prompt, n))
+    _run(e)
+    assert r.finish_reason is FinishReason.LENGTH
+    return r.output
+
+
+def _prompts(ex):
+    tok = ex.engine.tokenize
+    system = tuple(tok(TEXT * 2))[:72]
+    assert len(system) == 72
+    return system, system + tuple(tok(" The capital of France is")), system + tuple(tok(" Water boils at"))
+
+
+def test_a_finished_requests_kv_serves_a_later_prompt(executor):
+    system, a_prompt, b_prompt = _prompts(executor)
+    cold_b = _cold(executor, b_prompt, 8)
+    e = _engine(executor)
+    a = e.add_request(Request("a", a_prompt, 8))
+    _run(e)
+    assert e.parked == 1 and e.blocks.used == 0
+    assert executor.cells_used() == e.blocks.num_cached * P == (len(a_prompt) + 7) // P * P   # the tail dropped
+    b = e.add_request(Request("b", b_prompt, 8))
+    _run(e)
+    assert b.cached == len(system) // P * P >= 64 and b.output == cold_b
+    again = e.add_request(Request("again", a_prompt, 8))            # the identical prompt
+    _run(e)
+    assert again.cached == (len(a_prompt) - 1) // P * P and again.output == a.output
+    assert e.blocks.used == 0 and executor.cells_used() == e.blocks.num_cached * P
+
+
+def test_evicted_parked_blocks_lose_their_cells_and_a_later_hit_is_partial(executor):
+    _, a_prompt, _ = _prompts(executor)
+    tok = executor.engine.tokenize
+    filler = tuple(tok(" ".join(f"item {i} is number {i * 7}." for i in range(40))))
+    late_prompt = a_prompt + tuple(tok(" And of Italy?"))
+    cold_late = _cold(executor, late_prompt, 6)
+    e = _engine(executor, park=2)
+    n_blocks = e.blocks.num_blocks                                   # 16 blocks of 16
+    e.add_request(Request("a", a_prompt, 4))
+    _run(e)
+    parked = e.blocks.num_cached
+    assert parked == (len(a_prompt) + 3) // P == 5
+    big = filler[:(n_blocks - 2) * P - 4]                            # 14 blocks with its output: 3 of a's go
+    assert len(big) == (n_blocks - 2) * P - 4
+    e.add_request(Request("big", big, 4))
+    _run(e)
+    assert e.blocks.evictions == 3 and e.blocks.parked["a"] == [0, 1]
+    kept = len(e.blocks.parked["a"])
+    assert kept == 2 and executor.cells_used() == e.blocks.tokens_held() == e.blocks.num_cached * P
+    late = e.add_request(Request("late", late_prompt, 6))
+    _run(e)
+    assert late.cached == kept * P and late.output == cold_late
+
+
+def test_a_preempted_request_is_dropped_not_parked(executor):
+    _, a_prompt, b_prompt = _prompts(executor)
+    e = _engine(executor, park=2, admission="on_demand")
+    reqs = [e.add_request(Request(f"r{i}", p, 60)) for i, p in enumerate((a_prompt, b_prompt))]
+    while e.unfinished:
+        e.step()
+        assert executor.cells_used() == e.blocks.tokens_held()
+        assert all(r.finished for r in reqs if r.id in e._parked)
+    assert sum(r.preemptions for r in reqs) > 0 and all(r.finish_reason is FinishReason.LENGTH for r in reqs)
