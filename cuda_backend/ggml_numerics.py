@@ -39,9 +39,7 @@ the CPU is not correctly rounded (``torch.rsqrt`` matches ``1.0f/sqrtf``), and
 a true division).  Not reproduced: matmuls with K-quant and F16 weights (their
 activations are rounded, the dot order is not), attention without flash attention
 or on a quantized KV cache, YaRN RoPE, several sequences decoded in one llama.cpp
-batch, a llama.cpp backend run with an ``n_ubatch`` or ``n_outputs_max`` other than
-the defaults (the torch engine does not hand them to the model: set
-``Transformer.ggml_ubatch`` / ``ggml_outputs_max``), and other CPUs' kernels (AVX-512
+batch, and other CPUs' kernels (AVX-512
 and ARM NEON sum in other orders; :func:`kernel_mismatch` says when the installed
 build is one of them).
 """

@@ -135,30 +135,31 @@ def test_eval_chunks_not_a_multiple_of_64_equal_llamacpp(models, n_batch):
 @needs_avx2
 def test_ubatch_smaller_than_batch_equals_llamacpp(models):
     """llama_decode runs a batch in n_ubatch-token graphs: 250 tokens in ubatches of 96 end
-    in a 58-row graph, the one-row attention kernel.  The model cuts its forward there
-    too once told n_ubatch (the torch engine does not pass it on, so the test sets it)."""
+    in a 58-row graph, the one-row attention kernel.  The torch engine hands the plan's
+    n_ubatch to the model, which cuts its forward there too (one 250-row graph would not do)."""
     ours, ref = _pair(models["llama-q4_0-hd64"], n_batch=512, n_ubatch=96)
     with ours, ref:
+        assert ours.model.ggml_ubatch == 96
         ids = ref.tokenize(TEXT * 8)[:250]
         at = [5, 200, 249]
         want = ref.eval(ids, logits_at=at)
-        assert not np.array_equal(ours.eval(ids, logits_at=at), want)      # one 250-row graph: tiled throughout
-        ours.trim(0)
-        ours.model.ggml_ubatch = 96
         _assert_equal(ours.eval(ids, logits_at=at), want, "250 tokens in ubatches of 96")
+        ours.trim(0)
+        ours.model.ggml_ubatch = 512
+        assert not np.array_equal(ours.eval(ids, logits_at=at), want)      # one 250-row graph: tiled throughout
 
 
 @needs_avx2
 def test_n_outputs_max_option_equals_llamacpp_once_the_model_knows_it(models):
     """The llama.cpp backend's n_outputs_max option (logit rows per llama_decode) moves the
-    graph boundaries; the torch engine does not pass it on, so the test sets it."""
+    graph boundaries; the torch engine hands the same option to the model."""
     path = models["qwen3-q8_0-hd128"]
     kw = {"n_ctx": 1024, "n_threads": 1, "flash_attn": True}
     opts = {"quiet": True, "n_outputs_max": 16}
     ours = load_engine(LoadPlan(str(path), options={**opts, "llamacpp_rounding": True}, **kw), "torch")
     ref = load_engine(LoadPlan(str(path), options=opts, **kw), "llama.cpp")
     with ours, ref:
-        ours.model.ggml_outputs_max = 16
+        assert ours.model.ggml_outputs_max == 16
         ids = ref.tokenize(TEXT * 4)[:150]
         every = list(range(150))
         _assert_equal(ours.eval(ids, logits_at=every), ref.eval(ids, logits_at=every), "16 rows per llama_decode")
