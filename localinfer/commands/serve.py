@@ -2,11 +2,14 @@
 
     localinfer serve [MODEL] [--host 127.0.0.1] [--port 8080] [--parallel N] [--ctx N] [-ctk/-ctv T] [-t N]
         [--backend NAME] [--api-key KEY | LOCALINFER_API_KEY] [--max-queue N] [--token-budget N]
-        [--chunk N | --itl-target MS] [--prefix-cache on|off] [--lookup [--draft-max N]]
+        [--chunk N | --itl-target MS] [--prefix-cache on|off] [--parked N] [--lookup [--draft-max N]]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
-plan that does not fit is refused with the flags that would.  Then the socket
+plan that does not fit is refused with the flags that would.  The context then
+gets ``--parked`` more sequence ids (default ``--parallel``; the cache's size does
+not change), where finished requests' KV stays for later prefix hits until the
+pool needs it (docs/serving.md).  Then the socket
 is bound, ``/health`` answers 503 while the model loads in the engine thread
 and 200 once it is ready.  The HTTP side is in ``localinfer/serve/http``.
 """
@@ -47,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunking.add_argument("--itl-target", type=float, default=None, metavar="MS",
                           help="prefill chunks sized to keep each step under MS milliseconds")
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
+    g.add_argument("--parked", type=int, default=None, metavar="N",
+                   help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
+                        "(default: --parallel; 0: none)")
     g.add_argument("--lookup", action="store_true",
                    help="prompt-lookup speculative decoding: verify n-gram drafts inside the batched steps")
     g.add_argument("--draft-max", type=int, default=None, metavar="N",
@@ -61,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args) -> str | None:
     """Validate the serving flags; the API key to use (None: no key)."""
     for flag, v, lo, hi in (("--port", args.port, 0, 65535), ("--parallel", args.parallel, 1, 256),
-                            ("--max-queue", args.max_queue, 0, 1 << 20), ("--max-body", args.max_body, 1024, 1 << 30)):
+                            ("--max-queue", args.max_queue, 0, 1 << 20), ("--max-body", args.max_body, 1024, 1 << 30),
+                            ("--parked", args.parallel if args.parked is None else args.parked, 0, 256)):
         if not lo <= v <= hi:
             raise UsageError(f"{flag} {v} is out of range", flag=flag, hint=f"use {lo}..{hi}")
     for flag, v in (("--token-budget", args.token_budget), ("--chunk", args.chunk)):
@@ -131,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                          chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
                          prefix_cache=args.prefix_cache == "on",
+                         park=args.parked,
                          draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0)
+    plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
     hosts = {*LOOPBACK_NAMES, *(h.lower() for h in args.allow_host)}
     if args.host not in ("0.0.0.0", "::"):
@@ -174,8 +183,8 @@ def _serve(args, runtime, app_config, plan) -> int:
         if runtime.state == "failed":
             print(f"error: the model failed to load: {runtime.load_error}", file=sys.stderr, flush=True)
         elif runtime.state == "ready":
-            print(f"ready: {runtime.context_tokens} KV tokens, {runtime.config.parallel} slots", file=sys.stderr,
-                  flush=True)
+            print(f"ready: {runtime.context_tokens} KV tokens, {runtime.config.parallel} slots "
+                  f"(+{runtime.engine.park_slots} parked)", file=sys.stderr, flush=True)
 
     threading.Thread(target=announce_ready, daemon=True).start()
     with sock:

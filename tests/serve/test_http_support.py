@@ -33,8 +33,9 @@ class LiveServer:
         from localinfer.serve.http.server import bind, make_server
         from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
-        plan = LoadPlan(str(model), n_ctx=ctx, n_seq=parallel, n_threads=1, flash_attn=True,
-                        options={"kv_unified": True})
+        config = ServeConfig(parallel=parallel, max_queue=max_queue, **serve)
+        plan = LoadPlan(str(model), n_ctx=ctx, n_seq=config.n_slots, n_threads=1, flash_attn=True,
+                        options={"kv_unified": True})      # n_slots: --parallel + the parked sequences
         spec = ModelSpec.from_gguf(str(model))
 
         def template(tok):
@@ -42,8 +43,7 @@ class LiveServer:
             return template_for(spec, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                                 eos_token="" if eos is None else tok.token_text(eos))
 
-        self.runtime = Runtime(lambda: LlamaCppExecutor(plan), ServeConfig(parallel=parallel, max_queue=max_queue,
-                                                                           **serve))
+        self.runtime = Runtime(lambda: LlamaCppExecutor(plan), config)
         self.config = AppConfig(model_id=MODEL_ID, api_key=api_key, template=template)
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]

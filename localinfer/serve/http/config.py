@@ -3,8 +3,13 @@
 The KV pool is the executor's cells in blocks of ``block_tokens`` (docs/serving.md:
 a sequence of L tokens holds ⌈L / p⌉ blocks), so a request's prompt +
 max_tokens may use at most ``⌊cells / p⌋ · p`` positions.  Every prefix hit is a
-copy from a running request (``pool_hits=False``: llama.cpp keeps KV only in
-live sequences).  Prompts are prefilled in chunks (``chunked``); a request
+copy from a sequence that holds the KV (``pool_hits=False``: llama.cpp keeps KV
+only in its sequences): a running request, or a parked one — the executor has
+``n_slots`` = ``parallel`` + ``park_slots`` sequence ids, and a finished or
+cancelled request's slot stays parked with its whole committed blocks (evictable
+cached blocks) until the pool or a slot is needed (``Engine`` parking), so a
+repeated system prompt or a resent conversation is copied, not recomputed.
+``prefix_cache=False`` parks nothing.  Prompts are prefilled in chunks (``chunked``); a request
 with a deadline is refused at admission when the step model fitted on this
 machine (:mod:`.stepfit`) predicts it late, and stopped (finish reason
 ``deadline``) once its deadline has passed — its result is worthless then and
@@ -21,6 +26,8 @@ from localinfer.serve.engine import Engine
 from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibrate
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
+MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -34,7 +41,22 @@ class ServeConfig:
     prefix_cache: bool = True
     block_tokens: int = 16
     admission: str = "on_demand"
+    park: int | None = None              # parked sequences for finished requests' KV (None: as many as parallel)
     draft_max: int = 0                   # prompt-lookup drafts per request and step (0: no lookup)
+
+
+    @property
+    def park_slots(self) -> int:
+        """Sequence slots for parked requests: ``park`` (default ``parallel``) within llama.cpp's 256; 0 without
+        the prefix cache."""
+        if not self.prefix_cache:
+            return 0
+        return max(0, min(self.parallel if self.park is None else self.park, MAX_SLOTS - self.parallel))
+
+    @property
+    def n_slots(self) -> int:
+        """Sequence ids the executor needs (``LoadPlan.n_seq``): the running requests' and the parked ones'."""
+        return self.parallel + self.park_slots
 
 
 def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, FittedStepModel]:
@@ -47,5 +69,7 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
                             drop_late=True, draft_max=config.draft_max, **chunk)
-    engine = Engine(executor, Scheduler(sched, blocks, model))
+    # parking needs spare sequence ids and dropping a sequence's tail (not a recurrent model)
+    park = min(config.park_slots, inner.n_slots - config.parallel) if getattr(inner, "drops_tail", False) else 0
+    engine = Engine(executor, Scheduler(sched, blocks, model), park_slots=max(0, park))
     return executor, engine, model

@@ -17,7 +17,8 @@ GAUGES = {
     "requests_running": "requests holding a sequence slot",
     "requests_waiting": "requests queued for admission",
     "kv_blocks_used": "KV blocks referenced by requests",
-    "kv_blocks_cached": "KV blocks held only by the prefix cache (evictable)",
+    "kv_blocks_cached": "KV blocks held only by the prefix cache: parked requests' KV (evictable)",
+    "kv_sequences_parked": "finished requests whose KV stays in a sequence for later prefix hits",
     "kv_blocks_total": "KV blocks in the pool",
     "kv_cells_used": "llama.cpp KV cells holding a token (sampled when the server is idle)",
 }
