@@ -26,6 +26,7 @@ from localinfer.commands import _common
 from localinfer.errors import UsageError
 
 API_KEY_ENV = "LOCALINFER_API_KEY"
+SERVING_BACKENDS = ("llama.cpp", "torch")   # backends with a serving executor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
 
     key = _check(args)
     backend = _common.backend_name(args)
-    if backend != "llama.cpp":
-        raise UsageError(f"serve runs on the llama.cpp executor; backend {backend!r} has none yet", flag="--backend",
-                         hint="use --backend llama.cpp")
+    if backend not in SERVING_BACKENDS:
+        raise UsageError(f"serve runs on the llama.cpp or torch executor; backend {backend!r} has none yet",
+                         flag="--backend", hint="use --backend llama.cpp or --backend torch")
     path, spec = _common.read_spec(args)
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
@@ -148,14 +149,28 @@ def run(args: argparse.Namespace) -> int:
     app_config = AppConfig(model_id=model_id, aliases=(os.path.basename(str(path)), *args.alias), api_key=key,
                            allowed_hosts=tuple(sorted(hosts)), max_body_bytes=args.max_body,
                            template=_template_factory(args, spec), created=int(os.path.getmtime(path)))
-    runtime = Runtime(lambda: _open_executor(plan), config)
+    runtime = Runtime(_executor_factory(backend, plan, args.parallel), config)
     return _serve(args, runtime, app_config, plan)
+
+
+def _executor_factory(backend: str, plan, parallel: int):
+    """What the engine thread calls to load: llama.cpp's executor over the plan, or the torch paged executor
+    over the plan fit checked (``--parallel`` slots; its pool keeps finished requests' blocks for prefix hits,
+    so it parks no sequences)."""
+    fitted = plan.with_(n_seq=parallel)
+    return (lambda: _open_torch(fitted)) if backend == "torch" else (lambda: _open_executor(plan))
 
 
 def _open_executor(plan):
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     return LlamaCppExecutor(plan)
+
+
+def _open_torch(plan):
+    from cuda_backend.serving import open_plan
+
+    return open_plan(plan)
 
 
 def _template_factory(args, spec):

@@ -24,7 +24,7 @@ pytest.importorskip("uvicorn")
     (["--port", "70000"], "--port"), (["--parallel", "0"], "--parallel"), (["--max-queue", "-1"], "--max-queue"),
     (["--host", "0.0.0.0"], "API key"), (["--host", "192.168.1.5", "--api-key", ""], "API key"),
     (["--draft-max", "4"], "--lookup"), (["--lookup", "--draft-max", "0"], "--draft-max"), (["--chunk", "0"], "--chunk"), (["--itl-target", "-3"], "--itl-target"),
-    (["--ctx", "100000"], "--ctx"), (["--backend", "torch"], "llama.cpp"), (["--grace", "-1"], "--grace"),
+    (["--ctx", "100000"], "--ctx"), (["--backend", "mlx"], "llama.cpp or torch"), (["--grace", "-1"], "--grace"),
     (["--chunk", "8", "--itl-target", "5"], "not allowed with"), (["--prefix-cache", "maybe"], "invalid choice"),
     (["--api-key", "has space"], "API key"),
 ])

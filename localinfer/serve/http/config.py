@@ -63,8 +63,11 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     """(timed executor, engine, step model) over a loaded executor."""
     model = FittedStepModel(calibrate(inner))
     executor = TimedExecutor(inner, model)
-    n_blocks = (getattr(inner, "n_cells", None) or 0) // config.block_tokens
-    blocks = BlockManager(n_blocks, config.block_tokens, prefix_cache=config.prefix_cache, pool_hits=False)
+    # a paging executor (torch) brings its block size and restores prefixes cached in blocks no sequence holds
+    p = getattr(inner, "block_size", None) or config.block_tokens
+    n_blocks = (getattr(inner, "n_cells", None) or 0) // p
+    blocks = BlockManager(n_blocks, p, prefix_cache=config.prefix_cache,
+                          pool_hits=getattr(inner, "restores_cached_prefix", False))
     chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
     sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,

@@ -172,9 +172,10 @@ class Runtime:
 
     def _load(self) -> None:
         inner = self._open()
-        self.tokenizer = getattr(inner, "engine", None)
+        self.tokenizer = getattr(inner, "engine", None) or getattr(inner, "vocab", None)   # llama.cpp's / torch's
         self.executor, self.engine, self.step_model = build_engine(inner, self.config)
-        self.context_tokens = self.engine.blocks.num_blocks * self.config.block_tokens
+        b = self.engine.blocks
+        self.context_tokens = min(b.num_blocks * b.block_tokens, getattr(inner, "slot_cells", None) or 1 << 62)
         self._publish(idle=True)
 
     def _serve(self) -> None:
