@@ -25,6 +25,7 @@ from localinfer.serve.step_model import StepModel
 
 class SimulatedExecutor:
     restores_cached_prefix = True    # the KV pool keeps unreferenced cached blocks readable
+    verifies_drafts = True           # honours Chunk.n_logits
 
     def __init__(self, step_model: StepModel, n_slots: int = 1024, n_vocab: int = 4096, start_s: float = 0.0):
         self.step_model = step_model
