@@ -7,7 +7,7 @@
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
 plan that does not fit is refused with the flags that would.  The context then
-gets ``--parked`` more sequence ids (default ``--parallel``; the cache's size does
+gets ``--parked`` more sequence ids (default 1; the cache's size does
 not change), where finished requests' KV stays for later prefix hits until the
 pool needs it (docs/serving.md).  Then the socket
 is bound, ``/health`` answers 503 while the model loads in the engine thread
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
     g.add_argument("--parked", type=int, default=None, metavar="N",
                    help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
-                        "(default: --parallel; 0: none)")
+                        "(default 1: the last one; each parked sequence widens the KV llama.cpp attends over; 0: none)")
     g.add_argument("--lookup", action="store_true",
                    help="prompt-lookup speculative decoding: verify n-gram drafts inside the batched steps")
     g.add_argument("--draft-max", type=int, default=None, metavar="N",
@@ -69,7 +69,7 @@ def _check(args) -> str | None:
     """Validate the serving flags; the API key to use (None: no key)."""
     for flag, v, lo, hi in (("--port", args.port, 0, 65535), ("--parallel", args.parallel, 1, 256),
                             ("--max-queue", args.max_queue, 0, 1 << 20), ("--max-body", args.max_body, 1024, 1 << 30),
-                            ("--parked", args.parallel if args.parked is None else args.parked, 0, 256)):
+                            ("--parked", 0 if args.parked is None else args.parked, 0, 256)):
         if not lo <= v <= hi:
             raise UsageError(f"{flag} {v} is out of range", flag=flag, hint=f"use {lo}..{hi}")
     for flag, v in (("--token-budget", args.token_budget), ("--chunk", args.chunk)):

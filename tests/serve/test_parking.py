@@ -288,12 +288,12 @@ def test_random_add_step_cancel_with_parking_keeps_cells_equal_to_blocks(seq, ad
 def test_serve_config_gives_the_executor_ids_for_parked_sequences_and_build_engine_parks_in_them():
     from localinfer.serve.http.config import ServeConfig, build_engine
 
-    assert (ServeConfig(parallel=4).n_slots, ServeConfig(parallel=4, park=1).n_slots) == (8, 5)
+    assert (ServeConfig(parallel=4).n_slots, ServeConfig(parallel=4, park=4).n_slots) == (5, 8)   # default: 1
     assert ServeConfig(parallel=4, park=0).n_slots == ServeConfig(parallel=4, prefix_cache=False).n_slots == 4
-    assert ServeConfig(parallel=200).park_slots == 56                  # llama.cpp's 256 sequence ids
+    assert ServeConfig(parallel=200, park=100).park_slots == 56        # llama.cpp's 256 sequence ids
     inner = ContentExecutor(CARD, n_slots=6, n_vocab=VOCAB)
     inner.n_cells, inner.drops_tail = 256, True
-    _, engine, _ = build_engine(inner, ServeConfig(parallel=2))
+    _, engine, _ = build_engine(inner, ServeConfig(parallel=2, park=2))
     assert engine.park_slots == 2 and engine.scheduler.config.max_running == 2 and engine.blocks.parking
     _, engine, _ = build_engine(inner, ServeConfig(parallel=2, park=8))
     assert engine.park_slots == 4                                      # what the executor has beyond --parallel

@@ -27,6 +27,12 @@ from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibr
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
 MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
+# One parked sequence keeps the last finished request's KV: a single user's next chat turn and a shared system
+# prompt hit it.  Each parked sequence's cells stay where llama.cpp put them, so the attended KV view spans them
+# too: with fresh prompts at concurrency 1 (2 threads, SmolLM2 Q4_1, 4096 cells) decode ran at 83.3 / 80.1 / 79.2 /
+# 70.1 tok/s with 0 / 1 / 2 / 8 parked (benchmarks/results/serve_peers_cpu.txt) -- more only pays for many users
+# resending long conversations.
+DEFAULT_PARKED = 1
 
 
 @dataclass(frozen=True)
@@ -41,17 +47,17 @@ class ServeConfig:
     prefix_cache: bool = True
     block_tokens: int = 16
     admission: str = "on_demand"
-    park: int | None = None              # parked sequences for finished requests' KV (None: as many as parallel)
+    park: int | None = None              # parked sequences for finished requests' KV (None: DEFAULT_PARKED)
     draft_max: int = 0                   # prompt-lookup drafts per request and step (0: no lookup)
 
 
     @property
     def park_slots(self) -> int:
-        """Sequence slots for parked requests: ``park`` (default ``parallel``) within llama.cpp's 256; 0 without
-        the prefix cache."""
+        """Sequence slots for parked requests: ``park`` (default :data:`DEFAULT_PARKED`) within llama.cpp's 256;
+        0 without the prefix cache."""
         if not self.prefix_cache:
             return 0
-        return max(0, min(self.parallel if self.park is None else self.park, MAX_SLOTS - self.parallel))
+        return max(0, min(DEFAULT_PARKED if self.park is None else self.park, MAX_SLOTS - self.parallel))
 
     @property
     def n_slots(self) -> int:
