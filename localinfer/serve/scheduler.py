@@ -9,7 +9,9 @@ Each step, in this order:
    ``itl_target_s``), all within ``token_budget`` new tokens per step;
 3. arrived waiting requests are admitted, first come first served, while fewer
    than ``max_running`` hold a slot (``fixed``: only when none is running, so a
-   group starts after the previous one finished), and get their first chunk.
+   group starts after the previous one finished), and get their first chunk; a
+   request whose prompt shares blocks a running request is still prefilling
+   waits until they are in the cache, so a common prefix is computed once.
 
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
@@ -51,6 +53,7 @@ class SchedulerConfig:
     deadline_aware: bool = False
     drop_late: bool = False              # finish a request past its deadline at the next step boundary
     draft_max: int = 0                   # prompt-lookup drafts per decoding request and step (0: none)
+    wait_for_prefix: bool = True         # hold a request whose prefix a running request is still computing
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -288,6 +291,8 @@ class Scheduler:
                 continue
             tokens = r.view()
             hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))
+            if cfg.wait_for_prefix and bm.prefix_cache and self._prefix_in_flight(r, len(hit)):
+                break    # waits: a running request is computing more of r's prefix; r takes it from the cache
             if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now, hit, plan) > r.deadline_s:
                 self.waiting.popleft()
                 plan.refused.append(r)
@@ -309,6 +314,23 @@ class Scheduler:
             self.running.append(r)
             plan.admitted.append(r)
             self._prefill_chunk(plan, r, budget)
+
+    def _prefix_in_flight(self, r: Request, hit_blocks: int) -> bool:
+        """A running request shares whole blocks of r's prompt past r's cache hit that it has not computed yet.
+
+        Admitting r now would compute them a second time (and hold a second copy); waiting the steps until
+        they are committed turns them into a hit.  Several requests with one new system prompt arriving
+        together thus compute it once: the first one prefills it, the others follow from the cache.
+        """
+        p, prompt = self.blocks.block_tokens, r.prompt
+        for x in self.running:
+            n = min(len(prompt), len(x.prompt)) // p      # whole blocks both prompts could share
+            b = hit_blocks
+            while b < n and prompt[b * p:(b + 1) * p] == x.prompt[b * p:(b + 1) * p]:
+                b += 1
+            if b > hit_blocks and x.computed < b * p:
+                return True
+        return False
 
     def _makes_late(self, r: Request, now: float, hit_blocks: list[int], plan: StepPlan) -> bool:
         """Admitting r now would push a running request predicted on time past its deadline.

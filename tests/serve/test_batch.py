@@ -79,7 +79,9 @@ def test_chunked_prefill_early_stops_and_a_prefix_copy_equal_each_prompt_alone(e
     finally:
         del executor.copy
     assert [r.finish_reason for r in got[:2]] == ["stop", "stop"]   # "2+2" ends first and frees its slot
-    assert [(src, n) for src, _dst, n in copies] == [(0, 16)]   # the third shares the first's template block
+    # the second waits for the first's template block (not yet computed when both arrive), the third comes later:
+    # both copy it instead of computing it again
+    assert [(src, n) for src, _dst, n in copies] == [(0, 16), (0, 16)]
     for p, r in zip(prompts, got):
         want = _runner(alone, p, max_tokens=40)
         assert (r.text, r.tokens, r.finish_reason) == (want.text, want.tokens, want.finish_reason)

@@ -200,9 +200,9 @@ class _CopyOnlyExecutor(SimulatedExecutor):
 def test_a_hit_spanning_two_live_requests_is_completed_by_computing_the_gap():
     p = 4
     ex = _CopyOnlyExecutor(CARD, n_slots=4)
-    eng = Engine(ex, Scheduler(SchedulerConfig("continuous", max_running=4), BlockManager(64, p, pool_hits=False),
-                               CARD))
-    base = tuple(range(10, 18))                     # two whole blocks
+    eng = Engine(ex, Scheduler(SchedulerConfig("continuous", max_running=4, wait_for_prefix=False),
+                               BlockManager(64, p, pool_hits=False), CARD))
+    base = tuple(range(10, 18))                     # two whole blocks (b does not wait for a's: a split chain)
     a = eng.submit(base + (1,), 40)                 # prefilled in the same step as b: a registers blocks 0-1,
     b = eng.submit(base + tuple(range(30, 38)) + (2,), 40)   # b its own copy of them plus blocks 2-3
     eng.step()
@@ -225,7 +225,8 @@ def test_a_hit_spanning_two_live_requests_is_completed_by_computing_the_gap():
 def test_every_chunk_carries_its_block_table():
     """The engine is the one source of blocks: each chunk's ``blocks`` is the block manager's table for its
     request at that step (covering the chunk's positions), through prefix hits, preemption and finishes."""
-    e = engine(n_blocks=10, p=4, max_running=3, admission="on_demand", policy="chunked", chunk_tokens=6)
+    e = engine(n_blocks=10, p=4, max_running=3, admission="on_demand", policy="chunked", chunk_tokens=6,
+               wait_for_prefix=False)     # all four prefill the shared block at once: preemptions follow
     seen = []
     real_step = e.executor.step
 

@@ -102,7 +102,7 @@ def test_evicted_parked_blocks_lose_their_cells_and_a_later_hit_is_partial(execu
 
 def test_a_preempted_request_is_dropped_not_parked(executor):
     _, a_prompt, b_prompt = _prompts(executor)
-    e = _engine(executor, park=2, admission="on_demand")
+    e = _engine(executor, park=2, admission="on_demand", wait_for_prefix=False)   # both prefill the system prompt
     reqs = [e.add_request(Request(f"r{i}", p, 60)) for i, p in enumerate((a_prompt, b_prompt))]
     while e.unfinished:
         e.step()

@@ -238,3 +238,25 @@ def test_under_overload_deadline_aware_admission_keeps_admitted_requests_on_time
             admitted = [r for r in rs if r.first_token_s is not None]
             assert sum(r.on_time for r in admitted) >= 0.9 * len(admitted)
     assert goods[True] > goods[False]
+
+
+def test_requests_sharing_a_new_prefix_compute_it_once():
+    """Two prompts with one new 64-token prefix arrive together: the second waits while the first prefills
+    the prefix, then takes it from the cache; without waiting both compute it."""
+    computed = {}
+    for wait in (True, False):
+        s = Scheduler(SchedulerConfig(policy="chunked", chunk_tokens=32, max_running=4, wait_for_prefix=wait),
+                      BlockManager(100, 16), CARD)
+        prefix = tuple(range(1000, 1064))
+        a, b = Request("a", prefix + (1, 2, 3), 4), Request("b", prefix + (7, 8, 9), 4)
+        s.add(a)
+        s.add(b)
+        new_tokens, now = 0, 0.0
+        while s.unfinished:
+            new_tokens += run_step(s, now).new_tokens
+            now += 0.05
+        computed[wait] = new_tokens
+        assert s.blocks.used == 0
+        if wait:
+            assert b.cached == 64 and a.cached == 0 and b.admitted_s > a.admitted_s
+    assert computed[True] == computed[False] - 64
