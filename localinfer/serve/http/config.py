@@ -30,7 +30,7 @@ MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALL
 # One parked sequence keeps the last finished request's KV: a single user's next chat turn and a shared system
 # prompt hit it.  Each parked sequence's cells stay where llama.cpp put them, so the attended KV view spans them
 # too: with fresh prompts at concurrency 1 (2 threads, SmolLM2 Q4_1, 4096 cells) decode ran at 83.3 / 80.1 / 79.2 /
-# 70.1 tok/s with 0 / 1 / 2 / 8 parked (benchmarks/results/serve_peers_cpu.txt) -- more only pays for many users
+# 70.1 tok/s with 0 / 1 / 2 / 8 parked (benchmarks/results/serve_parked_cpu.txt) -- more only pays for many users
 # resending long conversations.
 DEFAULT_PARKED = 1
 
