@@ -69,7 +69,7 @@ def commands(args, model: str, ctx: int, ports: dict[str, int]) -> dict[str, lis
     t = str(args.threads)
     out = {"localinfer": [sys.executable, "-m", "localinfer", "serve", model, "--port", str(ports["localinfer"]),
                           "--parallel", "8",
-                          "--ctx", str(ctx), "-t", t, "--max-queue", "1024"]}
+                          "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024"]}
     if args.llama_server:
         out["llama-server"] = [args.llama_server, "-m", model, "--host", "127.0.0.1",
                                "--port", str(ports["llama-server"]),
