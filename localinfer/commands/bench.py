@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from localinfer.backends.registry import load_engine
     from localinfer.errors import UsageError
     from localinfer.generation.bench import BenchConfig, Progress, render_table, results, run_bench
-    from localinfer.util.atomic import atomic_write, check_writable
+    from localinfer.util.atomic import check_writable
 
     if not 1 <= args.gen <= 1 << 16:
         raise UsageError(f"--gen {args.gen} is out of range", flag="--gen", hint="use 1..65536")
@@ -126,15 +126,7 @@ def run(args: argparse.Namespace) -> int:
                 "batch_sizes": list(args.batch_sizes)}
     doc = results(str(path), spec, backend, _backend_version(backend), settings, runs, device_name, peak,
                   batch_scaling)
-    text = json.dumps(doc, indent=1)
-    if args.json == "-":
-        print(text)
-        return 0
-    print(render_table(doc))
-    if args.json:
-        atomic_write(args.json, text + "\n")
-        print(f"results written to {args.json}", file=sys.stderr)
-    return 0
+    return _emit(doc, render_table, args.json)
 
 
 def _check_batches(args: argparse.Namespace) -> None:
@@ -311,15 +303,21 @@ def serve_document(args: argparse.Namespace, progress=None) -> dict:
 
 def run_serve(args: argparse.Namespace) -> int:
     from localinfer.serve.loadgen import ProgressBar, render_table
-    from localinfer.util.atomic import atomic_write
 
     doc = serve_document(args, progress=ProgressBar())
+    return _emit(doc, render_table, args.json)
+
+
+def _emit(doc: dict, render, json_path: str | None) -> int:
+    """The table on stdout, and the JSON to ``json_path`` (written atomically; '-': stdout instead of the table)."""
+    from localinfer.util.atomic import atomic_write
+
     text = json.dumps(doc, indent=1)
-    if args.json == "-":
+    if json_path == "-":
         print(text)
         return 0
-    print(render_table(doc))
-    if args.json:
-        atomic_write(args.json, text + "\n")
-        print(f"results written to {args.json}", file=sys.stderr)
+    print(render(doc))
+    if json_path:
+        atomic_write(json_path, text + "\n")
+        print(f"results written to {json_path}", file=sys.stderr)
     return 0

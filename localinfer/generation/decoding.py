@@ -48,12 +48,13 @@ class Sampler(Protocol):
 class History(Sequence):
     """``base[:n] + extra``, the history a sampler reads, without copying the context.
 
-    A sampler reads at most its last ``repeat_last_n`` tokens; a slice copies only what it covers.
+    A sampler reads at most its last ``repeat_last_n`` tokens; a slice copies only what it covers (a list,
+    whatever sequence ``base`` is: a list, or a serving request's token view).
     """
 
     __slots__ = ("_base", "_extra", "_n")
 
-    def __init__(self, base: list[int], n: int, extra: list[int]):
+    def __init__(self, base: Sequence[int], n: int, extra: list[int]):
         self._base, self._n, self._extra = base, n, extra
 
     def __len__(self) -> int:
@@ -65,7 +66,7 @@ class History(Sequence):
             start, stop, step = i.indices(len(self))
             if step != 1:
                 return [self[j] for j in range(start, stop, step)]
-            head = self._base[start:min(stop, n)] if start < n else []
+            head = list(self._base[start:min(stop, n)]) if start < n else []
             return head + self._extra[max(start - n, 0):max(stop - n, 0)]
         if i < 0:
             i += len(self)

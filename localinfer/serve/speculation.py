@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from localinfer.errors import UsageError
+from localinfer.generation.decoding import History
 from localinfer.generation.lookup import CostModel, Draft, LookupDecoder
 from localinfer.plan.speculation import MAX_DRAFT
 
@@ -40,32 +41,6 @@ def check_draft_max(n: int, flag: str = "--draft-max") -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT:
         raise UsageError(f"{flag} must be a whole number from 1 to {MAX_DRAFT}, got {n!r}", flag=flag)
     return n
-
-
-class _Extended(Sequence):
-    """``view + extra`` without copying the request's context (the sampler's history)."""
-
-    __slots__ = ("_extra", "_view")
-
-    def __init__(self, view: Sequence[int], extra: list[int]):
-        self._view, self._extra = view, extra
-
-    def __len__(self) -> int:
-        return len(self._view) + len(self._extra)
-
-    def __getitem__(self, i):
-        n = len(self._view)
-        if isinstance(i, slice):
-            start, stop, step = i.indices(len(self))
-            if step != 1:
-                return [self[j] for j in range(start, stop, step)]
-            head = list(self._view[start:min(stop, n)]) if start < n else []
-            return head + self._extra[max(start - n, 0):max(stop - n, 0)]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        return self._view[i] if i < n else self._extra[i - n]
 
 
 class Drafter:
@@ -105,7 +80,7 @@ class Drafter:
         """Draw each verified position as plain decoding would; stop at the first draw that is not the draft."""
         view, out = r.view(), []
         for i in range(len(draft) + 1):
-            tok = r.sampler.sample(rows[i], _Extended(view, out))
+            tok = r.sampler.sample(rows[i], History(view, len(view), out))
             out.append(tok)
             if i == len(draft) or tok != draft[i] or tok in r.stop_tokens:
                 break
