@@ -4,17 +4,13 @@ and SIGTERM/SIGINT let the request in flight finish, then exit 0."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from tests.serve.test_http_support import sse_events
+from tests.serve.test_http_support import sse_events, start_cli
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -43,11 +39,11 @@ def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
 
 def test_health_is_503_while_loading(default_model):
     from localinfer.backends.engine import LoadPlan
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
     from localinfer.serve.http.app import AppConfig
     from localinfer.serve.http.config import ServeConfig
     from localinfer.serve.http.runtime import Runtime
     from localinfer.serve.http.server import bind, make_server
-    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     go = threading.Event()
 
@@ -81,28 +77,7 @@ def test_health_is_503_while_loading(default_model):
 
 
 def _start(*flags):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("LOCALINFER_API_KEY", None)
-    p = subprocess.Popen([sys.executable, "-m", "localinfer", "serve", "-t", "1", "--port", "0", "--ctx", "512",
-                          "-fa", "on", *flags], stderr=subprocess.PIPE, text=True, env=env)
-    first, m = "", None
-    for _ in range(20):                               # the address line, after any notes
-        line = p.stderr.readline()
-        first += line
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-        if m or not line:
-            break
-    assert m, first
-    url = f"http://127.0.0.1:{m.group(1)}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return p, url
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and p.poll() is None, first + p.stderr.read()
-        time.sleep(0.1)
+    return start_cli("-t", "1", "--ctx", "512", "-fa", "on", *flags)
 
 
 def test_sigterm_finishes_the_stream_in_flight_then_exits_0():

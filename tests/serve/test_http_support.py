@@ -22,29 +22,31 @@ MODEL_ID = "smollm2"
 
 
 class LiveServer:
+    """``open_executor(config)``: the executor factory for the runtime (default: llama.cpp's, one unified cache of
+    ``ctx`` cells, 1 thread, flash attention on)."""
+
     def __init__(self, model, *, parallel: int = 4, max_queue: int = 8, ctx: int = 1024, api_key: str | None = None,
-                 grace_s: float = 2.0, **serve):
+                 grace_s: float = 2.0, open_executor=None, **serve):
         from localinfer.backends.engine import LoadPlan
         from localinfer.model.spec import ModelSpec
-        from localinfer.model.templates import template_for
+        from localinfer.model.templates import template_with_vocab
         from localinfer.serve.http.app import AppConfig
         from localinfer.serve.http.config import ServeConfig
         from localinfer.serve.http.runtime import Runtime
         from localinfer.serve.http.server import bind, make_server
-        from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
         config = ServeConfig(parallel=parallel, max_queue=max_queue, **serve)
-        plan = LoadPlan(str(model), n_ctx=ctx, n_seq=config.n_slots, n_threads=1, flash_attn=True,
-                        options={"kv_unified": True})      # n_slots: --parallel + the parked sequences
+        if open_executor is None:
+            from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+            plan = LoadPlan(str(model), n_ctx=ctx, n_seq=config.n_slots, n_threads=1, flash_attn=True,
+                            options={"kv_unified": True})      # n_slots: --parallel + the parked sequences
+            factory = lambda: LlamaCppExecutor(plan)
+        else:
+            factory = open_executor(config)
         spec = ModelSpec.from_gguf(str(model))
-
-        def template(tok):
-            eos = getattr(spec, "eos_token_id", None)
-            return template_for(spec, bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                                eos_token="" if eos is None else tok.token_text(eos))
-
-        self.runtime = Runtime(lambda: LlamaCppExecutor(plan), config)
-        self.config = AppConfig(model_id=MODEL_ID, api_key=api_key, template=template)
+        self.runtime = Runtime(factory, config)
+        self.config = AppConfig(model_id=MODEL_ID, api_key=api_key, template=lambda tok: template_with_vocab(spec, tok))
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.server, self.app = make_server(self.runtime, self.config, grace_s=grace_s)
@@ -112,6 +114,39 @@ def _stop_shared() -> None:
     if _shared is not None:
         _shared.stop()
         _shared = None
+
+
+def start_cli(*flags, timeout: float = 60.0):
+    """``python -m localinfer serve --port 0 FLAGS`` as a subprocess: (process, root URL) once /health is 200."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("LOCALINFER_API_KEY", None)
+    p = subprocess.Popen([sys.executable, "-m", "localinfer", "serve", "--port", "0", *flags],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    seen, m = "", None
+    for _ in range(20):                               # the address line, after any notes
+        line = p.stderr.readline()
+        seen += line
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if m or not line:
+            break
+    assert m, seen
+    url = f"http://127.0.0.1:{m.group(1)}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return p, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and p.poll() is None, seen + p.stderr.read()
+        time.sleep(0.1)
 
 
 def sse_events(lines) -> list:

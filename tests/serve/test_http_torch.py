@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.serve.test_http_support import MODEL_ID, LiveServer
+from tests.serve.test_http_support import MODEL_ID, LiveServer, start_cli
 
 pytest.importorskip("torch")
 pytest.importorskip("llama_cpp")
@@ -30,46 +27,19 @@ COPY = ("Copy the list exactly.\nList: apple, banana, cherry, damson, elderberry
         "List: apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon.\nCopy:")
 
 
-class TorchServer(LiveServer):
-    """LiveServer's sibling on the torch executor, opened by the command's own factory."""
+def torch_server(model, *, parallel: int = 2, ctx: int = 512, **serve) -> LiveServer:
+    """A LiveServer on the torch executor, opened by the command's own factory over the plan it fit checks."""
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.commands.serve import _executor_factory
 
-    def __init__(self, model, *, parallel: int = 2, max_queue: int = 4, ctx: int = 512, **serve):
-        import threading
-
-        from localinfer.backends.engine import LoadPlan
-        from localinfer.commands.serve import _executor_factory
-        from localinfer.serve.http.app import AppConfig
-        from localinfer.serve.http.config import ServeConfig
-        from localinfer.serve.http.runtime import Runtime
-        from localinfer.serve.http.server import bind, make_server
-
-        plan = LoadPlan(str(model), n_ctx=ctx, n_seq=parallel, n_threads=1, n_gpu_layers=0)
-        self.runtime = Runtime(_executor_factory("torch", plan, parallel),
-                               ServeConfig(parallel=parallel, max_queue=max_queue, **serve))
-        self.config = AppConfig(model_id=MODEL_ID, api_key=None, template=_template(model))
-        self.sock = bind("127.0.0.1", 0)
-        self.port = self.sock.getsockname()[1]
-        self.server, self.app = make_server(self.runtime, self.config, grace_s=2.0)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not (self.server.started and self.runtime.ready.is_set()):
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        assert self.runtime.state == "ready", self.runtime.load_error
-
-
-def _template(model):
-    from localinfer.model.spec import ModelSpec
-    from localinfer.model.templates import template_with_vocab
-
-    spec = ModelSpec.from_gguf(str(model))
-    return lambda tok: template_with_vocab(spec, tok)
+    plan = LoadPlan(str(model), n_ctx=ctx, n_seq=parallel, n_threads=1, n_gpu_layers=0)
+    return LiveServer(model, parallel=parallel, max_queue=4, ctx=ctx,
+                      open_executor=lambda config: _executor_factory("torch", plan, parallel), **serve)
 
 
 @pytest.fixture(scope="module")
 def torch_srv(default_model):
-    srv = TorchServer(default_model)
+    srv = torch_server(default_model)
     yield srv
     srv.stop()
 
@@ -108,26 +78,7 @@ def test_serves_on_the_torch_executor_with_prefix_hits_from_the_pool(torch_srv):
 
 
 def _serve_cli(*flags):
-    p = subprocess.Popen([sys.executable, "-m", "localinfer", "serve", "--backend", "torch", "-t", "1", "--port", "0",
-                          "--ctx", "512", "--parallel", "2", *flags], stderr=subprocess.PIPE, text=True)
-    seen, m = "", None
-    for _ in range(20):
-        line = p.stderr.readline()
-        seen += line
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-        if m or not line:
-            break
-    assert m, seen
-    url = f"http://127.0.0.1:{m.group(1)}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return p, url
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline and p.poll() is None, seen + p.stderr.read()
-        time.sleep(0.1)
+    return start_cli("--backend", "torch", "-t", "1", "--ctx", "512", "--parallel", "2", *flags, timeout=90)
 
 
 def test_the_command_with_lookup_gives_the_plain_servers_greedy_text(torch_srv):
@@ -139,7 +90,7 @@ def test_the_command_with_lookup_gives_the_plain_servers_greedy_text(torch_srv):
             model = c.models.list().data[0].id
             spec = c.completions.create(model=model, prompt=COPY, temperature=0, max_tokens=16)
         text = httpx.get(url + "/metrics", timeout=10).text
-        accepted = float(re.search(r"^localinfer_spec_accepted_tokens_total (\S+)$", text, re.M).group(1))
+        accepted = float(re.search(r"^localinfer_spec_accepted_tokens_total (\S+)$", text, re.MULTILINE).group(1))
     finally:
         p.send_signal(signal.SIGTERM)
         code = p.wait(30)
