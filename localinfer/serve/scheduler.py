@@ -11,7 +11,8 @@ Each step, in this order:
    than ``max_running`` hold a slot (``fixed``: only when none is running, so a
    group starts after the previous one finished), and get their first chunk; a
    request whose prompt shares blocks a running request is still prefilling
-   waits until they are in the cache, so a common prefix is computed once.
+   waits until they are in the cache (requests behind it go ahead; not under
+   ``fixed``, whose group is admitted together), so a common prefix is computed once.
 
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
@@ -250,6 +251,7 @@ class Scheduler:
     def _draft(self, plan: StepPlan, budget: list[int]) -> None:
         """Lengthen decode chunks with prompt-lookup drafts, from what the step leaves: free blocks and budget."""
         model, bm = self.step_model, self.blocks
+        shapes = plan.shapes()                # kept current as chunks grow, so later drafts see earlier ones
         for i, ch in enumerate(plan.chunks):
             r = ch.request
             if ch.n_tokens != 1 or not ch.samples or not r.output:
@@ -257,11 +259,12 @@ class Scheduler:
             room = min(budget[0], r.max_tokens - len(r.output) - 1)
             if room <= 0:
                 continue
-            draft = self.drafter.propose(r, room, None if model is None else _step_with(model, plan.shapes(), i))
+            draft = self.drafter.propose(r, room, None if model is None else _step_with(model, shapes, i))
             if not draft or bm.grow_needed(r.id, r.computed + 1 + len(draft)) > bm.num_free:
                 continue
             plan.copies += bm.grow(r.id, r.computed + 1 + len(draft))
             plan.chunks[i] = ScheduledChunk(r, ch.start, 1 + len(draft), draft)
+            shapes[i] = (1 + len(draft), ch.start)
             budget[0] -= len(draft)
 
     def _preempt(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
@@ -277,24 +280,28 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, now: float, budget: list[int]) -> None:
         cfg, bm = self.config, self.blocks
-        while self.waiting and len(self.running) < cfg.max_running and self.waiting[0].arrival_s <= now + 1e-12:
-            r = self.waiting[0]
+        waits_for_prefix = cfg.wait_for_prefix and bm.prefix_cache and cfg.policy != "fixed"
+        i = 0     # requests before i wait for a prefix in flight; the others keep their order
+        while (i < len(self.waiting) and len(self.running) < cfg.max_running
+               and self.waiting[i].arrival_s <= now + 1e-12):
+            r = self.waiting[i]
             if r in plan.preempted:
                 break    # not in the step that preempted it
             reserve = tokens_held(len(r.prompt), r.max_tokens)
             whole = request_blocks(len(r.prompt), r.max_tokens, bm.block_tokens)
             if whole > bm.num_blocks:
-                self.waiting.popleft()
+                del self.waiting[i]
                 plan.refused.append(r)
                 r.finish(FinishReason.ERROR, now, f"needs {whole} KV blocks, "
                                                   f"the pool has {bm.num_blocks}")
                 continue
             tokens = r.view()
             hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))
-            if cfg.wait_for_prefix and bm.prefix_cache and self._prefix_in_flight(r, len(hit)):
-                break    # waits: a running request is computing more of r's prefix; r takes it from the cache
+            if waits_for_prefix and self._prefix_in_flight(r, len(hit)):
+                i += 1   # waits: a running request is computing more of r's prefix; r takes it from the cache
+                continue
             if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now, hit, plan) > r.deadline_s:
-                self.waiting.popleft()
+                del self.waiting[i]
                 plan.refused.append(r)
                 r.finish(FinishReason.DEADLINE, now)
                 continue
@@ -303,7 +310,7 @@ class Scheduler:
             held = reserve if cfg.admission == "reserve" else None
             if not bm.can_allocate(tokens, held, hit):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             r.cached = r.computed = bm.allocate(r.id, tokens, held, hit)
             r.recomputed += max(0, r.dropped - r.cached)    # what the prefix cache did not keep
             r.dropped = 0
@@ -368,6 +375,7 @@ class Scheduler:
 
 
 def _step_with(model: StepModel, shapes: list[tuple[int, int]], i: int):
-    """The predicted step time with chunk i verifying m tokens instead of its one: m -> seconds."""
+    """The predicted step time with chunk i verifying m tokens instead of its one: m -> seconds (read when
+    called, from the shapes as they are then)."""
     h = shapes[i][1]
     return lambda m: model.seconds([*shapes[:i], (m, h), *shapes[i + 1:]])

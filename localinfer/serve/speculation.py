@@ -37,10 +37,32 @@ DRAFT_MAX = 8           # serve --lookup's default --draft-max
 PRIOR_SLOPE = 0.25      # without a step model: T(m) = 1 + 0.25·(m − 1), a GPU-like verify cost
 
 
+DRAFT_LIMIT = 32        # a step verifies at most this many drafts per request (run --lookup allows MAX_DRAFT)
+
+
 def check_draft_max(n: int, flag: str = "--draft-max") -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT:
-        raise UsageError(f"{flag} must be a whole number from 1 to {MAX_DRAFT}, got {n!r}", flag=flag)
+    limit = min(DRAFT_LIMIT, MAX_DRAFT)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+        raise UsageError(f"{flag} must be a whole number from 1 to {limit}, got {n!r}", flag=flag)
     return n
+
+
+class _StepCost(CostModel):
+    """T(m) for m = 1..room + 1 from the step model's prediction of this step, computed only when the proposer
+    has found a draft to size (most steps of most requests find none)."""
+
+    def __init__(self, seconds, room: int):
+        super().__init__(room + 1)
+        self._seconds, self._room, self._fixed = seconds, room, True
+
+    def curve(self) -> list[float]:
+        if self._curve is None:
+            self._curve = [max(float(self._seconds(m)), 1e-9) for m in range(1, self._room + 2)]
+        return self._curve
+
+    def measured(self, m: int) -> float | None:
+        c = self.curve()
+        return c[m - 1] if 1 <= m <= len(c) else None
 
 
 class Drafter:
@@ -66,11 +88,8 @@ class Drafter:
         dec = self._decoders.get(r.id)
         if dec is None:
             dec = self._decoders[r.id] = LookupDecoder(self.ngram_max, self.ngram_min, self.draft_max)
-        if step_seconds is None:
-            curve = [1.0 + PRIOR_SLOPE * m for m in range(room + 1)]
-        else:
-            curve = [max(float(step_seconds(m)), 1e-9) for m in range(1, room + 2)]
-        dec.cost = CostModel.fixed(curve)
+        dec.cost = (CostModel.fixed([1.0 + PRIOR_SLOPE * m for m in range(room + 1)]) if step_seconds is None
+                    else _StepCost(step_seconds, room))
         n = r.n_tokens
         draft = dec.propose(r.view(n - 1), r.view()[n - 1], room=room, is_eos=lambda t: t in r.stop_tokens)
         self._drafts[r.id] = draft

@@ -260,3 +260,24 @@ def test_requests_sharing_a_new_prefix_compute_it_once():
         if wait:
             assert b.cached == 64 and a.cached == 0 and b.admitted_s > a.admitted_s
     assert computed[True] == computed[False] - 64
+
+
+def test_a_request_waiting_for_a_prefix_lets_unrelated_ones_go_ahead_and_fixed_groups_stay_whole():
+    prefix = tuple(range(2000, 2064))
+    s = Scheduler(SchedulerConfig(policy="chunked", chunk_tokens=16, max_running=4), BlockManager(100, 16), CARD)
+    x, r, u = Request("x", prefix + (1,), 4), Request("r", prefix + (2,), 4), Request("u", tuple(range(50, 70)), 4)
+    for q in (x, r, u):
+        s.add(q)
+    plan = run_step(s, 0.0)
+    assert plan.admitted == [x, u] and list(s.waiting) == [r]      # r waits for x's prefix, u does not wait for r
+    now = 0.05
+    while r in s.waiting:
+        run_step(s, now)
+        now += 0.05
+    assert r.cached == 64
+    for policy in ("fixed",):                                       # a fixed group starts together
+        s = Scheduler(SchedulerConfig(policy=policy, max_running=4), BlockManager(100, 16), CARD)
+        a, b = Request("a", prefix + (1,), 4), Request("b", prefix + (2,), 4)
+        s.add(a)
+        s.add(b)
+        assert run_step(s, 0.0).admitted == [a, b]

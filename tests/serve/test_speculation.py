@@ -136,3 +136,28 @@ def test_an_executor_that_returns_one_row_per_chunk_is_refused_for_drafts():
     model = LinearStepModel(0.02, 0.0, 0.0)
     with pytest.raises(ValueError, match="verify lookup drafts"):
         Engine(OneRow(model), Scheduler(SchedulerConfig(draft_max=4), BlockManager(8, 16), model))
+
+
+def test_steps_without_a_draft_to_size_ask_the_step_model_nothing_extra():
+    """The cost curve of a draft is computed only when the proposer found one (most steps find none)."""
+    calls = [0]
+
+    class Counting(LinearStepModel):
+        def seconds(self, chunks):
+            calls[0] += 1
+            return super().seconds(chunks)
+
+    model = Counting(0.02, 0.00002, 0.0)
+    counts = {}
+    for draft_max in (0, 8):
+        calls[0] = 0
+        config = SchedulerConfig(max_running=4, policy="chunked", chunk_tokens=64, draft_max=draft_max)
+        e = Engine(SimulatedExecutor(model, n_slots=4), Scheduler(config, BlockManager(64, 16), model))
+        for i in range(4):       # prompts without a repeated n-gram, and the simulator's outputs repeat none either
+            e.add_request(Request(f"n{i}", tuple(range(100 * i + 1, 100 * i + 40)), 12))
+        e.run()
+        counts[draft_max] = calls[0]
+        assert draft_max == 0 or e.scheduler.drafter.drafted == 0
+    assert counts[8] == counts[0]
+    with pytest.raises(UsageError, match="1 to 32"):
+        SchedulerConfig(draft_max=33)

@@ -84,7 +84,7 @@ class LlamaCppExecutor:
     ``llama_decode`` and the steps taken (step overhead = wall time - decode time).
     """
 
-    verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk)
+    verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk); not on recurrent models
 
     def __init__(self, plan: LoadPlan):
         self.unified = bool(plan.options.get("kv_unified", True))
@@ -100,6 +100,7 @@ class LlamaCppExecutor:
         self._ext_bytes = 8 if _L.llama_model_rope_type(self.engine.model_handle) in _MROPE else 0
         model = self.engine.model_handle
         self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
+        self.verifies_drafts = self.drops_tail     # rejected drafts are cut with a partial seq_rm
         self._len = [0] * self.n_slots
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
