@@ -45,8 +45,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from localinfer.generation.sampling import SamplingParams
 from localinfer.backends.executor import Chunk, Executor
+from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepPlan
 
@@ -133,10 +133,11 @@ class Engine:
             self.scheduler.requests.pop(request_id, None)
             self._streams.pop(request_id, None)
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop the request now (any thread); its slot and KV are freed after the step in flight."""
+    def cancel(self, request_id: str, error: str | None = None) -> bool:
+        """Stop the request now (any thread); its slot and KV are freed after the step in flight.  With
+        ``error`` it finishes with reason error and that message (its KV is dropped, not parked)."""
         with self._lock:
-            r = self.scheduler.cancel(request_id, self.executor.clock())
+            r = self.scheduler.cancel(request_id, self.executor.clock(), error)
             if r is None:
                 return False
             if self._in_step:

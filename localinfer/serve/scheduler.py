@@ -132,8 +132,9 @@ class Scheduler:
             i -= 1
         self.waiting.insert(i, request)
 
-    def cancel(self, request_id: str, now: float) -> Request | None:
-        """Stop scheduling at once; the blocks return after the step in flight.  None if unknown or finished."""
+    def cancel(self, request_id: str, now: float, error: str | None = None) -> Request | None:
+        """Stop scheduling at once; the blocks return after the step in flight.  None if unknown or finished.
+        With ``error`` the request finishes with reason error (and that message) instead of cancelled."""
         r = self.requests.get(request_id)
         if r is None or r.finished:
             return None
@@ -142,7 +143,7 @@ class Scheduler:
             self.blocks.free(r.id)
         elif r in self.waiting:
             self.waiting.remove(r)
-        r.finish(FinishReason.CANCELLED, now)
+        r.finish(FinishReason.CANCELLED if error is None else FinishReason.ERROR, now, error)
         return r
 
     @property

@@ -245,3 +245,19 @@ def test_every_chunk_carries_its_block_table():
     assert seen and all(c.blocks for c in seen)
     assert all(r.finish_reason is FinishReason.LENGTH for r in reqs)
     assert sum(r.preemptions for r in reqs) > 0 and any(r.cached for r in reqs)
+
+
+def test_cancel_with_an_error_frees_the_slot_and_does_not_park():
+    """The server finishes requests with an error this way when its engine loop fails: the slot must come back
+    (before, the scheduler was told directly and the slot stayed taken until none was left)."""
+    ex = SimulatedExecutor(CARD, n_slots=3)
+    e = Engine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(64, 4, pool_hits=False), CARD),
+               park_slots=1)
+    rs = [e.add_request(Request(f"e{i}", tuple(range(10 * i, 10 * i + 9)), 20)) for i in range(2)]
+    e.step()
+    assert all(e.cancel(r.id, error="engine loop error") for r in rs)
+    assert all(r.finish_reason is FinishReason.ERROR and r.error == "engine loop error" for r in rs)
+    assert not e.slot_of and not e._parked and ex.cells_used() == 0 and e.blocks.used == 0
+    again = [e.add_request(Request(f"f{i}", tuple(range(5, 14)), 3)) for i in range(2)]
+    e.run()
+    assert all(r.finish_reason is FinishReason.LENGTH for r in again)

@@ -251,10 +251,7 @@ class Runtime:
         for h in list(self._active.values()):
             if not h.request.finished:
                 try:
-                    if error is not None:
-                        self.engine.scheduler.finish(h.request, FinishReason.ERROR, self._now(), error)
-                    else:
-                        self.engine.cancel(h.request.id)
+                    self.engine.cancel(h.request.id, error=error)     # frees (or parks) its slot too
                 except Exception:  # noqa: BLE001
                     h.request.finish(FinishReason.ERROR, self._now(), error)
             out += self._finished(h)
