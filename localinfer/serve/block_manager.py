@@ -257,6 +257,15 @@ class BlockManager:
             table.append(self._take())
         return copies
 
+    def shrink(self, seq, n_tokens: int) -> int:
+        """Give back ``seq``'s blocks past what ``n_tokens`` need (grown for drafts that were rejected); how many."""
+        table, keep = self.tables[seq], blocks_for(max(n_tokens, self.lengths[seq]), self.block_tokens)
+        extra = table[keep:]
+        del table[keep:]
+        for b in reversed(extra):
+            self._unref(b)
+        return len(extra)
+
     def commit(self, seq, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> None:
         """``seq`` now holds ``tokens`` (computed); newly full blocks enter the prefix cache.
 

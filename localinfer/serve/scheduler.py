@@ -206,6 +206,8 @@ class Scheduler:
             self.blocks.commit(r.id, r.view(r.computed), r.prefix_hashes(self.blocks.block_tokens))
             if kept < len(ch.draft) + 1:
                 plan.trims.append((r, r.computed))
+                if self.config.admission == "on_demand":     # reserved blocks stay: they are the request's own
+                    self.blocks.shrink(r.id, r.computed)
             if reason is not None:
                 self.finish(r, reason, now)
                 done.append(r)

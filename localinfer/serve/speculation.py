@@ -19,7 +19,9 @@ the draft in it, so drafts that do not pay on the machine (a CPU, where
 verifying m tokens costs nearly m decode steps) shrink to nothing.  Drafts only
 use what is left: they never preempt a request, take blocks that are not free,
 or push the step past its token budget, and a draft never reaches past the
-request's ``max_tokens`` (its reserved blocks).
+request's ``max_tokens`` (its reserved blocks).  Under ``on_demand`` admission the
+blocks grown for rejected drafts go back at once, so they cannot cause a later
+preemption either.
 """
 
 from __future__ import annotations

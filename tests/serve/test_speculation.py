@@ -161,3 +161,19 @@ def test_steps_without_a_draft_to_size_ask_the_step_model_nothing_extra():
     assert counts[8] == counts[0]
     with pytest.raises(UsageError, match="1 to 32"):
         SchedulerConfig(draft_max=33)
+
+
+def test_rejected_drafts_give_their_blocks_back_under_on_demand_admission():
+    from localinfer.plan.paging import blocks_for
+
+    model = LinearStepModel(0.02, 0.00002, 0.0)
+    config = SchedulerConfig(max_running=4, policy="chunked", chunk_tokens=64, draft_max=8, admission="on_demand")
+    ex = SimulatedExecutor(model, n_slots=4)
+    e = Engine(ex, Scheduler(config, BlockManager(64, 4), model))
+    reqs = [e.add_request(Request(f"s{i}", _lure(ex, i), 9)) for i in range(3)]
+    while e.unfinished:
+        e.step()
+        for r in e.scheduler.running:
+            if not r.prefilling:       # a decoding request holds the blocks of its tokens, none for dropped drafts
+                assert len(e.blocks.tables[r.id]) == blocks_for(r.computed, 4)
+    assert e.scheduler.drafter.drafted > 0 and all(len(r.output) == 9 for r in reqs) and e.blocks.used == 0
