@@ -148,12 +148,21 @@ class CostModel:
         self._samples = [deque(maxlen=window) for _ in range(max_tokens + 1)]
         self._curve: list[float] | None = None
         self._fixed = False
+        self._predict: Callable[[int], float] | None = None
 
     @classmethod
     def fixed(cls, seconds: Sequence[float]) -> CostModel:
         """A curve given outright, ``seconds[m - 1]`` for m = 1..len, that measurements do not change."""
         model = cls(len(seconds))
         model._curve, model._fixed = [float(t) for t in seconds], True
+        return model
+
+    @classmethod
+    def predicted(cls, seconds: Callable[[int], float], max_tokens: int) -> CostModel:
+        """A fixed curve T(m) = ``seconds(m)`` for m = 1..max_tokens, computed only when first read (a
+        proposer that finds nothing to draft never asks)."""
+        model = cls(max_tokens)
+        model._fixed, model._predict = True, seconds
         return model
 
     def add(self, m: int, seconds: float) -> None:
@@ -169,12 +178,15 @@ class CostModel:
     def measured(self, m: int) -> float | None:
         """Median of the recent rounds that verified m tokens (None if there were none)."""
         if self._fixed:
+            self.curve()
             return self._curve[m - 1] if 1 <= m <= len(self._curve) else None
         s = self._samples[m] if 1 <= m <= self.max_tokens else None
         return median(s) if s else None
 
     def curve(self) -> list[float] | None:
         """[T(1), ..., T(max_tokens)] (index m - 1), or None before any measurement."""
+        if self._curve is None and self._predict is not None:
+            self._curve = [max(float(self._predict(m)), 1e-9) for m in range(1, self.max_tokens + 1)]
         if self._curve is None:
             known = [(m, median(s), len(s)) for m, s in enumerate(self._samples) if s]
             if not known:

@@ -303,13 +303,15 @@ class Scheduler:
             if waits_for_prefix and self._prefix_in_flight(r, len(hit)):
                 i += 1   # waits: a running request is computing more of r's prefix; r takes it from the cache
                 continue
-            if cfg.deadline_aware and r.deadline_s is not None and self._predict_finish(r, now, hit, plan) > r.deadline_s:
-                del self.waiting[i]
-                plan.refused.append(r)
-                r.finish(FinishReason.DEADLINE, now)
-                continue
-            if cfg.deadline_aware and self._makes_late(r, now, hit, plan):
-                break    # waits: it would make a running request miss its deadline (it is refused once it is late)
+            if cfg.deadline_aware:
+                first = self._first_step(r, hit, plan)
+                if r.deadline_s is not None and self._predict_finish(r, now, first) > r.deadline_s:
+                    del self.waiting[i]
+                    plan.refused.append(r)
+                    r.finish(FinishReason.DEADLINE, now)
+                    continue
+                if self._makes_late(r, now, first, plan):
+                    break    # waits: it would make a running request miss its deadline (refused once it is late)
             held = reserve if cfg.admission == "reserve" else None
             if not bm.can_allocate(tokens, held, hit):
                 break
@@ -342,20 +344,21 @@ class Scheduler:
                 return True
         return False
 
-    def _makes_late(self, r: Request, now: float, hit_blocks: list[int], plan: StepPlan) -> bool:
-        """Admitting r now would push a running request predicted on time past its deadline.
+    def _first_step(self, r: Request, hit_blocks: list[int], plan: StepPlan) -> float:
+        """The predicted time of this step with r's prefill (after its cache hit) beside what the step holds
+        (decodes, chunks, this step's other admissions)."""
+        hit = len(hit_blocks) * self.blocks.block_tokens
+        return self.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit)])
 
-        This step: what it already holds (decodes, chunks, this step's other admissions) with and without
-        r's prefill; the steps after: one decode per running request, with and without r's.
-        """
+    def _makes_late(self, r: Request, now: float, first: float, plan: StepPlan) -> bool:
+        """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
+        past its deadline.  The steps after: one decode per running request, with and without r's."""
         timed = [x for x in self.running if x.deadline_s is not None]
         if not timed:
             return False
         model, n = self.step_model, r.n_tokens
-        hit = len(hit_blocks) * self.blocks.block_tokens
         others = [(1, x.n_tokens) for x in self.running]
         alone, now_alone = model.seconds(others), model.seconds(plan.shapes())
-        first = model.seconds([*plan.shapes(), (n - hit, hit)])
         with_r = model.seconds([(1, n), *others])
         r_steps = r.max_tokens - len(r.output) - 1
         for x in timed:
@@ -366,14 +369,11 @@ class Scheduler:
                 return True
         return False
 
-    def _predict_finish(self, r: Request, now: float, hit_blocks: list[int], plan: StepPlan) -> float:
-        """When r would finish if admitted now: its prefill in this step (beside what the step holds), then its
-        decodes beside every running request's."""
-        hit = len(hit_blocks) * self.blocks.block_tokens
-        model, n = self.step_model, r.n_tokens
-        first = model.seconds([*plan.shapes(), (n - hit, hit)])
-        rest = r.max_tokens - len(r.output) - 1
-        step = model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in self.running])
+    def _predict_finish(self, r: Request, now: float, first: float) -> float:
+        """When r would finish if admitted now: this step (``first``, with its prefill), then its decodes beside
+        every running request's."""
+        n, rest = r.n_tokens, r.max_tokens - len(r.output) - 1
+        step = self.step_model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in self.running])
         return now + first + rest * step
 
 

@@ -49,24 +49,6 @@ def check_draft_max(n: int, flag: str = "--draft-max") -> int:
     return n
 
 
-class _StepCost(CostModel):
-    """T(m) for m = 1..room + 1 from the step model's prediction of this step, computed only when the proposer
-    has found a draft to size (most steps of most requests find none)."""
-
-    def __init__(self, seconds, room: int):
-        super().__init__(room + 1)
-        self._seconds, self._room, self._fixed = seconds, room, True
-
-    def curve(self) -> list[float]:
-        if self._curve is None:
-            self._curve = [max(float(self._seconds(m)), 1e-9) for m in range(1, self._room + 2)]
-        return self._curve
-
-    def measured(self, m: int) -> float | None:
-        c = self.curve()
-        return c[m - 1] if 1 <= m <= len(c) else None
-
-
 class Drafter:
     """One prompt-lookup proposer per decoding request, and the counts of drafted and accepted tokens."""
 
@@ -91,7 +73,7 @@ class Drafter:
         if dec is None:
             dec = self._decoders[r.id] = LookupDecoder(self.ngram_max, self.ngram_min, self.draft_max)
         dec.cost = (CostModel.fixed([1.0 + PRIOR_SLOPE * m for m in range(room + 1)]) if step_seconds is None
-                    else _StepCost(step_seconds, room))
+                    else CostModel.predicted(step_seconds, room + 1))
         n = r.n_tokens
         draft = dec.propose(r.view(n - 1), r.view()[n - 1], room=room, is_eos=lambda t: t in r.stop_tokens)
         self._drafts[r.id] = draft
