@@ -115,3 +115,34 @@ def test_fitted_step_model_learns_the_machine():
 
 def test_finish_reason_values_stay_the_engines():
     assert {r.value for r in FinishReason} >= {"stop", "length", "cancelled", "deadline", "error"}
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_accepted_connections_turn_nagle_off(host):
+    """The socket serve binds makes asyncio set TCP_NODELAY on every connection it accepts (with proto 0 it
+    did not, and each keep-alive request after a connection's first waited ~40 ms for a delayed ACK)."""
+    import asyncio
+    import socket
+
+    from localinfer.serve.http.server import bind
+
+    try:
+        sock = bind(host, 0)
+    except OSError:
+        pytest.skip(f"no {host} on this machine")
+    seen: list[int] = []
+
+    async def main():
+        def on_client(reader, writer):
+            s = writer.get_extra_info("socket")
+            seen.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_client, sock=sock)
+        async with server:
+            r, w = await asyncio.open_connection(host, sock.getsockname()[1])
+            await r.read()
+            w.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert seen == [1]
