@@ -244,3 +244,31 @@ def test_refilling_a_freed_slot_keeps_per_slot_streams_batch_invariant(streams):
     for name, p in zip("abc", (a, b, c)):
         alone = _alone(ex, p, [int(np.argmax(r)) for r in rows[name][:-1]], slot=1)
         assert all(np.array_equal(x, y) for x, y in zip(alone, rows[name], strict=True)), name
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_a_decode_beside_a_long_prefill_is_its_own_call(ex, split):
+    """Short chunks beside one of 64+ tokens go in a llama_decode of their own (the one-row attention kernel, as
+    in a decode-only step): the decode row's logits equal a decode-only step's bit for bit.  Inside the prefill's
+    tiled ubatch (split off) they need not, and the step costs more (benchmarks/results/serve_split_cpu.txt)."""
+    assert ex.split_short      # CPU, flash attention on
+    a = _tokens(ex, PROMPTS[0])
+    long = _tokens(ex, " ".join(["a quick brown fox jumps over the lazy dog"] * 12))
+    assert len(long) >= 64
+    ex.step([Chunk(0, a, 0)])
+    alone = ex.step([Chunk(0, (42,), len(a), True)])[0]
+    ex.drop(0, len(a))
+    calls = []
+    decode = ex._decode
+    ex._decode = lambda rows: calls.append(len(rows)) or decode(rows)
+    ex.split_short = split
+    try:
+        got = ex.step([Chunk(0, (42,), len(a), True), Chunk(1, long, 0, True)])
+    finally:
+        ex.split_short = True
+        del ex._decode
+    if split:
+        assert calls == [1, len(long)]
+        assert np.array_equal(got[0], alone)
+    else:
+        assert calls == [1 + len(long)]

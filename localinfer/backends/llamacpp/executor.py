@@ -30,6 +30,17 @@ prompt's whole blocks, evictable, so a later prompt with the same prefix is a
 (``drop(slot, start)``), which recurrent and hybrid models cannot do:
 ``drops_tail`` is False for them.
 
+Short rows go in a call of their own (``split_short``, CPU with flash attention):
+ggml's CPU flash attention computes 64 query rows at a time once a ubatch has 64
+or more, and skips a tile of 64 KV cells only when every row of the query tile
+masks it.  A decode row of another sequence inside a prefill's query tile makes
+that tile attend to the union of both sequences' cells: 7 decodes (of slots
+holding 302 tokens each) beside a 302-token prefill added 93 ms to its 639 ms in
+one ubatch, 43 ms in a call of their own (2 threads; benchmarks/results/
+serve_split_cpu.txt).  Chunks under 64 tokens are
+decoded first in a call of fewer rows (the one-row kernel, each row over its own
+cells, as in a decode-only step); the long chunks follow in their own call.
+
 A step either appends every chunk or, on any error (no free cells:
 :class:`~localinfer.errors.ContextFullError`; Ctrl-C), leaves every slot as it was.
 
@@ -45,7 +56,9 @@ solo context).  Two things still part them:
   for 64 or more, so prompts of 64+ tokens prefilled alongside others (llama.cpp
   splits such a batch into equal shares per sequence) differ by up to ~0.8 from
   a solo prefill; with ``n_ubatch`` < 64 on both sides every row takes the
-  one-row kernel and they are equal again;
+  one-row kernel and they are equal again.  Decodes beside a long prefill are
+  exact with ``split_short`` (their own call: the one-row kernel); inside the
+  prefill's ubatch one differed by 0.90 from a decode-only step;
 * a unified cache: attention spans every slot's cells (without flash attention
   rows then differ by ~1.1), and a sequence's cells leave position order once
   llama.cpp reuses a freed cell below them (it searches free cells from a
@@ -72,6 +85,7 @@ from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 
 IO_MAGIC = 0xAF143CD8           # llama_context's state_seq_write_data header
+FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 _HEADER = struct.Struct("<IiI")   # magic, seq_id, n_stream
 
 
@@ -101,6 +115,8 @@ class LlamaCppExecutor:
         model = self.engine.model_handle
         self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
         self.verifies_drafts = self.drops_tail     # rejected drafts are cut with a partial seq_rm
+        on_cpu = plan.n_gpu_layers == 0 or not _L.llama_supports_gpu_offload()
+        self.split_short = on_cpu and plan.flash_attn is not False   # short chunks in a call of their own
         self._len = [0] * self.n_slots
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
@@ -122,7 +138,7 @@ class LlamaCppExecutor:
         self._check_chunks(chunks)
         if not chunks:
             return {}
-        groups = _pack(chunks, self.n_batch, self.n_outputs_max)
+        groups = self._groups(chunks)
         got: dict[int, list[np.ndarray]] = {}
         try:
             for rows in groups:
@@ -193,6 +209,16 @@ class LlamaCppExecutor:
         return parse_kv_state(self._state_blob(), self.n_slots, self._ext_bytes)
 
     # ---- internals ------------------------------------------------------------
+    def _groups(self, chunks: Sequence[Chunk]) -> list[list[tuple[int, int, int, bool]]]:
+        """The step's llama_decode calls: short chunks first on their own when they would share a tiled ubatch."""
+        if self.split_short:
+            short = [c for c in chunks if len(c.tokens) < FA_TILE_ROWS]
+            if short and len(short) < len(chunks):
+                long = [c for c in chunks if len(c.tokens) >= FA_TILE_ROWS]
+                return (_pack(short, self.n_batch, self.n_outputs_max)
+                        + _pack(long, self.n_batch, self.n_outputs_max))
+        return _pack(chunks, self.n_batch, self.n_outputs_max)
+
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> list[tuple[int, np.ndarray]]:
         eng = self.engine
         tokens, pos, seqs, want = zip(*rows)
