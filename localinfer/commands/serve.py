@@ -2,7 +2,8 @@
 
     localinfer serve [MODEL] [--host 127.0.0.1] [--port 8080] [--parallel N] [--ctx N] [-ctk/-ctv T] [-t N]
         [--backend NAME] [--api-key KEY | LOCALINFER_API_KEY] [--max-queue N] [--token-budget N]
-        [--chunk N | --itl-target MS] [--prefix-cache on|off] [--parked N] [--lookup [--draft-max N]]
+        [--chunk N | --itl-target MS] [--partial-slack F|off] [--prefix-cache on|off] [--parked N]
+        [--lookup [--draft-max N]]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
@@ -50,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunking.add_argument("--chunk", type=int, default=None, metavar="N", help="prompt tokens per request per step")
     chunking.add_argument("--itl-target", type=float, default=None, metavar="MS",
                           help="prefill chunks sized to keep each step under MS milliseconds")
+    g.add_argument("--partial-slack", default=None, metavar="F|off",
+                   help="a prompt chunk that does not finish its prompt joins a step that finishes another only if "
+                        "it makes the step at most F longer, so each first token leaves with the step its own prompt "
+                        "ends in (default 0.25; off: fill every step's budget)")
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
     g.add_argument("--parked", type=int, default=None, metavar="N",
                    help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
@@ -78,6 +83,7 @@ def _check(args) -> str | None:
     if args.itl_target is not None and not 0 < args.itl_target < 1e6:
         raise UsageError(f"--itl-target must be a positive number of milliseconds, got {args.itl_target}",
                          flag="--itl-target")
+    _partial_slack(args.partial_slack)
     if not 0 <= args.grace <= 3600:
         raise UsageError(f"--grace {args.grace} is out of range", flag="--grace", hint="use 0..3600 seconds")
     from localinfer.serve.speculation import check_draft_max
@@ -97,6 +103,22 @@ def _check(args) -> str | None:
             print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it",
                   file=sys.stderr)
     return key
+
+
+def _partial_slack(text: str | None) -> dict:
+    """ServeConfig's ``partial_slack`` from --partial-slack: {} for the default, None for 'off', else a fraction."""
+    if text is None:
+        return {}
+    if text.strip().lower() == "off":
+        return {"partial_slack": None}
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v <= 100:
+        raise UsageError(f"--partial-slack must be a fraction >= 0 or 'off', got {text!r}", flag="--partial-slack",
+                         hint="e.g. --partial-slack 0.25")
+    return {"partial_slack": v}
 
 
 def _loopback(host: str) -> bool:
@@ -139,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                          chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
                          prefix_cache=args.prefix_cache == "on",
-                         park=args.parked,
+                         park=args.parked, **_partial_slack(args.partial_slack),
                          draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0)
     plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
     model_id = os.path.basename(str(path)).removesuffix(".gguf")

@@ -6,13 +6,26 @@ Each step, in this order:
 2. every running request still prefilling gets one chunk, in admission order:
    its whole remainder (``fixed``, ``continuous``) or at most ``chunk_tokens``
    (``chunked``; or the largest chunk whose predicted step time stays under
-   ``itl_target_s``), all within ``token_budget`` new tokens per step;
+   ``itl_target_s``), all within ``token_budget`` new tokens per step; with
+   ``partial_slack`` a chunk that does not finish its prompt waits for the next
+   step when this one already finishes a prompt and the chunk would make it more
+   than that fraction longer (below);
 3. arrived waiting requests are admitted, first come first served, while fewer
    than ``max_running`` hold a slot (``fixed``: only when none is running, so a
    group starts after the previous one finished), and get their first chunk; a
    request whose prompt shares blocks a running request is still prefilling
    waits until they are in the cache (requests behind it go ahead; not under
    ``fixed``, whose group is admitted together), so a common prefix is computed once.
+
+Why ``partial_slack``: a step's tokens all come out when the whole step ends, so
+a partial chunk riding in a step that finishes another prompt delays that
+prompt's first token (and every decode's next one) by the partial chunk's time,
+and buys nothing where compute is the bottleneck (a CPU: the chunk costs the same
+in the next step).  Eight 302-token prompts arriving together with a 512-token
+budget finished at 512-token boundaries, the 7th and 8th both in the last step;
+deferring, each leaves the step its own prompt ends in.  Where a step's time is
+flat in its tokens (a GPU below its compute roof) the chunk adds little and the
+step model lets it in.
 
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
@@ -55,6 +68,8 @@ class SchedulerConfig:
     drop_late: bool = False              # finish a request past its deadline at the next step boundary
     draft_max: int = 0                   # prompt-lookup drafts per decoding request and step (0: none)
     wait_for_prefix: bool = True         # hold a request whose prefix a running request is still computing
+    partial_slack: float | None = None   # chunked: most a non-finishing chunk may lengthen a step that finishes a
+                                         # prompt, as a fraction of that step's time (None: no limit)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -70,6 +85,8 @@ class SchedulerConfig:
             check_draft_max(self.draft_max)
         if self.itl_target_s is not None and not self.itl_target_s > 0:
             raise UsageError(f"the ITL target must be positive, got {self.itl_target_s!r}")
+        if self.partial_slack is not None and not self.partial_slack >= 0:
+            raise UsageError(f"partial_slack must be a fraction >= 0, got {self.partial_slack!r}")
 
 
 @dataclass(frozen=True)
@@ -232,7 +249,22 @@ class Scheduler:
         if cfg.itl_target_s is not None:
             fit = chunk_for_target(self.step_model, cfg.itl_target_s, plan.shapes(), r.computed, n)
             n = fit if fit or plan.chunks else 1
+        if n < r.remaining and cfg.partial_slack is not None and self._holds_partial(plan, r.computed, n):
+            return 0
         return n
+
+    def _holds_partial(self, plan: StepPlan, start: int, n: int) -> bool:
+        """A chunk of n tokens after ``start`` that leaves its prompt unfinished would lengthen this step, which
+        finishes another prompt, by more than ``partial_slack`` of its time (by token count without a step model)."""
+        if not any(c.samples and c.n_tokens > 1 and not c.draft for c in plan.chunks):
+            return False
+        shapes = plan.shapes()
+        if self.step_model is None:
+            base, more = sum(c for c, _ in shapes), n
+        else:
+            base = self.step_model.seconds(shapes)
+            more = self.step_model.seconds([*shapes, (n, start)]) - base
+        return more > self.config.partial_slack * base
 
     def _prefill_chunk(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
         n = self._chunk_limit(plan, r, budget)

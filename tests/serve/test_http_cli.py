@@ -22,7 +22,8 @@ pytest.importorskip("uvicorn")
     (["--draft-max", "4"], "--lookup"), (["--lookup", "--draft-max", "0"], "--draft-max"), (["--chunk", "0"], "--chunk"), (["--itl-target", "-3"], "--itl-target"),
     (["--ctx", "100000"], "--ctx"), (["--backend", "mlx"], "llama.cpp or torch"), (["--grace", "-1"], "--grace"),
     (["--chunk", "8", "--itl-target", "5"], "not allowed with"), (["--prefix-cache", "maybe"], "invalid choice"),
-    (["--api-key", "has space"], "API key"),
+    (["--api-key", "has space"], "API key"), (["--partial-slack", "half"], "--partial-slack"),
+    (["--partial-slack", "-1"], "--partial-slack"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
     from localinfer.cli import main
@@ -35,6 +36,18 @@ def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 2, err
     assert words in err and "Traceback" not in err
+
+
+def test_partial_slack_flag_reaches_the_scheduler():
+    from localinfer.commands.serve import _partial_slack
+    from localinfer.serve.http.config import DEFAULT_PARTIAL_SLACK, ServeConfig, build_engine
+    from localinfer.serve.simulated import SimulatedExecutor
+    from localinfer.serve.step_model import LinearStepModel
+
+    for text, want in ((None, DEFAULT_PARTIAL_SLACK), ("off", None), ("0.5", 0.5)):
+        config = ServeConfig(parallel=4, **_partial_slack(text))
+        _, engine, _ = build_engine(SimulatedExecutor(LinearStepModel(0.01, 1e-4, 0.0), n_slots=5), config)
+        assert engine.scheduler.config.partial_slack == want
 
 
 def test_health_is_503_while_loading(default_model):

@@ -55,6 +55,42 @@ def test_decodes_first_then_chunks_in_admission_order_within_the_budget():
     assert plan.new_tokens == 150
 
 
+def _first_token_steps(slack, model=None, n=4, prompt=300, budget=512):
+    """n prompts arriving together; the step (1-based) each one's first token leaves in, and the chunks."""
+    s = Scheduler(SchedulerConfig(policy="chunked", max_running=n, token_budget=budget, partial_slack=slack),
+                  BlockManager(400, 16), model)
+    for i in range(n):
+        s.add(req(f"r{i}", prompt, 4))
+    first, shapes = {}, []
+    for step in range(1, 4 * n):
+        plan = s.schedule(step * 0.1)
+        shapes.append([c.n_tokens for c in plan.chunks])
+        for c in plan.chunks:
+            if c.samples and c.request.id not in first:
+                first[c.request.id] = step
+        s.complete(plan, {c.request.id: 5 for c in plan.chunks if c.samples}, step * 0.1 + 0.01)
+        if len(first) == n:
+            break
+    return [first[f"r{i}"] for i in range(n)], shapes
+
+
+def test_partial_slack_lets_each_first_token_leave_with_its_own_prompt():
+    # filling the budget: prompts end at 512-token boundaries, the last two in the same step
+    assert _first_token_steps(None) == ([1, 2, 2, 3], [[300, 212], [1, 88, 300, 123], [1, 1, 1, 177]])
+    # a non-finishing chunk would lengthen a step that finishes a prompt by 212/300 > 1/4: it waits
+    steps, shapes = _first_token_steps(0.25)
+    assert steps == [1, 2, 3, 4] and shapes == [[300], [1, 300], [1, 1, 300], [1, 1, 1, 300]]
+    # the same with the step model: on a CPU-like one (cost per token) it waits; where a step's cost is flat in
+    # its tokens (a GPU below its compute roof: 20 ms + 1 µs/token) the chunk adds < 1/4 and fills the budget
+    assert _first_token_steps(0.25, LinearStepModel(0.0005, 2e-3, 0.0))[0] == [1, 2, 3, 4]
+    assert _first_token_steps(0.25, LinearStepModel(0.020, 1e-6, 0.0)) == _first_token_steps(None)
+    # a chunk that finishes its own prompt is never held; nor is a partial one in a step that finishes none
+    assert _first_token_steps(0.0, prompt=100, budget=512)[0] == [1, 1, 1, 1]
+    assert _first_token_steps(0.0, n=1, prompt=1200)[1] == [[512], [512], [176]]
+    with pytest.raises(UsageError, match="partial_slack"):
+        SchedulerConfig(partial_slack=-0.5)
+
+
 def test_max_running_and_fcfs():
     s = Scheduler(SchedulerConfig(max_running=2), BlockManager(100, 16))
     for i, t in enumerate([0.0, 0.0, 0.0, 5.0]):

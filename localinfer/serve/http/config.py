@@ -33,6 +33,9 @@ MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALL
 # 70.1 tok/s with 0 / 1 / 2 / 8 parked (benchmarks/results/serve_parked_cpu.txt) -- more only pays for many users
 # resending long conversations.
 DEFAULT_PARKED = 1
+# A prompt's unfinished chunk joins a step that finishes another prompt only if it lengthens it by at most a quarter
+# (scheduler.py, partial_slack): on a CPU, 8 prompts of 302 tokens arriving together then leave one per step.
+DEFAULT_PARTIAL_SLACK = 0.25
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class ServeConfig:
     admission: str = "on_demand"
     park: int | None = None              # parked sequences for finished requests' KV (None: DEFAULT_PARKED)
     draft_max: int = 0                   # prompt-lookup drafts per request and step (0: no lookup)
+    partial_slack: float | None = DEFAULT_PARTIAL_SLACK   # None: fill every step's budget
 
 
     @property
@@ -77,7 +81,8 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
     sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
-                            drop_late=True, draft_max=config.draft_max, **chunk)
+                            drop_late=True, draft_max=config.draft_max, partial_slack=config.partial_slack,
+                            **chunk)
     # parking needs spare sequence ids and dropping a sequence's tail (not a recurrent model)
     park = min(config.park_slots, inner.n_slots - config.parallel) if getattr(inner, "drops_tail", False) else 0
     engine = Engine(executor, Scheduler(sched, blocks, model), park_slots=max(0, park))
