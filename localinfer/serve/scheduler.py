@@ -337,7 +337,8 @@ class Scheduler:
                 continue
             if cfg.deadline_aware:
                 first = self._first_step(r, hit, plan)
-                if r.deadline_s is not None and self._predict_finish(r, now, first) > r.deadline_s:
+                if r.deadline_s is not None and self._predict_finish(r, now, first + self._owed(r, hit, plan)) \
+                        > r.deadline_s:
                     del self.waiting[i]
                     plan.refused.append(r)
                     r.finish(FinishReason.DEADLINE, now)
@@ -400,6 +401,23 @@ class Scheduler:
                     >= now + now_alone + (left - 1) * alone):
                 return True
         return False
+
+    def _owed(self, r: Request, hit_blocks: list[int], plan: StepPlan) -> float:
+        """Predicted seconds of the prefill that running requests still owe beyond this step's chunks (a chunk
+        held back or cut by the budget): it runs before r's, first come first served."""
+        scheduled: dict[str, int] = {}
+        for c in plan.chunks:
+            scheduled[c.request.id] = scheduled.get(c.request.id, 0) + c.n_tokens
+        owed = []
+        for x in self.running:
+            done = x.computed + scheduled.get(x.id, 0)
+            if x.prefilling and x.n_tokens > done:
+                owed.append((x.n_tokens - done, done))
+        if not owed:
+            return 0.0
+        hit = len(hit_blocks) * self.blocks.block_tokens
+        shapes = [*plan.shapes(), (r.n_tokens - hit, hit)]
+        return self.step_model.seconds([*shapes, *owed]) - self.step_model.seconds(shapes)
 
     def _predict_finish(self, r: Request, now: float, first: float) -> float:
         """When r would finish if admitted now: this step (``first``, with its prefill), then its decodes beside

@@ -155,6 +155,26 @@ def test_deadline_aware_refuses_at_admission():
         Scheduler(SchedulerConfig(deadline_aware=True), BlockManager(10, 16))
 
 
+def test_deadline_prediction_counts_the_prefill_owed_by_requests_ahead():
+    """Requests ahead whose prompt chunk this step holds back (partial_slack) or the budget cuts still prefill
+    before a newcomer: its predicted finish counts them, so a deadline only four prefill steps miss is refused."""
+    def scheduler():
+        return Scheduler(SchedulerConfig(policy="chunked", chunk_tokens=2048, token_budget=2048, deadline_aware=True,
+                                         partial_slack=0.0, max_running=4), BlockManager(1000, 16), CARD)
+
+    s = scheduler()
+    for i in range(3):
+        s.add(req(f"r{i}", 2000, 2))
+    late = req("late", 2000, 2, deadline_s=0.22)      # ~0.19 s if it were next; ~0.37 s behind r1 and r2
+    s.add(late)
+    plan = s.schedule(0)
+    assert [c.request.id for c in plan.chunks] == ["r0"] and plan.refused == [late]
+    s = scheduler()                                    # alone, the same request is admitted
+    alone = req("alone", 2000, 2, deadline_s=0.22)
+    s.add(alone)
+    assert s.schedule(0).admitted == [alone]
+
+
 def test_cancel_stops_at_once_and_frees_after_the_step():
     s = Scheduler(SchedulerConfig(), BlockManager(8, 4))
     r = req("x", 8, 5)
