@@ -146,3 +146,43 @@ def test_accepted_connections_turn_nagle_off(host):
 
     asyncio.run(asyncio.wait_for(main(), 10))
     assert seen == [1]
+
+
+def test_the_relay_thread_not_the_engine_wakes_the_loop():
+    """Events reach the loop through the relay thread: a self-pipe write from the engine thread let the loop take
+    the GIL and format the step's SSE frames while the engine waited (runtime.py's docstring)."""
+    import asyncio
+    import threading
+
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.http.runtime import Event, Handle, Runtime, _deliver
+
+    loop = asyncio.new_event_loop()
+    callers: list[str] = []
+    real = loop.call_soon_threadsafe
+
+    def recording(fn, *args):
+        if fn is _deliver:
+            callers.append(threading.current_thread().name)
+        return real(fn, *args)
+
+    loop.call_soon_threadsafe = recording
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        rt = Runtime(lambda: None, ServeConfig(parallel=1))
+        rt._loop = loop
+        rt._relay.start()
+        queue: asyncio.Queue = asyncio.Queue()
+        h = Handle(None, queue, 0)
+        rt._dispatch([(h, Event(0, 7)), (h, Event(0, None, "stop"))])
+        got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(_two(queue), 5), loop).result(10)
+        assert [e.token for e in got] == [7, None] and h.finished
+        assert callers == ["localinfer-relay"]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+
+
+async def _two(queue):
+    return [await queue.get(), await queue.get()]

@@ -4,7 +4,11 @@ The event loop never touches the engine.  It puts ``add`` and ``cancel``
 commands in a locked inbox and wakes the thread; the thread applies them
 between steps, runs ``Engine.step``, and hands each step's tokens and finishes
 back to the loop with one ``loop.call_soon_threadsafe`` (each request's events
-land on its asyncio queue).  A cancel takes effect before the next step; the
+land on its asyncio queue), made by a relay thread: waking the loop writes to its
+self-pipe, a call that lets go of the GIL, and the loop then took the GIL to turn
+the step's tokens into SSE frames while the engine thread waited for it (0.63 ms
+a step at 8 streams).  The relay makes that write while the engine thread is
+inside the next ``llama_decode``, which runs without the GIL.  A cancel takes effect before the next step; the
 request's blocks are freed once the step in flight completes
 (``Scheduler.cancel``).  Loading happens in this thread too, so ``/health``
 answers 503 until the model is ready.
@@ -71,10 +75,16 @@ class Runtime:
         self._mean_e2e = 1.0
         self._thread = threading.Thread(target=self._main, name="localinfer-engine", daemon=True)
         self.ready = threading.Event()
+        self._relay_items: list[tuple[Handle, Event]] = []
+        self._relay_lock = threading.Lock()
+        self._relay_wake = threading.Event()
+        self._relay_done = False
+        self._relay = threading.Thread(target=self._relay_main, name="localinfer-relay", daemon=True)
 
     # ---- lifecycle (loop thread) ----------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop
+        self._relay.start()
         self._thread.start()
 
     def drain(self) -> None:
@@ -166,6 +176,8 @@ class Runtime:
             self._cancel_all()
             self._publish(idle=True)
             self.state = "stopped"
+            self._relay_done = True           # the relay delivers what is left, then ends
+            self._relay_wake.set()
             close = getattr(self.executor.inner, "close", None)
             if close is not None:
                 close()
@@ -270,11 +282,25 @@ class Runtime:
         self._dispatch(out)
 
     def _dispatch(self, out: list[tuple[Handle, Event]]) -> None:
-        if out and self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(_deliver, out)
-            except RuntimeError:      # the loop closed meanwhile
-                pass
+        """Hand events to the relay thread, which wakes the loop (the engine thread never does: module docstring)."""
+        if out:
+            with self._relay_lock:
+                self._relay_items += out
+            self._relay_wake.set()
+
+    def _relay_main(self) -> None:
+        while True:
+            self._relay_wake.wait()
+            self._relay_wake.clear()
+            with self._relay_lock:
+                out, self._relay_items = self._relay_items, []
+            if out and self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.call_soon_threadsafe(_deliver, out)
+                except RuntimeError:      # the loop closed meanwhile
+                    pass
+            if self._relay_done and not self._relay_items:
+                return
 
     def _publish(self, idle: bool = False) -> None:
         e = self.engine
