@@ -256,7 +256,7 @@ class Scheduler:
     def _holds_partial(self, plan: StepPlan, start: int, n: int) -> bool:
         """A chunk of n tokens after ``start`` that leaves its prompt unfinished would lengthen this step, which
         finishes another prompt, by more than ``partial_slack`` of its time (by token count without a step model)."""
-        if not any(c.samples and c.n_tokens > 1 and not c.draft for c in plan.chunks):
+        if not any(c.samples and not c.draft and (c.n_tokens > 1 or not c.request.output) for c in plan.chunks):
             return False
         shapes = plan.shapes()
         if self.step_model is None:
@@ -337,8 +337,8 @@ class Scheduler:
                 continue
             if cfg.deadline_aware:
                 first = self._first_step(r, hit, plan)
-                if r.deadline_s is not None and self._predict_finish(r, now, first + self._owed(r, hit, plan)) \
-                        > r.deadline_s:
+                owed = self._owed(r, hit, plan, budget) if r.deadline_s is not None else 0.0
+                if r.deadline_s is not None and self._predict_finish(r, now, first + owed) > r.deadline_s:
                     del self.waiting[i]
                     plan.refused.append(r)
                     r.finish(FinishReason.DEADLINE, now)
@@ -402,9 +402,14 @@ class Scheduler:
                 return True
         return False
 
-    def _owed(self, r: Request, hit_blocks: list[int], plan: StepPlan) -> float:
+    def _owed(self, r: Request, hit_blocks: list[int], plan: StepPlan, budget: list[int]) -> float:
         """Predicted seconds of the prefill that running requests still owe beyond this step's chunks (a chunk
-        held back or cut by the budget): it runs before r's, first come first served."""
+        held back or cut by the budget): it runs before r's, first come first served -- unless r's whole prompt
+        fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now."""
+        hit = len(hit_blocks) * self.blocks.block_tokens
+        limit = min(budget[0], self.config.chunk_tokens if self.config.policy == "chunked" else budget[0])
+        if r.n_tokens - hit <= limit:
+            return 0.0
         scheduled: dict[str, int] = {}
         for c in plan.chunks:
             scheduled[c.request.id] = scheduled.get(c.request.id, 0) + c.n_tokens
@@ -415,7 +420,6 @@ class Scheduler:
                 owed.append((x.n_tokens - done, done))
         if not owed:
             return 0.0
-        hit = len(hit_blocks) * self.blocks.block_tokens
         shapes = [*plan.shapes(), (r.n_tokens - hit, hit)]
         return self.step_model.seconds([*shapes, *owed]) - self.step_model.seconds(shapes)
 

@@ -175,6 +175,28 @@ def test_deadline_prediction_counts_the_prefill_owed_by_requests_ahead():
     assert s.schedule(0).admitted == [alone]
 
 
+def test_a_newcomer_whose_prompt_fits_this_step_owes_nothing_to_held_chunks():
+    """A short prompt that fits what the step leaves runs now, ahead of a held partial chunk: it is admitted."""
+    s = Scheduler(SchedulerConfig(policy="chunked", chunk_tokens=2048, token_budget=2048, deadline_aware=True,
+                                  partial_slack=0.0, max_running=4), BlockManager(1000, 16),
+                  LinearStepModel(0.01, 1e-4, 0.0))
+    s.add(req("r0", 300, 4))
+    s.add(req("r1", 2000, 4))
+    short = req("short", 50, 1, deadline_s=0.1)      # ~0.045 s in this step
+    s.add(short)
+    plan = s.schedule(0)
+    assert [(c.request.id, c.n_tokens) for c in plan.chunks] == [("r0", 300), ("short", 50)]
+    assert short in plan.admitted and not plan.refused
+
+
+def test_a_one_token_chunk_that_finishes_a_prompt_holds_partial_chunks_too():
+    s = Scheduler(SchedulerConfig(policy="chunked", token_budget=512, partial_slack=0.0, max_running=2),
+                  BlockManager(100, 16))
+    s.add(req("a", 1, 4))
+    s.add(req("b", 600, 4))
+    assert [(c.request.id, c.n_tokens) for c in s.schedule(0).chunks] == [("a", 1)]
+
+
 def test_cancel_stops_at_once_and_frees_after_the_step():
     s = Scheduler(SchedulerConfig(), BlockManager(8, 4))
     r = req("x", 8, 5)
