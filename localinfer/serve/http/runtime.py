@@ -84,7 +84,6 @@ class Runtime:
     # ---- lifecycle (loop thread) ----------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop
-        self._relay.start()
         self._thread.start()
 
     def drain(self) -> None:
@@ -105,6 +104,8 @@ class Runtime:
         self.shutdown_after(grace_s)
         if self._thread.is_alive():
             self._thread.join(join_s + grace_s)
+        if self._relay.is_alive() and self._relay_done:
+            self._relay.join(join_s)          # the last events are on the loop when stop returns
 
     # ---- requests (loop thread) -----------------------------------------------
     def submit(self, prompts: list[tuple[int, ...]], make: Callable[..., ServeRequest],
@@ -167,17 +168,20 @@ class Runtime:
             log.error("loading failed: %s", self.load_error)
             self.ready.set()
             return
+        self._relay.start()                   # events exist only once the model is loaded
         if self.state == "loading":
             self.state = "ready"
         self.ready.set()
         try:
             self._serve()
         finally:
-            self._cancel_all()
-            self._publish(idle=True)
-            self.state = "stopped"
-            self._relay_done = True           # the relay delivers what is left, then ends
-            self._relay_wake.set()
+            try:
+                self._cancel_all()
+                self._publish(idle=True)
+            finally:
+                self.state = "stopped"
+                self._relay_done = True       # the relay delivers what is left, then ends
+                self._relay_wake.set()
             close = getattr(self.executor.inner, "close", None)
             if close is not None:
                 close()
