@@ -116,7 +116,7 @@ def _partial_slack(text: str | None) -> dict:
     except ValueError:
         v = float("nan")
     if not 0 <= v <= 100:
-        raise UsageError(f"--partial-slack must be a fraction >= 0 or 'off', got {text!r}", flag="--partial-slack",
+        raise UsageError(f"--partial-slack must be a fraction in 0..100 or 'off', got {text!r}", flag="--partial-slack",
                          hint="e.g. --partial-slack 0.25")
     return {"partial_slack": v}
 

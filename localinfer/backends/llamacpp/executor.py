@@ -39,7 +39,10 @@ holding 302 tokens each) beside a 302-token prefill added 93 ms to its 639 ms in
 one ubatch, 43 ms in a call of their own (2 threads; benchmarks/results/
 serve_split_cpu.txt).  Chunks under 64 tokens are
 decoded first in a call of fewer rows (the one-row kernel, each row over its own
-cells, as in a decode-only step); the long chunks follow in their own call.
+cells, as in a decode-only step) while they total under 64 rows (64+ decodes,
+or decodes with lookup drafts at many slots, take the tiled kernel in their own
+call); the long chunks follow in their own call.  Not with ``n_ubatch`` < 64
+(every ubatch takes the one-row kernel anyway) nor on a recurrent model.
 
 A step either appends every chunk or, on any error (no free cells:
 :class:`~localinfer.errors.ContextFullError`; Ctrl-C), leaves every slot as it was.
@@ -58,7 +61,7 @@ solo context).  Two things still part them:
   a solo prefill; with ``n_ubatch`` < 64 on both sides every row takes the
   one-row kernel and they are equal again.  Decodes beside a long prefill are
   exact with ``split_short`` (their own call: the one-row kernel); inside the
-  prefill's ubatch one differed by 0.90 from a decode-only step;
+  prefill's ubatch they differed by 0.47-0.90 from a decode-only step;
 * a unified cache: attention spans every slot's cells (without flash attention
   rows then differ by ~1.1), and a sequence's cells leave position order once
   llama.cpp reuses a freed cell below them (it searches free cells from a
@@ -116,7 +119,8 @@ class LlamaCppExecutor:
         self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
         self.verifies_drafts = self.drops_tail     # rejected drafts are cut with a partial seq_rm
         on_cpu = plan.n_gpu_layers == 0 or not _L.llama_supports_gpu_offload()
-        self.split_short = on_cpu and plan.flash_attn is not False   # short chunks in a call of their own
+        self.split_short = (on_cpu and plan.flash_attn is not False and min(plan.n_ubatch, plan.n_batch) >= FA_TILE_ROWS
+                            and not _L.llama_model_is_recurrent(model))   # short chunks in a call of their own
         self._len = [0] * self.n_slots
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
@@ -133,7 +137,8 @@ class LlamaCppExecutor:
 
     # ---- the contract ---------------------------------------------------------
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
-        """Append every chunk (one ``llama_decode`` unless past n_batch / n_outputs_max); logits rows by slot."""
+        """Append every chunk (one ``llama_decode``, two with ``split_short``, more past n_batch / n_outputs_max);
+        logits rows by slot."""
         self._alive()
         self._check_chunks(chunks)
         if not chunks:
