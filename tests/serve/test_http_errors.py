@@ -8,17 +8,12 @@ import time
 
 import pytest
 
-from tests.serve.test_http_support import MODEL_ID, LiveServer, shared
+from tests.serve.test_http_support import MODEL_ID, LiveServer
 
 httpx = pytest.importorskip("httpx")
 
 CHAT = "/v1/chat/completions"
 OK = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def srv(default_model, request):
-    return shared(default_model, request.config)
 
 
 @pytest.fixture(scope="module")

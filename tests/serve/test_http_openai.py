@@ -6,24 +6,13 @@ import asyncio
 
 import pytest
 
-from tests.serve.test_http_support import MODEL_ID, shared
+from tests.serve.test_http_support import MODEL_ID
 
 openai = pytest.importorskip("openai")
 
 PROMPTS = ["Name a colour.", "What is 2 + 2?", "Say hello in French.", "Name a fruit.", "What is the capital of Italy?",
            "Write one word.", "Name a planet.", "Count to three."]
 GREEDY = {"temperature": 0, "max_tokens": 12}
-
-
-@pytest.fixture(scope="module")
-def srv(default_model, request):
-    return shared(default_model, request.config)
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def _chat(client, text, **kw):

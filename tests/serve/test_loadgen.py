@@ -187,13 +187,6 @@ def test_a_warm_up_the_server_refuses_is_a_remote_server_error():
     assert "warm-up" in str(e.value) and "HTTP 404" in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def srv(default_model, request):
-    from tests.serve.test_http_support import shared
-
-    return shared(default_model, request.config)
-
-
 def test_tiny_loads_on_a_real_localinfer_serve(srv):
     seen = []
     out = loadgen.run_load(srv.base_url, LoadConfig(concurrency=(1, 2), rate=(20.0,), **TINY),

@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve.test_http_support import MODEL_ID, shared
+from tests.serve.test_http_support import MODEL_ID
 
 openai = pytest.importorskip("openai")
 
 P = 16
 GREEDY = {"temperature": 0, "max_tokens": 8}
-
-
-@pytest.fixture(scope="module")
-def srv(default_model, request):
-    return shared(default_model, request.config)
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def test_the_same_prompt_twice_in_a_row_is_cached_the_second_time(client, srv):
