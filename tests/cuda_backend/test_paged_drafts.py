@@ -19,13 +19,10 @@ pytest.importorskip("llama_cpp")
 from cuda_backend.paged_executor import PagedExecutor
 from cuda_backend.serving import BLOCK_TOKENS, open_executor
 from localinfer.backends.executor import Chunk
-from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
-from localinfer.serve.request import Request
-from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from tests.cuda_backend.test_paged_executor import ATOL_F32, prompts_for, static_engine
 from tests.serve.test_speculation import REPEAT
+from tests.support.drafts import run_engine
 
 torch.set_num_threads(1)
 
@@ -81,18 +78,8 @@ def embedded(default_model):
 
 
 def _run(ex, prompts, max_tokens, draft_max=0):
-    config = SchedulerConfig(max_running=ex.n_slots, policy="chunked", chunk_tokens=64, draft_max=draft_max)
-    blocks = BlockManager(ex.pool.num_blocks, BLOCK_TOKENS, pool_hits=ex.restores_cached_prefix)
-    e = Engine(ex, Scheduler(config, blocks))
-    reqs = [e.add_request(Request(f"r{i}", p, max_tokens, sampling=SamplingParams(temperature=0.0)))
-            for i, p in enumerate(prompts)]
-    steps = 0
-    while e.unfinished:
-        e.step()
-        steps += 1
-        assert ex.cells_used() == e.blocks.tokens_in_use()     # rejected drafts leave no cells behind
-    assert ex.cells_used() == 0 and e.blocks.used == 0
-    return [r.output for r in reqs], steps, e.scheduler.drafter
+    return run_engine(ex, BlockManager(ex.pool.num_blocks, BLOCK_TOKENS, pool_hits=ex.restores_cached_prefix),
+                      prompts, max_tokens, draft_max)
 
 
 def test_engine_with_drafts_equals_plain_greedy_decoding(embedded):

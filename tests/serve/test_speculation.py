@@ -21,6 +21,7 @@ from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
 from localinfer.serve.speculation import Drafter
 from localinfer.serve.step_model import LinearStepModel
+from tests.support.drafts import run_engine
 
 REPEAT = ("Copy the list exactly.\nList: apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, "
           "lemon, mango.\nCopy: apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon, mango.\n"
@@ -40,17 +41,8 @@ def streams(default_model):
 def _run(ex, prompts, max_tokens, draft_max=0, sampling=None, step_model=None):
     for s in range(ex.n_slots):
         ex.drop(s)
-    config = SchedulerConfig(max_running=ex.n_slots, policy="chunked", chunk_tokens=64, draft_max=draft_max)
-    e = Engine(ex, Scheduler(config, BlockManager(ex.n_cells // 16, 16, pool_hits=False), step_model))
-    reqs = [e.add_request(Request(f"r{i}", p, max_tokens, sampling=sampling or SamplingParams(temperature=0.0)))
-            for i, p in enumerate(prompts)]
-    steps = 0
-    while e.unfinished:
-        e.step()
-        steps += 1
-        assert ex.cells_used() == e.blocks.tokens_in_use()    # rejected drafts leave no cells behind
-    assert ex.cells_used() == 0 and e.blocks.used == 0
-    return [r.output for r in reqs], steps, e.scheduler.drafter
+    return run_engine(ex, BlockManager(ex.n_cells // 16, 16, pool_hits=False), prompts, max_tokens, draft_max,
+                      sampling, step_model)
 
 
 def test_greedy_output_with_drafts_equals_plain_decoding_in_fewer_steps(streams):
