@@ -11,6 +11,7 @@ from localinfer.serve.request import FinishReason, Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
 from localinfer.serve.step_model import LinearStepModel
+from tests.support.engine_ops import OPS, apply_ops
 
 CARD = LinearStepModel.parse("26.22,30.4,3")
 
@@ -91,27 +92,16 @@ def test_cancel_through_the_engine():
     assert e.executor.cells_used() == 0 and e.blocks.used == 0 and len(r.output) == 1
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "cancel"]), st.integers(1, 40), st.integers(1, 12)),
-               max_size=40)
-
-
 @settings(max_examples=40, deadline=None)
-@given(ops, st.sampled_from(["reserve", "on_demand"]), st.sampled_from(["continuous", "chunked", "fixed"]))
+@given(OPS, st.sampled_from(["reserve", "on_demand"]), st.sampled_from(["continuous", "chunked", "fixed"]))
 def test_random_add_step_cancel_leaves_nothing_behind(seq, admission, policy):
     e = engine(n_blocks=24, p=4, max_running=3, admission=admission, policy=policy, chunk_tokens=8)
-    shared = tuple(range(500, 508))
-    n = 0
-    for op, size, out in seq:
-        if op == "add":
-            prompt = (shared if size % 2 else ()) + tuple(range(10_000 * n, 10_000 * n + size))
-            e.add_request(Request(f"q{n}", prompt, out, arrival_s=e.executor.clock()))
-            n += 1
-        elif op == "step":
-            e.step()
-        elif n:
-            e.cancel(f"q{size % n}")
+
+    def check(e):
         assert e.blocks.used <= e.blocks.num_blocks
         assert e.executor.cells_used() == e.blocks.tokens_in_use()     # KV cells = tokens in referenced blocks
+
+    apply_ops(e, seq, tuple(range(500, 508)), check)
     e.run()
     assert e.blocks.used == 0 and e.executor.cells_used() == 0
     assert all(r.finished for r in e.scheduler.requests.values())

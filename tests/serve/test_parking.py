@@ -14,6 +14,7 @@ from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
 from localinfer.serve.step_model import LinearStepModel
+from tests.support.engine_ops import OPS, apply_ops
 
 CARD = LinearStepModel.parse("26.22,30.4,3")
 VOCAB = 4096
@@ -256,27 +257,16 @@ def test_prefix_cache_off_or_no_spare_slots_parks_nothing():
                park_slots=2)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "step", "step", "cancel"]), st.integers(1, 40), st.integers(1, 12)),
-               max_size=40)
-
-
 @settings(max_examples=40, deadline=None)
-@given(ops, st.sampled_from(["reserve", "on_demand"]), st.integers(1, 3))
+@given(OPS, st.sampled_from(["reserve", "on_demand"]), st.integers(1, 3))
 def test_random_add_step_cancel_with_parking_keeps_cells_equal_to_blocks(seq, admission, park):
     e = parking_engine(n_blocks=24, max_running=3, park=park, admission=admission)
-    shared = tuple(range(500, 512))
-    n = 0
-    for op, size, out in seq:
-        if op == "add":
-            prompt = (shared if size % 2 else ()) + tuple(range(10_000 * n, 10_000 * n + size))
-            e.add_request(Request(f"q{n}", prompt, out, arrival_s=e.executor.clock()))
-            n += 1
-        elif op == "step":
-            e.step()
-        elif n:
-            e.cancel(f"q{size % n}")
+
+    def check(e):
         assert e.blocks.used <= e.blocks.num_blocks and e.parked <= park
         assert e.executor.cells_used() == e.blocks.tokens_held()     # every cell is a block's, every block's cells
+
+    apply_ops(e, seq, tuple(range(500, 512)), check)
     _run(e)
     assert e.blocks.used == 0 and e.executor.cells_used() == e.blocks.num_cached * 4 == e.blocks.tokens_held()
     for r in e.scheduler.requests.values():
