@@ -48,7 +48,8 @@ class Executor(Protocol):
         """Append every chunk in one forward pass; logits rows (float32, n_vocab) by slot for those asking."""
 
     def copy(self, src: int, dst: int, n_tokens: int) -> None:
-        """Slot ``dst`` (empty) shares positions [0, n_tokens) of slot ``src`` without recompute."""
+        """Slot ``dst`` (empty) shares positions [0, n_tokens) of slot ``src`` without recompute (an executor that
+        ``parks_in_host`` returns the tokens dst holds after it: fewer when a write-back found no cells)."""
 
     def drop(self, slot: int, start: int = 0) -> None:
         """Forget positions >= start of ``slot`` (0: the whole slot)."""

@@ -180,13 +180,14 @@ def _executor_factory(backend: str, plan, parallel: int):
     over the plan fit checked (``--parallel`` slots; its pool keeps finished requests' blocks for prefix hits,
     so it parks no sequences)."""
     fitted = plan.with_(n_seq=parallel)
-    return (lambda: _open_torch(fitted)) if backend == "torch" else (lambda: _open_executor(plan))
+    return (lambda: _open_torch(fitted)) if backend == "torch" else (lambda: open_llamacpp(plan))
 
 
-def _open_executor(plan):
+def open_llamacpp(plan):
+    """The server's llama.cpp executor: parked requests' KV in host memory, off the cells every step attends over."""
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
-    return LlamaCppExecutor(plan)
+    return LlamaCppExecutor(plan, park_host=True)
 
 
 def _open_torch(plan):

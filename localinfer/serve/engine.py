@@ -22,7 +22,13 @@ as from a running request.  The block manager's eviction of such a block drops
 the parked slot's positions from that block on (``executor.drop(slot,
 start)``), so KV cells and blocks agree (``BlockManager.tokens_held``); when all
 ``park_slots`` are parked, the least recently used parked sequence gives its
-slot up whole.  A preempted request, or one that failed, is not parked.
+slot up whole.  A preempted request, or one that failed, is not parked.  An
+executor that ``parks_in_host`` (llama.cpp's with ``park_host``) moves a parked
+slot's KV out of its cells (``executor.park``): a hit then shares the running
+holder's positions first and has the rest written back from the parked slot,
+so the cells are the running requests' blocks (``tokens_in_use``), and a
+write-back that finds no free cells is computed instead (``copy`` returns
+what it shared).
 
 Every chunk carries its request's block table from the block manager
 (``Chunk.blocks``), so a paging executor (the torch one, built with
@@ -107,6 +113,7 @@ class Engine:
         self.park_slots = park_slots
         self._parked: OrderedDict[str, int] = OrderedDict()   # parked request id -> slot, least recently used first
         self.blocks.parking = bool(park_slots)
+        self._host_parking = bool(park_slots) and getattr(executor, "parks_in_host", False)
         self.blocks.on_evict = self._evicted if park_slots else None
 
     # ---- requests ------------------------------------------------------------
@@ -248,11 +255,15 @@ class Engine:
         for other, k in self.blocks.parked_sharers(r.id):
             if other in self._parked:
                 if min(k * p, r.cached) > have:
+                    if self._host_parking and src is not None:   # the running holder's cells, then the rest
+                        self.executor.copy(src, slot, have)
                     have, src = min(k * p, r.cached), self._parked[other]
                     self._parked.move_to_end(other)     # used: the last to give its slot up
                 break
         if src is not None:
-            self.executor.copy(src, slot, have)
+            got = self.executor.copy(src, slot, have)
+            if self._host_parking:      # a write-back from host memory that found no cells shares less
+                have = got
         if have < r.cached:
             if getattr(self.executor, "restores_cached_prefix", False):
                 self.executor.restore(slot, r.cached)
@@ -279,6 +290,8 @@ class Engine:
             self._free_slots.append(slot)
             return
         self.executor.drop(slot, kept)
+        if self._host_parking:
+            self.executor.park(slot)
         self._parked[r.id] = slot
         while len(self._parked) > self.park_slots:
             self._unpark(next(iter(self._parked)))

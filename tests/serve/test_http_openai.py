@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tests.serve.test_http_support import MODEL_ID
+from tests.serve.test_http_support import MODEL_ID, assert_only_parked_kv
 
 openai = pytest.importorskip("openai")
 
@@ -131,8 +131,7 @@ def test_eight_concurrent_async_requests(srv):
     for text, reason, n in results:
         assert text and reason in ("stop", "length") and 1 <= n <= GREEDY["max_tokens"]
     m = srv.wait_idle()
-    assert m["localinfer_kv_blocks_used"] == 0    # cells: only the parked requests' whole blocks
-    assert m["localinfer_kv_cells_used"] == m["localinfer_kv_blocks_cached"] * 16
+    assert_only_parked_kv(m)
 
 
 def test_shared_prefix_is_reported_as_cached(client, srv):

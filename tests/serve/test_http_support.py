@@ -22,8 +22,8 @@ MODEL_ID = "smollm2"
 
 
 class LiveServer:
-    """``open_executor(config)``: the executor factory for the runtime (default: llama.cpp's, one unified cache of
-    ``ctx`` cells, 1 thread, flash attention on)."""
+    """``open_executor(config)``: the executor factory for the runtime (default: the server's llama.cpp executor,
+    one unified cache of ``ctx`` cells, 1 thread, flash attention on, parked KV in host memory)."""
 
     def __init__(self, model, *, parallel: int = 4, max_queue: int = 8, ctx: int = 1024, api_key: str | None = None,
                  grace_s: float = 2.0, open_executor=None, **serve):
@@ -37,11 +37,11 @@ class LiveServer:
 
         config = ServeConfig(parallel=parallel, max_queue=max_queue, **serve)
         if open_executor is None:
-            from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+            from localinfer.commands.serve import open_llamacpp
 
             plan = LoadPlan(str(model), n_ctx=ctx, n_seq=config.n_slots, n_threads=1, flash_attn=True,
                             options={"kv_unified": True})      # n_slots: --parallel + the parked sequences
-            factory = lambda: LlamaCppExecutor(plan)
+            factory = lambda: open_llamacpp(plan)
         else:
             factory = open_executor(config)
         spec = ModelSpec.from_gguf(str(model))
@@ -95,6 +95,12 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+def assert_only_parked_kv(m: dict[str, float], block_tokens: int = 16) -> None:
+    """Idle metrics: no cell holds a token and the one parked request's whole blocks are in host memory."""
+    assert m["localinfer_kv_blocks_used"] == 0 and m["localinfer_kv_cells_used"] == 0
+    assert m["localinfer_kv_host_tokens"] == m["localinfer_kv_blocks_cached"] * block_tokens
 
 
 _shared: LiveServer | None = None

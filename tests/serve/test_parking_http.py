@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve.test_http_support import MODEL_ID
+from tests.serve.test_http_support import MODEL_ID, assert_only_parked_kv
 
 openai = pytest.importorskip("openai")
 
@@ -25,8 +25,8 @@ def test_the_same_prompt_twice_in_a_row_is_cached_the_second_time(client, srv):
     hits = srv.metrics()["localinfer_prefix_cache_hit_tokens_total"] - before
     assert hits == first.usage.prompt_tokens_details.cached_tokens + second.usage.prompt_tokens_details.cached_tokens
     m = srv.wait_idle()
-    assert m["localinfer_kv_blocks_used"] == 0 and m["localinfer_kv_blocks_cached"] > 0
-    assert m["localinfer_kv_cells_used"] == m["localinfer_kv_blocks_cached"] * P     # parked cells are its blocks
+    assert m["localinfer_kv_blocks_cached"] > 0
+    assert_only_parked_kv(m, P)     # the parked request's blocks, in host memory
 
 
 def test_a_multi_turn_conversation_reuses_the_previous_turn(client):
@@ -59,5 +59,6 @@ def test_prefix_cache_off_parks_nothing(default_model):
         assert again.usage.prompt_tokens_details.cached_tokens == 0
         m = srv.wait_idle()
         assert m["localinfer_kv_blocks_cached"] == 0 and m["localinfer_kv_cells_used"] == 0
+        assert m["localinfer_kv_host_tokens"] == 0
     finally:
         srv.stop()

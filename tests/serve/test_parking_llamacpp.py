@@ -1,5 +1,7 @@
 """Parked sequences on the real llama.cpp executor (embedded model, 1 thread, flash attention on): a finished
 request's KV serves a later prompt by llama_memory_seq_cp, evictions drop its cells, cells = blocks throughout.
+Each test runs twice: parked KV in its cells, and parked in host memory (``park_host``, the server's: the cells are
+then the running requests' blocks only, and a hit writes the parked positions back).
 
 Every chunk stays under 64 rows (chunks of 16), so each row takes ggml's one-row flash-attention kernel and a
 greedy reply is the same whether its prefix was copied from a parked sequence or computed (the cold run is on
@@ -21,13 +23,24 @@ TEXT = ("You are a helpful assistant. Answer briefly and clearly, and say so whe
         "question back. Use plain words, short sentences, and the metric system for every measurement. ")
 
 
-@pytest.fixture(scope="module")
-def executor(default_model):
+@pytest.fixture(scope="module", params=[False, True], ids=["in-cells", "in-host"])
+def executor(default_model, request):
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
-    with LlamaCppExecutor.open(default_model, n_slots=4, n_ctx=256, threads=1, flash_attn=True) as ex:
-        assert ex.drops_tail and ex.n_cells == 256
+    with LlamaCppExecutor.open(default_model, n_slots=4, n_ctx=256, threads=1, flash_attn=True,
+                               park_host=request.param) as ex:
+        assert ex.drops_tail and ex.n_cells == 256 and ex.parks_in_host is request.param
         yield ex
+
+
+def _cells(e) -> int:
+    """What llama.cpp's cells must hold: every block's tokens, or (parked in host memory) the running requests'."""
+    return e.blocks.tokens_in_use() if e.executor.parks_in_host else e.blocks.tokens_held()
+
+
+def _parked_tokens(ex) -> int:
+    """Tokens the parked requests keep: in cells, or in host memory (no cells)."""
+    return ex.host_tokens() if ex.parks_in_host else ex.cells_used()
 
 
 def _engine(ex, park=2, **cfg):
@@ -41,7 +54,7 @@ def _engine(ex, park=2, **cfg):
 def _run(e):
     while e.unfinished:
         e.step()
-        assert e.executor.cells_used() == e.blocks.tokens_held()     # each cell a block's, each block's cells
+        assert e.executor.cells_used() == _cells(e)     # each cell a block's, each block's cells
 
 
 def _cold(ex, prompt, n):
@@ -66,14 +79,15 @@ def test_a_finished_requests_kv_serves_a_later_prompt(executor):
     a = e.add_request(Request("a", a_prompt, 8))
     _run(e)
     assert e.parked == 1 and e.blocks.used == 0
-    assert executor.cells_used() == e.blocks.num_cached * P == (len(a_prompt) + 7) // P * P   # the tail dropped
+    assert _parked_tokens(executor) == e.blocks.num_cached * P == (len(a_prompt) + 7) // P * P   # the tail dropped
+    assert executor.cells_used() == (0 if executor.parks_in_host else e.blocks.num_cached * P)
     b = e.add_request(Request("b", b_prompt, 8))
     _run(e)
     assert b.cached == len(system) // P * P >= 64 and b.output == cold_b
     again = e.add_request(Request("again", a_prompt, 8))            # the identical prompt
     _run(e)
     assert again.cached == (len(a_prompt) - 1) // P * P and again.output == a.output
-    assert e.blocks.used == 0 and executor.cells_used() == e.blocks.num_cached * P
+    assert e.blocks.used == 0 and executor.cells_used() == _cells(e)
 
 
 def test_evicted_parked_blocks_lose_their_cells_and_a_later_hit_is_partial(executor):
@@ -94,7 +108,8 @@ def test_evicted_parked_blocks_lose_their_cells_and_a_later_hit_is_partial(execu
     _run(e)
     assert e.blocks.evictions == 3 and e.blocks.parked["a"] == [0, 1]
     kept = len(e.blocks.parked["a"])
-    assert kept == 2 and executor.cells_used() == e.blocks.tokens_held() == e.blocks.num_cached * P
+    assert kept == 2 and executor.cells_used() == _cells(e) and e.blocks.tokens_held() == e.blocks.num_cached * P
+    assert _parked_tokens(executor) == e.blocks.num_cached * P
     late = e.add_request(Request("late", late_prompt, 6))
     _run(e)
     assert late.cached == kept * P and late.output == cold_late
@@ -106,6 +121,6 @@ def test_a_preempted_request_is_dropped_not_parked(executor):
     reqs = [e.add_request(Request(f"r{i}", p, 60)) for i, p in enumerate((a_prompt, b_prompt))]
     while e.unfinished:
         e.step()
-        assert executor.cells_used() == e.blocks.tokens_held()
+        assert executor.cells_used() == _cells(e)
         assert all(r.finished for r in reqs if r.id in e._parked)
     assert sum(r.preemptions for r in reqs) > 0 and all(r.finish_reason is FinishReason.LENGTH for r in reqs)

@@ -30,6 +30,18 @@ prompt's whole blocks, evictable, so a later prompt with the same prefix is a
 (``drop(slot, start)``), which recurrent and hybrid models cannot do:
 ``drops_tail`` is False for them.
 
+A parked sequence's cells widen every step: llama.cpp attends over the cells
+up to the highest one in use (``n_kv``, padded to 256), and flash attention
+still visits each masked cell.  With ``park_host`` (the server's executor)
+``park(slot)`` moves the slot's KV to host memory (``llama_state_seq_get_data``,
+as llama-server's ``--cache-ram`` keeps prompts) and frees its cells; ``copy``
+from it writes the wanted positions back (``llama_state_seq_set_data`` of the
+blob cut to those cells) into fresh cells of the target slot.  At concurrency
+4 (300-token prompts, 128 tokens out, 2 threads) llama.cpp's ``n_kv`` was
+mostly 2304 with one sequence parked in cells and 1536-1792 without, and a
+4-row decode step took 22.4 against 21.1 ms (benchmarks/results/
+serve_park_host_cpu.txt).
+
 Short rows go in a call of their own (``split_short``, CPU with flash attention):
 ggml's CPU flash attention computes 64 query rows at a time once a ubatch has 64
 or more, and skips a tile of 64 KV cells only when every row of the query tile
@@ -103,7 +115,7 @@ class LlamaCppExecutor:
 
     verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk); not on recurrent models
 
-    def __init__(self, plan: LoadPlan):
+    def __init__(self, plan: LoadPlan, *, park_host: bool = False):
         self.unified = bool(plan.options.get("kv_unified", True))
         self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))
         ctx = self.engine.context
@@ -122,6 +134,8 @@ class LlamaCppExecutor:
         self.split_short = (on_cpu and plan.flash_attn is not False and min(plan.n_ubatch, plan.n_batch) >= FA_TILE_ROWS
                             and not _L.llama_model_is_recurrent(model))   # short chunks in a call of their own
         self._len = [0] * self.n_slots
+        self.parks_in_host = park_host and self.drops_tail
+        self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
         self.steps = 0
@@ -129,11 +143,13 @@ class LlamaCppExecutor:
     @classmethod
     def open(cls, model: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, threads: int | None = None,
              flash_attn: bool | None = True, unified: bool = True, n_batch: int = 512, n_ubatch: int = 512,
-             type_k: str = "f16", type_v: str = "f16", n_gpu_layers: int = -1, **options) -> LlamaCppExecutor:
+             type_k: str = "f16", type_v: str = "f16", n_gpu_layers: int = -1, park_host: bool = False,
+             **options) -> LlamaCppExecutor:
         """An executor over ``n_ctx`` KV cells for ``n_slots`` sequences (shared, or n_ctx / n_slots each)."""
         return cls(LoadPlan(os.fspath(model), n_ctx=n_ctx, n_seq=n_slots, n_threads=threads, flash_attn=flash_attn,
                             n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
-                            n_gpu_layers=n_gpu_layers, options={**options, "kv_unified": unified}))
+                            n_gpu_layers=n_gpu_layers, options={**options, "kv_unified": unified}),
+                   park_host=park_host)
 
     # ---- the contract ---------------------------------------------------------
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
@@ -165,23 +181,51 @@ class LlamaCppExecutor:
         self.steps += 1
         return {c.slot: got[c.slot][0] if c.n_logits == 1 else np.stack(got[c.slot]) for c in chunks if c.logits}
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> None:
-        """Slot ``dst`` (empty) shares positions [0, n_tokens) of ``src``: llama_memory_seq_cp, no recompute."""
+    def copy(self, src: int, dst: int, n_tokens: int) -> int:
+        """Slot ``dst`` shares positions [have, n_tokens) of ``src``, where ``have`` is what dst already holds (0 or,
+        in a unified cache, a prefix it got from another slot): llama_memory_seq_cp, no recompute.  From a slot
+        parked in host memory the positions are written back into fresh cells.  Returns the tokens dst now holds:
+        ``n_tokens``, or ``have`` when llama.cpp found no cells for a write-back (compute the rest)."""
         self._alive()
         self._check_slot(src)
         self._check_slot(dst)
         if src == dst:
             raise ValueError(f"copy needs two different slots, got {src} twice")
-        if self._len[dst]:
-            raise ValueError(f"slot {dst} holds {self._len[dst]} tokens; drop it before copying into it")
-        if not 0 <= n_tokens <= self._len[src]:
-            raise ValueError(f"slot {src} holds {self._len[src]} tokens; cannot share {n_tokens}")
-        if n_tokens and self.unified:
-            _L.llama_memory_seq_cp(self._mem, src, dst, 0, n_tokens)
-        elif n_tokens:   # across streams llama.cpp copies whole streams only
+        if dst in self._host:
+            raise ValueError(f"slot {dst} is parked in host memory; drop it before copying into it")
+        have = self._len[dst]
+        if have and not self.unified:
+            raise ValueError(f"slot {dst} holds {have} tokens; drop it before copying into it")
+        if not have <= n_tokens <= self._len[src]:
+            raise ValueError(f"slot {src} holds {self._len[src]} tokens and slot {dst} {have}; "
+                             f"cannot share up to {n_tokens}")
+        if n_tokens == have:
+            return have
+        if src in self._host:
+            if not self._write_back(src, dst, have, n_tokens):
+                return have
+        elif self.unified:
+            _L.llama_memory_seq_cp(self._mem, src, dst, have, n_tokens)
+        else:   # across streams llama.cpp copies whole streams only
             _L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
             _L.llama_memory_seq_rm(self._mem, dst, n_tokens, -1)
         self._len[dst] = n_tokens
+        return n_tokens
+
+    def park(self, slot: int) -> None:
+        """With ``park_host``: move ``slot``'s KV to host memory and free its cells (a later ``copy`` from it
+        writes positions back; ``drop`` forgets them); without, its cells stay (a no-op)."""
+        self._alive()
+        self._check_slot(slot)
+        if not self.parks_in_host or slot in self._host or not self._len[slot]:
+            return
+        blob = np.array(self._seq_blob(slot), copy=True)
+        _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._host[slot] = blob
+
+    def host_tokens(self) -> int:
+        """Positions parked in host memory (not in any cell)."""
+        return sum(self._len[s] for s in self._host)
 
     def drop(self, slot: int, start: int = 0) -> None:
         """Forget positions >= start of ``slot`` (llama_memory_seq_rm); cells no slot holds become free."""
@@ -189,6 +233,11 @@ class LlamaCppExecutor:
         self._check_slot(slot)
         if start < 0:
             raise ValueError(f"drop start must be >= 0, got {start}")
+        if slot in self._host:       # no cells: the blob's positions past start are never written back
+            self._len[slot] = min(self._len[slot], start)
+            if not start:
+                del self._host[slot]
+            return
         if start < self._len[slot]:
             if not _L.llama_memory_seq_rm(self._mem, slot, start, -1):
                 raise LocalinferError(f"llama.cpp cannot drop positions >= {start} of slot {slot} for this model",
@@ -246,6 +295,8 @@ class LlamaCppExecutor:
     def _check_chunks(self, chunks: Sequence[Chunk]) -> None:
         check_chunks(chunks, self.n_slots, self.n_vocab, self.slot_cells, "use a larger --ctx or a shorter request")
         for c in chunks:
+            if c.slot in self._host:
+                raise ValueError(f"slot {c.slot} is parked in host memory; drop it before appending to it")
             if c.start != self._len[c.slot]:
                 raise ValueError(f"slot {c.slot} holds {self._len[c.slot]} tokens; a chunk cannot start at {c.start}")
 
@@ -253,15 +304,31 @@ class LlamaCppExecutor:
         check_slot(slot, self.n_slots)
 
     def _state_blob(self) -> memoryview:
+        return memoryview(self._seq_blob(-1))
+
+    def _seq_blob(self, seq: int) -> np.ndarray:
+        """llama_state_seq_get_data of ``seq`` (-1: every cell) in the reused buffer (valid until the next call)."""
         self._alive()
         ctx = self.engine.context
-        n = int(_L.llama_state_seq_get_size(ctx, -1))
+        n = int(_L.llama_state_seq_get_size(ctx, seq))
         if self._state.size < n:
             self._state = np.zeros(n, dtype=np.uint8)
         ptr = self._state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if _L.llama_state_seq_get_data(ctx, ptr, n, -1) != n or n < _HEADER.size:
+        if _L.llama_state_seq_get_data(ctx, ptr, n, seq) != n or n < _HEADER.size:
             raise LocalinferError("llama.cpp did not serialise its KV state", hint="rerun with LOCALINFER_LLAMA_LOG=1")
-        return memoryview(self._state)[:n]
+        return self._state[:n]
+
+    def _write_back(self, src: int, dst: int, lo: int, hi: int) -> bool:
+        """Positions [lo, hi) of host-parked ``src`` into fresh cells of ``dst``: the blob cut to those cells is
+        read into src's (cell-less) id, shared with dst, and src's id taken off again.  False: no free cells."""
+        blob = cut_seq_state(self._host[src], lo, hi, self._ext_bytes)
+        ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if _L.llama_state_seq_set_data(self.engine.context, ptr, blob.size, src) != blob.size:
+            _L.llama_memory_seq_rm(self._mem, src, -1, -1)
+            return False
+        _L.llama_memory_seq_cp(self._mem, src, dst, lo, hi)
+        _L.llama_memory_seq_rm(self._mem, src, -1, -1)
+        return True
 
     def _alive(self) -> None:
         if getattr(self.engine, "_ctx", None) is None:
@@ -304,6 +371,52 @@ def parse_kv_state(blob, n_seq_max: int, ext_bytes: int = 0) -> list[tuple[int, 
         if count:
             off = _skip_rows(blob, off, count)
     return out
+
+
+def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> np.ndarray:
+    """A one-sequence ``llama_state_seq_get_data`` blob keeping only the cells at positions [lo, hi).
+
+    Each stream: u32 count, count x (i32 pos, u32 n_seq = 1, ext, i32 seq_id), then the rows of
+    :func:`_skip_rows`'s layout; the kept cells' metadata and K/V rows are selected in cache order.
+    """
+    view = memoryview(blob)
+    magic, _seq, n_stream = _HEADER.unpack_from(view)
+    if magic != IO_MAGIC:
+        raise UnsupportedModelError(f"llama.cpp's sequence state has magic {magic:#x}",
+                                    hint="this llama-cpp-python may be too new or old")
+    parts, off = [blob[:_HEADER.size]], _HEADER.size
+    rec = 12 + ext_bytes
+    for _ in range(n_stream):
+        (count,), off = struct.unpack_from("<I", view, off), off + 4
+        if not count:
+            parts.append(np.zeros(4, np.uint8))
+            continue
+        meta = blob[off:off + count * rec].reshape(count, rec)
+        if np.any(meta[:, 4:8].view("<u4") != 1):
+            raise UnsupportedModelError("a sequence's KV state lists a cell of several sequences",
+                                        hint="this llama-cpp-python may be too new or old")
+        pos = meta[:, :4].view("<i4")[:, 0]
+        keep = (pos >= lo) & (pos < hi)
+        off += count * rec
+        parts += [np.frombuffer(struct.pack("<I", int(keep.sum())), np.uint8), meta[keep].ravel(), blob[off:off + 8]]
+        v_trans, n_layer = struct.unpack_from("<II", view, off)
+        off += 8
+        for half in range(2):
+            for _ in range(n_layer):
+                if half and v_trans:
+                    _t, el, width = struct.unpack_from("<iII", view, off)
+                    rows = blob[off + 12:off + 12 + el * width * count].reshape(width, count, el)
+                    parts += [blob[off:off + 12], rows[:, keep].ravel()]
+                    off += 12 + el * width * count
+                else:
+                    _t, row = struct.unpack_from("<iQ", view, off)
+                    rows = blob[off + 12:off + 12 + row * count].reshape(count, row)
+                    parts += [blob[off:off + 12], rows[keep].ravel()]
+                    off += 12 + row * count
+    if off != blob.size:
+        raise UnsupportedModelError(f"llama.cpp's sequence state has {blob.size - off} unread bytes",
+                                    hint="this llama-cpp-python may be too new or old")
+    return np.concatenate(parts)
 
 
 def _skip_rows(blob, off: int, count: int) -> int:

@@ -18,9 +18,10 @@ GAUGES = {
     "requests_waiting": "requests queued for admission",
     "kv_blocks_used": "KV blocks referenced by requests",
     "kv_blocks_cached": "KV blocks held only by the prefix cache: parked requests' KV (evictable)",
-    "kv_sequences_parked": "finished requests whose KV stays in a sequence for later prefix hits",
+    "kv_sequences_parked": "finished requests whose KV stays (in host memory or cells) for later prefix hits",
     "kv_blocks_total": "KV blocks in the pool",
     "kv_cells_used": "llama.cpp KV cells holding a token (sampled when the server is idle)",
+    "kv_host_tokens": "parked requests' KV tokens kept in host memory, in no cell (sampled when the server is idle)",
 }
 COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of steps, and of it inside llama_decode
     "engine_step_seconds": "seconds the engine spent in executor steps",

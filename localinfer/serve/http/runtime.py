@@ -321,6 +321,7 @@ class Runtime:
             values.update(spec_draft_tokens=s.drafter.drafted, spec_accepted_tokens=s.drafter.accepted)
         if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait
             values["kv_cells_used"] = self.executor.cells_used()
+            values["kv_host_tokens"] = self.executor.host_tokens()
         self._idle_published = idle
         self.metrics.publish(values)
 

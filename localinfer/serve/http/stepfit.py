@@ -75,6 +75,7 @@ class TimedExecutor:
         self.slot_cells = getattr(inner, "slot_cells", None)
         self.verifies_drafts = getattr(inner, "verifies_drafts", False)
         self.restores_cached_prefix = getattr(inner, "restores_cached_prefix", False)   # paged (torch) executors
+        self.parks_in_host = getattr(inner, "parks_in_host", False)                      # llama.cpp's park_host
         self.block_size = getattr(inner, "block_size", None)
         self.steps = 0
         self.step_seconds = 0.0
@@ -95,8 +96,11 @@ class TimedExecutor:
             self.model.observe([(len(c.tokens), c.start) for c in chunks], dt)
         return rows
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> None:
-        self.inner.copy(src, dst, n_tokens)
+    def copy(self, src: int, dst: int, n_tokens: int) -> int | None:
+        return self.inner.copy(src, dst, n_tokens)
+
+    def park(self, slot: int) -> None:
+        self.inner.park(slot)
 
     def restore(self, slot: int, n_tokens: int) -> None:
         self.inner.restore(slot, n_tokens)
@@ -106,6 +110,10 @@ class TimedExecutor:
 
     def cells_used(self) -> int:
         return self.inner.cells_used()
+
+    def host_tokens(self) -> int:
+        f = getattr(self.inner, "host_tokens", None)
+        return f() if f is not None else 0
 
     def clock(self) -> float:
         return self.inner.clock()

@@ -1,0 +1,120 @@
+"""The llama.cpp executor parking a slot's KV in host memory (``park_host``, the server's): embedded model, 1 thread.
+
+A parked slot holds no cell; ``copy`` from it writes the wanted positions back into fresh cells of another slot
+(the blob cut to those positions), appended to what that slot already holds.  Logits after a write-back are
+compared bit for bit with a slot that computed the same tokens: the bytes are llama.cpp's own, and every ubatch
+stays under 64 rows (ggml's one-row flash-attention kernel, each row over its own cells in position order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from localinfer.backends.executor import Chunk
+
+pytest.importorskip("llama_cpp")
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find its friends"
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["flash-attn", "no-flash-attn (transposed V)"])
+def executor(default_model, request):
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=4, n_ctx=256, threads=1, flash_attn=request.param,
+                               park_host=True) as ex:
+        assert ex.parks_in_host
+        yield ex
+
+
+@pytest.fixture
+def ex(executor):
+    for s in range(executor.n_slots):
+        executor.drop(s)
+    assert executor.cells_used() == 0 and executor.host_tokens() == 0
+    return executor
+
+
+def _tokens(ex):
+    t = tuple(ex.engine.tokenize(TEXT, add_bos=True))
+    assert len(t) >= 20
+    return t
+
+
+def _fill(ex, slot, tokens):
+    for i in range(0, len(tokens), 16):       # chunks under 64 rows: the one-row kernel
+        ex.step([Chunk(slot, tokens[i:i + 16], i)])
+
+
+def _next(ex, slot, token, pos):
+    return ex.step([Chunk(slot, (token,), pos, True)])[slot]
+
+
+def test_a_parked_slot_holds_no_cell_and_a_write_back_equals_the_computed_kv(ex):
+    t = _tokens(ex)
+    n = len(t)
+    _fill(ex, 0, t)
+    _fill(ex, 1, t[:12])
+    want = _next(ex, 1, t[12], 12)           # slot 1 computed 12 tokens itself
+    ex.drop(1)
+    ex.park(0)
+    assert ex.cells_used() == 0 and ex.host_tokens() == n
+    assert ex.copy(0, 2, 12) == 12           # positions [0, 12) written back
+    assert ex.cells_used() == 12 and ex.slot_len(2) == 12 and ex.host_tokens() == n
+    assert np.array_equal(_next(ex, 2, t[12], 12), want)
+    assert ex.copy(0, 3, n) == n and ex.cells_used() == 13 + n   # a second write-back, all of it
+
+
+def test_a_write_back_appends_to_a_prefix_shared_from_a_running_slot(ex):
+    t = _tokens(ex)
+    _fill(ex, 1, t[:16])                     # running, in cells 0-15 (its first 8 are the same KV as slot 0's)
+    _fill(ex, 0, t)                          # then parked: its cells, above slot 1's, become free
+    ex.park(0)
+    ex.copy(1, 2, 8)                         # slot 2 shares slot 1's cells for [0, 8)
+    assert ex.copy(0, 2, 16) == 16           # and gets [8, 16) back from the parked slot, in freed cells above
+    assert ex.cells_used() == 24             # 16 of slot 1 + 8 written back: no duplicate of the shared part
+    # the same logits as slot 1's own 16 tokens: slot 2's cells are in position order (a freed cell below the
+    # shared ones would change the one-row kernel's summation order: ~0.7 on this model)
+    assert np.array_equal(_next(ex, 2, t[16], 16), _next(ex, 1, t[16], 16))
+
+
+def test_a_write_back_without_free_cells_shares_nothing_and_the_slot_stays_usable(ex):
+    t = _tokens(ex)
+    _fill(ex, 0, t)
+    ex.park(0)
+    filler = tuple((i % 500) + 10 for i in range(ex.n_cells - 8))
+    _fill(ex, 1, filler)                     # 8 cells left, the copy needs 16
+    assert ex.copy(0, 2, 16) == 0
+    assert ex.cells_used() == len(filler) and ex.slot_len(2) == 0
+    ex.drop(1)
+    assert ex.copy(0, 2, 16) == 16 and ex.cells_used() == 16   # the blob is intact
+
+
+def test_drop_cuts_or_forgets_a_parked_slot_and_misuse_is_refused(ex):
+    t = _tokens(ex)
+    _fill(ex, 0, t)
+    ex.park(0)
+    ex.drop(0, 10)                           # evicted from position 10 on
+    assert ex.host_tokens() == 10
+    with pytest.raises(ValueError, match="holds 10 tokens"):
+        ex.copy(0, 1, 12)
+    with pytest.raises(ValueError, match="parked in host memory"):
+        ex.step([Chunk(0, (5,), 10)])
+    _fill(ex, 2, t[:4])
+    with pytest.raises(ValueError, match="parked in host memory"):
+        ex.copy(2, 0, 4)
+    assert ex.copy(0, 1, 10) == 10
+    ex.drop(0)
+    assert ex.host_tokens() == 0 and ex.cells_used() == 14
+    _fill(ex, 0, t[:4])                      # the slot is an ordinary one again
+    assert ex.cells_used() == 18
+
+
+def test_without_park_host_park_keeps_the_cells(default_model):
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=128, threads=1) as ex:
+        _fill(ex, 0, tuple(range(10, 30)))
+        ex.park(0)
+        assert not ex.parks_in_host and ex.cells_used() == 20 and ex.host_tokens() == 0
