@@ -9,8 +9,8 @@ Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
 plan that does not fit is refused with the flags that would.  The context then
 gets ``--parked`` more sequence ids (default 1; the cache's size does
-not change), where finished requests' KV stays for later prefix hits until the
-pool needs it (docs/serving.md).  Then the socket
+not change), whose finished requests' KV stays in host memory for later prefix
+hits until the pool needs it (docs/serving.md).  Then the socket
 is bound, ``/health`` answers 503 while the model loads in the engine thread
 and 200 once it is ready.  The HTTP side is in ``localinfer/serve/http``.
 """
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
     g.add_argument("--parked", type=int, default=None, metavar="N",
                    help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
-                        "(default 1: the last one; each parked sequence widens the KV llama.cpp attends over; 0: none)")
+                        "(default 1: the last one; each keeps its KV in host memory, up to one slot's; 0: none)")
     g.add_argument("--lookup", action="store_true",
                    help="prompt-lookup speculative decoding: verify n-gram drafts inside the batched steps")
     g.add_argument("--draft-max", type=int, default=None, metavar="N",
