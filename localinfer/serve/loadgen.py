@@ -6,7 +6,10 @@ also read) on a prompt of about ``prompt_tokens`` tokens (seeded random common w
 BPE vocabularies); ``shared_prefix = N`` starts every prompt with the same N-word block, as a system prompt
 would.  Per request: TTFT (request sent to first text), ITL (gaps between text chunks), end-to-end time,
 output tokens (``usage.completion_tokens`` when the server sends ``stream_options.include_usage``, else text
-chunks) and the prompt tokens it reports cached (``usage.prompt_tokens_details.cached_tokens``).
+chunks) and the prompt tokens it reports cached (``usage.prompt_tokens_details.cached_tokens``).  A request
+whose connection closes before any byte of answer (a kept-alive connection the server had just closed:
+llama-server's HTTP library closes one after a few requests) is sent once more, timed from its first send,
+and counted in ``resent``; a second such close, or one mid-answer, fails it.
 
 Per run: TTFT / ITL / e2e p50, p95, p99; output tokens/s and requests/s over the makespan; goodput, vLLM's
 ``--goodput`` definition: requests per second that finished correctly (HTTP 200, the whole output) with
@@ -153,6 +156,8 @@ class Result:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    resent: bool = False       # its first send met a kept-alive connection the server had closed
+
 
 
 def prompts(n: int, words: int, shared: int, seed: int) -> list[str]:
@@ -179,23 +184,34 @@ async def one(client, config: LoadConfig, model: str, prompt: str) -> Result:
         body["deadline_ms"] = config.deadline_ms
         headers["x-localinfer-deadline-ms"] = str(config.deadline_ms)
     t0 = time.perf_counter()
-    times, usage = [], None
-    try:
-        async with client.stream("POST", "/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                return Result(False, r.status_code, error=(await r.aread()).decode(errors="replace")[:200])
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if not isinstance(ev, dict):
-                    continue
-                if isinstance(ev.get("usage"), dict):
-                    usage = ev["usage"]
-                if any(isinstance(c, dict) and c.get("text") for c in ev.get("choices") or []):
-                    times.append(time.perf_counter())
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return Result(False, 0, error=f"{type(exc).__name__}: {exc}")
+    times, usage, resent = [], None, False
+    for attempt in range(2):
+        answered = False
+        try:
+            async with client.stream("POST", "/completions", json=body, headers=headers) as r:
+                answered = True
+                if r.status_code != 200:
+                    return Result(False, r.status_code, error=(await r.aread()).decode(errors="replace")[:200],
+                                  resent=resent)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if not isinstance(ev, dict):
+                        continue
+                    if isinstance(ev.get("usage"), dict):
+                        usage = ev["usage"]
+                    if any(isinstance(c, dict) and c.get("text") for c in ev.get("choices") or []):
+                        times.append(time.perf_counter())
+            break
+        except httpx.RemoteProtocolError as exc:
+            # a kept-alive connection the server closed as this request went out (cpp-httplib closes one after
+            # a few requests): nothing came back, so it is sent once more, timed from the first send
+            if answered or attempt:
+                return Result(False, 0, error=f"{type(exc).__name__}: {exc}", resent=resent)
+            resent = True
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            return Result(False, 0, error=f"{type(exc).__name__}: {exc}", resent=resent)
     end = time.perf_counter()
     usage = usage or {}
     n = usage["completion_tokens"] if _count(usage.get("completion_tokens")) else len(times)
@@ -203,7 +219,7 @@ async def one(client, config: LoadConfig, model: str, prompt: str) -> Result:
     cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
     return Result(bool(times) and n >= config.output_tokens, 200, times[0] - t0 if times else None, end - t0, n,
                   [b - a for a, b in itertools.pairwise(times)], prompt_tokens=_count(usage.get("prompt_tokens")),
-                  cached_tokens=cached)
+                  cached_tokens=cached, resent=resent)
 
 
 def is_good(r: Result, slo_ttft: float, slo_e2e: float) -> bool:
@@ -223,6 +239,7 @@ def summarise(results: list[Result], makespan: float, slo_ttft: float, slo_e2e: 
            "goodput_req_s": round(good / span, 4), "good": good,
            "prompt_tokens": sum(r.prompt_tokens for r in results),
            "cached_tokens": sum(r.cached_tokens for r in results),
+           "resent": sum(r.resent for r in results),
            "errors": sorted({f"{r.status} {r.error}" for r in results if not r.ok})[:5]}
     for name, xs in (("ttft", [r.ttft_s for r in results if r.ttft_s is not None]),
                      ("itl", [g for r in results for g in r.gaps_s]),

@@ -98,10 +98,11 @@ def test_an_unreachable_server_is_a_remote_server_error():
 class FakeServer:
     """A stdlib stand-in for llama-server: /v1/models, /slots, and streamed /v1/completions with usage."""
 
-    def __init__(self, models=None, slots=None, status=200):
+    def __init__(self, models=None, slots=None, status=200, hang_up=()):
         outer = self
         self.models = {"data": [{"id": "fake"}]} if models is None else models
         self.slots, self.status, self.bodies = slots, status, []
+        self.hang_up, self.posts = set(hang_up), 0     # POSTs (0: the warm-up) closed without a byte of answer
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -125,6 +126,10 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                outer.posts += 1
+                if outer.posts - 1 in outer.hang_up:
+                    self.close_connection = True
+                    return
                 outer.bodies.append(body)
                 if outer.status != 200:
                     return self._send(outer.status, {"error": {"message": "nope"}})
@@ -163,6 +168,17 @@ def test_llama_server_slots_are_polled_for_the_peak():
     body = fake.bodies[-1]
     assert body["min_tokens"] == 8 and body["ignore_eos"] and body["deadline_ms"] == 5000
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
+
+
+def test_a_request_the_server_hung_up_on_before_answering_is_sent_once_more():
+    fake = FakeServer(hang_up={1, 3, 4})    # the first request's first send; the third's first and second
+    try:
+        out = loadgen.run_load(fake.url, LoadConfig(concurrency=(1,), **TINY))
+    finally:
+        fake.close()
+    run = out["runs"][0]
+    assert run["ok"] == 2 and run["resent"] == 2 and run["output_tokens"] == 16
+    assert run["errors"] == ["0 RemoteProtocolError: Server disconnected without sending a response."]
 
 
 @pytest.mark.parametrize("models", [{"data": []}, {"object": "list"}, ["x"]])
