@@ -169,8 +169,12 @@ class Engine:
             for r in plan.preempted + plan.refused:
                 self._release(r)
             events += [self._emit_finish(r) for r in plan.refused]
-            for r in plan.admitted:
-                self._seat(r)
+            try:
+                for r in plan.admitted:
+                    self._seat(r)
+            except Exception as exc:     # a prefix copy or its compute failed: this step's requests end in error
+                self._fail(plan, exc)
+                raise
             if not plan.chunks:
                 sched.complete(plan, {}, start)
                 return events
@@ -247,7 +251,7 @@ class Engine:
             self._unpark(r.id)
         if not r.cached:
             return
-        p, have, src = self.blocks.block_tokens, 0, None
+        p, have, src, append = self.blocks.block_tokens, 0, None, False
         for other, k in self.blocks.sharers(r.id):
             if other in self._holding:
                 have, src = min(k * p, r.cached), self.slot_of[other]
@@ -257,11 +261,12 @@ class Engine:
                 if min(k * p, r.cached) > have:
                     if self._host_parking and src is not None:   # the running holder's cells, then the rest
                         self.executor.copy(src, slot, have)
+                        append = True
                     have, src = min(k * p, r.cached), self._parked[other]
                     self._parked.move_to_end(other)     # used: the last to give its slot up
                 break
         if src is not None:
-            got = self.executor.copy(src, slot, have)
+            got = self.executor.copy(src, slot, have, append=True) if append else self.executor.copy(src, slot, have)
             if self._host_parking:      # a write-back from host memory that found no cells shares less
                 have = got
         if have < r.cached:

@@ -6,10 +6,13 @@ also read) on a prompt of about ``prompt_tokens`` tokens (seeded random common w
 BPE vocabularies); ``shared_prefix = N`` starts every prompt with the same N-word block, as a system prompt
 would.  Per request: TTFT (request sent to first text), ITL (gaps between text chunks), end-to-end time,
 output tokens (``usage.completion_tokens`` when the server sends ``stream_options.include_usage``, else text
-chunks) and the prompt tokens it reports cached (``usage.prompt_tokens_details.cached_tokens``).  A request
-whose connection closes before any byte of answer (a kept-alive connection the server had just closed:
-llama-server's HTTP library closes one after a few requests) is sent once more, timed from its first send,
-and counted in ``resent``; a second such close, or one mid-answer, fails it.
+chunks) and the prompt tokens it reports cached (``usage.prompt_tokens_details.cached_tokens``).  Idle
+kept-alive connections are let go after ``KEEPALIVE_S``, before the 5 s after which llama-server's HTTP
+library and uvicorn close them (httpx's own default is also 5 s: a request sent on a connection the server
+is closing meets "Server disconnected without sending a response").  A request whose connection closes
+within ``RESEND_WITHIN_S`` of sending and before any byte of answer (too soon for a server to have worked on
+it) is sent once more, timed from its first send, and counted in ``resent``; a later or second such close,
+or one mid-answer, fails it.
 
 Per run: TTFT / ITL / e2e p50, p95, p99; output tokens/s and requests/s over the makespan; goodput, vLLM's
 ``--goodput`` definition: requests per second that finished correctly (HTTP 200, the whole output) with
@@ -65,6 +68,8 @@ WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was",
          "more", "out", "up", "into", "do", "any", "your", "what", "some", "can", "other", "than", "then", "its",
          "only", "time", "new", "about", "two", "may", "first", "also", "after", "like", "these", "could", "made",
          "over"]
+KEEPALIVE_S = 2.0          # idle kept-alive connections closed by the client first
+RESEND_WITHIN_S = 0.05     # a hang-up this soon after sending, with nothing received, is a stale connection
 MAX_CONCURRENCY = 4096
 MAX_COUNT = 1 << 20
 Progress = Callable[[str, int, int], None]    # (run label, requests done, requests in the run)
@@ -205,9 +210,9 @@ async def one(client, config: LoadConfig, model: str, prompt: str) -> Result:
                         times.append(time.perf_counter())
             break
         except httpx.RemoteProtocolError as exc:
-            # a kept-alive connection the server closed as this request went out (cpp-httplib closes one after
-            # a few requests): nothing came back, so it is sent once more, timed from the first send
-            if answered or attempt:
+            # a kept-alive connection the server closed as this request went out: nothing came back, too soon
+            # for any work on it, so it is sent once more, timed from the first send
+            if answered or attempt or time.perf_counter() - t0 > RESEND_WITHIN_S:
                 return Result(False, 0, error=f"{type(exc).__name__}: {exc}", resent=resent)
             resent = True
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -342,7 +347,7 @@ async def measure(url: str, config: LoadConfig, progress: Progress | None = None
     root = server_root(base)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     most = max(256, *config.concurrency) if config.concurrency else 256
-    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most, keepalive_expiry=KEEPALIVE_S)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=config.timeout, limits=limits) as client:
         model = await _model(client, base, config)
 

@@ -72,7 +72,9 @@ def test_a_write_back_appends_to_a_prefix_shared_from_a_running_slot(ex):
     _fill(ex, 0, t)                          # then parked: its cells, above slot 1's, become free
     ex.park(0)
     ex.copy(1, 2, 8)                         # slot 2 shares slot 1's cells for [0, 8)
-    assert ex.copy(0, 2, 16) == 16           # and gets [8, 16) back from the parked slot, in freed cells above
+    with pytest.raises(ValueError, match="holds 8 tokens"):
+        ex.copy(0, 2, 16)                    # only as an explicit append
+    assert ex.copy(0, 2, 16, append=True) == 16   # [8, 16) back from the parked slot, in freed cells above
     assert ex.cells_used() == 24             # 16 of slot 1 + 8 written back: no duplicate of the shared part
     # the same logits as slot 1's own 16 tokens: slot 2's cells are in position order (a freed cell below the
     # shared ones would change the one-row kernel's summation order: ~0.7 on this model)
@@ -95,8 +97,9 @@ def test_drop_cuts_or_forgets_a_parked_slot_and_misuse_is_refused(ex):
     t = _tokens(ex)
     _fill(ex, 0, t)
     ex.park(0)
-    ex.drop(0, 10)                           # evicted from position 10 on
-    assert ex.host_tokens() == 10
+    size = ex._host[0].size
+    ex.drop(0, 10)                           # evicted from position 10 on: the blob keeps positions < 10
+    assert ex.host_tokens() == 10 and ex._host[0].size < size * 10 / len(t) + 1024
     with pytest.raises(ValueError, match="holds 10 tokens"):
         ex.copy(0, 1, 12)
     with pytest.raises(ValueError, match="parked in host memory"):
@@ -118,3 +121,51 @@ def test_without_park_host_park_keeps_the_cells(default_model):
         _fill(ex, 0, tuple(range(10, 30)))
         ex.park(0)
         assert not ex.parks_in_host and ex.cells_used() == 20 and ex.host_tokens() == 0
+
+
+def _blob(streams, v_trans=0, n_layer=2, row=4, seq=3):
+    """A one-sequence state as llama.cpp writes it: per stream the cells' (pos, 1, seq) and K/V rows whose bytes
+    are the cell's position (so a cut shows which rows it kept)."""
+    import struct
+
+    from localinfer.backends.llamacpp.executor import IO_MAGIC
+
+    out = struct.pack("<IiI", IO_MAGIC, seq, len(streams))
+    for positions in streams:
+        out += struct.pack("<I", len(positions))
+        if not positions:
+            continue
+        out += b"".join(struct.pack("<iIi", p, 1, seq) for p in positions)
+        out += struct.pack("<II", v_trans, n_layer)
+        for _ in range(n_layer):                     # K: type, row bytes, one row per cell
+            out += struct.pack("<iQ", 1, row) + b"".join(bytes([p]) * row for p in positions)
+        for _ in range(n_layer):                     # V: the same, or transposed (element-major)
+            if v_trans:
+                out += struct.pack("<iII", 1, 1, row) + b"".join(bytes(positions) for _ in range(row))
+            else:
+                out += struct.pack("<iQ", 1, row) + b"".join(bytes([p]) * row for p in positions)
+    return np.frombuffer(out, np.uint8).copy()
+
+
+@pytest.mark.parametrize("v_trans", [0, 1])
+def test_cut_seq_state_keeps_the_cells_of_the_positions_asked_for(v_trans):
+    from localinfer.backends.llamacpp.executor import cut_seq_state
+
+    positions = [5, 0, 1, 7, 2, 6]                   # cache order need not be position order
+    whole = _blob([positions, [], [9, 8]], v_trans)
+    same, n = cut_seq_state(whole, 0, 100)
+    assert np.array_equal(same, whole) and n == 8
+    cut, n = cut_seq_state(whole, 1, 6)
+    assert n == 3 and np.array_equal(cut, _blob([[5, 1, 2], [], []], v_trans))   # the last stream: its count only
+    assert cut_seq_state(whole, 20, 30)[1] == 0
+
+
+def test_cut_seq_state_refuses_a_layout_it_does_not_know():
+    from localinfer.backends.llamacpp.executor import cut_seq_state
+    from localinfer.errors import UnsupportedModelError
+
+    whole = _blob([[0, 1, 2]])
+    with pytest.raises(UnsupportedModelError, match="unread bytes"):
+        cut_seq_state(np.concatenate([whole, np.zeros(4, np.uint8)]), 0, 2)    # e.g. a second cache after it
+    with pytest.raises(UnsupportedModelError, match="magic"):
+        cut_seq_state(np.zeros(64, np.uint8), 0, 2)

@@ -290,3 +290,26 @@ def test_serve_config_gives_the_executor_ids_for_parked_sequences_and_build_engi
     inner.drops_tail = False                                           # a recurrent model: nothing parked
     _, engine, _ = build_engine(inner, ServeConfig(parallel=2))
     assert engine.park_slots == 0 and not engine.blocks.parking
+
+
+def test_a_failed_prefix_copy_ends_that_steps_requests_in_error_and_the_engine_goes_on():
+    ex = SimulatedExecutor(CARD, n_slots=3)
+    e = Engine(ex, Scheduler(SchedulerConfig(max_running=2, policy="chunked"), BlockManager(40, 4, pool_hits=False)),
+               park_slots=1)
+    first = e.add_request(Request("a", toks(12, 0), 2))
+    e.run()
+    assert e.parked == 1 and first.finish_reason is FinishReason.LENGTH
+    copy = ex.copy
+
+    def broken(*a, **kw):
+        raise RuntimeError("no cells")
+
+    ex.copy = broken
+    hit = e.add_request(Request("b", toks(12, 0) + (9,), 2))         # seated by a copy from the parked one
+    with pytest.raises(RuntimeError, match="no cells"):
+        e.step()
+    assert hit.finish_reason is FinishReason.ERROR and "no cells" in hit.error and not e.scheduler.running
+    ex.copy = copy
+    again = e.add_request(Request("c", toks(12, 0) + (8,), 2))
+    e.run()
+    assert again.finish_reason is FinishReason.LENGTH and again.cached == 12 and e.blocks.used == 0   # a still parked

@@ -100,6 +100,7 @@ from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 
 IO_MAGIC = 0xAF143CD8           # llama_context's state_seq_write_data header
+CELL_EXT_BYTES = 12             # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 _HEADER = struct.Struct("<IiI")   # magic, seq_id, n_stream
 
@@ -126,7 +127,8 @@ class LlamaCppExecutor:
         self.slot_cells = int(_L.llama_n_ctx_seq(ctx))     # the most one slot can hold
         self.n_batch = plan.n_batch
         self.n_outputs_max = native.outputs_cap(plan)
-        self._ext_bytes = 8 if _L.llama_model_rope_type(self.engine.model_handle) in _MROPE else 0
+        # llama_kv_cell_ext (x, y, tok: 12 bytes) follows each cell's (pos, n_seq) for M-RoPE models
+        self._ext_bytes = CELL_EXT_BYTES if _L.llama_model_rope_type(self.engine.model_handle) in _MROPE else 0
         model = self.engine.model_handle
         self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
         self.verifies_drafts = self.drops_tail     # rejected drafts are cut with a partial seq_rm
@@ -134,8 +136,12 @@ class LlamaCppExecutor:
         self.split_short = (on_cpu and plan.flash_attn is not False and min(plan.n_ubatch, plan.n_batch) >= FA_TILE_ROWS
                             and not _L.llama_model_is_recurrent(model))   # short chunks in a call of their own
         self._len = [0] * self.n_slots
-        self.parks_in_host = park_host and self.drops_tail
+        # a one-sequence state this executor can cut: one unified stream, no sliding-window cache (whose cells a
+        # sequence's state leaves out once masked), no per-cell extension; park() checks the first blob round-trips
+        self.parks_in_host = (park_host and self.drops_tail and self.unified and not self._ext_bytes
+                              and int(_L.llama_model_n_swa(model)) == 0)
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
+        self._park_checked = False
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
         self.steps = 0
@@ -181,11 +187,13 @@ class LlamaCppExecutor:
         self.steps += 1
         return {c.slot: got[c.slot][0] if c.n_logits == 1 else np.stack(got[c.slot]) for c in chunks if c.logits}
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> int:
-        """Slot ``dst`` shares positions [have, n_tokens) of ``src``, where ``have`` is what dst already holds (0 or,
-        in a unified cache, a prefix it got from another slot): llama_memory_seq_cp, no recompute.  From a slot
-        parked in host memory the positions are written back into fresh cells.  Returns the tokens dst now holds:
-        ``n_tokens``, or ``have`` when llama.cpp found no cells for a write-back (compute the rest)."""
+    def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
+        """Slot ``dst`` (empty) shares positions [0, n_tokens) of ``src``: llama_memory_seq_cp, no recompute.
+
+        ``append`` (a unified cache): dst already holds a prefix ``have`` of the same tokens, shared from another
+        slot, and gets [have, n_tokens) of src.  From a slot parked in host memory the positions are written back
+        into fresh cells.  Returns the tokens dst now holds: ``n_tokens``, or ``have`` when llama.cpp found no
+        cells for a write-back (compute the rest)."""
         self._alive()
         self._check_slot(src)
         self._check_slot(dst)
@@ -194,8 +202,9 @@ class LlamaCppExecutor:
         if dst in self._host:
             raise ValueError(f"slot {dst} is parked in host memory; drop it before copying into it")
         have = self._len[dst]
-        if have and not self.unified:
-            raise ValueError(f"slot {dst} holds {have} tokens; drop it before copying into it")
+        if have and not (append and self.unified):
+            raise ValueError(f"slot {dst} holds {have} tokens; drop it before copying into it"
+                             + ("" if self.unified else " (per-slot streams cannot append a copy)"))
         if not have <= n_tokens <= self._len[src]:
             raise ValueError(f"slot {src} holds {self._len[src]} tokens and slot {dst} {have}; "
                              f"cannot share up to {n_tokens}")
@@ -220,6 +229,14 @@ class LlamaCppExecutor:
         if not self.parks_in_host or slot in self._host or not self._len[slot]:
             return
         blob = np.array(self._seq_blob(slot), copy=True)
+        if not self._park_checked:    # a layout cut_seq_state does not know (a layer without V, say): cells
+            try:
+                same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
+            except (UnsupportedModelError, struct.error, ValueError):
+                same = False
+            self.parks_in_host, self._park_checked = same, True
+            if not same:
+                return
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._host[slot] = blob
 
@@ -233,10 +250,12 @@ class LlamaCppExecutor:
         self._check_slot(slot)
         if start < 0:
             raise ValueError(f"drop start must be >= 0, got {start}")
-        if slot in self._host:       # no cells: the blob's positions past start are never written back
-            self._len[slot] = min(self._len[slot], start)
+        if slot in self._host:       # no cells: the blob keeps positions < start
             if not start:
                 del self._host[slot]
+            elif start < self._len[slot]:
+                self._host[slot] = cut_seq_state(self._host[slot], 0, start)[0]
+            self._len[slot] = min(self._len[slot], start)
             return
         if start < self._len[slot]:
             if not _L.llama_memory_seq_rm(self._mem, slot, start, -1):
@@ -320,8 +339,11 @@ class LlamaCppExecutor:
 
     def _write_back(self, src: int, dst: int, lo: int, hi: int) -> bool:
         """Positions [lo, hi) of host-parked ``src`` into fresh cells of ``dst``: the blob cut to those cells is
-        read into src's (cell-less) id, shared with dst, and src's id taken off again.  False: no free cells."""
-        blob = cut_seq_state(self._host[src], lo, hi, self._ext_bytes)
+        read into src's (cell-less) id, shared with dst, and src's id taken off again.  False: no free cells,
+        or the blob lacks some of those positions."""
+        blob, kept = cut_seq_state(self._host[src], lo, hi)
+        if kept != hi - lo:
+            return False
         ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         if _L.llama_state_seq_set_data(self.engine.context, ptr, blob.size, src) != blob.size:
             _L.llama_memory_seq_rm(self._mem, src, -1, -1)
@@ -373,18 +395,20 @@ def parse_kv_state(blob, n_seq_max: int, ext_bytes: int = 0) -> list[tuple[int, 
     return out
 
 
-def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> np.ndarray:
-    """A one-sequence ``llama_state_seq_get_data`` blob keeping only the cells at positions [lo, hi).
+def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> tuple[np.ndarray, int]:
+    """A one-sequence ``llama_state_seq_get_data`` blob keeping only the cells at positions [lo, hi), and how
+    many cells it keeps.
 
     Each stream: u32 count, count x (i32 pos, u32 n_seq = 1, ext, i32 seq_id), then the rows of
-    :func:`_skip_rows`'s layout; the kept cells' metadata and K/V rows are selected in cache order.
+    :func:`_skip_rows`'s layout; the kept cells' metadata and K/V rows are selected in cache order, and a
+    stream that keeps none is its count alone (as llama.cpp writes an empty stream).
     """
     view = memoryview(blob)
     magic, _seq, n_stream = _HEADER.unpack_from(view)
     if magic != IO_MAGIC:
         raise UnsupportedModelError(f"llama.cpp's sequence state has magic {magic:#x}",
                                     hint="this llama-cpp-python may be too new or old")
-    parts, off = [blob[:_HEADER.size]], _HEADER.size
+    parts, off, kept = [blob[:_HEADER.size]], _HEADER.size, 0
     rec = 12 + ext_bytes
     for _ in range(n_stream):
         (count,), off = struct.unpack_from("<I", view, off), off + 4
@@ -397,8 +421,9 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> np.
                                         hint="this llama-cpp-python may be too new or old")
         pos = meta[:, :4].view("<i4")[:, 0]
         keep = (pos >= lo) & (pos < hi)
+        n = int(keep.sum())
         off += count * rec
-        parts += [np.frombuffer(struct.pack("<I", int(keep.sum())), np.uint8), meta[keep].ravel(), blob[off:off + 8]]
+        stream = [np.frombuffer(struct.pack("<I", n), np.uint8), meta[keep].ravel(), blob[off:off + 8]]
         v_trans, n_layer = struct.unpack_from("<II", view, off)
         off += 8
         for half in range(2):
@@ -406,17 +431,19 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> np.
                 if half and v_trans:
                     _t, el, width = struct.unpack_from("<iII", view, off)
                     rows = blob[off + 12:off + 12 + el * width * count].reshape(width, count, el)
-                    parts += [blob[off:off + 12], rows[:, keep].ravel()]
+                    stream += [blob[off:off + 12], rows[:, keep].ravel()]
                     off += 12 + el * width * count
                 else:
                     _t, row = struct.unpack_from("<iQ", view, off)
                     rows = blob[off + 12:off + 12 + row * count].reshape(count, row)
-                    parts += [blob[off:off + 12], rows[keep].ravel()]
+                    stream += [blob[off:off + 12], rows[keep].ravel()]
                     off += 12 + row * count
+        parts += stream if n else stream[:1]
+        kept += n
     if off != blob.size:
         raise UnsupportedModelError(f"llama.cpp's sequence state has {blob.size - off} unread bytes",
                                     hint="this llama-cpp-python may be too new or old")
-    return np.concatenate(parts)
+    return np.concatenate(parts), kept
 
 
 def _skip_rows(blob, off: int, count: int) -> int:

@@ -96,8 +96,8 @@ class TimedExecutor:
             self.model.observe([(len(c.tokens), c.start) for c in chunks], dt)
         return rows
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> int | None:
-        return self.inner.copy(src, dst, n_tokens)
+    def copy(self, src: int, dst: int, n_tokens: int, **kw) -> int | None:
+        return self.inner.copy(src, dst, n_tokens, **kw)
 
     def park(self, slot: int) -> None:
         self.inner.park(slot)
