@@ -169,3 +169,19 @@ def test_cut_seq_state_refuses_a_layout_it_does_not_know():
         cut_seq_state(np.concatenate([whole, np.zeros(4, np.uint8)]), 0, 2)    # e.g. a second cache after it
     with pytest.raises(UnsupportedModelError, match="magic"):
         cut_seq_state(np.zeros(64, np.uint8), 0, 2)
+
+
+def test_past_the_host_budget_a_parked_slot_keeps_its_cells(default_model):
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=3, n_ctx=128, threads=1, park_host=True) as ex:
+        t = _tokens(ex)
+        _fill(ex, 0, t)
+        ex.host_budget = 1024                    # under one parked request's state
+        ex.park(0)
+        assert ex.cells_used() == len(t) and ex.host_tokens() == 0
+        assert ex.copy(0, 1, 16) == 16 and ex.cells_used() == len(t)   # a plain seq_cp: shared cells
+        ex.host_budget = None                    # the default: HOST_PARK_MAX or half the free RAM
+        ex.drop(1)
+        ex.park(0)
+        assert ex.cells_used() == 0 and ex.host_tokens() == len(t)

@@ -36,7 +36,8 @@ still visits each masked cell.  With ``park_host`` (the server's executor)
 ``park(slot)`` moves the slot's KV to host memory (``llama_state_seq_get_data``,
 as llama-server's ``--cache-ram`` keeps prompts) and frees its cells; ``copy``
 from it writes the wanted positions back (``llama_state_seq_set_data`` of the
-blob cut to those cells) into fresh cells of the target slot.  At concurrency
+blob cut to those cells) into fresh cells of the target slot; past ``host_budget``
+(default: ``HOST_PARK_MAX`` or half the free RAM) a parked slot keeps its cells.  At concurrency
 4 (300-token prompts, 128 tokens out, 2 threads) llama.cpp's ``n_kv`` was
 mostly 2304 with one sequence parked in cells and 1536-1792 without, and a
 4-row decode step took 22.4 against 21.1 ms (benchmarks/results/
@@ -100,6 +101,7 @@ from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 
 IO_MAGIC = 0xAF143CD8           # llama_context's state_seq_write_data header
+HOST_PARK_MAX = 8 << 30          # parked KV in host memory, at most (llama-server's --cache-ram default: 8192 MiB)
 CELL_EXT_BYTES = 12             # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 _HEADER = struct.Struct("<IiI")   # magic, seq_id, n_stream
@@ -116,7 +118,7 @@ class LlamaCppExecutor:
 
     verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk); not on recurrent models
 
-    def __init__(self, plan: LoadPlan, *, park_host: bool = False):
+    def __init__(self, plan: LoadPlan, *, park_host: bool = False, host_budget: int | None = None):
         self.unified = bool(plan.options.get("kv_unified", True))
         self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))
         ctx = self.engine.context
@@ -142,6 +144,7 @@ class LlamaCppExecutor:
                               and int(_L.llama_model_n_swa(model)) == 0)
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
         self._park_checked = False
+        self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
         self.steps = 0
@@ -150,12 +153,12 @@ class LlamaCppExecutor:
     def open(cls, model: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, threads: int | None = None,
              flash_attn: bool | None = True, unified: bool = True, n_batch: int = 512, n_ubatch: int = 512,
              type_k: str = "f16", type_v: str = "f16", n_gpu_layers: int = -1, park_host: bool = False,
-             **options) -> LlamaCppExecutor:
+             host_budget: int | None = None, **options) -> LlamaCppExecutor:
         """An executor over ``n_ctx`` KV cells for ``n_slots`` sequences (shared, or n_ctx / n_slots each)."""
         return cls(LoadPlan(os.fspath(model), n_ctx=n_ctx, n_seq=n_slots, n_threads=threads, flash_attn=flash_attn,
                             n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                             n_gpu_layers=n_gpu_layers, options={**options, "kv_unified": unified}),
-                   park_host=park_host)
+                   park_host=park_host, host_budget=host_budget)
 
     # ---- the contract ---------------------------------------------------------
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
@@ -223,12 +226,18 @@ class LlamaCppExecutor:
 
     def park(self, slot: int) -> None:
         """With ``park_host``: move ``slot``'s KV to host memory and free its cells (a later ``copy`` from it
-        writes positions back; ``drop`` forgets them); without, its cells stay (a no-op)."""
+        writes positions back; ``drop`` forgets them); without, or past ``host_budget``, its cells stay."""
         self._alive()
         self._check_slot(slot)
         if not self.parks_in_host or slot in self._host or not self._len[slot]:
             return
-        blob = np.array(self._seq_blob(slot), copy=True)
+        ctx = self.engine.context
+        n = int(_L.llama_state_seq_get_size(ctx, slot))
+        if sum(b.size for b in self._host.values()) + n > self._budget():
+            return
+        blob = np.empty(n, dtype=np.uint8)
+        if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, slot) != n:
+            return
         if not self._park_checked:    # a layout cut_seq_state does not know (a layer without V, say): cells
             try:
                 same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
@@ -243,6 +252,13 @@ class LlamaCppExecutor:
     def host_tokens(self) -> int:
         """Positions parked in host memory (not in any cell)."""
         return sum(self._len[s] for s in self._host)
+
+    def _budget(self) -> int:
+        if self.host_budget is not None:
+            return self.host_budget
+        import psutil
+
+        return min(HOST_PARK_MAX, int(psutil.virtual_memory().available) // 2)
 
     def drop(self, slot: int, start: int = 0) -> None:
         """Forget positions >= start of ``slot`` (llama_memory_seq_rm); cells no slot holds become free."""

@@ -29,9 +29,9 @@ from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
 # One parked sequence keeps the last finished request's KV: a single user's next chat turn and a shared system
 # prompt hit it.  llama.cpp's executor keeps it in host memory (park_host), so parking costs no decode speed (0 / 1 /
-# 4 / 8 parked: 83.2 / 83.8 / 83.7 / 82.1 tok/s at concurrency 1, benchmarks/results/serve_parked_cpu.txt), but up
-# to one slot's KV of RAM each, which the fit check does not count: more only pays for many users resending long
-# conversations.
+# 4 / 8 parked: 83.2 / 83.8 / 83.7 / 82.1 tok/s at concurrency 1, benchmarks/results/serve_parked_cpu.txt), but the
+# KV of its kept blocks in RAM each (at most 8 GiB or half the free RAM in all, executor.HOST_PARK_MAX), which the
+# fit check does not count: more only pays for many users resending long conversations.
 DEFAULT_PARKED = 1
 # A prompt's unfinished chunk joins a step that finishes another prompt only if it lengthens it by at most a quarter
 # (scheduler.py, partial_slack): on a CPU, 8 prompts of 302 tokens arriving together then leave one per step.
