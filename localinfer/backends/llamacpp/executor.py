@@ -339,19 +339,15 @@ class LlamaCppExecutor:
         check_slot(slot, self.n_slots)
 
     def _state_blob(self) -> memoryview:
-        return memoryview(self._seq_blob(-1))
-
-    def _seq_blob(self, seq: int) -> np.ndarray:
-        """llama_state_seq_get_data of ``seq`` (-1: every cell) in the reused buffer (valid until the next call)."""
         self._alive()
         ctx = self.engine.context
-        n = int(_L.llama_state_seq_get_size(ctx, seq))
+        n = int(_L.llama_state_seq_get_size(ctx, -1))
         if self._state.size < n:
             self._state = np.zeros(n, dtype=np.uint8)
         ptr = self._state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if _L.llama_state_seq_get_data(ctx, ptr, n, seq) != n or n < _HEADER.size:
+        if _L.llama_state_seq_get_data(ctx, ptr, n, -1) != n or n < _HEADER.size:
             raise LocalinferError("llama.cpp did not serialise its KV state", hint="rerun with LOCALINFER_LLAMA_LOG=1")
-        return self._state[:n]
+        return memoryview(self._state)[:n]
 
     def _write_back(self, src: int, dst: int, lo: int, hi: int) -> bool:
         """Positions [lo, hi) of host-parked ``src`` into fresh cells of ``dst``: the blob cut to those cells is
@@ -416,7 +412,7 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> tup
     many cells it keeps.
 
     Each stream: u32 count, count x (i32 pos, u32 n_seq = 1, ext, i32 seq_id), then the rows of
-    :func:`_skip_rows`'s layout; the kept cells' metadata and K/V rows are selected in cache order, and a
+    :func:`_row_blocks`' layout; the kept cells' metadata and K/V rows are selected in cache order, and a
     stream that keeps none is its count alone (as llama.cpp writes an empty stream).
     """
     view = memoryview(blob)
@@ -440,20 +436,10 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> tup
         n = int(keep.sum())
         off += count * rec
         stream = [np.frombuffer(struct.pack("<I", n), np.uint8), meta[keep].ravel(), blob[off:off + 8]]
-        v_trans, n_layer = struct.unpack_from("<II", view, off)
-        off += 8
-        for half in range(2):
-            for _ in range(n_layer):
-                if half and v_trans:
-                    _t, el, width = struct.unpack_from("<iII", view, off)
-                    rows = blob[off + 12:off + 12 + el * width * count].reshape(width, count, el)
-                    stream += [blob[off:off + 12], rows[:, keep].ravel()]
-                    off += 12 + el * width * count
-                else:
-                    _t, row = struct.unpack_from("<iQ", view, off)
-                    rows = blob[off + 12:off + 12 + row * count].reshape(count, row)
-                    stream += [blob[off:off + 12], rows[keep].ravel()]
-                    off += 12 + row * count
+        blocks, off = _row_blocks(view, off, count)
+        for head, start, shape in blocks:
+            rows = blob[start:start + int(np.prod(shape))].reshape(shape)
+            stream += [blob[head:start], (rows[keep] if len(shape) == 2 else rows[:, keep]).ravel()]
         parts += stream if n else stream[:1]
         kept += n
     if off != blob.size:
@@ -463,21 +449,29 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> tup
 
 
 def _skip_rows(blob, off: int, count: int) -> int:
-    """Past one stream's K and V rows: per layer (i32 type, u64 row bytes, rows) for K, the same for V,
-    or (i32 type, u32 element bytes, u32 row width, elements) for a transposed V."""
+    """Past one stream's K and V rows (:func:`_row_blocks`)."""
+    return _row_blocks(blob, off, count)[1]
+
+
+def _row_blocks(blob, off: int, count: int) -> tuple[list[tuple[int, int, tuple[int, ...]]], int]:
+    """One stream's K and V rows after its cells' metadata: each block's (header offset, rows offset, shape) and
+    the offset past them.  u32 v_trans, u32 n_layer, then per layer (i32 type, u64 row bytes, rows: shape
+    (count, row bytes)) for K, the same for V, or for a transposed V (i32 type, u32 element bytes, u32 row width,
+    elements: shape (width, count, element bytes))."""
     v_trans, n_layer = struct.unpack_from("<II", blob, off)
     off += 8
-    for _ in range(n_layer):
-        _t, row = struct.unpack_from("<iQ", blob, off)
-        off += 12 + row * count
-    for _ in range(n_layer):
-        if v_trans:
-            _t, el, width = struct.unpack_from("<iII", blob, off)
-            off += 12 + el * width * count
-        else:
-            _t, row = struct.unpack_from("<iQ", blob, off)
-            off += 12 + row * count
-    return off
+    blocks = []
+    for half in range(2):
+        for _ in range(n_layer):
+            if half and v_trans:
+                _t, el, width = struct.unpack_from("<iII", blob, off)
+                shape = (width, count, el)
+            else:
+                _t, row = struct.unpack_from("<iQ", blob, off)
+                shape = (count, row)
+            blocks.append((off, off + 12, shape))
+            off += 12 + int(np.prod(shape))
+    return blocks, off
 
 
 def _pack(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[list[tuple[int, int, int, bool]]]:
