@@ -314,7 +314,8 @@ class Runtime:
         values = {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
                   "kv_blocks_used": b.used, "kv_blocks_cached": b.num_cached, "kv_blocks_total": b.num_blocks,
                   "kv_sequences_parked": e.parked,
-                  "kv_cells_used": self.metrics.gauge("kv_cells_used"), "engine_steps": self.executor.steps,
+                  "kv_cells_used": self.metrics.gauge("kv_cells_used"),
+                  "kv_host_tokens": self.metrics.gauge("kv_host_tokens"), "engine_steps": self.executor.steps,
                   "engine_step_seconds": self.executor.step_seconds,
                   "engine_decode_seconds": self.executor.decode_seconds}
         if s.drafter is not None:
