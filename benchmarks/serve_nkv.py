@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_peers import SCENARIOS, commands, free_port, machine, wait_ready   # noqa: E402
+from benchmarks.serve_peers import SCENARIOS, commands, free_port, load, machine, wait_ready   # noqa: E402
 from localinfer.model.sources import resolve_model                                      # noqa: E402
 
 N_RE = re.compile(r"find_slot: stream\[\d+\], n = +(\d+)")
@@ -50,10 +50,7 @@ def measure(name: str, cmd: list[str], env: dict, url: str, level: list[str], se
     try:
         wait_ready(url, proc, log)
         start = log.stat().st_size
-        out = tmp / f"{name}.json"
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", url, "--label", name,
-                        *SCENARIOS["closed"]["load"], *level, "--seed", str(seed), "--out", str(out)],
-                       check=True, timeout=1800)
+        run = load(argparse.Namespace(smoke=False), name, url, SCENARIOS["closed"], level, tmp, seed)["runs"][0]
         with log.open("rb") as f:
             f.seek(start)
             counts = n_kv_counts(f.read().decode("utf-8", "replace"))
@@ -63,7 +60,6 @@ def measure(name: str, cmd: list[str], env: dict, url: str, level: list[str], se
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    run = json.loads(out.read_text())["runs"][0]
     steps = sorted(counts.elements())
     return {"server": name, "tok_s": run["output_tok_s"], "itl_p50_ms": run["itl_p50_ms"],
             "ttft_p50_ms": run["ttft_p50_ms"], "ubatches": len(steps),

@@ -113,7 +113,6 @@ class Engine:
         self.park_slots = park_slots
         self._parked: OrderedDict[str, int] = OrderedDict()   # parked request id -> slot, least recently used first
         self.blocks.parking = bool(park_slots)
-        self._host_parking = bool(park_slots) and getattr(executor, "parks_in_host", False)
         self.blocks.on_evict = self._evicted if park_slots else None
 
     # ---- requests ------------------------------------------------------------
@@ -259,7 +258,7 @@ class Engine:
         for other, k in self.blocks.parked_sharers(r.id):
             if other in self._parked:
                 if min(k * p, r.cached) > have:
-                    if self._host_parking and src is not None:   # the running holder's cells, then the rest
+                    if self._host_parking() and src is not None:   # the running holder's cells, then the rest
                         self.executor.copy(src, slot, have)
                         append = True
                     have, src = min(k * p, r.cached), self._parked[other]
@@ -267,7 +266,7 @@ class Engine:
                 break
         if src is not None:
             got = self.executor.copy(src, slot, have, append=True) if append else self.executor.copy(src, slot, have)
-            if self._host_parking:      # a write-back from host memory that found no cells shares less
+            if self._host_parking():    # a write-back from host memory that found no cells shares less
                 have = got
         if have < r.cached:
             if getattr(self.executor, "restores_cached_prefix", False):
@@ -295,11 +294,16 @@ class Engine:
             self._free_slots.append(slot)
             return
         self.executor.drop(slot, kept)
-        if self._host_parking:
+        if self._host_parking():
             self.executor.park(slot)
         self._parked[r.id] = slot
         while len(self._parked) > self.park_slots:
             self._unpark(next(iter(self._parked)))
+
+    def _host_parking(self) -> bool:
+        """The executor moves parked KV out of its cells (read each time: llama.cpp's turns it off for good when
+        its first saved state will not cut)."""
+        return bool(self.park_slots) and getattr(self.executor, "parks_in_host", False)
 
     def _unpark(self, rid: str) -> None:
         """Parked ``rid`` gives its slot up: its KV is dropped and its blocks leave the cache (unless shared)."""

@@ -256,7 +256,7 @@ class Scheduler:
     def _holds_partial(self, plan: StepPlan, start: int, n: int) -> bool:
         """A chunk of n tokens after ``start`` that leaves its prompt unfinished would lengthen this step, which
         finishes another prompt, by more than ``partial_slack`` of its time (by token count without a step model)."""
-        if not any(c.samples and not c.draft and (c.n_tokens > 1 or not c.request.output) for c in plan.chunks):
+        if not any(c.samples and c.request.prefilling for c in plan.chunks):   # computed moves at complete()
             return False
         shapes = plan.shapes()
         if self.step_model is None:
@@ -337,7 +337,7 @@ class Scheduler:
                 continue
             if cfg.deadline_aware:
                 first = self._first_step(r, hit, plan)
-                owed = self._owed(r, hit, plan, budget) if r.deadline_s is not None else 0.0
+                owed = self._owed(r, hit, plan, budget, first) if r.deadline_s is not None else 0.0
                 if r.deadline_s is not None and self._predict_finish(r, now, first + owed) > r.deadline_s:
                     del self.waiting[i]
                     plan.refused.append(r)
@@ -402,17 +402,16 @@ class Scheduler:
                 return True
         return False
 
-    def _owed(self, r: Request, hit_blocks: list[int], plan: StepPlan, budget: list[int]) -> float:
+    def _owed(self, r: Request, hit_blocks: list[int], plan: StepPlan, budget: list[int], first: float) -> float:
         """Predicted seconds of the prefill that running requests still owe beyond this step's chunks (a chunk
         held back or cut by the budget): it runs before r's, first come first served -- unless r's whole prompt
-        fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now."""
+        fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now.
+        ``first``: :meth:`_first_step`'s time of this step with r's prefill."""
         hit = len(hit_blocks) * self.blocks.block_tokens
-        limit = min(budget[0], self.config.chunk_tokens if self.config.policy == "chunked" else budget[0])
+        limit = min(budget[0], self.config.chunk_tokens) if self.config.policy == "chunked" else budget[0]
         if r.n_tokens - hit <= limit:
             return 0.0
-        scheduled: dict[str, int] = {}
-        for c in plan.chunks:
-            scheduled[c.request.id] = scheduled.get(c.request.id, 0) + c.n_tokens
+        scheduled = {c.request.id: c.n_tokens for c in plan.chunks}     # at most one chunk a request a step
         owed = []
         for x in self.running:
             done = x.computed + scheduled.get(x.id, 0)
@@ -420,8 +419,7 @@ class Scheduler:
                 owed.append((x.n_tokens - done, done))
         if not owed:
             return 0.0
-        shapes = [*plan.shapes(), (r.n_tokens - hit, hit)]
-        return self.step_model.seconds([*shapes, *owed]) - self.step_model.seconds(shapes)
+        return self.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit), *owed]) - first
 
     def _predict_finish(self, r: Request, now: float, first: float) -> float:
         """When r would finish if admitted now: this step (``first``, with its prefill), then its decodes beside

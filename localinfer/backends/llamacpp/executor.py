@@ -385,7 +385,7 @@ _MROPE = {getattr(_L, n) for n in ("LLAMA_ROPE_TYPE_MROPE", "LLAMA_ROPE_TYPE_IMR
 def parse_kv_state(blob, n_seq_max: int, ext_bytes: int = 0) -> list[tuple[int, tuple[int, ...]]]:
     """(position, sequence ids) of every cell in a ``llama_state_seq_get_data(ctx, .., -1)`` blob.
 
-    ``ext_bytes``: the per-cell extra position llama.cpp writes for M-RoPE models (8), else 0.
+    ``ext_bytes``: the per-cell extra position llama.cpp writes for M-RoPE models (CELL_EXT_BYTES), else 0.
     """
     magic, _seq, n_stream = _HEADER.unpack_from(blob)
     if magic != IO_MAGIC or not 0 < n_stream <= max(n_seq_max, 1):
@@ -407,11 +407,12 @@ def parse_kv_state(blob, n_seq_max: int, ext_bytes: int = 0) -> list[tuple[int, 
     return out
 
 
-def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> tuple[np.ndarray, int]:
+def cut_seq_state(blob: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
     """A one-sequence ``llama_state_seq_get_data`` blob keeping only the cells at positions [lo, hi), and how
     many cells it keeps.
 
-    Each stream: u32 count, count x (i32 pos, u32 n_seq = 1, ext, i32 seq_id), then the rows of
+    Each stream: u32 count, count x (i32 pos, u32 n_seq = 1, i32 seq_id; no model with a per-cell extension
+    parks in host memory), then the rows of
     :func:`_row_blocks`' layout; the kept cells' metadata and K/V rows are selected in cache order, and a
     stream that keeps none is its count alone (as llama.cpp writes an empty stream).
     """
@@ -421,7 +422,7 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int, ext_bytes: int = 0) -> tup
         raise UnsupportedModelError(f"llama.cpp's sequence state has magic {magic:#x}",
                                     hint="this llama-cpp-python may be too new or old")
     parts, off, kept = [blob[:_HEADER.size]], _HEADER.size, 0
-    rec = 12 + ext_bytes
+    rec = 12
     for _ in range(n_stream):
         (count,), off = struct.unpack_from("<I", view, off), off + 4
         if not count:

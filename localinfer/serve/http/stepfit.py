@@ -75,10 +75,13 @@ class TimedExecutor:
         self.slot_cells = getattr(inner, "slot_cells", None)
         self.verifies_drafts = getattr(inner, "verifies_drafts", False)
         self.restores_cached_prefix = getattr(inner, "restores_cached_prefix", False)   # paged (torch) executors
-        self.parks_in_host = getattr(inner, "parks_in_host", False)                      # llama.cpp's park_host
         self.block_size = getattr(inner, "block_size", None)
         self.steps = 0
         self.step_seconds = 0.0
+
+    @property
+    def parks_in_host(self) -> bool:     # llama.cpp's park_host; off once its first saved state will not cut
+        return getattr(self.inner, "parks_in_host", False)
 
     @property
     def decode_seconds(self) -> float:
