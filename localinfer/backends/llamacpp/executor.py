@@ -350,18 +350,24 @@ class LlamaCppExecutor:
         return memoryview(self._state)[:n]
 
     def _write_back(self, src: int, dst: int, lo: int, hi: int) -> bool:
-        """Positions [lo, hi) of host-parked ``src`` into fresh cells of ``dst``: the blob cut to those cells is
-        read into src's (cell-less) id, shared with dst, and src's id taken off again.  False: no free cells,
-        or the blob lacks some of those positions."""
-        blob, kept = cut_seq_state(self._host[src], lo, hi)
+        """Positions [lo, hi) of host-parked ``src`` into fresh cells of ``dst``.  From 0 (dst empty) the state,
+        cut to those cells unless it is all of them, is read into dst; past a shared prefix it is read into src's
+        (cell-less) id, shared with dst, and src's id taken off again.  False: no free cells, or the state lacks
+        some of those positions."""
+        if lo == 0 and hi == self._len[src]:      # the stored state holds exactly [0, _len): no cut
+            blob, kept = self._host[src], hi
+        else:
+            blob, kept = cut_seq_state(self._host[src], lo, hi)
         if kept != hi - lo:
             return False
+        into = dst if lo == 0 else src
         ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if _L.llama_state_seq_set_data(self.engine.context, ptr, blob.size, src) != blob.size:
-            _L.llama_memory_seq_rm(self._mem, src, -1, -1)
+        if _L.llama_state_seq_set_data(self.engine.context, ptr, blob.size, into) != blob.size:
+            _L.llama_memory_seq_rm(self._mem, into, -1, -1)
             return False
-        _L.llama_memory_seq_cp(self._mem, src, dst, lo, hi)
-        _L.llama_memory_seq_rm(self._mem, src, -1, -1)
+        if into == src:
+            _L.llama_memory_seq_cp(self._mem, src, dst, lo, hi)
+            _L.llama_memory_seq_rm(self._mem, src, -1, -1)
         return True
 
     def _alive(self) -> None:
