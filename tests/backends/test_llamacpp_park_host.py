@@ -128,7 +128,7 @@ def _blob(streams, v_trans=0, n_layer=2, row=4, seq=3):
     are the cell's position (so a cut shows which rows it kept)."""
     import struct
 
-    from localinfer.backends.llamacpp.executor import IO_MAGIC
+    from localinfer.backends.llamacpp.kv_state import IO_MAGIC
 
     out = struct.pack("<IiI", IO_MAGIC, seq, len(streams))
     for positions in streams:
@@ -149,7 +149,7 @@ def _blob(streams, v_trans=0, n_layer=2, row=4, seq=3):
 
 @pytest.mark.parametrize("v_trans", [0, 1])
 def test_cut_seq_state_keeps_the_cells_of_the_positions_asked_for(v_trans):
-    from localinfer.backends.llamacpp.executor import cut_seq_state
+    from localinfer.backends.llamacpp.kv_state import cut_seq_state
 
     positions = [5, 0, 1, 7, 2, 6]                   # cache order need not be position order
     whole = _blob([positions, [], [9, 8]], v_trans)
@@ -161,7 +161,7 @@ def test_cut_seq_state_keeps_the_cells_of_the_positions_asked_for(v_trans):
 
 
 def test_cut_seq_state_refuses_a_layout_it_does_not_know():
-    from localinfer.backends.llamacpp.executor import cut_seq_state
+    from localinfer.backends.llamacpp.kv_state import cut_seq_state
     from localinfer.errors import UnsupportedModelError
 
     whole = _blob([[0, 1, 2]])

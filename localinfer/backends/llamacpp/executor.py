@@ -16,11 +16,8 @@ Either way a step is one batch whose rows carry (token, position, sequence id,
 wants logits), all chunks in one ``llama_decode`` (split only past ``n_batch``
 tokens or ``n_outputs_max`` logit rows); ``drop(slot, start)`` is
 ``llama_memory_seq_rm``.  ``cells_used()`` is llama.cpp's own count of non-empty
-cells, read from its sequence-state serialisation for ``seq_id = -1`` (every cell):
-
-    u32 io_magic 0xaf143cd8 | i32 seq_id | u32 n_stream
-    | per stream: u32 cell_count | cell_count x (i32 pos, u32 n_seq, n_seq x i32 seq_id)
-                  | u32 v_trans | u32 n_layer | K rows per layer | V rows per layer
+cells, read from its sequence-state serialisation for ``seq_id = -1`` (every cell; the format in
+:mod:`.kv_state`).
 
 Sequence ids need not all be running requests: the server gives the context
 ``--parallel`` + parked ids (``n_seq_max``; a unified cache's size does not
@@ -98,13 +95,11 @@ from localinfer.backends.engine import LoadPlan
 from localinfer.backends.executor import Chunk, check_chunks, check_slot
 from localinfer.backends.llamacpp import native
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
+from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, HEADER, cut_seq_state, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 
-IO_MAGIC = 0xAF143CD8           # llama_context's state_seq_write_data header
 HOST_PARK_MAX = 8 << 30          # parked KV in host memory, at most (llama-server's --cache-ram default: 8192 MiB)
-CELL_EXT_BYTES = 12             # llama_kv_cell_ext: i32 x, i32 y, i32 tok (llama-kv-cells.h)
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
-_HEADER = struct.Struct("<IiI")   # magic, seq_id, n_stream
 
 
 class LlamaCppExecutor:
@@ -345,7 +340,7 @@ class LlamaCppExecutor:
         if self._state.size < n:
             self._state = np.zeros(n, dtype=np.uint8)
         ptr = self._state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if _L.llama_state_seq_get_data(ctx, ptr, n, -1) != n or n < _HEADER.size:
+        if _L.llama_state_seq_get_data(ctx, ptr, n, -1) != n or n < HEADER.size:
             raise LocalinferError("llama.cpp did not serialise its KV state", hint="rerun with LOCALINFER_LLAMA_LOG=1")
         return memoryview(self._state)[:n]
 
@@ -386,99 +381,6 @@ class LlamaCppExecutor:
 
 _MROPE = {getattr(_L, n) for n in ("LLAMA_ROPE_TYPE_MROPE", "LLAMA_ROPE_TYPE_IMROPE", "LLAMA_ROPE_TYPE_VISION")
           if hasattr(_L, n)}
-
-
-def parse_kv_state(blob, n_seq_max: int, ext_bytes: int = 0) -> list[tuple[int, tuple[int, ...]]]:
-    """(position, sequence ids) of every cell in a ``llama_state_seq_get_data(ctx, .., -1)`` blob.
-
-    ``ext_bytes``: the per-cell extra position llama.cpp writes for M-RoPE models (CELL_EXT_BYTES), else 0.
-    """
-    magic, _seq, n_stream = _HEADER.unpack_from(blob)
-    if magic != IO_MAGIC or not 0 < n_stream <= max(n_seq_max, 1):
-        raise UnsupportedModelError(f"llama.cpp's KV state has an unexpected header (magic {magic:#x}, "
-                                    f"{n_stream} streams)", hint="this llama-cpp-python may be too new or old")
-    out, off = [], _HEADER.size
-    for _ in range(n_stream):
-        (count,), off = struct.unpack_from("<I", blob, off), off + 4
-        for _ in range(count):
-            pos, n_seq = struct.unpack_from("<iI", blob, off)
-            off += 8 + ext_bytes
-            if not 0 < n_seq <= n_seq_max:
-                raise UnsupportedModelError(f"llama.cpp's KV state lists a cell with {n_seq} sequences",
-                                            hint="this llama-cpp-python may be too new or old")
-            out.append((pos, struct.unpack_from(f"<{n_seq}i", blob, off)))
-            off += 4 * n_seq
-        if count:
-            off = _skip_rows(blob, off, count)
-    return out
-
-
-def cut_seq_state(blob: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
-    """A one-sequence ``llama_state_seq_get_data`` blob keeping only the cells at positions [lo, hi), and how
-    many cells it keeps.
-
-    Each stream: u32 count, count x (i32 pos, u32 n_seq = 1, i32 seq_id; no model with a per-cell extension
-    parks in host memory), then the rows of
-    :func:`_row_blocks`' layout; the kept cells' metadata and K/V rows are selected in cache order, and a
-    stream that keeps none is its count alone (as llama.cpp writes an empty stream).
-    """
-    view = memoryview(blob)
-    magic, _seq, n_stream = _HEADER.unpack_from(view)
-    if magic != IO_MAGIC:
-        raise UnsupportedModelError(f"llama.cpp's sequence state has magic {magic:#x}",
-                                    hint="this llama-cpp-python may be too new or old")
-    parts, off, kept = [blob[:_HEADER.size]], _HEADER.size, 0
-    rec = 12
-    for _ in range(n_stream):
-        (count,), off = struct.unpack_from("<I", view, off), off + 4
-        if not count:
-            parts.append(np.zeros(4, np.uint8))
-            continue
-        meta = blob[off:off + count * rec].reshape(count, rec)
-        if np.any(meta[:, 4:8].view("<u4") != 1):
-            raise UnsupportedModelError("a sequence's KV state lists a cell of several sequences",
-                                        hint="this llama-cpp-python may be too new or old")
-        pos = meta[:, :4].view("<i4")[:, 0]
-        keep = (pos >= lo) & (pos < hi)
-        n = int(keep.sum())
-        off += count * rec
-        stream = [np.frombuffer(struct.pack("<I", n), np.uint8), meta[keep].ravel(), blob[off:off + 8]]
-        blocks, off = _row_blocks(view, off, count)
-        for head, start, shape in blocks:
-            rows = blob[start:start + int(np.prod(shape))].reshape(shape)
-            stream += [blob[head:start], (rows[keep] if len(shape) == 2 else rows[:, keep]).ravel()]
-        parts += stream if n else stream[:1]
-        kept += n
-    if off != blob.size:
-        raise UnsupportedModelError(f"llama.cpp's sequence state has {blob.size - off} unread bytes",
-                                    hint="this llama-cpp-python may be too new or old")
-    return np.concatenate(parts), kept
-
-
-def _skip_rows(blob, off: int, count: int) -> int:
-    """Past one stream's K and V rows (:func:`_row_blocks`)."""
-    return _row_blocks(blob, off, count)[1]
-
-
-def _row_blocks(blob, off: int, count: int) -> tuple[list[tuple[int, int, tuple[int, ...]]], int]:
-    """One stream's K and V rows after its cells' metadata: each block's (header offset, rows offset, shape) and
-    the offset past them.  u32 v_trans, u32 n_layer, then per layer (i32 type, u64 row bytes, rows: shape
-    (count, row bytes)) for K, the same for V, or for a transposed V (i32 type, u32 element bytes, u32 row width,
-    elements: shape (width, count, element bytes))."""
-    v_trans, n_layer = struct.unpack_from("<II", blob, off)
-    off += 8
-    blocks = []
-    for half in range(2):
-        for _ in range(n_layer):
-            if half and v_trans:
-                _t, el, width = struct.unpack_from("<iII", blob, off)
-                shape = (width, count, el)
-            else:
-                _t, row = struct.unpack_from("<iQ", blob, off)
-                shape = (count, row)
-            blocks.append((off, off + 12, shape))
-            off += 12 + int(np.prod(shape))
-    return blocks, off
 
 
 def _pack(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[list[tuple[int, int, int, bool]]]:
