@@ -27,7 +27,7 @@ import torch
 
 from gguf_tools import read_header
 from localinfer.backends.engine import Engine, LoadPlan
-from localinfer.backends.llamacpp.memory import DEFAULT_OUTPUTS_MAX
+from localinfer.backends.llamacpp.memory import outputs_cap
 from localinfer.backends.memory import NOT_RESIDENT, check_weight_dtype
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.model.spec import ModelSpec
@@ -101,7 +101,7 @@ class TorchEngine(Engine):
             self.model.ggml_threads = plan.threads
             # the decodes and ubatches the llama.cpp backend cuts this plan's prefills into
             self.model.ggml_ubatch = min(plan.n_ubatch, plan.n_batch)
-            self.model.ggml_outputs_max = min(opts.get("n_outputs_max", DEFAULT_OUTPUTS_MAX), plan.n_batch)
+            self.model.ggml_outputs_max = outputs_cap(plan)
         self.cache = KVCache(cfg.n_layers, plan.n_seq, self.n_ctx, cfg.n_head_kv, cfg.head_dim,
                              plan.type_k, plan.type_v, device=self.device, dtype=self.dtype)
         self.n_vocab = cfg.vocab_size

@@ -272,3 +272,23 @@ def test_a_decode_beside_a_long_prefill_is_its_own_call(ex, split):
         assert np.array_equal(got[0], alone)
     else:
         assert calls == [1 + len(long)]
+
+
+def test_more_sequences_than_logit_rows_decode(default_model, tmp_path):
+    """llama.cpp reserves an output row per sequence and aborts (GGML_ASSERT) when they exceed n_outputs_max,
+    which the executor sets to 64 by default: 70 sequence ids (``serve --parallel 8 --parked 62``) must decode.
+    In a child process, as a regression would abort the interpreter."""
+    import subprocess
+    import sys
+
+    code = f"""
+from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+from localinfer.backends.executor import Chunk
+with LlamaCppExecutor.open({str(default_model)!r}, n_slots=70, n_ctx=512, n_batch=32, threads=1) as ex:
+    assert ex.n_outputs_max >= 70, ex.n_outputs_max
+    rows = ex.step([Chunk(s, (1, 2), 0, True) for s in range(0, 70, 10)])
+    print(sorted(rows))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-600:]
+    assert r.stdout.strip() == str(list(range(0, 70, 10)))

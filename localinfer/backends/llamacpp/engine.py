@@ -27,7 +27,7 @@ except ImportError as exc:  # pragma: no cover - the registry turns this into Ba
 
 from localinfer.backends.engine import Engine, LoadPlan
 from localinfer.backends.llamacpp import native
-from localinfer.backends.llamacpp.native import DEFAULT_OUTPUTS_MAX, parse_memory_log  # noqa: F401  (re-exported)
+from localinfer.backends.llamacpp.native import parse_memory_log  # noqa: F401  (re-exported)
 from localinfer.backends.vocab import LlamaVocab
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 from localinfer.util import signals

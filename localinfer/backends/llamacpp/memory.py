@@ -94,6 +94,16 @@ def kv_bytes_from_layer(spec: ModelSpec, start: int, cells: LlamaCells, type_k: 
     return base[start] * cells.total_base + swa[start] * cells.total_swa
 
 
+def outputs_cap(plan) -> int:
+    """Most logit rows one llama_decode may return (llama.cpp reserves compute memory for them): ours
+    (``n_outputs_max``, default DEFAULT_OUTPUTS_MAX, at most n_batch), but never fewer than the sequences, as
+    llama.cpp reserves an output row per sequence and aborts when they exceed its ``n_outputs_max``."""
+    cap = plan.options.get("n_outputs_max", DEFAULT_OUTPUTS_MAX)
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise UsageError(f"n_outputs_max must be a positive integer, got {cap!r}")
+    return max(min(cap, plan.n_batch), plan.n_seq)
+
+
 def output_bytes(spec: ModelSpec, n_seq: int = 1, n_outputs: int = 0) -> int:
     """llama.cpp's host output buffer: float32 logits for max(n_seq, n_outputs) rows of the vocabulary.
 
@@ -230,7 +240,7 @@ class LlamaCppMemory:
 
     def load_request(self, plan) -> dict:
         """FitRequest fields a LoadPlan implies: logit rows per decode, mmap, llama-cpp-python's swa_full."""
-        return {"n_outputs_max": plan.options.get("n_outputs_max", DEFAULT_OUTPUTS_MAX),
+        return {"n_outputs_max": outputs_cap(plan),
                 "mmap": bool(plan.options.get("mmap", True)), "swa_full": bool(plan.options.get("swa_full", True))}
 
     def probes_cuda(self, plan) -> bool:

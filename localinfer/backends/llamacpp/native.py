@@ -22,7 +22,7 @@ import llama_cpp as _L
 from gguf import GGMLQuantizationType
 
 from localinfer.backends.engine import LoadPlan
-from localinfer.backends.llamacpp.memory import DEFAULT_OUTPUTS_MAX
+from localinfer.backends.llamacpp.memory import outputs_cap
 from localinfer.errors import ModelNotFoundError, UnsupportedModelError, UsageError
 from localinfer.units import MiB
 from localinfer.util import signals
@@ -172,14 +172,6 @@ def load_model(path: str, plan: LoadPlan):
                                     hint="check that llama.cpp supports this architecture and quant type, "
                                          "or try another --backend", path=path)
     return model
-
-
-def outputs_cap(plan: LoadPlan) -> int:
-    """Most logit rows one llama_decode may return (llama.cpp reserves compute memory for them)."""
-    cap = plan.options.get("n_outputs_max", DEFAULT_OUTPUTS_MAX)
-    if not isinstance(cap, int) or cap < 1:
-        raise UsageError(f"n_outputs_max must be a positive integer, got {cap!r}")
-    return min(cap, plan.n_batch)
 
 
 def new_context(model, plan: LoadPlan):
