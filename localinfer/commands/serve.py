@@ -217,16 +217,20 @@ def _serve(args, runtime, app_config, plan) -> int:
     print(f"serving {app_config.model_id} on http://{shown}:{port}/v1 (parallel {args.parallel}, "
           f"ctx {plan.n_ctx} shared, KV {plan.type_k}/{plan.type_v}); loading...", file=sys.stderr, flush=True)
 
-    def announce_ready():
+    def announce_ready(server):
         runtime.ready.wait()
-        if runtime.state == "failed":
+        if runtime.state == "failed":       # as llama-server and vLLM do: no server without a model
             print(f"error: the model failed to load: {runtime.load_error}", file=sys.stderr, flush=True)
+            server.should_exit = True
         elif runtime.state == "ready":
             print(f"ready: {runtime.context_tokens} KV tokens, {runtime.config.parallel} slots "
                   f"(+{runtime.engine.park_slots} parked)", file=sys.stderr, flush=True)
 
-    threading.Thread(target=announce_ready, daemon=True).start()
     with sock:
-        signum = serve(runtime, app_config, sock, grace_s=args.grace, log_level=args.log_level)
+        signum = serve(runtime, app_config, sock, grace_s=args.grace, log_level=args.log_level,
+                       announce=lambda server: threading.Thread(target=announce_ready, args=(server,),
+                                                                daemon=True).start())
+    if runtime.state == "failed":
+        return 1
     print(f"stopped{f' (signal {signum})' if signum else ''}", file=sys.stderr)
-    return 1 if runtime.state == "failed" and runtime.load_error else 0
+    return 0

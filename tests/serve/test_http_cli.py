@@ -161,6 +161,57 @@ def test_sigterm_past_the_grace_period_cancels_and_still_ends_the_stream():
             p.wait()
 
 
+def test_a_model_llama_cpp_cannot_load_ends_the_server_with_1(tmp_path):
+    """The header reads (so the fit check passes) but llama.cpp refuses the vocabulary: the server says why in
+    one line and exits 1 instead of answering 503 forever; /health never shows the path."""
+    import subprocess
+    import sys
+
+    from tests.support.ggufgen import write_tiny_llama
+
+    bad = write_tiny_llama(tmp_path / "badtok.gguf", extra_kv={"tokenizer.ggml.model": "nonsense"})
+    p = subprocess.Popen([sys.executable, "-m", "localinfer", "serve", str(bad), "--port", "0", "-t", "1"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.wait(60) == 1
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    lines = [ln for ln in p.stderr.read().splitlines() if ln.startswith(("error", "Traceback", "stopped"))]
+    assert lines == ["error: the model failed to load: llama.cpp could not load badtok.gguf: "
+                     "error loading model vocabulary: unknown tokenizer: 'nonsense'"], lines
+
+
+def test_a_failed_load_answers_503_without_the_error_text():
+    from localinfer.serve.http.app import AppConfig
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.http.runtime import Runtime
+    from localinfer.serve.http.server import bind, make_server
+
+    def failing_open():
+        raise OSError("cannot open /home/someone/secret/model.gguf")
+
+    runtime = Runtime(failing_open, ServeConfig(parallel=1))
+    sock = bind("127.0.0.1", 0)
+    server, _ = make_server(runtime, AppConfig(model_id="m", template=None))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        assert runtime.ready.wait(30) and runtime.state == "failed"
+        while not server.started:
+            time.sleep(0.01)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "failed"}
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed" and "secret" not in r.text
+    finally:
+        server.should_exit = True
+        t.join(30)
+        sock.close()
+
+
 def test_a_plan_that_does_not_fit_is_refused_before_binding(capsys, tmp_path):
     from gguf_tools.skeleton import write_skeleton
     from localinfer.cli import main

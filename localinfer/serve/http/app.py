@@ -59,10 +59,8 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
     async def health(request: Request) -> Response:
         state = runtime.state
         status = 200 if state == "ready" else 503
-        body = {"status": {"ready": "ok"}.get(state, state)}
-        if runtime.load_error:
-            body["error"] = runtime.load_error
-        return JSONResponse(body, status_code=status)
+        # no error text: /health answers without the API key, and a load error names the model's path
+        return JSONResponse({"status": {"ready": "ok"}.get(state, state)}, status_code=status)
 
     async def models(request: Request) -> Response:
         card = {"id": config.model_id, "object": "model", "created": config.created, "owned_by": "localinfer"}

@@ -147,7 +147,7 @@ class Runtime:
             raise APIError(503, "the model is still loading; retry shortly", code="loading",
                            headers={"Retry-After": "1"})
         if self.state == "failed":
-            raise APIError(503, f"the model failed to load: {self.load_error}", code="load_failed")
+            raise APIError(503, "the model failed to load; the server's log says why", code="load_failed")
         if self.state != "ready":
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
