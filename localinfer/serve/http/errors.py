@@ -10,7 +10,8 @@ import json
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-         415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+         415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+         504: "server_error"}
 
 
 class APIError(Exception):

@@ -86,6 +86,18 @@ class Generation:
                             code="engine_error")
         return None
 
+    def _cut(self, ev: Event) -> APIError | None:
+        """The error a choice's end makes when it is neither stop nor length (the only finish_reason values
+        OpenAI's clients know): refused before its first token, or cut after it by an engine error, its
+        deadline passing or the server shutting down.  None for a normal end, or when the client left."""
+        text = self.texts[ev.index]
+        if ev.reason in (None, "stop", "length") or text.stopped or self.client_gone:
+            return None
+        if ev.reason == "deadline" and text.tokens:
+            return APIError(504, f"deadline_ms={self.spec.deadline_ms:g} passed after {text.tokens} tokens, "
+                                 "before the reply was finished", param="deadline_ms", code="deadline_exceeded")
+        return self._refusal(ev) or APIError(500, "the request ended without output", code="engine_error")
+
     def _apply(self, ev: Event) -> tuple[str, list] | None:
         """Feed one token event to its choice: (new text, logprob entries), or None if the choice stopped."""
         text = self.texts[ev.index]
@@ -115,15 +127,14 @@ class Generation:
         """The whole non-streaming answer."""
         parts = [[] for _ in self.handles]
         lps = [[] for _ in self.handles]
-        errors = []
+        cut = None
         while not self.done:
             ev = await self._next()
             if ev is None:
                 continue                          # the client left: the cancels' finishes follow
             if ev.reason is not None:
+                cut = cut or self._cut(ev)
                 parts[ev.index].append(self._finish(ev))
-                if ev.reason in ("error", "deadline") or (ev.reason == "cancelled" and not self.texts[ev.index].stopped):
-                    errors.append(ev)
                 continue
             got = self._apply(ev)
             if got is not None:
@@ -131,8 +142,8 @@ class Generation:
                 lps[ev.index] += got[1]
         if self.client_gone:
             raise APIError(499, "the client closed the request", code="client_closed")   # nginx's 499; nobody reads it
-        if errors and all(t.tokens == 0 for t in self.texts):
-            raise self._refusal(errors[0]) or APIError(500, "the request ended without output", code="engine_error")
+        if cut is not None:
+            raise cut                             # a reply cut short is an error, not a 200 with half a text
         kind = "chat.completion" if self.spec.chat else "text_completion"
         out = R.envelope(kind, self.id, self.model)
         out["choices"] = [R.choice(self.spec.chat, i, "".join(parts[i]), self.reasons[i],
@@ -159,10 +170,16 @@ class Generation:
             if ev is None:
                 continue
             if ev.reason is not None:
+                cut = self._cut(ev)
                 tail = self._finish(ev)
-                if ev.reason == "error":
-                    yield sse.event(APIError(500, f"the engine failed on this request: {ev.error}",
-                                             code="engine_error").body())
+                if cut is not None:               # OpenAI's clients raise on an error event: the stream ends
+                    if tail:
+                        yield frame([R.chunk_choice(chat, ev.index, tail, None, None, False)])
+                    yield sse.event(cut.body())
+                    for h in self.handles:        # the other choices share the cause
+                        if not h.finished:
+                            self.runtime.cancel(h, quiet=True)
+                    break
                 yield frame([R.chunk_choice(chat, ev.index, tail or None, self.reasons[ev.index], None, False)])
                 continue
             got = self._apply(ev)

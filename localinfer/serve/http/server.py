@@ -3,7 +3,8 @@
 SIGINT/SIGTERM/SIGHUP: the first one stops accepting connections and makes
 new requests on open connections answer 503, lets in-flight requests finish
 for up to ``grace_s``, then cancels what is left (their KV freed; a stream
-gets a last chunk with ``finish_reason: "cancelled"`` and ``[DONE]``), stops
+gets an error event, code ``shutting_down``, and ``[DONE]``; a reply not
+streamed a 503), stops
 the engine thread and returns normally (the CLI exits 0).  A second SIGINT stops
 at once (uvicorn's force exit).  uvicorn re-raises a captured signal after
 shutdown; this server does not, so the exit status is 0.

@@ -1,0 +1,82 @@
+"""A reply cut short is an error, not a ``finish_reason`` OpenAI's clients do not know: here the machine slows
+down after a request was admitted (steps sleep), so its ``deadline_ms`` passes mid-reply."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.serve.test_http_support import MODEL_ID, LiveServer, sse_events
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+SLOW_AFTER = 4          # steps at full speed, then each step takes SLOW_S longer
+SLOW_S = 0.2
+BODY = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+        "deadline_ms": 1500}
+
+
+@pytest.fixture(scope="module")
+def slowing(default_model):
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+    class SlowsDown(LlamaCppExecutor):
+        """A machine that slows down (another process, thermal throttling) SLOW_AFTER steps after ``reset``."""
+        left = 1 << 30
+
+        def step(self, chunks):
+            out = super().step(chunks)
+            self.left -= 1
+            if self.left < 0:
+                time.sleep(SLOW_S)
+            return out
+
+    def opener(config):
+        plan = LoadPlan(str(default_model), n_ctx=512, n_seq=config.n_slots, n_threads=1, flash_attn=True,
+                        options={"kv_unified": True})
+        return lambda: SlowsDown(plan, park_host=True)
+
+    srv = LiveServer(default_model, parallel=2, open_executor=opener)
+    yield srv
+    srv.stop()
+
+
+def _slow_from_now(srv) -> None:
+    srv.runtime.executor.inner.left = SLOW_AFTER
+
+
+def test_a_deadline_passing_mid_reply_is_504_not_a_half_reply(slowing):
+    _slow_from_now(slowing)
+    t0 = time.monotonic()
+    r = httpx.post(slowing.url + "/v1/completions", json=BODY, timeout=60)
+    assert time.monotonic() - t0 < 1.5 + 1.0        # cut at the deadline, not run to its 60 tokens (12 s)
+    err = r.json()["error"]
+    assert r.status_code == 504 and err["code"] == "deadline_exceeded" and err["param"] == "deadline_ms", r.text
+    assert "deadline_ms=1500" in err["message"] and "\n" not in err["message"]
+    slowing.runtime.executor.inner.left = 1 << 30
+    slowing.wait_idle()
+
+
+def test_a_stream_cut_mid_reply_ends_with_an_error_event(slowing):
+    _slow_from_now(slowing)
+    with httpx.stream("POST", slowing.url + "/v1/completions", json={**BODY, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(list(r.iter_lines()))
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "deadline_exceeded", events[-3:]
+    texts = [c["text"] for e in events[:-2] for c in e["choices"]]
+    assert texts and all(c["finish_reason"] is None for e in events[:-2] for c in e["choices"])
+    slowing.runtime.executor.inner.left = 1 << 30
+    slowing.wait_idle()
+    # the openai client raises the error event as its typed APIError
+    _slow_from_now(slowing)
+    client = openai.OpenAI(base_url=slowing.base_url, api_key="none", max_retries=0)
+    with pytest.raises(openai.APIError, match="deadline_ms=1500"):
+        for _ in client.completions.create(model=MODEL_ID, prompt=BODY["prompt"], max_tokens=60, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True, "deadline_ms": 1500}):
+            pass
+    slowing.runtime.executor.inner.left = 1 << 30
+    m = slowing.wait_idle()
+    assert m["localinfer_kv_blocks_used"] == 0
