@@ -74,8 +74,26 @@ def install() -> None:
             signal.signal(s, _on_signal)
 
 
+_stops = threading.local()
+
+
+@contextmanager
+def stops_on(event: threading.Event) -> Iterator[None]:
+    """In this thread, :func:`pending` reports SIGTERM once ``event`` is set, so native work that polls it (a
+    model load's progress callback) stops: how a server's engine thread hears a signal the main thread took."""
+    before = getattr(_stops, "event", None)
+    _stops.event = event
+    try:
+        yield
+    finally:
+        _stops.event = before
+
+
 def pending() -> int | None:
     """The signal waiting for the end of the :func:`native` block, if any (for callbacks to poll)."""
+    stop = getattr(_stops, "event", None)
+    if stop is not None and stop.is_set():
+        return signal.SIGTERM
     if _pending is None and _depth and _owned:
         waiting = signal.sigpending() & _owned
         if waiting:

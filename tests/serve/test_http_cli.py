@@ -117,6 +117,33 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0():
             p.wait()
 
 
+def test_sigterm_during_a_prefill_stops_accepting_and_finishes_it():
+    p, url = _start("--grace", "20")
+    try:
+        body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "one two three four " * 100, "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("r", httpx.post(url + "/v1/completions", json=body,
+                                                                           timeout=60)))
+        t.start()
+        time.sleep(0.3)                       # 400 prompt tokens on 1 thread: well over a second of prefill
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        try:                                  # a new request is refused: 503, or its connection is
+            late = httpx.post(url + "/v1/completions", json={**body, "prompt": "hi"}, timeout=10).status_code
+        except httpx.TransportError:
+            late = "refused"
+        t.join(60)
+        r = got["r"]
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+        assert late in (503, "refused"), late
+        assert p.wait(30) == 0 and "Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_sigint_when_idle_exits_0():
     p, url = _start("--api-key", "k")
     try:
@@ -161,6 +188,28 @@ def test_sigterm_past_the_grace_period_cancels_and_still_ends_the_stream():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_signal_while_loading_stops_the_load(default_model):
+    """SIGTERM as llama.cpp starts to load (the handler calls shutdown_after): the load stops through its
+    progress callback and the runtime ends stopped, not failed (the CLI then exits 0)."""
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.commands.serve import open_llamacpp
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.http.runtime import Runtime
+
+    plan = LoadPlan(str(default_model), n_ctx=256, n_seq=2, n_threads=1, options={"kv_unified": True})
+    opened = []
+
+    def signalled_then_open():
+        runtime.shutdown_after(0.0)
+        opened.append(open_llamacpp(plan))         # raises: the load was stopped
+
+    runtime = Runtime(signalled_then_open, ServeConfig(parallel=1))
+    runtime.start()
+    assert runtime.ready.wait(30)
+    runtime.stop()
+    assert runtime.state == "stopped" and runtime.load_error is None and not opened
 
 
 def test_a_model_llama_cpp_cannot_load_ends_the_server_with_1(tmp_path):

@@ -11,7 +11,8 @@ a step at 8 streams).  The relay makes that write while the engine thread is
 inside the next ``llama_decode``, which runs without the GIL.  A cancel takes effect before the next step; the
 request's blocks are freed once the step in flight completes
 (``Scheduler.cancel``).  Loading happens in this thread too, so ``/health``
-answers 503 until the model is ready.
+answers 503 until the model is ready, and a signal during the load stops it
+(llama.cpp's progress callback polls ``signals.pending``).
 
 Admission control at the door: at most ``parallel + max_queue`` requests are
 outstanding; one more is answered 429 with ``Retry-After`` (the mean
@@ -34,6 +35,7 @@ from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.metrics import Metrics
 from localinfer.serve.http.sampler import ServeRequest
 from localinfer.serve.request import FinishReason
+from localinfer.util import signals
 
 log = logging.getLogger("localinfer.serve")
 IDLE_WAIT_S = 0.5
@@ -71,6 +73,7 @@ class Runtime:
         self._active: dict[str, Handle] = {}
         self._outstanding = 0
         self._stop_at: float | None = None
+        self._stopping = threading.Event()  # set with _stop_at: also stops a model load in progress
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mean_e2e = 1.0
         self._thread = threading.Thread(target=self._main, name="localinfer-engine", daemon=True)
@@ -97,6 +100,7 @@ class Runtime:
         with self._cond:
             at = self._now() + max(0.0, grace_s)
             self._stop_at = at if self._stop_at is None else min(self._stop_at, at)
+            self._stopping.set()
             self._cond.notify()
 
     def stop(self, grace_s: float = 0.0, join_s: float = 30.0) -> None:
@@ -161,8 +165,13 @@ class Runtime:
     # ---- the engine thread ---------------------------------------------------
     def _main(self) -> None:
         try:
-            self._load()
+            with signals.stops_on(self._stopping):    # llama.cpp's load polls it: a signal stops the load
+                self._load()
         except BaseException as exc:  # noqa: BLE001 - reported on /health and to every request
+            if self._stopping.is_set():
+                self.state = "stopped"                # stopped while loading: nothing failed
+                self.ready.set()
+                return
             self.load_error = " ".join(str(exc).split()) or type(exc).__name__
             self.state = "failed"
             log.error("loading failed: %s", self.load_error)
