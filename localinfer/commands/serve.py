@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 import threading
 
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, metavar="KEY", help=f"require Authorization: Bearer KEY (or ${API_KEY_ENV})")
     g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     g.add_argument("--allow-host", action="append", default=[], metavar="NAME",
-                   help="also accept this Host header (DNS-rebinding check; repeatable)")
+                   help="also accept this Host header name (DNS-rebinding check: IP addresses, localhost and "
+                        "this machine's name always pass; '*': any; repeatable)")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
     g.add_argument("--token-budget", type=int, default=None, metavar="N",
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
                          draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0)
     plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
-    hosts = {*LOOPBACK_NAMES, *(h.lower() for h in args.allow_host)}
+    hosts = {*LOOPBACK_NAMES, socket.gethostname().lower(), *(h.lower() for h in args.allow_host)}
     if args.host not in ("0.0.0.0", "::"):
         hosts.add(args.host.lower())
     app_config = AppConfig(model_id=model_id, aliases=(os.path.basename(str(path)), *args.alias), api_key=key,

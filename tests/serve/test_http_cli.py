@@ -157,11 +157,15 @@ def test_sigint_when_idle_exits_0():
             p.wait()
 
 
-def test_json_error_shape_from_the_command(tmp_path):
-    p, url = _start()
+def test_json_error_shape_and_allowed_hosts_from_the_command(tmp_path):
+    import socket
+
+    p, url = _start("--allow-host", "Box.LAN")
     try:
         r = httpx.post(url + "/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
         assert r.status_code == 400 and json.loads(r.text)["error"]["code"] == "invalid_json"
+        for host, status in (("box.lan:8080", 200), (socket.gethostname(), 200), ("evil.example", 403)):
+            assert httpx.get(url + "/v1/models", headers={"host": host}).status_code == status, host
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0

@@ -120,6 +120,9 @@ def test_body_over_the_cap_is_413(http, srv):
 def test_host_header_is_checked_and_no_cors(http, srv):
     _error(http.get("/v1/models", headers={"host": "evil.example"}), 403, "host", "host_not_allowed")
     _error(http.get("/v1/models", headers={"host": "evil.example:8080"}), 403)
+    for ok in ("192.168.1.5:8080", "[fe80::1]:8080", "10.0.0.2", "app.localhost:3000"):   # nothing to rebind
+        assert http.get("/v1/models", headers={"host": ok}).status_code == 200, ok
+    _error(http.get("/v1/models", headers={"host": "192.168.1.5.evil.example"}), 403)
     r = http.get("/v1/models", headers={"host": f"localhost:{srv.port}", "origin": "http://evil.example"})
     assert r.status_code == 200 and not any(h.lower().startswith("access-control") for h in r.headers)
     assert http.options(CHAT, headers={"origin": "http://evil.example",
@@ -170,8 +173,9 @@ def test_api_key_guards_everything_but_health(default_model):
                 _error(c.get(path, headers={"authorization": "Basic s3cret"}), 401)
                 assert c.get(path, headers={"authorization": "Bearer s3cret"}).status_code == 200
             _error(c.post(CHAT, json=OK), 401)
-            # with a key, any Host is fine (a DNS-rebinding page cannot know the key)
-            assert c.get("/v1/models", headers={"authorization": "Bearer s3cret", "host": "box.lan"}).status_code == 200
+            # with a key too, a name not allowed is refused before the key is looked at
+            _error(c.get("/v1/models", headers={"authorization": "Bearer s3cret", "host": "box.lan"}), 403,
+                   "host", "host_not_allowed")
         with openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0) as bad, \
                 pytest.raises(openai.AuthenticationError):
             bad.models.list()

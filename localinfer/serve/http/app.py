@@ -5,15 +5,16 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /metrics`` (Prometheus text).  The guard (pure ASGI, before routing)
 checks, in this order: the Host header against the allowed names (DNS
 rebinding: a page on evil.example resolving to 127.0.0.1 still sends
-``Host: evil.example``) — skipped when an API key is set, since a rebinding page
-cannot know it; the bearer token on every path but ``/health``; the declared
-body size.  No CORS headers are ever sent, so browsers keep other origins out.
+``Host: evil.example``; an IP address or a ``*.localhost`` name names nothing an
+attacker can rebind, so those always pass, as in Ollama's check), with or without
+an API key; the bearer token on every path but ``/health``; the declared body size.  No CORS headers are ever sent, so browsers keep other origins out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -203,11 +204,10 @@ class Guard:
         return await self.app(scope, receive, send)
 
     def _check(self, path: str, headers: dict[str, str]) -> APIError | None:
-        if self.key is None:
-            host = _hostname(headers.get("host", ""))
-            if host not in self.hosts:
-                return APIError(403, f"Host {host[:80]!r} is not served here (--allow-host adds one)",
-                                param="host", code="host_not_allowed")
+        host = _hostname(headers.get("host", ""))
+        if not self._host_allowed(host):
+            return APIError(403, f"Host {host[:80]!r} is not served here (--allow-host adds one)",
+                            param="host", code="host_not_allowed")
         if self.key is not None and path != "/health":
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
@@ -223,6 +223,16 @@ class Guard:
                 return APIError(413, f"the request body is {int(length)} bytes; the limit is "
                                      f"{self.config.max_body_bytes} (--max-body)", code="body_too_large")
         return None
+
+
+    def _host_allowed(self, host: str) -> bool:
+        if "*" in self.hosts or host in self.hosts or host.endswith(".localhost"):
+            return True
+        try:
+            ipaddress.ip_address(host[1:-1] if host.startswith("[") else host)
+        except ValueError:
+            return False
+        return True
 
 
 def _hostname(host: str) -> str:
