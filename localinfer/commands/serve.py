@@ -147,9 +147,7 @@ def _need_server_packages() -> None:
 def run(args: argparse.Namespace) -> int:
     _need_server_packages()
     from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
-    from localinfer.serve.http.config import ServeConfig
     from localinfer.serve.http.runtime import Runtime
-    from localinfer.serve.speculation import DRAFT_MAX
 
     key = _check(args)
     backend = _common.backend_name(args)
@@ -160,12 +158,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
     _common.check_fit(spec, plan, backend, args.force)
-    budget = args.token_budget if args.token_budget is not None else plan.n_batch
-    config = ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
-                         chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
-                         prefix_cache=args.prefix_cache == "on",
-                         park=args.parked, **_partial_slack(args.partial_slack),
-                         draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0)
+    config = serve_config(args, plan.n_batch)
     plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
     hosts = {*LOOPBACK_NAMES, socket.gethostname().lower(), *(h.lower() for h in args.allow_host)}
@@ -176,6 +169,18 @@ def run(args: argparse.Namespace) -> int:
                            template=_template_factory(args, spec), created=int(os.path.getmtime(path)))
     runtime = Runtime(_executor_factory(backend, plan, args.parallel), config)
     return _serve(args, runtime, app_config, plan)
+
+
+def serve_config(args, n_batch: int):
+    """The engine's settings from the serving flags (``--token-budget`` defaults to the plan's ``n_batch``)."""
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.speculation import DRAFT_MAX
+
+    budget = args.token_budget if args.token_budget is not None else n_batch
+    return ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
+                       chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
+                       prefix_cache=args.prefix_cache == "on", park=args.parked, **_partial_slack(args.partial_slack),
+                       draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0)
 
 
 def _executor_factory(backend: str, plan, parallel: int):

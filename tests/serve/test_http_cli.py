@@ -38,16 +38,28 @@ def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
     assert words in err and "Traceback" not in err
 
 
-def test_partial_slack_flag_reaches_the_scheduler():
-    from localinfer.commands.serve import _partial_slack
-    from localinfer.serve.http.config import DEFAULT_PARTIAL_SLACK, ServeConfig, build_engine
+@pytest.mark.parametrize("argv, want", [
+    ([], {"token_budget": 512, "chunk_tokens": 512, "itl_target_s": None, "max_running": 4, "draft_max": 0}),
+    (["--token-budget", "96", "--chunk", "32", "-np", "2"], {"token_budget": 96, "chunk_tokens": 32, "max_running": 2}),
+    (["--itl-target", "40"], {"itl_target_s": 0.04}),
+    (["--lookup", "--draft-max", "5"], {"draft_max": 5}),
+    (["--partial-slack", "off"], {"partial_slack": None}), (["--partial-slack", "0.5"], {"partial_slack": 0.5}),
+])
+def test_serving_flags_reach_the_scheduler(argv, want):
+    import argparse
+
+    from localinfer.commands import serve
+    from localinfer.serve.http.config import DEFAULT_PARTIAL_SLACK, build_engine
     from localinfer.serve.simulated import SimulatedExecutor
     from localinfer.serve.step_model import LinearStepModel
 
-    for text, want in ((None, DEFAULT_PARTIAL_SLACK), ("off", None), ("0.5", 0.5)):
-        config = ServeConfig(parallel=4, **_partial_slack(text))
-        _, engine, _ = build_engine(SimulatedExecutor(LinearStepModel(0.01, 1e-4, 0.0), n_slots=5), config)
-        assert engine.scheduler.config.partial_slack == want
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.serve_config(parser.parse_args(argv), n_batch=512)
+    _, engine, _ = build_engine(SimulatedExecutor(LinearStepModel(0.01, 1e-4, 0.0), n_slots=config.n_slots), config)
+    got = engine.scheduler.config
+    for name, value in {"partial_slack": DEFAULT_PARTIAL_SLACK, **want}.items():
+        assert getattr(got, name) == value, (name, getattr(got, name))
 
 
 def test_health_is_503_while_loading(default_model):
