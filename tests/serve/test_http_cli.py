@@ -183,6 +183,26 @@ def test_json_error_shape_and_allowed_hosts_from_the_command(tmp_path):
         assert p.wait(30) == 0
 
 
+def test_quantized_kv_an_alias_and_a_template_that_refuses(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system "
+                        "messages here') }}{% endif %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
+    p, url = _start("-ctk", "q8_0", "-ctv", "q8_0", "--alias", "house-model", "--chat-template", str(template))
+    try:
+        user = {"role": "user", "content": "Name a colour."}
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "house-model", "messages": [user],
+                                                            "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "house-model", "max_tokens": 4,
+                                                            "messages": [{"role": "system", "content": "x"}, user]})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "template_error" and err["param"] == "messages"
+        assert "no system messages here" in err["message"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+
+
 def test_sigterm_past_the_grace_period_cancels_and_still_ends_the_stream():
     p, url = _start("--grace", "1")
     try:
