@@ -190,3 +190,28 @@ def test_api_key_guards_everything_but_health(default_model):
             s1.close()
     finally:
         srv.stop()
+
+
+def test_the_loop_answers_while_a_long_prefill_runs(srv, http):
+    """The engine thread computes; the event loop never waits on it: /health, /metrics and a refused request
+    all answer while a prompt of ~900 tokens (seconds on one thread) is still being prefilled."""
+    import threading
+
+    done = {}
+
+    def long_one():
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            c.post("/v1/completions", json={"model": MODEL_ID, "prompt": "one two three " * 300, "max_tokens": 1})
+        done["at"] = time.monotonic()
+
+    t = threading.Thread(target=long_one)
+    t.start()
+    time.sleep(0.3)
+    answered = []
+    for path in ("/health", "/metrics", "/health"):
+        assert http.get(path).status_code == 200
+        answered.append(time.monotonic())
+    _error(http.post(CHAT, json=dict(OK, temperature=9)), 400, "temperature")
+    answered.append(time.monotonic())
+    t.join(60)
+    assert answered[-1] < done["at"], "the loop waited for the prefill"
