@@ -28,7 +28,9 @@ slot's KV out of its cells (``executor.park``): a hit then shares the running
 holder's positions first and has the rest written back from the parked slot,
 so the cells are the running requests' blocks (``tokens_in_use``), and a
 write-back that finds no free cells is computed instead (``copy`` returns
-what it shared).
+what it shared).  When host memory is full (``park`` returns False) the least
+recently used parked requests give theirs up; one that fits alone neither is
+not parked.
 
 Every chunk carries its request's block table from the block manager
 (``Chunk.blocks``), so a paging executor (the torch one, built with
@@ -294,11 +296,26 @@ class Engine:
             self._free_slots.append(slot)
             return
         self.executor.drop(slot, kept)
-        if self._host_parking():
-            self.executor.park(slot)
+        if self._host_parking() and not self._parks_in_host(slot):
+            self.blocks.unpark(r.id)         # no room in host memory: not parked in cells either, where it
+            self.executor.drop(slot)         # would widen what every step attends over
+            self._free_slots.append(slot)
+            return
         self._parked[r.id] = slot
         while len(self._parked) > self.park_slots:
             self._unpark(next(iter(self._parked)))
+
+    def _parks_in_host(self, slot: int) -> bool:
+        """Move ``slot``'s KV to host memory, the least recently used parked requests giving theirs up while it
+        does not fit; False when it fits alone neither.  True also when the executor has just turned host parking
+        off (its first state would not cut): the KV then stays parked in its cells."""
+        while not self.executor.park(slot):
+            if not self._host_parking():
+                return True
+            if not self._parked:
+                return False
+            self._unpark(next(iter(self._parked)))
+        return True
 
     def _host_parking(self) -> bool:
         """The executor moves parked KV out of its cells (read each time: llama.cpp's turns it off for good when

@@ -124,3 +124,29 @@ def test_a_preempted_request_is_dropped_not_parked(executor):
         assert executor.cells_used() == _cells(e)
         assert all(r.finished for r in reqs if r.id in e._parked)
     assert sum(r.preemptions for r in reqs) > 0 and all(r.finish_reason is FinishReason.LENGTH for r in reqs)
+
+
+def test_a_full_host_budget_gives_the_oldest_parked_kv_up(executor):
+    """Room in host memory for one parked request: the next to finish takes its place (least recently used
+    first), and one that fits alone neither is not parked at all (no cells kept either)."""
+    if not executor.parks_in_host:
+        pytest.skip("host memory only")
+    system, a_prompt, b_prompt = _prompts(executor)
+    e = _engine(executor, park=2)
+    a = e.add_request(Request("a", a_prompt, 4))
+    _run(e)
+    one = executor._host[e._parked["a"]].size
+    executor.host_budget = one + one // 2                 # a second parked state does not fit beside it
+    try:
+        b = e.add_request(Request("b", b_prompt[:-2], 4))     # no shared whole block past the system prompt's
+        _run(e)
+        assert list(e._parked) == ["b"] and executor.cells_used() == 0 and executor.host_tokens() > 0
+        assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
+        executor.host_budget = 16                         # under any state: nothing parks, nothing stays
+        c = e.add_request(Request("c", a_prompt, 4))
+        _run(e)
+        assert c.finish_reason is FinishReason.LENGTH
+        assert e.parked == 0 and executor.cells_used() == 0 and executor.host_tokens() == 0
+        assert e.blocks.num_cached == 0 and e.blocks.used == 0
+    finally:
+        executor.host_budget = None

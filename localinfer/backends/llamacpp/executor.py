@@ -219,20 +219,23 @@ class LlamaCppExecutor:
         self._len[dst] = n_tokens
         return n_tokens
 
-    def park(self, slot: int) -> None:
+    def park(self, slot: int) -> bool:
         """With ``park_host``: move ``slot``'s KV to host memory and free its cells (a later ``copy`` from it
-        writes positions back; ``drop`` forgets them); without, or past ``host_budget``, its cells stay."""
+        writes positions back; ``drop`` forgets them).  False when its cells stay: without ``park_host``, or
+        past ``host_budget`` (the engine then gives older parked KV up first)."""
         self._alive()
         self._check_slot(slot)
-        if not self.parks_in_host or slot in self._host or not self._len[slot]:
-            return
+        if not self.parks_in_host:
+            return False
+        if slot in self._host or not self._len[slot]:
+            return True
         ctx = self.engine.context
         n = int(_L.llama_state_seq_get_size(ctx, slot))
         if sum(b.size for b in self._host.values()) + n > self._budget():
-            return
+            return False
         blob = np.empty(n, dtype=np.uint8)
         if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, slot) != n:
-            return
+            return False
         if not self._park_checked:    # a layout cut_seq_state does not know (a layer without V, say): cells
             try:
                 same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
@@ -240,9 +243,10 @@ class LlamaCppExecutor:
                 same = False
             self.parks_in_host, self._park_checked = same, True
             if not same:
-                return
+                return False
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._host[slot] = blob
+        return True
 
     def host_tokens(self) -> int:
         """Positions parked in host memory (not in any cell)."""

@@ -102,8 +102,8 @@ class TimedExecutor:
     def copy(self, src: int, dst: int, n_tokens: int, **kw) -> int | None:
         return self.inner.copy(src, dst, n_tokens, **kw)
 
-    def park(self, slot: int) -> None:
-        self.inner.park(slot)
+    def park(self, slot: int) -> bool:
+        return self.inner.park(slot)
 
     def restore(self, slot: int, n_tokens: int) -> None:
         self.inner.restore(slot, n_tokens)
