@@ -157,7 +157,7 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(srv):
         assert time.monotonic() < deadline, "the disconnect was not noticed"
         time.sleep(0.05)
     m = srv.wait_idle()
-    assert_only_parked_kv(m)
+    assert_only_parked_kv(srv, m)
     assert m["localinfer_generation_tokens_total"] > 0
 
 

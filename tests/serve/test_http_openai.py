@@ -131,7 +131,7 @@ def test_eight_concurrent_async_requests(srv):
     for text, reason, n in results:
         assert text and reason in ("stop", "length") and 1 <= n <= GREEDY["max_tokens"]
     m = srv.wait_idle()
-    assert_only_parked_kv(m)
+    assert_only_parked_kv(srv, m)
 
 
 def test_shared_prefix_is_reported_as_cached(client, srv):

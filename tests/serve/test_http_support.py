@@ -97,10 +97,14 @@ class LiveServer:
         self.sock.close()
 
 
-def assert_only_parked_kv(m: dict[str, float], block_tokens: int = 16) -> None:
-    """Idle metrics: no cell holds a token and the one parked request's whole blocks are in host memory."""
+def assert_only_parked_kv(srv: LiveServer, m: dict[str, float], block_tokens: int = 16) -> None:
+    """Idle metrics: no cell holds a token, the parked requests' whole blocks are in host memory, a copy each (a
+    prefix two of them share is held twice), and the cached blocks are those the parked requests keep."""
     assert m["localinfer_kv_blocks_used"] == 0 and m["localinfer_kv_cells_used"] == 0
-    assert m["localinfer_kv_host_tokens"] == m["localinfer_kv_blocks_cached"] * block_tokens
+    parked = srv.runtime.engine.blocks.parked
+    assert m["localinfer_kv_host_tokens"] == sum(map(len, parked.values())) * block_tokens
+    assert m["localinfer_kv_blocks_cached"] == len({b for blocks in parked.values() for b in blocks})
+    assert m["localinfer_kv_sequences_parked"] == len(parked)
 
 
 _shared: LiveServer | None = None

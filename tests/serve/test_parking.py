@@ -276,9 +276,9 @@ def test_random_add_step_cancel_with_parking_keeps_cells_equal_to_blocks(seq, ad
 
 # ---- the server's settings --------------------------------------------------------------------------------
 def test_serve_config_gives_the_executor_ids_for_parked_sequences_and_build_engine_parks_in_them():
-    from localinfer.serve.http.config import ServeConfig, build_engine
+    from localinfer.serve.http.config import DEFAULT_PARKED, ServeConfig, build_engine
 
-    assert (ServeConfig(parallel=4).n_slots, ServeConfig(parallel=4, park=4).n_slots) == (5, 8)   # default: 1
+    assert (ServeConfig(parallel=4).n_slots, ServeConfig(parallel=4, park=4).n_slots) == (4 + DEFAULT_PARKED, 8)
     assert ServeConfig(parallel=4, park=0).n_slots == ServeConfig(parallel=4, prefix_cache=False).n_slots == 4
     assert ServeConfig(parallel=200, park=100).park_slots == 56        # llama.cpp's 256 sequence ids
     inner = ContentExecutor(CARD, n_slots=6, n_vocab=VOCAB)

@@ -26,7 +26,7 @@ def test_the_same_prompt_twice_in_a_row_is_cached_the_second_time(client, srv):
     assert hits == first.usage.prompt_tokens_details.cached_tokens + second.usage.prompt_tokens_details.cached_tokens
     m = srv.wait_idle()
     assert m["localinfer_kv_blocks_cached"] > 0
-    assert_only_parked_kv(m, P)     # the parked request's blocks, in host memory
+    assert_only_parked_kv(srv, m, P)     # the parked request's blocks, in host memory
 
 
 def test_a_multi_turn_conversation_reuses_the_previous_turn(client):

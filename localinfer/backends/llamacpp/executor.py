@@ -34,7 +34,8 @@ still visits each masked cell.  With ``park_host`` (the server's executor)
 as llama-server's ``--cache-ram`` keeps prompts) and frees its cells; ``copy``
 from it writes the wanted positions back (``llama_state_seq_set_data`` of the
 blob cut to those cells) into fresh cells of the target slot; past ``host_budget``
-(default: ``HOST_PARK_MAX`` or half the free RAM) a parked slot keeps its cells.  At concurrency
+(default: ``HOST_PARK_MAX`` or half the free RAM) ``park`` returns False and the
+slot keeps its cells (the engine then gives older parked KV up).  At concurrency
 4 (300-token prompts, 128 tokens out, 2 threads) llama.cpp's ``n_kv`` was
 mostly 2304 with one sequence parked in cells and 1536-1792 without, and a
 4-row decode step took 22.4 against 21.1 ms (benchmarks/results/

@@ -27,12 +27,14 @@ from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibr
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
 MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
-# One parked sequence keeps the last finished request's KV: a single user's next chat turn and a shared system
-# prompt hit it.  llama.cpp's executor keeps it in host memory (park_host), so parking costs no decode speed (0 / 1 /
-# 4 / 8 parked: 83.2 / 83.8 / 83.7 / 82.1 tok/s at concurrency 1, benchmarks/results/serve_parked_cpu.txt), but the
-# KV of its kept blocks in RAM each (at most 8 GiB or half the free RAM in all, executor.HOST_PARK_MAX), which the
-# fit check does not count: more only pays for many users resending long conversations.
-DEFAULT_PARKED = 1
+# Parked sequences keep finished requests' KV: each user's next chat turn and a shared system prompt hit it.
+# llama.cpp's executor keeps them in host memory (park_host), so parking costs no decode speed (0 / 1 / 4 / 8 parked:
+# 83.2 / 83.8 / 83.7 / 82.1 tok/s at concurrency 1, benchmarks/results/serve_parked_cpu.txt) and a sequence id costs
+# nothing measurable (a 4-row decode step 19.4-20.2 ms with 5, 17 or 65 ids); their RAM is capped (8 GiB or half the
+# free RAM, executor.HOST_PARK_MAX; the least recently used go first), which the fit check does not count.  Sixteen
+# keep 8 users' 4-turn chats: 82% of later turns' prompt tokens cached against 30% with one parked, TTFT p50 0.99 s
+# against 1.71 s (llama-server: 53%, 2.07 s; benchmarks/results/serve_multiturn_cpu.txt).
+DEFAULT_PARKED = 16
 # A prompt's unfinished chunk joins a step that finishes another prompt only if it lengthens it by at most a quarter
 # (scheduler.py, partial_slack): on a CPU, 8 prompts of 302 tokens arriving together then leave one per step.
 DEFAULT_PARTIAL_SLACK = 0.25
