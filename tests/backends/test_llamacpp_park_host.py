@@ -95,11 +95,14 @@ def test_a_write_back_without_free_cells_shares_nothing_and_the_slot_stays_usabl
 
 def test_drop_cuts_or_forgets_a_parked_slot_and_misuse_is_refused(ex):
     t = _tokens(ex)
+    _fill(ex, 3, t[:10])
+    want = _next(ex, 3, t[10], 10)           # slot 3 computed 10 tokens itself
+    ex.drop(3)
     _fill(ex, 0, t)
     ex.park(0)
     size = ex._host[0].size
-    ex.drop(0, 10)                           # evicted from position 10 on: the blob keeps positions < 10
-    assert ex.host_tokens() == 10 and ex._host[0].size < size * 10 / len(t) + 1024
+    ex.drop(0, 10)        # evicted from position 10 on: positions < 10 stay; the blob is cut only when written back
+    assert ex.host_tokens() == 10 and ex._host[0].size == size
     with pytest.raises(ValueError, match="holds 10 tokens"):
         ex.copy(0, 1, 12)
     with pytest.raises(ValueError, match="parked in host memory"):
@@ -107,7 +110,9 @@ def test_drop_cuts_or_forgets_a_parked_slot_and_misuse_is_refused(ex):
     _fill(ex, 2, t[:4])
     with pytest.raises(ValueError, match="parked in host memory"):
         ex.copy(2, 0, 4)
-    assert ex.copy(0, 1, 10) == 10
+    assert ex.copy(0, 1, 10) == 10 and ex.cells_used() == 14
+    assert np.array_equal(_next(ex, 1, t[10], 10), want)
+    ex.drop(1, 10)
     ex.drop(0)
     assert ex.host_tokens() == 0 and ex.cells_used() == 14
     _fill(ex, 0, t[:4])                      # the slot is an ordinary one again

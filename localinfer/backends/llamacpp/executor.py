@@ -139,6 +139,7 @@ class LlamaCppExecutor:
         self.parks_in_host = (park_host and self.drops_tail and self.unified and not self._ext_bytes
                               and int(_L.llama_model_n_swa(model)) == 0)
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
+        self._saved: dict[int, int] = {}               # slot -> positions its blob holds (drop cuts _len only)
         self._park_checked = False
         self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
         self._state = np.zeros(0, dtype=np.uint8)
@@ -246,7 +247,7 @@ class LlamaCppExecutor:
             if not same:
                 return False
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
-        self._host[slot] = blob
+        self._host[slot], self._saved[slot] = blob, self._len[slot]
         return True
 
     def host_tokens(self) -> int:
@@ -266,11 +267,9 @@ class LlamaCppExecutor:
         self._check_slot(slot)
         if start < 0:
             raise ValueError(f"drop start must be >= 0, got {start}")
-        if slot in self._host:       # no cells: the blob keeps positions < start
+        if slot in self._host:       # no cells: positions < start stay wanted; the blob is cut when written back
             if not start:
-                del self._host[slot]
-            elif start < self._len[slot]:
-                self._host[slot] = cut_seq_state(self._host[slot], 0, start)[0]
+                del self._host[slot], self._saved[slot]
             self._len[slot] = min(self._len[slot], start)
             return
         if start < self._len[slot]:
@@ -354,7 +353,7 @@ class LlamaCppExecutor:
         cut to those cells unless it is all of them, is read into dst; past a shared prefix it is read into src's
         (cell-less) id, shared with dst, and src's id taken off again.  False: no free cells, or the state lacks
         some of those positions."""
-        if lo == 0 and hi == self._len[src]:      # the stored state holds exactly [0, _len): no cut
+        if lo == 0 and hi == self._saved[src]:    # the stored state holds exactly [0, hi): no cut
             blob, kept = self._host[src], hi
         else:
             blob, kept = cut_seq_state(self._host[src], lo, hi)
