@@ -99,7 +99,8 @@ class VocabOnly(LlamaVocab):
             if self._model and signals.pending() is not None:
                 _L.llama_model_free(self._model)
                 self._model = None
-            elif not self._model:
+                raise KeyboardInterrupt     # the main thread raises Terminated leaving the block instead
+            if not self._model:
                 raise UnsupportedModelError(
                     f"llama.cpp cannot read the tokenizer of {os.path.basename(path)}: {last_error()}",
                     hint="check the file with `localinfer inspect`", path=path)

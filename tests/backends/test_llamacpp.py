@@ -252,3 +252,38 @@ def test_other_architectures_kv_bytes_and_rewind(tiny_models, arch):
         runner.reset()
         again = runner.generate(prompt, SamplingParams(temperature=0), max_tokens=6, ignore_eos=True).tokens
         assert first == again and len(first) == 6
+
+
+def test_a_stop_event_ends_a_load_or_a_context_in_any_thread(default_model):
+    """A server's engine thread told to stop (``signals.stops_on``): the load stops at its first progress callback,
+    and a context created as the event is set is freed and raised, never handed back (it was used after free)."""
+    import llama_cpp as _L
+
+    from localinfer.backends.llamacpp import native
+    from localinfer.backends.vocab import VocabOnly
+    from localinfer.util import signals
+
+    plan = LoadPlan(str(default_model), n_ctx=256, n_seq=1, n_threads=1)
+    got = {}
+
+    def engine_thread():
+        stop = threading.Event()
+        model = native.load_model(str(default_model), plan)
+        try:
+            with signals.stops_on(stop):
+                stop.set()                   # the signal arrives once the weights are in
+                for name, make in (("context", lambda: native.new_context(model, plan)),
+                                   ("load", lambda: native.load_model(str(default_model), plan)),
+                                   ("vocab", lambda: VocabOnly(str(default_model)))):
+                    try:
+                        got[name] = make()
+                    except KeyboardInterrupt:
+                        got[name] = "stopped"
+            got["after"] = signals.pending()  # the event is this block's only
+        finally:
+            _L.llama_model_free(model)
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join(60)
+    assert got == {"context": "stopped", "load": "stopped", "vocab": "stopped", "after": None}

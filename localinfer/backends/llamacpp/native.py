@@ -197,7 +197,8 @@ def new_context(model, plan: LoadPlan):
     with signals.native():
         ctx = _L.llama_init_from_model(model, cp)
         if ctx and signals.pending() is not None:
-            _L.llama_free(ctx)  # leaving the block raises Terminated
+            _L.llama_free(ctx)  # in the main thread leaving the block raises Terminated instead; elsewhere
+            raise KeyboardInterrupt     # (a server's engine thread told to stop, signals.stops_on) this does
     if not ctx:
         raise UnsupportedModelError(f"llama.cpp could not create a context: {last_error()}",
                                     hint="try a smaller --ctx or a quantized KV cache (-ctk q8_0 -ctv q8_0)"
