@@ -307,12 +307,13 @@ class Engine:
 
     def _parks_in_host(self, slot: int) -> bool:
         """Move ``slot``'s KV to host memory, the least recently used parked requests giving theirs up while it
-        does not fit; False when it fits alone neither.  True also when the executor has just turned host parking
-        off (its first state would not cut): the KV then stays parked in its cells."""
-        while not self.executor.park(slot):
+        does not fit beside them (``park`` False); False when it cannot go there (``park`` None: over the whole
+        budget) or fits alone neither.  True also when the executor has just turned host parking off (its first
+        state would not cut): the KV then stays parked in its cells."""
+        while (done := self.executor.park(slot)) is not True:
             if not self._host_parking():
                 return True
-            if not self._parked:
+            if done is None or not self._parked:
                 return False
             self._unpark(next(iter(self._parked)))
         return True

@@ -93,7 +93,7 @@ def test_a_write_back_without_free_cells_shares_nothing_and_the_slot_stays_usabl
     assert ex.copy(0, 2, 16) == 16 and ex.cells_used() == 16   # the blob is intact
 
 
-def test_drop_cuts_or_forgets_a_parked_slot_and_misuse_is_refused(ex):
+def test_drop_shortens_or_forgets_a_parked_slot_and_misuse_is_refused(ex):
     t = _tokens(ex)
     _fill(ex, 3, t[:10])
     want = _next(ex, 3, t[10], 10)           # slot 3 computed 10 tokens itself
@@ -176,6 +176,24 @@ def test_cut_seq_state_refuses_a_layout_it_does_not_know():
         cut_seq_state(np.zeros(64, np.uint8), 0, 2)
 
 
+def test_a_full_budget_first_cuts_the_tails_drop_gave_up(ex):
+    t = _tokens(ex)
+    _fill(ex, 0, t)
+    assert ex.park(0) is True
+    whole = ex._host[0].size
+    ex.drop(0, 8)                            # the saved state still holds all of t
+    _fill(ex, 1, t)
+    ex.host_budget = 2 * whole - 1           # both whole states do not fit; 8 positions and one whole do
+    try:
+        assert ex.park(1) is True and ex._host[0].size < whole / 2 and ex.host_tokens() == 8 + len(t)
+        assert ex.copy(0, 2, 8) == 8 and ex.copy(1, 3, len(t)) == len(t)
+        ex.host_budget = whole // 2          # under one state: it never fits, said apart from "no room yet"
+        ex.step([Chunk(2, t[8:16], 8)])
+        assert ex.park(2) is None and ex.cells_used() == 16 + len(t)
+    finally:
+        ex.host_budget = None
+
+
 def test_past_the_host_budget_a_parked_slot_keeps_its_cells(default_model):
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
@@ -183,7 +201,7 @@ def test_past_the_host_budget_a_parked_slot_keeps_its_cells(default_model):
         t = _tokens(ex)
         _fill(ex, 0, t)
         ex.host_budget = 1024                    # under one parked request's state
-        assert ex.park(0) is False
+        assert ex.park(0) is None
         assert ex.cells_used() == len(t) and ex.host_tokens() == 0
         assert ex.copy(0, 1, 16) == 16 and ex.cells_used() == len(t)   # a plain seq_cp: shared cells
         ex.host_budget = None                    # the default: HOST_PARK_MAX or half the free RAM

@@ -221,23 +221,29 @@ class LlamaCppExecutor:
         self._len[dst] = n_tokens
         return n_tokens
 
-    def park(self, slot: int) -> bool:
+    def park(self, slot: int) -> bool | None:
         """With ``park_host``: move ``slot``'s KV to host memory and free its cells (a later ``copy`` from it
-        writes positions back; ``drop`` forgets them).  False when its cells stay: without ``park_host``, or
-        past ``host_budget`` (the engine then gives older parked KV up first)."""
+        writes positions back; ``drop`` forgets them).  True when it is there; otherwise its cells stay: False
+        when it does not fit beside the parked states (giving some up would make room), None when it never will
+        (over the whole ``host_budget``, unreadable) or without ``park_host``."""
         self._alive()
         self._check_slot(slot)
         if not self.parks_in_host:
-            return False
+            return None
         if slot in self._host or not self._len[slot]:
             return True
         ctx = self.engine.context
         n = int(_L.llama_state_seq_get_size(ctx, slot))
-        if sum(b.size for b in self._host.values()) + n > self._budget():
-            return False
+        budget = self._budget()
+        if n > budget:
+            return None
+        if self._host_bytes() + n > budget:
+            self._cut_dropped_tails()
+            if self._host_bytes() + n > budget:
+                return False
         blob = np.empty(n, dtype=np.uint8)
         if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, slot) != n:
-            return False
+            return None
         if not self._park_checked:    # a layout cut_seq_state does not know (a layer without V, say): cells
             try:
                 same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
@@ -245,7 +251,7 @@ class LlamaCppExecutor:
                 same = False
             self.parks_in_host, self._park_checked = same, True
             if not same:
-                return False
+                return None
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._host[slot], self._saved[slot] = blob, self._len[slot]
         return True
@@ -253,6 +259,15 @@ class LlamaCppExecutor:
     def host_tokens(self) -> int:
         """Positions parked in host memory (not in any cell)."""
         return sum(self._len[s] for s in self._host)
+
+    def _host_bytes(self) -> int:
+        return sum(b.size for b in self._host.values())
+
+    def _cut_dropped_tails(self) -> None:
+        """Cut the saved states that hold positions ``drop`` gave up (it only shortens a host slot)."""
+        for s, blob in self._host.items():
+            if self._saved[s] > self._len[s]:
+                self._host[s], self._saved[s] = cut_seq_state(blob, 0, self._len[s])[0], self._len[s]
 
     def _budget(self) -> int:
         if self.host_budget is not None:

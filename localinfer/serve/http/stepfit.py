@@ -102,7 +102,7 @@ class TimedExecutor:
     def copy(self, src: int, dst: int, n_tokens: int, **kw) -> int | None:
         return self.inner.copy(src, dst, n_tokens, **kw)
 
-    def park(self, slot: int) -> bool:
+    def park(self, slot: int) -> bool | None:
         return self.inner.park(slot)
 
     def restore(self, slot: int, n_tokens: int) -> None:
