@@ -133,7 +133,8 @@ class Generation:
             if ev is None:
                 continue                          # the client left: the cancels' finishes follow
             if ev.reason is not None:
-                cut = cut or self._cut(ev)
+                if cut is None and (cut := self._cut(ev)) is not None:
+                    self._cancel_rest()           # the answer is an error now: the other choices stop too
                 parts[ev.index].append(self._finish(ev))
                 continue
             got = self._apply(ev)
@@ -176,10 +177,9 @@ class Generation:
                     if tail:
                         yield frame([R.chunk_choice(chat, ev.index, tail, None, None, False)])
                     yield sse.event(cut.body())
-                    for h in self.handles:        # the other choices share the cause
-                        if not h.finished:
-                            self.runtime.cancel(h, quiet=True)
-                    break
+                    self._cancel_rest()
+                    yield sse.DONE                # no usage chunk: the client raised at the error
+                    return
                 yield frame([R.chunk_choice(chat, ev.index, tail or None, self.reasons[ev.index], None, False)])
                 continue
             got = self._apply(ev)
@@ -191,6 +191,11 @@ class Generation:
         if self.spec.include_usage:
             yield sse.event({**base, "choices": [], "usage": self.usage()})
         yield sse.DONE
+
+    def _cancel_rest(self) -> None:
+        for h in self.handles:
+            if not h.finished:
+                self.runtime.cancel(h, quiet=True)
 
     def close(self) -> None:
         self._watcher.cancel()
