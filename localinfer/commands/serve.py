@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, metavar="KEY", help=f"require Authorization: Bearer KEY (or ${API_KEY_ENV})")
     g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     g.add_argument("--allow-host", action="append", default=[], metavar="NAME",
-                   help="also accept this Host header name (DNS-rebinding check: IP addresses, localhost and "
-                        "this machine's name always pass; '*': any; repeatable)")
+                   help="also accept this Host header name (DNS-rebinding check: IP addresses, localhost, "
+                        "*.localhost and this machine's name always pass; '*': any; repeatable)")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
     g.add_argument("--token-budget", type=int, default=None, metavar="N",
@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
     g.add_argument("--parked", type=int, default=None, metavar="N",
                    help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
-                        "(default 16; kept in host memory, all of them in at most 8 GiB or half the free RAM, the least "
-                        "recently used given up first; 0: none)")
+                        "(default 16; kept in host memory, all of them in at most 8 GiB or half the free RAM, "
+                        "the least recently used given up first; 0: none)")
     g.add_argument("--lookup", action="store_true",
                    help="prompt-lookup speculative decoding: verify n-gram drafts inside the batched steps")
     g.add_argument("--draft-max", type=int, default=None, metavar="N",
@@ -157,8 +157,12 @@ def run(args: argparse.Namespace) -> int:
     path, spec = _common.read_spec(args)
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
-    _common.check_fit(spec, plan, backend, args.force)
     config = serve_config(args, plan.n_batch)
+    if backend == "llama.cpp":    # llama.cpp reserves a logit row per sequence id, the parked ones' too
+        from localinfer.backends.llamacpp.memory import outputs_cap
+
+        plan = plan.with_(options={**plan.options, "n_outputs_max": outputs_cap(plan.with_(n_seq=config.n_slots))})
+    _common.check_fit(spec, plan, backend, args.force)
     plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
     hosts = {*LOOPBACK_NAMES, socket.gethostname().lower(), *(h.lower() for h in args.allow_host)}

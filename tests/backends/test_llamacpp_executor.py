@@ -276,7 +276,7 @@ def test_a_decode_beside_a_long_prefill_is_its_own_call(ex, split):
 
 def test_more_sequences_than_logit_rows_decode(default_model, tmp_path):
     """llama.cpp reserves an output row per sequence and aborts (GGML_ASSERT) when they exceed n_outputs_max,
-    which the executor sets to 64 by default: 70 sequence ids (``serve --parallel 8 --parked 62``) must decode.
+    which the executor capped at 64 and n_batch: 70 sequence ids (``serve --parallel 8 --parked 62``) must decode.
     In a child process, as a regression would abort the interpreter."""
     import subprocess
     import sys

@@ -5,9 +5,10 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /metrics`` (Prometheus text).  The guard (pure ASGI, before routing)
 checks, in this order: the Host header against the allowed names (DNS
 rebinding: a page on evil.example resolving to 127.0.0.1 still sends
-``Host: evil.example``; an IP address or a ``*.localhost`` name names nothing an
-attacker can rebind, so those always pass, as in Ollama's check), with or without
-an API key; the bearer token on every path but ``/health``; the declared body size.  No CORS headers are ever sent, so browsers keep other origins out.
+``Host: evil.example``; an IP address or a ``*.localhost`` name names nothing
+an attacker can rebind, so those always pass, as in Ollama's check), with or
+without an API key; the bearer token on every path but ``/health``; the
+declared body size.  No CORS headers are ever sent, so browsers keep other origins out.
 """
 
 from __future__ import annotations
@@ -223,7 +224,6 @@ class Guard:
                 return APIError(413, f"the request body is {int(length)} bytes; the limit is "
                                      f"{self.config.max_body_bytes} (--max-body)", code="body_too_large")
         return None
-
 
     def _host_allowed(self, host: str) -> bool:
         if "*" in self.hosts or host in self.hosts or host.endswith(".localhost"):

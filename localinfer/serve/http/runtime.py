@@ -174,7 +174,7 @@ class Runtime:
                 return
             self.load_error = " ".join(str(exc).split()) or type(exc).__name__
             self.state = "failed"
-            log.error("loading failed: %s", self.load_error)
+            log.info("loading failed: %s", self.load_error)    # the CLI prints it as its error line
             self.ready.set()
             return
         self._relay.start()                   # events exist only once the model is loaded
