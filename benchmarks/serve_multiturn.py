@@ -63,6 +63,8 @@ async def chat_turn(client, model: str, messages: list[dict], output_tokens: int
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     ev = json.loads(line[6:])
+                    if "error" in ev:         # an error event inside the 200 stream: not a reply
+                        return {"ok": False, "status": 200, "error": str(ev["error"])[:200]}
                     if ev.get("usage"):
                         usage = ev["usage"]
                     for c in ev.get("choices") or []:

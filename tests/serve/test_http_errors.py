@@ -201,9 +201,11 @@ def test_the_loop_answers_while_a_long_prefill_runs(srv, http):
 
     def long_one():
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            c.post("/v1/completions", json={"model": MODEL_ID, "prompt": "one two three " * 300, "max_tokens": 1})
+            done["status"] = c.post("/v1/completions", json={"model": MODEL_ID, "prompt": "one two three " * 300,
+                                                              "max_tokens": 1}).status_code
         done["at"] = time.monotonic()
 
+    start = time.monotonic()
     t = threading.Thread(target=long_one)
     t.start()
     time.sleep(0.3)
@@ -214,4 +216,7 @@ def test_the_loop_answers_while_a_long_prefill_runs(srv, http):
     _error(http.post(CHAT, json=dict(OK, temperature=9)), 400, "temperature")
     answered.append(time.monotonic())
     t.join(60)
+    assert done["status"] == 200
+    if done["at"] - start < 1.0:
+        pytest.skip("the prefill took under a second here (an accelerator?): nothing to overlap")
     assert answered[-1] < done["at"], "the loop waited for the prefill"
