@@ -34,7 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_peers import free_port, machine, wait_ready   # noqa: E402
+from benchmarks.serve_peers import free_port, machine, stop, wait_ready   # noqa: E402
 from localinfer.model.sources import resolve_model                 # noqa: E402
 from localinfer.serve.loadgen import KEEPALIVE_S, RESEND_WITHIN_S, WORDS   # noqa: E402
 from localinfer.util.stats import percentile                        # noqa: E402
@@ -158,11 +158,7 @@ def measure(name: str, command, args, convo, tmp: Path) -> dict:
         wait_ready(url, proc, log)
         return asyncio.run(run_chats(url, *convo, args.concurrency, args.output_tokens))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def table(doc: dict) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_peers import SCENARIOS, commands, free_port, load, machine, wait_ready   # noqa: E402
+from benchmarks.serve_peers import SCENARIOS, commands, free_port, load, machine, stop, wait_ready   # noqa: E402
 from localinfer.model.sources import resolve_model                                      # noqa: E402
 
 N_RE = re.compile(r"find_slot: stream\[\d+\], n = +(\d+)")
@@ -55,11 +55,7 @@ def measure(name: str, cmd: list[str], env: dict, url: str, level: list[str], se
             f.seek(start)
             counts = n_kv_counts(f.read().decode("utf-8", "replace"))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     steps = sorted(counts.elements())
     return {"server": name, "tok_s": run["output_tok_s"], "itl_p50_ms": run["itl_p50_ms"],
             "ttft_p50_ms": run["ttft_p50_ms"], "ubatches": len(steps),

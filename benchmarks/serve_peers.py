@@ -99,6 +99,17 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
     sys.exit(f"{url} did not become ready: {log.read_text()[-800:]}")
 
 
+def stop(*procs: subprocess.Popen) -> None:
+    """SIGTERM every server, then wait for each (30 s, then kill)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 SMOKE = {"--requests": "3", "--output-tokens": "8"}     # --smoke: the same runs, tiny
 
 
@@ -154,13 +165,7 @@ def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
         return {"scenario": key, "ctx": scenario["ctx"], "load": load_flags(args, scenario), "commands": cmds,
                 "levels": levels}
     finally:
-        for proc, _ in procs.values():
-            proc.terminate()
-        for proc, _ in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(*(proc for proc, _ in procs.values()))
 
 
 def ratio(a, b) -> str:

@@ -3,6 +3,7 @@ and SIGTERM/SIGINT let the request in flight finish, then exit 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -65,10 +66,8 @@ def test_serving_flags_reach_the_scheduler(argv, want):
 def test_health_is_503_while_loading(default_model):
     from localinfer.backends.engine import LoadPlan
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
-    from localinfer.serve.http.app import AppConfig
     from localinfer.serve.http.config import ServeConfig
     from localinfer.serve.http.runtime import Runtime
-    from localinfer.serve.http.server import bind, make_server
 
     go = threading.Event()
 
@@ -77,25 +76,35 @@ def test_health_is_503_while_loading(default_model):
         return LlamaCppExecutor(LoadPlan(str(default_model), n_ctx=256, n_seq=1, n_threads=1))
 
     runtime = Runtime(slow_open, ServeConfig(parallel=1))
-    sock = bind("127.0.0.1", 0)
-    server, _ = make_server(runtime, AppConfig(model_id="m", template=None))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        while not server.started:
-            time.sleep(0.01)
-        r = httpx.get(url + "/health")
-        assert r.status_code == 503 and r.json()["status"] == "loading"
-        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and r.headers["retry-after"] == "1"
-        go.set()
+    with _bare_server(runtime) as url:
+        try:
+            r = httpx.get(url + "/health")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and r.headers["retry-after"] == "1"
+        finally:
+            go.set()
         assert runtime.ready.wait(30)
         assert httpx.get(url + "/health").status_code == 200
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+@contextlib.contextmanager
+def _bare_server(runtime):
+    """uvicorn around ``runtime`` on a free port, in a thread: the root URL once it accepts."""
+    from localinfer.serve.http.app import AppConfig
+    from localinfer.serve.http.server import bind, make_server
+
+    sock = bind("127.0.0.1", 0)
+    server, _ = make_server(runtime, AppConfig(model_id="m", template=None))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
-        go.set()
         server.should_exit = True
         t.join(30)
         sock.close()
@@ -276,32 +285,19 @@ def test_a_model_llama_cpp_cannot_load_ends_the_server_with_1(tmp_path):
 
 
 def test_a_failed_load_answers_503_without_the_error_text():
-    from localinfer.serve.http.app import AppConfig
     from localinfer.serve.http.config import ServeConfig
     from localinfer.serve.http.runtime import Runtime
-    from localinfer.serve.http.server import bind, make_server
 
     def failing_open():
         raise OSError("cannot open /home/someone/secret/model.gguf")
 
     runtime = Runtime(failing_open, ServeConfig(parallel=1))
-    sock = bind("127.0.0.1", 0)
-    server, _ = make_server(runtime, AppConfig(model_id="m", template=None))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
+    with _bare_server(runtime) as url:
         assert runtime.ready.wait(30) and runtime.state == "failed"
-        while not server.started:
-            time.sleep(0.01)
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json() == {"status": "failed"}
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed" and "secret" not in r.text
-    finally:
-        server.should_exit = True
-        t.join(30)
-        sock.close()
 
 
 def test_a_plan_that_does_not_fit_is_refused_before_binding(capsys, tmp_path):
