@@ -166,3 +166,20 @@ def test_errors_are_the_clients_typed_exceptions(client):
         _chat(client, "hi " * 300, max_tokens=400, extra_body={"deadline_ms": 1})
     assert e.value.body["code"] == "deadline_unmeetable"
     assert _chat(client, "hi").choices[0].message.content is not None      # still serving
+
+
+def test_concurrent_greedy_requests_equal_each_alone(client):
+    """Four greedy completions at once give, token for token, what each gives alone (one thread, flash attention;
+    prompts under one 16-token block, so nothing comes from the prefix cache, and under 64 rows together)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["The sky is", "My favourite food is", "Once there was a", "Paris is the capital of"]
+
+    def one(p):
+        return client.completions.create(model=MODEL_ID, prompt=p, max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    alone = [one(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(one, prompts))
+    assert together == alone and len(set(alone)) == len(alone)
