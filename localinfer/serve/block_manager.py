@@ -33,6 +33,11 @@ parking, a block whose parent in its own sequence is not the cached one (two
 sequences computed one prefix at once) is not cached, so whoever holds a
 cached block holds its whole chain and one copy seats any hit.
 
+``max_used`` caps the blocks requests reference at once (the KV cells) below
+``num_blocks``: the blocks past it only cache, for an executor that keeps
+parked KV in host memory, so more parked requests stay hits than the cells
+hold; ``num_free`` and ``capacity`` count within the cap.
+
 A block is hashed once per sequence: admission makes one ``match`` and hands
 its hit to ``allocate``, and a ``PrefixHashes`` memo kept by the caller (a
 request keeps its own) carries the hashes from ``match`` to later matches and
@@ -47,6 +52,7 @@ from dataclasses import dataclass
 
 from localinfer.errors import LocalinferError, UsageError
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
+from localinfer.serve.prefix_hashes import PrefixHashes, chain_hash
 
 ROOT_HASH = 0
 
@@ -64,36 +70,6 @@ class Block:
     tokens: tuple[int, ...] = ()     # a hashed block's tokens, for the collision check
 
 
-def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
-    """H(parent hash, tokens): the default block hash."""
-    return hash((parent, tokens))
-
-
-class PrefixHashes:
-    """The chain hashes of a sequence's leading whole blocks, each computed once (a memo for one sequence).
-
-    The sequence may only grow at its end (a request's prompt + outputs): a whole block
-    never changes then, so its hash stays valid.  ``truncate`` drops the hashes past a
-    shorter sequence; a manager with another block size or hash function starts over.
-    """
-
-    __slots__ = ("_key", "values")
-
-    def __init__(self):
-        self.values: list[int] = []
-        self._key: tuple | None = None
-
-    def truncate(self, n_tokens: int, block_tokens: int) -> None:
-        """Keep only the hashes of blocks wholly inside the first ``n_tokens``."""
-        del self.values[n_tokens // block_tokens:]
-
-    def _for(self, key: tuple) -> PrefixHashes:
-        if self._key != key:
-            self.values.clear()
-            self._key = key
-        return self
-
-
 @dataclass(frozen=True)
 class BlockCopy:
     """Copy-on-write: ``n_tokens`` of block ``src`` go to the new block ``dst`` before the write."""
@@ -107,7 +83,8 @@ class BlockManager:
     """The KV pool of one model: ``num_blocks`` blocks of ``block_tokens`` tokens."""
 
     def __init__(self, num_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, *, prefix_cache: bool = True,
-                 pool_hits: bool = True, hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash):
+                 pool_hits: bool = True, hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash,
+                 max_used: int | None = None):
         if num_blocks < 0 or block_tokens <= 0:
             raise UsageError(f"need a non-negative block count and a positive block size, got {num_blocks} "
                              f"blocks of {block_tokens}", flag="--block")
@@ -131,6 +108,7 @@ class BlockManager:
         self.on_evict: Callable[[object, int], None] | None = None
         self.peak_used = 0
         self.evictions = 0
+        self.max_used = max_used      # referenced blocks at most (the KV cells); the rest only cache (host memory)
 
     # ---- counts --------------------------------------------------------------
     @property
@@ -138,9 +116,15 @@ class BlockManager:
         return len(self.blocks)
 
     @property
+    def capacity(self) -> int:
+        """The most blocks requests can reference at once."""
+        return len(self.blocks) if self.max_used is None else self.max_used
+
+    @property
     def num_free(self) -> int:
-        """Blocks an allocation can take now: the free pool plus evictable cached blocks."""
-        return len(self._free) + len(self._lru)
+        """Blocks an allocation can take now: the free pool plus evictable cached blocks (within ``max_used``)."""
+        n = len(self._free) + len(self._lru)
+        return n if self.max_used is None else max(0, min(n, self.max_used - self.used))
 
     @property
     def num_cached(self) -> int:

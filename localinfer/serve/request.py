@@ -22,7 +22,7 @@ from itertools import pairwise
 
 from localinfer.errors import UsageError
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
-from localinfer.serve.block_manager import PrefixHashes
+from localinfer.serve.prefix_hashes import PrefixHashes
 
 
 class State(enum.Enum):

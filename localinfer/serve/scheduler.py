@@ -324,11 +324,11 @@ class Scheduler:
                 break    # not in the step that preempted it
             reserve = tokens_held(len(r.prompt), r.max_tokens)
             whole = request_blocks(len(r.prompt), r.max_tokens, bm.block_tokens)
-            if whole > bm.num_blocks:
+            if whole > bm.capacity:
                 del self.waiting[i]
                 plan.refused.append(r)
                 r.finish(FinishReason.ERROR, now, f"needs {whole} KV blocks, "
-                                                  f"the pool has {bm.num_blocks}")
+                                                  f"the pool has {bm.capacity}")
                 continue
             tokens = r.view()
             hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))

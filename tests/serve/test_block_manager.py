@@ -193,3 +193,22 @@ def test_a_live_block_takes_over_the_hash_of_one_nobody_holds():
     hit = bm.match(p + (3,))
     assert len(hit) == 4 and hit == bm.tables["b"][:4]
     assert bm.num_free == 64 - len(bm.tables["b"])        # a's old blocks went back to the pool
+
+
+def test_max_used_caps_the_referenced_blocks_and_the_rest_only_cache():
+    """A pool of 12 blocks of which requests may reference 4 (the cells): admission counts within the cap, and
+    released blocks stay cached past it (parked KV in host memory), to be hit again."""
+    bm = BlockManager(12, 4, max_used=4)
+    assert bm.capacity == 4 and bm.num_free == 4
+    a, b, c = toks(8, 0), toks(8, 100), toks(8, 200)
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        bm.allocate(name, t)                  # 2 blocks each
+        bm.commit(name, t)
+        if name == "a":
+            assert bm.num_free == 2 and not bm.can_allocate(toks(12, 300))   # 3 blocks: over the cap
+        bm.free(name)
+    assert bm.used == 0 and bm.num_cached == 6 > bm.capacity          # all three stay cached
+    assert len(bm.match(a + (1,))) == len(bm.match(b + (1,))) == len(bm.match(c + (1,))) == 2
+    hit = bm.match(a + (1,))
+    bm.allocate("a2", a + (1,), hit=hit)      # the hit's 2 cached blocks plus one new: 3 referenced
+    assert bm.used == 3 and bm.num_free == 1

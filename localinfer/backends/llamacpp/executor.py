@@ -135,7 +135,7 @@ class LlamaCppExecutor:
                             and not _L.llama_model_is_recurrent(model))   # short chunks in a call of their own
         self._len = [0] * self.n_slots
         # a one-sequence state this executor can cut: one unified stream, no sliding-window cache (whose cells a
-        # sequence's state leaves out once masked), no per-cell extension; park() checks the first blob round-trips
+        # sequence's state leaves out once masked), no per-cell extension; a probe below checks a blob round-trips
         self.parks_in_host = (park_host and self.drops_tail and self.unified and not self._ext_bytes
                               and int(_L.llama_model_n_swa(model)) == 0)
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
@@ -145,6 +145,11 @@ class LlamaCppExecutor:
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
         self.steps = 0
+        if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
+            self.step([Chunk(0, (0, 0), 0)])
+            self.park(0)
+            self.drop(0)
+            self.steps, self.decode_seconds = 0, 0.0
 
     @classmethod
     def open(cls, model: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, threads: int | None = None,

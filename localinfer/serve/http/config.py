@@ -78,14 +78,17 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     # a paging executor (torch) brings its block size and restores prefixes cached in blocks no sequence holds
     p = getattr(inner, "block_size", None) or config.block_tokens
     n_blocks = (getattr(inner, "n_cells", None) or 0) // p
-    blocks = BlockManager(n_blocks, p, prefix_cache=config.prefix_cache,
-                          pool_hits=getattr(inner, "restores_cached_prefix", False))
+    # parking needs spare sequence ids and dropping a sequence's tail (not a recurrent model)
+    park = max(0, min(config.park_slots, inner.n_slots - config.parallel)) if getattr(inner, "drops_tail", False) else 0
+    # parked KV in host memory (llama.cpp's park_host): a cache tier past the cells, as much as the parked ids hold
+    per_slot = (getattr(inner, "slot_cells", None) or n_blocks * p) // p
+    host = park * per_slot if getattr(inner, "parks_in_host", False) else 0
+    blocks = BlockManager(n_blocks + host, p, prefix_cache=config.prefix_cache,
+                          pool_hits=getattr(inner, "restores_cached_prefix", False), max_used=n_blocks if host else None)
     chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
     sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
                             drop_late=True, draft_max=config.draft_max, partial_slack=config.partial_slack,
                             **chunk)
-    # parking needs spare sequence ids and dropping a sequence's tail (not a recurrent model)
-    park = min(config.park_slots, inner.n_slots - config.parallel) if getattr(inner, "drops_tail", False) else 0
-    engine = Engine(executor, Scheduler(sched, blocks, model), park_slots=max(0, park))
+    engine = Engine(executor, Scheduler(sched, blocks, model), park_slots=park)
     return executor, engine, model

@@ -19,7 +19,7 @@ GAUGES = {
     "kv_blocks_used": "KV blocks referenced by requests",
     "kv_blocks_cached": "KV blocks held only by the prefix cache: parked requests' KV (evictable)",
     "kv_sequences_parked": "finished requests whose KV stays (in host memory or cells) for later prefix hits",
-    "kv_blocks_total": "KV blocks in the pool",
+    "kv_blocks_total": "KV blocks requests can hold at once (the cells; parked KV in host memory caches beyond)",
     "kv_cells_used": "llama.cpp KV cells holding a token (sampled when the server is idle)",
     "kv_host_tokens": "parked requests' KV tokens kept in host memory, in no cell (sampled when the server is idle)",
 }

@@ -200,7 +200,7 @@ class Runtime:
         self.tokenizer = getattr(inner, "engine", None) or getattr(inner, "vocab", None)   # llama.cpp's / torch's
         self.executor, self.engine, self.step_model = build_engine(inner, self.config)
         b = self.engine.blocks
-        self.context_tokens = min(b.num_blocks * b.block_tokens, getattr(inner, "slot_cells", None) or 1 << 62)
+        self.context_tokens = min(b.capacity * b.block_tokens, getattr(inner, "slot_cells", None) or 1 << 62)
         self._publish(idle=True)
 
     def _serve(self) -> None:
@@ -321,7 +321,7 @@ class Runtime:
             return
         b, s = e.blocks, e.scheduler
         values = {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
-                  "kv_blocks_used": b.used, "kv_blocks_cached": b.num_cached, "kv_blocks_total": b.num_blocks,
+                  "kv_blocks_used": b.used, "kv_blocks_cached": b.num_cached, "kv_blocks_total": b.capacity,
                   "kv_sequences_parked": e.parked,
                   "kv_cells_used": self.metrics.gauge("kv_cells_used"),
                   "kv_host_tokens": self.metrics.gauge("kv_host_tokens"), "engine_steps": self.executor.steps,
