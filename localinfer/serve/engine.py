@@ -30,7 +30,8 @@ so the cells are the running requests' blocks (``tokens_in_use``), and a
 write-back that finds no free cells is computed instead (``copy`` returns
 what it shared).  When host memory is full (``park`` returns False) the least
 recently used parked requests give theirs up; one that fits alone neither is
-not parked.
+not parked.  Of two parked requests where one's kept blocks begin the other's
+(a hit), only the longer keeps its slot, so two ids never hold one conversation.
 
 Every chunk carries its request's block table from the block manager
 (``Chunk.blocks``), so a paging executor (the torch one, built with
@@ -302,6 +303,17 @@ class Engine:
             self._free_slots.append(slot)
             return
         self._parked[r.id] = slot
+        mine = self.blocks.parked.get(r.id, [])
+        for other in [o for o in self._parked if o != r.id]:   # one conversation, two ids: keep the longer
+            theirs = self.blocks.parked.get(other)
+            if theirs is None:
+                continue
+            if mine == theirs[:len(mine)]:     # r hit other's blocks and kept no more (its own were duplicates)
+                self._parked.move_to_end(other)
+                self._unpark(r.id)
+                return
+            if theirs == mine[:len(theirs)]:
+                self._unpark(other)
         while len(self._parked) > self.park_slots:
             self._unpark(next(iter(self._parked)))
 

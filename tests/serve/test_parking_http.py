@@ -62,3 +62,29 @@ def test_prefix_cache_off_parks_nothing(default_model):
         assert m["localinfer_kv_host_tokens"] == 0
     finally:
         srv.stop()
+
+
+def test_parked_kv_in_host_memory_outlives_the_cells(default_model):
+    """256 cells (16 blocks: llama.cpp pads the 128 asked for) and eight prompts of 3 whole blocks each: their
+    parked KV (24 blocks) stays in host memory past what the cells hold, so each prompt sent again is served from
+    it (a pool the size of the cells kept about four, and the LRU evicted each before its turn came round)."""
+    from tests.serve.test_http_support import LiveServer
+
+    srv = LiveServer(default_model, parallel=1, max_queue=4, ctx=128)
+    try:
+        with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+            def send(i):
+                return c.completions.create(model=MODEL_ID, prompt=f"Story {i}: " + "the cat sat on a mat " * 8,
+                                            max_tokens=4, temperature=0, extra_body={"ignore_eos": True}).usage
+
+            first = [send(i) for i in range(8)]
+            again = [send(i) for i in range(8)]
+        assert all(u.prompt_tokens > 3 * P and u.prompt_tokens_details.cached_tokens < P for u in first)
+        assert [u.prompt_tokens_details.cached_tokens for u in again] == [(u.prompt_tokens - 1) // P * P
+                                                                         for u in again]
+        m = srv.wait_idle()
+        assert m["localinfer_kv_blocks_cached"] == 8 * 3 > m["localinfer_kv_blocks_total"] == 256 // P
+        assert m["localinfer_kv_sequences_parked"] == 8      # a resend that kept nothing new took no second id
+        assert_only_parked_kv(srv, m, P)
+    finally:
+        srv.stop()
