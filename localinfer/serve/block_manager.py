@@ -85,9 +85,9 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, *, prefix_cache: bool = True,
                  pool_hits: bool = True, hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash,
                  max_used: int | None = None):
-        if num_blocks < 0 or block_tokens <= 0:
-            raise UsageError(f"need a non-negative block count and a positive block size, got {num_blocks} "
-                             f"blocks of {block_tokens}", flag="--block")
+        if num_blocks < 0 or block_tokens <= 0 or not 0 <= (max_used or 0) <= num_blocks:
+            raise UsageError(f"need a non-negative block count, a positive block size and at most that many "
+                             f"referenced, got {num_blocks} blocks of {block_tokens} ({max_used})", flag="--block")
         self.block_tokens = block_tokens
         self.prefix_cache = prefix_cache
         self.pool_hits = pool_hits

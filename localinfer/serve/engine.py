@@ -292,6 +292,12 @@ class Engine:
         kept = self.blocks.unpark(r.id, r.n_tokens if park else 0)
         if slot is None:
             return
+        mine = self.blocks.parked.get(r.id, [])
+        keeper = next((o for o in self._parked if mine == self.blocks.parked.get(o, [])[:len(mine)]), None) \
+            if mine else None
+        if keeper is not None:                # r hit keeper's blocks and keeps no more: one id per conversation
+            self._parked.move_to_end(keeper)
+            kept = self.blocks.unpark(r.id)
         if not kept:
             self.executor.drop(slot)
             self._free_slots.append(slot)
@@ -303,16 +309,9 @@ class Engine:
             self._free_slots.append(slot)
             return
         self._parked[r.id] = slot
-        mine = self.blocks.parked.get(r.id, [])
-        for other in [o for o in self._parked if o != r.id]:   # one conversation, two ids: keep the longer
+        for other in [o for o in self._parked if o != r.id]:   # older parked KV that r keeps all of
             theirs = self.blocks.parked.get(other)
-            if theirs is None:
-                continue
-            if mine == theirs[:len(mine)]:     # r hit other's blocks and kept no more (its own were duplicates)
-                self._parked.move_to_end(other)
-                self._unpark(r.id)
-                return
-            if theirs == mine[:len(theirs)]:
+            if theirs is not None and theirs == mine[:len(theirs)]:
                 self._unpark(other)
         while len(self._parked) > self.park_slots:
             self._unpark(next(iter(self._parked)))
@@ -321,10 +320,10 @@ class Engine:
         """Move ``slot``'s KV to host memory, the least recently used parked requests giving theirs up while it
         does not fit beside them (``park`` False); False when it cannot go there (``park`` None: over the whole
         budget) or fits alone neither.  True also when the executor has just turned host parking off (its first
-        state would not cut): the KV then stays parked in its cells."""
+        state would not cut) and the block pool is the cells alone: the KV then stays parked in its cells."""
         while (done := self.executor.park(slot)) is not True:
-            if not self._host_parking():
-                return True
+            if not self._host_parking():      # in cells from now on, unless the pool has a host tier past them
+                return self.blocks.max_used is None
             if done is None or not self._parked:
                 return False
             self._unpark(next(iter(self._parked)))

@@ -138,7 +138,8 @@ def test_a_full_host_budget_gives_the_oldest_parked_kv_up(executor):
     one = executor._host[e._parked["a"]].size
     executor.host_budget = one + one // 2                 # a second parked state does not fit beside it
     try:
-        b = e.add_request(Request("b", b_prompt[:-2], 4))     # no shared whole block past the system prompt's
+        tail = tuple(executor.engine.tokenize(" at sea level, which is a hundred degrees on the Celsius scale"))
+        b = e.add_request(Request("b", b_prompt + tail, 4))   # a whole block of its own past the system prompt's
         _run(e)
         assert list(e._parked) == ["b"] and executor.cells_used() == 0 and executor.host_tokens() > 0
         assert a.finish_reason is b.finish_reason is FinishReason.LENGTH

@@ -146,9 +146,15 @@ class LlamaCppExecutor:
         self.decode_seconds = 0.0
         self.steps = 0
         if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
-            self.step([Chunk(0, (0, 0), 0)])
-            self.park(0)
-            self.drop(0)
+            try:
+                self.step([Chunk(0, (1, 1), 0)])
+                blob = self._read_state(0, int(_L.llama_state_seq_get_size(self.engine.context, 0)))
+                if blob is None or not self._check_layout(blob, 0):
+                    self.parks_in_host = False
+                self.drop(0)
+            except BaseException:
+                self.engine.close()
+                raise
             self.steps, self.decode_seconds = 0, 0.0
 
     @classmethod
@@ -246,20 +252,28 @@ class LlamaCppExecutor:
             self._cut_dropped_tails()
             if self._host_bytes() + n > budget:
                 return False
-        blob = np.empty(n, dtype=np.uint8)
-        if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, slot) != n:
+        blob = self._read_state(slot, n)
+        if blob is None or not (self._park_checked or self._check_layout(blob, slot)):
             return None
-        if not self._park_checked:    # a layout cut_seq_state does not know (a layer without V, say): cells
-            try:
-                same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
-            except (UnsupportedModelError, struct.error, ValueError):
-                same = False
-            self.parks_in_host, self._park_checked = same, True
-            if not same:
-                return None
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._host[slot], self._saved[slot] = blob, self._len[slot]
         return True
+
+    def _read_state(self, slot: int, n: int) -> np.ndarray | None:
+        blob = np.empty(n, dtype=np.uint8)
+        ok = _L.llama_state_seq_get_data(self.engine.context, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                         n, slot) == n
+        return blob if ok else None
+
+    def _check_layout(self, blob: np.ndarray, slot: int) -> bool:
+        """Whether cut_seq_state knows this state's layout (a layer without V, say, it does not): it must survive
+        its own whole cut unchanged.  Decides ``parks_in_host`` for good."""
+        try:
+            same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
+        except (UnsupportedModelError, struct.error, ValueError):
+            same = False
+        self.parks_in_host, self._park_checked = same, True
+        return same
 
     def host_tokens(self) -> int:
         """Positions parked in host memory (not in any cell)."""
