@@ -330,8 +330,8 @@ class Engine:
         return True
 
     def _host_parking(self) -> bool:
-        """The executor moves parked KV out of its cells (read each time: llama.cpp's turns it off for good when
-        its first saved state will not cut)."""
+        """The executor moves parked KV out of its cells (read each time: an executor may turn it off; llama.cpp's
+        decides at load, from a probe state)."""
         return bool(self.park_slots) and getattr(self.executor, "parks_in_host", False)
 
     def _unpark(self, rid: str) -> None:

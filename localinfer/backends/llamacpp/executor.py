@@ -140,7 +140,6 @@ class LlamaCppExecutor:
                               and int(_L.llama_model_n_swa(model)) == 0)
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
         self._saved: dict[int, int] = {}               # slot -> positions its blob holds (drop cuts _len only)
-        self._park_checked = False
         self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
@@ -149,8 +148,7 @@ class LlamaCppExecutor:
             try:
                 self.step([Chunk(0, (1, 1), 0)])
                 blob = self._read_state(0, int(_L.llama_state_seq_get_size(self.engine.context, 0)))
-                if blob is None or not self._check_layout(blob, 0):
-                    self.parks_in_host = False
+                self.parks_in_host = blob is not None and self._check_layout(blob, 0)
                 self.drop(0)
             except BaseException:
                 self.engine.close()
@@ -253,7 +251,7 @@ class LlamaCppExecutor:
             if self._host_bytes() + n > budget:
                 return False
         blob = self._read_state(slot, n)
-        if blob is None or not (self._park_checked or self._check_layout(blob, slot)):
+        if blob is None:
             return None
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._host[slot], self._saved[slot] = blob, self._len[slot]
@@ -267,12 +265,11 @@ class LlamaCppExecutor:
 
     def _check_layout(self, blob: np.ndarray, slot: int) -> bool:
         """Whether cut_seq_state knows this state's layout (a layer without V, say, it does not): it must survive
-        its own whole cut unchanged.  Decides ``parks_in_host`` for good."""
+        its own whole cut unchanged.  The load-time probe's answer is ``parks_in_host`` for good."""
         try:
             same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
         except (UnsupportedModelError, struct.error, ValueError):
             same = False
-        self.parks_in_host, self._park_checked = same, True
         return same
 
     def host_tokens(self) -> int:

@@ -80,7 +80,7 @@ class TimedExecutor:
         self.step_seconds = 0.0
 
     @property
-    def parks_in_host(self) -> bool:     # llama.cpp's park_host; off once its first saved state will not cut
+    def parks_in_host(self) -> bool:     # llama.cpp's park_host, decided by its load-time probe
         return getattr(self.inner, "parks_in_host", False)
 
     @property
