@@ -6,7 +6,9 @@
 Every server runs the same model (default: the embedded SmolLM2 Q4_1) with the same threads, the same
 total context and flash attention on; each is started once per scenario and left idle while the others
 are measured.  Each load level goes to every server in turn, before the next level, so the other work
-on a shared machine falls on all of them alike.  The load is ``benchmarks/serve_load.py`` (the same code
+on a shared machine falls on all of them alike.  ``--rounds N`` runs each level N times, fresh prompts each
+round and the servers' order rotated, and adds the median of the rounds' ratios: on a shared host a slow
+minute moves one run's ratio by 5-15%, so a target is judged on the median (``--levels`` picks levels).  The load is ``benchmarks/serve_load.py`` (the same code
 as ``localinfer bench serve``), run once per server and level, fresh prompts per level.
 
 Scenarios (issue 15's measurements):
@@ -34,6 +36,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -155,29 +158,47 @@ def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
             wait_ready(url_of(name), proc, log)
         levels = []
         for li, level in enumerate(scenario["levels"]):
-            row = {"level": " ".join(x for x in level if x).replace("--concurrency --rate", "--rate")}
-            for name in cmds:
-                print(f"{key} {row['level']}: {name}", file=sys.stderr, flush=True)
-                seed = 1 + 100 * list(SCENARIOS).index(key) + li
-                doc = load(args, name, url_of(name), scenario, level, tmp, seed)
-                row[name] = {"run": doc["runs"][0], "machine": doc["machine"]}
-            levels.append(row)
+            label = level_label(level)
+            if args.levels and label not in args.levels:
+                continue
+            names = list(cmds)
+            for rnd in range(args.rounds):
+                row = {"level": label, "round": rnd + 1}
+                # round r starts at server r: a slow spell of the shared host falls on each server in turn
+                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                    print(f"{key} {label} round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+                    seed = 1 + 100 * list(SCENARIOS).index(key) + li + 1000 * rnd
+                    doc = load(args, name, url_of(name), scenario, level, tmp, seed)
+                    row[name] = {"run": doc["runs"][0], "machine": doc["machine"]}
+                levels.append({**{n: row[n] for n in ("level", "round")}, **{n: row[n] for n in names}})
         return {"scenario": key, "ctx": scenario["ctx"], "load": load_flags(args, scenario), "commands": cmds,
                 "levels": levels}
     finally:
         stop(*(proc for proc, _ in procs.values()))
 
 
-def ratio(a, b) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}x"
+def level_label(level: list[str]) -> str:
+    return " ".join(x for x in level if x).replace("--concurrency --rate", "--rate")
+
+
+def ratios(rows: list[dict], peer: str) -> str:
+    """localinfer's figures over ``peer``'s: the median over ``rows`` (rounds of one level) of each row's ratio."""
+    def med(key, of=lambda run, key: run.get(key)):
+        got = [a / b for row in rows if (a := of(row["localinfer"]["run"], key)) and (b := of(row[peer]["run"], key))]
+        return f"{statistics.median(got):.2f}x" if got else "-"
+
+    cells = lambda run, _: run.get("peaks", {}).get("localinfer_kv_blocks_used") or \
+        run.get("peaks", {}).get("llama_server_slot_tokens")
+    return (f"tok/s {med('output_tok_s')}  TTFT p50 {med('ttft_p50_ms')}  p95 {med('ttft_p95_ms')}"
+            f"  goodput {med('goodput_req_s')}  cells {med(None, cells)}")
 
 
 def table(results: list[dict]) -> str:
     lines = []
-    for sc in results:
+    for sc in (sc for sc in results if sc["levels"]):
         lines.append(f"\n[{sc['scenario']}] ctx {sc['ctx']}, {' '.join(sc['load'])}")
         names = [n for n in ("localinfer", "llama-server", "llama-cpp-python") if n in sc["levels"][0]]
-        head = (f"{'level':<18}{'server':<18}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'e2e p50':>9}"
+        head = (f"{'level':<21}{'server':<18}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'e2e p50':>9}"
                 f"{'good/s':>8}{'ok':>7}{'peak cells':>11}")
         lines.append(head)
         for row in sc["levels"]:
@@ -185,19 +206,17 @@ def table(results: list[dict]) -> str:
                 r = row[n]["run"]
                 p = r.get("peaks", {})
                 cells = p.get("localinfer_kv_blocks_used") or p.get("llama_server_slot_tokens")
-                lines.append(f"{row['level']:<18}{n:<18}{r['output_tok_s']:>8.1f}"
+                level = row["level"] + (f" #{row['round']}" if row.get("round", 1) > 1 else "")
+                lines.append(f"{level:<21}{n:<18}{r['output_tok_s']:>8.1f}"
                              f"{(r['ttft_p50_ms'] or 0) / 1e3:>9.2f}s{(r['ttft_p95_ms'] or 0) / 1e3:>9.2f}s"
                              f"{(r['e2e_p50_ms'] or 0) / 1e3:>8.2f}s{r['goodput_req_s']:>8.3f}"
                              f"{r['ok']:>4}/{r['requests']:<3}{cells if cells else '-':>10}")
-            li = row["localinfer"]["run"]
             for n in names[1:]:
-                r = row[n]["run"]
-                pl, pr = li.get("peaks", {}), r.get("peaks", {})
-                lines.append(f"{'':<18}{'ratio vs ' + n:<30}tok/s {ratio(li['output_tok_s'], r['output_tok_s'])}"
-                             f"  TTFT p50 {ratio(li['ttft_p50_ms'], r['ttft_p50_ms'])}"
-                             f"  p95 {ratio(li['ttft_p95_ms'], r['ttft_p95_ms'])}"
-                             f"  goodput {ratio(li['goodput_req_s'], r['goodput_req_s'])}"
-                             f"  cells {ratio(pl.get('localinfer_kv_blocks_used'), pr.get('llama_server_slot_tokens'))}")
+                lines.append(f"{'':<21}{'ratio vs ' + n:<30}" + ratios([row], n))
+            rounds = [r for r in sc["levels"] if r["level"] == row["level"]]
+            if len(rounds) > 1 and row is rounds[-1]:
+                for n in names[1:]:
+                    lines.append(f"{'':<21}{f'median of {len(rounds)} vs ' + n:<30}" + ratios(rounds, n))
     return "\n".join(lines)
 
 
@@ -209,14 +228,25 @@ def main(argv=None) -> int:
                     help="a Python that has llama-cpp-python[server] (run as PYTHON -m llama_cpp.server)")
     ap.add_argument("--scenarios", default="closed,prefix,poisson")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each level this many times, fresh prompts each round, the servers' order rotated; "
+                         "the table adds the median of the rounds' ratios")
+    ap.add_argument("--levels", default=None, metavar="LIST",
+                    help="comma-separated levels to run, as the table names them (e.g. '--concurrency 4')")
     ap.add_argument("--out", default="benchmarks/results/serve_peers_cpu")
     ap.add_argument("--smoke", action="store_true", help=f"tiny loads ({SMOKE}): checks the script runs")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     model = str(resolve_model(args.model))
     keys = [k for k in args.scenarios.split(",") if k]
     bad = [k for k in keys if k not in SCENARIOS]
     if bad:
         ap.error(f"unknown scenario(s) {bad}; use {','.join(SCENARIOS)}")
+    args.levels = [x.strip() for x in args.levels.split(",") if x.strip()] if args.levels else None
+    known = {level_label(level) for k in keys for level in SCENARIOS[k]["levels"]}
+    if args.levels and (unknown := [x for x in args.levels if x not in known]):
+        ap.error(f"unknown level(s) {unknown}; the chosen scenarios have {sorted(known)}")
     before = machine()
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_scenario(args, model, k, Path(tmp)) for k in keys]
