@@ -1,15 +1,16 @@
 """localinfer serve beside llama.cpp's llama-server and llama-cpp-python's server, one run, same load.
 
     python benchmarks/serve_peers.py --llama-server PATH [--llama-cpp-python PYTHON] \
-        [--scenarios closed,prefix,poisson] [--out benchmarks/results/serve_peers_cpu]
+        [--scenarios closed,prefix,poisson] [--rounds N] [--levels LIST] [--out benchmarks/results/serve_peers_cpu]
 
 Every server runs the same model (default: the embedded SmolLM2 Q4_1) with the same threads, the same
 total context and flash attention on; each is started once per scenario and left idle while the others
 are measured.  Each load level goes to every server in turn, before the next level, so the other work
 on a shared machine falls on all of them alike.  ``--rounds N`` runs each level N times, fresh prompts each
 round and the servers' order rotated, and adds the median of the rounds' ratios: on a shared host a slow
-minute moves one run's ratio by 5-15%, so a target is judged on the median (``--levels`` picks levels).  The load is ``benchmarks/serve_load.py`` (the same code
-as ``localinfer bench serve``), run once per server and level, fresh prompts per level.
+minute moves one run's ratio by 5-15%, so a target is judged on the median (``--levels`` picks levels).
+The load is ``benchmarks/serve_load.py`` (the same code as ``localinfer bench serve``), run once per
+server, level and round, fresh prompts per level.
 
 Scenarios (issue 15's measurements):
 
