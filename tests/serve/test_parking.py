@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from localinfer.serve.block_manager import BlockManager
 from localinfer.serve.engine import Engine
+from localinfer.serve.http.sampler import ServeRequest
 from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
@@ -228,6 +229,27 @@ def test_the_least_recently_used_parked_request_gives_its_slot_up():
     r = e.add_request(Request("r", toks(9, 1000), 2, arrival_s=e.executor.clock()))
     _run(e)
     assert r.cached == 0                                          # p0's blocks left the cache with its slot
+
+
+def test_a_prompt_sent_again_with_another_answer_gives_up_the_first_answer_not_another_conversation():
+    """All ids parked, a prompt comes back and is answered differently (a regenerate; resent prompts whose first
+    token flipped): the earlier answer's id goes, since its prompt stays in the new one, not the least recently
+    used conversation, which would be the next one wanted when prompts come back in turn."""
+    e = parking_engine(max_running=1, park=2)
+    a = e.add_request(Request("a", toks(9, 1000), 7))        # 9 + 6 computed: blocks 1-2 the prompt, 3 its answer
+    _run(e)
+    b = e.add_request(Request("b", toks(9, 2000), 7, arrival_s=e.executor.clock()))
+    _run(e)
+    again = e.add_request(ServeRequest("a2", a.prompt, 7, arrival_s=e.executor.clock(), banned=frozenset(a.output[:1])))
+    _run(e)
+    assert again.cached == 8 and again.output[0] != a.output[0]
+    assert list(e._parked) == ["b", "a2"] and sorted(e.blocks.parked) == ["a2", "b"]
+    b2 = e.add_request(Request("b2", b.prompt, 7, arrival_s=e.executor.clock()))
+    _run(e)
+    assert b2.cached == 8 and b2.output == b.output == cold(b.prompt, 7)
+    c = e.add_request(Request("c", toks(9, 3000), 7, arrival_s=e.executor.clock()))   # no pair left: plain LRU
+    _run(e)
+    assert list(e._parked) == ["b", "c"]       # b2 gave b its blocks back (the same answer): one id for both
 
 
 def test_a_preempted_request_is_not_parked():
