@@ -21,9 +21,10 @@ whose prompt matches them is seated by ``executor.copy`` from the parked slot,
 as from a running request.  The block manager's eviction of such a block drops
 the parked slot's positions from that block on (``executor.drop(slot,
 start)``), so KV cells and blocks agree (``BlockManager.tokens_held``); when all
-``park_slots`` are parked, the least recently used parked sequence gives its
-slot up whole, one whose whole prompt another parked sequence keeps first.  A preempted request, or one that failed, is not parked.  An
-executor that ``parks_in_host`` (llama.cpp's with ``park_host``) moves a parked
+``park_slots`` are parked, one gives its slot up whole: the least recently used
+one whose prompt another parked request was sent too, else the least recently
+used.  A preempted request, or one that failed, is not parked.  An executor
+that ``parks_in_host`` (llama.cpp's with ``park_host``) moves a parked
 slot's KV out of its cells (``executor.park``): a hit then shares the running
 holder's positions first and has the rest written back from the parked slot,
 so the cells are the running requests' blocks (``tokens_in_use``), and a
@@ -50,7 +51,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ class Engine:
         self._after_step: list[Request] = []     # cancelled during the step in flight: slots dropped after it
         self.park_slots = park_slots
         self._parked: OrderedDict[str, int] = OrderedDict()   # parked request id -> slot, least recently used first
-        self._prompt_blocks: dict[str, int] = {}    # parked request id -> whole blocks of its prompt
+        self._prompt_of: dict[str, int] = {}        # parked request id -> hash of its prompt
         self.blocks.parking = bool(park_slots)
         self.blocks.on_evict = self._evicted if park_slots else None
 
@@ -304,13 +305,14 @@ class Engine:
             self._free_slots.append(slot)
             return
         self.executor.drop(slot, kept)
-        if self._host_parking() and not self._parks_in_host(slot):
+        prompt = hash(r.prompt)
+        if self._host_parking() and not self._parks_in_host(slot, prompt):
             self.blocks.unpark(r.id)         # no room in host memory: not parked in cells either, where it
             self.executor.drop(slot)         # would widen what every step attends over
             self._free_slots.append(slot)
             return
         self._parked[r.id] = slot
-        self._prompt_blocks[r.id] = len(r.prompt) // self.blocks.block_tokens
+        self._prompt_of[r.id] = prompt
         for other in [o for o in self._parked if o != r.id]:   # older parked KV that r keeps all of
             theirs = self.blocks.parked.get(other)
             if theirs is not None and theirs == mine[:len(theirs)]:
@@ -318,7 +320,7 @@ class Engine:
         while len(self._parked) > self.park_slots:
             self._unpark(self._victim())
 
-    def _parks_in_host(self, slot: int) -> bool:
+    def _parks_in_host(self, slot: int, prompt: int) -> bool:
         """Move ``slot``'s KV to host memory, the least recently used parked requests giving theirs up while it
         does not fit beside them (``park`` False); False when it cannot go there (``park`` None: over the whole
         budget) or fits alone neither.  True also when the executor has just turned host parking off (its first
@@ -328,21 +330,19 @@ class Engine:
                 return self.blocks.max_used is None
             if done is None or not self._parked:
                 return False
-            self._unpark(self._victim())
+            self._unpark(self._victim(also=prompt))
         return True
 
-    def _victim(self) -> str:
-        """The parked request to give its slot up: the least recently used one whose whole prompt another parked
-        request keeps (a prompt sent again, a regenerated answer: it loses only its own answer's blocks), else the
-        least recently used.  Plain LRU would take an unrelated conversation, the next wanted when prompts come
-        back in turn: resent prompts whose answers differed each took one."""
-        kept = self.blocks.parked
-        for rid in self._parked:
-            mine = kept.get(rid, [])
-            n = min(len(mine), self._prompt_blocks.get(rid, 0))
-            if n and any(o != rid and kept.get(o, [])[:n] == mine[:n] for o in self._parked):
-                return rid
-        return next(iter(self._parked))
+    def _victim(self, also: int | None = None) -> str:
+        """The parked request to give its slot up: the least recently used one whose prompt another parked request
+        (or the one being parked, whose prompt hash is ``also``) was sent too, a prompt answered again differently
+        (a regenerate; a resend whose first token flipped): its prompt's blocks stay in the other, it loses only its
+        answer's.  Else the least recently used.  Plain LRU would take an unrelated conversation, the next one
+        wanted when prompts come back in turn: each resent prompt answered differently took one."""
+        seen = Counter(self._prompt_of.values())
+        if also is not None:
+            seen[also] += 1
+        return next((rid for rid in self._parked if seen[self._prompt_of.get(rid)] > 1), next(iter(self._parked)))
 
     def _host_parking(self) -> bool:
         """The executor moves parked KV out of its cells (read each time: an executor may turn it off; llama.cpp's
@@ -352,7 +352,7 @@ class Engine:
     def _unpark(self, rid: str) -> None:
         """Parked ``rid`` gives its slot up: its KV is dropped and its blocks leave the cache (unless shared)."""
         slot = self._parked.pop(rid)
-        self._prompt_blocks.pop(rid, None)
+        self._prompt_of.pop(rid, None)
         self.blocks.unpark(rid)
         self.executor.drop(slot)
         self._free_slots.append(slot)
@@ -365,7 +365,7 @@ class Engine:
         self.executor.drop(slot, start)
         if start == 0 and self._parked.get(rid) == slot:
             del self._parked[rid]
-            self._prompt_blocks.pop(rid, None)
+            self._prompt_of.pop(rid, None)
             self._free_slots.append(slot)
 
     @property

@@ -12,6 +12,7 @@ import pytest
 
 from localinfer.serve.block_manager import BlockManager
 from localinfer.serve.engine import Engine
+from localinfer.serve.http.sampler import ServeRequest
 from localinfer.serve.request import FinishReason, Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
@@ -150,5 +151,34 @@ def test_a_full_host_budget_gives_the_oldest_parked_kv_up(executor):
         assert c.finish_reason is FinishReason.LENGTH
         assert list(e._parked) == ["b"] and executor.cells_used() == 0 and executor.host_tokens() == kept
         assert e.blocks.used == 0 and e.blocks.num_cached * P == kept
+    finally:
+        executor.host_budget = None
+
+
+def test_a_full_host_budget_gives_up_the_first_answer_to_a_prompt_sent_again(executor):
+    """Host memory for two parked requests: a prompt sent again and answered differently takes its first answer's
+    place (that prompt's blocks stay in the new one), not the other conversation's, as least recently used would."""
+    if not executor.parks_in_host:
+        pytest.skip("host memory only")
+    system, a_prompt, b_prompt = _prompts(executor)
+    tail = tuple(executor.engine.tokenize(" at sea level, which is a hundred degrees on the Celsius scale"))
+    a_prompt, b_prompt = a_prompt + tail, b_prompt + tail      # each a whole block of its own past the system's
+    N = 20                                                     # the answers fill a block past the prompts
+    e = _engine(executor, park=2)
+    a = e.add_request(Request("a", a_prompt, N))
+    _run(e)
+    b = e.add_request(Request("b", b_prompt, N))
+    _run(e)
+    assert list(e._parked) == ["a", "b"]
+    one = executor._host[e._parked["a"]].size
+    executor.host_budget = executor._host_bytes() + one // 2      # a third state does not fit beside them
+    try:
+        again = e.add_request(ServeRequest("a2", a_prompt, N, banned=frozenset(a.output[:1])))
+        _run(e)
+        assert again.cached == len(a_prompt) // P * P and again.output[0] != a.output[0]
+        assert list(e._parked) == ["b", "a2"] and executor.cells_used() == 0
+        b2 = e.add_request(Request("b2", b_prompt, N))
+        _run(e)
+        assert b2.cached == len(b_prompt) // P * P and b2.output == b.output
     finally:
         executor.host_budget = None
