@@ -247,7 +247,7 @@ def test_a_prompt_sent_again_with_another_answer_gives_up_the_first_answer_not_a
     b2 = e.add_request(Request("b2", b.prompt, 7, arrival_s=e.executor.clock()))
     _run(e)
     assert b2.cached == 8 and b2.output == b.output == cold(b.prompt, 7)
-    c = e.add_request(Request("c", toks(9, 3000), 7, arrival_s=e.executor.clock()))   # no pair left: plain LRU
+    e.add_request(Request("c", toks(9, 3000), 7, arrival_s=e.executor.clock()))   # no pair left: plain LRU
     _run(e)
     assert list(e._parked) == ["b", "c"]       # b2 gave b its blocks back (the same answer): one id for both
 

@@ -160,7 +160,7 @@ def test_a_full_host_budget_gives_up_the_first_answer_to_a_prompt_sent_again(exe
     place (that prompt's blocks stay in the new one), not the other conversation's, as least recently used would."""
     if not executor.parks_in_host:
         pytest.skip("host memory only")
-    system, a_prompt, b_prompt = _prompts(executor)
+    _, a_prompt, b_prompt = _prompts(executor)
     tail = tuple(executor.engine.tokenize(" at sea level, which is a hundred degrees on the Celsius scale"))
     a_prompt, b_prompt = a_prompt + tail, b_prompt + tail      # each a whole block of its own past the system's
     N = 20                                                     # the answers fill a block past the prompts
