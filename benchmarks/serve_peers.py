@@ -10,7 +10,7 @@ on a shared machine falls on all of them alike.  ``--rounds N`` runs each level 
 round and the servers' order rotated, and adds the median of the rounds' ratios: on a shared host a slow
 minute moves one run's ratio by 5-15%, so a target is judged on the median (``--levels`` picks levels).
 The load is ``benchmarks/serve_load.py`` (the same code as ``localinfer bench serve``), run once per
-server, level and round, fresh prompts per level.
+server, level and round, fresh prompts per level and round.
 
 Scenarios (issue 15's measurements):
 
@@ -186,7 +186,8 @@ def ratios(rows: list[dict], peer: str) -> str:
     """localinfer's figures over ``peer``'s: the median over ``rows`` (rounds of one level) of each row's ratio."""
     def med(key, of=lambda run, key: run.get(key)):
         got = [a / b for row in rows if (a := of(row["localinfer"]["run"], key)) and (b := of(row[peer]["run"], key))]
-        return f"{statistics.median(got):.2f}x" if got else "-"
+        of_all = "" if len(got) == len(rows) else f" ({len(got)} of {len(rows)})"    # rounds with both figures
+        return f"{statistics.median(got):.2f}x{of_all}" if got else "-"
 
     cells = lambda run, _: run.get("peaks", {}).get("localinfer_kv_blocks_used") or \
         run.get("peaks", {}).get("llama_server_slot_tokens")
@@ -250,8 +251,10 @@ def main(argv=None) -> int:
         ap.error(f"unknown level(s) {unknown}; the chosen scenarios have {sorted(known)}")
     before = machine()
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run_scenario(args, model, k, Path(tmp)) for k in keys]
+        results = [run_scenario(args, model, k, Path(tmp)) for k in keys
+                   if not args.levels or {level_label(lv) for lv in SCENARIOS[k]["levels"]} & set(args.levels)]
     doc = {"machine": dict(machine(), loadavg_before=before["loadavg_1_5_15"]), "model": model,
+           "rounds": args.rounds, "levels": args.levels,
            "threads": args.threads, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "scenarios": results}
     text = table(results)
     for suffix, body in ((".json", json.dumps(doc, indent=1) + "\n"), (".txt", text + "\n")):
