@@ -214,11 +214,11 @@ def table(results: list[dict]) -> str:
                              f"{(r['e2e_p50_ms'] or 0) / 1e3:>8.2f}s{r['goodput_req_s']:>8.3f}"
                              f"{r['ok']:>4}/{r['requests']:<3}{cells if cells else '-':>10}")
             for n in names[1:]:
-                lines.append(f"{'':<21}{'ratio vs ' + n:<30}" + ratios([row], n))
+                lines.append(f"{'':<21}{'ratio vs ' + n:<34}" + ratios([row], n))
             rounds = [r for r in sc["levels"] if r["level"] == row["level"]]
             if len(rounds) > 1 and row is rounds[-1]:
                 for n in names[1:]:
-                    lines.append(f"{'':<21}{f'median of {len(rounds)} vs ' + n:<30}" + ratios(rounds, n))
+                    lines.append(f"{'':<21}{f'median of {len(rounds)} vs ' + n:<34}" + ratios(rounds, n))
     return "\n".join(lines)
 
 
