@@ -29,8 +29,8 @@ slot's KV out of its cells (``executor.park``): a hit then shares the running
 holder's positions first and has the rest written back from the parked slot,
 so the cells are the running requests' blocks (``tokens_in_use``), and a
 write-back that finds no free cells is computed instead (``copy`` returns
-what it shared).  When host memory is full (``park`` returns False) the least
-recently used parked requests give theirs up; one that fits alone neither is
+what it shared).  When host memory is full (``park`` returns False) parked
+requests give theirs up, chosen as for a slot; one that fits alone neither is
 not parked.  Of two parked requests where one's kept blocks begin the other's
 (a hit), only the longer keeps its slot, so two ids never hold one conversation.
 
@@ -321,8 +321,8 @@ class Engine:
             self._unpark(self._victim())
 
     def _parks_in_host(self, slot: int, prompt: int) -> bool:
-        """Move ``slot``'s KV to host memory, the least recently used parked requests giving theirs up while it
-        does not fit beside them (``park`` False); False when it cannot go there (``park`` None: over the whole
+        """Move ``slot``'s KV to host memory, parked requests giving theirs up (``_victim``) while it does not fit
+        beside them (``park`` False); False when it cannot go there (``park`` None: over the whole
         budget) or fits alone neither.  True also when the executor has just turned host parking off (its first
         state would not cut) and the block pool is the cells alone: the KV then stays parked in its cells."""
         while (done := self.executor.park(slot)) is not True:
