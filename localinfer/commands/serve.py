@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--parked", type=int, default=None, metavar="N",
                    help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
                         "(default 16; kept in host memory, all of them in at most 8 GiB or half the free RAM, "
-                        "the least recently used given up first; 0: none)")
+                        "an earlier answer to a prompt sent again, then the least recently used, given up first; "
+                        "0: none)")
     g.add_argument("--lookup", action="store_true",
                    help="prompt-lookup speculative decoding: verify n-gram drafts inside the batched steps")
     g.add_argument("--draft-max", type=int, default=None, metavar="N",

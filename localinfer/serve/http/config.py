@@ -31,7 +31,7 @@ MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALL
 # llama.cpp's executor keeps them in host memory (park_host), so parking costs no decode speed (0 / 1 / 4 / 8 parked:
 # 83.2 / 83.8 / 83.7 / 82.1 tok/s at concurrency 1, benchmarks/results/serve_parked_cpu.txt) and a sequence id costs
 # nothing measurable (a 4-row decode step 19.4-20.2 ms with 5, 17 or 65 ids); their RAM is capped (8 GiB or half the
-# free RAM, executor.HOST_PARK_MAX; the least recently used go first), which the fit check does not count.  Sixteen
+# free RAM, executor.HOST_PARK_MAX; Engine._victim says who goes first), which the fit check does not count.  Sixteen
 # keep 8 users' 4-turn chats: 82% of later turns' prompt tokens cached against 30% with one parked, TTFT p50 0.99 s
 # against 1.71 s (llama-server: 53%, 2.07 s; benchmarks/results/serve_multiturn_cpu.txt).
 DEFAULT_PARKED = 16
