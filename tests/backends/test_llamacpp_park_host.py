@@ -208,3 +208,27 @@ def test_past_the_host_budget_a_parked_slot_keeps_its_cells(default_model):
         ex.drop(1)
         assert ex.park(0) is True and ex.park(0) is True     # parked, and already parked
         assert ex.cells_used() == 0 and ex.host_tokens() == len(t)
+
+
+def test_the_probe_measures_a_positions_bytes_and_the_servers_cache_reaches_as_far_as_the_host_budget(ex):
+    from localinfer.serve.http.config import ServeConfig, build_engine
+
+    t = _tokens(ex)
+    _fill(ex, 0, t)
+    _fill(ex, 1, t[:8])
+    assert ex.park(0) is True and ex.park(1) is True
+    assert ex._host[0].size - ex._host[1].size == (len(t) - 8) * ex.position_bytes > 0    # a state grows by it
+    ex.drop(0)
+    ex.drop(1)
+    p = 16
+    cells = ex.n_cells // p
+    try:
+        ex.host_budget = 5 * p * ex.position_bytes + p // 2        # five blocks of positions, and a part
+        assert ex.host_cells() == 5 * p
+        _, engine, _ = build_engine(ex, ServeConfig(parallel=2, park=2, block_tokens=p))
+        assert engine.blocks.num_blocks == cells + 5 and engine.blocks.capacity == cells
+        ex.host_budget = 1 << 40                                   # then the parked ids' slots bound it
+        _, engine, _ = build_engine(ex, ServeConfig(parallel=2, park=2, block_tokens=p))
+        assert engine.blocks.num_blocks == cells + 2 * ex.slot_cells // p
+    finally:
+        ex.host_budget = None

@@ -35,7 +35,9 @@ as llama-server's ``--cache-ram`` keeps prompts) and frees its cells; ``copy``
 from it writes the wanted positions back (``llama_state_seq_set_data`` of the
 blob cut to those cells) into fresh cells of the target slot; past ``host_budget``
 (default: ``HOST_PARK_MAX`` or half the free RAM) ``park`` returns False and the
-slot keeps its cells (the engine then gives older parked KV up).  At concurrency
+slot keeps its cells (the engine then gives older parked KV up); ``host_cells()``,
+the budget over the bytes a position adds to a state (measured by the load-time
+probe), is how far the server's cache reaches past the cells.  At concurrency
 4 (300-token prompts, 128 tokens out, 2 threads) llama.cpp's ``n_kv`` was
 mostly 2304 with one sequence parked in cells and 1536-1792 without, and a
 4-row decode step took 22.4 against 21.1 ms (benchmarks/results/
@@ -141,14 +143,18 @@ class LlamaCppExecutor:
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
         self._saved: dict[int, int] = {}               # slot -> positions its blob holds (drop cuts _len only)
         self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
+        self.position_bytes = 0            # bytes one more position adds to a parked state (the probe measures it)
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
         self.steps = 0
         if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
             try:
                 self.step([Chunk(0, (1, 1), 0)])
-                blob = self._read_state(0, int(_L.llama_state_seq_get_size(self.engine.context, 0)))
+                two = int(_L.llama_state_seq_get_size(self.engine.context, 0))
+                blob = self._read_state(0, two)
                 self.parks_in_host = blob is not None and self._check_layout(blob, 0)
+                self.drop(0, 1)
+                self.position_bytes = two - int(_L.llama_state_seq_get_size(self.engine.context, 0))
                 self.drop(0)
             except BaseException:
                 self.engine.close()
@@ -271,6 +277,11 @@ class LlamaCppExecutor:
         except (UnsupportedModelError, struct.error, ValueError):
             same = False
         return same
+
+    def host_cells(self) -> int:
+        """Positions the host budget holds, parked states' fixed headers aside (0 without ``parks_in_host``):
+        how far an engine's cache may reach past the cells."""
+        return self._budget() // self.position_bytes if self.parks_in_host and self.position_bytes > 0 else 0
 
     def host_tokens(self) -> int:
         """Positions parked in host memory (not in any cell)."""
