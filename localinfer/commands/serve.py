@@ -193,14 +193,16 @@ def _executor_factory(backend: str, plan, parallel: int):
     over the plan fit checked (``--parallel`` slots; its pool keeps finished requests' blocks for prefix hits,
     so it parks no sequences)."""
     fitted = plan.with_(n_seq=parallel)
-    return (lambda: _open_torch(fitted)) if backend == "torch" else (lambda: open_llamacpp(plan))
+    parks = plan.n_seq > parallel       # ids for parked requests (not with --parked 0 or --prefix-cache off)
+    return (lambda: _open_torch(fitted)) if backend == "torch" else (lambda: open_llamacpp(plan, park_host=parks))
 
 
-def open_llamacpp(plan):
-    """The server's llama.cpp executor: parked requests' KV in host memory, off the cells every step attends over."""
+def open_llamacpp(plan, *, park_host: bool = True):
+    """The server's llama.cpp executor: parked requests' KV in host memory, off the cells every step attends over
+    (``park_host``; without it the executor runs no load-time parking probe)."""
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
-    return LlamaCppExecutor(plan, park_host=True)
+    return LlamaCppExecutor(plan, park_host=park_host)
 
 
 def _open_torch(plan):

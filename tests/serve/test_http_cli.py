@@ -323,3 +323,17 @@ def test_insecure_non_loopback_bind_warns(capsys, monkeypatch):
     monkeypatch.setenv("LOCALINFER_API_KEY", "from-env")
     assert serve._check(parser.parse_args(["--host", "0.0.0.0"])) == "from-env"
     assert serve._check(parser.parse_args(["--api-key", "flag"])) == "flag"
+
+
+def test_the_servers_llama_cpp_executor_parks_in_host_memory_only_when_it_has_ids_to_park_in(default_model):
+    """--parked 0 or --prefix-cache off leave no ids past --parallel: no host tier, so no load-time probe."""
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.commands.serve import _executor_factory
+
+    for n_seq, parks in ((2, False), (3, True)):
+        plan = LoadPlan(str(default_model), n_ctx=256, n_seq=n_seq, n_threads=1, options={"kv_unified": True})
+        ex = _executor_factory("llama.cpp", plan, 2)()
+        try:
+            assert ex.parks_in_host is parks and (ex.position_bytes > 0) is parks
+        finally:
+            ex.close()
