@@ -8,7 +8,7 @@
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
 plan that does not fit is refused with the flags that would.  The context then
-gets ``--parked`` more sequence ids (default 16; the cache's size does
+gets ``--parked`` more sequence ids (default 32; the cache's size does
 not change), whose finished requests' KV stays in host memory for later prefix
 hits until the pool needs it (docs/serving.md).  Then the socket
 is bound, ``/health`` answers 503 while the model loads in the engine thread
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
     g.add_argument("--parked", type=int, default=None, metavar="N",
                    help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
-                        "(default 16; kept in host memory, all of them in at most 8 GiB or half the free RAM, "
+                        "(default 32; kept in host memory, all of them in at most 8 GiB or half the free RAM, "
                         "an earlier answer to a prompt sent again, then the least recently used, given up first; "
                         "0: none)")
     g.add_argument("--lookup", action="store_true",

@@ -33,8 +33,10 @@ MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALL
 # nothing measurable (a 4-row decode step 19.4-20.2 ms with 5, 17 or 65 ids); their RAM is capped (8 GiB or half the
 # free RAM, executor.HOST_PARK_MAX; Engine._victim says who goes first), which the fit check does not count.  Sixteen
 # keep 8 users' 4-turn chats: 82% of later turns' prompt tokens cached against 30% with one parked, TTFT p50 0.99 s
-# against 1.71 s (llama-server: 53%, 2.07 s; benchmarks/results/serve_multiturn_cpu.txt).
-DEFAULT_PARKED = 16
+# against 1.71 s (llama-server: 53%, 2.07 s); 24 users' 3-turn chats need more: 79% cached with 32 against 36% with 16,
+# TTFT p50 1.32-1.41 s against 2.17-2.36 s, while fresh prompts ran as fast with 32 as with 16 (median ratio 0.97x at
+# concurrency 4, 1.04x at 8, three rounds; benchmarks/results/serve_multiturn_cpu.txt).
+DEFAULT_PARKED = 32
 # A prompt's unfinished chunk joins a step that finishes another prompt only if it lengthens it by at most a quarter
 # (scheduler.py, partial_slack): on a CPU, 8 prompts of 302 tokens arriving together then leave one per step.
 DEFAULT_PARTIAL_SLACK = 0.25
