@@ -83,7 +83,7 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     # parking needs spare sequence ids and dropping a sequence's tail (not a recurrent model)
     park = max(0, min(config.park_slots, inner.n_slots - config.parallel)) if getattr(inner, "drops_tail", False) else 0
     # parked KV in host memory (llama.cpp's park_host): a cache tier past the cells, as much as the parked ids hold
-    # and the host budget's bytes (llama.cpp parks no more; a 128k context's ids would be millions of blocks)
+    # and the host budget's bytes (llama.cpp parks no more; 32 ids of a 128k context would be 262,144 blocks)
     per_slot = (getattr(inner, "slot_cells", None) or n_blocks * p) // p
     host = min(park * per_slot, inner.host_cells() // p) if getattr(inner, "parks_in_host", False) else 0
     blocks = BlockManager(n_blocks + host, p, prefix_cache=config.prefix_cache,
