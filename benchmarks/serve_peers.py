@@ -171,7 +171,7 @@ def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
                     seed = 1 + 100 * list(SCENARIOS).index(key) + li + 1000 * rnd
                     doc = load(args, name, url_of(name), scenario, level, tmp, seed)
                     row[name] = {"run": doc["runs"][0], "machine": doc["machine"]}
-                levels.append({**{n: row[n] for n in ("level", "round")}, **{n: row[n] for n in names}})
+                levels.append({"level": label, "round": rnd + 1, **{n: row[n] for n in names}})   # servers in order
         return {"scenario": key, "ctx": scenario["ctx"], "load": load_flags(args, scenario), "commands": cmds,
                 "levels": levels}
     finally:
