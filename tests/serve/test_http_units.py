@@ -179,8 +179,7 @@ def test_the_relay_thread_not_the_engine_wakes_the_loop():
         got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(_two(queue), 5), loop).result(10)
         assert [e.token for e in got] == [7, None] and h.finished
         assert callers == ["localinfer-relay"]
-        rt._relay_done = True                             # what the engine thread sets when it stops
-        rt._relay_wake.set()
+        rt._end_relay()                                   # what the engine thread does when it stops
         rt._relay.join(5)
         assert not rt._relay.is_alive()
     finally:

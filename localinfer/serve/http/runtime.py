@@ -4,7 +4,8 @@ The event loop never touches the engine.  It puts ``add`` and ``cancel``
 commands in a locked inbox and wakes the thread; the thread applies them
 between steps, runs ``Engine.step``, and hands each step's tokens and finishes
 back to the loop with one ``loop.call_soon_threadsafe`` (each request's events
-land on its asyncio queue), made by a relay thread: waking the loop writes to its
+land on its asyncio queue), made by a relay thread that takes each step's events
+from a ``queue.SimpleQueue`` (all that is queued, one wake-up): waking the loop writes to its
 self-pipe, a call that lets go of the GIL, and the loop then took the GIL to turn
 the step's tokens into SSE frames while the engine thread waited for it (0.63 ms
 a step at 8 streams).  The relay makes that write while the engine thread is
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import queue
 import threading
 import time
 import uuid
@@ -78,9 +80,7 @@ class Runtime:
         self._mean_e2e = 1.0
         self._thread = threading.Thread(target=self._main, name="localinfer-engine", daemon=True)
         self.ready = threading.Event()
-        self._relay_items: list[tuple[Handle, Event]] = []
-        self._relay_lock = threading.Lock()
-        self._relay_wake = threading.Event()
+        self._relay_queue: queue.SimpleQueue = queue.SimpleQueue()   # each step's events; None: the engine ended
         self._relay_done = False
         self._relay = threading.Thread(target=self._relay_main, name="localinfer-relay", daemon=True)
 
@@ -189,8 +189,7 @@ class Runtime:
                 self._publish(idle=True)
             finally:
                 self.state = "stopped"
-                self._relay_done = True       # the relay delivers what is left, then ends
-                self._relay_wake.set()
+                self._end_relay()
             close = getattr(self.executor.inner, "close", None)
             if close is not None:
                 close()
@@ -297,23 +296,28 @@ class Runtime:
     def _dispatch(self, out: list[tuple[Handle, Event]]) -> None:
         """Hand events to the relay thread, which wakes the loop (the engine thread never does: module docstring)."""
         if out:
-            with self._relay_lock:
-                self._relay_items += out
-            self._relay_wake.set()
+            self._relay_queue.put(out)
+
+    def _end_relay(self) -> None:
+        """The engine thread has ended: the relay delivers what is queued, then ends."""
+        self._relay_done = True
+        self._relay_queue.put(None)
 
     def _relay_main(self) -> None:
-        while True:
-            self._relay_wake.wait()
-            self._relay_wake.clear()
-            with self._relay_lock:
-                out, self._relay_items = self._relay_items, []
+        ended = False
+        while not ended:
+            out = self._relay_queue.get()
+            ended = out is None
+            out = out or []
+            while not self._relay_queue.empty():     # steps queued meanwhile: one wake-up of the loop for all
+                more = self._relay_queue.get()
+                ended = ended or more is None
+                out += more or []
             if out and self._loop is not None and not self._loop.is_closed():
                 try:
                     self._loop.call_soon_threadsafe(_deliver, out)
                 except RuntimeError:      # the loop closed meanwhile
                     pass
-            if self._relay_done and not self._relay_items:
-                return
 
     def _publish(self, idle: bool = False) -> None:
         e = self.engine
