@@ -190,3 +190,49 @@ def test_the_relay_thread_not_the_engine_wakes_the_loop():
 
 async def _two(queue):
     return [await queue.get(), await queue.get()]
+
+
+def test_the_relay_delivers_what_was_queued_before_the_end_in_one_wake_up():
+    """Steps queued while the relay was busy go to the loop in one call, in order, and the engine's end still
+    delivers them before the relay stops."""
+    import asyncio
+    import threading
+
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.http.runtime import Event, Handle, Runtime, _deliver
+
+    loop = asyncio.new_event_loop()
+    calls: list[int] = []
+    real = loop.call_soon_threadsafe
+
+    def recording(fn, *args):
+        if fn is _deliver:
+            calls.append(len(args[0]))
+        return real(fn, *args)
+
+    loop.call_soon_threadsafe = recording
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        rt = Runtime(lambda: None, ServeConfig(parallel=1))
+        rt._loop = loop
+        queue: asyncio.Queue = asyncio.Queue()
+        h = Handle(None, queue, 0)
+        rt._dispatch([(h, Event(0, 7))])                  # three steps' events, queued before the relay runs
+        rt._dispatch([(h, Event(0, 8))])
+        rt._dispatch([(h, Event(0, None, "stop"))])
+        rt._end_relay()
+        rt._relay.start()
+        rt._relay.join(5)
+        assert not rt._relay.is_alive()
+
+        async def three():
+            return [await queue.get() for _ in range(3)]
+
+        got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(three(), 5), loop).result(10)
+        assert [e.token for e in got] == [7, 8, None] and h.finished
+        assert calls == [3]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
