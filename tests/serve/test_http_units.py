@@ -3,6 +3,7 @@ the fitted step model, the error shape."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -148,72 +149,70 @@ def test_accepted_connections_turn_nagle_off(host):
     assert len(seen) == 1 and seen[0]
 
 
-def test_the_relay_thread_not_the_engine_wakes_the_loop():
-    """Events reach the loop through the relay thread: a self-pipe write from the engine thread let the loop take
-    the GIL and format the step's SSE frames while the engine waited (runtime.py's docstring)."""
+@contextlib.contextmanager
+def _relay_loop():
+    """(a running event loop, the calls of ``_deliver`` it got: (calling thread's name, events))."""
     import asyncio
     import threading
 
-    from localinfer.serve.http.config import ServeConfig
-    from localinfer.serve.http.runtime import Event, Handle, Runtime, _deliver
+    from localinfer.serve.http.runtime import _deliver
 
     loop = asyncio.new_event_loop()
-    callers: list[str] = []
+    calls: list[tuple[str, int]] = []
     real = loop.call_soon_threadsafe
 
     def recording(fn, *args):
         if fn is _deliver:
-            callers.append(threading.current_thread().name)
+            calls.append((threading.current_thread().name, len(args[0])))
         return real(fn, *args)
 
     loop.call_soon_threadsafe = recording
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
     try:
-        rt = Runtime(lambda: None, ServeConfig(parallel=1))
-        rt._loop = loop
-        rt._relay.start()
-        queue: asyncio.Queue = asyncio.Queue()
-        h = Handle(None, queue, 0)
-        rt._dispatch([(h, Event(0, 7)), (h, Event(0, None, "stop"))])
-        got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(_two(queue), 5), loop).result(10)
-        assert [e.token for e in got] == [7, None] and h.finished
-        assert callers == ["localinfer-relay"]
-        rt._end_relay()                                   # what the engine thread does when it stops
-        rt._relay.join(5)
-        assert not rt._relay.is_alive()
+        yield loop, calls
     finally:
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
 
 
-async def _two(queue):
-    return [await queue.get(), await queue.get()]
+def test_the_relay_thread_not_the_engine_wakes_the_loop():
+    """Events reach the loop through the relay thread: a self-pipe write from the engine thread let the loop take
+    the GIL and format the step's SSE frames while the engine waited (runtime.py's docstring)."""
+    import asyncio
+
+    from localinfer.serve.http.config import ServeConfig
+    from localinfer.serve.http.runtime import Event, Handle, Runtime
+
+    with _relay_loop() as (loop, calls):
+        rt = Runtime(lambda: None, ServeConfig(parallel=1))
+        rt._loop = loop
+        rt._relay.start()
+        queue: asyncio.Queue = asyncio.Queue()
+        h = Handle(None, queue, 0)
+        rt._dispatch([(h, Event(0, 7)), (h, Event(0, None, "stop"))])
+        got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(_queued(queue, 2), 5), loop).result(10)
+        assert [e.token for e in got] == [7, None] and h.finished
+        assert [name for name, _ in calls] == ["localinfer-relay"]
+        rt._end_relay()                                   # what the engine thread does when it stops
+        rt._relay.join(5)
+        assert not rt._relay.is_alive()
+
+
+async def _queued(queue, n):
+    return [await queue.get() for _ in range(n)]
 
 
 def test_the_relay_delivers_what_was_queued_before_the_end_in_one_wake_up():
     """Steps queued while the relay was busy go to the loop in one call, in order, and the engine's end still
     delivers them before the relay stops."""
     import asyncio
-    import threading
 
     from localinfer.serve.http.config import ServeConfig
-    from localinfer.serve.http.runtime import Event, Handle, Runtime, _deliver
+    from localinfer.serve.http.runtime import Event, Handle, Runtime
 
-    loop = asyncio.new_event_loop()
-    calls: list[int] = []
-    real = loop.call_soon_threadsafe
-
-    def recording(fn, *args):
-        if fn is _deliver:
-            calls.append(len(args[0]))
-        return real(fn, *args)
-
-    loop.call_soon_threadsafe = recording
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
-    try:
+    with _relay_loop() as (loop, calls):
         rt = Runtime(lambda: None, ServeConfig(parallel=1))
         rt._loop = loop
         queue: asyncio.Queue = asyncio.Queue()
@@ -225,14 +224,6 @@ def test_the_relay_delivers_what_was_queued_before_the_end_in_one_wake_up():
         rt._relay.start()
         rt._relay.join(5)
         assert not rt._relay.is_alive()
-
-        async def three():
-            return [await queue.get() for _ in range(3)]
-
-        got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(three(), 5), loop).result(10)
+        got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(_queued(queue, 3), 5), loop).result(10)
         assert [e.token for e in got] == [7, 8, None] and h.finished
-        assert calls == [3]
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
-        loop.close()
+        assert calls == [("localinfer-relay", 3)]
