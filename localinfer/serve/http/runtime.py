@@ -81,7 +81,6 @@ class Runtime:
         self._thread = threading.Thread(target=self._main, name="localinfer-engine", daemon=True)
         self.ready = threading.Event()
         self._relay_queue: queue.SimpleQueue = queue.SimpleQueue()   # each step's events; None: the engine ended
-        self._relay_done = False
         self._relay = threading.Thread(target=self._relay_main, name="localinfer-relay", daemon=True)
 
     # ---- lifecycle (loop thread) ----------------------------------------------
@@ -108,7 +107,7 @@ class Runtime:
         self.shutdown_after(grace_s)
         if self._thread.is_alive():
             self._thread.join(join_s + grace_s)
-        if self._relay.is_alive() and self._relay_done:
+        if self._relay.is_alive() and not self._thread.is_alive():   # the engine ended, so its last events are queued
             self._relay.join(join_s)          # the last events are on the loop when stop returns
 
     # ---- requests (loop thread) -----------------------------------------------
@@ -300,24 +299,21 @@ class Runtime:
 
     def _end_relay(self) -> None:
         """The engine thread has ended: the relay delivers what is queued, then ends."""
-        self._relay_done = True
         self._relay_queue.put(None)
 
     def _relay_main(self) -> None:
-        ended = False
-        while not ended:
-            out = self._relay_queue.get()
-            ended = out is None
-            out = out or []
+        while True:
+            steps = [self._relay_queue.get()]
             while not self._relay_queue.empty():     # steps queued meanwhile: one wake-up of the loop for all
-                more = self._relay_queue.get()
-                ended = ended or more is None
-                out += more or []
+                steps.append(self._relay_queue.get())
+            out = [ev for step in steps if step is not None for ev in step]
             if out and self._loop is not None and not self._loop.is_closed():
                 try:
                     self._loop.call_soon_threadsafe(_deliver, out)
                 except RuntimeError:      # the loop closed meanwhile
                     pass
+            if any(step is None for step in steps):
+                return
 
     def _publish(self, idle: bool = False) -> None:
         e = self.engine
