@@ -17,6 +17,10 @@ Each step, in this order:
    waits until they are in the cache (requests behind it go ahead; not under
    ``fixed``, whose group is admitted together), so a common prefix is computed once.
 
+With ``decode_share`` a step that computes prompt tokens is followed, while
+requests decode, by decode-only steps (2 and 3 wait) until they have taken that
+fraction of its prompt tokens' predicted time (below).
+
 Why ``partial_slack``: a step's tokens all come out when the whole step ends, so
 a partial chunk riding in a step that finishes another prompt delays that
 prompt's first token (and every decode's next one) by the partial chunk's time,
@@ -26,6 +30,19 @@ budget finished at 512-token boundaries, the 7th and 8th both in the last step;
 deferring, each leaves the step its own prompt ends in.  Where a step's time is
 flat in its tokens (a GPU below its compute roof) the chunk adds little and the
 step model lets it in.
+
+Why ``decode_share``: on a compute-bound machine a prompt step stalls every decode
+for its whole length, so requests whose prompts ran in consecutive steps are one
+token apart and finish in consecutive steps; closed-loop clients (an editor, an
+agent) send their next requests within a step of each other, the second waits out
+the first's prefill, and the pair stays a pair, cycle after cycle (a convoy: TTFT
+two prefills where one would do).  Decode-only steps after each prompt step give
+the requests already decoding a lead of a few tokens over those whose prompts
+wait, so their finishes, and their clients' next arrivals, come a prefill apart
+instead.  The decodes keep at least that share of the machine under a stream of
+prompts (as TGI's ``max_waiting_tokens`` lets decode steps pass before waiting
+requests are prefilled); a burst arriving
+together pays for it, its k-th prompt waiting k - 1 such gaps.  It needs a step model.
 
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
@@ -70,6 +87,8 @@ class SchedulerConfig:
     wait_for_prefix: bool = True         # hold a request whose prefix a running request is still computing
     partial_slack: float | None = None   # chunked: most a non-finishing chunk may lengthen a step that finishes a
                                          # prompt, as a fraction of that step's time (None: no limit)
+    decode_share: float = 0.0            # decode-only time owed after a prompt step beside decodes, as a fraction of
+                                         # its predicted prompt time (0: none)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -87,6 +106,9 @@ class SchedulerConfig:
             raise UsageError(f"the ITL target must be positive, got {self.itl_target_s!r}")
         if self.partial_slack is not None and not self.partial_slack >= 0:
             raise UsageError(f"partial_slack must be a fraction >= 0, got {self.partial_slack!r}")
+        if isinstance(self.decode_share, bool) or not 0 <= self.decode_share <= 100:
+            raise UsageError(f"--decode-share must be a fraction in 0..100, got {self.decode_share!r}",
+                             flag="--decode-share", hint="e.g. --decode-share 0.25, or 0 for none")
 
 
 @dataclass(frozen=True)
@@ -126,8 +148,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, step_model: StepModel | None = None):
-        if (config.itl_target_s is not None or config.deadline_aware) and step_model is None:
-            raise UsageError("an ITL target or deadline-aware admission needs a step-time model",
+        if (config.itl_target_s is not None or config.deadline_aware or config.decode_share) and step_model is None:
+            raise UsageError("an ITL target, a decode share or deadline-aware admission needs a step-time model",
                              hint="give --step-model or --device with --model")
         self.config = config
         self.blocks = blocks
@@ -137,6 +159,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._admitted = 0
+        self._decode_owed = 0.0      # seconds of decode-only steps still owed after a prompt step (decode_share)
         self.peak_running = 0
 
     # ---- requests ------------------------------------------------------------
@@ -184,13 +207,17 @@ class Scheduler:
         for r in [r for r in self.running if not r.prefilling]:
             if r in self.running and budget[0] >= 1:
                 self._add_chunk(plan, r, 1, budget)
-        for r in [r for r in self.running if r.prefilling]:
-            if r in self.running:
-                self._prefill_chunk(plan, r, budget)
-        if cfg.policy != "fixed" or group_start:
-            self._admit(plan, now, budget)
+        decodes_only = self._decode_owed > 0 and bool(plan.chunks)
+        if not decodes_only:
+            for r in [r for r in self.running if r.prefilling]:
+                if r in self.running:
+                    self._prefill_chunk(plan, r, budget)
+            if cfg.policy != "fixed" or group_start:
+                self._admit(plan, now, budget)
         if self.drafter is not None:
             self._draft(plan, budget)
+        if cfg.decode_share:
+            self._owe_decodes(plan)
         self.peak_running = max(self.peak_running, len(self.running))
         self.blocks.begin_step()
         return plan
@@ -241,6 +268,16 @@ class Scheduler:
         r.finish(reason, now, error)
 
     # ---- internals -----------------------------------------------------------
+    def _owe_decodes(self, plan: StepPlan) -> None:
+        """``decode_share``: a step with prompt tokens owes that share of their predicted time in decode-only
+        steps (held only while requests decode); a decode-only step pays its time off."""
+        decodes = [(c.n_tokens, c.start) for c in plan.chunks if not c.request.prefilling]
+        if len(decodes) < len(plan.chunks):
+            model = self.step_model
+            self._decode_owed = self.config.decode_share * (model.seconds(plan.shapes()) - model.seconds(decodes))
+        elif decodes:
+            self._decode_owed -= self.step_model.seconds(decodes)
+
     def _chunk_limit(self, plan: StepPlan, r: Request, budget: list[int]) -> int:
         cfg, n = self.config, r.remaining
         if cfg.policy != "chunked":

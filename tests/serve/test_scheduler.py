@@ -91,6 +91,30 @@ def test_partial_slack_lets_each_first_token_leave_with_its_own_prompt():
         SchedulerConfig(partial_slack=-0.5)
 
 
+def test_decode_share_owes_decode_only_steps_after_each_prompt_step():
+    model = LinearStepModel(0.020, 2e-3, 0.0)        # CPU-like: 20 ms a step + 2 ms a token
+    s = Scheduler(SchedulerConfig(policy="chunked", max_running=4, token_budget=512, decode_share=0.25),
+                  BlockManager(400, 16), model)
+    s.add(req("a", 100, 50))
+    s.add(req("b", 100, 50, arrival=0.05))
+    s.add(req("c", 100, 50, arrival=0.05))
+    steps = []
+    for i in range(10):
+        if i == 5:
+            s.add(req("d", 100, 50, arrival=0.05))
+        steps.append(sorted((c.request.id, c.n_tokens) for c in run_step(s, float(i)).chunks))
+    # a's prompt (0.22 s) owes 0.055 s: three decode-only steps of 22 ms while b and c wait
+    assert steps[:4] == [[("a", 100)]] + [[("a", 1)]] * 3
+    # b's and c's prompts beside a's decode (0.40 s) owe 0.10 s: four steps of 20 + 3 x 2 ms while d waits
+    assert steps[4] == [("a", 1), ("b", 100), ("c", 100)]
+    assert steps[5:9] == [[("a", 1), ("b", 1), ("c", 1)]] * 4
+    assert steps[9] == [("a", 1), ("b", 1), ("c", 1), ("d", 100)]
+    with pytest.raises(UsageError, match="--decode-share"):
+        SchedulerConfig(decode_share=-0.1)
+    with pytest.raises(UsageError, match="step-time model"):
+        Scheduler(SchedulerConfig(decode_share=0.25), BlockManager(10, 16))
+
+
 def test_max_running_and_fcfs():
     s = Scheduler(SchedulerConfig(max_running=2), BlockManager(100, 16))
     for i, t in enumerate([0.0, 0.0, 0.0, 5.0]):
