@@ -2,8 +2,8 @@
 
     localinfer serve [MODEL] [--host 127.0.0.1] [--port 8080] [--parallel N] [--ctx N] [-ctk/-ctv T] [-t N]
         [--backend NAME] [--api-key KEY | LOCALINFER_API_KEY] [--max-queue N] [--token-budget N]
-        [--chunk N | --itl-target MS] [--partial-slack F|off] [--prefix-cache on|off] [--parked N]
-        [--lookup [--draft-max N]]
+        [--chunk N | --itl-target MS] [--partial-slack F|off] [--decode-share F] [--prefix-cache on|off]
+        [--parked N] [--lookup [--draft-max N]]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a prompt chunk that does not finish its prompt joins a step that finishes another only if "
                         "it makes the step at most F longer, so each first token leaves with the step its own prompt "
                         "ends in (default 0.25; off: fill every step's budget)")
+    g.add_argument("--decode-share", type=float, default=None, metavar="F",
+                   help="after a step that prefills, decode-only steps take F of its prompt time before the next "
+                        "prompt while requests decode, so closed-loop clients spread out instead of "
+                        "queueing behind each other's prefills (default 0.05; 0: none)")
     g.add_argument("--prefix-cache", choices=("on", "off"), default="on", help="share KV of common prefixes (default on)")
     g.add_argument("--parked", type=int, default=None, metavar="N",
                    help="finished requests whose KV stays for later prefix hits, evicted as the pool needs it "
@@ -88,6 +92,9 @@ def _check(args) -> str | None:
         raise UsageError(f"--itl-target must be a positive number of milliseconds, got {args.itl_target}",
                          flag="--itl-target")
     _partial_slack(args.partial_slack)
+    if args.decode_share is not None and not 0 <= args.decode_share <= 100:
+        raise UsageError(f"--decode-share must be a fraction in 0..100, got {args.decode_share}",
+                         flag="--decode-share", hint="e.g. --decode-share 0.25, or 0 for none")
     if not 0 <= args.grace <= 3600:
         raise UsageError(f"--grace {args.grace} is out of range", flag="--grace", hint="use 0..3600 seconds")
     from localinfer.serve.speculation import check_draft_max
@@ -185,7 +192,8 @@ def serve_config(args, n_batch: int):
     return ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                        chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
                        prefix_cache=args.prefix_cache == "on", park=args.parked, **_partial_slack(args.partial_slack),
-                       draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0)
+                       draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0,
+                       **({} if args.decode_share is None else {"decode_share": args.decode_share}))
 
 
 def _executor_factory(backend: str, plan, parallel: int):

@@ -24,7 +24,7 @@ pytest.importorskip("uvicorn")
     (["--ctx", "100000"], "--ctx"), (["--backend", "mlx"], "llama.cpp or torch"), (["--grace", "-1"], "--grace"),
     (["--chunk", "8", "--itl-target", "5"], "not allowed with"), (["--prefix-cache", "maybe"], "invalid choice"),
     (["--api-key", "has space"], "API key"), (["--partial-slack", "half"], "--partial-slack"),
-    (["--partial-slack", "-1"], "--partial-slack"),
+    (["--partial-slack", "-1"], "--partial-slack"), (["--decode-share", "nan"], "--decode-share"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
     from localinfer.cli import main
@@ -45,12 +45,13 @@ def test_bad_flags_exit_2_with_one_line(argv, words, capsys, monkeypatch):
     (["--itl-target", "40"], {"itl_target_s": 0.04}),
     (["--lookup", "--draft-max", "5"], {"draft_max": 5}),
     (["--partial-slack", "off"], {"partial_slack": None}), (["--partial-slack", "0.5"], {"partial_slack": 0.5}),
+    (["--decode-share", "0.25"], {"decode_share": 0.25}), (["--decode-share", "0"], {"decode_share": 0.0}),
 ])
 def test_serving_flags_reach_the_scheduler(argv, want):
     import argparse
 
     from localinfer.commands import serve
-    from localinfer.serve.http.config import DEFAULT_PARTIAL_SLACK, build_engine
+    from localinfer.serve.http.config import DEFAULT_DECODE_SHARE, DEFAULT_PARTIAL_SLACK, build_engine
     from localinfer.serve.simulated import SimulatedExecutor
     from localinfer.serve.step_model import LinearStepModel
 
@@ -59,7 +60,7 @@ def test_serving_flags_reach_the_scheduler(argv, want):
     config = serve.serve_config(parser.parse_args(argv), n_batch=512)
     _, engine, _ = build_engine(SimulatedExecutor(LinearStepModel(0.01, 1e-4, 0.0), n_slots=config.n_slots), config)
     got = engine.scheduler.config
-    for name, value in {"partial_slack": DEFAULT_PARTIAL_SLACK, **want}.items():
+    for name, value in {"partial_slack": DEFAULT_PARTIAL_SLACK, "decode_share": DEFAULT_DECODE_SHARE, **want}.items():
         assert getattr(got, name) == value, (name, getattr(got, name))
 
 

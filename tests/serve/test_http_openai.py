@@ -168,10 +168,14 @@ def test_errors_are_the_clients_typed_exceptions(client):
     assert _chat(client, "hi").choices[0].message.content is not None      # still serving
 
 
-def test_concurrent_greedy_requests_equal_each_alone(client):
+def test_concurrent_greedy_requests_equal_each_alone(default_model):
     """Four greedy completions at once give, token for token, what each gives alone (one thread, flash attention;
-    prompts under one 16-token block, so nothing comes from the prefix cache, and under 64 rows together)."""
+    prompts under one 16-token block, so nothing comes from the prefix cache, and under 64 rows together).
+    Its own server without decode-only steps between prompts (``decode_share`` 0): a near-tie in these answers
+    flips with where a sequence's KV cells fall among the others', and those steps move them (docs/serving.md)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from tests.serve.test_http_support import LiveServer
 
     prompts = ["The sky is", "My favourite food is", "Once there was a", "Paris is the capital of"]
 
@@ -179,7 +183,12 @@ def test_concurrent_greedy_requests_equal_each_alone(client):
         return client.completions.create(model=MODEL_ID, prompt=p, max_tokens=16, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
 
-    alone = [one(p) for p in prompts]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(one, prompts))
+    srv = LiveServer(default_model, decode_share=0.0)
+    try:
+        with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+            alone = [one(p) for p in prompts]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(pool.map(one, prompts))
+    finally:
+        srv.stop()
     assert together == alone and len(set(alone)) == len(alone)

@@ -40,6 +40,10 @@ DEFAULT_PARKED = 32
 # A prompt's unfinished chunk joins a step that finishes another prompt only if it lengthens it by at most a quarter
 # (scheduler.py, partial_slack): on a CPU, 8 prompts of 302 tokens arriving together then leave one per step.
 DEFAULT_PARTIAL_SLACK = 0.25
+# After a step that prefills, decode-only steps take a twentieth of its prompt time (one or two steps on a CPU)
+# before the next prompt (scheduler.py, decode_share): closed-loop clients otherwise settle into a convoy, each new
+# prompt waiting out another's prefill; a tenth cost more TTFT p95 at concurrency 8 (docs/serving.md).
+DEFAULT_DECODE_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class ServeConfig:
     park: int | None = None              # parked sequences for finished requests' KV (None: DEFAULT_PARKED)
     draft_max: int = 0                   # prompt-lookup drafts per request and step (0: no lookup)
     partial_slack: float | None = DEFAULT_PARTIAL_SLACK   # None: fill every step's budget
+    decode_share: float = DEFAULT_DECODE_SHARE   # decode-only time after a prompt step, a share of its prompt time
 
 
     @property
@@ -92,6 +97,6 @@ def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, Fit
     sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
                             itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
                             drop_late=True, draft_max=config.draft_max, partial_slack=config.partial_slack,
-                            **chunk)
+                            decode_share=config.decode_share, **chunk)
     engine = Engine(executor, Scheduler(sched, blocks, model), park_slots=park)
     return executor, engine, model
