@@ -19,7 +19,7 @@ Each step, in this order:
 
 With ``decode_share`` a step that computes prompt tokens is followed, while
 requests decode, by decode-only steps (2 and 3 wait) until they have taken that
-fraction of its prompt tokens' predicted time (below).
+fraction of its predicted time less its decodes' (below).
 
 Why ``partial_slack``: a step's tokens all come out when the whole step ends, so
 a partial chunk riding in a step that finishes another prompt delays that
@@ -41,8 +41,9 @@ the requests already decoding a lead of a few tokens over those whose prompts
 wait, so their finishes, and their clients' next arrivals, come a prefill apart
 instead.  The decodes keep at least that share of the machine under a stream of
 prompts (as TGI's ``max_waiting_tokens`` lets decode steps pass before waiting
-requests are prefilled); a burst arriving
-together pays for it, its k-th prompt waiting k - 1 such gaps.  It needs a step model.
+requests are prefilled); a burst arriving together pays for it, its k-th prompt
+waiting k - 1 such gaps.  Deadline predictions leave the gaps out (a few percent
+at the serve default).  It needs a step model.
 
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
@@ -107,8 +108,8 @@ class SchedulerConfig:
         if self.partial_slack is not None and not self.partial_slack >= 0:
             raise UsageError(f"partial_slack must be a fraction >= 0, got {self.partial_slack!r}")
         if isinstance(self.decode_share, bool) or not 0 <= self.decode_share <= 100:
-            raise UsageError(f"--decode-share must be a fraction in 0..100, got {self.decode_share!r}",
-                             flag="--decode-share", hint="e.g. --decode-share 0.25, or 0 for none")
+            raise UsageError(f"decode_share must be a number in 0..100, got {self.decode_share!r}",
+                             hint="e.g. 0.05, or 0 for none")
 
 
 @dataclass(frozen=True)
@@ -269,8 +270,8 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------
     def _owe_decodes(self, plan: StepPlan) -> None:
-        """``decode_share``: a step with prompt tokens owes that share of their predicted time in decode-only
-        steps (held only while requests decode); a decode-only step pays its time off."""
+        """``decode_share``: a step with prompt tokens owes that share of its predicted time less its decodes' (all
+        of it with none) in decode-only steps, held only while requests decode; a decode-only step pays its time off."""
         decodes = [(c.n_tokens, c.start) for c in plan.chunks if not c.request.prefilling]
         if len(decodes) < len(plan.chunks):
             model = self.step_model

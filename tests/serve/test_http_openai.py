@@ -172,7 +172,8 @@ def test_concurrent_greedy_requests_equal_each_alone(default_model):
     """Four greedy completions at once give, token for token, what each gives alone (one thread, flash attention;
     prompts under one 16-token block, so nothing comes from the prefix cache, and under 64 rows together).
     Its own server without decode-only steps between prompts (``decode_share`` 0): a near-tie in these answers
-    flips with where a sequence's KV cells fall among the others', and those steps move them (docs/serving.md)."""
+    flips with where a sequence's KV cells fall among the others', and those steps move them
+    (benchmarks/results/serve_decode_share_cpu.txt)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.serve.test_http_support import LiveServer

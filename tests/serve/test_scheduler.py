@@ -109,7 +109,7 @@ def test_decode_share_owes_decode_only_steps_after_each_prompt_step():
     assert steps[4] == [("a", 1), ("b", 100), ("c", 100)]
     assert steps[5:9] == [[("a", 1), ("b", 1), ("c", 1)]] * 4
     assert steps[9] == [("a", 1), ("b", 1), ("c", 1), ("d", 100)]
-    with pytest.raises(UsageError, match="--decode-share"):
+    with pytest.raises(UsageError, match="decode_share"):
         SchedulerConfig(decode_share=-0.1)
     with pytest.raises(UsageError, match="step-time model"):
         Scheduler(SchedulerConfig(decode_share=0.25), BlockManager(10, 16))
