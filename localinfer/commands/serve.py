@@ -94,7 +94,7 @@ def _check(args) -> str | None:
     _partial_slack(args.partial_slack)
     if args.decode_share is not None and not 0 <= args.decode_share <= 100:
         raise UsageError(f"--decode-share must be a number in 0..100, got {args.decode_share}",
-                         flag="--decode-share", hint="e.g. --decode-share 0.25, or 0 for none")
+                         flag="--decode-share", hint="e.g. --decode-share 0.05, or 0 for none")
     if not 0 <= args.grace <= 3600:
         raise UsageError(f"--grace {args.grace} is out of range", flag="--grace", hint="use 0..3600 seconds")
     from localinfer.serve.speculation import check_draft_max

@@ -88,8 +88,8 @@ class SchedulerConfig:
     wait_for_prefix: bool = True         # hold a request whose prefix a running request is still computing
     partial_slack: float | None = None   # chunked: most a non-finishing chunk may lengthen a step that finishes a
                                          # prompt, as a fraction of that step's time (None: no limit)
-    decode_share: float = 0.0            # decode-only time owed after a prompt step beside decodes, as a fraction of
-                                         # its predicted prompt time (0: none)
+    decode_share: float = 0.0            # decode-only time owed after a step with prompt tokens, as a fraction of its
+                                         # predicted time less its decodes' (0: none)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
