@@ -276,7 +276,7 @@ class Scheduler:
         if len(decodes) < len(plan.chunks):
             model = self.step_model
             self._decode_owed = self.config.decode_share * (model.seconds(plan.shapes()) - model.seconds(decodes))
-        elif decodes:
+        elif decodes and self._decode_owed > 0:      # nothing owed (most steps): no prediction to make
             self._decode_owed -= self.step_model.seconds(decodes)
 
     def _chunk_limit(self, plan: StepPlan, r: Request, budget: list[int]) -> int:
