@@ -1,7 +1,12 @@
 """localinfer serve beside llama.cpp's llama-server and llama-cpp-python's server, one run, same load.
 
-    python benchmarks/serve_peers.py --llama-server PATH [--llama-cpp-python PYTHON] \
+    python benchmarks/serve_peers.py --llama-server PATH|build [--llama-cpp-python PYTHON|venv] \
         [--scenarios closed,prefix,poisson] [--rounds N] [--levels LIST] [--out benchmarks/results/serve_peers_cpu]
+
+``--llama-server build`` builds the peer from the llama.cpp sources vendored in the installed
+llama-cpp-python's sdist (``scripts/build_llama_server.sh``: this CPU's SIMD flags, no web UI; about 16
+minutes on 2 cores, then cached); ``--llama-cpp-python venv`` makes a virtual environment over this one
+(``--system-site-packages``, so the installed llama-cpp-python is reused) with its ``[server]`` extras.
 
 Every server runs the same model (default: the embedded SmolLM2 Q4_1) with the same threads, the same
 total context and flash attention on; each is started once per scenario and left idle while the others
@@ -86,6 +91,28 @@ def commands(args, model: str, ctx: int, ports: dict[str, int]) -> dict[str, lis
                                    "--n_threads", t, "--n_threads_batch", t, "--flash_attn", "True",
                                    "--interrupt_requests", "False"]
     return out
+
+
+def peers(args) -> None:
+    """Resolve ``--llama-server build`` and ``--llama-cpp-python venv`` into the paths they make (cached)."""
+    if args.llama_server == "build":
+        done = subprocess.run([str(ROOT / "scripts" / "build_llama_server.sh")], stdout=subprocess.PIPE, text=True)
+        if done.returncode:
+            sys.exit("serve_peers: llama-server could not be built (see the message above)")
+        args.llama_server = done.stdout.strip()
+    if args.llama_cpp_python == "venv":
+        from importlib.metadata import version
+        ver = version("llama-cpp-python")
+        env = Path(os.environ.get("LOCALINFER_CACHE", Path.home() / ".cache" / "localinfer"))
+        env = env / f"llama-cpp-python-server-{ver}"
+        py = env / "bin" / "python"
+        ready = py.exists() and subprocess.run([str(py), "-c", "import llama_cpp.server.app"],
+                                               capture_output=True).returncode == 0
+        if not ready:
+            subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env)], check=True)
+            subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                            f"llama-cpp-python[server]=={ver}"], check=True)
+        args.llama_cpp_python = str(py)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
@@ -225,9 +252,11 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded model)")
-    ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
-    ap.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
-                    help="a Python that has llama-cpp-python[server] (run as PYTHON -m llama_cpp.server)")
+    ap.add_argument("--llama-server", default=None, metavar="PATH|build",
+                    help="path of a llama-server binary, or 'build' to build it (cached)")
+    ap.add_argument("--llama-cpp-python", default=None, metavar="PYTHON|venv",
+                    help="a Python that has llama-cpp-python[server] (run as PYTHON -m llama_cpp.server), or "
+                         "'venv' to make one over this environment (cached)")
     ap.add_argument("--scenarios", default="closed,prefix,poisson")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1,
@@ -249,6 +278,7 @@ def main(argv=None) -> int:
     known = {level_label(level) for k in keys for level in SCENARIOS[k]["levels"]}
     if args.levels and (unknown := [x for x in args.levels if x not in known]):
         ap.error(f"unknown level(s) {unknown}; the chosen scenarios have {sorted(known)}")
+    peers(args)
     before = machine()
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_scenario(args, model, k, Path(tmp)) for k in keys

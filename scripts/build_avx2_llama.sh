@@ -17,16 +17,10 @@ root=${LOCALINFER_CACHE:-$HOME/.cache/localinfer}/llama-avx2-$ver
 lib=$root/build/bin
 if [ -e "$lib/libllama.so" ]; then echo "$lib"; exit 0; fi
 command -v cmake >/dev/null || { echo "build_avx2_llama: cmake not found" >&2; exit 1; }
+src=$(scripts/llama_sources.sh)
 mkdir -p "$root"
-if [ ! -d "$root/src" ]; then
-    python3 -m pip download -q --no-binary :all: --no-deps -d "$root/dl" \
-        "llama-cpp-python==$ver" >&2
-    mkdir -p "$root/src.tmp"
-    tar -xzf "$root"/dl/llama_cpp_python-"$ver".tar.gz -C "$root/src.tmp" --strip-components 1
-    mv "$root/src.tmp" "$root/src"
-fi
 # shellcheck disable=SC2046  # the flags are words
-cmake -S "$root/src/vendor/llama.cpp" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+cmake -S "$src/vendor/llama.cpp" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
     -DLLAMA_BUILD_TOOLS=OFF $(python3 scripts/llama_cmake_args.py --conservative) >"$root/cmake.log" 2>&1 \
     || { echo "build_avx2_llama: cmake failed, see $root/cmake.log" >&2; exit 1; }

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server from the sources vendored in the installed llama-cpp-python's sdist (the
+# same llama.cpp that localinfer runs), with this CPU's SIMD flags, and print the binary's path: the peer
+# that benchmarks/serve_peers.py measures localinfer serve against.
+#
+#     python3 benchmarks/serve_peers.py --llama-server "$(scripts/build_llama_server.sh)"
+#
+# Offline after the sdist download; no web UI (-DLLAMA_USE_PREBUILT_UI=OFF keeps cmake from fetching its
+# assets: run the server with --no-webui), no curl.  About 16 minutes on 2 cores the first time, then
+# cached under ${LOCALINFER_CACHE:-~/.cache/localinfer}/llama-server-VERSION; messages go to stderr; exit 1
+# if it cannot.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+src=$(scripts/llama_sources.sh)
+ver=$(python3 -c "import llama_cpp; print(llama_cpp.__version__)")
+root=${LOCALINFER_CACHE:-$HOME/.cache/localinfer}/llama-server-$ver
+bin=$root/build/bin/llama-server
+if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
+command -v cmake >/dev/null || { echo "build_llama_server: cmake not found" >&2; exit 1; }
+mkdir -p "$root"
+echo "build_llama_server: building llama-server $ver (about 16 minutes on 2 cores; log in $root)" >&2
+# shellcheck disable=SC2046  # the flags are words
+cmake -S "$src/vendor/llama.cpp" -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF $(python3 scripts/llama_cmake_args.py) >"$root/cmake.log" 2>&1 \
+    || { echo "build_llama_server: cmake failed, see $root/cmake.log" >&2; exit 1; }
+cmake --build "$root/build" --target llama-server -j "$(nproc)" >"$root/build.log" 2>&1 \
+    || { echo "build_llama_server: build failed, see $root/build.log" >&2; exit 1; }
+[ -x "$bin" ] || { echo "build_llama_server: no llama-server in $root/build/bin" >&2; exit 1; }
+echo "$bin"
