@@ -18,8 +18,8 @@ Each step, in this order:
    ``fixed``, whose group is admitted together), so a common prefix is computed once.
 
 With ``decode_share`` a step that computes prompt tokens is followed, while
-requests decode, by decode-only steps (2 and 3 wait) until they have taken that
-fraction of its predicted time less its decodes' (below).
+requests decode, by decode-only steps (2 and 3 wait): the nearest whole number of
+them to that fraction of its predicted time less its decodes' (below).
 
 Why ``partial_slack``: a step's tokens all come out when the whole step ends, so
 a partial chunk riding in a step that finishes another prompt delays that
@@ -208,7 +208,7 @@ class Scheduler:
         for r in [r for r in self.running if not r.prefilling]:
             if r in self.running and budget[0] >= 1:
                 self._add_chunk(plan, r, 1, budget)
-        decodes_only = self._decode_owed > 0 and bool(plan.chunks)
+        decodes_only = self._decode_owed > 0 and bool(plan.chunks) and self._owes_a_step(plan)
         if not decodes_only:
             for r in [r for r in self.running if r.prefilling]:
                 if r in self.running:
@@ -278,6 +278,14 @@ class Scheduler:
             self._decode_owed = self.config.decode_share * (model.seconds(plan.shapes()) - model.seconds(decodes))
         elif decodes and self._decode_owed > 0:      # nothing owed (most steps): no prediction to make
             self._decode_owed -= self.step_model.seconds(decodes)
+
+    def _owes_a_step(self, plan: StepPlan) -> bool:
+        """Whether the debt is at least half this decode-only step's predicted time: the gaps are the nearest
+        whole number of decode steps to the share, not the next one up (a debt just over one step is one)."""
+        if self._decode_owed >= 0.5 * self.step_model.seconds(plan.shapes()):
+            return True
+        self._decode_owed = 0.0
+        return False
 
     def _chunk_limit(self, plan: StepPlan, r: Request, budget: list[int]) -> int:
         cfg, n = self.config, r.remaining

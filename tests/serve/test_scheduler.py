@@ -109,6 +109,13 @@ def test_decode_share_owes_decode_only_steps_after_each_prompt_step():
     assert steps[4] == [("a", 1), ("b", 100), ("c", 100)]
     assert steps[5:9] == [[("a", 1), ("b", 1), ("c", 1)]] * 4
     assert steps[9] == [("a", 1), ("b", 1), ("c", 1), ("d", 100)]
+    # the gaps are the nearest whole number of decode steps: a's prompt at a share of 0.13 owes 1.3 steps, so one
+    s = Scheduler(SchedulerConfig(policy="chunked", max_running=4, token_budget=512, decode_share=0.13),
+                  BlockManager(400, 16), model)
+    s.add(req("a", 100, 50))
+    s.add(req("b", 100, 50, arrival=0.05))
+    steps = [sorted((c.request.id, c.n_tokens) for c in run_step(s, float(i)).chunks) for i in range(3)]
+    assert steps == [[("a", 100)], [("a", 1)], [("a", 1), ("b", 100)]]
     with pytest.raises(UsageError, match="decode_share"):
         SchedulerConfig(decode_share=-0.1)
     with pytest.raises(UsageError, match="step-time model"):
