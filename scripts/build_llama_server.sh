@@ -11,12 +11,12 @@
 # if it cannot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-src=$(scripts/llama_sources.sh)
 ver=$(python3 -c "import llama_cpp; print(llama_cpp.__version__)")
 root=${LOCALINFER_CACHE:-$HOME/.cache/localinfer}/llama-server-$ver
 bin=$root/build/bin/llama-server
 if [ -x "$bin" ]; then echo "$bin"; exit 0; fi
 command -v cmake >/dev/null || { echo "build_llama_server: cmake not found" >&2; exit 1; }
+src=$(scripts/llama_sources.sh)
 mkdir -p "$root"
 echo "build_llama_server: building llama-server $ver (about 16 minutes on 2 cores; log in $root)" >&2
 # shellcheck disable=SC2046  # the flags are words
