@@ -12,6 +12,8 @@ Rules:
 * CMAKE_ARGS already set by the user (e.g. -DGGML_CUDA=on): keep it, and add the
   portable CPU flags only if it does not mention GGML_NATIVE itself.
 * ``--conservative``: AVX2-era flags only (the fallback if a build still crashes).
+* Everywhere: llama.cpp's RPC backend (``-DGGML_RPC=ON``), which ``localinfer worker`` and
+  ``--rpc`` use, unless CMAKE_ARGS already says ``GGML_RPC``.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ def portable_args(conservative: bool = False) -> list[str]:
 
 def cmake_args(conservative: bool = False) -> str:
     user = os.environ.get("CMAKE_ARGS", "").strip()
+    rpc = [] if "GGML_RPC" in user else ["-DGGML_RPC=ON"]
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return user
+        return " ".join(filter(None, [user, *rpc]))
     if "GGML_NATIVE" in user:
-        return user
-    return " ".join(filter(None, [user, *portable_args(conservative)]))
+        return " ".join(filter(None, [user, *rpc]))
+    return " ".join(filter(None, [user, *portable_args(conservative), *rpc]))
 
 
 if __name__ == "__main__":
