@@ -68,6 +68,23 @@ def init_backend() -> None:
         _backend_ready = True
 
 
+_GGML_DEVICE_GPU, _GGML_DEVICE_IGPU = 1, 2     # enum ggml_backend_dev_type (ggml-backend.h)
+
+
+def has_gpu_device() -> bool:
+    """A GPU (discrete or integrated) is among ggml's devices.  Not ``llama_supports_gpu_offload``, which is also
+    true for a build with the RPC backend (every localinfer build) on a machine with no GPU at all."""
+    init_backend()
+    libdir = os.path.join(os.path.dirname(_L.__file__), "lib")
+    path = next((os.path.join(libdir, n) for n in ("libggml.so", "libggml.dylib", "ggml.dll")
+                 if os.path.exists(os.path.join(libdir, n))), None)
+    by_type = getattr(ctypes.CDLL(path), "ggml_backend_dev_by_type", None) if path is not None else None
+    if by_type is None:     # an older or differently packaged build: llama.cpp's own answer
+        return bool(_L.llama_supports_gpu_offload()) and not _L.llama_supports_rpc()
+    by_type.restype, by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    return bool(by_type(_GGML_DEVICE_GPU) or by_type(_GGML_DEVICE_IGPU))
+
+
 _MIB = r"([0-9]+(?:\.[0-9]+)?) MiB"
 _RE_KV_BUF = re.compile(r"KV buffer size\s*=\s*" + _MIB)
 _RE_COMPUTE = re.compile(r"compute buffer size\s*=\s*" + _MIB)
