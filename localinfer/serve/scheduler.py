@@ -59,6 +59,7 @@ to the pool when the step in flight completes.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,18 +71,29 @@ from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.speculation import Drafter, check_draft_max
 from localinfer.serve.step_model import StepModel, chunk_for_target
 
-POLICIES = ("fixed", "continuous", "chunked")
-ADMISSIONS = ("reserve", "on_demand")
+class Policy(enum.StrEnum):
+    FIXED = "fixed"
+    CONTINUOUS = "continuous"
+    CHUNKED = "chunked"
+
+
+class Admission(enum.StrEnum):
+    RESERVE = "reserve"
+    ON_DEMAND = "on_demand"
+
+
+POLICIES = tuple(Policy)
+ADMISSIONS = tuple(Admission)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = "continuous"
+    policy: Policy = Policy.CONTINUOUS
     max_running: int = 8
     chunk_tokens: int = 512              # chunked: most prompt tokens of one request per step
     token_budget: int | None = None      # most new tokens per step (None: no limit)
     itl_target_s: float | None = None    # chunked: the chunk is the largest predicted to keep the step under this
-    admission: str = "reserve"
+    admission: Admission = Admission.RESERVE
     deadline_aware: bool = False
     drop_late: bool = False              # finish a request past its deadline at the next step boundary
     draft_max: int = 0                   # prompt-lookup drafts per decoding request and step (0: none)
@@ -96,6 +108,8 @@ class SchedulerConfig:
             raise UsageError(f"unknown policy {self.policy!r}", flag="--policy", hint="use " + "|".join(POLICIES))
         if self.admission not in ADMISSIONS:
             raise UsageError(f"unknown admission {self.admission!r}", hint="use " + " or ".join(ADMISSIONS))
+        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "admission", Admission(self.admission))
         for name, flag in (("max_running", "--max-running"), ("chunk_tokens", "--chunk"),
                            ("token_budget", "--token-budget")):
             v = getattr(self, name)
@@ -179,12 +193,7 @@ class Scheduler:
         r = self.requests.get(request_id)
         if r is None or r.finished:
             return None
-        if r in self.running:
-            self.running.remove(r)
-            self.blocks.free(r.id)
-        elif r in self.waiting:
-            self.waiting.remove(r)
-        r.finish(FinishReason.CANCELLED if error is None else FinishReason.ERROR, now, error)
+        self.finish(r, FinishReason.CANCELLED if error is None else FinishReason.ERROR, now, error)
         return r
 
     @property
@@ -213,7 +222,7 @@ class Scheduler:
             for r in [r for r in self.running if r.prefilling]:
                 if r in self.running:
                     self._prefill_chunk(plan, r, budget)
-            if cfg.policy != "fixed" or group_start:
+            if cfg.policy is not Policy.FIXED or group_start:
                 self._admit(plan, now, budget)
         if self.drafter is not None:
             self._draft(plan, budget)
@@ -251,7 +260,7 @@ class Scheduler:
             self.blocks.commit(r.id, r.view(r.computed), r.prefix_hashes(self.blocks.block_tokens))
             if kept < len(ch.draft) + 1:
                 plan.trims.append((r, r.computed))
-                if self.config.admission == "on_demand":     # reserved blocks stay: they are the request's own
+                if self.config.admission is Admission.ON_DEMAND:     # reserved blocks stay: they are the request's own
                     self.blocks.shrink(r.id, r.computed)
             if reason is not None:
                 self.finish(r, reason, now)
@@ -259,6 +268,9 @@ class Scheduler:
         return done
 
     def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+        """The one way a request ends (stop, length, cancel, deadline, refusal, error): it leaves the queue or the
+        batch, its blocks go back (after the step in flight), the drafter forgets it, and the request releases what
+        it holds itself (``Request.finish``)."""
         if self.drafter is not None:
             self.drafter.forget(r.id)
         if r in self.running:
@@ -289,7 +301,7 @@ class Scheduler:
 
     def _chunk_limit(self, plan: StepPlan, r: Request, budget: list[int]) -> int:
         cfg, n = self.config, r.remaining
-        if cfg.policy != "chunked":
+        if cfg.policy is not Policy.CHUNKED:
             return n if n <= budget[0] or not plan.chunks else 0
         n = min(n, cfg.chunk_tokens, budget[0])
         if cfg.itl_target_s is not None:
@@ -355,13 +367,12 @@ class Scheduler:
         self.running.remove(r)
         self.blocks.free(r.id)
         r.preempt()
-        r.state = State.WAITING
         self.waiting.appendleft(r)
         plan.preempted.append(r)
 
     def _admit(self, plan: StepPlan, now: float, budget: list[int]) -> None:
         cfg, bm = self.config, self.blocks
-        waits_for_prefix = cfg.wait_for_prefix and bm.prefix_cache and cfg.policy != "fixed"
+        waits_for_prefix = cfg.wait_for_prefix and bm.prefix_cache and cfg.policy is not Policy.FIXED
         i = 0     # requests before i wait for a prefix in flight; the others keep their order
         while (i < len(self.waiting) and len(self.running) < cfg.max_running
                and self.waiting[i].arrival_s <= now + 1e-12):
@@ -371,10 +382,8 @@ class Scheduler:
             reserve = tokens_held(len(r.prompt), r.max_tokens)
             whole = request_blocks(len(r.prompt), r.max_tokens, bm.block_tokens)
             if whole > bm.capacity:
-                del self.waiting[i]
+                self.finish(r, FinishReason.ERROR, now, f"needs {whole} KV blocks, the pool has {bm.capacity}")
                 plan.refused.append(r)
-                r.finish(FinishReason.ERROR, now, f"needs {whole} KV blocks, "
-                                                  f"the pool has {bm.capacity}")
                 continue
             tokens = r.view()
             hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))
@@ -385,23 +394,17 @@ class Scheduler:
                 first = self._first_step(r, hit, plan)
                 owed = self._owed(r, hit, plan, budget, first) if r.deadline_s is not None else 0.0
                 if r.deadline_s is not None and self._predict_finish(r, now, first + owed) > r.deadline_s:
-                    del self.waiting[i]
+                    self.finish(r, FinishReason.DEADLINE, now)
                     plan.refused.append(r)
-                    r.finish(FinishReason.DEADLINE, now)
                     continue
                 if self._makes_late(r, now, first, plan):
                     break    # waits: it would make a running request miss its deadline (refused once it is late)
-            held = reserve if cfg.admission == "reserve" else None
+            held = reserve if cfg.admission is Admission.RESERVE else None
             if not bm.can_allocate(tokens, held, hit):
                 break
             del self.waiting[i]
-            r.cached = r.computed = bm.allocate(r.id, tokens, held, hit)
-            r.recomputed += max(0, r.dropped - r.cached)    # what the prefix cache did not keep
-            r.dropped = 0
-            r.state = State.RUNNING
-            r.seq, self._admitted = self._admitted, self._admitted + 1
-            if r.admitted_s is None:
-                r.admitted_s = now
+            r.admit(bm.allocate(r.id, tokens, held, hit), self._admitted, now)
+            self._admitted += 1
             self.running.append(r)
             plan.admitted.append(r)
             self._prefill_chunk(plan, r, budget)
@@ -454,7 +457,7 @@ class Scheduler:
         fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now.
         ``first``: :meth:`_first_step`'s time of this step with r's prefill."""
         hit = len(hit_blocks) * self.blocks.block_tokens
-        limit = min(budget[0], self.config.chunk_tokens) if self.config.policy == "chunked" else budget[0]
+        limit = min(budget[0], self.config.chunk_tokens) if self.config.policy is Policy.CHUNKED else budget[0]
         if r.n_tokens - hit <= limit:
             return 0.0
         scheduled = {c.request.id: c.n_tokens for c in plan.chunks}     # at most one chunk a request a step
