@@ -41,7 +41,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "cuda_backend": ABOVE_BACKENDS,
     "localinfer/generation": ("localinfer.serve", "localinfer.report", "localinfer.commands", "localinfer.cli",
                             *RUNTIMES, *HEAVY),
-    "localinfer/serve": ("localinfer.report", "localinfer.commands", "localinfer.cli"),
+    # the step engine and the server see the backends' contracts and registry only: no backend by name
+    "localinfer/serve": ("localinfer.report", "localinfer.commands", "localinfer.cli", "localinfer.loadgen",
+                         "localinfer.backends.llamacpp", "localinfer.backends.mlx", "cuda_backend", *HEAVY),
+    "localinfer/loadgen": ("localinfer.commands", "localinfer.cli"),
     "localinfer/report": ("localinfer.generation", "localinfer.serve", "localinfer.commands", "localinfer.cli",
                           *RUNTIMES, *HEAVY),
 }

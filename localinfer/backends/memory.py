@@ -194,6 +194,9 @@ class BackendMemory(Protocol):
 
     def computes_on_cpu(self, plan: Any, kind: str) -> bool: ...
 
+    def slot_cells(self, n_tokens: int) -> int:
+        """KV positions one sequence of ``n_tokens`` takes as the backend allocates it (its padding)."""
+
 
 def check_tokens(n_tokens: int, n_seq: int) -> None:
     if n_tokens < 0 or n_seq <= 0:
@@ -221,6 +224,9 @@ class OwnTensorsMemory:
     offload = False
     speed_modelled = False
     blocks = ""
+
+    def slot_cells(self, n_tokens: int) -> int:
+        return n_tokens
 
     def placement(self, spec, kind: str, dtype: str | None) -> tuple[str, str | None, str, int]:
         """(where it computes, why not on the device, weight dtype, bytes per value) on a device of ``kind``."""

@@ -24,11 +24,12 @@ import socket
 import sys
 import threading
 
+from localinfer.backends import registry
 from localinfer.commands import _common
 from localinfer.errors import UsageError
 
 API_KEY_ENV = "LOCALINFER_API_KEY"
-SERVING_BACKENDS = ("llama.cpp", "torch")   # backends with a serving executor
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
 
     key = _check(args)
     backend = _common.backend_name(args)
-    if backend not in SERVING_BACKENDS:
-        raise UsageError(f"serve runs on the llama.cpp or torch executor; backend {backend!r} has none yet",
-                         flag="--backend", hint="use --backend llama.cpp or --backend torch")
+    if backend not in registry.serving_backends():
+        names = " or ".join(registry.serving_backends())
+        raise UsageError(f"serve runs on the {names} executor; backend {backend!r} has none yet",
+                         flag="--backend", hint="use --backend " + " or --backend ".join(registry.serving_backends()))
     path, spec = _common.read_spec(args)
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
@@ -197,12 +199,11 @@ def serve_config(args, n_batch: int):
 
 
 def _executor_factory(backend: str, plan, parallel: int):
-    """What the engine thread calls to load: llama.cpp's executor over the plan, or the torch paged executor
-    over the plan fit checked (``--parallel`` slots; its pool keeps finished requests' blocks for prefix hits,
-    so it parks no sequences)."""
-    fitted = plan.with_(n_seq=parallel)
-    parks = plan.n_seq > parallel       # ids for parked requests (not with --parked 0 or --prefix-cache off)
-    return (lambda: _open_torch(fitted)) if backend == "torch" else (lambda: open_llamacpp(plan, park_host=parks))
+    """What the engine thread calls to load: the backend's serving executor over the plan (``--parallel`` of its
+    ids run at once; the rest park finished requests' KV where the backend does that)."""
+    from localinfer.backends import registry
+
+    return lambda: registry.open_executor(plan, backend, running=parallel)
 
 
 def open_llamacpp(plan, *, park_host: bool = True):
@@ -213,12 +214,6 @@ def open_llamacpp(plan, *, park_host: bool = True):
     return LlamaCppExecutor(plan, park_host=park_host)
 
 
-def _open_torch(plan):
-    from cuda_backend.serving import open_plan
-
-    return open_plan(plan)
-
-
 def _template_factory(args, spec):
     """The chat template, built once the tokenizer exists (its BOS/EOS text goes into the template)."""
     def build(tokenizer):
@@ -227,6 +222,7 @@ def _template_factory(args, spec):
 
 
 def _serve(args, runtime, app_config, plan) -> int:
+    from localinfer.serve.http.runtime import RuntimeState
     from localinfer.serve.http.server import bind, serve
 
     try:
@@ -241,10 +237,10 @@ def _serve(args, runtime, app_config, plan) -> int:
 
     def announce_ready(server):
         runtime.ready.wait()
-        if runtime.state == "failed":       # as llama-server and vLLM do: no server without a model
+        if runtime.state is RuntimeState.FAILED:       # as llama-server and vLLM do: no server without a model
             print(f"error: the model failed to load: {runtime.load_error}", file=sys.stderr, flush=True)
             server.should_exit = True
-        elif runtime.state == "ready":
+        elif runtime.state is RuntimeState.READY:
             print(f"ready: {runtime.context_tokens} KV tokens, {runtime.config.parallel} slots "
                   f"(+{runtime.engine.park_slots} parked)", file=sys.stderr, flush=True)
 
@@ -252,7 +248,7 @@ def _serve(args, runtime, app_config, plan) -> int:
         signum = serve(runtime, app_config, sock, grace_s=args.grace, log_level=args.log_level,
                        announce=lambda server: threading.Thread(target=announce_ready, args=(server,),
                                                                 daemon=True).start())
-    if runtime.state == "failed":
+    if runtime.state is RuntimeState.FAILED:
         return 1
     print(f"stopped{f' (signal {signum})' if signum else ''}", file=sys.stderr)
     return 0

@@ -249,5 +249,9 @@ class LlamaCppMemory:
     def computes_on_cpu(self, plan, kind: str) -> bool:
         return kind == "cpu"
 
+    def slot_cells(self, n_tokens: int) -> int:
+        """KV cells a sequence of ``n_tokens`` takes in a context (llama.cpp pads n_ctx_seq to 256)."""
+        return pad_to(n_tokens, LLAMA_CTX_PAD)
+
 
 MEMORY = LlamaCppMemory()

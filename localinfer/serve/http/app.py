@@ -30,7 +30,7 @@ from starlette.routing import Route
 from localinfer.serve.http.errors import APIError, bad
 from localinfer.serve.http.generation import Generation
 from localinfer.serve.http.metrics import CONTENT_TYPE
-from localinfer.serve.http.runtime import Runtime
+from localinfer.serve.http.runtime import Runtime, RuntimeState
 from localinfer.serve.http.schemas import GenerationSpec, parse
 from localinfer.serve.http.sse import EventStream
 
@@ -60,7 +60,7 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
 
     async def health(request: Request) -> Response:
         state = runtime.state
-        status = 200 if state == "ready" else 503
+        status = 200 if state is RuntimeState.READY else 503
         # no error text: /health answers without the API key, and a load error names the model's path
         return JSONResponse({"status": {"ready": "ok"}.get(state, state)}, status_code=status)
 

@@ -21,6 +21,7 @@ from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.runtime import Event, Runtime
 from localinfer.serve.http.sampler import ServeRequest, sampling_for
 from localinfer.serve.http.schemas import GenerationSpec
+from localinfer.serve.request import FinishReason
 
 
 class Generation:
@@ -75,13 +76,13 @@ class Generation:
         self._first = ev
 
     def _refusal(self, ev: Event) -> APIError | None:
-        if ev.reason == "deadline":
+        if ev.reason is FinishReason.DEADLINE:
             return APIError(429, f"the server cannot finish this request within deadline_ms="
                                  f"{self.spec.deadline_ms:g} at its current load", param="deadline_ms",
                             code="deadline_unmeetable", headers={"Retry-After": "1"})
-        if ev.reason == "cancelled" and not self.client_gone:
+        if ev.reason is FinishReason.CANCELLED and not self.client_gone:
             return APIError(503, "the server is shutting down", code="shutting_down")
-        if ev.reason == "error":
+        if ev.reason is FinishReason.ERROR:
             return APIError(500, f"the engine failed on this request: {ev.error or 'unknown error'}",
                             code="engine_error")
         return None
@@ -91,9 +92,9 @@ class Generation:
         OpenAI's clients know): refused before its first token, or cut after it by an engine error, its
         deadline passing or the server shutting down.  None for a normal end, or when the client left."""
         text = self.texts[ev.index]
-        if ev.reason in (None, "stop", "length") or text.stopped or self.client_gone:
+        if ev.reason in (None, FinishReason.STOP, FinishReason.LENGTH) or text.stopped or self.client_gone:
             return None
-        if ev.reason == "deadline" and text.tokens:
+        if ev.reason is FinishReason.DEADLINE and text.tokens:
             return APIError(504, f"deadline_ms={self.spec.deadline_ms:g} passed after {text.tokens} tokens, "
                                  "before the reply was finished", param="deadline_ms", code="deadline_exceeded")
         return self._refusal(ev) or APIError(500, "the request ended without output", code="engine_error")
