@@ -18,7 +18,7 @@ Modules: ``app`` (routes and the access guard), ``schemas`` (body
 validation), ``generation`` (one request's choices and its answer),
 ``responses`` (OpenAI response objects), ``runtime`` (the engine thread),
 ``config`` (scheduling settings and the engine they build), ``sampler``
-(penalties and logprobs per request), ``stepfit`` (a step-time model fitted
+(penalties and logprobs per request), ``step_timing`` (a step-time model fitted
 online for deadline-aware admission), ``metrics`` (Prometheus), ``sse``
 (server-sent events with disconnect detection), ``server`` (uvicorn with
 signals and grace period).

@@ -1,7 +1,7 @@
 """How the server schedules (:class:`ServeConfig`) and the step engine it builds over an executor.
 
 Prompts are prefilled in chunks; a request with a deadline is refused at admission when the step
-model fitted on this machine (:mod:`.stepfit`) predicts it late, and stopped (finish reason
+model fitted on this machine (:mod:`.step_timing`) predicts it late, and stopped (finish reason
 ``deadline``) once its deadline has passed.  Finished requests' KV is parked in spare sequence
 ids for later prefix hits (:mod:`localinfer.serve.parking`).  The defaults below are chosen from
 measurements recorded in docs/executor.md and docs/serving.md.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.engine import StepEngine
-from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibrate
+from localinfer.serve.http.step_timing import FittedStepModel, TimedExecutor, calibrate
 from localinfer.serve.scheduler import Admission, Policy, SchedulerConfig
 
 MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
