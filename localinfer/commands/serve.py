@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunking.add_argument("--chunk", type=int, default=None, metavar="N", help="prompt tokens per request per step")
     chunking.add_argument("--itl-target", type=float, default=None, metavar="MS",
                           help="prefill chunks sized to keep each step under MS milliseconds")
+    g.add_argument("--max-gap", default=None, metavar="MS|off",
+                   help="while requests decode, prompt chunks are cut so that every step, and so every stream's "
+                        "wait for its next token, is predicted to take at most MS milliseconds (default off)")
+    g.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append one JSON line per engine step to FILE: its time, prediction and chunks "
+                        "(benchmarks/step_gaps.py names the steps behind each stream's largest gaps)")
     g.add_argument("--partial-slack", default=None, metavar="F|off",
                    help="a prompt chunk that does not finish its prompt joins a step that finishes another only if "
                         "it makes the step at most F longer, so each first token leaves with the step its own prompt "
@@ -93,6 +99,7 @@ def _check(args) -> str | None:
         raise UsageError(f"--itl-target must be a positive number of milliseconds, got {args.itl_target}",
                          flag="--itl-target")
     _partial_slack(args.partial_slack)
+    _max_gap(args.max_gap)
     if args.decode_share is not None and not 0 <= args.decode_share <= 100:
         raise UsageError(f"--decode-share must be a number in 0..100, got {args.decode_share}",
                          flag="--decode-share", hint="e.g. --decode-share 0.05, or 0 for none")
@@ -115,6 +122,22 @@ def _check(args) -> str | None:
             print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it",
                   file=sys.stderr)
     return key
+
+
+def _max_gap(text: str | None) -> dict:
+    """ServeConfig's ``max_gap_s`` from --max-gap MS: {} for the default, None for 'off', else seconds."""
+    if text is None:
+        return {}
+    if text.strip().lower() == "off":
+        return {"max_gap_s": None}
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v < 1e6:
+        raise UsageError(f"--max-gap must be a positive number of milliseconds or 'off', got {text!r}",
+                         flag="--max-gap", hint="e.g. --max-gap 150")
+    return {"max_gap_s": v / 1e3}
 
 
 def _partial_slack(text: str | None) -> dict:
@@ -165,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"serve runs on the {names} executor; backend {backend!r} has none yet",
                          flag="--backend", hint="use --backend " + " or --backend ".join(registry.serving_backends()))
     path, spec = _common.read_spec(args)
+    if args.step_log is not None:      # appended to, so never the model file
+        from localinfer.util.atomic import check_writable
+
+        check_writable(args.step_log, inputs=(path,))
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
     config = serve_config(args, plan.n_batch)
@@ -194,6 +221,7 @@ def serve_config(args, n_batch: int):
     return ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                        chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
                        prefix_cache=args.prefix_cache == "on", park=args.parked, **_partial_slack(args.partial_slack),
+                       **_max_gap(args.max_gap), step_log=args.step_log,
                        draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0,
                        **({} if args.decode_share is None else {"decode_share": args.decode_share}))
 

@@ -10,11 +10,11 @@ which keeps cached blocks itself), and the host-memory tier past the cells
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import StepEngine
+from localinfer.serve.engine import StepEngine, StepRecord
 from localinfer.serve.parking import Parking
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.step_model import StepModel
@@ -23,7 +23,7 @@ from localinfer.serve.step_model import StepModel
 def build_step_engine(executor, config: SchedulerConfig, *, step_model: StepModel | None = None,
                       block_tokens: int | None = None, num_blocks: int | None = None, prefix_cache: bool = True,
                       park_slots: int = 0, preload: Iterable[Sequence[int]] = (),
-                      record: bool = False) -> StepEngine:
+                      record: bool = False, on_step: Callable[[StepRecord], None] | None = None) -> StepEngine:
     """A step engine over ``executor``.
 
     ``block_tokens``: the KV block (the executor's own ``block_size`` wins; default 16);
@@ -49,4 +49,4 @@ def build_step_engine(executor, config: SchedulerConfig, *, step_model: StepMode
                           max_used=num_blocks if host else None, parking=Parking(park) if park else None)
     for tokens in preload:
         blocks.preload(tokens)
-    return StepEngine(executor, Scheduler(config, blocks, step_model), record=record)
+    return StepEngine(executor, Scheduler(config, blocks, step_model), record=record, on_step=on_step)

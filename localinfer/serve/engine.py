@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from localinfer.backends.executor import Chunk, Executor
@@ -47,15 +47,27 @@ class StreamChunk:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step computed: (request id, start, new tokens) per chunk, and when."""
+    """What one step computed: (request id, start, new tokens) per chunk, and when; each chunk's kind ("prefill",
+    "decode", or "verify" with lookup drafts), whether it yielded the request's next token, the requests admitted
+    (seated) in it, and the step model's prediction of its time (None without one)."""
 
     start_s: float
     end_s: float
     chunks: tuple[tuple[str, int, int], ...]
+    kinds: tuple[str, ...] = ()
+    sampled: tuple[bool, ...] = ()
+    admitted: tuple[str, ...] = ()
+    predicted_s: float | None = None
+
+    def as_json(self) -> dict:
+        return {"start_s": self.start_s, "end_s": self.end_s, "predicted_s": self.predicted_s,
+                "chunks": [[rid, start, n, kind, got] for (rid, start, n), kind, got
+                           in zip(self.chunks, self.kinds, self.sampled)], "admitted": list(self.admitted)}
 
 
 class StepEngine:
-    def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False):
+    def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False,
+                 on_step: Callable[[StepRecord], None] | None = None):
         caps, parking = executor.caps, scheduler.blocks.parking
         if scheduler.config.max_running > executor.n_slots:
             raise ValueError(f"max_running {scheduler.config.max_running} exceeds the executor's "
@@ -80,6 +92,7 @@ class StepEngine:
         self._streams: dict[str, deque[StreamChunk]] = {}
         self._holding: set[str] = set()     # requests whose slot holds the positions their blocks say
         self.records: list[StepRecord] | None = [] if record else None
+        self.on_step = on_step            # hears of every step's record (a server's step log), on the engine thread
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._in_step = False
@@ -160,6 +173,8 @@ class StepEngine:
                 sched.complete(plan, {}, start)
                 return events
             chunks = [self._chunk(c.request, c.tokens, c.start, c.samples, 1 + len(c.draft)) for c in plan.chunks]
+            model = sched.step_model     # predicted before the step runs (a fitted model learns from it after)
+            predicted = model.seconds(plan.shapes()) if model is not None and self._recording else None
             self._in_step = True
         try:
             rows = ex.step(chunks)
@@ -170,6 +185,7 @@ class StepEngine:
             raise
         with self._lock:
             self._end_step()
+            samples = tuple(c.samples for c in plan.chunks)      # read before complete() moves the requests on
             sampled, before = {}, {}
             for c, ch in zip(plan.chunks, chunks):
                 r = c.request
@@ -183,9 +199,13 @@ class StepEngine:
                 if r.id in self.slot_of:
                     ex.drop(self.slot_of[r.id], position)
             self._holding.update(c.request.id for c in plan.chunks)
-            if self.records is not None:
-                self.records.append(StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens)
-                                                                 for c in plan.chunks)))
+            if self._recording:
+                rec = self._record(plan, samples, tuple(c.request.id in sampled for c in plan.chunks), start, end,
+                                   predicted)
+                if self.records is not None:
+                    self.records.append(rec)
+                if self.on_step is not None:
+                    self.on_step(rec)
             for rid, (r, n) in before.items():
                 for tok in r.output[n:]:
                     ev = StreamChunk(rid, tok, end)
@@ -195,6 +215,17 @@ class StepEngine:
                 self._release(r)
                 events.append(self._emit_finish(r))
             return events
+
+    @property
+    def _recording(self) -> bool:
+        return self.records is not None or self.on_step is not None
+
+    def _record(self, plan: StepPlan, samples: tuple[bool, ...], got: tuple[bool, ...], start: float, end: float,
+                predicted: float | None) -> StepRecord:
+        kinds = tuple("verify" if c.draft else "prefill" if c.n_tokens > 1 or not s else "decode"
+                      for c, s in zip(plan.chunks, samples))
+        return StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens) for c in plan.chunks), kinds,
+                          got, tuple(r.id for r in plan.admitted), predicted)
 
     def _end_step(self) -> None:
         self._in_step = False

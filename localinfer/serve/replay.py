@@ -155,6 +155,12 @@ class ReplayResult:
         k = self.kv_bytes_per_token
         return None if k is None else self.blocks.peak_used * self.blocks.block_tokens * k
 
+    def largest_gaps(self, top: int = 5) -> list:
+        """The largest gaps between any request's tokens, and the steps that made them (:mod:`.gaps`)."""
+        from localinfer.serve.gaps import largest_gaps
+
+        return largest_gaps([s.as_json() for s in self.steps], top)
+
     def summary(self) -> dict:
         total = self.total_s
         outs = sum(len(r.output) for r in self.requests)

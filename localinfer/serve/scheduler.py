@@ -6,7 +6,8 @@ Each step, in this order:
 2. every running request still prefilling gets one chunk, in admission order:
    its whole remainder (``fixed``, ``continuous``) or at most ``chunk_tokens``
    (``chunked``; or the largest chunk whose predicted step time stays under
-   ``itl_target_s``), all within ``token_budget`` new tokens per step; with
+   ``itl_target_s``; with ``max_gap_s``, while requests decode, the largest that keeps the step
+   within that bound), all within ``token_budget`` new tokens per step; with
    ``partial_slack`` a chunk that does not finish its prompt waits for the next
    step when this one already finishes a prompt and the chunk would make it more
    than that fraction longer (below);
@@ -93,6 +94,8 @@ class SchedulerConfig:
     chunk_tokens: int = 512              # chunked: most prompt tokens of one request per step
     token_budget: int | None = None      # most new tokens per step (None: no limit)
     itl_target_s: float | None = None    # chunked: the chunk is the largest predicted to keep the step under this
+    max_gap_s: float | None = None       # chunked: a step that gives a running stream its next token is predicted to
+                                         # take at most this; prompt chunks are cut to fit (None: no bound)
     admission: Admission = Admission.RESERVE
     deadline_aware: bool = False
     drop_late: bool = False              # finish a request past its deadline at the next step boundary
@@ -119,6 +122,9 @@ class SchedulerConfig:
             check_draft_max(self.draft_max)
         if self.itl_target_s is not None and not self.itl_target_s > 0:
             raise UsageError(f"the ITL target must be positive, got {self.itl_target_s!r}")
+        if self.max_gap_s is not None and not self.max_gap_s > 0:
+            raise UsageError(f"the largest token gap must be positive, got {self.max_gap_s!r}", flag="--max-gap",
+                             hint="e.g. --max-gap 150 (milliseconds), or leave it out for no bound")
         if self.partial_slack is not None and not self.partial_slack >= 0:
             raise UsageError(f"partial_slack must be a fraction >= 0, got {self.partial_slack!r}")
         if isinstance(self.decode_share, bool) or not 0 <= self.decode_share <= 100:
@@ -163,8 +169,10 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, step_model: StepModel | None = None):
-        if (config.itl_target_s is not None or config.deadline_aware or config.decode_share) and step_model is None:
-            raise UsageError("an ITL target, a decode share or deadline-aware admission needs a step-time model",
+        if (config.itl_target_s is not None or config.max_gap_s is not None or config.deadline_aware
+                or config.decode_share) and step_model is None:
+            raise UsageError("an ITL target, a gap bound, a decode share or deadline-aware admission needs a step-time "
+                             "model",
                              hint="give --step-model or --device with --model")
         self.config = config
         self.blocks = blocks
@@ -307,9 +315,20 @@ class Scheduler:
         if cfg.itl_target_s is not None:
             fit = chunk_for_target(self.step_model, cfg.itl_target_s, plan.shapes(), r.computed, n)
             n = fit if fit or plan.chunks else 1
+        if cfg.max_gap_s is not None and any(c.samples and not c.request.prefilling for c in plan.chunks):
+            n = self._within_gap(plan, r, n)
         if n < r.remaining and cfg.partial_slack is not None and self._holds_partial(plan, r.computed, n):
             return 0
         return n
+
+    def _within_gap(self, plan: StepPlan, r: Request, n: int) -> int:
+        """``max_gap_s``: the largest chunk of r (at most n) that keeps this step, which gives running streams their
+        next token, within the bound.  When the step's decodes alone reach it, the oldest prompt still moves by a
+        block a step (no prompt waits for ever behind a batch of decodes too large for the bound)."""
+        fit = chunk_for_target(self.step_model, self.config.max_gap_s, plan.shapes(), r.computed, n)
+        if fit or any(c.request.prefilling for c in plan.chunks):
+            return fit
+        return min(n, self.blocks.block_tokens)
 
     def _holds_partial(self, plan: StepPlan, start: int, n: int) -> bool:
         """A chunk of n tokens after ``start`` that leaves its prompt unfinished would lengthen this step, which

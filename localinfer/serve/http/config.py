@@ -39,6 +39,8 @@ class ServeConfig:
     token_budget: int | None = None
     chunk: int | None = None             # prompt tokens per request per step (None: SchedulerConfig's)
     itl_target_s: float | None = None
+    max_gap_s: float | None = None       # while requests decode, a step is predicted to take at most this
+    step_log: str | None = None          # a file the engine appends one JSON line per step to (serve --step-log)
     prefix_cache: bool = True
     block_tokens: int = 16
     admission: str = "on_demand"
@@ -62,15 +64,16 @@ class ServeConfig:
         return self.parallel + self.park_slots
 
 
-def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, StepEngine, FittedStepModel]:
-    """(timed executor, step engine, step model) over a loaded executor."""
+def build_engine(inner, config: ServeConfig, on_step=None) -> tuple[TimedExecutor, StepEngine, FittedStepModel]:
+    """(timed executor, step engine, step model) over a loaded executor; ``on_step`` hears of every step."""
     model = FittedStepModel(calibrate(inner))
     executor = TimedExecutor(inner, model)
     chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
     sched = SchedulerConfig(policy=Policy.CHUNKED, max_running=config.parallel, token_budget=config.token_budget,
-                            itl_target_s=config.itl_target_s, admission=Admission(config.admission),
+                            itl_target_s=config.itl_target_s, max_gap_s=config.max_gap_s,
+                            admission=Admission(config.admission),
                             deadline_aware=True, drop_late=True, draft_max=config.draft_max,
                             partial_slack=config.partial_slack, decode_share=config.decode_share, **chunk)
     engine = build_step_engine(executor, sched, step_model=model, block_tokens=config.block_tokens,
-                               prefix_cache=config.prefix_cache, park_slots=config.park_slots)
+                               prefix_cache=config.prefix_cache, park_slots=config.park_slots, on_step=on_step)
     return executor, engine, model

@@ -38,6 +38,7 @@ from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.metrics import Metrics
 from localinfer.serve.http.sampler import ServeRequest
 from localinfer.serve.request import FinishReason
+from localinfer.serve.step_log import StepLog
 from localinfer.util import signals
 
 log = logging.getLogger("localinfer.serve")
@@ -78,6 +79,7 @@ class Runtime:
         self._idle_published = False      # kv_cells_used read at the start of this idle spell
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
+        self._step_log: StepLog | None = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Handle]] = []
@@ -199,11 +201,14 @@ class Runtime:
                 self.state = RuntimeState.STOPPED
                 self._end_relay()
             self.executor.close()
+            if self._step_log is not None:
+                self._step_log.close()
 
     def _load(self) -> None:
         inner = self._open()
         self.tokenizer = inner.vocab
-        self.executor, self.engine, self.step_model = build_engine(inner, self.config)
+        self._step_log = StepLog(self.config.step_log) if self.config.step_log else None
+        self.executor, self.engine, self.step_model = build_engine(inner, self.config, on_step=self._step_log)
         b = self.engine.blocks
         self.context_tokens = min(b.capacity * b.block_tokens, inner.caps.slot_cells or 1 << 62)
         self._publish(idle=True)
