@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from localinfer.backends.executor import Chunk, Executor
 from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
-from localinfer.serve.scheduler import Scheduler, StepPlan
+from localinfer.serve.scheduler import Scheduler, StepBatch
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class StepEngine:
     def _recording(self) -> bool:
         return self.records is not None or self.on_step is not None
 
-    def _record(self, plan: StepPlan, samples: tuple[bool, ...], got: tuple[bool, ...], start: float, end: float,
+    def _record(self, plan: StepBatch, samples: tuple[bool, ...], got: tuple[bool, ...], start: float, end: float,
                 predicted: float | None) -> StepRecord:
         kinds = tuple("verify" if c.draft else "prefill" if c.n_tokens > 1 or not s else "decode"
                       for c, s in zip(plan.chunks, samples))
@@ -311,9 +311,9 @@ class StepEngine:
         self._streams.setdefault(r.id, deque()).append(ev)
         return ev
 
-    def _fail(self, plan: StepPlan, exc: Exception) -> None:
+    def _fail(self, plan: StepBatch, exc: Exception) -> None:
         now = self.executor.clock()
-        self.scheduler.complete(StepPlan(), {}, now)    # the step is over: deferred frees go back
+        self.scheduler.complete(StepBatch(), {}, now)    # the step is over: deferred frees go back
         for c in plan.chunks:
             r = c.request
             if not r.finished:

@@ -151,7 +151,7 @@ class ScheduledChunk:
 
 
 @dataclass
-class StepPlan:
+class StepBatch:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -212,9 +212,9 @@ class Scheduler:
         return min((r.arrival_s for r in self.waiting), default=None)
 
     # ---- one step ------------------------------------------------------------
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float) -> StepBatch:
         """The next batch; the block manager treats it as in flight until ``complete``."""
-        cfg, plan = self.config, StepPlan()
+        cfg, plan = self.config, StepBatch()
         budget = [cfg.token_budget if cfg.token_budget is not None else 1 << 62]
         if cfg.drop_late:
             for r in [*self.running, *self.waiting]:
@@ -240,7 +240,7 @@ class Scheduler:
         self.blocks.begin_step()
         return plan
 
-    def complete(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]], now: float) -> list[Request]:
+    def complete(self, plan: StepBatch, sampled: Mapping[str, int | Sequence[int]], now: float) -> list[Request]:
         """The step finished at ``now`` with these output tokens (a list for a chunk that verified a draft:
         the accepted drafts and the next token); the requests it finished.  A draft not wholly kept leaves
         ``plan.trims``: (request, position) from which its slot's KV is to be dropped."""
@@ -289,7 +289,7 @@ class Scheduler:
         r.finish(reason, now, error)
 
     # ---- internals -----------------------------------------------------------
-    def _owe_decodes(self, plan: StepPlan) -> None:
+    def _owe_decodes(self, plan: StepBatch) -> None:
         """``decode_share``: a step with prompt tokens owes that share of its predicted time less its decodes' (all
         of it with none) in decode-only steps, held only while requests decode; a decode-only step pays its time off."""
         decodes = [(c.n_tokens, c.start) for c in plan.chunks if not c.request.prefilling]
@@ -299,7 +299,7 @@ class Scheduler:
         elif decodes and self._decode_owed > 0:      # nothing owed (most steps): no prediction to make
             self._decode_owed -= self.step_model.seconds(decodes)
 
-    def _owes_a_step(self, plan: StepPlan) -> bool:
+    def _owes_a_step(self, plan: StepBatch) -> bool:
         """Whether the debt is at least half this decode-only step's predicted time: the gaps are the nearest
         whole number of decode steps to the share, not the next one up (a debt just over one step is one)."""
         if self._decode_owed >= 0.5 * self.step_model.seconds(plan.shapes()):
@@ -307,7 +307,7 @@ class Scheduler:
         self._decode_owed = 0.0
         return False
 
-    def _chunk_limit(self, plan: StepPlan, r: Request, budget: list[int]) -> int:
+    def _chunk_limit(self, plan: StepBatch, r: Request, budget: list[int]) -> int:
         cfg, n = self.config, r.remaining
         if cfg.policy is not Policy.CHUNKED:
             return n if n <= budget[0] or not plan.chunks else 0
@@ -321,7 +321,7 @@ class Scheduler:
             return 0
         return n
 
-    def _within_gap(self, plan: StepPlan, r: Request, n: int) -> int:
+    def _within_gap(self, plan: StepBatch, r: Request, n: int) -> int:
         """``max_gap_s``: the largest chunk of r (at most n) that keeps this step, which gives running streams their
         next token, within the bound.  When the step's decodes alone reach it, the oldest prompt still moves by a
         block a step (no prompt waits for ever behind a batch of decodes too large for the bound)."""
@@ -330,7 +330,7 @@ class Scheduler:
             return fit
         return min(n, self.blocks.block_tokens)
 
-    def _holds_partial(self, plan: StepPlan, start: int, n: int) -> bool:
+    def _holds_partial(self, plan: StepBatch, start: int, n: int) -> bool:
         """A chunk of n tokens after ``start`` that leaves its prompt unfinished would lengthen this step, which
         finishes another prompt, by more than ``partial_slack`` of its time (by token count without a step model)."""
         if not any(c.samples and c.request.prefilling for c in plan.chunks):   # computed moves at complete()
@@ -343,12 +343,12 @@ class Scheduler:
             more = self.step_model.seconds([*shapes, (n, start)]) - base
         return more > self.config.partial_slack * base
 
-    def _prefill_chunk(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
+    def _prefill_chunk(self, plan: StepBatch, r: Request, budget: list[int]) -> None:
         n = self._chunk_limit(plan, r, budget)
         if n > 0:
             self._add_chunk(plan, r, n, budget)
 
-    def _add_chunk(self, plan: StepPlan, r: Request, n: int, budget: list[int]) -> bool:
+    def _add_chunk(self, plan: StepBatch, r: Request, n: int, budget: list[int]) -> bool:
         """Schedule n tokens of r, taking blocks (preempting the newest on demand); False if r was preempted."""
         while self.blocks.grow_needed(r.id, r.computed + n) > self.blocks.num_free:
             victim = max(self.running, key=lambda x: x.seq)
@@ -360,7 +360,7 @@ class Scheduler:
         budget[0] -= n
         return True
 
-    def _draft(self, plan: StepPlan, budget: list[int]) -> None:
+    def _draft(self, plan: StepBatch, budget: list[int]) -> None:
         """Lengthen decode chunks with prompt-lookup drafts, from what the step leaves: free blocks and budget."""
         model, bm = self.step_model, self.blocks
         shapes = plan.shapes()                # kept current as chunks grow, so later drafts see earlier ones
@@ -379,7 +379,7 @@ class Scheduler:
             shapes[i] = (1 + len(draft), ch.start)
             budget[0] -= len(draft)
 
-    def _preempt(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
+    def _preempt(self, plan: StepBatch, r: Request, budget: list[int]) -> None:
         for ch in [c for c in plan.chunks if c.request is r]:
             plan.chunks.remove(ch)
             budget[0] += ch.n_tokens
@@ -389,7 +389,7 @@ class Scheduler:
         self.waiting.appendleft(r)
         plan.preempted.append(r)
 
-    def _admit(self, plan: StepPlan, now: float, budget: list[int]) -> None:
+    def _admit(self, plan: StepBatch, now: float, budget: list[int]) -> None:
         cfg, bm = self.config, self.blocks
         waits_for_prefix = cfg.wait_for_prefix and bm.prefix_cache and cfg.policy is not Policy.FIXED
         i = 0     # requests before i wait for a prefix in flight; the others keep their order
@@ -445,13 +445,13 @@ class Scheduler:
                 return True
         return False
 
-    def _first_step(self, r: Request, hit_blocks: list[int], plan: StepPlan) -> float:
+    def _first_step(self, r: Request, hit_blocks: list[int], plan: StepBatch) -> float:
         """The predicted time of this step with r's prefill (after its cache hit) beside what the step holds
         (decodes, chunks, this step's other admissions)."""
         hit = len(hit_blocks) * self.blocks.block_tokens
         return self.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit)])
 
-    def _makes_late(self, r: Request, now: float, first: float, plan: StepPlan) -> bool:
+    def _makes_late(self, r: Request, now: float, first: float, plan: StepBatch) -> bool:
         """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
         past its deadline.  The steps after: one decode per running request, with and without r's."""
         timed = [x for x in self.running if x.deadline_s is not None]
@@ -470,7 +470,7 @@ class Scheduler:
                 return True
         return False
 
-    def _owed(self, r: Request, hit_blocks: list[int], plan: StepPlan, budget: list[int], first: float) -> float:
+    def _owed(self, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], first: float) -> float:
         """Predicted seconds of the prefill that running requests still owe beyond this step's chunks (a chunk
         held back or cut by the budget): it runs before r's, first come first served -- unless r's whole prompt
         fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now.
