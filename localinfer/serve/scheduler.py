@@ -10,7 +10,7 @@ Each step, in this order:
    within that bound), all within ``token_budget`` new tokens per step; with
    ``partial_slack`` a chunk that does not finish its prompt waits for the next
    step when this one already finishes a prompt and the chunk would make it more
-   than that fraction longer (below);
+   than that fraction longer;
 3. arrived waiting requests are admitted, first come first served, while fewer
    than ``max_running`` hold a slot (``fixed``: only when none is running, so a
    group starts after the previous one finished), and get their first chunk; a
@@ -20,31 +20,9 @@ Each step, in this order:
 
 With ``decode_share`` a step that computes prompt tokens is followed, while
 requests decode, by decode-only steps (2 and 3 wait): the nearest whole number of
-them to that fraction of its predicted time less its decodes' (below).
+them to that fraction of its predicted time less its decodes'.
 
-Why ``partial_slack``: a step's tokens all come out when the whole step ends, so
-a partial chunk riding in a step that finishes another prompt delays that
-prompt's first token (and every decode's next one) by the partial chunk's time,
-and buys nothing where compute is the bottleneck (a CPU: the chunk costs the same
-in the next step).  Eight 302-token prompts arriving together with a 512-token
-budget finished at 512-token boundaries, the 7th and 8th both in the last step;
-deferring, each leaves the step its own prompt ends in.  Where a step's time is
-flat in its tokens (a GPU below its compute roof) the chunk adds little and the
-step model lets it in.
-
-Why ``decode_share``: on a compute-bound machine a prompt step stalls every decode
-for its whole length, so requests whose prompts ran in consecutive steps are one
-token apart and finish in consecutive steps; closed-loop clients (an editor, an
-agent) send their next requests within a step of each other, the second waits out
-the first's prefill, and the pair stays a pair, cycle after cycle (a convoy: TTFT
-two prefills where one would do).  Decode-only steps after each prompt step give
-the requests already decoding a lead of a few tokens over those whose prompts
-wait, so their finishes, and their clients' next arrivals, come a prefill apart
-instead.  The decodes keep at least that share of the machine under a stream of
-prompts (as TGI's ``max_waiting_tokens`` lets decode steps pass before waiting
-requests are prefilled); a burst arriving together pays for it, its k-th prompt
-waiting k - 1 such gaps.  Deadline predictions leave the gaps out (a few percent
-at the serve default).  It needs a step model.
+Why ``partial_slack``, ``decode_share`` and ``max_gap_s``, with what each costs: docs/serving.md.
 
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
