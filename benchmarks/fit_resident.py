@@ -122,7 +122,7 @@ def _probe_main(job: dict) -> dict:
     fn = ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libllama.so"))
     base = ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml-base.so"))
     base.ggml_backend_buft_name.restype, base.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    bd = getattr(fn, "_Z26llama_get_memory_breakdownPK13llama_context")
+    bd = fn._Z26llama_get_memory_breakdownPK13llama_context
     bd.restype, bd.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
     raw = (ctypes.c_uint64 * 8)()
     bd(ctypes.addressof(raw), ctx)

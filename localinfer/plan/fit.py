@@ -21,8 +21,8 @@ from localinfer.devices.profiles import DeviceProfile
 from localinfer.model.spec import ModelSpec
 from localinfer.units import fmt_bytes
 
-__all__ = ["FitRequest", "FitResult", "LoadOption", "MAX_PARALLEL", "Offload", "backend_memory", "breakdown", "check_load",
-           "fit_device", "max_context", "max_parallel"]
+__all__ = ["MAX_PARALLEL", "FitRequest", "FitResult", "LoadOption", "Offload", "backend_memory", "breakdown",
+           "check_load", "fit_device", "mapped_note", "max_context", "max_parallel"]
 
 KV_PREFERENCE = ("f16", "q8_0", "q4_0")   # most faithful first
 CTX_STEP = 256

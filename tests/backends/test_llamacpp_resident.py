@@ -35,7 +35,7 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("resident-real")
     # 4096-token vocabulary: the Q4_0 output matrix is repacked; the Q4_K model keeps a Q6_K output and Q6_K
     # attn_v, which stay in the mapping and are read every token
-    kw = dict(n_layers=4, n_embd=512, n_head=4, n_head_kv=2, n_ff=1536, n_extra_tokens=4096 - 259)
+    kw = {"n_layers": 4, "n_embd": 512, "n_head": 4, "n_head_kv": 2, "n_ff": 1536, "n_extra_tokens": 4096 - 259}
     return {"q4_0": str(write_tiny_model(d / "q4_0.gguf", qtype=T.Q4_0, **kw)),
             "q4_k": str(write_tiny_model(d / "q4_k.gguf", qtype=T.Q4_K, output_qtype=T.Q6_K,
                                          overrides={"attn_v": T.Q6_K}, **kw))}

@@ -95,7 +95,7 @@ def test_without_repacking_hardware_nothing_changes_but_the_embeddings(models):
 def test_load_modes(models):
     spec = models["q4_0"]
     dev = cpu()
-    rep, read, rows = split(spec)
+    rep, _read, rows = split(spec)
     base, _ = breakdown(spec, dev, FitRequest(n_ctx=512))
     locked, _ = breakdown(spec, dev, FitRequest(n_ctx=512, mlock=True))
     assert locked.resident_bytes == locked.mapped_bytes == base.mapped_bytes      # the whole range is locked
@@ -117,7 +117,7 @@ def test_the_load_peak_counts_when_it_is_the_larger():
 
 
 def test_a_tied_output_reads_the_embeddings_whole_unless_it_is_repacked(models):
-    embd = lambda spec: spec.tensor("token_embd.weight").n_bytes          # noqa: E731
+    embd = lambda spec: spec.tensor("token_embd.weight").n_bytes
     q8, q4 = models["tied_q8"], models["tied_q4"]
     bd8, _ = breakdown(q8, cpu(), FitRequest(n_ctx=512))                   # Q8_0: not repacked on x86
     assert "CPU_REPACK model" not in {t.buffer for t in bd8.terms} and bd8.resident_bytes == bd8.mapped_bytes
@@ -142,7 +142,7 @@ def test_fit_compares_the_load_modes_and_suggests_one_that_fits(models):
 def test_command_line_flags(models):
     spec = models["q4_0"]
     dev = cpu()
-    cmd = lambda **kw: llama_command(spec, FitRequest(n_ctx=512, **kw), None, dev)   # noqa: E731
+    cmd = lambda **kw: llama_command(spec, FitRequest(n_ctx=512, **kw), None, dev)
     assert "-lm" not in cmd() and "--no-repack" not in cmd()
     assert "-lm none" in cmd(mmap=False) and "-lm mmap+mlock" in cmd(mlock=True)
     assert "-lm mlock" in cmd(mmap=False, mlock=True) and "--no-repack" in cmd(repack=False)
