@@ -56,6 +56,12 @@ def rollup() -> dict[str, int]:
     return out
 
 
+def peak_rss() -> int:
+    """VmHWM: the most this process has had resident so far, in bytes."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+
+
 def file_mappings(path: str) -> list[dict]:
     """This process's mappings of ``path``: address range and resident bytes (from /proc/self/smaps)."""
     real, res, cur = os.path.realpath(path), [], None
@@ -88,11 +94,11 @@ def _probe_main(job: dict) -> dict:
     mp = L.llama_model_default_params()
     mp.load_mode = getattr(L, MODES[job["mode"]])
     mp.use_extra_bufts = job["repack"]
-    before = rollup()
+    before, before_hwm = rollup(), peak_rss()
     model = L.llama_model_load_from_file(job["path"].encode(), mp)
     if not model:
         return {"error": "load failed"}
-    loaded = rollup()
+    loaded, hwm = rollup(), peak_rss()
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_threads, cp.n_threads_batch = job["n_ctx"], job["threads"], job["threads"]
     cp.n_outputs_max = OUTPUTS            # logits of the last token only, as a chat or a completion asks
@@ -128,6 +134,9 @@ def _probe_main(job: dict) -> dict:
     bd(ctypes.addressof(raw), ctx)
     buffers = _walk_map(raw[2], base)
     return {"anon_load": loaded["Anonymous"] - before["Anonymous"], "rss_load": loaded["Rss"] - before["Rss"],
+            # VmHWM over the RSS before loading, less the file pages the load mapped (library code, the mapping)
+            "peak_load": hwm - max(before["Rss"], before_hwm)
+            - ((loaded["Rss"] - loaded["Anonymous"]) - (before["Rss"] - before["Anonymous"])),
             "locked": loaded.get("Locked", 0) - before.get("Locked", 0),
             "anon_run": ran["Anonymous"] - before["Anonymous"], "mapped_rss": mapped_rss, "working_set": working,
             "llama_buffers": buffers, "llama_total": sum(sum(v) for v in buffers.values())}
@@ -211,7 +220,8 @@ def row(name: str, path: str, mode: str, repack: bool, n_ctx: int) -> dict:
 
 def render(rows: list[dict]) -> str:
     head = (f"{'model':<14}{'mode':<11}{'file':>8}{'fit res.':>10}{'measured':>10}{'Δ %':>7}"
-            f"{'fit mapped':>11}{'RSS seen':>10}{'llama.cpp':>11}{'repack':>9}{'anon load':>11}")
+            f"{'fit mapped':>11}{'RSS seen':>10}{'llama.cpp':>11}{'repack':>9}{'anon load':>11}"
+            f"{'fit peak':>10}{'peak':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mode = r["mode"] + ("" if r["repack"] else " -nr")
@@ -221,10 +231,12 @@ def render(rows: list[dict]) -> str:
         lines.append(f"{r['model']:<14}{mode:<11}{r['file_bytes'] / MIB:>7.1f}M{r['fit_resident'] / MIB:>9.1f}M"
                      f"{r['measured_resident'] / MIB:>9.1f}M{100 * r['d_resident'] / r['fit_resident']:>6.1f}%"
                      f"{r['fit_mapped'] / MIB:>10.1f}M{r['measured_rss'] / MIB:>9.1f}M{r['llama_total'] / MIB:>10.1f}M"
-                     f"{r['fit_repack'] / MIB:>8.1f}M{r['anon_load'] / MIB:>10.1f}M")
+                     f"{r['fit_repack'] / MIB:>8.1f}M{r['anon_load'] / MIB:>10.1f}M"
+                     + (f"{r['fit_load_peak'] / MIB:>9.1f}M{r['peak_load'] / MIB:>7.1f}M" if r["fit_load_peak"] else ""))
     lines.append("\nmeasured = anonymous bytes after a full micro-batch + the model mapping's working set "
                  "(pages touched again after MADV_DONTNEED); RSS seen = anonymous + the mapping before that; "
-                 "llama.cpp = its buffer report (model + KV + compute), the mapped range whole")
+                 "llama.cpp = its buffer report (model + KV + compute), the mapped range whole; peak (no mmap) = "
+                 "anonymous high-water mark while loading (VmHWM less file pages)")
     return "\n".join(lines)
 
 

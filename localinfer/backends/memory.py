@@ -136,6 +136,7 @@ class MemoryBreakdown:
             "weights": self.weights, "kv": self.kv, "output": self.output, "compute": self.compute,
             "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "total": self.total,
             "resident_bytes": self.resident_bytes, "mapped_bytes": self.mapped_bytes,
+            "weights_resident": self.sum("weights", resident=True),
             "load_peak_bytes": self.load_peak, "load_peak_formula": self.load_peak_formula,
             "terms": [dict(t.__dict__, resident_bytes=t.resident_bytes) for t in self.terms],
             "notes": list(self.notes),

@@ -102,6 +102,8 @@ def test_without_mmap_the_weights_are_anonymous_and_one_staged_copy_may_stay(run
     extra = m["anon_load"] - bookkeeping - weights             # glibc may keep the freed staging copy
     assert -SLACK <= extra <= largest + SLACK, extra
     assert m["mapped_rss"] == 0
+    # the anonymous peak while loading: the weights and at most one staged tensor
+    assert weights <= m["peak_load"] <= bd.load_peak + bookkeeping + SLACK, (m["peak_load"], bd.load_peak)
 
 
 def test_mlock_locks_the_whole_mapped_range(models):

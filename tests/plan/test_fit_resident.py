@@ -173,3 +173,16 @@ def test_fit_cli_flags_text_and_json(models, capsys):
         assert main(["fit", spec.path, "--device", "local", "--ctx", "512"]) == 0
         text = capsys.readouterr().out
         assert "resident" in text and "mapped" in text and "load options: -lm mmap (as asked)" in text
+
+
+def test_run_flags_become_the_plans_load_options(models):
+    import argparse
+
+    from localinfer.commands import _common
+
+    p = argparse.ArgumentParser()
+    _common.add_model_args(p)
+    spec = models["q4_0"]
+    plan = _common.plan_from(p.parse_args([spec.path, "--load-mode", "none", "--no-repack"]), spec.path, spec)
+    assert plan.options == {"mmap": False, "mlock": False, "repack": False}
+    assert _common.plan_from(p.parse_args([spec.path]), spec.path, spec).options == {}
