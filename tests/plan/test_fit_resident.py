@@ -132,7 +132,9 @@ def test_fit_compares_the_load_modes_and_suggests_one_that_fits(models):
     r = fit_device(spec, dev, FitRequest(n_ctx=512, mlock=True))
     labels = [o.label for o in r.load_options]
     assert labels[0] == "-lm mmap+mlock" and r.load_options[0].current
-    assert set(labels) == {"-lm mmap", "-lm mmap+mlock", "-lm none", "-lm mlock", "--no-repack"}
+    assert set(labels) == {"-lm mmap", "-lm mmap+mlock", "-lm none", "-lm mlock", "-lm mmap+mlock --no-repack"}
+    off = fit_device(spec, dev, FitRequest(n_ctx=512, repack=False)).load_options
+    assert [o.label for o in off if o.current] == ["-lm mmap --no-repack"] and off[-1].label == "-lm mmap --repack"
     default = next(o for o in r.load_options if o.label == "-lm mmap")
     tight = replace(dev, memory_bytes=default.needed + 1)
     r = fit_device(spec, tight, FitRequest(n_ctx=512, mlock=True))

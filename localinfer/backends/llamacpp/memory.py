@@ -228,6 +228,14 @@ def load_flags(req: FitRequest) -> list[str]:
     return (["-lm", mode] if mode != "mmap" else []) + ([] if req.repack else ["--no-repack"])
 
 
+def variant_label(c: dict, repack_asked: bool) -> str:
+    """A load variant as llama.cpp's flags, the mode always named: ``-lm none --no-repack``."""
+    flags = ["-lm", LOAD_MODES[(c["mmap"], c["mlock"])]]
+    if c["repack"] != repack_asked or not c["repack"]:
+        flags.append("--repack" if c["repack"] else "--no-repack")
+    return " ".join(flags)
+
+
 def llama_command(spec: ModelSpec, req: FitRequest, cells: LlamaCells | None, device,
                   n_gpu_layers: int | None = None) -> str:
     """The llama.cpp command line that realises this plan."""
@@ -283,14 +291,13 @@ class LlamaCppMemory:
                 "repack": bool(o.get("repack", True)), "swa_full": bool(o.get("swa_full", True))}
 
     def load_variants(self, spec, device, req) -> tuple[tuple[str, dict], ...]:
-        """On a CPU device: the load modes and repacking, when repacking happens."""
+        """On a CPU device: the four load modes, and repacking switched, where llama.cpp repacks."""
         if device.kind != "cpu":
             return ()
-        out = [(" ".join(load_flags(replace(req, mmap=m, mlock=lk))) or "-lm mmap", {"mmap": m, "mlock": lk})
-               for m, lk in LOAD_MODES]
+        out = [{"mmap": m, "mlock": lk, "repack": req.repack} for m, lk in LOAD_MODES]
         if weight_placement(spec, device.kind, req.n_gpu_layers, cpu_features=device.cpu_features).repacked:
-            out.append(("--no-repack", {"repack": False, "mmap": True, "mlock": False}))
-        return tuple(out)
+            out.append({"mmap": req.mmap, "mlock": req.mlock, "repack": not req.repack})
+        return tuple((variant_label(c, req.repack), c) for c in out)
 
     def probes_cuda(self, plan) -> bool:
         return False
