@@ -9,7 +9,7 @@ hold pad(min(cells, window + n_ubatch), 256).  Weights follow
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from localinfer.backends.llamacpp.compute_buffer import compute_estimate
 from localinfer.backends.llamacpp.placement import gpu_layer_start, weight_placement
