@@ -188,3 +188,16 @@ def test_run_flags_become_the_plans_load_options(models):
     plan = _common.plan_from(p.parse_args([spec.path, "--load-mode", "none", "--no-repack"]), spec.path, spec)
     assert plan.options == {"mmap": False, "mlock": False, "repack": False}
     assert _common.plan_from(p.parse_args([spec.path]), spec.path, spec).options == {}
+
+
+def test_plan_and_report_show_resident_beside_mapped(models, capsys):
+    local = local_device()
+    if local.kind != "cpu" or "avx2" not in local.cpu_features:
+        pytest.skip("this machine's CPU does not repack Q4_0")
+    path = models["q4_0"].path
+    main(["plan", path, "--device", "local", "--requests", "1", "--input", "64", "--output", "8", "--json"])
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["resident_bytes"] < memory["mapped_bytes"] and "resident" in memory["note"]
+    assert main(["report", path, "--devices", "local", "--ctx", "512", "--format", "json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("resident (counted)" in n and "mapped" in n for n in notes)
