@@ -65,7 +65,7 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
         note = mapped_note(r.breakdown) if r.supported else None
         if note:
             lines.extend(_wrap(note, "  "))
-        if len(r.load_options) > 1:
+        if len({(o.needed, o.mapped) for o in r.load_options}) > 1:     # only when the load mode matters
             lines.extend(_wrap("load options: " + options_text(r.load_options), "  "))
         if not r.fits:
             if r.suggestions:
