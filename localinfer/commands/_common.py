@@ -40,6 +40,10 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
     g.add_argument("-b", "--batch", dest="n_batch", type=int, default=None, metavar="N", help="prompt tokens per eval")
     g.add_argument("-ub", "--ubatch", dest="n_ubatch", type=int, default=None, metavar="N",
                    help="tokens per compute graph (smaller: less compute memory)")
+    g.add_argument("-lm", "--load-mode", default=None, choices=("mmap", "none", "mlock", "mmap+mlock"),
+                   help="llama.cpp: map the file (mmap, the default), read it into memory (none), lock it")
+    g.add_argument("--no-repack", action="store_true", default=None,
+                   help="llama.cpp: no CPU weight repacking (slower CPU matmuls, no anonymous copy)")
     g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template to use instead of the GGUF's")
     g.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
 
@@ -129,8 +133,21 @@ def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
               file=sys.stderr)
     names = ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn")
     options = {k: getattr(args, k, None) for k in names}
+    load = load_options(args)
+    if load:
+        options["options"] = {**load, **overrides.pop("options", {})}
     options.update(overrides)
     return load_plan(path, spec, ctx=args.ctx, force=getattr(args, "force", False), **options)
+
+
+def load_options(args: argparse.Namespace) -> dict:
+    """LoadPlan options for -lm and --no-repack (llama.cpp's load mode; the fit check models them)."""
+    mode, out = getattr(args, "load_mode", None), {}
+    if mode is not None:
+        out.update(mmap=mode in ("mmap", "mmap+mlock"), mlock="mlock" in mode)
+    if getattr(args, "no_repack", None):
+        out["repack"] = False
+    return out
 
 
 def backend_name(args: argparse.Namespace) -> str:

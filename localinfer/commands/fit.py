@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, metavar="T",
                         help="torch/mlx weight dtype: f32, bf16, f16 (default: the engine's; torch bf16 on CUDA, "
                              "mlx f16 on Metal, f32 on the CPU)")
+    g = parser.add_argument_group("llama.cpp load mode (memory the CPU shares: the resident figure changes)")
+    g.add_argument("-lm", "--load-mode", default=None, choices=("mmap", "none", "mlock", "mmap+mlock"),
+                   help="llama.cpp's -lm: mmap (default), none (read into memory), mlock, mmap+mlock")
+    g.add_argument("--no-mmap", action="store_true", help="the same as --load-mode none")
+    g.add_argument("--mlock", action="store_true", help="lock the weights in memory (with mmap: the whole mapping)")
+    g.add_argument("--no-repack", action="store_true", help="llama.cpp's --no-repack: no CPU_REPACK copy")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
 
 
@@ -84,7 +90,21 @@ def _request(args, spec):
         raise UsageError("--dtype sets the torch and mlx weight dtype; llama.cpp keeps the GGUF's types",
                          flag="--dtype", hint="add --backend torch or --backend mlx, or drop --dtype")
     return FitRequest(n_ctx=ctx, n_seq=args.parallel, type_k=type_k, type_v=type_v, flash_attn=fa,
-                      n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend, dtype=args.dtype)
+                      n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend, dtype=args.dtype,
+                      **load_mode(args))
+
+
+def load_mode(args) -> dict:
+    """FitRequest's mmap / mlock / repack from -lm, --no-mmap, --mlock and --no-repack."""
+    from localinfer.errors import UsageError
+
+    mode = args.load_mode
+    if mode is not None and (args.no_mmap or args.mlock):
+        raise UsageError("give either --load-mode or --no-mmap/--mlock, not both", flag="--load-mode",
+                         hint="--load-mode none is --no-mmap; --load-mode mmap+mlock is --mlock")
+    if mode is None:
+        mode = ("none" if args.no_mmap else "mmap") if not args.mlock else ("mlock" if args.no_mmap else "mmap+mlock")
+    return {"mmap": mode in ("mmap", "mmap+mlock"), "mlock": "mlock" in mode, "repack": not args.no_repack}
 
 
 def _devices(args):

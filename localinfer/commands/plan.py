@@ -115,20 +115,36 @@ def build(args: argparse.Namespace):
     return spec, speed, plan(speed, workload, budget, configs, spec=spec)
 
 
+def _memory(spec, device, workload) -> dict:
+    """Weights and buffers as the KV budget counts them (resident) and as mapped, for one request."""
+    from localinfer.backends.memory import FitRequest
+    from localinfer.plan.fit import fit_device, mapped_note
+    from localinfer.units import fmt_bytes
+
+    n_ctx = workload.input_tokens + workload.output_tokens
+    bd = fit_device(spec, device, FitRequest(n_ctx=n_ctx), search=False).breakdown
+    note = mapped_note(bd)
+    return {"resident_bytes": bd.resident_bytes, "mapped_bytes": bd.mapped_bytes,
+            "note": None if note is None else f"the budget counts {fmt_bytes(bd.resident_bytes)} resident; {note}"}
+
+
 def run(args: argparse.Namespace) -> int:
     from localinfer.plan.planner import plan_dict
     from localinfer.report.plan import prefix_note, render_text
 
     spec, speed, p = build(args)
+    memory = _memory(spec, speed.device, p.workload)
     if args.json:
         out = plan_dict(p)
         note = prefix_note(speed, p.workload)
         if note:
             out["shared_prefix_note"] = note
-        out.update(model=spec.name, device=speed.device.name)
+        out.update(model=spec.name, device=speed.device.name, memory=memory)
         print(json.dumps(out, indent=2))
     else:
         print(render_text(spec, speed, p))
+        if memory["note"]:
+            print(f"memory: {memory['note']}")
     from localinfer.plan.planner import UNKNOWN
 
     infeasible = p.best is None and not any(o.verdict == UNKNOWN for o in p.outcomes)

@@ -34,8 +34,11 @@ def fit(model: str | Path | None = None, device: str = "local", *, ctx: int = 40
     """Will ``model`` (None: the embedded one) fit on ``device`` (a profile name, "local" for this machine)?
 
     Returns a :class:`localinfer.plan.fit.FitResult`: ``fits``, ``reason``, ``breakdown``, ``max_ctx``,
-    ``max_parallel``, ``kv_type``, ``offload``, ``suggestions``, ``command``.  Reads the header only.
-    Other FitRequest fields (``flash_attn``, ``n_gpu_layers``, ``n_ubatch``, ``dtype``...) pass through.
+    ``max_parallel``, ``kv_type``, ``offload``, ``suggestions``, ``command``, ``load_options``.  Reads the
+    header only.  On a CPU ``needed`` is the memory that must stay resident (``breakdown.resident_bytes``, or
+    the load peak when larger); ``breakdown.mapped_bytes`` is the mapped total a process monitor shows.
+    Other FitRequest fields (``flash_attn``, ``n_gpu_layers``, ``n_ubatch``, ``dtype``, ``mmap``, ``mlock``,
+    ``repack``...) pass through.
     """
     from localinfer.backends.memory import FitRequest
     from localinfer.backends.registry import canonical
@@ -58,7 +61,8 @@ def load(model: str | Path | None = None, *, backend: str | None = None, ctx: in
     """Load ``model`` (None: the embedded one) after the same fit check as ``localinfer run``.
 
     Raises DoesNotFitError (its hint names the flags that fit) unless ``force``.
-    Extra keywords are LoadPlan fields (``device``, ``dtype``, ``seed``, ``options``).
+    Extra keywords are LoadPlan fields (``device``, ``dtype``, ``seed``, ``options``; llama.cpp reads
+    ``options={"mmap": False, "mlock": True, "repack": False}`` and the fit check models them).
     """
     from localinfer.generation.load import load as load_engine
 

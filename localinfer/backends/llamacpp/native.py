@@ -171,9 +171,18 @@ def last_error() -> str:
     return "see LOCALINFER_LLAMA_LOG=1 for llama.cpp's log"
 
 
+LOAD_MODES = {(True, False): "LLAMA_LOAD_MODE_MMAP", (True, True): "LLAMA_LOAD_MODE_MMAP_MLOCK",
+              (False, False): "LLAMA_LOAD_MODE_NONE", (False, True): "LLAMA_LOAD_MODE_MLOCK"}
+
+
 def load_model(path: str, plan: LoadPlan):
     mp = _L.llama_model_default_params()
     mp.n_gpu_layers = plan.n_gpu_layers
+    o = plan.options
+    if "mmap" in o or "mlock" in o:     # as the fit check assumes (backends/llamacpp/memory.py load_request)
+        mp.load_mode = getattr(_L, LOAD_MODES[(bool(o.get("mmap", True)), bool(o.get("mlock")))])
+    if not o.get("repack", True):
+        mp.use_extra_bufts = False
     stop = threading.Event()
     progress = _L.llama_progress_callback(lambda _fraction, _user: not stop.is_set() and signals.pending() is None)
     mp.progress_callback = progress
