@@ -7,9 +7,9 @@
   const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*([^*]+)\*\*|__([^_]+)__|\*([^*\s][^*]*)\*|\[([^\]]+)\]\((https?:\/\/[^\s)]+)\)/g;
 
   function inline(parent, text) {
+    const re = new RegExp(INLINE.source, "g");     // its own lastIndex: bold and italics recurse
     let last = 0;
-    INLINE.lastIndex = 0;
-    for (let m; (m = INLINE.exec(text)) !== null;) {
+    for (let m; (m = re.exec(text)) !== null;) {
       if (m.index > last) parent.appendChild(document.createTextNode(text.slice(last, m.index)));
       if (m[2] !== undefined) parent.appendChild(LI.el("code", null, m[2]));
       else if (m[3] !== undefined || m[4] !== undefined) inline(parent.appendChild(LI.el("strong")), m[3] || m[4]);
@@ -21,7 +21,7 @@
         a.target = "_blank";
         parent.appendChild(a);
       }
-      last = INLINE.lastIndex;
+      last = re.lastIndex;
     }
     if (last < text.length) parent.appendChild(document.createTextNode(text.slice(last)));
   }
