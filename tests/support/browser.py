@@ -20,10 +20,12 @@ def chromium_path() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def missing() -> str | None:
-    """Why the browser tests cannot run here, or None."""
+def missing(playwright: bool = True) -> str | None:
+    """Why the browser tests cannot run here, or None (``playwright``: they drive it through playwright)."""
     if chromium_path() is None:
         return "chromium is not installed (./install.sh test installs Debian's package as root)"
+    if not playwright:
+        return None
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -31,9 +33,9 @@ def missing() -> str | None:
     return None
 
 
-def require() -> None:
+def require(playwright: bool = True) -> None:
     """Skip (or, under LOCALINFER_REQUIRE_BROWSER=1, fail) when the browser tests cannot run."""
-    why = missing()
+    why = missing(playwright)
     if why is None:
         return
     if os.environ.get("LOCALINFER_REQUIRE_BROWSER") == "1":
