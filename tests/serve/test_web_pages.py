@@ -187,3 +187,31 @@ def test_the_page_asks_for_the_key_once_per_session(keyed):
         assert page.evaluate("LI.engine.last.version") == VERSION
         assert not [e for e in errors if "Content Security Policy" in e]
         ctx.close()
+
+
+def test_the_engine_thread_keeps_no_step_records_once_nobody_watches(keyed, monkeypatch):
+    from localinfer.serve.http import state
+
+    monkeypatch.setattr(state, "WATCHED_S", 1.5)     # more than one idle wait (0.5 s)
+    keyed.runtime.watch = None
+    assert _state(keyed)["snapshot"] is not None                 # the first read waits for a fresh snapshot
+    assert _chat(keyed, "Say yes.", 4).status_code == 200
+    assert keyed.runtime.engine.records is not None               # watched: the engine records steps (drained each)
+    deadline = time.monotonic() + 5
+    while keyed.runtime.engine.records is not None:                # unwatched: the next idle wait stops them
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    keyed.runtime.watch = None
+
+
+def test_serve_show_prompts_reaches_the_engine_view(default_model):
+    from tests.serve.test_http_support import start_cli
+
+    for flags, shown in (((), False), (("--show-prompts",), True)):
+        p, url = start_cli(str(default_model), "-t", "1", "--ctx", "512", "--parallel", "1", "--parked", "0", *flags)
+        try:
+            r = httpx.get(url + "/v1/engine/state", timeout=10)
+            assert r.status_code == 200 and r.json()["show_prompts"] is shown
+        finally:
+            p.terminate()
+            p.wait(30)

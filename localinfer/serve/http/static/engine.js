@@ -4,7 +4,7 @@
 "use strict";
 (function () {
   const $ = (id) => document.getElementById(id);
-  const POLL_MS = 500, WINDOW_S = 5, HISTORY = 240;
+  const POLL_MS = 500, WINDOW_S = 5, HISTORY = 240, GRID_PX = 260;
   const FREE = -1, CACHED = -2, PARKED = -3, SHARED = -4;
   const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#17becf", "#bcbd22", "#e377c2", "#8c564b",
                    "#3949ab", "#00897b", "#f4511e", "#6d4c41"];
@@ -18,14 +18,16 @@
     for (const k in m) if (k.startsWith(prefix + "{")) out[k.slice(k.indexOf('"') + 1, k.lastIndexOf('"'))] = m[k];
     return out;
   }
-  function canvas(id) {
+  // A canvas drawn at the device's pixel ratio, its CSS height fixed (its height attribute, or cssHeight).
+  function canvas(id, cssHeight) {
     const c = $(id), dpr = window.devicePixelRatio || 1;
-    const w = c.clientWidth || 300, h = c.clientHeight || Number(c.getAttribute("height"));
-    if (c.width !== Math.round(w * dpr)) c.width = Math.round(w * dpr);
+    if (!c.dataset.h) c.dataset.h = c.getAttribute("height");
+    const w = c.clientWidth || 300, h = cssHeight || Number(c.dataset.h);
+    c.style.height = h + "px";
+    c.width = Math.round(w * dpr);
     c.height = Math.round(h * dpr);
     const g = c.getContext("2d");
     g.setTransform(dpr, 0, 0, dpr, 0, 0);
-    g.clearRect(0, 0, w, h);
     g.font = "11px system-ui, sans-serif";
     g.fillStyle = getComputedStyle(document.body).color;
     return { g, w, h };
@@ -64,7 +66,8 @@
     box.replaceChildren();
     const prompt = metric(m, "localinfer_prompt_tokens_total") || 0;
     const hit = metric(m, "localinfer_prefix_cache_hit_tokens_total") || 0;
-    const roll = rolling(engine.history), last = roll.length ? roll[roll.length - 1] : {};
+    const roll = rolling(engine.history);
+    const last = (key) => { for (let i = roll.length - 1; i >= 0; i--) if (roll[i][key] !== null) return roll[i][key]; return null; };
     stat(box, "s-state", "state", s.state);
     stat(box, "s-running", "running", metric(m, "localinfer_requests_running"));
     stat(box, "s-waiting", "queued", metric(m, "localinfer_requests_waiting"));
@@ -74,12 +77,13 @@
     stat(box, "s-admissions", "admissions (seen)", snap.counts.admissions);
     stat(box, "s-preemptions", "preemptions", metric(m, "localinfer_preemptions_total"));
     stat(box, "s-hit", "prefix-cache hit rate", prompt ? LI.fmt(100 * hit / prompt, 1) + "%" : "–");
-    stat(box, "s-ttft", "TTFT (s, 5 s)", LI.fmt(last.ttft, 3));
-    stat(box, "s-itl", "ITL (ms, 5 s)", last.itl === null || last.itl === undefined ? "–" : LI.fmt(1000 * last.itl, 1));
-    stat(box, "s-tps", "output tok/s", LI.fmt(last.tps, 1));
+    const itl = last("itl");
+    stat(box, "s-ttft", "TTFT s (last 5 s with finishes)", LI.fmt(last("ttft"), 3));
+    stat(box, "s-itl", "ITL ms (idem)", itl === null ? "–" : LI.fmt(1000 * itl, 1));
+    stat(box, "s-tps", "output tok/s (5 s)", LI.fmt(last("tps"), 1));
   }
 
-  function drawGrid(snap, again) {
+  function drawGrid(snap) {
     const pool = snap.pool, grid = pool.grid, n = grid.length;
     const counts = { free: 0, cached: 0, parked: 0, shared: 0, held: 0 };
     const per = {};
@@ -110,23 +114,25 @@
     item(COLOR.cached, "cached " + counts.cached, "g-cached");
     $("pool-note").textContent = n + " blocks of " + snap.config.block_tokens + " tokens; " + pool.capacity +
       " can be in use at once" + (n > pool.capacity ? " (the rest cache parked KV in host memory)" : "");
-    const { g, w } = canvas("grid");
-    const cols = Math.max(8, Math.floor(w / 9)), cell = Math.max(3, Math.min(14, Math.floor(w / cols)));
-    const perRow = Math.floor(w / cell), rows = Math.ceil(n / perRow), h = Math.max(20, rows * cell + 2);
-    const c = $("grid");
-    if (!again && Math.abs(c.clientHeight - h) > 1) { c.style.height = h + "px"; return drawGrid(snap, true); }
+    // cells as large as fit the width in at most GRID_PX of height (down to 2 px a block)
+    const w = $("grid").clientWidth || 300;
+    const cell = Math.max(2, Math.min(14, Math.floor(Math.sqrt(w * GRID_PX / Math.max(1, n)))));
+    const perRow = Math.max(1, Math.floor(w / cell)), rows = Math.ceil(n / perRow);
+    const { g } = canvas("grid", Math.max(cell, rows * cell));
+    const gap = cell > 4 ? 1 : 0;
     for (let i = 0; i < n; i++) {
       const v = grid[i];
       g.fillStyle = v === FREE ? COLOR.free : v === CACHED ? COLOR.cached : v === PARKED ? COLOR.parked
         : v === SHARED ? COLOR.shared : PALETTE[v % PALETTE.length];
-      g.fillRect((i % perRow) * cell, Math.floor(i / perRow) * cell, cell - 1, cell - 1);
+      g.fillRect((i % perRow) * cell, Math.floor(i / perRow) * cell, cell - gap, cell - gap);
     }
   }
 
   function drawBatch(snap) {
     const steps = snap.steps.slice(-80), { g, w, h } = canvas("batch");
     const budget = snap.config.token_budget;
-    const top = Math.max(1, budget || 0, ...steps.map((s) => s.tokens));
+    const most = Math.max(1, ...steps.map((s) => s.tokens));
+    const top = budget && budget <= 1.5 * most ? budget * 1.05 : most * 1.15;   // a far budget is noted, not drawn
     const bw = w / Math.max(steps.length, 40), y = (v) => h - 14 - (h - 24) * v / top;
     steps.forEach((s, i) => {
       let base = 0;
@@ -140,9 +146,11 @@
       }
     });
     g.fillStyle = getComputedStyle(document.body).color;
-    if (budget) {
+    if (budget && budget <= top) {
       g.fillRect(0, y(budget), w, 1);
-      g.fillText("budget " + budget, 4, y(budget) - 3);
+      g.fillText("budget " + budget, 4, y(budget) + 12);
+    } else {
+      g.fillText("most " + most + " tokens a step" + (budget ? "; budget " + budget : ""), 4, 12);
     }
     g.fillStyle = COLOR.prefill; g.fillText("prefill", w - 110, 12);
     g.fillStyle = COLOR.decode; g.fillText("decode", w - 60, 12);
