@@ -5,7 +5,7 @@
 Starts ``localinfer serve`` on the embedded model (a free port, 4 slots, 8 queued), holds a short conversation
 on the chat page in headless Chromium (Debian's ``chromium``, driven by playwright), then opens the engine
 view and sends a burst of 16 requests with one system prompt (4 run, 8 queue, 4 are refused with 429),
-taking the screenshot mid-burst.  Prints what the engine view showed, each page's weight (the HTML and the
+taking the screenshot mid-burst (4 running, some queued, the first 4 finished).  Prints what the engine view showed, each page's weight (the HTML and the
 files it loads, in bytes) and its first contentful paint (median of 5 fresh loads).
 """
 
@@ -26,7 +26,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.support.browser import ARGS, chromium_path  # noqa: E402
+from tests.support.browser import ARGS, chromium_path
 
 SYSTEM = ("You are a concise assistant for a cooking school. Answer in one short sentence, and never use lists "
           "or headings in the answer.")
@@ -115,7 +115,8 @@ def engine(page, url: str, out: Path) -> dict:
             seen.append({"running": s["running"], "waiting": s["waiting"], "used": s["pool"]["used"],
                          "shared": s["pool"]["shared"], "parked": s["parked"]["sequences"],
                          "chunks": max((len(x["chunks"]) for x in s["steps"][-5:]), default=0)})
-            if not shot and s["running"] == 4 and s["waiting"] >= 4 and len(s["steps"]) > 8:
+            # mid-burst, once the first answers are in: 4 running, some queued, some finished
+            if not shot and s["running"] == 4 and s["waiting"] >= 1 and len(s["finished"]) >= 4:
                 time.sleep(0.6)
                 page.screenshot(path=str(out / "engine.png"), full_page=True)
                 shot = True

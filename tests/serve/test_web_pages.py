@@ -142,8 +142,7 @@ def test_state_shows_no_prompt_text_unless_asked(keyed):
     marker = "Zanzibar-quokka"
     for show in (False, True):
         keyed.runtime.watch = EngineWatch(show_prompts=show)     # as serve --show-prompts would build it
-        out: list = []
-        t = threading.Thread(target=lambda: out.append(_chat(keyed, f"Tell a story about {marker}.", 200)))
+        t = threading.Thread(target=_chat, args=(keyed, f"Tell a story about {marker}.", 200))
         t.start()
         try:
             deadline, seen = time.monotonic() + 30, None
@@ -215,3 +214,19 @@ def test_serve_show_prompts_reaches_the_engine_view(default_model):
         finally:
             p.terminate()
             p.wait(30)
+
+
+def test_the_keyless_file_paths_reach_no_data_route(keyed):
+    """Paths the guard lets through without the key (under /static/) but that name a data route once dots or
+    encoded slashes are undone: raw on the socket, as a client that does not normalise would send them."""
+    import socket
+
+    for path in ("/static/../v1/models", "/static/..%2F..%2Fv1%2Fmodels", "/static/%2e%2e/v1/engine/state",
+                 "/static//v1/models"):
+        with socket.create_connection(("127.0.0.1", keyed.port), timeout=10) as c:
+            c.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            data = b""
+            while chunk := c.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 404"), (path, data[:200])
+        assert b'"data"' not in data and b"snapshot" not in data

@@ -27,7 +27,7 @@ def missing(playwright: bool = True) -> str | None:
     if not playwright:
         return None
     try:
-        import playwright.sync_api  # noqa: F401
+        import playwright.sync_api
     except ImportError:
         return "playwright is not installed (pip install 'localinfer[test]')"
     return None

@@ -205,7 +205,7 @@
       const vals = roll.map((r) => (r[key] === null ? null : r[key] * scale));
       const top = Math.max(1e-6, ...vals.filter((v) => v !== null));
       const x0 = k * pw + 6, x = (i) => x0 + (pw - 16) * i / Math.max(1, roll.length - 1);
-      const y = (v) => h - 8 - (h - 26) * v / top;
+      const y = (v) => h - 8 - (h - 32) * v / top;
       g.fillStyle = getComputedStyle(document.body).color;
       g.fillText(label + " (max " + LI.fmt(top, top < 10 ? 2 : 0) + ")", x0, 11);
       line(g, vals.map((v, i) => [i, v]), x, y, PALETTE[k]);
