@@ -162,7 +162,7 @@ def test_state_shows_no_prompt_text_unless_asked(keyed):
         assert ("prompt" in req and "output" in req) is show
         if show:
             assert marker in req["prompt"] and req["output"]
-    keyed.runtime.watch = None
+    keyed.runtime.watch = EngineWatch()       # never None again: the engine thread reads the attribute unlocked
 
 
 def test_the_page_asks_for_the_key_once_per_session(keyed):
@@ -192,7 +192,7 @@ def test_the_engine_thread_keeps_no_step_records_once_nobody_watches(keyed, monk
     from localinfer.serve.http import state
 
     monkeypatch.setattr(state, "WATCHED_S", 1.5)     # more than one idle wait (0.5 s)
-    keyed.runtime.watch = None
+    keyed.runtime.watch = EngineWatch()                          # not read yet: it keeps nothing
     assert _state(keyed)["snapshot"] is not None                 # the first read waits for a fresh snapshot
     assert _chat(keyed, "Say yes.", 4).status_code == 200
     assert keyed.runtime.engine.records is not None               # watched: the engine records steps (drained each)
@@ -200,7 +200,6 @@ def test_the_engine_thread_keeps_no_step_records_once_nobody_watches(keyed, monk
     while keyed.runtime.engine.records is not None:                # unwatched: the next idle wait stops them
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    keyed.runtime.watch = None
 
 
 def test_serve_show_prompts_reaches_the_engine_view(default_model):
