@@ -88,7 +88,7 @@ if [ "$want_test" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
   # elsewhere (no apt-get, not root) they skip with that reason
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     say "installing chromium (apt-get) for the browser tests"
-    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } \
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
       >/dev/null 2>&1 || say "chromium could not be installed; the browser tests will be skipped"
   fi
 fi
