@@ -3,7 +3,7 @@
     localinfer serve [MODEL] [--host 127.0.0.1] [--port 8080] [--parallel N] [--ctx N] [-ctk/-ctv T] [-t N]
         [--backend NAME] [--api-key KEY | LOCALINFER_API_KEY] [--max-queue N] [--token-budget N]
         [--chunk N | --itl-target MS] [--partial-slack F|off] [--decode-share F] [--prefix-cache on|off]
-        [--parked N] [--lookup [--draft-max N]]
+        [--parked N] [--lookup [--draft-max N]] [--show-prompts]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
@@ -12,7 +12,8 @@ gets ``--parked`` more sequence ids (default 32; the cache's size does
 not change), whose finished requests' KV stays in host memory for later prefix
 hits until the pool needs it (docs/serving.md).  Then the socket
 is bound, ``/health`` answers 503 while the model loads in the engine thread
-and 200 once it is ready.  The HTTP side is in ``localinfer/serve/http``.
+and 200 once it is ready.  A browser finds a chat page at ``/`` and the engine
+view at ``/engine``.  The HTTP side is in ``localinfer/serve/http``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES", help="request body cap (default 4 MiB)")
     g.add_argument("--grace", type=float, default=10.0, metavar="S",
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 10)")
+    g.add_argument("--show-prompts", action="store_true",
+                   help="the engine view (/engine, /v1/engine/state) shows prompt and output text (default: counts only)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
 
 
@@ -207,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
         hosts.add(args.host.lower())
     app_config = AppConfig(model_id=model_id, aliases=(os.path.basename(str(path)), *args.alias), api_key=key,
                            allowed_hosts=tuple(sorted(hosts)), max_body_bytes=args.max_body,
-                           template=_template_factory(args, spec), created=int(os.path.getmtime(path)))
+                           template=_template_factory(args, spec), created=int(os.path.getmtime(path)),
+                           show_prompts=args.show_prompts)
     runtime = Runtime(_executor_factory(backend, plan, args.parallel), config)
     return _serve(args, runtime, app_config, plan)
 

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from localinfer.serve.http import pages
 from localinfer.serve.http.errors import APIError, bad
 from localinfer.serve.http.generation import Generation
 from localinfer.serve.http.metrics import CONTENT_TYPE
@@ -48,6 +49,7 @@ class AppConfig:
     max_body_bytes: int = 4 << 20
     template: object = None                        # a ChatTemplate, or a callable(tokenizer) -> ChatTemplate
     created: int = 0
+    show_prompts: bool = False                     # the engine view shows prompt and output text (serve --show-prompts)
     extra: dict = field(default_factory=dict)
 
 
@@ -105,6 +107,7 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
               Route("/metrics", metrics, methods=["GET"]),
               Route("/v1/chat/completions", _errors(chat_completions, runtime), methods=["POST"]),
               Route("/v1/completions", _errors(completions, runtime), methods=["POST"])]
+    routes += pages.page_routes(runtime, config.show_prompts)      # /, /engine, /static/*, /v1/engine/state
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _internal})
     app.add_middleware(Guard, config=config, runtime=runtime)
     app.state.prep = prep
@@ -209,7 +212,7 @@ class Guard:
         if not self._host_allowed(host):
             return APIError(403, f"Host {host[:80]!r} is not served here (--allow-host adds one)",
                             param="host", code="host_not_allowed")
-        if self.key is not None and path != "/health":
+        if self.key is not None and path != "/health" and not pages.public(path):   # pages ask for the key
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):

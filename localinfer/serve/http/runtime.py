@@ -81,6 +81,7 @@ class Runtime:
         self.executor = self.engine = self.tokenizer = self.step_model = None
         self._step_log: StepLog | None = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
+        self.watch = None                  # the engine view's EngineWatch (http/state.py), told of steps and finishes
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Handle]] = []
         self._active: dict[str, Handle] = {}
@@ -275,6 +276,8 @@ class Runtime:
         self.engine.forget(r.id)                              # the engine keeps every request otherwise
         reason = r.finish_reason or FinishReason.ERROR
         self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not h.quiet_cancel)
+        if self.watch is not None:
+            self.watch.finished(r, reason)
         if r.finished_s is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._mean_e2e = 0.9 * self._mean_e2e + 0.1 * (r.finished_s - r.arrival_s)
         with self._cond:
@@ -346,6 +349,8 @@ class Runtime:
             values["kv_host_tokens"] = self.executor.host_tokens()
         self._idle_published = idle
         self.metrics.publish(values)
+        if self.watch is not None:
+            self.watch.published(self, idle)
 
 
 def _deliver(out: list[tuple[Handle, Event]]) -> None:
