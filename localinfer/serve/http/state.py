@@ -38,7 +38,6 @@ class EngineWatch:
         self._read_at = -1e9                       # time.monotonic() of the last page read
         self._steps: deque[dict] = deque(maxlen=STEPS_KEPT)
         self._finished: deque[dict] = deque(maxlen=FINISHED_KEPT)
-        self._prompt_len: dict[str, int] = {}      # request id -> prompt tokens, to tell prefill from decode
         self._running: set[str] = set()
         self._admitted_now: list[str] = []         # admitted since the last step record
         self._preempted_now: list[str] = []
@@ -89,7 +88,6 @@ class EngineWatch:
         self.fresh.set()
 
     def _note_finished(self, r, reason) -> None:
-        self._prompt_len[r.id] = len(r.prompt)
         self._running.discard(r.id)
         self.output_done += len(r.output)
         times = r.token_times
@@ -123,10 +121,7 @@ class EngineWatch:
         self._exec = (steps, seconds)
         if not watched:
             self._admitted_now, self._preempted_now = [], []
-            self._prompt_len.clear()
             return
-        for r in sched.running:
-            self._prompt_len.setdefault(r.id, len(r.prompt))
         for rec in records or ():
             self._record(runtime, rec, d_seconds if len(records) == 1 and d_steps == 1 else None)
         key = (steps, len(sched.running), len(sched.waiting), engine.blocks.used, engine.blocks.num_cached,
@@ -143,22 +138,17 @@ class EngineWatch:
     def _record(self, runtime, rec, measured_s: float | None) -> None:
         sched = runtime.engine.scheduler
         chunks = []
-        for rid, start, n in rec.chunks:
-            prompt = self._prompt_len.get(rid)
-            kind = "prefill" if prompt is not None and start < prompt else "decode"
-            chunks.append({"id": _short(rid), "kind": kind, "start": start, "tokens": n})
-        shapes = [(n, start) for _, start, n in rec.chunks]
+        for (rid, start, n), kind in zip(rec.chunks, rec.kinds):
+            chunks.append({"id": _short(rid), "kind": "decode" if kind == "verify" else kind, "start": start,
+                           "tokens": n})
         self._n_step += 1
         self._steps.append({
             "n": self._n_step, "end_s": rec.end_s, "tokens": sum(n for _, _, n in rec.chunks),
             "budget": sched.config.token_budget, "chunks": chunks,
             "measured_s": measured_s, "wall_s": rec.end_s - rec.start_s,
-            "predicted_s": runtime.step_model.seconds(shapes) if runtime.step_model is not None else None,
+            "predicted_s": rec.predicted_s,      # the step model's, made before the step ran
             "admitted": [_short(x) for x in self._admitted_now], "preempted": [_short(x) for x in self._preempted_now]})
         self._admitted_now, self._preempted_now = [], []
-        live = set(self._running) | {r.id for r in sched.waiting}
-        if len(self._prompt_len) > 4 * (len(live) + 64):          # forget requests long gone
-            self._prompt_len = {k: v for k, v in self._prompt_len.items() if k in live}
 
     def _build(self, runtime) -> dict:
         engine, sched, blocks = runtime.engine, runtime.engine.scheduler, runtime.engine.blocks
