@@ -59,6 +59,7 @@ from localinfer.backends.executor import Chunk, Executor
 from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepPlan
+from localinfer.serve.structured import fill_step_masks
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class Engine:
         with self._lock:
             self._end_step()
             sampled, before = {}, {}
+            fill_step_masks(plan.chunks)      # grammar masks of all constrained rows, one batched call
             for c, ch in zip(plan.chunks, chunks):
                 r = c.request
                 if c.samples and r.state is State.RUNNING:    # not cancelled meanwhile
