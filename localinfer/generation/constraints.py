@@ -152,6 +152,13 @@ class Constraint:
         self._rows: np.ndarray | None = None  # masks filled for len(tokens) == _base + i after draft[:i]
         self._base, self._draft = -1, ()
 
+    def clone(self) -> Constraint:
+        """An independent copy in the same state (another choice of the same request)."""
+        other = object.__new__(Constraint)
+        other.__dict__.update(self.__dict__, matcher=self.matcher.deep_copy(), tokens=list(self.tokens))
+        other._rows = None
+        return other
+
     # ---- state -------------------------------------------------------------
     def sync(self, output: Sequence[int]) -> None:
         """Make the matcher's tokens equal ``output`` (rolling back tokens it no longer has)."""
