@@ -130,7 +130,7 @@ class Generation:
             return tail
         stream = self.tools[ev.index]
         deltas = stream.feed(tail) + stream.finish()
-        if stream.result()[1] and self.reasons[ev.index] in ("stop", "length"):
+        if stream.result()[1] and self.reasons[ev.index] == "stop":
             self.reasons[ev.index] = "tool_calls"
         return deltas
 
