@@ -70,7 +70,7 @@ def grammar_from(kind: str, value, field: str) -> str:
                 raise GrammarError(f"{field} must be a non-empty Lark grammar string", field=field)
             grammar = llg.LLMatcher.grammar_from_lark(value)
         else:
-            raise GrammarError(f"unknown grammar kind {kind!r}", field=field, hint="kinds: " + ", ".join(KINDS))
+            raise GrammarError(f"{field}: unknown grammar kind {kind!r}", field=field, hint="kinds: " + ", ".join(KINDS))
     except (ValueError, TypeError) as exc:
         raise GrammarError(f"{field} is not valid: {_one_line(exc)}", field=field) from None
     check_grammar(grammar, field)

@@ -116,7 +116,7 @@ class ToolStream:
         if final:
             calls = [c for c in calls if _valid(c)]
             if not calls and self.fmt is not GENERIC:
-                content = self.text if self.fmt.trigger in self.text and not self.ids else content
+                content = self.text if self.fmt.trigger in self.text else content
         out = []
         shown = content.strip() if final else content.lstrip().rstrip(" \t\r\n")
         if shown.startswith(self._content) and len(shown) > len(self._content):
@@ -141,7 +141,7 @@ class ToolStream:
         """(content or None, tool_calls in OpenAI's message shape) of the whole reply."""
         content, calls = scan(self.fmt, self.text, True)
         calls = [c for c in calls if _valid(c)]
-        if not calls and self.fmt is not GENERIC and self.fmt.trigger in self.text and not self.ids:
+        if not calls and self.fmt is not GENERIC and self.fmt.trigger in self.text:
             content = self.text
         while len(self.ids) < len(calls):
             self.ids.append("call_" + uuid.uuid4().hex[:24])
