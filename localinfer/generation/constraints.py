@@ -31,6 +31,7 @@ from localinfer.errors import GrammarError, UsageError
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_CHOICES = 4096
+MAX_FILE_BYTES = 4 << 20
 
 _lock = threading.Lock()
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -75,6 +76,56 @@ def grammar_from(kind: str, value, field: str) -> str:
         raise GrammarError(f"{field} is not valid: {_one_line(exc)}", field=field) from None
     check_grammar(grammar, field)
     return grammar
+
+
+def grammar_from_file(path: str, kind: str, flag: str) -> str:
+    """The grammar in a file: a JSON schema (``kind`` json_schema) or a Lark grammar (lark); errors name ``flag``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read {flag} file {path}: {exc.strerror}", flag=flag) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(f"{flag} file {path} is over {MAX_FILE_BYTES >> 20} MiB", flag=flag)
+    text = data.decode("utf-8", errors="replace")
+    if kind != "json_schema":
+        return grammar_from(kind, text, flag)
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise GrammarError(f"{flag} file {path} is not JSON: {exc}", field=flag) from None
+    return grammar_from(kind, value, flag)
+
+
+def response_format_grammar(rf, field: str = "response_format") -> str | None:
+    """The grammar of an OpenAI-style ``response_format`` (``{"type": "json_object"}``, ``{"type": "json_schema",
+    "json_schema": {"schema": ...}}``, ``{"type": "text"}``), a bare JSON schema, or a pydantic model class."""
+    if rf is None:
+        return None
+    if hasattr(rf, "model_json_schema"):             # strict, as OpenAI's client sends a pydantic model
+        return grammar_from("json_schema", _closed(rf.model_json_schema()), field)
+    if not isinstance(rf, dict):
+        raise GrammarError(f"{field} must be a dict or a pydantic model class", field=field)
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return grammar_from("json_object", None, field)
+    if kind == "json_schema" and isinstance(rf.get("json_schema"), dict):
+        return grammar_from("json_schema", rf["json_schema"].get("schema"), f"{field}.json_schema.schema")
+    return grammar_from("json_schema", rf, field)
+
+
+def _closed(schema):
+    """``schema`` with ``additionalProperties: false`` on every object that does not say."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def check_grammar(grammar: str, field: str, tokenizer=None) -> None:
