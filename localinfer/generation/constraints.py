@@ -7,9 +7,11 @@ grammar state is a function of the output tokens, wherever they were computed.
 The sampler asks it for the next token's mask (``apply``: tokens the grammar
 forbids get logit −inf, end-of-generation ids only where the grammar accepts)
 and tells it the token drawn (``consume``).  ``fill_masks`` computes the masks of
-every constrained row of a serving step in one llguidance call that releases the
-GIL, each draft position included (prompt-lookup verification draws them in
-order); a mask asked for a state it was not filled for is computed alone.
+every constrained row of a serving step before they are sampled, each draft
+position included (prompt-lookup verification draws them in order): in one
+llguidance call over its thread pool where there are cores to spare
+(``MASK_THREADS``), else row after row; every call releases the GIL.  A mask
+asked for a state it was not filled for is computed alone.
 
 Grammars come from a JSON schema, any JSON object, a regex, a list of choices or a
 Lark grammar (llguidance's dialect: ``docs/structured.md``); one that does not
@@ -19,6 +21,7 @@ compile is a :class:`~localinfer.errors.GrammarError` naming the field it came f
 from __future__ import annotations
 
 import json
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -32,6 +35,10 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_CHOICES = 4096
 MAX_FILE_BYTES = 4 << 20
+
+# Threads of the batched mask fill.  With one, rows are filled one after another in the calling thread (each
+# call releases the GIL): handing a batch to a single worker thread cost more than it saved on a 2-vCPU machine.
+MASK_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 _lock = threading.Lock()
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -183,7 +190,7 @@ def _mask_executor():
     global _executor
     with _lock:
         if _executor is None:
-            _executor = _llg().LLExecutor(1)
+            _executor = _llg().LLExecutor(MASK_THREADS)
         return _executor
 
 
@@ -271,13 +278,15 @@ class Constraint:
         """A copy of ``logits`` with the tokens the grammar forbids at −inf (ids past the vocabulary too)."""
         logits = np.asarray(logits, dtype=np.float32)
         n = min(len(logits), self.n_vocab)
-        out = np.full(len(logits), -np.inf, dtype=np.float32)
-        ok = self.allowed()[:n]
+        ok = np.unpackbits(self.mask().view(np.uint8), count=n, bitorder="little")
         if not ok.any():                 # a matcher in error (a forbidden token was forced): the reply ends
-            ok = np.zeros(n, dtype=bool)
-            ok[self.eos[self.eos < n]] = True
-        np.copyto(out[:n], logits[:n], where=ok)
+            ok[self.eos[self.eos < n]] = 1
+        out = np.full(len(logits), -np.inf, dtype=np.float32) if len(logits) > n else np.empty(n, np.float32)
+        np.add(logits[:n], np.take(_BIAS, ok), out=out[:n])     # + 0 where allowed, + −inf where not
         return out
+
+
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)
 
 
 def fill_masks(items: Sequence[tuple[Constraint, Sequence[int], Sequence[int]]]) -> None:
@@ -292,12 +301,15 @@ def fill_masks(items: Sequence[tuple[Constraint, Sequence[int], Sequence[int]]])
         batch.append((c, at, list(draft)))
         at += 1 + len(draft)
     rows = np.zeros((at, items[0][0].words), dtype=np.int32)
-    ex, one = _mask_executor(), rows.shape[1] * 4
+    one = rows.shape[1] * 4
     plain = [(c.matcher, k) for c, k, d in batch if not d]
     drafted = [(c.matcher, k, d) for c, k, d in batch if d]
-    if plain:
-        ex.unsafe_compute_mask_ptr(plain, rows.ctypes.data, one, at)
+    if MASK_THREADS > 1 and len(plain) > 1:
+        _mask_executor().unsafe_compute_mask_ptr(plain, rows.ctypes.data, one, at)
+    else:
+        for m, k in plain:
+            m.unsafe_compute_mask_ptr(rows[k].ctypes.data, one)
     if drafted:
-        ex.unsafe_compute_mask_ptr_with_draft_token(drafted, rows.ctypes.data, one, at)
+        _mask_executor().unsafe_compute_mask_ptr_with_draft_token(drafted, rows.ctypes.data, one, at)
     for c, k, d in batch:
         c._rows, c._base, c._draft = rows[k:k + 1 + len(d)], len(c.tokens), tuple(d)

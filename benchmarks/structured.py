@@ -1,0 +1,201 @@
+"""Structured output costs: grammar mask + apply per token per row, and serve tok/s with a JSON schema vs without.
+
+    python benchmarks/structured.py [--out benchmarks/results/structured_cpu.json] [--serve] [--threads 2]
+
+1. Mask + apply: JSON-schema replies are walked token by token (each step draws the likeliest allowed token of
+   random logits, so every state a reply passes through is timed), for the embedded model's 49,152-token
+   vocabulary and a generated 152,064-token one (the 49k pieces plus concatenations of two of them, the size of
+   Qwen2's).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
+   ``Constraint.apply`` (bits to −inf logits) for each row; batch 1 and batch 8 (eight replies with eight
+   schemas filled in one call, the time divided by 8).
+2. ``--serve``: ``localinfer serve`` (embedded model, ``--parallel 8``) under closed-loop clients at concurrency
+   1, 4 and 8, the same prompts with ``response_format`` json_schema and without; completion tokens per second.
+   llama-server's ``json_schema`` side is not run here (building it takes ~16 min of CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from localinfer.generation.constraints import Constraint, fill_masks, grammar_from, grammar_tokenizer  # noqa: E402
+from localinfer.util.atomic import atomic_write  # noqa: E402
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                               "maxItems": 6}}, "required": ["name", "age", "tags"]},
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 2, "maxItems": 8, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "price": {"type": "number"},
+                                         "label": {"enum": ["new", "used", "refurbished"]}},
+        "required": ["id", "price", "label"], "additionalProperties": False}}}, "required": ["items"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                                      "when": {"type": "string", "format": "date"},
+                                      "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 60}]}},
+     "required": ["code", "when", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 10}}}}}}, "required": ["a"]},
+]
+SCHEMAS = SCHEMAS + SCHEMAS                                     # eight replies in the batch-8 runs
+
+
+class SyntheticVocab:
+    """A 152k vocabulary: the embedded model's pieces, then concatenations of two of them (seeded)."""
+
+    def __init__(self, base, n_vocab: int = 152_064, seed: int = 0):
+        self.base, self.n_vocab = base, n_vocab
+        self.eos_ids, self.bos_id = base.eos_ids, base.bos_id
+        rng = np.random.default_rng(seed)
+        plain = [i for i in range(base.n_vocab) if base.token_bytes(i)]
+        pairs = rng.choice(plain, size=(n_vocab - base.n_vocab, 2))
+        self.extra = [base.token_bytes(int(a)) + base.token_bytes(int(b)) for a, b in pairs]
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.base.token_bytes(i) if i < self.base.n_vocab else self.extra[i - self.base.n_vocab]
+
+    def token_text(self, i: int) -> str:
+        return self.base.token_text(i) if i < self.base.n_vocab else self.token_bytes(i).decode("utf-8", "replace")
+
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        return self.base.tokenize(text, add_bos=add_bos, special=special)
+
+
+def mask_costs(vocab, batch: int, steps: int, seed: int = 0) -> dict:
+    """Per-row seconds of one step's fill + apply, over ``steps`` steps of ``batch`` replies (restarted when done)."""
+    tok = grammar_tokenizer(vocab)
+    grammars = [grammar_from("json_schema", s, "schema") for s in SCHEMAS[:batch]]
+    rng = np.random.default_rng(seed)
+    cs = [Constraint(tok, g) for g in grammars]
+    per_row, fills = [], []
+    for _ in range(steps):
+        logits = [rng.standard_normal(vocab.n_vocab).astype(np.float32) for _ in cs]
+        t0 = time.perf_counter()
+        fill_masks([(c, c.tokens, ()) for c in cs])
+        t1 = time.perf_counter()
+        masked = [c.apply(x) for c, x in zip(cs, logits)]
+        t2 = time.perf_counter()
+        per_row.append((t2 - t0) / len(cs))
+        fills.append((t1 - t0) / len(cs))
+        for i, (c, m) in enumerate(zip(cs, masked)):
+            ok = np.isfinite(m)
+            ok[list(vocab.eos_ids)] = False
+            if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
+                cs[i] = Constraint(tok, grammars[i])
+                continue
+            c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+    ms = np.array(per_row) * 1e3
+    return {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "p50_ms": round(float(np.percentile(ms, 50)), 4),
+            "p99_ms": round(float(np.percentile(ms, 99)), 4), "mean_ms": round(float(ms.mean()), 4),
+            "fill_p50_ms": round(float(np.percentile(np.array(fills) * 1e3, 50)), 4)}
+
+
+SERVE_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 60}, "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+    "genres": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 2, "maxItems": 5},
+    "summary": {"type": "string", "maxLength": 200}}, "required": ["title", "year", "genres", "summary"],
+    "additionalProperties": False}
+TOPICS = ["a film about the sea", "a film about space", "a comedy set in Paris", "a war drama", "a heist film",
+          "a love story in Rome", "a documentary about bees", "a horror film in a forest"]
+
+
+def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
+    import httpx
+
+    from localinfer.serve.loadgen_server import LocalServe
+
+    out = []
+    with LocalServe(None, threads=threads, ctx=8192, parallel=8) as url:
+        def body(i: int, schema: bool) -> dict:
+            b = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "messages": [
+                {"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON with title, year, "
+                                            "genres and summary."}]}
+            if schema:
+                b["response_format"] = {"type": "json_schema", "json_schema": {"name": "film",
+                                                                              "schema": SERVE_SCHEMA}}
+            return b
+
+        model = httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
+        httpx.post(url + "/chat/completions", json={**body(0, True), "model": model}, timeout=120)   # warm-up
+        for conc in levels:
+            for schema in (False, True):
+                tokens, valid, lock = [0], [0], threading.Lock()
+
+                def client(k: int) -> None:
+                    with httpx.Client(timeout=300) as c:
+                        for r in range(rounds):
+                            j = c.post(url + "/chat/completions",
+                                       json={**body(k * rounds + r, schema), "model": model}).json()
+                            with lock:
+                                tokens[0] += j["usage"]["completion_tokens"]
+                                if schema and j["choices"][0]["finish_reason"] == "stop":
+                                    json.loads(j["choices"][0]["message"]["content"])
+                                    valid[0] += 1
+
+                t0 = time.perf_counter()
+                ts = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                wall = time.perf_counter() - t0
+                out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
+                            "completion_tokens": tokens[0], "seconds": round(wall, 3),
+                            "tok_s": round(tokens[0] / wall, 2), **({"valid_json": valid[0]} if schema else {})})
+                print(out[-1], file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
+    ap.add_argument("--steps", type=int, default=300, help="mask steps per vocabulary and batch size")
+    ap.add_argument("--serve", action="store_true", help="also measure serve tok/s with a schema and without")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--levels", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    from localinfer.backends.vocab import VocabOnly
+    from localinfer.model.sources import default_model_path
+
+    base = VocabOnly(str(default_model_path()))
+    doc = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
+           "llguidance": __import__("llguidance").__version__, "mask": []}
+    t0 = time.perf_counter()
+    big = SyntheticVocab(base)
+    tok_build = {}
+    for name, vocab in (("49k", base), ("152k", big)):
+        t = time.perf_counter()
+        grammar_tokenizer(vocab)
+        tok_build[name] = round(time.perf_counter() - t, 3)
+        for batch in (1, 8):
+            doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
+            print(doc["mask"][-1], file=sys.stderr)
+    doc["tokenizer_build_s"] = tok_build
+    doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
+    if args.serve:
+        levels = [int(x) for x in args.levels.split(",")]
+        runs = serve_rates(args.threads, levels, args.rounds, args.max_tokens)
+        doc["serve"] = runs
+        doc["serve_ratio"] = {str(c): round(next(r["tok_s"] for r in runs if r["concurrency"] == c and r["schema"])
+                                             / next(r["tok_s"] for r in runs if r["concurrency"] == c
+                                                    and not r["schema"]), 3) for c in levels}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        atomic_write(args.out, text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
