@@ -209,12 +209,13 @@ class Constraint:
         self.stop_at: int | None = None       # len(tokens) when the grammar completed
         self._rows: np.ndarray | None = None  # masks filled for len(tokens) == _base + i after draft[:i]
         self._base, self._draft = -1, ()
+        self._out = self._bias = self._set = None    # apply's buffers; the ids its last sparse apply set
 
     def clone(self) -> Constraint:
         """An independent copy in the same state (another choice of the same request)."""
         other = object.__new__(Constraint)
         other.__dict__.update(self.__dict__, matcher=self.matcher.deep_copy(), tokens=list(self.tokens))
-        other._rows = None
+        other._rows = other._out = other._bias = other._set = None
         return other
 
     # ---- state -------------------------------------------------------------
@@ -275,14 +276,46 @@ class Constraint:
         return np.unpackbits(self.mask().view(np.uint8), count=self.n_vocab, bitorder="little").view(bool)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of ``logits`` with the tokens the grammar forbids at −inf (ids past the vocabulary too)."""
+        """``logits`` with the tokens the grammar forbids at −inf (ids past the vocabulary too), in a buffer this
+        constraint reuses: valid until its next ``apply``.
+
+        A sparse mask (JSON structure, numbers, enums: few words of it have a bit set) copies just the allowed
+        logits into the −inf buffer and resets only those next time; a nearly full one (inside a string) copies
+        the row and forbids the few; anything else is one vectorised pass adding a 0 / −inf bias.
+        """
         logits = np.asarray(logits, dtype=np.float32)
         n = min(len(logits), self.n_vocab)
-        ok = np.unpackbits(self.mask().view(np.uint8), count=n, bitorder="little")
-        if not ok.any():                 # a matcher in error (a forbidden token was forced): the reply ends
-            ok[self.eos[self.eos < n]] = 1
-        out = np.full(len(logits), -np.inf, dtype=np.float32) if len(logits) > n else np.empty(n, np.float32)
-        np.add(logits[:n], np.take(_BIAS, ok), out=out[:n])     # + 0 where allowed, + −inf where not
+        if self._out is None or len(self._out) != len(logits):
+            self._out, self._set = np.full(len(logits), -np.inf, dtype=np.float32), None
+            self._bias = np.empty(n, dtype=np.float32)
+        out, words = self._out, self.mask()
+        nz = np.flatnonzero(words)
+        if len(nz) * 4 <= len(words):
+            bits = np.unpackbits(words[nz].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+            rows, cols = np.nonzero(bits)
+            ids = nz[rows] * 32 + cols
+            ids = ids[ids < n]
+            if not len(ids):                 # a matcher in error (a forbidden token was forced): the reply ends
+                ids = self.eos[self.eos < n]
+            if self._set is None:
+                out[:n] = -np.inf
+            else:
+                out[self._set] = -np.inf
+            out[ids] = logits[ids]
+            self._set = ids
+            return out
+        self._set = None
+        part = np.flatnonzero(words != -1)
+        if len(part) * 4 <= len(words):      # few forbidden (inside a string): copy, then forbid those
+            bits = np.unpackbits(words[part].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+            rows, cols = np.nonzero(bits == 0)
+            ids = part[rows] * 32 + cols
+            np.copyto(out[:n], logits[:n])
+            out[ids[ids < n]] = -np.inf
+            return out
+        ok = np.unpackbits(words.view(np.uint8), count=n, bitorder="little")
+        np.take(_BIAS, ok, out=self._bias)
+        np.add(logits[:n], self._bias, out=out[:n])      # + 0 where allowed, + −inf where not
         return out
 
 
