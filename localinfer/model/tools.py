@@ -125,15 +125,16 @@ def _generic_grammar(tools: list[dict], *, required: bool, parallel: bool) -> st
     return "%llguidance {}\nstart: %json " + json.dumps(schema, ensure_ascii=False) + "\n"
 
 
-def generic_messages(messages: list[dict], tools: list[dict], required: bool) -> list[dict]:
-    """The conversation for a template without tools: a system message describing them and the reply's JSON,
-    assistant calls written as that JSON, tool results as user messages that say which call they answer."""
+def generic_messages(messages: list[dict], tools: list[dict], required: bool, describe: bool = True) -> list[dict]:
+    """The conversation for a template without tools: a system message describing them and the reply's JSON
+    (unless not ``describe``: tool_choice none), assistant calls written as that JSON, tool results as user
+    messages that say which call they answer."""
     spec = json.dumps([{k: t[k] for k in ("name", "description", "parameters") if k in t} for t in tools],
                       ensure_ascii=False)
     how = ('Reply with one JSON object: {"tool_calls": [{"name": ..., "arguments": {...}}]} to call tools'
            + ("." if required else ', or {"content": "..."} to answer directly.'))
     intro = f"You can call these tools:\n{spec}\n{how}"
-    out, system_done = [], False
+    out, system_done = [], not describe
     for m in messages:
         if m["role"] == "system" and not system_done:
             out.append({"role": "system", "content": m["content"] + "\n\n" + intro})

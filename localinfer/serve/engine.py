@@ -195,7 +195,7 @@ class Engine:
         with self._lock:
             self._end_step()
             sampled, before = {}, {}
-            fill_step_masks(plan.chunks)      # grammar masks of all constrained rows, one batched call
+            fill_step_masks(plan.chunks)      # the grammar masks of every constrained row, before any is sampled
             for c, ch in zip(plan.chunks, chunks):
                 r = c.request
                 if c.samples and r.state is State.RUNNING:    # not cancelled meanwhile

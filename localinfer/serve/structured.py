@@ -1,4 +1,4 @@
-"""Grammar masks in the serving step: every constrained request the step samples, in one batched fill.
+"""Grammar masks in the serving step: every constrained request the step samples, filled before any is sampled.
 
 A request's grammar state follows its output tokens (:class:`~localinfer.generation.constraints.Constraint`
 syncs to them), so preemption, recompute and prefix-cache hits need nothing here; prompt-lookup drafts are

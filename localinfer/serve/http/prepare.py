@@ -53,7 +53,7 @@ def prepare(runtime, config, spec: GenerationSpec) -> Prepared:
                 if key in m:
                     _plain(tok, json.dumps(m[key], ensure_ascii=False), f"messages[{i}].{key}")
         if fmt is GENERIC:
-            messages = generic_messages(messages, list(st.tools), st.tool_choice == "required")
+            messages = generic_messages(messages, list(st.tools), st.tool_choice == "required", st.calls_tools)
         else:
             extra["tools"] = [{"type": "function", "function": t} for t in st.tools]
         if st.calls_tools:
