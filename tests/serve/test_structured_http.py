@@ -160,6 +160,13 @@ def test_generic_tools_required_named_and_auto(client):
     none = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="none",
                                           max_tokens=8, temperature=0).choices[0]
     assert none.message.tool_calls is None and none.finish_reason in ("stop", "length")
+    shaped = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="none",
+                                            response_format={"type": "json_object"}, max_tokens=60,
+                                            temperature=0).choices[0]
+    if shaped.finish_reason == "stop":
+        assert isinstance(json.loads(shaped.message.content), dict)
+    else:
+        assert shaped.message.content.lstrip().startswith("{")
 
 
 def test_generic_tool_history_and_stream(client):

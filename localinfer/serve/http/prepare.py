@@ -62,7 +62,7 @@ def prepare(runtime, config, spec: GenerationSpec) -> Prepared:
             grammar, field = tool_grammar(fmt, tools, required=st.tool_choice == "required", parallel=st.parallel,
                                           trigger_token=trigger), "tools"
         else:
-            fmt = None
+            fmt, grammar, field = None, st.grammar, st.field    # tool_choice none: any response_format holds
     elif st is not None:
         grammar, field = st.grammar, st.field
     try:
