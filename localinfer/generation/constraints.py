@@ -281,7 +281,7 @@ class Constraint:
 
         A sparse mask (JSON structure, numbers, enums: few words of it have a bit set) copies just the allowed
         logits into the −inf buffer and resets only those next time; a nearly full one (inside a string) copies
-        the row and forbids the few; anything else is one vectorised pass adding a 0 / −inf bias.
+        the row and forbids the few; anything else adds a 0 / −inf bias (the log of the mask's bits).
         """
         logits = np.asarray(logits, dtype=np.float32)
         n = min(len(logits), self.n_vocab)
@@ -313,13 +313,12 @@ class Constraint:
             np.copyto(out[:n], logits[:n])
             out[ids[ids < n]] = -np.inf
             return out
-        ok = np.unpackbits(words.view(np.uint8), count=n, bitorder="little")
-        np.take(_BIAS, ok, out=self._bias)
-        np.add(logits[:n], self._bias, out=out[:n])      # + 0 where allowed, + −inf where not
+        bias = self._bias                    # log(1) = 0 where allowed, log(0) = −inf where not
+        np.copyto(bias, np.unpackbits(words.view(np.uint8), count=n, bitorder="little"), casting="unsafe")
+        with np.errstate(divide="ignore"):
+            np.log(bias, out=bias)
+        np.add(logits[:n], bias, out=out[:n])
         return out
-
-
-_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)
 
 
 def fill_masks(items: Sequence[tuple[Constraint, Sequence[int], Sequence[int]]]) -> None:
