@@ -9,7 +9,10 @@
    ``Constraint.apply`` (bits to −inf logits) for each row; batch 1 and batch 8 (eight replies with eight
    schemas filled in one call, the time divided by 8).  Wall time and the calling thread's CPU time (with one
    mask thread the fill runs in it; on a shared machine wall-time tails are other processes' time slices).
-2. ``--serve``: ``localinfer serve`` (embedded model, ``--parallel 8``) under closed-loop clients at concurrency
+2. ``--engine``: the step engine in process (llama.cpp, 1 thread, per-slot KV, no HTTP), batches of 1, 4 and 8
+   greedy requests with the serve schema's grammar and without, alternating, ``max_tokens`` each (EOS banned):
+   tok/s ratio and the CPU milliseconds per token the grammar adds.
+3. ``--serve``: ``localinfer serve`` (embedded model, ``--parallel 8``) under closed-loop clients at concurrency
    1, 4 and 8, the same prompts with ``response_format`` json_schema and without, in the order A B B A;
    completion tokens per second (``serve_ratio``: with over without, over both runs of each).
    llama-server's ``json_schema`` side is not run here (building it takes ~16 min of CPU).
@@ -163,6 +166,46 @@ def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -
     return out
 
 
+def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[dict]:
+    """The step engine in process on llama.cpp (1 thread, per-slot KV), no HTTP: wall and CPU seconds of the same
+    batch with the serve schema's grammar on every request and without, alternating A B A B..."""
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+    from localinfer.model.sources import default_model_path
+    from localinfer.serve.block_manager import BlockManager
+    from localinfer.serve.engine import Engine
+    from localinfer.serve.http.sampler import ServeRequest
+    from localinfer.serve.request import GREEDY
+    from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+
+    out = []
+    with LlamaCppExecutor.open(default_model_path(), n_slots=8, n_ctx=4096, threads=1, flash_attn=True,
+                               unified=False) as ex:
+        tok = grammar_tokenizer(ex.engine)
+        grammar = grammar_from("json_schema", SERVE_SCHEMA, "schema")
+        prompts = [tuple(ex.engine.tokenize(f"Describe {t} as JSON with title, year, genres and summary.",
+                                            add_bos=True)) for t in TOPICS]
+        for conc in levels:
+            for rep in range(repeats):
+                for schema in (False, True):
+                    for slot in range(ex.n_slots):
+                        ex.drop(slot)
+                    e = Engine(ex, Scheduler(SchedulerConfig(max_running=8, policy="chunked"),
+                                             BlockManager(256, 16, pool_hits=False)))
+                    reqs = [e.add_request(ServeRequest(f"r{i}", prompts[i % len(prompts)], max_tokens,
+                                                       sampling=GREEDY, banned=ex.engine.eos_ids,
+                                                       constraint=Constraint(tok, grammar) if schema else None))
+                            for i in range(conc)]
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    while e.unfinished:
+                        e.step()
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    n = sum(len(r.output) for r in reqs)
+                    out.append({"concurrency": conc, "schema": schema, "tokens": n, "seconds": round(wall, 3),
+                                "cpu_seconds": round(cpu, 3), "tok_s": round(n / wall, 2)})
+                    print(out[-1], file=sys.stderr)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
@@ -172,6 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--engine", action="store_true", help="also measure the step engine in process, schema vs none")
     args = ap.parse_args(argv)
     from localinfer.backends.vocab import VocabOnly
     from localinfer.model.sources import default_model_path
@@ -191,8 +235,20 @@ def main(argv=None) -> int:
             print(doc["mask"][-1], file=sys.stderr)
     doc["tokenizer_build_s"] = tok_build
     doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
+    levels = [int(x) for x in args.levels.split(",")]
+    if args.engine:
+        runs = doc["engine"] = engine_rates(levels, args.max_tokens)
+
+        def per_token(c, schema, key):
+            rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
+            return sum(r[key] for r in rs) / sum(r["tokens"] for r in rs)
+
+        doc["engine_ratio"] = {str(c): round(per_token(c, False, "seconds") / per_token(c, True, "seconds"), 3)
+                               for c in levels}
+        doc["engine_cpu_ms_per_token_added"] = {
+            str(c): round(1e3 * (per_token(c, True, "cpu_seconds") - per_token(c, False, "cpu_seconds")), 3)
+            for c in levels}
     if args.serve:
-        levels = [int(x) for x in args.levels.split(",")]
         runs = serve_rates(args.threads, levels, args.rounds, args.max_tokens)
         doc["serve"] = runs
         def rate(c, schema):

@@ -323,8 +323,8 @@ class Constraint:
 
 def fill_masks(items: Sequence[tuple[Constraint, Sequence[int], Sequence[int]]]) -> None:
     """For each (constraint, output so far, draft): sync the matcher to the output, then fill the masks of its next
-    token and of each draft position, all rows in one batched llguidance call (the GIL is released meanwhile).
-    Drafts must be allowed by the grammar (``Constraint.valid_prefix``); masks stop at the first one that is not."""
+    token and of each draft position: one batched llguidance call over ``MASK_THREADS`` threads, or row after row
+    with one (every call releases the GIL).  Drafts must be allowed by the grammar (``Constraint.valid_prefix``); masks stop at the first one that is not."""
     if not items:
         return
     batch, at = [], 0
