@@ -32,8 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from localinfer.generation.constraints import Constraint, fill_masks, grammar_from, grammar_tokenizer  # noqa: E402
-from localinfer.util.atomic import atomic_write  # noqa: E402
+from localinfer.generation.constraints import Constraint, fill_masks, grammar_from, grammar_tokenizer
+from localinfer.util.atomic import atomic_write
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
@@ -141,7 +141,7 @@ def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -
             for schema in (False, True, True, False):       # ABBA: a drift in the machine's load hits both
                 tokens, done, lock = [0], [0], threading.Lock()
 
-                def client(k: int) -> None:
+                def client(k: int, schema=schema, tokens=tokens, done=done, lock=lock) -> None:
                     with httpx.Client(timeout=300) as c:
                         for r in range(rounds):
                             j = c.post(url + "/chat/completions",

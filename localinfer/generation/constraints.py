@@ -175,7 +175,7 @@ def _build_tokenizer(vocab):
     class Wrapper:
         eos_token_id = eos[0] if eos else 0
         bos_token_id = getattr(vocab, "bos_id", None)
-        special_token_ids: list[int] = []
+        special_token_ids = ()
 
         def __init__(self):
             self.tokens = tokens

@@ -57,9 +57,9 @@ from dataclasses import dataclass
 
 from localinfer.backends.executor import Chunk, Executor
 from localinfer.generation.sampling import SamplingParams
+from localinfer.serve.masks import fill_step_masks
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepPlan
-from localinfer.serve.masks import fill_step_masks
 
 
 @dataclass(frozen=True)

@@ -45,10 +45,11 @@ def test_run_refuses_a_bad_file_before_loading(capsys, tmp_path, text, flag):
 
 
 def test_generate_with_response_format_and_chat_schema(tmp_path):
+    from pydantic import BaseModel, Field
+
     import localinfer
     from localinfer.generation.api import _template
     from localinfer.generation.chat import ChatSession
-    from pydantic import BaseModel, Field
 
     class Weather(BaseModel):
         city: str = Field(max_length=20)

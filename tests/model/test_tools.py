@@ -60,7 +60,7 @@ def test_stream_reassembles_into_the_final_calls_and_holds_a_partial_trigger():
 
 
 def test_text_that_is_not_a_call_stays_content():
-    s, deltas = _stream(HERMES, "no calls, just <b>text</b> and {\"name\": 1}")
+    s, _ = _stream(HERMES, "no calls, just <b>text</b> and {\"name\": 1}")
     assert s.result() == ("no calls, just <b>text</b> and {\"name\": 1}", [])
     s, _ = _stream(HERMES, 'broken <tool_call>\n{"name": "add", "arguments": {"a": 1')   # cut short: not a call
     assert s.result() == ('broken <tool_call>\n{"name": "add", "arguments": {"a": 1', [])

@@ -64,7 +64,7 @@ def test_preempted_requests_keep_their_grammar(executor):
     tok = executor.engine.tokenize
     prompts = [tuple(tok(f"List {k} fruits as JSON with a count. ", add_bos=True)) for k in (3, 4, 5, 6)]
     alone = [_text(executor, _run(executor, [p])[1][0]) for p in prompts]
-    e, reqs = _run(executor, prompts, blocks=8)         # too few blocks for all four: the newest are preempted
+    _, reqs = _run(executor, prompts, blocks=8)         # too few blocks for all four: the newest are preempted
     assert sum(r.preemptions for r in reqs) > 0
     for r, want in zip(reqs, alone):
         assert r.finish_reason is FinishReason.STOP

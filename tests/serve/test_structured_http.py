@@ -174,7 +174,8 @@ def test_generic_tool_history_and_stream(client):
         "id": "call_a", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_a", "content": "18 degrees, sunny"}]
-    kw = dict(model=MODEL_ID, messages=history, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0)
+    kw = {"model": MODEL_ID, "messages": history, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80,
+          "temperature": 0}
     whole = client.chat.completions.create(**kw).choices[0]
     with client.chat.completions.stream(**kw) as stream:
         for _ in stream:

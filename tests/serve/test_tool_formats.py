@@ -87,8 +87,8 @@ def test_named_tool_choice_is_that_tool(fmt_client):
 
 def test_streamed_calls_reassemble_into_the_unstreamed_ones(fmt_client):
     _, c, _ = fmt_client
-    kw = dict(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=160, temperature=0,
-              parallel_tool_calls=False)
+    kw = {"model": MODEL_ID, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 160,
+          "temperature": 0, "parallel_tool_calls": False}
     whole = c.chat.completions.create(**kw).choices[0]
     with c.chat.completions.stream(**kw) as stream:
         for _ in stream:
