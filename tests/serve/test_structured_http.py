@@ -224,3 +224,12 @@ def test_bad_structure_is_a_400_naming_the_field(srv, extra, param):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and "\n" not in err["message"]
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_prefix_cache_hit_gives_the_same_constrained_reply(client):
+    """The second request's prompt KV comes from the prefix cache; its grammar state starts from its own output."""
+    first = _ask(client, "nested", temperature=0)
+    again = _ask(client, "nested", temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == first.choices[0].message.content
+    jsonschema.validate(json.loads(again.choices[0].message.content), SCHEMAS["nested"])
