@@ -78,7 +78,7 @@ def commands(args, model: str, ctx: int, ports: dict[str, int]) -> dict[str, lis
     t = str(args.threads)
     out = {"localinfer": [sys.executable, "-m", "localinfer", "serve", model, "--port", str(ports["localinfer"]),
                           "--parallel", "8",
-                          "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024"]}
+                          "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024", *args.serve_arg]}
     if args.llama_server:
         out["llama-server"] = [args.llama_server, "-m", model, "--host", "127.0.0.1",
                                "--port", str(ports["llama-server"]),
@@ -269,6 +269,8 @@ def main(argv=None) -> int:
                          "the table adds the median of the rounds' ratios")
     ap.add_argument("--levels", default=None, metavar="LIST",
                     help="comma-separated levels to run, as the table names them (e.g. '--concurrency 4')")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                    help="one more argument for localinfer serve (repeatable), e.g. --serve-arg=--max-gap=off")
     ap.add_argument("--out", default="benchmarks/results/serve_peers_cpu")
     ap.add_argument("--smoke", action="store_true", help=f"tiny loads ({SMOKE}): checks the script runs")
     args = ap.parse_args(argv)

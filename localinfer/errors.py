@@ -19,6 +19,7 @@ __all__ = [
     "DoesNotFitError",
     "BackendUnavailableError",
     "TemplateError",
+    "GrammarError",
     "ContextFullError",
     "ProfileError",
     "OutputError",
@@ -74,6 +75,14 @@ class BackendUnavailableError(LocalinferError):
 
 class TemplateError(LocalinferError):
     """A chat template failed to render, was refused by the sandbox, or ran too long."""
+
+
+class GrammarError(UsageError):
+    """A JSON schema, regex, choice list, Lark grammar or tool definition that cannot be compiled to a grammar;
+    ``field`` names where it came from (``response_format.json_schema.schema``, ``--grammar``)."""
+
+    def __init__(self, message: str, *, field: str, hint: str | None = None, **facts):
+        super().__init__(message, flag=field, hint=hint, field=field, **facts)
 
 
 class ContextFullError(LocalinferError):

@@ -101,10 +101,14 @@ def _params(temperature, top_k, top_p, min_p, repeat_penalty, seed):
 
 def stream(engine: Engine, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
            top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
-           stop: Sequence[str] = (), lookup: bool = False) -> Iterator:
+           stop: Sequence[str] = (), lookup: bool = False, response_format=None, grammar: str | None = None
+           ) -> Iterator:
     """The reply as it is generated: chunks with ``text``, ``token``, and ``finish_reason`` on the last.
 
     ``temperature=0`` is greedy; ``lookup=True`` drafts from the context (prompt lookup), same output.
+    ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"schema": ...}}``, a bare JSON schema, or a pydantic model class) or ``grammar`` (Lark, llguidance's dialect)
+    constrains the reply; it ends when the grammar is complete.
     """
     from localinfer.generation.runner import Runner
 
@@ -114,8 +118,22 @@ def stream(engine: Engine, prompt: Prompt, *, max_tokens: int = 256, temperature
 
         decoder = LookupDecoder()
     params = _params(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    constraint = _constraint(engine, response_format, grammar)
     yield from Runner(engine).stream(_tokens(engine, prompt), params, max_tokens=max_tokens, stop=tuple(stop),
-                                     decoder=decoder)
+                                     decoder=decoder, constraint=constraint)
+
+
+def _constraint(engine: Engine, response_format, grammar: str | None):
+    if response_format is None and grammar is None:
+        return None
+    from localinfer.errors import UsageError
+    from localinfer.generation.constraints import Constraint, grammar_from, grammar_tokenizer, response_format_grammar
+
+    if response_format is not None and grammar is not None:
+        raise UsageError("give response_format or grammar, not both", flag="grammar")
+    g = response_format_grammar(response_format) if grammar is None else grammar_from("lark", grammar, "grammar")
+    return None if g is None else Constraint(grammar_tokenizer(engine), g, "grammar" if grammar else
+                                             "response_format")
 
 
 def generate(engine: Engine, prompt: Prompt, **options) -> str:

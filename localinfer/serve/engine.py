@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from localinfer.backends.executor import Chunk, Executor
 from localinfer.generation.sampling import SamplingParams
+from localinfer.serve.masks import fill_step_masks
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepBatch
 
@@ -187,6 +188,7 @@ class StepEngine:
             self._end_step()
             samples = tuple(c.samples for c in plan.chunks)      # read before complete() moves the requests on
             sampled, before = {}, {}
+            fill_step_masks(plan.chunks)      # the grammar masks of every constrained row, before any is sampled
             for c, ch in zip(plan.chunks, chunks):
                 r = c.request
                 if c.samples and r.state is State.RUNNING:    # not cancelled meanwhile

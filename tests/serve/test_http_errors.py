@@ -47,7 +47,7 @@ def _error(r, status: int, param=None, code=None) -> str:
     ("messages", [{"role": "user", "content": 5}], "messages[0].content"),
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
      "messages[0].content[0]"),
-    ("model", 3, "model"), ("tools", [{"type": "function"}], "tools"), ("logit_bias", {"1": 5}, "logit_bias"),
+    ("model", 3, "model"), ("tools", [{"type": "function"}], "tools[0]"), ("logit_bias", {"1": 5}, "logit_bias"),
     ("stream_options", "x", "stream_options"), ("deadline_ms", -5, "deadline_ms"),
 ])
 def test_wrong_types_and_out_of_range_name_the_field(http, field, value, param):

@@ -31,6 +31,7 @@ from localinfer.serve.http import pages
 from localinfer.serve.http.errors import APIError, bad
 from localinfer.serve.http.generation import Generation
 from localinfer.serve.http.metrics import CONTENT_TYPE
+from localinfer.serve.http.prepare import prepare
 from localinfer.serve.http.runtime import Runtime, RuntimeState
 from localinfer.serve.http.schemas import GenerationSpec, parse
 from localinfer.serve.http.sse import EventStream
@@ -82,9 +83,9 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
                            param="model", code="model_not_found")
         runtime.check_serving()
         loop = asyncio.get_running_loop()
-        prompt = await loop.run_in_executor(prep, _tokens, runtime, config, spec)
-        max_tokens = _check_length(spec, len(prompt), runtime.context_tokens)
-        gen = Generation(runtime, spec, prompt, max_tokens, config.model_id, request.receive,
+        ready = await loop.run_in_executor(prep, prepare, runtime, config, spec)
+        max_tokens = _check_length(spec, len(ready.prompt), runtime.context_tokens)
+        gen = Generation(runtime, spec, ready, max_tokens, config.model_id, request.receive,
                          runtime.tokenizer.eos_ids)
         handed_off = False
         try:
@@ -152,26 +153,6 @@ async def read_json(request: Request, cap: int):
     except json.JSONDecodeError as exc:
         raise bad(None, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                   code="invalid_json") from None
-
-
-def _tokens(runtime: Runtime, config: AppConfig, spec: GenerationSpec) -> tuple[int, ...]:
-    """Prompt token ids (worker thread): the chat template for messages, BOS + plain text for a prompt."""
-    from localinfer.errors import TemplateError
-
-    tok = runtime.tokenizer
-    if spec.chat:
-        if not hasattr(config.template, "tokens"):
-            config.template = config.template(tok)     # once, in this (single) worker thread
-        try:
-            return tuple(config.template.tokens(tok, list(spec.messages)))
-        except TemplateError as exc:
-            raise bad("messages", f"the chat template refused these messages: {exc}", code="template_error") from None
-    if isinstance(spec.prompt, str):
-        return tuple(tok.tokenize(spec.prompt, add_bos=True, special=False))
-    bad_ids = [t for t in spec.prompt if not 0 <= t < tok.n_vocab]
-    if bad_ids:
-        raise bad("prompt", f"prompt token ids must lie in 0..{tok.n_vocab - 1}, got {bad_ids[0]}")
-    return spec.prompt
 
 
 def _check_length(spec: GenerationSpec, n_prompt: int, context: int) -> int:

@@ -15,9 +15,11 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+from localinfer.model.tool_parse import ToolStream
 from localinfer.serve.http import responses as R
 from localinfer.serve.http import sse
 from localinfer.serve.http.errors import APIError
+from localinfer.serve.http.prepare import Prepared
 from localinfer.serve.http.runtime import Event, Runtime
 from localinfer.serve.http.sampler import ServeRequest, sampling_for
 from localinfer.serve.http.schemas import GenerationSpec
@@ -25,9 +27,11 @@ from localinfer.serve.request import FinishReason
 
 
 class Generation:
-    def __init__(self, runtime: Runtime, spec: GenerationSpec, prompt: tuple[int, ...], max_tokens: int,
+    def __init__(self, runtime: Runtime, spec: GenerationSpec, ready: Prepared, max_tokens: int,
                  model: str, receive, eos_ids: frozenset[int]):
-        self.runtime, self.spec, self.prompt, self.model = runtime, spec, prompt, model
+        self.runtime, self.spec, self.prompt, self.model = runtime, spec, ready.prompt, model
+        self.ready = ready
+        constraints = ready.constraints(spec.n)
         self.id = ("chatcmpl-" if spec.chat else "cmpl-") + uuid.uuid4().hex[:24]
         deadline = None if spec.deadline_ms is None else spec.deadline_ms / 1e3
 
@@ -38,10 +42,11 @@ class Generation:
                                 stop_tokens=frozenset() if spec.ignore_eos else eos_ids,
                                 banned=eos_ids if spec.ignore_eos else frozenset(),
                                 presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
-                                top_logprobs=spec.logprobs)
+                                top_logprobs=spec.logprobs, constraint=constraints[i])
 
-        self.handles, self.queue = runtime.submit([prompt] * spec.n, make, asyncio.get_running_loop())
+        self.handles, self.queue = runtime.submit([self.prompt] * spec.n, make, asyncio.get_running_loop())
         self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in self.handles]
+        self.tools = [ToolStream(ready.tools) for _ in self.handles] if ready.tools is not None else None
         self.reasons: list[str | None] = [None] * spec.n
         self.client_gone = False
         self._first: Event | None = None
@@ -106,6 +111,9 @@ class Generation:
             return None
         seen = text.tokens
         delta = text.feed(ev.token)
+        if self.tools is not None:
+            trig = self.ready.tools.trigger if ev.token == self.ready.trigger_token else ""
+            return self.tools[ev.index].feed(trig + delta), []
         lps = []
         if self.spec.logprobs is not None and ev.token not in text.eos and not text.stopped:
             entries = self.handles[ev.index].request.logprobs
@@ -114,10 +122,18 @@ class Generation:
             self.runtime.cancel(self.handles[ev.index], quiet=True)
         return delta, lps
 
-    def _finish(self, ev: Event) -> str:
+    def _finish(self, ev: Event):
+        """The choice's last text (its last deltas for a tool reply) and its finish reason set."""
         text = self.texts[ev.index]
         self.reasons[ev.index] = R.finish_reason(ev.reason, text.stopped)
-        return text.flush()
+        tail = text.flush()
+        if self.tools is None:
+            return tail
+        stream = self.tools[ev.index]
+        deltas = stream.feed(tail) + stream.finish()
+        if stream.result()[1] and self.reasons[ev.index] == "stop":
+            self.reasons[ev.index] = "tool_calls"
+        return deltas
 
     def usage(self) -> dict:
         cached = max((h.request.cached for h in self.handles), default=0)
@@ -136,10 +152,12 @@ class Generation:
             if ev.reason is not None:
                 if cut is None and (cut := self._cut(ev)) is not None:
                     self._cancel_rest()           # the answer is an error now: the other choices stop too
-                parts[ev.index].append(self._finish(ev))
+                tail = self._finish(ev)
+                if self.tools is None:
+                    parts[ev.index].append(tail)
                 continue
             got = self._apply(ev)
-            if got is not None:
+            if got is not None and self.tools is None:
                 parts[ev.index].append(got[0])
                 lps[ev.index] += got[1]
         if self.client_gone:
@@ -151,6 +169,7 @@ class Generation:
         out["choices"] = [R.choice(self.spec.chat, i, "".join(parts[i]), self.reasons[i],
                                    None if self.spec.logprobs is None else
                                    R.logprobs_for(self.spec.chat, self.texts[i], lps[i]))
+                          if self.tools is None else R.tool_choice(i, *self.tools[i].result(), self.reasons[i])
                           for i in range(len(self.handles))]
         out["usage"] = self.usage()
         return out
@@ -174,6 +193,10 @@ class Generation:
             if ev.reason is not None:
                 cut = self._cut(ev)
                 tail = self._finish(ev)
+                if self.tools is not None:
+                    for d in tail:
+                        yield frame([R.delta_choice(ev.index, d)])
+                    tail = ""
                 if cut is not None:               # OpenAI's clients raise on an error event: the stream ends
                     if tail:
                         yield frame([R.chunk_choice(chat, ev.index, tail, None, None, False)])
@@ -184,6 +207,10 @@ class Generation:
                 yield frame([R.chunk_choice(chat, ev.index, tail or None, self.reasons[ev.index], None, False)])
                 continue
             got = self._apply(ev)
+            if got is not None and self.tools is not None:
+                for d in got[0]:
+                    yield frame([R.delta_choice(ev.index, d)])
+                continue
             if got is None or (not got[0] and not got[1]):
                 continue
             text = self.texts[ev.index]
