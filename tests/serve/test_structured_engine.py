@@ -9,7 +9,7 @@ import pytest
 
 from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
 from localinfer.serve.request import GREEDY, FinishReason
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
@@ -46,7 +46,7 @@ def _run(ex, prompts, *, blocks=120, draft_max=0, sampling=GREEDY, max_tokens=60
     tok = grammar_tokenizer(ex.engine)
     config = SchedulerConfig(max_running=4, policy="chunked", chunk_tokens=32, draft_max=draft_max,
                              admission="on_demand")
-    e = Engine(ex, Scheduler(config, BlockManager(blocks, 16, pool_hits=False)))
+    e = StepEngine(ex, Scheduler(config, BlockManager(blocks, 16, pool_hits=False)))
     reqs = [e.add_request(ServeRequest(f"r{i}", p, max_tokens, sampling=sampling, stop_tokens=ex.engine.eos_ids,
                                        constraint=Constraint(tok, grammar))) for i, p in enumerate(prompts)]
     for _ in range(2000):
