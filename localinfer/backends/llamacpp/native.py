@@ -157,6 +157,7 @@ def last_error() -> str:
 def load_model(path: str, plan: LoadPlan):
     mp = _L.llama_model_default_params()
     mp.n_gpu_layers = plan.n_gpu_layers
+    keep = split_params(mp, plan)   # --rpc / --tensor-split: the arrays live until the load returns
     stop = threading.Event()
     progress = _L.llama_progress_callback(lambda _fraction, _user: not stop.is_set() and signals.pending() is None)
     mp.progress_callback = progress
@@ -167,11 +168,35 @@ def load_model(path: str, plan: LoadPlan):
             if model:
                 _L.llama_model_free(model)
             raise KeyboardInterrupt
+    del keep
     if not model:
         raise UnsupportedModelError(f"llama.cpp could not load {os.path.basename(path)}: {last_error()}",
                                     hint="check that llama.cpp supports this architecture and quant type, "
                                          "or try another --backend", path=path)
     return model
+
+
+def split_params(mp, plan: LoadPlan):
+    """Devices and split for ``plan.options`` "rpc" (endpoints) and "tensor_split" (weights); None when neither."""
+    endpoints, weights = plan.options.get("rpc"), plan.options.get("tensor_split")
+    if not endpoints and not weights:
+        return None
+    from localinfer.backends.llamacpp import rpc
+
+    devices = rpc.add_servers(endpoints) if endpoints else []
+    devices += rpc.local_devices(rpc.DEVICE_GPU)     # llama.cpp's order: RPC devices first, then local GPUs
+    keep = [rpc.device_array(devices)]
+    mp.devices = ctypes.cast(keep[0], ctypes.c_void_p)
+    mp.split_mode = _L.LLAMA_SPLIT_MODE_LAYER
+    if weights:
+        if len(weights) > len(devices):
+            raise UsageError(f"--tensor-split has {len(weights)} shares for {len(devices)} devices "
+                             f"({', '.join(d.name + ' ' + d.description for d in devices) or 'none'})",
+                             flag="--tensor-split", hint="give one share per device, RPC workers first")
+        arr = (ctypes.c_float * _L.llama_max_devices())(*weights)
+        keep.append(arr)
+        mp.tensor_split = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
+    return keep
 
 
 def new_context(model, plan: LoadPlan):

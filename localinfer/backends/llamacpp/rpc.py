@@ -1,0 +1,255 @@
+"""llama.cpp's RPC backend through ctypes: register remote workers on the client, serve devices as a worker.
+
+llama-cpp-python binds none of ggml's backend-registry calls, so they are
+bound here from the libraries it ships (``llama_cpp/lib``): ``libggml``
+(the registry), ``libggml-base`` (devices, the abort hook) and ``libggml-rpc``.
+:func:`library` checks, once, that every symbol this module calls is exported
+and that the registry's "RPC" entry hands out the same ``add_server`` and
+``start_server`` as the library exports (the API of llama.cpp's RPC protocol
+v3 and later); anything else is refused in one line
+(:class:`~localinfer.errors.BackendUnavailableError`).
+
+Every endpoint is probed in Python first (:mod:`.rpc_probe`, with a timeout)
+because llama.cpp aborts the process when it cannot connect.  A worker that
+dies mid-generation makes llama.cpp abort as well; :func:`on_abort` turns that
+into one ``error:`` line naming the endpoint and a clean exit (status 4, as WorkerError) instead
+of a core dump: a native abort cannot be unwound into a Python exception.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from localinfer.backends.llamacpp import rpc_probe
+from localinfer.errors import BackendUnavailableError, UsageError
+
+DEVICE_CPU, DEVICE_GPU = 0, 1      # enum ggml_backend_dev_type
+WORKER_LOST_EXIT = 4               # status after llama.cpp aborts on a lost worker
+
+# library -> {symbol: (restype, argtypes)}
+_SIGNATURES = {
+    "ggml": {
+        "ggml_backend_reg_by_name": (C.c_void_p, [C.c_char_p]),
+        "ggml_backend_register": (None, [C.c_void_p]),
+        "ggml_backend_device_register": (None, [C.c_void_p]),
+        "ggml_backend_dev_count": (C.c_size_t, []),
+        "ggml_backend_dev_get": (C.c_void_p, [C.c_size_t]),
+        "ggml_backend_dev_by_type": (C.c_void_p, [C.c_int]),
+    },
+    "ggml-base": {
+        "ggml_backend_reg_get_proc_address": (C.c_void_p, [C.c_void_p, C.c_char_p]),
+        "ggml_backend_reg_dev_count": (C.c_size_t, [C.c_void_p]),
+        "ggml_backend_reg_dev_get": (C.c_void_p, [C.c_void_p, C.c_size_t]),
+        "ggml_backend_dev_name": (C.c_char_p, [C.c_void_p]),
+        "ggml_backend_dev_description": (C.c_char_p, [C.c_void_p]),
+        "ggml_backend_dev_memory": (None, [C.c_void_p, C.POINTER(C.c_size_t), C.POINTER(C.c_size_t)]),
+        "ggml_backend_dev_type": (C.c_int, [C.c_void_p]),
+        "ggml_set_abort_callback": (C.c_void_p, [C.c_void_p]),
+    },
+    "ggml-rpc": {
+        "ggml_backend_rpc_add_server": (C.c_void_p, [C.c_char_p]),
+        "ggml_backend_rpc_start_server": (None, [C.c_char_p, C.c_char_p, C.c_size_t, C.c_size_t,
+                                                 C.POINTER(C.c_void_p)]),
+        "ggml_backend_rpc_get_device_memory": (None, [C.c_char_p, C.c_uint32, C.POINTER(C.c_size_t),
+                                                      C.POINTER(C.c_size_t)]),
+        "ggml_backend_rpc_reg": (C.c_void_p, []),
+    },
+}
+_OLD_API = "ggml_backend_rpc_add_device"     # llama.cpp before RPC protocol v3 (one device per endpoint)
+_HINT = "reinstall with ./install.sh (it builds llama-cpp-python with -DGGML_RPC=ON)"
+
+
+@dataclass(frozen=True)
+class Library:
+    ggml: C.CDLL
+    base: C.CDLL
+    rpc: C.CDLL
+    path: Path
+
+
+_lib: Library | None = None
+_lock = threading.Lock()
+
+
+def lib_dir() -> Path:
+    """llama-cpp-python's shared libraries (imports llama_cpp, which loads them)."""
+    import llama_cpp
+
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+def check_exports(libs: dict[str, C.CDLL]) -> None:
+    """Bind every symbol of :data:`_SIGNATURES`; BackendUnavailableError naming the first missing one."""
+    rpc = libs.get("ggml-rpc")
+    if rpc is not None and not hasattr(rpc, "ggml_backend_rpc_add_server") and hasattr(rpc, _OLD_API):
+        raise BackendUnavailableError("this llama.cpp has the old RPC API (ggml_backend_rpc_add_device, before "
+                                      "protocol v3); localinfer needs ggml_backend_rpc_add_server", hint=_HINT)
+    for name, symbols in _SIGNATURES.items():
+        lib = libs.get(name)
+        if lib is None:
+            raise BackendUnavailableError(f"llama-cpp-python has no lib{name}.so: it was built without "
+                                          "the RPC backend", hint=_HINT)
+        for sym, (restype, argtypes) in symbols.items():
+            fn = getattr(lib, sym, None)
+            if fn is None:
+                raise BackendUnavailableError(f"lib{name}.so does not export {sym}: this llama.cpp's RPC "
+                                              "API is not the one localinfer binds", hint=_HINT)
+            fn.restype, fn.argtypes = restype, argtypes
+
+
+def library() -> Library:
+    """The bound libraries, checked once (BackendUnavailableError when incompatible)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        d = lib_dir()
+        libs = {}
+        for name in _SIGNATURES:
+            # the file libllama loaded (by soname): a wheel ships lib*.so as a second copy, not a symlink, and a
+            # second copy of a library has its own registry
+            for file in (f"lib{name}.so.0", f"lib{name}.0.dylib", f"lib{name}.so", f"lib{name}.dylib"):
+                if (d / file).exists():
+                    libs[name] = C.CDLL(str(d / file), mode=C.RTLD_GLOBAL)
+                    break
+        check_exports(libs)
+        g, base, rpc = libs["ggml"], libs["ggml-base"], libs["ggml-rpc"]
+        reg = g.ggml_backend_reg_by_name(b"RPC")
+        if not reg:
+            raise BackendUnavailableError("llama.cpp's backend registry has no RPC backend", hint=_HINT)
+        for sym in ("ggml_backend_rpc_add_server", "ggml_backend_rpc_start_server"):
+            addr = base.ggml_backend_reg_get_proc_address(reg, sym.encode())
+            if addr != C.cast(getattr(rpc, sym), C.c_void_p).value:
+                raise BackendUnavailableError(f"the registry's RPC backend does not hand out {sym} as "
+                                              "libggml-rpc exports it (two llama.cpp builds mixed?)", hint=_HINT)
+        _lib = Library(g, base, rpc, d)
+        return _lib
+
+
+# ---- devices --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    handle: int          # ggml_backend_dev_t
+    name: str            # "RPC0", "CPU", "CUDA0"
+    description: str     # the endpoint for RPC devices
+    free: int
+    total: int
+
+
+def device(handle: int) -> Device:
+    base = library().base
+    free, total = C.c_size_t(0), C.c_size_t(0)
+    base.ggml_backend_dev_memory(handle, C.byref(free), C.byref(total))
+    return Device(handle, base.ggml_backend_dev_name(handle).decode(),
+                  base.ggml_backend_dev_description(handle).decode(), free.value, total.value)
+
+
+def local_devices(kind: int | None = None) -> list[Device]:
+    """Devices the process's registry holds (all, or those of one ggml device type)."""
+    lib = library()
+    out = []
+    for i in range(lib.ggml.ggml_backend_dev_count()):
+        h = lib.ggml.ggml_backend_dev_get(i)
+        if kind is None or lib.base.ggml_backend_dev_type(h) == kind:
+            out.append(device(h))
+    return out
+
+
+_servers: dict[str, list[Device]] = {}
+
+
+def add_servers(endpoints, timeout: float = 5.0) -> list[Device]:
+    """The devices of each worker, in order, connected through llama.cpp (probed first: a typed error, not an
+    abort, when one is unreachable or speaks another protocol version).  A worker joins once per process."""
+    lib = library()
+    out: list[Device] = []
+    for ep in rpc_probe.parse_endpoints(endpoints):
+        if ep not in _servers:
+            rpc_probe.probe(ep, timeout=timeout)
+            install_abort_hook(_servers.keys() | {ep})
+            reg = lib.rpc.ggml_backend_rpc_add_server(ep.encode())
+            if not reg:
+                raise UsageError(f"RPC worker {ep} offers no devices", flag="--rpc")
+            _servers[ep] = [device(lib.base.ggml_backend_reg_dev_get(reg, i))
+                            for i in range(lib.base.ggml_backend_reg_dev_count(reg))]
+        out.extend(_servers[ep])
+    return out
+
+
+def device_array(devs: list[Device]):
+    """A NULL-terminated ``ggml_backend_dev_t`` array for ``llama_model_params.devices`` (keep it alive)."""
+    arr = (C.c_void_p * (len(devs) + 1))(*[d.handle for d in devs], None)
+    return arr
+
+
+# ---- a worker lost mid-run ---------------------------------------------------------------
+
+_ABORT_T = C.CFUNCTYPE(None, C.c_char_p)
+_hook = None
+_endpoints: set[str] = set()
+
+
+def install_abort_hook(endpoints) -> None:
+    """Route llama.cpp's aborts through :func:`on_abort` while RPC workers are in use."""
+    global _hook
+    _endpoints.update(endpoints)
+    if _hook is None:
+        _hook = _ABORT_T(on_abort)
+        library().base.ggml_set_abort_callback(C.cast(_hook, C.c_void_p))
+
+
+def on_abort(message: bytes | None) -> None:
+    """llama.cpp is about to abort(): name the worker(s) that went away, then exit with WORKER_LOST_EXIT."""
+    text = (message or b"").decode("utf-8", "replace").strip()
+    lost = sorted(ep for ep in _endpoints if not rpc_probe.listening(ep, timeout=1.0))
+    if lost:
+        line = f"error: RPC worker {', '.join(lost)} went away ({text.split(': ', 1)[-1]})"
+        hint = "hint: restart `localinfer worker` there, or drop it from --rpc"
+    else:
+        line = f"error: llama.cpp aborted: {text}"
+        hint = f"hint: the RPC workers in use were {', '.join(sorted(_endpoints))}"
+    try:
+        sys.stderr.write(f"\n{line}\n{hint}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(WORKER_LOST_EXIT)
+
+
+# ---- serving devices as a worker ------------------------------------------------------------
+
+def worker_devices() -> list[Device]:
+    """What a worker serves, as llama.cpp's rpc-server does: every accelerator, else the CPU."""
+    lib = library()
+    accel = [d for d in local_devices() if lib.base.ggml_backend_dev_type(d.handle) != DEVICE_CPU]
+    return accel or local_devices(DEVICE_CPU)
+
+
+def start_server(endpoint: str, threads: int, cache_dir: str | None = None) -> None:
+    """Serve this machine's devices at ``endpoint`` (blocks for ever: run it in a child process)."""
+    lib = library()
+    devs = worker_devices()
+    arr = (C.c_void_p * len(devs))(*[d.handle for d in devs])
+    lib.rpc.ggml_backend_rpc_start_server(endpoint.encode(), cache_dir.encode() if cache_dir else None,
+                                          threads, len(devs), arr)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent (the `localinfer worker` command) dies."""
+    try:
+        import signal
+
+        C.CDLL(None).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+if __name__ == "__main__":   # the worker's child process: python -m ... ENDPOINT THREADS [CACHE_DIR]
+    _die_with_parent()
+    start_server(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    sys.exit(1)   # start_server returns only when it could not serve (its reason is on stderr)
