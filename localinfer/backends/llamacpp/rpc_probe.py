@@ -4,7 +4,7 @@ A request is ``| command (1 byte) | size (u64) | payload |``, an answer
 ``| size (u64) | payload |``, little-endian (ggml-rpc.cpp).  A session opens
 with HELLO (command 14, 24 bytes of transport capabilities; answer: major,
 minor, patch, padding, 24 bytes); then DEVICE_COUNT (15, empty; u32) and
-GET_DEVICE_MEMORY (11, u32 device; u64 free, u64 total).  A worker serves one
+GET_DEVICE_MEMORY (11, u32 device; u64 free, u64 total) and GET_ALIGNMENT (1, u32 device; u64).  A worker serves one
 client at a time, so a worker in use accepts the connection and stays silent:
 that is reported as busy.  ``fit --rpc`` uses this; ``run --rpc`` probes each
 endpoint first because llama.cpp aborts the process when it cannot connect.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from localinfer.errors import UsageError, WorkerError
 
 PROTO_MAJOR = 7          # RPC_PROTO_MAJOR_VERSION of the llama.cpp llama-cpp-python 0.3.36 vendors
-CMD_GET_DEVICE_MEMORY, CMD_HELLO, CMD_DEVICE_COUNT = 11, 14, 15
+CMD_GET_ALIGNMENT, CMD_GET_DEVICE_MEMORY, CMD_HELLO, CMD_DEVICE_COUNT = 1, 11, 14, 15
 CAPS = 24                # RPC_CONN_CAPS_SIZE
 MAX_DEVICES = 16
 
@@ -31,6 +31,12 @@ class WorkerDevice:
     index: int           # device number on that worker
     free: int
     total: int
+    alignment: int = 32  # its buffer alignment: 128 on CUDA, 32 on CPU and Metal
+
+    @property
+    def kind(self) -> str:
+        """Allocation rules to plan with: "cuda" when the worker aligns as ggml-cuda does, else "cpu"."""
+        return "cuda" if self.alignment >= 128 else "cpu"
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,8 @@ def probe(ep: str, timeout: float = 5.0) -> WorkerInfo:
             devs = []
             for i in range(min(n, MAX_DEVICES)):
                 free, total = struct.unpack("<QQ", _call(sock, CMD_GET_DEVICE_MEMORY, struct.pack("<I", i), 16))
-                devs.append(WorkerDevice(ep, i, free, total))
+                (align,) = struct.unpack("<Q", _call(sock, CMD_GET_ALIGNMENT, struct.pack("<I", i), 8))
+                devs.append(WorkerDevice(ep, i, free, total, align))
     except socket.timeout:
         raise WorkerError(f"RPC worker {ep} accepted but did not answer within {timeout:g} s (it serves one "
                           "client at a time: is another localinfer or llama.cpp using it?)", endpoint=ep,
