@@ -249,5 +249,22 @@ class LlamaCppMemory:
     def computes_on_cpu(self, plan, kind: str) -> bool:
         return kind == "cpu"
 
+    splits = True               # layers across devices: RPC workers and local GPUs (-sm layer)
+
+    def split(self, spec, devices, req, shares=None, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import split_breakdown
+
+        return split_breakdown(spec, devices, req, shares, cpu_features=cpu_features)
+
+    def fitting_split(self, spec, devices, req, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import fitting_split
+
+        return fitting_split(spec, devices, req, cpu_features=cpu_features)
+
+    def smallest_set(self, spec, devices, req, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import smallest_set
+
+        return smallest_set(spec, devices, req, cpu_features=cpu_features)
+
 
 MEMORY = LlamaCppMemory()
