@@ -178,7 +178,8 @@ def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=N
         mbu, mfu = p.decode_mbu_at(1) or 0.6, p.prefill_mfu_at(1) or 0.5
         rate = p.bf16_flops * mfu
         kv_read = d.kv * min(n, sb.n_ctx) / max(sb.n_ctx, 1)
-        dec = max(frac * cost.token_flops(n) / rate, (d.weights + kv_read) / (p.bandwidth_bytes_per_s * mbu))
+        read = frac * cost.decode_read_bytes(1) + kv_read      # routed experts: only what a token touches
+        dec = max(frac * cost.token_flops(n) / rate, read / (p.bandwidth_bytes_per_s * mbu))
         pre = max(frac * cost.prefill_flops(n) / rate, d.weights / p.bandwidth_bytes_per_s)
         stages.append(StageSpeed(d.name, len(d.layers), pre, dec, "profile"))
     if not stages:
@@ -204,7 +205,7 @@ def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=N
     prefill = seq + pre_net
     return SplitSpeed(n, tuple(stages), None if link is None else link.name, trips, tok_bytes, net, upload,
                       1.0 / decode, n / prefill, slow.device,
-                      "decode = Σ stages (max(F_i/(P·MFU), (W_i + KV_i)/(β·MBU))) + round trips × RTT + "
+                      "decode = Σ stages (max(F_i/(P·MFU), (D_w·W_i/W + KV_i)/(β·MBU))) + round trips × RTT + "
                       "bytes/bandwidth; prefill = Σ stages (overlapped across ubatches with pipeline "
                       "parallelism) + per-ubatch traffic")
 
