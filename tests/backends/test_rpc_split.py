@@ -105,4 +105,4 @@ def test_greedy_output_equals_local(two_workers):
     for ep in two_workers:
         r = rows[f"RPC0[{ep}]"]
         for key in ("weights", "kv", "compute"):   # the log's MiB have two decimals
-            assert abs(r["predicted"][key] - r["reported"][key]) <= 0.005 * (1 << 20)
+            assert abs(r["predicted"][key] - r["reported"][key]) <= 0.005 * (1 << 20) + 1
