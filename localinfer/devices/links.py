@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Mapping
 
 from localinfer.errors import ProfileError, UsageError
 

@@ -218,6 +218,6 @@ def parse_shares(text: str | None) -> tuple[float, ...] | None:
         shares = tuple(float(x) for x in text.replace("/", ",").split(",") if x.strip())
     except ValueError:
         raise UsageError(f"--tensor-split {text!r}: give numbers like 3,1", flag="--tensor-split") from None
-    if not shares or any(s < 0 or s != s or s == float("inf") for s in shares) or not any(shares):
+    if not shares or any(not 0 <= s < float("inf") for s in shares) or not any(shares):
         raise UsageError(f"--tensor-split {text!r}: shares must be >= 0 and not all 0", flag="--tensor-split")
     return shares

@@ -15,8 +15,8 @@ def _layers(layers: tuple[int, ...], output: bool) -> str:
 
 
 def _table(sb) -> list[str]:
-    rows = [f"  {'device':<34} {'layers':>10} {'weights':>10} {'KV':>10} {'compute':>10} {'total':>10} "
-            f"{'usable':>10}  fits"]
+    rows = [(f"  {'device':<34} {'layers':>10} {'weights':>10} {'KV':>10} {'compute':>10} {'total':>10} "
+             f"{'usable':>10}  fits")]
     for d in sb.devices:
         rows.append(f"  {safe_text(d.name)[:34]:<34} {_layers(d.layers, d.output):>10} {fmt_bytes(d.weights):>10} "
                     f"{fmt_bytes(d.kv):>10} {fmt_bytes(d.compute):>10} {fmt_bytes(d.total):>10} "
@@ -34,13 +34,13 @@ def _shares(sb) -> str:
 def render_split_text(spec, sf) -> str:
     sb = sf.breakdown
     req = sf.request
-    out = [f"{safe_text(spec.name)}: ctx {req.n_ctx} × {req.n_seq}, KV {req.type_k}/{req.type_v}, "
-           f"split across {len(sb.devices)} device(s), layer split {_shares(sb)} "
-           f"({'pipeline parallel' if sb.pipeline else 'no pipeline'})"]
+    out = [(f"{safe_text(spec.name)}: ctx {req.n_ctx} × {req.n_seq}, KV {req.type_k}/{req.type_v}, "
+            f"split across {len(sb.devices)} device(s), layer split {_shares(sb)} "
+            f"({'pipeline parallel' if sb.pipeline else 'no pipeline'})")]
     out += _table(sb)
     if sf.host_usable is not None:
         out.append(f"  host usable {fmt_bytes(sf.host_usable)}")
-    out.append(("fits: " if sf.fits else "") + sf.reason if not sf.reason.startswith("fits") else sf.reason)
+    out.append(sf.reason)
     if sf.suggestion is not None:
         out.append(f"a split that fits: --tensor-split {_shares(sf.suggestion)}")
     elif not sb.fits:

@@ -13,17 +13,17 @@ from tests.support.rpc_workers import ROOT, reported, workers
 
 pytest.importorskip("llama_cpp")
 
-from gguf import GGMLQuantizationType  # noqa: E402
+from gguf import GGMLQuantizationType
 
-from gguf_tools.skeleton import write_skeleton  # noqa: E402
-from localinfer.backends.engine import LoadPlan  # noqa: E402
-from localinfer.backends.llamacpp.rpc_probe import probe  # noqa: E402
-from localinfer.backends.llamacpp.split import split_breakdown  # noqa: E402
-from localinfer.commands._common import plan_request  # noqa: E402
-from localinfer.model.sources import resolve_model  # noqa: E402
-from localinfer.model.spec import ModelSpec  # noqa: E402
-from localinfer.plan.split_devices import from_workers  # noqa: E402
-from tests.support.ggufgen import write_tiny_model  # noqa: E402
+from gguf_tools.skeleton import write_skeleton
+from localinfer.backends.engine import LoadPlan
+from localinfer.backends.llamacpp.rpc_probe import probe
+from localinfer.backends.llamacpp.split import split_breakdown
+from localinfer.commands._common import plan_request
+from localinfer.model.sources import resolve_model
+from localinfer.model.spec import ModelSpec
+from localinfer.plan.split_devices import from_workers
+from tests.support.ggufgen import write_tiny_model
 
 CASES = [
     {"n_ctx": 512},
@@ -43,9 +43,9 @@ def two_workers():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("split")
-    moe = write_skeleton(dict(n_layers=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=0, vocab_size=1000,
-                              context_length=4096, arch="qwen3moe", n_expert=8, n_expert_used=2, expert_ff=128,
-                              type="f16"), d / "moe.gguf")
+    moe = write_skeleton({"n_layers": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 0,
+                          "vocab_size": 1000, "context_length": 4096, "arch": "qwen3moe", "n_expert": 8,
+                          "n_expert_used": 2, "expert_ff": 128, "type": "f16"}, d / "moe.gguf")
     untied = write_tiny_model(d / "untied.gguf", arch="qwen3", n_layers=6, qtype=GGMLQuantizationType.Q8_0)
     return {"smollm2": str(resolve_model(None)), "qwen3moe": str(moe), "qwen3-untied": str(untied)}
 

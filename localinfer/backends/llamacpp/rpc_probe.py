@@ -113,7 +113,7 @@ def probe(ep: str, timeout: float = 5.0) -> WorkerInfo:
     ep = parse_endpoint(ep)
     try:
         sock = socket.create_connection(_split(ep), timeout=timeout)
-    except socket.timeout:
+    except TimeoutError:
         raise WorkerError(f"RPC worker {ep} did not accept a connection within {timeout:g} s", endpoint=ep,
                           hint="check the address and that no firewall drops the port") from None
     except OSError as exc:
@@ -133,7 +133,7 @@ def probe(ep: str, timeout: float = 5.0) -> WorkerInfo:
                 free, total = struct.unpack("<QQ", _call(sock, CMD_GET_DEVICE_MEMORY, struct.pack("<I", i), 16))
                 (align,) = struct.unpack("<Q", _call(sock, CMD_GET_ALIGNMENT, struct.pack("<I", i), 8))
                 devs.append(WorkerDevice(ep, i, free, total, align))
-    except socket.timeout:
+    except TimeoutError:
         raise WorkerError(f"RPC worker {ep} accepted but did not answer within {timeout:g} s (it serves one "
                           "client at a time: is another localinfer or llama.cpp using it?)", endpoint=ep,
                           hint="stop the other client, or start a second worker on another port") from None

@@ -26,9 +26,10 @@ from localinfer.backends.llamacpp.memory import llama_cells, llama_kv_layer_byte
 from localinfer.backends.llamacpp.placement import _groups
 from localinfer.backends.llamacpp.split_compute import split_compute
 from localinfer.backends.memory import FitRequest
-from localinfer.backends.split import HOST, DeviceShare, SplitBreakdown, SplitDevice
+from localinfer.backends.split import HOST, DeviceShare, SplitBreakdown
 from localinfer.errors import UsageError
 from localinfer.model.spec import ModelSpec
+
 
 def n_offloaded(n_layer: int, n_gpu_layers: int) -> int:
     """llama.cpp's ``n_gpu_layers()``: -1 means every layer plus the output layer."""
