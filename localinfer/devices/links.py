@@ -67,5 +67,5 @@ def get_link(name: str) -> Link:
     links = builtin_links()
     key = name.strip().lower()
     if key not in links:
-        raise UsageError(f"unknown link {name!r}", flag="--link", hint="use one of " + ", ".join(links))
+        raise UsageError(f"--link: unknown link {name!r}", flag="--link", hint="use one of " + ", ".join(links))
     return links[key]

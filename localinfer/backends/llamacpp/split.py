@@ -182,12 +182,19 @@ def fitting_split(spec: ModelSpec, devices, req: FitRequest, *, cpu_features=())
     by_usable = split_breakdown(spec, devices, req, [max(d.usable, 0) for d in devices], cpu_features=cpu_features)
     if by_usable.fits:
         return by_usable
-    reserve = [max(s.compute for s in by_usable.devices)] * len(devices)
-    counts = _greedy_counts(spec, devices, req, reserve)
-    if counts is None or not any(counts):
-        return None
-    sb = split_breakdown(spec, devices, req, counts, cpu_features=cpu_features)
-    return sb if sb.fits else None
+    reserve = [s.compute for s in by_usable.devices]       # the last device holds the output (logits rows)
+    reserve[-1] = max(reserve)
+    for _ in range(2 * len(devices) + 2):     # the exact replay corrects the compute estimates
+        counts = _greedy_counts(spec, devices, req, reserve)
+        if counts is None or not any(counts):
+            return None
+        sb = split_breakdown(spec, devices, req, counts, cpu_features=cpu_features)
+        if sb.fits:
+            return sb
+        for i, d in enumerate(sb.devices):
+            if not d.fits:
+                reserve[i] += d.total - d.usable
+    return None
 
 
 def smallest_set(spec: ModelSpec, devices, req: FitRequest, *, cpu_features=()) -> tuple[tuple[int, ...],
