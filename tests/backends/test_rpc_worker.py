@@ -145,3 +145,40 @@ def test_no_worker_processes_left():
     mine = psutil.Process().children(recursive=True)
     assert not [p for p in mine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                 and "llamacpp.rpc" in " ".join(p.cmdline())]
+
+
+def test_serve_exits_naming_a_worker_that_dies_mid_request():
+    import json
+    import urllib.error
+    import urllib.request
+
+    port = _free_port()
+    with workers(1) as [(victim, ep)]:
+        server = subprocess.Popen([sys.executable, "-m", "localinfer", "serve", "--rpc", ep, "--port", str(port),
+                                   "-t", "1", "-c", "1024", "--parallel", "1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV, cwd=ROOT, text=True)
+        try:
+            line, deadline = "", time.monotonic() + 90
+            while not line.startswith("ready") and time.monotonic() < deadline and server.poll() is None:
+                line = server.stderr.readline()
+            assert line.startswith("ready"), line
+            body = json.dumps({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Once upon a time",
+                               "max_tokens": 900, "stream": True, "ignore_eos": True}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"content-type": "application/json"})
+            with pytest.raises((urllib.error.URLError, ConnectionError, OSError, AssertionError)):
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    assert resp.readline()                # tokens are streaming
+                    victim.kill()
+                    victim.wait()
+                    while resp.readline():                # the stream ends: the server went down
+                        pass
+                    raise AssertionError("stream ended")
+            rc = server.wait(timeout=30)
+            err = server.stderr.read()
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+    assert rc == WorkerError.exit_code
+    assert f"error: RPC worker {ep} went away" in err

@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,7 +228,13 @@ def install_abort_hook(endpoints) -> None:
 def on_abort(message: bytes | None) -> None:
     """llama.cpp is about to abort(): name the worker(s) that went away, then exit with WORKER_LOST_EXIT."""
     text = (message or b"").decode("utf-8", "replace").strip()
-    lost = sorted(ep for ep in _endpoints if not rpc_probe.listening(ep, timeout=1.0))
+    lost: set[str] = set()
+    for _ in range(10):       # a killed worker's listening socket may close just after its connection does
+        lost |= {ep for ep in _endpoints if not rpc_probe.listening(ep, timeout=0.5)}
+        if lost:
+            break
+        time.sleep(0.1)
+    lost = sorted(lost)
     if lost:
         line = f"error: RPC worker {', '.join(lost)} went away ({text.split(': ', 1)[-1]})"
         hint = "hint: restart `localinfer worker` there, or drop it from --rpc"
