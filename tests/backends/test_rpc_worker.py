@@ -166,14 +166,14 @@ def test_serve_exits_naming_a_worker_that_dies_mid_request():
                                "max_tokens": 900, "stream": True, "ignore_eos": True}).encode()
             req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                          {"content-type": "application/json"})
-            with pytest.raises((urllib.error.URLError, ConnectionError, OSError, AssertionError)):
-                with urllib.request.urlopen(req, timeout=60) as resp:
-                    assert resp.readline()                # tokens are streaming
-                    victim.kill()
-                    victim.wait()
-                    while resp.readline():                # the stream ends: the server went down
-                        pass
-                    raise AssertionError("stream ended")
+            with pytest.raises((urllib.error.URLError, ConnectionError, OSError, AssertionError)), \
+                    urllib.request.urlopen(req, timeout=60) as resp:
+                assert resp.readline()                # tokens are streaming
+                victim.kill()
+                victim.wait()
+                while resp.readline():                # the stream ends: the server went down
+                    pass
+                raise AssertionError("stream ended")
             rc = server.wait(timeout=30)
             err = server.stderr.read()
         finally:
