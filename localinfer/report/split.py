@@ -63,3 +63,29 @@ def render_split_text(spec, sf) -> str:
     for n in sb.notes + sf.warnings:
         out.append(f"note: {n}")
     return "\n".join(out)
+
+
+def render_split_rows(hosts: str, link: str | None, rows: list[dict], markdown: bool) -> str:
+    """One line per model × context × KV type of ``report --split``: fits, layer split, fullest device, speed."""
+    head = ["model", "ctx", "KV", "fits", "split", "fullest device", "decode tok/s", "net ms/token"]
+    body = []
+    for r in rows:
+        devs = r["split"]["devices"]
+        full = max(devs, key=lambda d: d["total"] / max(d["usable"], 1))
+        sp = r["speed"]
+        fix = r["suggestion"]
+        verdict = "yes" if r["fits"] else ("with -ts " + ",".join(map(str, fix["counts"])) if fix else "no")
+        body.append([safe_text(r["model"]), str(r["ctx"]), r["kv"], verdict,
+                     ",".join(map(str, r["split"]["counts"])),
+                     f"{safe_text(full['name'])} {100 * full['total'] / max(full['usable'], 1):.0f}%",
+                     f"{sp['decode_tok_s']:.1f}" if sp else "-",
+                     f"{sp['network_s'] * 1e3:.2f}" if sp and sp["link"] else "-"])
+    title = f"Split over {hosts}" + (f" ({link})" if link else " (no link given: no network cost)")
+    if markdown:
+        lines = [f"## {safe_text(title)}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(b) + " |" for b in body]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = [safe_text(title), "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
+    return "\n".join(lines)

@@ -124,3 +124,18 @@ def test_fit_devices_cli_imports_no_backend():
     assert r.returncode == 0, r.stderr
     assert "LOADED []" in r.stdout
     assert "RPC0[host1:rtx-4090]" in r.stdout and "CUDA0[rtx-4090]" in r.stdout and "network per token" in r.stdout
+
+
+def test_report_split_rows(capsys):
+    from localinfer.cli import main
+
+    assert main(["report", "--devices", "rtx-4090", "--split", "rtx-4090,rtx-4090", "--link", "10gbe",
+                 "--ctx", "1024,4096", "--kv", "f16,q8_0", "--format", "md"]) == 0
+    out = capsys.readouterr().out
+    assert "## Split over rtx-4090,rtx-4090 (10gbe)" in out
+    assert sum(1 for line in out.splitlines() if line.startswith("| Smollm2")) == 4
+    assert main(["report", "--devices", "rtx-4090", "--split", "rtx-4090", "--format", "json", "--ctx", "1024",
+                 "--kv", "f16"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["splits"]["rows"][0]["split"]["devices"][0]["name"] == "CUDA0[rtx-4090]"
+    assert main(["report", "--split", "rtx-4090", "--format", "html"]) == 2
