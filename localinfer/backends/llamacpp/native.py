@@ -184,7 +184,7 @@ def split_params(mp, plan: LoadPlan):
     from localinfer.backends.llamacpp import rpc
 
     devices = rpc.add_servers(endpoints) if endpoints else []
-    devices += rpc.local_devices(rpc.DEVICE_GPU)     # llama.cpp's order: RPC devices first, then local GPUs
+    devices += rpc.local_accelerators()             # llama.cpp's order: RPC devices first, then local GPUs
     keep = [rpc.device_array(devices)]
     mp.devices = ctypes.cast(keep[0], ctypes.c_void_p)
     mp.split_mode = _L.LLAMA_SPLIT_MODE_LAYER

@@ -9,6 +9,11 @@ and that the registry's "RPC" entry hands out the same ``add_server`` and
 v3 and later); anything else is refused in one line
 (:class:`~localinfer.errors.BackendUnavailableError`).
 
+The workers' devices are handed to each model load (``llama_model_params.devices``)
+rather than registered process-wide with ``ggml_backend_register``: a later load
+without ``--rpc`` in the same process (a test, a server reloading) must not pick
+them up, as llama.cpp's default device selection would.
+
 Every endpoint is probed in Python first (:mod:`.rpc_probe`, with a timeout)
 because llama.cpp aborts the process when it cannot connect.  A worker that
 dies mid-generation makes llama.cpp abort as well; :func:`on_abort` turns that
@@ -30,7 +35,7 @@ from pathlib import Path
 from localinfer.backends.llamacpp import rpc_probe
 from localinfer.errors import BackendUnavailableError, UsageError
 
-DEVICE_CPU, DEVICE_GPU = 0, 1      # enum ggml_backend_dev_type
+DEVICE_CPU, DEVICE_GPU, DEVICE_IGPU = 0, 1, 2      # enum ggml_backend_dev_type
 WORKER_LOST_EXIT = 4               # status after llama.cpp aborts on a lost worker
 
 # library -> {symbol: (restype, argtypes)}
@@ -161,6 +166,12 @@ def local_devices(kind: int | None = None) -> list[Device]:
         if kind is None or lib.base.ggml_backend_dev_type(h) == kind:
             out.append(device(h))
     return out
+
+
+def local_accelerators() -> list[Device]:
+    """This machine's GPUs as llama.cpp's default selection takes them: discrete ones, else integrated ones."""
+    gpus = local_devices(DEVICE_GPU)
+    return gpus or local_devices(DEVICE_IGPU)
 
 
 _servers: dict[str, list[Device]] = {}
