@@ -39,9 +39,18 @@ def models(d: Path) -> dict[str, tuple[str, list[dict]]]:
                           "vocab_size": 1000, "context_length": 4096, "arch": "qwen3moe", "n_expert": 8,
                           "n_expert_used": 2, "expert_ff": 128, "type": "f16"}, d / "moe.gguf")
     untied = write_tiny_model(d / "untied.gguf", arch="qwen3", n_layers=6, qtype=GGMLQuantizationType.Q8_0)
+    from tests.backends.test_rpc_split import MORE
+    from tests.plan.test_fit_llamacpp import write_tiny_gemma3
+
+    qwen2 = write_tiny_model(d / "qwen2.gguf", arch="qwen2", n_layers=4, qtype=GGMLQuantizationType.Q8_0)
+    rope = write_tiny_model(d / "rope.gguf", arch="llama", n_layers=4, qtype=GGMLQuantizationType.Q4_0,
+                            rope_freqs=True, tied=True)
     small = CASES[:2] + [{"n_ctx": 512, "n_gpu_layers": 3}]
-    return {"smollm2-135m q4_1": (str(resolve_model(None)), CASES), "qwen3moe 4L f16 (skeleton)": (str(moe), small),
-            "qwen3 6L q8_0 untied": (str(untied), small)}
+    return {"smollm2-135m q4_1": (str(resolve_model(None)), CASES + MORE["smollm2"]),
+            "qwen3moe 4L f16 (skeleton)": (str(moe), small), "qwen3 6L q8_0 untied": (str(untied), small),
+            "qwen2 4L q8_0 (biases)": (str(qwen2), MORE["qwen2-bias"]),
+            "llama 4L q4_0 rope_freqs tied": (str(rope), MORE["llama-rope-freqs-tied"]),
+            "gemma3 8L f32 iSWA (skeleton)": (str(write_tiny_gemma3(d / "gemma3.gguf")), MORE["gemma3-iswa"])}
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """A model split across two loopback llama.cpp RPC workers (1 thread each): fit's bytes per device equal what
 llama.cpp allocates, for the default split, uneven --tensor-splits and a partial -ngl, on the embedded model,
-a MoE and a model with an untied output; greedy output equals the local run."""
+a MoE, a model with an untied output, Q/K/V biases, per-layer rope_freqs with a tied output, and gemma3's
+sliding-window layers, with quantized KV and without flash attention; greedy output equals the local run."""
 
 import json
 import os
@@ -23,6 +24,7 @@ from localinfer.commands._common import plan_request
 from localinfer.model.sources import resolve_model
 from localinfer.model.spec import ModelSpec
 from localinfer.plan.split_devices import from_workers
+from tests.plan.test_fit_llamacpp import write_tiny_gemma3
 from tests.support.ggufgen import write_tiny_model
 
 CASES = [
@@ -47,22 +49,38 @@ def models(tmp_path_factory):
                           "vocab_size": 1000, "context_length": 4096, "arch": "qwen3moe", "n_expert": 8,
                           "n_expert_used": 2, "expert_ff": 128, "type": "f16"}, d / "moe.gguf")
     untied = write_tiny_model(d / "untied.gguf", arch="qwen3", n_layers=6, qtype=GGMLQuantizationType.Q8_0)
-    return {"smollm2": str(resolve_model(None)), "qwen3moe": str(moe), "qwen3-untied": str(untied)}
+    qwen2 = write_tiny_model(d / "qwen2.gguf", arch="qwen2", n_layers=4, qtype=GGMLQuantizationType.Q8_0)
+    rope = write_tiny_model(d / "rope.gguf", arch="llama", n_layers=4, qtype=GGMLQuantizationType.Q4_0,
+                            rope_freqs=True, tied=True)
+    gemma = write_tiny_gemma3(d / "gemma3.gguf")
+    return {"smollm2": str(resolve_model(None)), "qwen3moe": str(moe), "qwen3-untied": str(untied),
+            "qwen2-bias": str(qwen2), "llama-rope-freqs-tied": str(rope), "gemma3-iswa": str(gemma)}
 
 
 def _predict(path: str, endpoints: list[str], case: dict):
     spec = ModelSpec.from_gguf(path)
     setup = from_workers([probe(ep) for ep in endpoints])
     plan = LoadPlan(path, n_ctx=case["n_ctx"], n_seq=case.get("n_seq", 1), n_batch=case.get("n_batch", 512),
-                    n_ubatch=case.get("n_ubatch", 512), n_gpu_layers=case.get("n_gpu_layers", -1))
+                    n_ubatch=case.get("n_ubatch", 512), n_gpu_layers=case.get("n_gpu_layers", -1),
+                    type_k=case.get("type_k", "f16"), type_v=case.get("type_v", "f16"),
+                    flash_attn=case.get("flash_attn"))
     return split_breakdown(spec, setup.devices, plan_request(spec, plan), case.get("tensor_split"),
                            cpu_features=setup.host.cpu_features)
 
 
-@pytest.mark.parametrize("model", ["smollm2", "qwen3moe", "qwen3-untied"])
+MORE = {"smollm2": [{"n_ctx": 512, "type_k": "q8_0", "type_v": "q8_0"}, {"n_ctx": 512, "flash_attn": False}],
+        "qwen2-bias": [{"n_ctx": 512}, {"n_ctx": 512, "tensor_split": [3, 1]}],
+        "llama-rope-freqs-tied": [{"n_ctx": 512}, {"n_ctx": 512, "n_gpu_layers": 2}],
+        "gemma3-iswa": [{"n_ctx": 2048}, {"n_ctx": 1024, "tensor_split": [1, 2]}]}
+
+
+@pytest.mark.parametrize("model", ["smollm2", "qwen3moe", "qwen3-untied", "qwen2-bias", "llama-rope-freqs-tied",
+                                   "gemma3-iswa"])
 def test_bytes_per_device_equal_llamacpp(two_workers, models, model):
-    cases = CASES if model == "smollm2" else CASES[:2] + ([{"n_ctx": 512, "n_gpu_layers": 3}] if model != "smollm2"
-                                                          else [])
+    if model == "smollm2":
+        cases = CASES + MORE[model]
+    else:
+        cases = MORE.get(model) or CASES[:2] + [{"n_ctx": 512, "n_gpu_layers": 3}]
     rows = reported(models[model], two_workers, cases)
     worst = 0
     for case, row in zip(cases, rows):

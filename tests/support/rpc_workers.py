@@ -89,7 +89,8 @@ def _probe_main(payload: str) -> None:
             opts["tensor_split"] = case["tensor_split"]
         plan = LoadPlan(job["model"], n_ctx=case["n_ctx"], n_seq=case.get("n_seq", 1), n_threads=1,
                         n_batch=case.get("n_batch", 512), n_ubatch=case.get("n_ubatch", 512),
-                        n_gpu_layers=case.get("n_gpu_layers", -1), options=opts)
+                        n_gpu_layers=case.get("n_gpu_layers", -1), type_k=case.get("type_k", "f16"),
+                        type_v=case.get("type_v", "f16"), flash_attn=case.get("flash_attn"), options=opts)
         model = native.load_model(job["model"], plan)
         ctx = native.new_context(model, plan)
         raw = (ctypes.c_uint64 * 8)()

@@ -70,11 +70,24 @@ def _geometry(spec: ModelSpec, req: FitRequest):
 
 
 def _unit_bytes(spec: ModelSpec, kind: str) -> dict:
-    """Weight bytes each unit ("in", layer index, "out") takes in a device buffer of this kind."""
+    """Weight bytes each unit ("in", layer index, "out") takes in a device buffer of this kind.
+
+    Each layer's ``rope_freqs`` is a duplicate of layer 0's: a device allocates it once (the loader hands a
+    duplicate already in that device's context back), so every layer but the first on a device gives it back:
+    see :func:`_rope_once`."""
     out = {}
     for unit, (every, _, _) in _groups(spec, ()).items():
         out[unit] = every.cuda_alloc if kind == "cuda" else every.cpu_alloc + every.dup_alloc
     return out
+
+
+def _rope_once(spec: ModelSpec, kind: str, n_layers_here: int) -> int:
+    """Bytes to take back from Σ units for a device holding ``n_layers_here`` layers (rope_freqs once)."""
+    rope = spec.tensor("rope_freqs.weight")
+    if rope is None or n_layers_here < 2:
+        return 0
+    align = 128 if kind == "cuda" else 32
+    return (n_layers_here - 1) * (-(-rope.n_bytes // align) * align)
 
 
 def _host_weights(spec: ModelSpec, host_units: set, mmap: bool, feats: tuple[str, ...]) -> dict[str, int]:
@@ -133,8 +146,9 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
     for i, d in enumerate(devices):
         ub = _unit_bytes(spec, d.kind)
         mine = [u for u in ub if u != "in" and backend(u) == i]
-        shares_out.append(DeviceShare(d.name, d.kind, tuple(sorted(u for u in mine if u != "out")), "out" in mine,
-                                      sum(ub[u] for u in mine), kv[i], computes[i], d.usable))
+        layers = tuple(sorted(u for u in mine if u != "out"))
+        weights = sum(ub[u] for u in mine) - _rope_once(spec, d.kind, len(layers))
+        shares_out.append(DeviceShare(d.name, d.kind, layers, "out" in mine, weights, kv[i], computes[i], d.usable))
     host_units = {"in"} | {il for il in range(n) if units[il] == HOST} | ({"out"} if units[n] == HOST else set())
     notes = []
     if pipeline:
