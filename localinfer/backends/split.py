@@ -22,6 +22,7 @@ class SplitDevice:
     free: int                  # free bytes as llama.cpp reads them: the default split's share
     usable: int                # bytes a plan may use there
     async_events: bool = True  # async compute and events (RPC, CUDA): pipeline parallelism when all have them
+    remote: bool = True        # across the network (an RPC worker), not this machine's own GPU
 
 
 @dataclass(frozen=True)

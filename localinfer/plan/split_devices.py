@@ -28,7 +28,7 @@ def _local_accelerators(host: DeviceProfile, have: int) -> list[tuple[SplitDevic
     if host.kind == "cpu":
         return []
     name = "CUDA" if host.kind == "cuda" else "MTL"
-    return [(SplitDevice(f"{name}{have}", host.kind, host.usable_bytes, host.usable_bytes), host)]
+    return [(SplitDevice(f"{name}{have}", host.kind, host.usable_bytes, host.usable_bytes, remote=False), host)]
 
 
 def from_workers(infos, host: DeviceProfile | None = None) -> SplitSetup:
@@ -91,7 +91,7 @@ def from_profiles(text: str) -> SplitSetup:
         for j in range(count):
             name = "CUDA" if local.kind == "cuda" else "MTL"
             devs.append(SplitDevice(f"{name}{j}[{local.name}]", local.kind if local.kind == "cuda" else "cpu",
-                                    local.usable_bytes, local.usable_bytes))
+                                    local.usable_bytes, local.usable_bytes, remote=False))
             profs.append(local)
             remote.append(False)
     if not devs:

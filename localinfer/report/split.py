@@ -48,7 +48,12 @@ def render_split_text(spec, sf) -> str:
     if sf.smallest is not None:
         chosen, best = sf.smallest
         names = ", ".join(sf.devices[i].name for i in chosen)
-        out.append(f"fewest devices that hold it: {len(chosen)} ({names}; --tensor-split {_shares(best)})")
+        full = [0] * len(sf.devices)
+        for i, c in zip(chosen, best.counts()):
+            full[i] = c
+        how = "drop --rpc" if not any(sf.devices[i].remote for i in chosen) else \
+            f"--tensor-split {','.join(map(str, full))}"
+        out.append(f"fewest devices that hold it: {len(chosen)} ({names}; {how})")
     sp = sf.speed
     if sp is not None:
         out.append(f"speed ({sp.stages[0].source}, link {sp.link or 'none given'}): decode {sp.decode_tok_s:.1f} tok/s, "

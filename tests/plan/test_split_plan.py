@@ -110,7 +110,7 @@ def test_fit_split_verdict_and_json(spec):
     setup = from_profiles("m2-max-96gb,m2-max-96gb")
     sf = fit_split(spec, setup.devices, FitRequest(n_ctx=2048), host_usable=setup.host_usable,
                    profiles=setup.profiles, link=get_link("thunderbolt"), remote=setup.remote)
-    assert sf.fits and sf.smallest[0] in ((0,), (1,))
+    assert sf.fits and sf.smallest[0] == (1,)          # the local Mac alone: no network
     doc = json.loads(json.dumps(sf.to_dict()))
     assert doc["split"]["counts"] == [16, 15] and doc["speed"]["link"] == "thunderbolt"
 

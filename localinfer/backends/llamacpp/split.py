@@ -213,10 +213,12 @@ def fitting_split(spec: ModelSpec, devices, req: FitRequest, *, cpu_features=())
 
 def smallest_set(spec: ModelSpec, devices, req: FitRequest, *, cpu_features=()) -> tuple[tuple[int, ...],
                                                                                      SplitBreakdown] | None:
-    """The fewest of ``devices`` (order kept; the most usable memory among equals) that hold the model."""
+    """The fewest of ``devices`` (order kept) that hold the model; among equals the fewest remote ones, then the
+    most usable memory."""
     devices = tuple(devices)
     for k in range(1, len(devices) + 1):
-        sets = sorted(combinations(range(len(devices)), k), key=lambda c: -sum(devices[i].usable for i in c))
+        sets = sorted(combinations(range(len(devices)), k),
+                      key=lambda c: (sum(devices[i].remote for i in c), -sum(devices[i].usable for i in c)))
         for chosen in sets:
             sb = fitting_split(spec, [devices[i] for i in chosen], req, cpu_features=cpu_features)
             if sb is not None:
