@@ -21,8 +21,9 @@ import time
 DEFAULT_PORT = 50052
 READY_TIMEOUT = 30.0
 WARNING = ("warning: the llama.cpp RPC protocol has no authentication or encryption, and its server has had "
-           "memory-safety advisories: anyone who can reach {ep} can run code-adjacent operations on this "
-           "machine's memory. Use it only on a trusted private network (a direct cable, a VPN).")
+           "memory-safety advisories: anyone who can reach {ep} can allocate this machine's memory, read and "
+           "write what it holds and run computations on it. Use it only on a trusted private network "
+           "(a direct cable, a VPN, a LAN where every host is yours).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
