@@ -22,7 +22,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,42 +35,35 @@ NS, VETH_HOST, VETH_NS = "li31ns", "li31a", "li31b"
 HOST_IP, NS_IP = "10.231.31.1", "10.231.31.2"
 
 
-def measure_link(host: str = "127.0.0.1", n: int = 2000, bulk: int = 64 << 20) -> Link:
-    """Round trip (1-byte ping-pong) and one-way bulk bandwidth of TCP on ``host``."""
-    srv = socket.socket()
-    srv.bind((host, 0))
-    srv.listen(1)
-    port = srv.getsockname()[1]
+_ECHO = ("import socket,sys; s=socket.socket(); s.bind((sys.argv[1],0)); s.listen(1); print(s.getsockname()[1],"
+         "flush=True); c,_=s.accept(); c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
+         "n=int(sys.argv[2])\nfor _ in range(n): c.sendall(c.recv(1))\nleft=int(sys.argv[3])\n"
+         "while left>0: left-=len(c.recv(1<<20))\nc.sendall(b'k')")
 
-    def serve():
-        conn, _ = srv.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
+
+def measure_link(host: str = "127.0.0.1", n: int = 2000, bulk: int = 64 << 20, netns: str | None = None) -> Link:
+    """Round trip (1-byte ping-pong) and one-way bulk bandwidth of TCP to a process on ``host`` (in ``netns``)."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", _ECHO, host, str(n), str(bulk)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        port = int(proc.stdout.readline())
+        with socket.create_connection((host, port)) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t0 = time.perf_counter()
             for _ in range(n):
-                conn.sendall(conn.recv(1))
-            left = bulk
-            while left > 0:
-                left -= len(conn.recv(1 << 20))
-            conn.sendall(b"k")
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    with socket.create_connection((host, port)) as c:
-        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            c.sendall(b"x")
+                c.sendall(b"x")
+                c.recv(1)
+            rtt = (time.perf_counter() - t0) / n
+            chunk = bytes(1 << 20)
+            t0 = time.perf_counter()
+            for _ in range(bulk >> 20):
+                c.sendall(chunk)
             c.recv(1)
-        rtt = (time.perf_counter() - t0) / n
-        chunk = bytes(1 << 20)
-        t0 = time.perf_counter()
-        for _ in range(bulk >> 20):
-            c.sendall(chunk)
-        c.recv(1)
-        bw = bulk / (time.perf_counter() - t0)
-    t.join(timeout=5)
-    srv.close()
-    return Link(f"measured {host}", f"measured TCP on {host}", bw, rtt, {"bandwidth": "measured", "rtt": "measured"})
+            bw = bulk / (time.perf_counter() - t0)
+    finally:
+        stop(proc)
+    return Link(f"measured {host}", f"measured TCP to {host}", bw, rtt, {"bandwidth": "measured", "rtt": "measured"})
 
 
 def open_engine(model: str, endpoints: list[str], shares=None):
@@ -100,7 +92,8 @@ def measure(eng, tokens: int, prompt_tokens: int) -> tuple[float, float]:
     return last.timings.prefill_tok_s, last.timings.decode_tok_s
 
 
-def predict(model: str, endpoints: list[str], local: dict, link: Link, shares=None) -> dict:
+def predict(model: str, endpoints: list[str], local: dict, link: Link, shares=None,
+            rpc_overhead_s: float | None = None) -> dict:
     from localinfer.backends.engine import LoadPlan
     from localinfer.backends.llamacpp.rpc_probe import probe
     from localinfer.commands._common import plan_request
@@ -112,7 +105,8 @@ def predict(model: str, endpoints: list[str], local: dict, link: Link, shares=No
     setup = from_workers([probe(ep) for ep in endpoints])
     req = plan_request(spec, LoadPlan(model, n_ctx=1024))
     sf = fit_split(spec, setup.devices, req, shares=shares, search=False, link=link, remote=setup.remote,
-                   calibration={"decode_s": 1 / local["decode_tok_s"], "prefill_tok_s": local["prefill_tok_s"]})
+                   calibration={"decode_s": 1 / local["decode_tok_s"], "prefill_tok_s": local["prefill_tok_s"],
+                                **({} if rpc_overhead_s is None else {"rpc_overhead_s": rpc_overhead_s})})
     sp = sf.speed
     return {"decode_tok_s": sp.decode_tok_s, "network_ms_per_token": sp.network_s * 1e3,
             "round_trips": sp.round_trips, "token_bytes": sp.token_bytes, "counts": sf.breakdown.counts()}
@@ -183,7 +177,8 @@ def main(argv=None) -> int:
         shaping = None
         if args.netem:
             ep, shaping = stack.enter_context(netem_worker())
-            rtt = measure_rtt_to(ep)
+            veth = measure_link(ep.rsplit(":", 1)[0], netns=NS)
+            rtt = veth.rtt_s
             setups[f"1 worker over a veth pair ({shaping})"] = [ep]
         engines = {}
         for name, eps in setups.items():
@@ -212,34 +207,48 @@ def main(argv=None) -> int:
             for link in links:
                 row[f"predicted ({link.name})"] = predict(model, eps, local, link)
             row["measured_ms_per_token_over_local"] = (1 / row["decode_tok_s"] - 1 / local["decode_tok_s"]) * 1e3
+    hop = hop_overhead(args.rounds, lo)
     doc = {"machine": f"{platform.machine()} {os.cpu_count()} vCPU, Python {platform.python_version()}",
            "load_average": load_avg, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "model": os.path.basename(model), "tokens": args.tokens, "prompt": args.prompt, "rounds": args.rounds,
-           "loopback_measured": {"rtt_ms": lo.rtt_s * 1e3, "MB_s": lo.bandwidth / 1e6}, "rows": rows}
+           "loopback_measured": {"rtt_ms": lo.rtt_s * 1e3, "MB_s": lo.bandwidth / 1e6}, "rows": rows,
+           "hop_overhead": hop}
     print(json.dumps(doc, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 
 
-def measure_rtt_to(ep: str, n: int = 200) -> float:
-    """Round trip to the worker's namespace: a 1-byte ping-pong with a server started there."""
-    code = ("import socket,sys; s=socket.socket(); s.bind((sys.argv[1],0)); s.listen(1); print(s.getsockname()[1],"
-            "flush=True); c,_=s.accept(); c.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n"
-            "while (b:=c.recv(1)): c.sendall(b)")
-    proc = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-c", code, ep.rsplit(":", 1)[0]],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(proc.stdout.readline())
-        with socket.create_connection((ep.rsplit(":", 1)[0], port)) as c:
-            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                c.sendall(b"x")
-                c.recv(1)
-            return (time.perf_counter() - t0) / n
-    finally:
-        stop(proc)
+def hop_overhead(rounds: int, link: Link, tokens: int = 200) -> list[dict]:
+    """The per-token cost of a hop alone: a 2-layer, 64-wide model (compute ≈ 0) local vs over 1 and 2 workers."""
+    import tempfile
+
+    from tests.support.ggufgen import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp, workers(3) as ws:
+        model = str(write_tiny_model(Path(tmp) / "tiny.gguf", n_layers=2, n_embd=64, n_ff=128, n_head=2,
+                                     n_head_kv=1))
+        eps = [ep for _, ep in ws]
+        setups = {"local": [], "1 worker": eps[:1], "2 workers": eps[1:]}
+        engines = {name: open_engine(model, e)[0] for name, e in setups.items()}
+        try:
+            runs = {name: [] for name in setups}
+            for _ in range(rounds):
+                for name, eng in engines.items():
+                    runs[name].append(1e3 / measure(eng, tokens, 8)[1])
+        finally:
+            for eng in engines.values():
+                eng.close()
+        base = statistics.median(runs["local"])
+        out = [{"setup": "tiny local", "ms_per_token": base}]
+        for name in ("1 worker", "2 workers"):
+            p = predict(model, setups[name], {"decode_tok_s": 1e3 / base, "prefill_tok_s": 1e6}, link,
+                        rpc_overhead_s=0.0)
+            ms = statistics.median(runs[name])
+            out.append({"setup": f"tiny over {name}", "ms_per_token": ms, "measured_overhead_ms": ms - base,
+                        "predicted_rtt_and_bytes_ms": p["network_ms_per_token"], "round_trips": p["round_trips"],
+                        "token_bytes": p["token_bytes"]})
+        return out
 
 
 if __name__ == "__main__":

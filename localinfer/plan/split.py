@@ -9,7 +9,7 @@ fewest of the given devices that hold the model at this context.
 ``split_speed`` predicts it stage by stage: each device runs its layers at
 its profile's roofline (or, calibrated, at a measured single-host rate scaled
 by its share of the weights), decode visits the stages one after another,
-and every token pays the network: one round trip per remote stage (the client
+and every token pays the network: a fixed RPC overhead (:data:`RPC_OVERHEAD_S`), one round trip per remote stage (the client
 reads each remote stage's output; RPC sets are one-way) plus the bytes it
 moves — graph inputs to every device, the hidden state over each hop (out of
 one worker and into the next, both through the client), the logits back from
@@ -28,6 +28,11 @@ from localinfer.model.spec import ModelSpec
 from localinfer.units import fmt_bytes
 
 F32, I32, I64 = 4, 4, 8
+# Per token, once, whenever a stage is remote: the RPC client's and worker's own work (graph messages, thread
+# and process wake-ups), beyond round trips and bytes.  benchmarks/multihost.py measures it with a model whose
+# compute is ~0: 0.3-0.6 ms on a loaded 2-vCPU VM over loopback (load average 5-13), about the same for one
+# and two workers (docs/multihost.md); a calibration's "rpc_overhead_s" replaces it.
+RPC_OVERHEAD_S = 0.3e-3
 
 
 @dataclass(frozen=True)
@@ -186,11 +191,12 @@ def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=N
         return None
     ub = max(1, min(req.n_ubatch, n))
     n_ub = -(-n // ub)
+    fixed = (calibration or {}).get("rpc_overhead_s", RPC_OVERHEAD_S) if any(remote[i] for i in used) else 0.0
     if link is not None:
         tok_bytes, trips = _token_traffic(spec, sb, req, remote, 1, 1)
-        net = link.transfer_s(tok_bytes, trips)
+        net = link.transfer_s(tok_bytes, trips) + fixed
         ub_bytes, ub_trips = _token_traffic(spec, sb, req, remote, ub, 1)
-        pre_net = n_ub * link.transfer_s(ub_bytes, ub_trips)
+        pre_net = n_ub * (link.transfer_s(ub_bytes, ub_trips) + fixed)
         upload = link.transfer_s(sum(sb.devices[i].weights for i in used if remote[i]))
     else:
         tok_bytes = trips = 0
@@ -205,8 +211,8 @@ def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=N
     prefill = seq + pre_net
     return SplitSpeed(n, tuple(stages), None if link is None else link.name, trips, tok_bytes, net, upload,
                       1.0 / decode, n / prefill, slow.device,
-                      "decode = Σ stages (max(F_i/(P·MFU), (D_w·W_i/W + KV_i)/(β·MBU))) + round trips × RTT + "
-                      "bytes/bandwidth; prefill = Σ stages (overlapped across ubatches with pipeline "
+                      "decode = Σ stages (max(F_i/(P·MFU), (D_w·W_i/W + KV_i)/(β·MBU))) + RPC overhead + "
+                      "round trips × RTT + bytes/bandwidth; prefill = Σ stages (overlapped across ubatches with pipeline "
                       "parallelism) + per-ubatch traffic")
 
 
