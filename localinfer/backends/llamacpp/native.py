@@ -176,6 +176,21 @@ def load_model(path: str, plan: LoadPlan):
     return model
 
 
+def local_accelerator() -> bool:
+    """Whether llama.cpp sees a GPU here (discrete or integrated).  ``llama_supports_gpu_offload()`` is true on
+    a CPU-only machine too once the RPC backend is built in (it counts RPC as offload)."""
+    from pathlib import Path
+
+    libdir = Path(_L.__file__).parent / "lib"
+    name = next((n for n in ("libggml.so.0", "libggml.0.dylib", "libggml.so", "libggml.dylib")
+                 if (libdir / n).exists()), None)
+    if name is None:
+        return bool(_L.llama_supports_gpu_offload())
+    by_type = ctypes.CDLL(str(libdir / name)).ggml_backend_dev_by_type
+    by_type.restype, by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    return bool(by_type(1) or by_type(2))      # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
+
+
 def split_params(mp, plan: LoadPlan):
     """Devices and split for ``plan.options`` "rpc" (endpoints) and "tensor_split" (weights); None when neither."""
     endpoints, weights = plan.options.get("rpc"), plan.options.get("tensor_split")
