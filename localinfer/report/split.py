@@ -51,7 +51,8 @@ def render_split_text(spec, sf) -> str:
         full = [0] * len(sf.devices)
         for i, c in zip(chosen, best.counts()):
             full[i] = c
-        how = "drop --rpc" if not any(sf.devices[i].remote for i in chosen) else \
+        others_remote = all(d.remote for i, d in enumerate(sf.devices) if i not in chosen)
+        how = "drop --rpc" if others_remote and not any(sf.devices[i].remote for i in chosen) else \
             f"--tensor-split {','.join(map(str, full))}"
         out.append(f"fewest devices that hold it: {len(chosen)} ({names}; {how})")
     sp = sf.speed
