@@ -139,3 +139,21 @@ def test_report_split_rows(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["splits"]["rows"][0]["split"]["devices"][0]["name"] == "CUDA0[rtx-4090]"
     assert main(["report", "--split", "rtx-4090", "--format", "html"]) == 2
+
+
+def test_plan_split_is_slower_per_step_than_one_device_and_pays_the_link(capsys):
+    from localinfer.cli import main
+
+    common = ["plan", "--requests", "2", "--input", "1024", "--output", "64", "--json"]
+    assert main([*common, "--device", "rtx-4090"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*common, "--split", "rtx-4090,rtx-4090", "--link", "1gbe"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert split["device"] == "rtx-4090,rtx-4090"
+
+    def step(doc, kv="f16"):
+        return next(o for o in doc["outcomes"] if o["kv"] == kv and not o["drafting"])["step_s"]
+
+    assert step(split) > step(one)            # the same work in turn, plus the network
+    assert main(["plan", "--split", "local,local"]) == 2   # this CPU as a worker: no profile speed
+    assert "no bandwidth" in capsys.readouterr().err
