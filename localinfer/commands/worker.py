@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"TCP port (default {DEFAULT_PORT}; 0: pick a free one and print it)")
     parser.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                         help="CPU threads for the CPU device (default: the usable cores)")
+    parser.add_argument("--mem", default=None, metavar="SIZE",
+                        help="memory to offer per device, e.g. 16GiB (default: what the device reports; a CPU "
+                             "reports all of its RAM)")
     parser.add_argument("--cache", default=None, metavar="DIR",
                         help="keep uploaded weights in DIR, keyed by hash, so a reload skips the network")
     parser.add_argument("--allow-remote", action="store_true",
@@ -58,6 +61,15 @@ def _check(args) -> str:
         except OSError as exc:
             raise UsageError(f"--cache {args.cache}: {exc.strerror}", flag="--cache") from None
     args.threads = min(args.threads or usable_cores(), usable_cores())
+    if args.mem is not None:
+        from localinfer.units import parse_size
+
+        try:
+            args.mem = parse_size(args.mem)
+        except ValueError as exc:
+            raise UsageError(f"--mem: {exc}", flag="--mem", hint="e.g. --mem 16GiB") from None
+        if args.mem <= 0:
+            raise UsageError("--mem must be positive", flag="--mem", hint="e.g. --mem 16GiB")
     return parse_endpoint(f"{args.host}:{args.port or 1}").rpartition(":")[0]
 
 
@@ -106,9 +118,10 @@ def run(args: argparse.Namespace) -> int:
     ep = f"{host}:{port}"
     if not rpc_probe.is_loopback(host):
         print(WARNING.format(ep=ep), file=sys.stderr)
-    cmd = [sys.executable, "-m", "localinfer.backends.llamacpp.rpc", ep, str(args.threads)]
-    if args.cache:
-        cmd.append(os.path.abspath(args.cache))
+    cmd = [sys.executable, "-m", "localinfer.backends.llamacpp.rpc", ep, str(args.threads),
+           os.path.abspath(args.cache) if args.cache else "-"]
+    if args.mem:
+        cmd.append(str(args.mem))
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_ready(child, ep)

@@ -124,3 +124,16 @@ def test_greedy_output_equals_local(two_workers):
         r = rows[f"RPC0[{ep}]"]
         for key in ("weights", "kv", "compute"):   # the log's MiB have two decimals
             assert abs(r["predicted"][key] - r["reported"][key]) <= 0.005 * (1 << 20) + 1
+
+
+def test_default_split_follows_what_workers_report(models):
+    gib = 1 << 30
+    with workers(2, mem=[1 * gib, 3 * gib]) as ws:
+        eps = [ep for _, ep in ws]
+        assert [probe(ep).devices[0].free for ep in eps] == [gib, 3 * gib]     # worker --mem
+        case = {"n_ctx": 512}
+        sb = _predict(models["smollm2"], eps, case)
+        got = reported(models["smollm2"], eps, [case])[0]["buffers"]
+    assert sb.counts() == (8, 23)                      # 1:3 by free memory: 31 units → 8 and 23
+    for d in sb.devices:
+        assert (d.weights, d.kv, d.compute) == tuple(got[d.name])

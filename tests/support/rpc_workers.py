@@ -25,13 +25,14 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def start_worker(threads: int = 1) -> tuple[subprocess.Popen, str]:
+def start_worker(threads: int = 1, mem: int | None = None) -> tuple[subprocess.Popen, str]:
     from localinfer.backends.llamacpp.rpc_probe import listening
     from localinfer.commands.worker import reserve_port
 
     port = reserve_port("127.0.0.1", 0)
     ep = f"127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "localinfer.backends.llamacpp.rpc", ep, str(threads)],
+    proc = subprocess.Popen([sys.executable, "-m", "localinfer.backends.llamacpp.rpc", ep, str(threads), "-",
+                             *([str(mem)] if mem else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and proc.poll() is None:
@@ -53,12 +54,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def workers(n: int, threads: int = 1):
-    """``n`` loopback workers: yields [(process, endpoint)], all stopped on exit."""
+def workers(n: int, threads: int = 1, mem=None):
+    """``n`` loopback workers (``mem``: bytes each one reports, a list): yields [(process, endpoint)], all
+    stopped on exit."""
     started = []
     try:
-        for _ in range(n):
-            started.append(start_worker(threads))
+        for i in range(n):
+            started.append(start_worker(threads, mem[i] if mem else None))
         yield started
     finally:
         for proc, _ in started:

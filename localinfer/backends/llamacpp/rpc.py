@@ -268,11 +268,48 @@ def worker_devices() -> list[Device]:
     return accel or local_devices(DEVICE_CPU)
 
 
-def start_server(endpoint: str, threads: int, cache_dir: str | None = None) -> None:
-    """Serve this machine's devices at ``endpoint`` (blocks for ever: run it in a child process)."""
+_DEV_SLOTS, _GET_MEMORY, _INIT_BACKEND = 17, 2, 5   # struct ggml_backend_device: 15-entry iface, reg, context
+_BACKEND_SLOTS, _BACKEND_DEVICE = 19, 17             # struct ggml_backend: guid, 16-entry iface, device, context
+_GET_MEMORY_T = C.CFUNCTYPE(None, C.c_void_p, C.POINTER(C.c_size_t), C.POINTER(C.c_size_t))
+_INIT_T = C.CFUNCTYPE(C.c_void_p, C.c_void_p, C.c_char_p)
+_keep: list = []     # capped devices and their callbacks live as long as the process
+
+
+def capped_device(handle: int, mem: int) -> int:
+    """A copy of device ``handle`` that reports ``mem`` bytes, free and total (what rpc-server's ``-m`` did).
+
+    The RPC server answers a client's memory query from its backend's device, so the copy's ``init_backend``
+    points the backend it creates at the copy; the copy hands every other call to the real device's functions.
+    """
+    real = (C.c_void_p * _DEV_SLOTS).from_address(handle)
+    copy = (C.c_void_p * _DEV_SLOTS)(*real)
+    real_init = _INIT_T(real[_INIT_BACKEND])
+
+    def get_memory(_dev, free, total) -> None:
+        free[0] = total[0] = mem
+
+    def init_backend(_dev, params):
+        backend = real_init(handle, params)
+        if backend:
+            slots = (C.c_void_p * _BACKEND_SLOTS).from_address(backend)
+            if slots[_BACKEND_DEVICE] == handle:
+                slots[_BACKEND_DEVICE] = C.addressof(copy)
+        return backend
+
+    callbacks = (_GET_MEMORY_T(get_memory), _INIT_T(init_backend))
+    copy[_GET_MEMORY] = C.cast(callbacks[0], C.c_void_p)
+    copy[_INIT_BACKEND] = C.cast(callbacks[1], C.c_void_p)
+    _keep.extend((copy, real_init, *callbacks))
+    return C.addressof(copy)
+
+
+def start_server(endpoint: str, threads: int, cache_dir: str | None = None, mem: int | None = None) -> None:
+    """Serve this machine's devices at ``endpoint`` (blocks for ever: run it in a child process); ``mem``: report
+    that many bytes per device instead of what the device says."""
     lib = library()
     devs = worker_devices()
-    arr = (C.c_void_p * len(devs))(*[d.handle for d in devs])
+    handles = [capped_device(d.handle, mem) if mem else d.handle for d in devs]
+    arr = (C.c_void_p * len(devs))(*handles)
     lib.rpc.ggml_backend_rpc_start_server(endpoint.encode(), cache_dir.encode() if cache_dir else None,
                                           threads, len(devs), arr)
 
@@ -287,7 +324,8 @@ def _die_with_parent() -> None:
         pass
 
 
-if __name__ == "__main__":   # the worker's child process: python -m ... ENDPOINT THREADS [CACHE_DIR]
+if __name__ == "__main__":   # the worker's child process: python -m ... ENDPOINT THREADS [CACHE_DIR|- [MEM]]
     _die_with_parent()
-    start_server(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    cache = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+    start_server(sys.argv[1], int(sys.argv[2]), cache, int(sys.argv[4]) if len(sys.argv) > 4 else None)
     sys.exit(1)   # start_server returns only when it could not serve (its reason is on stderr)
