@@ -282,6 +282,7 @@ def capped_device(handle: int, mem: int) -> int:
     points the backend it creates at the copy; the copy hands every other call to the real device's functions.
     """
     real = (C.c_void_p * _DEV_SLOTS).from_address(handle)
+    check_device_layout(handle, real)
     copy = (C.c_void_p * _DEV_SLOTS)(*real)
     real_init = _INIT_T(real[_INIT_BACKEND])
 
@@ -301,6 +302,18 @@ def capped_device(handle: int, mem: int) -> int:
     copy[_INIT_BACKEND] = C.cast(callbacks[1], C.c_void_p)
     _keep.extend((copy, real_init, *callbacks))
     return C.addressof(copy)
+
+
+def check_device_layout(handle: int, slots) -> None:
+    """The device struct is laid out as this module assumes: its first slot names it, its memory slot reports
+    what ``ggml_backend_dev_memory`` does (BackendUnavailableError otherwise, before anything is patched)."""
+    dev = device(handle)
+    name = C.CFUNCTYPE(C.c_char_p, C.c_void_p)(slots[0])(handle)
+    free, total = C.c_size_t(0), C.c_size_t(0)
+    _GET_MEMORY_T(slots[_GET_MEMORY])(handle, C.byref(free), C.byref(total))
+    if (name or b"").decode() != dev.name or total.value != dev.total:
+        raise BackendUnavailableError("--mem: this llama.cpp's device structure is not the one localinfer "
+                                      "patches", hint="drop --mem, or reinstall with ./install.sh")
 
 
 def start_server(endpoint: str, threads: int, cache_dir: str | None = None, mem: int | None = None) -> None:
