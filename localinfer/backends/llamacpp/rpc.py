@@ -340,5 +340,9 @@ def _die_with_parent() -> None:
 if __name__ == "__main__":   # the worker's child process: python -m ... ENDPOINT THREADS [CACHE_DIR|- [MEM]]
     _die_with_parent()
     cache = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "-" else None
-    start_server(sys.argv[1], int(sys.argv[2]), cache, int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    try:
+        start_server(sys.argv[1], int(sys.argv[2]), cache, int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    except BackendUnavailableError as exc:
+        sys.stderr.write(f"error: {exc}\nhint: {exc.hint}\n")
+        sys.exit(2)
     sys.exit(1)   # start_server returns only when it could not serve (its reason is on stderr)
