@@ -24,6 +24,7 @@ __all__ = [
     "ProfileError",
     "OutputError",
     "RemoteServerError",
+    "WorkerError",
     "exit_code",
 ]
 
@@ -99,6 +100,12 @@ class OutputError(LocalinferError):
 
 class RemoteServerError(LocalinferError):
     """A server being load-tested cannot be reached, did not start, or answered outside the OpenAI API."""
+
+
+class WorkerError(LocalinferError):
+    """A llama.cpp RPC worker cannot be reached, is busy, speaks another protocol version, or went away."""
+
+    exit_code = 4
 
 
 def exit_code(exc: BaseException) -> int:

@@ -23,7 +23,9 @@ RUNTIMES = ("localinfer.backends.llamacpp.engine", "localinfer.backends.llamacpp
             "localinfer.backends.mlx.weights", "localinfer.backends.mlx.reference", "cuda_backend")
 MEMORY_MODULES = ("localinfer/backends/memory.py", "localinfer/backends/llamacpp/memory.py",
                   "localinfer/backends/llamacpp/placement.py", "localinfer/backends/llamacpp/compute_buffer.py",
-                  "localinfer/backends/mlx/memory.py", "cuda_backend/memory.py")
+                  "localinfer/backends/mlx/memory.py", "cuda_backend/memory.py", "localinfer/backends/split.py",
+                  "localinfer/backends/llamacpp/split.py", "localinfer/backends/llamacpp/split_compute.py",
+                  "localinfer/backends/llamacpp/rpc_probe.py")
 ABOVE_BACKENDS = ("localinfer.plan", "localinfer.generation", "localinfer.serve", "localinfer.report",
                   "localinfer.commands", "localinfer.cli")
 MAX_LINES = 500

@@ -209,11 +209,14 @@ class BackendMemory(Protocol):
     which device ``run`` checks before loading; ``load_variants`` other ways to
     load the same plan that change its memory (label, FitRequest fields), for
     fit to compare (empty when there are none).  ``offload``: it can split layers
-    between accelerator and host (``--gpu-layers``).
+    between accelerator and host (``--gpu-layers``).  ``splits``: it can split a model
+    across devices and hosts, and then has ``split``, ``fitting_split`` and ``smallest_set``
+    (each answering :class:`localinfer.backends.split.SplitBreakdown`).
     """
 
     name: str
     offload: bool
+    splits: bool
     speed_modelled: bool      # the profiles' speed model (roofline × efficiencies) describes its kernels
 
     def runs_on(self, kind: str) -> tuple[str, str | None]: ...
@@ -262,6 +265,7 @@ class OwnTensorsMemory:
     the KV grows, for the formula), ``runs_on``, ``resident_weights``, ``kv_bytes`` and ``load_request``."""
 
     offload = False
+    splits = False
     speed_modelled = False
     blocks = ""
 

@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     settings = {"n_ctx": n_ctx, "threads": first.threads, "n_batch": first.n_batch, "n_ubatch": first.n_ubatch,
                 "gen_tokens": config.gen_tokens, "repeats": config.repeats,
                 "prompt_lengths": list(config.prompt_lengths), "depths": list(config.depths), "lookup": config.lookup,
-                "batch_sizes": list(args.batch_sizes)}
+                "batch_sizes": list(args.batch_sizes),
+                **{k: list(v) for k, v in first.options.items() if k in ("rpc", "tensor_split")}}   # a split run
     doc = results(str(path), spec, backend, _backend_version(backend), settings, runs, device_name, peak,
                   batch_scaling)
     return _emit(doc, render_table, args.json)

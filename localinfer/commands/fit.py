@@ -51,6 +51,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mlock", action="store_true", help="lock the weights in memory (with mmap: the whole mapping)")
     g.add_argument("--no-repack", action="store_true", help="llama.cpp's --no-repack: no CPU_REPACK copy")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
+    g = parser.add_argument_group("across devices and hosts (llama.cpp RPC, -sm layer)")
+    g.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
+                   help="plan for these running workers (`localinfer worker`): asks them for devices and memory")
+    g.add_argument("--devices", dest="split_devices", default=None, metavar="A,B,...",
+                   help="plan offline from profiles: this machine first, then one per worker host "
+                        "(m2-max-96gb,m2-max-96gb; '2x rtx-4090' for two GPUs in one host)")
+    g.add_argument("--link", default=None, metavar="NAME",
+                   help="network between the hosts, for the speed: loopback, 1gbe, 10gbe, thunderbolt")
+    g.add_argument("-ts", "--tensor-split", default=None, metavar="A,B,...",
+                   help="layer shares per device, RPC workers first (default: by free memory, as llama.cpp)")
+    g.add_argument("-sm", "--split-mode", default="layer", choices=("layer",),
+                   help="how to split: layer (the only mode planned)")
 
 
 def _request(args, spec):
@@ -118,6 +130,36 @@ def _devices(args):
     return all_devices(names)
 
 
+def run_split(args, spec, req) -> int:
+    """``--rpc`` / ``--devices``: one verdict for the model split across the devices."""
+    from localinfer.devices.links import get_link
+    from localinfer.errors import UsageError
+    from localinfer.plan import split_devices
+    from localinfer.plan.split import fit_split, parse_shares
+    from localinfer.report.split import render_split_text
+
+    if args.rpc and args.split_devices:
+        raise UsageError("give --rpc (running workers) or --devices (profiles), not both", flag="--devices")
+    if args.rpc:
+        from localinfer.backends.llamacpp.rpc_probe import is_loopback, parse_endpoints, probe
+
+        eps = parse_endpoints(args.rpc)
+        setup = split_devices.from_workers([probe(ep) for ep in eps])
+        link = args.link or ("loopback" if all(is_loopback(ep.rpartition(":")[0]) for ep in eps) else None)
+    else:
+        setup = split_devices.from_profiles(args.split_devices)
+        link = args.link
+    sf = fit_split(spec, setup.devices, req, shares=parse_shares(args.tensor_split), host_usable=setup.host_usable,
+                   cpu_features=setup.host.cpu_features, profiles=setup.profiles,
+                   link=get_link(link) if link else None, remote=setup.remote)
+    if args.json:
+        json.dump(sf.to_dict(), sys.stdout, indent=1)
+        print()
+    else:
+        print(render_split_text(spec, sf))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from localinfer.generation.load import open_model
     from localinfer.plan.fit import fit_device
@@ -126,6 +168,12 @@ def run(args: argparse.Namespace) -> int:
 
     spec = open_model(args.model).spec
     req = _request(args, spec)
+    if args.rpc or args.split_devices:
+        return run_split(args, spec, req)
+    if args.tensor_split or args.link:
+        from localinfer.errors import UsageError
+
+        raise UsageError("--tensor-split and --link plan a split: add --rpc or --devices", flag="--tensor-split")
     results = [fit_device(spec, dev, req) for dev in _devices(args)]
     speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}
     if args.json:

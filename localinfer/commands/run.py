@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
         memory = engine.memory()
+        devices = _common.split_report(args, engine)
     tm = chunk.timings
     if args.json:
         out = {
@@ -112,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
                      "threads": plan.threads, "n_gpu_layers": plan.n_gpu_layers},
             "memory": memory,
         }
+        if devices is not None:
+            out["devices"] = devices
         json.dump(out, sys.stdout, indent=1, ensure_ascii=False)
         print()
     else:

@@ -309,5 +309,22 @@ class LlamaCppMemory:
         """KV cells a sequence of ``n_tokens`` takes in a context (llama.cpp pads n_ctx_seq to 256)."""
         return pad_to(n_tokens, LLAMA_CTX_PAD)
 
+    splits = True               # layers across devices: RPC workers and local GPUs (-sm layer)
+
+    def split(self, spec, devices, req, shares=None, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import split_breakdown
+
+        return split_breakdown(spec, devices, req, shares, cpu_features=cpu_features)
+
+    def fitting_split(self, spec, devices, req, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import fitting_split
+
+        return fitting_split(spec, devices, req, cpu_features=cpu_features)
+
+    def smallest_set(self, spec, devices, req, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import smallest_set
+
+        return smallest_set(spec, devices, req, cpu_features=cpu_features)
+
 
 MEMORY = LlamaCppMemory()
