@@ -122,7 +122,7 @@ def library() -> Library:
             # second copy of a library has its own registry
             for file in (f"lib{name}.so.0", f"lib{name}.0.dylib", f"lib{name}.so", f"lib{name}.dylib"):
                 if (d / file).exists():
-                    libs[name] = C.CDLL(str(d / file), mode=C.RTLD_GLOBAL)
+                    libs[name] = C.CDLL(str(d / file))    # RTLD_LOCAL: ggml's gguf_* must not shadow mlx's
                     break
         check_exports(libs)
         g, base, rpc = libs["ggml"], libs["ggml-base"], libs["ggml-rpc"]
