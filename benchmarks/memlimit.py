@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-UNLIMITED_V1 = 1 << 62     # any value above the kernel's page-rounded maximum means "no limit"
+UNLIMITED = 1 << 62     # any value above the kernel's page-rounded maximum means "no limit"
 _SERIAL = itertools.count()
 
 
@@ -118,7 +118,7 @@ class Memcg:
 
     def limit(self) -> int:
         return int(self._read("memory.limit_in_bytes")) if self.version == 1 else int(
-            self._read("memory.max").replace("max", str(UNLIMITED_V1)))
+            self._read("memory.max").replace("max", str(UNLIMITED)))
 
     def peak(self) -> int | None:
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
