@@ -3,8 +3,8 @@
 Each measurement is a subprocess of benchmarks/fit_resident.py: it loads the
 model, prefills a full micro-batch, decodes, and reads /proc/self/smaps(_rollup)
 (no madvise before the anonymous counts; the mapping's working set is read after
-MADV_DONTNEED on the model's own mapping only).  This machine has no cgroup v2
-memory controller, so no run under a memory limit here (see docs/memory.md).
+MADV_DONTNEED on the model's own mapping only).  Runs under a memory limit:
+tests/backends/test_llamacpp_memlimit.py.
 """
 
 import os
