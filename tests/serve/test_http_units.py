@@ -227,3 +227,22 @@ def test_the_relay_delivers_what_was_queued_before_the_end_in_one_wake_up():
         got = asyncio.run_coroutine_threadsafe(asyncio.wait_for(_queued(queue, 3), 5), loop).result(10)
         assert [e.token for e in got] == [7, 8, None] and h.finished
         assert calls == [("localinfer-relay", 3)]
+
+
+def test_a_few_stalled_steps_do_not_move_the_fitted_step_model():
+    """40 ms + 2 ms a token, measured; eight steps in 200 the OS stalled for 2 s: the plain fit's prediction of a
+    step with a prompt chunk grows by half, the robust one stays within 5% (the gap bound sizes chunks by it)."""
+    import numpy as np
+
+    from localinfer.serve.http.step_timing import _fit, robust_fit
+    from localinfer.serve.step_model import LinearStepModel
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(1, 60, 200).astype(float)
+    obs = np.column_stack([tokens, np.zeros(200), 0.040 + 0.002 * tokens + rng.normal(0, 0.001, 200)])
+    obs[[10, 30, 55, 90, 120, 150, 170, 190], 2] = 2.0
+    old = LinearStepModel(0.03, 0.001, 0.0)
+    plain, robust = _fit(obs, old), robust_fit(obs, old)
+    for tokens, truth in ((1, 0.042), (30, 0.100)):     # a decode, a decode step with a 29-token chunk
+        assert abs(robust.seconds([(tokens, 0)]) - truth) < 0.05 * truth
+    assert plain.seconds([(30, 0)]) > 1.5 * 0.100

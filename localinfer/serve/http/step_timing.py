@@ -43,7 +43,18 @@ class FittedStepModel:
             self._since += 1
             if self._since >= self._refit and len(self._obs) >= 8:
                 self._since = 0
-                self.model = _fit(np.array(self._obs), self.model)
+                self.model = robust_fit(np.array(self._obs), self.model)
+
+
+def robust_fit(obs: np.ndarray, old: LinearStepModel, slack: float = 1.5) -> LinearStepModel:
+    """:func:`_fit` without the steps the machine stalled: after a first fit, the observations more than ``slack``
+    times their prediction (another process took the CPU, a page fault, a graph rebuilt) are dropped and the rest
+    fitted again.  A plain least-squares fit follows them up: a few 2 s stalls among 35 ms steps doubled every
+    prediction, and the gap bound (``max_gap_s``) then cut prompt chunks to nothing."""
+    first = _fit(obs, old)
+    pred = first.fixed_s + first.per_token_s * obs[:, 0] + first.per_pair_s * obs[:, 1]
+    calm = obs[obs[:, 2] <= slack * pred + 1e-3]
+    return _fit(calm, first) if len(calm) >= 8 and len(calm) < len(obs) else first
 
 
 def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
