@@ -24,24 +24,31 @@ from localinfer.serve.http.schemas import GenerationSpec
 
 
 class Generation:
-    def __init__(self, runtime: Runtime, spec: GenerationSpec, prompt: tuple[int, ...], max_tokens: int,
-                 model: str, receive, eos_ids: frozenset[int]):
-        self.runtime, self.spec, self.prompt, self.model = runtime, spec, prompt, model
+    """``prompts``: one token tuple, or a list of them (completions with several prompts: choice ``p * n + j`` is
+    prompt p's j-th); ``echo``: each prompt's text, put before its choices' text."""
+
+    def __init__(self, runtime: Runtime, spec: GenerationSpec, prompts, max_tokens: int,
+                 model: str, receive, eos_ids: frozenset[int], echo: list[str] | None = None):
+        prompts = [prompts] if prompts and isinstance(prompts[0], int) else list(prompts)
+        self.runtime, self.spec, self.prompts, self.model = runtime, spec, prompts, model
+        self.prompt = prompts[0]
+        self.echo = echo
         self.id = ("chatcmpl-" if spec.chat else "cmpl-") + uuid.uuid4().hex[:24]
         deadline = None if spec.deadline_ms is None else spec.deadline_ms / 1e3
 
         def make(rid, tokens, arrival, i):
             return ServeRequest(rid, tokens, max_tokens, arrival_s=arrival,
                                 deadline_s=None if deadline is None else arrival + deadline,
-                                sampling=sampling_for(spec.sampling, i),
+                                sampling=sampling_for(spec.sampling, i % spec.n),
                                 stop_tokens=frozenset() if spec.ignore_eos else eos_ids,
                                 banned=eos_ids if spec.ignore_eos else frozenset(),
                                 presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
-                                top_logprobs=spec.logprobs)
+                                top_logprobs=spec.logprobs, logit_bias=spec.logit_bias)
 
-        self.handles, self.queue = runtime.submit([prompt] * spec.n, make, asyncio.get_running_loop())
+        every = [p for p in prompts for _ in range(spec.n)]
+        self.handles, self.queue = runtime.submit(every, make, asyncio.get_running_loop())
         self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in self.handles]
-        self.reasons: list[str | None] = [None] * spec.n
+        self.reasons: list[str | None] = [None] * len(self.handles)
         self.client_gone = False
         self._first: Event | None = None
         self._watcher = sse.watch_disconnect(receive, self._disconnected)
@@ -120,7 +127,10 @@ class Generation:
 
     def usage(self) -> dict:
         cached = max((h.request.cached for h in self.handles), default=0)
-        return R.usage(len(self.prompt), sum(t.tokens for t in self.texts), cached)
+        return R.usage(sum(map(len, self.prompts)), sum(t.tokens for t in self.texts), cached)
+
+    def _echo(self, index: int) -> str:
+        return "" if self.echo is None else self.echo[index // self.spec.n]
 
     # ---- answers -----------------------------------------------------------------
     async def response(self) -> dict:
@@ -147,7 +157,7 @@ class Generation:
             raise cut                             # a reply cut short is an error, not a 200 with half a text
         kind = "chat.completion" if self.spec.chat else "text_completion"
         out = R.envelope(kind, self.id, self.model)
-        out["choices"] = [R.choice(self.spec.chat, i, "".join(parts[i]), self.reasons[i],
+        out["choices"] = [R.choice(self.spec.chat, i, self._echo(i) + "".join(parts[i]), self.reasons[i],
                                    None if self.spec.logprobs is None else
                                    R.logprobs_for(self.spec.chat, self.texts[i], lps[i]))
                           for i in range(len(self.handles))]
@@ -163,9 +173,9 @@ class Generation:
         def frame(choices, **more):
             return sse.event({**base, "choices": choices, **extra, **more})
 
-        if chat:
-            for i in range(len(self.handles)):
-                yield frame([R.chunk_choice(True, i, "", None, None, first=True)])
+        for i in range(len(self.handles)):
+            if chat or self.echo is not None:
+                yield frame([R.chunk_choice(chat, i, "" if chat else self._echo(i), None, None, first=True)])
         while not self.done:
             ev = await self._next()
             if ev is None:

@@ -24,6 +24,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from localinfer.serve.http.app import AppConfig, build_app
+from localinfer.serve.http.limits import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, protocol_class
 from localinfer.serve.http.runtime import Runtime
 
 SIGNALS = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
@@ -71,9 +72,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.0,
-                log_level: str = "warning") -> tuple[_Server, Starlette]:
+def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.0, log_level: str = "warning",
+                header_timeout_s: float = HEADER_TIMEOUT_S, keep_alive_s: float = KEEP_ALIVE_S,
+                max_connections: int = MAX_CONNECTIONS) -> tuple[_Server, Starlette]:
+    """The server and its app; the connection limits are :mod:`.limits`'."""
     app = build_app(runtime, app_config)
+    protocol = protocol_class(header_timeout_s, max_connections,
+                              on_refused=lambda status: runtime.metrics.rejected.labels(str(status)).inc())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -85,20 +90,20 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
             stopper.start()
             while stopper.is_alive():                       # not run_in_executor: works during interpreter exit
                 await asyncio.sleep(0.02)
-            app.state.prep.shutdown(wait=False)
+            app.state.prep.close()
 
     app.router.lifespan_context = lifespan
     # uvicorn waits a little longer than the engine, so cancelled streams still send their last chunk
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0, access_log=False,
-                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=5,
-                            limit_concurrency=1024)            # connections; past it uvicorn answers 503
+                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=keep_alive_s,
+                            http=protocol, limit_concurrency=protocol.limit_connections + 1)   # the protocol caps
     return _Server(config, runtime, grace_s), app
 
 
 def serve(runtime: Runtime, app_config: AppConfig, sock: socket.socket, *, grace_s: float = 10.0,
-          log_level: str = "warning", announce=None) -> int | None:
+          log_level: str = "warning", announce=None, **limits) -> int | None:
     """Serve on ``sock`` until a signal (or ``server.should_exit``); the signal number that stopped it."""
-    server, _ = make_server(runtime, app_config, grace_s=grace_s, log_level=log_level)
+    server, _ = make_server(runtime, app_config, grace_s=grace_s, log_level=log_level, **limits)
     if announce is not None:
         announce(server)
     logging.getLogger("localinfer.serve").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
