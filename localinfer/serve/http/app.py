@@ -61,6 +61,13 @@ class Server:
         self.runtime, self.config = runtime, config
         self.prep = Prep(runtime, config)
 
+    def close(self) -> None:
+        """Free what the faces hold on the model (before the engine closes it), then the prep threads."""
+        emb = getattr(self, "embeddings", None)
+        if emb is not None:
+            emb.close()
+        self.prep.close()
+
     def card(self, model_id: str | None = None) -> dict:
         return {"id": model_id or self.config.model_id, "object": "model", "created": self.config.created,
                 "owned_by": "localinfer", "max_model_len": self.runtime.context_tokens}

@@ -86,11 +86,11 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
         try:
             yield
         finally:
+            app.state.server.close()          # the embeddings context goes before the model it uses
             stopper = threading.Thread(target=runtime.stop, args=(0.0,), name="localinfer-stop", daemon=True)
             stopper.start()
             while stopper.is_alive():                       # not run_in_executor: works during interpreter exit
                 await asyncio.sleep(0.02)
-            app.state.prep.close()
 
     app.router.lifespan_context = lifespan
     # uvicorn waits a little longer than the engine, so cancelled streams still send their last chunk
