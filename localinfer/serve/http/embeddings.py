@@ -108,16 +108,16 @@ def _resolve(fut, value, exc) -> None:
         fut.set_result(value)
 
 
-def _inputs(v) -> list:
+def _inputs(v, param: str = "input") -> list:
     """The inputs as strings or token-id tuples."""
     if isinstance(v, str):
         v = [v]
     elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         v = [v]
     if not isinstance(v, list) or not v:
-        raise bad("input", f"input must be a string, an array of strings or of token-id arrays, got {_kind(v)}")
+        raise bad(param, f"{param} must be a string, an array of strings or of token-id arrays, got {_kind(v)}")
     if len(v) > MAX_INPUTS:
-        raise bad("input", f"input holds {len(v)} items; the limit is {MAX_INPUTS}")
+        raise bad(param, f"{param} holds {len(v)} items; the limit is {MAX_INPUTS}")
     out = []
     for i, x in enumerate(v):
         if isinstance(x, str) and x:
@@ -125,31 +125,48 @@ def _inputs(v) -> list:
         elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
             out.append(tuple(x))
         else:
-            raise bad("input", f"input[{i}] must be a non-empty string or array of token ids, got {_kind(x)}")
+            raise bad(param, f"{param}[{i}] must be a non-empty string or array of token ids, got {_kind(x)}")
     return out
 
 
-def routes(srv) -> list:
-    runtime = srv.runtime
-    emb = Embeddings(runtime)
-    srv.embeddings = emb
+def _tokens(srv, items: list, param: str) -> list[tuple[int, ...]]:
+    """Token ids per input (a worker thread), each within the embeddings context."""
+    tok, ctx = srv.runtime.tokenizer, srv.embeddings.context
+    out = []
+    for i, x in enumerate(items):
+        if isinstance(x, str):
+            check_bytes(tok, len(x.encode("utf-8", "replace")), ctx + 1, f"{param}[{i}]", param)
+            ids = tuple(tok.tokenize(x, add_bos=True, special=False))
+        else:
+            ids = x
+            if any(not 0 <= t < tok.n_vocab for t in ids):
+                raise bad(param, f"{param}[{i}] holds token ids outside 0..{tok.n_vocab - 1}")
+        if len(ids) > ctx:
+            raise bad(param, f"{param}[{i}] is {len(ids)} tokens; an embedded input may have at most {ctx}",
+                      code="context_length_exceeded")
+        out.append(ids)
+    return out
 
-    def tokens(items: list) -> list[tuple[int, ...]]:
-        tok, ctx = runtime.tokenizer, emb.context
-        out = []
-        for i, x in enumerate(items):
-            if isinstance(x, str):
-                check_bytes(tok, len(x.encode("utf-8", "replace")), ctx + 1, f"input[{i}]", "input")
-                ids = tuple(tok.tokenize(x, add_bos=True, special=False))
-            else:
-                ids = x
-                if any(not 0 <= t < tok.n_vocab for t in ids):
-                    raise bad("input", f"input[{i}] holds token ids outside 0..{tok.n_vocab - 1}")
-            if len(ids) > ctx:
-                raise bad("input", f"input[{i}] is {len(ids)} tokens; an embedded input may have at most {ctx}",
-                          code="context_length_exceeded")
-            out.append(ids)
-        return out
+
+async def compute(srv, body: dict, param: str = "input"):
+    """(one vector per input, prompt tokens) for a checked body's ``param``; APIError otherwise."""
+    runtime = srv.runtime
+    items = _inputs(body.get(param), param)
+    runtime.check_serving()
+    if getattr(runtime.tokenizer, "model_handle", None) is None:
+        raise APIError(501, "embeddings need the llama.cpp backend", code="unsupported")
+    ids = await srv.prep.run(_tokens, srv, items, param, n=1)
+    try:
+        vectors = await srv.embeddings.embed(ids)
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise APIError(500, f"embeddings failed: {type(exc).__name__}", code="engine_error") from None
+    return vectors, sum(map(len, ids))
+
+
+def routes(srv) -> list:
+    srv.embeddings = Embeddings(srv.runtime)
 
     async def embeddings(request: Request):
         body = await srv.body(request)
@@ -162,33 +179,20 @@ def routes(srv) -> list:
         fmt = body.get("encoding_format", "float") or "float"
         if fmt not in ("float", "base64"):
             raise bad("encoding_format", f"encoding_format must be float or base64, got {_kind(fmt)}")
-        items = _inputs(body.get("input"))
-        runtime.check_serving()
-        if getattr(runtime.tokenizer, "model_handle", None) is None:
-            raise APIError(501, "embeddings need the llama.cpp backend", code="unsupported")
         dims = body.get("dimensions")
-        width = int(getattr(runtime.tokenizer, "n_embd", 0) or 0)
-        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or width and dims != width):
-            raise bad("dimensions", f"this model's embeddings have {width or 'a fixed number of'} dimensions; "
-                                    f"dimensions may only be that, got {_kind(dims)}")
-        ids = await srv.prep.run(tokens, items, n=1)
-        try:
-            vectors = await emb.embed(ids)
-        except APIError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            raise APIError(500, f"embeddings failed: {type(exc).__name__}", code="engine_error") from None
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int)):
+            raise bad("dimensions", f"dimensions must be an integer, got {_kind(dims)}")
+        vectors, n = await compute(srv, body)
         if dims is not None and dims != vectors.shape[1]:
             raise bad("dimensions", f"this model's embeddings have {vectors.shape[1]} dimensions; dimensions "
                                     f"may only be that, got {dims}")
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64"
                  else [float(x) for x in v]} for i, v in enumerate(vectors)]
-        n = sum(map(len, ids))
         return JSONResponse({"object": "list", "data": data, "model": srv.config.model_id,
                              "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     from localinfer.serve.http.app import handled
 
-    h = handled(embeddings, runtime)
+    h = handled(embeddings, srv.runtime)
     return [Route("/v1/embeddings", h, methods=["POST"]), Route("/embeddings", h, methods=["POST"])]

@@ -202,6 +202,30 @@ class Generation:
             yield sse.event({**base, "choices": [], "usage": self.usage()})
         yield sse.DONE
 
+    async def pieces(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """The answer as (choice, new text, finish reason or None) for the other faces (Ollama, Responses);
+        APIError when a choice is cut (engine error, deadline, shutdown) or the client left."""
+        while not self.done:
+            ev = await self._next()
+            if ev is None:
+                continue
+            if ev.reason is not None:
+                cut = self._cut(ev)
+                tail = self._finish(ev)
+                if cut is not None:
+                    self._cancel_rest()
+                    raise cut
+                yield ev.index, tail, self.reasons[ev.index]
+                continue
+            got = self._apply(ev)
+            if got is not None and got[0]:
+                yield ev.index, got[0], None
+        if self.client_gone:
+            raise APIError(499, "the client closed the request", code="client_closed")
+
+    def completion_tokens(self) -> int:
+        return sum(t.tokens for t in self.texts)
+
     def _cancel_rest(self) -> None:
         for h in self.handles:
             if not h.finished:
