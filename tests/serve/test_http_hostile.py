@@ -161,3 +161,28 @@ def test_two_authorization_headers_are_refused(big):
                   b"Authorization: Bearer b\r\n\r\n")
         reply = _read_all(s, 3)
         assert b" 400 " in reply.split(b"\r\n")[0] and b"more than one authorization" in reply
+
+
+def test_metrics_count_requests_handed_to_the_engine_during_a_long_step(http, big):
+    """Bug 8: /metrics said 0 running, 0 waiting while requests were outstanding behind a long prefill step."""
+    import threading
+
+    def send(content):
+        httpx.post(big.url + CHAT, json=dict(OK, messages=[{"role": "user", "content": content}], max_tokens=4),
+                   timeout=120)
+    threads = [threading.Thread(target=send, args=("hello " * 1500,))]
+    threads += [threading.Thread(target=send, args=(f"short {i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    seen = []
+    deadline = time.monotonic() + 120
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        before = big.runtime.outstanding
+        m = big.metrics()
+        after = big.runtime.outstanding
+        if min(before, after) >= 3:                     # clearly busy during the whole scrape
+            seen.append(m["localinfer_requests_running"] + m["localinfer_requests_waiting"])
+        time.sleep(0.05)
+    for t in threads:
+        t.join(60)
+    assert seen and min(seen) >= 1, seen

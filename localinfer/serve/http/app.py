@@ -120,7 +120,13 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
         return JSONResponse(srv.card(name))
 
     async def metrics(request: Request) -> Response:
-        return Response(runtime.metrics.exposition(), media_type=CONTENT_TYPE)
+        # the engine thread publishes after each step; requests handed to it since (or still being tokenised)
+        # count as waiting now, so a long prefill step does not show 0 running and 0 waiting
+        m = runtime.metrics
+        behind = runtime.outstanding + srv.prep.preparing - m.gauge("requests_running")
+        if behind > m.gauge("requests_waiting"):
+            m.publish({**m.snapshot.values, "requests_waiting": behind})
+        return Response(m.exposition(), media_type=CONTENT_TYPE)
 
     async def generate(request: Request, chat: bool) -> Response:
         spec = parse(await srv.body(request), chat=chat, deadline_header=request.headers.get(DEADLINE_HEADER))
