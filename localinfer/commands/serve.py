@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", action="append", default=[], metavar="O,...",
                    help="browser origins (scheme://host:port) that may call the server, besides its own and "
                         "localhost's on any port; '*': any (other origins get 403; repeatable)")
+    g.add_argument("--default-max-tokens", "--n-predict", type=int, default=None, metavar="N",
+                   help="tokens a request that names no max_tokens may generate (default: until the context ends)")
     g.add_argument("--strict-model-names", action="store_true",
                    help="answer 404 to a model name that is not the model's file name or an --alias (default: "
                         "any name is served, as llama-server does)")
@@ -126,6 +128,9 @@ def _check(args) -> str | None:
                     ("--keep-alive", args.keep_alive)):
         if v is not None and not 0 < v <= 86400:
             raise UsageError(f"{flag} {v} is out of range", flag=flag, hint="use a number of seconds in (0, 86400]")
+    if args.default_max_tokens is not None and not 1 <= args.default_max_tokens <= 1 << 24:
+        raise UsageError(f"--default-max-tokens {args.default_max_tokens} is out of range",
+                         flag="--default-max-tokens", hint="use 1..16777216")
     if args.max_connections is not None and not 1 <= args.max_connections <= 1 << 20:
         raise UsageError(f"--max-connections {args.max_connections} is out of range", flag="--max-connections",
                          hint="use 1..1048576")
@@ -244,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
     app_config = AppConfig(model_id=model_id, aliases=(os.path.basename(str(path)), *args.alias), api_key=key,
                            allowed_hosts=tuple(sorted(hosts)), max_body_bytes=args.max_body,
                            allowed_origins=origins(args.allowed_origins), strict_model_names=args.strict_model_names,
+                           default_max_tokens=args.default_max_tokens,
                            template=_template_factory(args, spec), created=int(os.path.getmtime(path)), **timeouts)
     runtime = Runtime(_executor_factory(backend, plan, args.parallel), config)
     return _serve(args, runtime, app_config, plan)

@@ -14,7 +14,7 @@ The access guard (Host, Origin/CORS, API key, body size) is :mod:`.guard`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -50,7 +50,7 @@ class AppConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     template: object = None                        # a ChatTemplate, or a callable(tokenizer) -> ChatTemplate
     created: int = 0
-    embeddings: object = None                      # an Embedder (serve --embeddings), or None
+    default_max_tokens: int | None = None          # a request that gives no max_tokens (None: until the context ends)
     extra: dict = field(default_factory=dict)
 
 
@@ -97,6 +97,10 @@ class Server:
 
     def generation(self, request: Request, spec: GenerationSpec, prompts: list[tuple[int, ...]],
                    echo: list[str] | None = None) -> Generation:
+        if spec.max_tokens is None and self.config.default_max_tokens:
+            ctx = self.runtime.context_tokens          # the default fills what the longest prompt leaves, at most
+            free = ctx - max(map(len, prompts))
+            spec = replace(spec, max_tokens=max(1, min(self.config.default_max_tokens, free))) if free > 0 else spec
         max_tokens = min(_check_length(spec, len(p), self.runtime.context_tokens) for p in prompts)
         return Generation(self.runtime, spec, prompts, max_tokens, self.config.model_id, request.receive,
                           self.runtime.tokenizer.eos_ids, echo)

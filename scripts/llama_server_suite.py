@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Run llama.cpp's own server test suite (tools/server/tests) against `localinfer serve`, and count the results.
+
+    python3 scripts/llama_server_suite.py [--files test_basic.py,test_completion.py,...] [--per-test-s 180]
+        [--out benchmarks/results/llama_server_suite.txt]
+
+The suite starts `llama-server` with its flags for every test; here a shim takes its place: it translates the
+flags `localinfer serve` has (port, host, --ctx-size, --parallel, --alias, --api-key, --n-predict, -ctk/-ctv,
+--batch-size, --chat-template-file, --cors-origins) and drops the rest.  The suite downloads its models from a
+hub, which this machine cannot reach, so every test runs on the embedded SmolLM2-135M: assertions on the text
+the suite's own tiny models write fail here by design.  Each failure is put in a class:
+
+* ``llama-server only`` — an endpoint or feature only llama-server has (its /tokenize, /infill, /slots,
+  /props, reranking, LoRA, the router, built-in template names, tools, multimodal, Anthropic's API...);
+* ``model-specific text`` — the test expects the exact text or token counts of the suite's model;
+* ``ours`` — everything else, to be read one by one.
+
+The sources come from the llama-cpp-python sdist matching the installed version (scripts/llama_sources.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_FILES = ("test_basic.py", "test_completion.py", "test_chat_completion.py", "test_embedding.py",
+                 "test_compat_oai_responses.py", "test_security.py", "test_metrics.py", "test_ignore_eos.py",
+                 "test_stream.py", "test_ctx_shift.py", "test_tokenize.py", "test_template.py")
+# whole files about what only llama-server has
+ONLY_FILES = {"test_tokenize.py", "test_infill.py", "test_rerank.py", "test_slot_save.py", "test_lora.py",
+              "test_router.py", "test_proxy.py", "test_mcp_servers.py", "test_tools_builtin.py", "test_sleep.py",
+              "test_compat_anthropic.py", "test_compat_gcp.py", "test_vision_api.py", "test_speculative.py",
+              "test_kv_keep_only_active.py", "test_tool_call.py", "test_template.py"}
+ONLY_WORDS = ("/tokenize", "/detokenize", "/infill", "/slots", "/props", "/apply-template", "/rerank", "/lora",
+              "n_probs", "completion_probabilities", "timings", "tokens_predicted", "tokens_evaluated",
+              "id_slot", "chat_template", "tool_calls", "response_format", "json_schema", "grammar", "llamacpp:",
+              "post_sampling_probs", "return_tokens", "\"/completion\"", "'/completion'", "n_cmpl", "reasoning",
+              "is_processing", "truncated", "generation_settings", "system_fingerprint", "n_indent", "lora",
+              "x-response-time", "t_max_predict_ms", "samplers", "/v1/messages", "image")
+MODEL_WORDS = ("match_regex", "Suddenly", "Looking", "tinyllama", "stories", "bert", "assert res.body[\"usage\"]",
+               "prompt_tokens", "completion_tokens", "== n_predict", "predicted_n", "n_tokens", "embedding")
+
+SHIM = r'''#!/usr/bin/env python3
+import os, sys
+VALUE = {"--port": "--port", "--host": "--host", "--ctx-size": "--ctx", "-c": "--ctx", "--parallel": "--parallel",
+         "-np": "--parallel", "--alias": "--alias", "--api-key": "--api-key", "--n-predict": "--default-max-tokens",
+         "-ctk": "-ctk", "-ctv": "-ctv", "--batch-size": "-b", "--ubatch-size": "-ub",
+         "--chat-template-file": "--chat-template", "--cors-origins": "--allowed-origins", "-fa": "-fa"}
+DROP_VALUE = {"--temp", "--seed", "--hf-repo", "--hf-file", "--model-url", "--threads", "--n-gpu-layers",
+              "--pooling", "--tags", "--slot-save-path", "--grp-attn-n", "--grp-attn-w", "--lora", "--spec-type",
+              "--spec-draft-n-max", "--spec-draft-n-min", "--reasoning-format", "--reasoning", "--chat-template",
+              "--mmproj-url", "--media-path", "--sleep-idle-seconds", "--cache-ram", "--models-dir",
+              "--models-max", "--models-preset", "--model-draft", "--tools", "--tools-runtime",
+              "--mcp-servers-config", "--mcp-servers-json", "--spec-synth-len", "--spec-synth-rates"}
+out, model, argv, i = [], None, sys.argv[1:], 0
+while i < len(argv):
+    a = argv[i]
+    if a in VALUE and i + 1 < len(argv):
+        out += [VALUE[a], argv[i + 1]]
+        i += 2
+    elif a in ("--model", "-m") and i + 1 < len(argv):
+        model = argv[i + 1] if os.path.isfile(argv[i + 1]) else None
+        i += 2
+    elif a in DROP_VALUE:
+        i += 2
+    else:
+        i += 1                                  # a switch localinfer serve has no use for
+if "-fa" in out:
+    k = out.index("-fa")
+    out[k + 1] = {"on": "on", "off": "off"}.get(out[k + 1], "auto")
+cmd = [sys.executable, "-m", "localinfer", "serve", *([model] if model else []), "-t", "1", *out]
+print("localinfer shim:", " ".join(cmd), file=sys.stderr, flush=True)
+os.execv(sys.executable, cmd)
+'''
+
+PLUGIN = r'''
+import signal, sys, types
+sys.modules.setdefault("wget", types.ModuleType("wget"))      # only used to download models
+PER_TEST_S = int(__import__("os").environ.get("SUITE_PER_TEST_S", "180"))
+
+def pytest_sessionstart(session):
+    import utils
+    utils.ServerPreset.load_all = staticmethod(lambda: None)      # it downloads every model
+
+def _alarm(signum, frame):
+    raise TimeoutError(f"the test ran past {PER_TEST_S} s")
+
+import pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(PER_TEST_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def classify(file: str, text: str) -> str:
+    if file in ONLY_FILES or any(w in text for w in ONLY_WORDS) or "no route" in text:
+        return "llama-server only"
+    if any(w in text for w in MODEL_WORDS):
+        return "model-specific text"
+    return "ours"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--files", default=",".join(DEFAULT_FILES))
+    ap.add_argument("--per-test-s", type=int, default=180)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("-k", default=None, help="pytest -k expression")
+    args = ap.parse_args()
+    src = subprocess.run(["bash", str(REPO / "scripts" / "llama_sources.sh")], capture_output=True, text=True)
+    if src.returncode != 0:
+        print(src.stderr.strip(), file=sys.stderr)
+        return 1
+    tests = Path(src.stdout.strip()) / "vendor" / "llama.cpp" / "tools" / "server" / "tests"
+    work = Path(tempfile.mkdtemp(prefix="llama-suite-"))
+    shim = work / "llama-server"
+    shim.write_text(SHIM)
+    shim.chmod(0o755)
+    (work / "llama_suite_plugin.py").write_text(PLUGIN)
+    junit = work / "junit.xml"
+    env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(shim), PORT=str(free_port()), SUITE_PER_TEST_S=str(args.per_test_s),
+               PYTHONPATH=os.pathsep.join([str(work), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("LOCALINFER_API_KEY", None)
+    files = [str(tests / "unit" / f) for f in args.files.split(",") if f]
+    cmd = [sys.executable, "-m", "pytest", "-p", "llama_suite_plugin", "-q", "-o", "addopts=", "--junitxml",
+           str(junit), "-p", "no:cacheprovider", *(["-k", args.k] if args.k else []), *files]
+    t0 = time.monotonic()
+    subprocess.run(cmd, cwd=tests, env=env, stdout=subprocess.DEVNULL if args.out else None)
+    elapsed = time.monotonic() - t0
+    rows, counts, by_file = [], Counter(), defaultdict(Counter)
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        file = (case.get("classname") or "").split(".")[-1] + ".py"
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if case.find("skipped") is not None:
+            kind = "skipped"
+        elif bad is None:
+            kind = "passed"
+        else:
+            text = (bad.get("message") or "") + "\n" + (bad.text or "")
+            kind = classify(file, text)
+            first = next((ln.strip() for ln in (bad.get("message") or "").splitlines() if ln.strip()), "")
+            rows.append((kind, f"{file}::{case.get('name')}", first[:160]))
+        counts[kind] += 1
+        by_file[file][kind] += 1
+    kinds = ("passed", "model-specific text", "llama-server only", "ours", "skipped")
+    lines = [f"llama.cpp server tests ({tests.parent.parent.parent.name}: {args.files}) against localinfer serve "
+             f"(embedded SmolLM2-135M, 1 thread), {elapsed:.0f} s",
+             "total " + ", ".join(f"{k} {counts[k]}" for k in kinds), ""]
+    for f, c in sorted(by_file.items()):
+        lines.append(f"{f:32s} " + ", ".join(f"{k} {c[k]}" for k in kinds if c[k]))
+    lines += ["", "failures:"] + [f"[{k}] {name}: {msg}" for k, name, msg in sorted(rows)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
