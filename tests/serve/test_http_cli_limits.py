@@ -79,3 +79,45 @@ def test_origins_flag_parses_lists():
 
     assert origins(["http://a.example:3000, https://b.example/", "*"]) == \
         ("http://a.example:3000", "https://b.example", "*")
+
+
+def test_a_second_sigint_cancels_at_once_and_every_reply_ends_in_json():
+    """Item 8: a second SIGINT gave plain-text 500s and tracebacks; now it ends the grace period, streams get the
+    shutdown error event and [DONE], replies not streamed a 503 in OpenAI's shape, and the exit status is 0."""
+    import json
+    import signal
+    import time
+
+    import httpx
+
+    from tests.serve.test_http_support import sse_events, start_cli
+
+    p, url = start_cli("--grace", "60", "-t", "1")
+    try:
+        body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+                "ignore_eos": True}
+        got = {}
+
+        def whole():
+            got["r"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        t = threading.Thread(target=whole)
+        t.start()
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            p.send_signal(signal.SIGINT)
+            lines += list(it)
+        t.join(60)
+        events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-3:]
+        r = got["r"]
+        assert r.status_code == 503 and json.loads(r.text)["error"]["code"] == "shutting_down", r.text
+        assert p.wait(30) == 0
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

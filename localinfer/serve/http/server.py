@@ -5,9 +5,10 @@ new requests on open connections answer 503, lets in-flight requests finish
 for up to ``grace_s``, then cancels what is left (their KV freed; a stream
 gets an error event, code ``shutting_down``, and ``[DONE]``; a reply not
 streamed a 503), stops
-the engine thread and returns normally (the CLI exits 0).  A second SIGINT stops
-at once (uvicorn's force exit).  uvicorn re-raises a captured signal after
-shutdown; this server does not, so the exit status is 0.
+the engine thread and returns normally (the CLI exits 0).  A second signal ends the
+grace period at once (what runs is cancelled, every reply still ends in JSON or a
+stream's error event); a third is uvicorn's force exit.  uvicorn re-raises a
+captured signal after shutdown; this server does not, so the exit status is 0.
 """
 
 from __future__ import annotations
@@ -36,11 +37,16 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.runtime, self.grace_s = runtime, grace_s
         self.stopped_by: int | None = None
+        self.signals = 0
 
     def handle_exit(self, sig: int, frame) -> None:
+        self.signals += 1
+        if self.signals == 2:                         # stop now, still cleanly: every reply ends in JSON
+            self.runtime.shutdown_after(0.0)
+            return
         self.runtime.shutdown_after(self.grace_s)     # the engine cancels what is left; streams end cleanly
         self.stopped_by = self.stopped_by or sig
-        super().handle_exit(sig, frame)
+        super().handle_exit(sig, frame)               # a third: uvicorn's force exit
 
     @contextlib.contextmanager
     def capture_signals(self):
