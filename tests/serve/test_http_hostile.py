@@ -99,6 +99,8 @@ def test_foreign_origins_are_refused_and_allowed_ones_get_cors(http, big):
         r = http.post(CHAT, content=body, headers={"origin": origin})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin, origin
     assert "access-control-allow-origin" not in http.post(CHAT, json=OK).headers   # no Origin: no CORS
+    r = http.post(CHAT, content=b"{", headers={"origin": "http://localhost:3000"})
+    assert r.status_code == 400 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
 
 
 def test_slow_headers_and_bodies_time_out_while_others_are_served(http, big):

@@ -60,6 +60,9 @@ class Guard:
         err = self._check(scope.get("path", ""), scope.get("method", ""), headers, repeated)
         if err is not None:
             self.runtime.metrics.rejected.labels(str(err.status)).inc()
+            if origin is not None and err.param not in ("origin", "host") and \
+                    self._origin_allowed(origin, headers.get("host", "")):    # an allowed page may read why (401)
+                send = _with_cors(send, origin)
             return await error_response(err)(scope, receive, send)
         if origin is None:
             return await self.app(scope, receive, send)
