@@ -220,6 +220,16 @@ def _need_server_packages() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until a signal: exit 0 after a stop by signal in any phase (before the server takes over the
+    signals, while it loads, while it serves), 1 when the model fails to load."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt as exc:          # SIGINT/SIGTERM before the server handles signals itself
+        print(f"\nstopped (signal {getattr(exc, 'signum', 2)})", file=sys.stderr)
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     _need_server_packages()
     from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
     from localinfer.serve.http.runtime import Runtime

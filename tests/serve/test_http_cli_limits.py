@@ -121,3 +121,15 @@ def test_a_second_sigint_cancels_at_once_and_every_reply_ends_in_json():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_signal_before_the_server_starts_exits_0_as_after(monkeypatch, capsys):
+    """Item 8: SIGTERM while the plan was being made exited 143, once serving 0; now 0 in every phase."""
+    from localinfer.commands import _common
+    from localinfer.util.signals import Terminated
+
+    def stopped(args):
+        raise Terminated(15)
+    monkeypatch.setattr(_common, "read_spec", stopped)
+    code, err = _main([], capsys, monkeypatch)
+    assert code == 0 and "stopped (signal 15)" in err and "Traceback" not in err
