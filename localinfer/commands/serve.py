@@ -4,7 +4,8 @@
         [--backend NAME] [--api-key KEY | --api-key-file FILE | LOCALINFER_API_KEY] [--max-queue N]
         [--token-budget N] [--chunk N | --itl-target MS] [--partial-slack F|off] [--decode-share F]
         [--prefix-cache on|off] [--parked N] [--lookup [--draft-max N]] [--allowed-origins O,...]
-        [--strict-model-names] [--header-timeout S] [--body-timeout S] [--keep-alive S] [--max-connections N]
+        [--strict-model-names] [--default-max-tokens N] [--header-timeout S] [--body-timeout S] [--keep-alive S]
+        [--max-connections N]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
