@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -130,7 +129,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("-k", default=None, help="pytest -k expression")
     args = ap.parse_args()
-    src = subprocess.run(["bash", str(REPO / "scripts" / "llama_sources.sh")], capture_output=True, text=True)
+    src = subprocess.run(["bash", str(REPO / "scripts" / "llama_sources.sh")], check=False, capture_output=True,
+                         text=True)
     if src.returncode != 0:
         print(src.stderr.strip(), file=sys.stderr)
         return 1
@@ -148,7 +148,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "pytest", "-p", "llama_suite_plugin", "-q", "-o", "addopts=", "--junitxml",
            str(junit), "-p", "no:cacheprovider", *(["-k", args.k] if args.k else []), *files]
     t0 = time.monotonic()
-    subprocess.run(cmd, cwd=tests, env=env, stdout=subprocess.DEVNULL if args.out else None)
+    subprocess.run(cmd, cwd=tests, env=env, stdout=subprocess.DEVNULL if args.out else None, check=False)
     elapsed = time.monotonic() - t0
     rows, counts, by_file = [], Counter(), defaultdict(Counter)
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -166,8 +166,9 @@ def main() -> int:
         counts[kind] += 1
         by_file[file][kind] += 1
     kinds = ("passed", "model-specific text", "llama-server only", "ours", "skipped")
-    lines = [f"llama.cpp server tests ({tests.parent.parent.parent.name}: {args.files}) against localinfer serve "
-             f"(embedded SmolLM2-135M, 1 thread), {elapsed:.0f} s",
+    head = (f"llama.cpp server tests ({tests.parent.parent.parent.name}: {args.files}) against localinfer serve "
+            f"(embedded SmolLM2-135M, 1 thread), {elapsed:.0f} s")
+    lines = [head,
              "total " + ", ".join(f"{k} {counts[k]}" for k in kinds), ""]
     for f, c in sorted(by_file.items()):
         lines.append(f"{f:32s} " + ", ".join(f"{k} {c[k]}" for k in kinds if c[k]))

@@ -48,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop is not used by chat; the chat template ends each reply", flag="--stop")
     loaded = read_transcript(args.load) if args.load else None
     if args.save:
-        from localinfer.util.atomic import check_writable
-
         from localinfer.model.sources import resolve_model
+        from localinfer.util.atomic import check_writable
 
         check_writable(args.save, inputs=[resolve_model(args.model)])  # before the model loads
     engine, spec, plan, _backend = _common.load(args)

@@ -46,9 +46,11 @@ def test_a_missing_broken_or_blocking_chat_template_is_refused_at_start(tmp_path
     os.mkfifo(fifo)
     for path, words in ((tmp_path / "missing.jinja", "No such file"), (broken, "syntax error"),
                         (refuses, "one-message conversation"), (fifo, "not a regular file"), ("/dev/zero", "regular")):
-        done = {}
-        t = threading.Thread(target=lambda: done.update(r=_main(["--chat-template", str(path)], capsys, monkeypatch)),
-                             daemon=True)
+        done: dict = {}
+
+        def go(path=path, done=done):
+            done["r"] = _main(["--chat-template", str(path)], capsys, monkeypatch)
+        t = threading.Thread(target=go, daemon=True)
         t.start()
         t.join(60)
         assert "r" in done, f"serve hung on --chat-template {path}"

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 import llama_cpp as _L
+import numpy as np
 
 from localinfer.backends.llamacpp import native
 from localinfer.errors import LocalinferError, UnsupportedModelError

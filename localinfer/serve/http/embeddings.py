@@ -110,9 +110,7 @@ def _resolve(fut, value, exc) -> None:
 
 def _inputs(v, param: str = "input") -> list:
     """The inputs as strings or token-id tuples."""
-    if isinstance(v, str):
-        v = [v]
-    elif isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if isinstance(v, str) or isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         v = [v]
     if not isinstance(v, list) or not v:
         raise bad(param, f"{param} must be a string, an array of strings or of token-id arrays, got {_kind(v)}")

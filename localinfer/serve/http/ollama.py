@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,7 +39,7 @@ NDJSON = "application/x-ndjson"
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def _refuse(body: dict) -> None:
@@ -97,7 +97,7 @@ def routes(srv) -> list:
 
     def card() -> dict:
         spec = getattr(runtime.tokenizer, "spec", None)
-        modified = datetime.fromtimestamp(config.created or 0, timezone.utc).isoformat().replace("+00:00", "Z")
+        modified = datetime.fromtimestamp(config.created or 0, UTC).isoformat().replace("+00:00", "Z")
         name = f"{config.model_id}:latest"
         return {"name": name, "model": name, "modified_at": modified, "size": getattr(spec, "file_size", 0) or 0,
                 "digest": hashlib.sha256(f"{config.model_id}:{config.created}".encode()).hexdigest(),

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from localinfer.model.cost import attention_pairs
 from localinfer.backends.executor import Chunk
+from localinfer.model.cost import attention_pairs
 from localinfer.serve.step_model import LinearStepModel
 
 
