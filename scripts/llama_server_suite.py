@@ -64,7 +64,9 @@ DROP_VALUE = {"--temp", "--seed", "--hf-repo", "--hf-file", "--model-url", "--th
 out, model, argv, i = [], None, sys.argv[1:], 0
 while i < len(argv):
     a = argv[i]
-    if a in VALUE and i + 1 < len(argv):
+    if a == "--cors-origins" and argv[i + 1:i + 2] == ["localhost"]:
+        i += 2                                  # localhost's origins: allowed by default
+    elif a in VALUE and i + 1 < len(argv):
         out += [VALUE[a], argv[i + 1]]
         i += 2
     elif a in ("--model", "-m") and i + 1 < len(argv):

@@ -23,6 +23,14 @@ def test_any_model_name_is_served_and_the_reply_names_the_real_one(client):
     assert card.id == MODEL_ID and card.owned_by == "localinfer"
 
 
+def test_no_model_name_is_the_loaded_model(srv):
+    """llama-server's own clients (and its test suite) send no model at all."""
+    for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/completions", {"prompt": "Hi"}),
+                       ("/v1/embeddings", {"input": "Hi"})):
+        r = httpx.post(srv.url + path, json={**body, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL_ID, r.text
+
+
 def test_strict_model_names_answer_404_without_echoing_a_huge_name(default_model):
     srv = LiveServer(default_model, parallel=1, max_queue=1, ctx=256, app={"strict_model_names": True,
                                                                             "aliases": ("house",)})

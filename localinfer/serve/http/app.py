@@ -73,8 +73,9 @@ class Server:
                 "owned_by": "localinfer", "max_model_len": self.runtime.context_tokens}
 
     def check_model(self, name: str) -> None:
-        """Any name with one model loaded; with strict names only the model's and its aliases (else 404)."""
-        if self.config.strict_model_names and name not in (self.config.model_id, *self.config.aliases):
+        """Any name with one model loaded; with strict names only the model's and its aliases (else 404).
+        No name (``""``) is the loaded model."""
+        if self.config.strict_model_names and name and name not in (self.config.model_id, *self.config.aliases):
             raise APIError(404, f"model {_short(name)} does not exist; this server serves "
                                 f"{self.config.model_id!r}", param="model", code="model_not_found")
 

@@ -170,9 +170,9 @@ def routes(srv) -> list:
         body = await srv.body(request)
         if not isinstance(body, dict):
             raise bad(None, f"the request body must be a JSON object, got {_kind(body)}")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise bad("model", f"model must be a non-empty string, got {_kind(model)}")
+        model = body.get("model", "")
+        if not isinstance(model, str):
+            raise bad("model", f"model must be a string, got {_kind(model)}")
         srv.check_model(model)
         fmt = body.get("encoding_format", "float") or "float"
         if fmt not in ("float", "base64"):

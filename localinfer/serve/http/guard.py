@@ -12,7 +12,7 @@ Checked in this order:
   origin (the Host it was reached by), ``http(s)://`` localhost, 127.0.0.1 and
   [::1] on any port, and those given with ``--allowed-origins`` (``*``: any).
   For those, CORS preflights (``OPTIONS`` with ``Access-Control-Request-Method``)
-  are answered 204 and replies carry ``Access-Control-Allow-Origin``;
+  are answered 200 and replies carry ``Access-Control-Allow-Origin``;
 * the bearer token on every path but ``/health`` (one ``Authorization`` header:
   two are a 400, not "the last wins");
 * the declared body size.
@@ -124,7 +124,7 @@ class Guard:
     def _preflight(origin: str, headers: dict[str, str]) -> Response:
         asked = headers.get("access-control-request-headers", "")
         allow = ", ".join(h.strip() for h in asked.split(",") if h.strip() and len(h) < 100) or "content-type"
-        return Response(status_code=204, headers={
+        return Response(status_code=200, headers={         # 200 as llama-server and Starlette's CORS answer
             "access-control-allow-origin": origin, "access-control-allow-methods": ALLOW_METHODS,
             "access-control-allow-headers": allow, "access-control-max-age": PREFLIGHT_MAX_AGE, "vary": "Origin"})
 

@@ -87,9 +87,9 @@ def parse(body, *, chat: bool, deadline_header: str | None = None) -> Generation
         if name in body and body[name] is not None and not any(body[name] == v for v in neutral):
             raise bad(name, f"{name} is a llama-server field this server does not implement; leave it out",
                       code="unsupported_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", f"model must be a non-empty string, got {_kind(model)}")
+    model = body.get("model", "")              # optional, as llama-server and vLLM have it: the loaded model
+    if not isinstance(model, str):
+        raise bad("model", f"model must be a string, got {_kind(model)}")
     kw: dict = {"chat": chat, "model": model}
     if chat:
         kw["messages"] = _messages(body.get("messages"))
