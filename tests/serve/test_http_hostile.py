@@ -140,21 +140,13 @@ def test_connections_past_the_cap_get_503_and_the_cap_frees(http, big):
     assert http.post(CHAT, json=OK).status_code == 200
 
 
-def test_parser_errors_are_json_and_a_half_closed_client_gets_its_reply(big):
-    """Bug 8: the HTTP parser's 400 is OpenAI's JSON; a client that shuts down its sending side after the
-    request still reads the reply."""
+def test_parser_errors_are_json(big):
+    """Bug 8: the HTTP parser's 400 is OpenAI's JSON, not plain text."""
     with _raw(big.port) as s:
         s.sendall(b"GARBAGE\r\n\r\n")
         head, _, body = _read_all(s).partition(b"\r\n\r\n")
         assert b" 400 " in head.split(b"\r\n")[0] and b"application/json" in head
         assert json.loads(body)["error"]["code"] == "invalid_http"
-    payload = json.dumps(OK).encode()
-    with _raw(big.port) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        s.shutdown(socket.SHUT_WR)
-        reply = _read_all(s)
-        assert b" 200 " in reply.split(b"\r\n")[0] and b"chat.completion" in reply, reply[:300]
 
 
 def test_two_authorization_headers_are_refused(big):

@@ -12,9 +12,10 @@ enough of them exhaust the descriptors.  :func:`protocol_class` makes an
   connection closes;
 * refuses connections past ``max_connections`` at once (a 503, closed), and
   the cap never reaches the process's descriptor limit (:func:`connection_cap`);
-* answers the HTTP parser's errors in OpenAI's JSON shape, not plain text;
-* lets a client that half-closes after sending its request (``shutdown(SHUT_WR)``)
-  still read the reply.
+* answers the HTTP parser's errors in OpenAI's JSON shape, not plain text.
+
+A client's end of input (FIN) still ends its request, as uvicorn has it: a half-close cannot be told from a
+hang-up, and a hung-up request must free its slot and KV at once (Go's net/http and nginx do the same).
 
 The body's own time limit is applied where the app reads it (:mod:`.intake`).
 """
@@ -85,10 +86,6 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
             super().handle_events()
             if self.cycle is not before:          # a request's headers are complete
                 self._disarm()
-
-        def eof_received(self):
-            # a half-closed client still reads the reply to the request it sent; with nothing in flight, close
-            return True if self.cycle is not None and not self.cycle.response_complete else None
 
         def send_400_response(self, msg: str) -> None:
             self._refuse(APIError(400, f"the request is not valid HTTP/1.1: {msg}", code="invalid_http"))
