@@ -46,6 +46,48 @@ ONLY_WORDS = ("/tokenize", "/detokenize", "/infill", "/slots", "/props", "/apply
               "post_sampling_probs", "return_tokens", "\"/completion\"", "'/completion'", "n_cmpl", "reasoning",
               "is_processing", "truncated", "generation_settings", "system_fingerprint", "n_indent", "lora",
               "x-response-time", "t_max_predict_ms", "samplers", "/v1/messages", "image")
+# tests read one by one: (class, why), by test function (any parameters)
+KNOWN = {
+    "test_load_split_model": ("llama-server only", "a split GGUF fetched from a hub"),
+    "test_server_multiple_addresses": ("llama-server only", "several --host addresses"),
+    "test_server_props": ("llama-server only", "/props"),
+    "test_server_slots": ("llama-server only", "/slots"),
+    "test_server_models": ("llama-server only", "its --alias renames the model; here --alias adds a name"),
+    "test_server_model_aliases_and_tags": ("llama-server only", "--tags, aliases in /v1/models"),
+    "test_no_ui": ("llama-server only", "its web UI at / (another branch adds a page)"),
+    "test_access_static_assets_without_api_key": ("llama-server only", "its web UI's files at /"),
+    "test_apply_chat_template": ("llama-server only", "/apply-template"),
+    "test_chat_completions_token_count": ("llama-server only", "/chat/completions/input_tokens"),
+    "test_context_size_exceeded": ("llama-server only", ("its error type exceed_context_size_error; OpenAI's "
+                                                         "invalid_request_error / context_length_exceeded here")),
+    "test_context_size_exceeded_stream": ("llama-server only", "as test_context_size_exceeded"),
+    "test_return_progress": ("llama-server only", "return_progress events"),
+    "test_verbose_debug": ("llama-server only", "the __verbose debug field"),
+    "test_metrics_disabled": ("llama-server only", "/metrics only with --metrics; here always"),
+    "test_correct_api_key_anthropic_header": ("llama-server only", "Anthropic's x-api-key header"),
+    "test_cors_options": ("llama-server only", "CORS for any origin by default; refused here by design (issue 32)"),
+    "test_cors_proxy_only_forwards_explicit_proxy_headers": ("llama-server only", "its CORS proxy"),
+    "test_local_media_file": ("llama-server only", "multimodal media files"),
+    "test_logprobs_stream": ("llama-server only", "first chunk's content null; OpenAI sends \"\" as here"),
+    "test_chat_completion_with_openai_library": ("llama-server only", "system_fingerprint 'b<build>'"),
+    "test_completion_with_openai_library": ("llama-server only", "system_fingerprint 'b<build>'"),
+    "test_chat_template": ("llama-server only", "built-in template names (--chat-template NAME)"),
+    "test_chat_template_assistant_prefill": ("llama-server only", "assistant prefill (continue the last message)"),
+    "test_chat_template_continue_final_message_vllm_compat": ("llama-server only", "continue_final_message"),
+    "test_completion_with_grammar": ("llama-server only", "grammar (structured output: another branch)"),
+    "test_completion_with_json_schema": ("llama-server only", "json_schema (structured output: another branch)"),
+    "test_completion_with_response_format": ("llama-server only", "response_format (another branch)"),
+    "test_embedding_pooling_none": ("llama-server only", "per-token embeddings (--pooling none)"),
+    "test_embedding_mixed_input": ("llama-server only", "prompts mixing ids and text, prompt objects"),
+    "test_embedding_content_text_same_as_string": ("llama-server only", "prompt objects with content parts"),
+    "test_embedding_error_prompt_too_long": ("llama-server only", "its message words ('too large')"),
+    "test_stream_resume_and_stop_with_slashed_model_name": ("llama-server only", "the router's model loading"),
+    "test_stream_resumes_after_reload_during_model_load": ("llama-server only", "the router's model loading"),
+    "test_stream_stop_during_model_load": ("llama-server only", "the router's model loading"),
+    "test_ctx_shift_enabled": ("llama-server only", "--context-shift"),
+    "test_ctx_shift_disabled_short_prompt": ("llama-server only", "/completion, n_predict -1 with ctx shift"),
+    "test_cancel_request": ("llama-server only", "/completion and its slot timings"),
+}
 MODEL_WORDS = ("match_regex", "Suddenly", "Looking", "tinyllama", "stories", "bert", "assert res.body[\"usage\"]",
                "prompt_tokens", "completion_tokens", "== n_predict", "predicted_n", "n_tokens", "embedding")
 
@@ -116,7 +158,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def classify(file: str, text: str) -> str:
+def classify(file: str, name: str, text: str) -> str:
+    known = KNOWN.get(name.split("[")[0])
+    if known is not None:
+        return known[0]
     if file in ONLY_FILES or any(w in text for w in ONLY_WORDS) or "no route" in text:
         return "llama-server only"
     if any(w in text for w in MODEL_WORDS):
@@ -162,9 +207,10 @@ def main() -> int:
             kind = "passed"
         else:
             text = (bad.get("message") or "") + "\n" + (bad.text or "")
-            kind = classify(file, text)
+            kind = classify(file, case.get("name") or "", text)
             first = next((ln.strip() for ln in (bad.get("message") or "").splitlines() if ln.strip()), "")
-            rows.append((kind, f"{file}::{case.get('name')}", first[:160]))
+            why = KNOWN.get((case.get("name") or "").split("[")[0], ("", ""))[1]
+            rows.append((kind, f"{file}::{case.get('name')}", f"{why}; {first[:120]}" if why else first[:160]))
         counts[kind] += 1
         by_file[file][kind] += 1
     kinds = ("passed", "model-specific text", "llama-server only", "ours", "skipped")
