@@ -175,6 +175,7 @@ def main() -> int:
     ap.add_argument("--per-test-s", type=int, default=180)
     ap.add_argument("--out", default=None)
     ap.add_argument("-k", default=None, help="pytest -k expression")
+    ap.add_argument("--junit", default=None, help="count an earlier run's junit XML instead of running")
     args = ap.parse_args()
     src = subprocess.run(["bash", str(REPO / "scripts" / "llama_sources.sh")], check=False, capture_output=True,
                          text=True)
@@ -195,7 +196,10 @@ def main() -> int:
     cmd = [sys.executable, "-m", "pytest", "-p", "llama_suite_plugin", "-q", "-o", "addopts=", "--junitxml",
            str(junit), "-p", "no:cacheprovider", *(["-k", args.k] if args.k else []), *files]
     t0 = time.monotonic()
-    subprocess.run(cmd, cwd=tests, env=env, stdout=subprocess.DEVNULL if args.out else None, check=False)
+    if args.junit:
+        junit = Path(args.junit)
+    else:
+        subprocess.run(cmd, cwd=tests, env=env, stdout=subprocess.DEVNULL if args.out else None, check=False)
     elapsed = time.monotonic() - t0
     rows, counts, by_file = [], Counter(), defaultdict(Counter)
     for case in ET.parse(junit).getroot().iter("testcase"):
