@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import uvicorn
 from starlette.applications import Starlette
@@ -38,15 +39,30 @@ class _Server(uvicorn.Server):
         self.runtime, self.grace_s = runtime, grace_s
         self.stopped_by: int | None = None
         self.signals = 0
+        self.prep = None                              # the app's Prep: prompts being tokenised
 
     def handle_exit(self, sig: int, frame) -> None:
         self.signals += 1
         if self.signals == 2:                         # stop now, still cleanly: every reply ends in JSON
-            self.runtime.shutdown_after(0.0)
+            self._stop_engine(0.0)
             return
-        self.runtime.shutdown_after(self.grace_s)     # the engine cancels what is left; streams end cleanly
+        if self.signals == 1:
+            self.runtime.drain()                      # new requests: 503 from now on
+            self._stop_engine(self.grace_s)           # the engine cancels what is left; streams end cleanly
         self.stopped_by = self.stopped_by or sig
         super().handle_exit(sig, frame)               # a third: uvicorn's force exit
+
+    def _stop_engine(self, grace_s: float) -> None:
+        """``runtime.shutdown_after`` once no prompt is being tokenised (within the grace period): an idle engine
+        told to stop closes the model, and no tokeniser thread may be inside llama.cpp then."""
+        at = time.monotonic() + grace_s
+
+        def attempt():
+            if self.prep is not None and self.prep.preparing and time.monotonic() < at:
+                threading.Timer(0.02, attempt).start()
+                return
+            self.runtime.shutdown_after(max(0.0, at - time.monotonic()))
+        attempt()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -103,7 +119,9 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0, access_log=False,
                             lifespan="on", server_header=False, date_header=True, timeout_keep_alive=keep_alive_s,
                             http=protocol, limit_concurrency=protocol.limit_connections + 1)   # the protocol caps
-    return _Server(config, runtime, grace_s), app
+    server = _Server(config, runtime, grace_s)
+    server.prep = app.state.prep
+    return server, app
 
 
 def serve(runtime: Runtime, app_config: AppConfig, sock: socket.socket, *, grace_s: float = 10.0,
