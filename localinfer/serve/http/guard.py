@@ -121,18 +121,27 @@ class Guard:
         return _hostname(rest) in LOCAL_ORIGIN_HOSTS or _hostname(rest).endswith(".localhost")
 
     @staticmethod
-    def _preflight(origin: str, headers: dict[str, str]) -> Response:
+    def _preflight(origin: str, headers: dict[str, str]):
+        """200 (as llama-server and Starlette's CORS answer it), the names capitalised as browsers show them
+        (header names are case-blind, but some clients read them from a plain dict)."""
         asked = headers.get("access-control-request-headers", "")
         allow = ", ".join(h.strip() for h in asked.split(",") if h.strip() and len(h) < 100) or "content-type"
-        return Response(status_code=200, headers={         # 200 as llama-server and Starlette's CORS answer
-            "access-control-allow-origin": origin, "access-control-allow-methods": ALLOW_METHODS,
-            "access-control-allow-headers": allow, "access-control-max-age": PREFLIGHT_MAX_AGE, "vary": "Origin"})
+        raw = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")),
+               (b"Access-Control-Allow-Methods", ALLOW_METHODS.encode()),
+               (b"Access-Control-Allow-Headers", allow.encode("latin-1")),
+               (b"Access-Control-Max-Age", PREFLIGHT_MAX_AGE.encode()), (b"Vary", b"Origin"),
+               (b"content-length", b"0")]
+
+        async def answer(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": raw})
+            await send({"type": "http.response.body", "body": b""})
+        return answer
 
 
 def _with_cors(send, origin: str):
     async def wrapped(message):
         if message["type"] == "http.response.start":
-            extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+            extra = [(b"Access-Control-Allow-Origin", origin.encode("latin-1")), (b"Vary", b"Origin")]
             message = dict(message, headers=[*message.get("headers", []), *extra])
         await send(message)
     return wrapped
