@@ -89,8 +89,8 @@ KNOWN = {
     "test_cancel_request": ("llama-server only", "/completion and its slot timings"),
     "test_chat_completion_stream": ("llama-server only", "first chunk's content null; OpenAI sends \"\" as here"),
     "test_correct_api_key": ("llama-server only", "its native /completions ('content'); here OpenAI's (issue 32)"),
-    "test_cors_origins_localhost_rejects": ("llama-server only", "a foreign origin's preflight is 200 without CORS "
-                                            "headers there, 403 here (issue 32)"),
+    "test_cors_origins_localhost_rejects": ("llama-server only", ("a foreign origin's preflight is 200 without "
+                                                                  "CORS headers there, 403 here (issue 32)")),
     "test_embedding_pooling_none_oai": ("llama-server only", "--pooling none (the shim drops --pooling)"),
     "test_metrics_prometheus_format": ("llama-server only", "its Process-Start-Time-Unix header"),
     "test_metrics_embedding_prompt_is_counted": ("llama-server only", "its Process-Start-Time-Unix header"),
