@@ -94,6 +94,7 @@ KNOWN = {
     "test_embedding_pooling_none_oai": ("llama-server only", "--pooling none (the shim drops --pooling)"),
     "test_metrics_prometheus_format": ("llama-server only", "its Process-Start-Time-Unix header"),
     "test_metrics_embedding_prompt_is_counted": ("llama-server only", "its Process-Start-Time-Unix header"),
+    "test_responses_with_openai_library": ("model-specific text", "its model's text ('Suddenly')"),
     "test_chat_completion_cached_tokens": ("model-specific text", "its model's token counts"),
     "test_invalid_chat_completion_req": ("model-specific text", "SmolLM2's template takes two assistant turns"),
     "test_ctx_shift_disabled_stream": ("model-specific text", "SmolLM2 stops before 256 tokens"),

@@ -27,8 +27,9 @@ def test_no_model_name_is_the_loaded_model(srv):
     """llama-server's own clients (and its test suite) send no model at all."""
     for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/completions", {"prompt": "Hi"}),
                        ("/v1/embeddings", {"input": "Hi"})):
-        r = httpx.post(srv.url + path, json={**body, "max_tokens": 2}, timeout=60)
-        assert r.status_code == 200 and r.json()["model"] == MODEL_ID, r.text
+        for model in ({}, {"model": None}):
+            r = httpx.post(srv.url + path, json={**body, **model, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == MODEL_ID, r.text
 
 
 def test_strict_model_names_answer_404_without_echoing_a_huge_name(default_model):

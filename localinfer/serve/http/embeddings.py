@@ -170,7 +170,7 @@ def routes(srv) -> list:
         body = await srv.body(request)
         if not isinstance(body, dict):
             raise bad(None, f"the request body must be a JSON object, got {_kind(body)}")
-        model = body.get("model", "")
+        model = "" if body.get("model") is None else body["model"]
         if not isinstance(model, str):
             raise bad("model", f"model must be a string, got {_kind(model)}")
         srv.check_model(model)

@@ -87,7 +87,8 @@ def parse(body, *, chat: bool, deadline_header: str | None = None) -> Generation
         if name in body and body[name] is not None and not any(body[name] == v for v in neutral):
             raise bad(name, f"{name} is a llama-server field this server does not implement; leave it out",
                       code="unsupported_parameter")
-    model = body.get("model", "")              # optional, as llama-server and vLLM have it: the loaded model
+    model = body.get("model")
+    model = "" if model is None else model      # optional (or null), as llama-server and vLLM have it
     if not isinstance(model, str):
         raise bad("model", f"model must be a string, got {_kind(model)}")
     kw: dict = {"chat": chat, "model": model}
