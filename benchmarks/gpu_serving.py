@@ -96,10 +96,10 @@ from cuda_backend.paged_graphs import PagedGraphs
 from cuda_backend.serving import BLOCK_TOKENS
 from localinfer.backends.executor import Chunk
 from localinfer.plan.paging import blocks_for
+from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
 from localinfer.serve.request import Request
-from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.scheduler import SchedulerConfig
 
 CHAPTER_MS = {1: 26.26, 4: 26.62, 16: 27.44, 64: 29.63}   # vLLM, RTX PRO 6000, Qwen3-8B bf16, 2K, graphs off
 TARGETS = {"batch1_mbu": 0.70, "batch64_x_roofline": 1.25, "ours_over_transformers": 1.3}
@@ -291,8 +291,8 @@ def shared_prefix(run: Run, sz: Sizes, sharing: bool = True) -> dict:
     prefix = [int(t) for t in rng.integers(1, cfg.vocab_size, sz.prefix)]
     prompts = [tuple(prefix + [int(t) for t in rng.integers(1, cfg.vocab_size, sz.prompt - sz.prefix)])
                for _ in range(sz.n_req)]
-    bm = BlockManager(ex.pool.num_blocks, ex.block_size, prefix_cache=sharing, pool_hits=True)
-    e = Engine(ex, Scheduler(SchedulerConfig(max_running=sz.n_req, admission="reserve"), bm))
+    e = build_step_engine(ex, SchedulerConfig(max_running=sz.n_req, admission="reserve"),
+                          num_blocks=ex.pool.num_blocks, prefix_cache=sharing)
     tokens0, fwd0 = ex.tokens_computed, ex.forward_seconds
     sync(ex.device)
     t0 = time.perf_counter()
@@ -321,8 +321,8 @@ def shared_prefix(run: Run, sz: Sizes, sharing: bool = True) -> dict:
            "decode_step_ms": float(np.median(steps)) * 1e3 if steps else None,
            "decode_step_ms_mean": float(np.mean(steps)) * 1e3 if steps else None,
            "total_s": total, "forward_s": ex.forward_seconds - fwd0,
-           "cached_tokens": sorted({r.cached for r in reqs}), "blocks_peak": bm.peak_used,
-           "blocks_without_sharing": unshared, "block_ratio": bm.peak_used / unshared,
+           "cached_tokens": sorted({r.cached for r in reqs}), "blocks_peak": e.blocks.peak_used,
+           "blocks_without_sharing": unshared, "block_ratio": e.blocks.peak_used / unshared,
            "outputs": [list(r.output) for r in reqs[:2]], "all_finished": all(r.finished for r in reqs)}
     run.state["outputs_" + ("shared" if sharing else "unshared")] = [list(r.output) for r in reqs]
     if not sharing and "outputs_shared" in run.state:
@@ -331,7 +331,7 @@ def shared_prefix(run: Run, sz: Sizes, sharing: bool = True) -> dict:
     run.say(f"shared prefix ({'on' if sharing else 'off'}): {sz.n_req} x {sz.prompt} tokens, {sz.prefix} shared: "
             f"prefill {prefill:.2f} s ({prefill_tokens} tokens computed; the first request {t_first:.2f} s), "
             f"decode {out['decode_step_ms'] or float('nan'):.2f} ms/step ({len(steps)} steps of {sz.n_req}), "
-            f"blocks {bm.peak_used} vs {unshared} unshared ({out['block_ratio']:.2f}x)")
+            f"blocks {e.blocks.peak_used} vs {unshared} unshared ({out['block_ratio']:.2f}x)")
     return out
 
 

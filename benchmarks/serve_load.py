@@ -3,7 +3,7 @@
     python benchmarks/serve_load.py --url http://127.0.0.1:8080/v1 [--concurrency 1,4,8] [--rate 0.5,1]
     python benchmarks/serve_load.py MODEL.gguf --threads 2 --ctx 4096 --parallel 8     # starts localinfer serve
 
-The same code and flags as ``localinfer bench serve`` (:mod:`localinfer.serve.loadgen`, which describes
+The same code and flags as ``localinfer bench serve`` (:mod:`localinfer.loadgen.load`, which describes
 what is sent, measured and polled, and the ``peaks`` keys); this script differs only in its output: the
 JSON goes to ``--out FILE`` (written atomically) or to stdout, and one summary line per run to stderr.
 MODEL ``default`` is the embedded model.  Only 127.0.0.1 servers are expected here; the URL is whatever
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from localinfer.commands.bench import add_load_arguments, serve_document
 from localinfer.errors import LocalinferError
-from localinfer.serve.loadgen import ProgressBar, render_table
+from localinfer.loadgen.load import ProgressBar, render_table
 from localinfer.util.atomic import atomic_write
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_peers import free_port, machine, stop, wait_ready   # noqa: E402
 from localinfer.model.sources import resolve_model                 # noqa: E402
-from localinfer.serve.loadgen import KEEPALIVE_S, RESEND_WITHIN_S, WORDS   # noqa: E402
+from localinfer.loadgen.load import KEEPALIVE_S, RESEND_WITHIN_S, WORDS   # noqa: E402
 from localinfer.util.stats import percentile                        # noqa: E402
 
 

@@ -78,7 +78,7 @@ def commands(args, model: str, ctx: int, ports: dict[str, int]) -> dict[str, lis
     t = str(args.threads)
     out = {"localinfer": [sys.executable, "-m", "localinfer", "serve", model, "--port", str(ports["localinfer"]),
                           "--parallel", "8",
-                          "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024"]}
+                          "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024", *args.serve_arg]}
     if args.llama_server:
         out["llama-server"] = [args.llama_server, "-m", model, "--host", "127.0.0.1",
                                "--port", str(ports["llama-server"]),
@@ -219,6 +219,7 @@ def ratios(rows: list[dict], peer: str) -> str:
     cells = lambda run, _: run.get("peaks", {}).get("localinfer_kv_blocks_used") or \
         run.get("peaks", {}).get("llama_server_slot_tokens")
     return (f"tok/s {med('output_tok_s')}  TTFT p50 {med('ttft_p50_ms')}  p95 {med('ttft_p95_ms')}"
+            f"  ITL p99 {med('itl_p99_ms')}  max gap {med('gap_max_ms')}  e2e p95 {med('e2e_p95_ms')}"
             f"  goodput {med('goodput_req_s')}  cells {med(None, cells)}")
 
 
@@ -227,7 +228,8 @@ def table(results: list[dict]) -> str:
     for sc in (sc for sc in results if sc["levels"]):
         lines.append(f"\n[{sc['scenario']}] ctx {sc['ctx']}, {' '.join(sc['load'])}")
         names = [n for n in ("localinfer", "llama-server", "llama-cpp-python") if n in sc["levels"][0]]
-        head = (f"{'level':<21}{'server':<18}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'e2e p50':>9}"
+        head = (f"{'level':<21}{'server':<18}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}"
+                f"{'p99':>8}{'p99.9':>8}{'max gap':>9}{'e2e p50':>9}{'p95':>8}{'p99':>8}"
                 f"{'good/s':>8}{'ok':>7}{'peak cells':>11}")
         lines.append(head)
         for row in sc["levels"]:
@@ -236,9 +238,12 @@ def table(results: list[dict]) -> str:
                 p = r.get("peaks", {})
                 cells = p.get("localinfer_kv_blocks_used") or p.get("llama_server_slot_tokens")
                 level = row["level"] + (f" #{row['round']}" if row.get("round", 1) > 1 else "")
+                ms = lambda key, w: f"{r.get(key) or 0:>{w - 2}.0f}ms"
                 lines.append(f"{level:<21}{n:<18}{r['output_tok_s']:>8.1f}"
                              f"{(r['ttft_p50_ms'] or 0) / 1e3:>9.2f}s{(r['ttft_p95_ms'] or 0) / 1e3:>9.2f}s"
-                             f"{(r['e2e_p50_ms'] or 0) / 1e3:>8.2f}s{r['goodput_req_s']:>8.3f}"
+                             f"{ms('itl_p50_ms', 9)}{ms('itl_p99_ms', 8)}{ms('itl_p99.9_ms', 8)}{ms('gap_max_ms', 9)}"
+                             f"{(r['e2e_p50_ms'] or 0) / 1e3:>8.2f}s{(r['e2e_p95_ms'] or 0) / 1e3:>7.2f}s"
+                             f"{(r['e2e_p99_ms'] or 0) / 1e3:>7.2f}s{r['goodput_req_s']:>8.3f}"
                              f"{r['ok']:>4}/{r['requests']:<3}{cells if cells else '-':>10}")
             for n in names[1:]:
                 lines.append(f"{'':<21}{'ratio vs ' + n:<34}" + ratios([row], n))
@@ -264,6 +269,8 @@ def main(argv=None) -> int:
                          "the table adds the median of the rounds' ratios")
     ap.add_argument("--levels", default=None, metavar="LIST",
                     help="comma-separated levels to run, as the table names them (e.g. '--concurrency 4')")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                    help="one more argument for localinfer serve (repeatable), e.g. --serve-arg=--max-gap=off")
     ap.add_argument("--out", default="benchmarks/results/serve_peers_cpu")
     ap.add_argument("--smoke", action="store_true", help=f"tiny loads ({SMOKE}): checks the script runs")
     args = ap.parse_args(argv)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_peers import SCENARIOS, commands, free_port, machine, stop, wait_ready   # noqa: E402
 from localinfer.model.sources import resolve_model                                            # noqa: E402
-from localinfer.serve.loadgen import KEEPALIVE_S, prompts                                     # noqa: E402
+from localinfer.loadgen.load import KEEPALIVE_S, prompts                                     # noqa: E402
 from localinfer.util.stats import percentile                                                  # noqa: E402
 
 SCENARIO = SCENARIOS["prefix"]

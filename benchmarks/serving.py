@@ -151,10 +151,9 @@ def identity(model: str, out: list[str]) -> None:
 
 
 def shared_prefix(model: str, out: list[str], prefix_len: int = 1008, n: int = 6, slots: int = 3) -> None:
-    from localinfer.serve.block_manager import BlockManager
-    from localinfer.serve.engine import Engine
+    from localinfer.serve.assembly import build_step_engine
     from localinfer.serve.request import Request
-    from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+    from localinfer.serve.scheduler import SchedulerConfig
 
     ttft = {}
     with LlamaCppExecutor.open(model, n_slots=slots, n_ctx=4096, threads=1) as ex:
@@ -162,8 +161,7 @@ def shared_prefix(model: str, out: list[str], prefix_len: int = 1008, n: int = 6
         system = ex.engine.tokenize(text, add_bos=True)[:prefix_len]
         prompts = [tuple(system + ex.engine.tokenize(f" Question {i}: {q}")) for i, q in enumerate(QUESTIONS)]
         for cache in (True, False):
-            blocks = BlockManager(ex.n_cells // 16, 16, prefix_cache=cache, pool_hits=False)
-            eng = Engine(ex, Scheduler(SchedulerConfig(max_running=slots), blocks))
+            eng = build_step_engine(ex, SchedulerConfig(max_running=slots), block_tokens=16, prefix_cache=cache)
             first = eng.add_request(Request("r0", prompts[0], 4, arrival_s=ex.clock()))
             while not first.output:
                 eng.step()
@@ -175,7 +173,7 @@ def shared_prefix(model: str, out: list[str], prefix_len: int = 1008, n: int = 6
                 cells = ex.cells_used()
                 shared = prefix_len if cache and running else 0
                 formula = shared + sum(r.computed - shared for r in running)
-                exact &= cells == formula == blocks.tokens_in_use()
+                exact &= cells == formula == eng.blocks.tokens_in_use()
                 peak = max(peak, (cells, formula))
             ttft[cache] = statistics.median(r.ttft_s for r in rest)
             if cache:

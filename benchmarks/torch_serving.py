@@ -35,10 +35,9 @@ from cuda_backend.engine import TorchEngine
 from cuda_backend.serving import open_executor
 from localinfer.backends.engine import LoadPlan
 from localinfer.model.sources import default_model_path
-from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.request import Request
-from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.scheduler import SchedulerConfig
 
 N_REQUESTS = 8
 
@@ -46,8 +45,7 @@ N_REQUESTS = 8
 def serve(path, prompts, n_tokens: int, slots: int, threads: int) -> dict:
     ctx = len(prompts[0]) + n_tokens
     with open_executor(path, n_slots=slots, n_ctx=ctx, threads=threads, device="cpu") as ex:
-        blocks = BlockManager(ex.pool.num_blocks, ex.block_size, pool_hits=ex.restores_cached_prefix)
-        engine = Engine(ex, Scheduler(SchedulerConfig(max_running=slots), blocks))
+        engine = build_step_engine(ex, SchedulerConfig(max_running=slots))
         reqs = [engine.add_request(Request(str(i), p, n_tokens)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         engine.run()

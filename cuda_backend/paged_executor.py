@@ -40,7 +40,7 @@ from typing import Self
 import numpy as np
 import torch
 
-from localinfer.backends.executor import check_chunks, check_slot
+from localinfer.backends.executor import ExecutorBase, check_chunks, check_slot
 from localinfer.errors import ContextFullError, UsageError
 
 from .memory import TORCH_BLOCK_TOKENS
@@ -62,7 +62,7 @@ def _to_host(t: torch.Tensor) -> np.ndarray:
     return host.numpy()
 
 
-class PagedExecutor:
+class PagedExecutor(ExecutorBase):
     """``n_slots`` sequences over a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
     verifies_drafts = True      # honours Chunk.n_logits (the last n rows of a chunk, for draft verification)
@@ -131,8 +131,11 @@ class PagedExecutor:
         self.tokens_computed += sum(len(c.tokens) for c in chunks)
         return rows
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> None:
-        """Slot ``dst`` (empty) shares positions [0, n_tokens) of ``src``: its blocks, no recompute."""
+    def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
+        """Slot ``dst`` (empty) shares positions [0, n_tokens) of ``src``: its blocks, no recompute; n_tokens.
+        (``append`` is for executors that park KV in host memory; this one keeps every block in its pool.)"""
+        if append:
+            raise ValueError("the paged executor parks no KV in host memory: copy into an empty slot")
         self._check_slot(src)
         self._check_slot(dst)
         if src == dst or self.lens[dst]:
@@ -147,6 +150,7 @@ class PagedExecutor:
                 self.alloc.ref(b)
         self.tables[dst] = list(shared)
         self.lens[dst] = n_tokens
+        return n_tokens
 
     def restore(self, slot: int, n_tokens: int) -> None:
         """Positions [held, n_tokens) of ``slot`` come back from the pool (a prefix cached in blocks no slot
@@ -179,9 +183,8 @@ class PagedExecutor:
 
     def close(self) -> None:
         """Free the pool and graphs; close the tokenizer if ``serving.open_executor`` attached one."""
-        vocab = getattr(self, "vocab", None)
-        if vocab is not None:
-            vocab.close()
+        if self.vocab is not None:
+            self.vocab.close()
             self.vocab = None
         self.pool = self.graphs = None
 

@@ -119,3 +119,9 @@ def open_plan(plan: LoadPlan, **options) -> PagedExecutor:
                          device=device, dtype=plan.dtype, threads=plan.n_threads,
                          num_blocks=torch_pool_blocks(-(-plan.n_ctx // n_seq), n_seq, BLOCK_TOKENS),
                          packed=bool(plan.options.get("packed")), quiet=plan.options.get("quiet", True), **options)
+
+
+def open_serving(plan: LoadPlan, *, running: int) -> PagedExecutor:
+    """The serving executor (the registry's factory): ``running`` slots over the plan's pool (its blocks keep
+    finished requests' prefixes, so it parks no sequences)."""
+    return open_plan(plan.with_(n_seq=running))

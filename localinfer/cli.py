@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "report": "cross-device capacity and speed report",
     "replay": "replay a request trace through the serving scheduler on a simulated clock",
     "serve": "an OpenAI-compatible HTTP server on the serving engine",
+    "worker": "serve this machine's devices to other hosts (llama.cpp RPC)",
 }
 
 

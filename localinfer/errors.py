@@ -19,10 +19,12 @@ __all__ = [
     "DoesNotFitError",
     "BackendUnavailableError",
     "TemplateError",
+    "GrammarError",
     "ContextFullError",
     "ProfileError",
     "OutputError",
     "RemoteServerError",
+    "WorkerError",
     "exit_code",
 ]
 
@@ -76,6 +78,14 @@ class TemplateError(LocalinferError):
     """A chat template failed to render, was refused by the sandbox, or ran too long."""
 
 
+class GrammarError(UsageError):
+    """A JSON schema, regex, choice list, Lark grammar or tool definition that cannot be compiled to a grammar;
+    ``field`` names where it came from (``response_format.json_schema.schema``, ``--grammar``)."""
+
+    def __init__(self, message: str, *, field: str, hint: str | None = None, **facts):
+        super().__init__(message, flag=field, hint=hint, field=field, **facts)
+
+
 class ContextFullError(LocalinferError):
     """The prompt (or prompt plus reservation) does not fit in the context."""
 
@@ -90,6 +100,12 @@ class OutputError(LocalinferError):
 
 class RemoteServerError(LocalinferError):
     """A server being load-tested cannot be reached, did not start, or answered outside the OpenAI API."""
+
+
+class WorkerError(LocalinferError):
+    """A llama.cpp RPC worker cannot be reached, is busy, speaks another protocol version, or went away."""
+
+    exit_code = 4
 
 
 def exit_code(exc: BaseException) -> int:

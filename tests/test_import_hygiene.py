@@ -23,7 +23,9 @@ RUNTIMES = ("localinfer.backends.llamacpp.engine", "localinfer.backends.llamacpp
             "localinfer.backends.mlx.weights", "localinfer.backends.mlx.reference", "cuda_backend")
 MEMORY_MODULES = ("localinfer/backends/memory.py", "localinfer/backends/llamacpp/memory.py",
                   "localinfer/backends/llamacpp/placement.py", "localinfer/backends/llamacpp/compute_buffer.py",
-                  "localinfer/backends/mlx/memory.py", "cuda_backend/memory.py")
+                  "localinfer/backends/mlx/memory.py", "cuda_backend/memory.py", "localinfer/backends/split.py",
+                  "localinfer/backends/llamacpp/split.py", "localinfer/backends/llamacpp/split_compute.py",
+                  "localinfer/backends/llamacpp/rpc_probe.py")
 ABOVE_BACKENDS = ("localinfer.plan", "localinfer.generation", "localinfer.serve", "localinfer.report",
                   "localinfer.commands", "localinfer.cli")
 MAX_LINES = 500
@@ -41,7 +43,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "cuda_backend": ABOVE_BACKENDS,
     "localinfer/generation": ("localinfer.serve", "localinfer.report", "localinfer.commands", "localinfer.cli",
                             *RUNTIMES, *HEAVY),
-    "localinfer/serve": ("localinfer.report", "localinfer.commands", "localinfer.cli"),
+    # the step engine and the server see the backends' contracts and registry only: no backend by name
+    "localinfer/serve": ("localinfer.report", "localinfer.commands", "localinfer.cli", "localinfer.loadgen",
+                         "localinfer.backends.llamacpp", "localinfer.backends.mlx", "cuda_backend", *HEAVY),
+    "localinfer/loadgen": ("localinfer.commands", "localinfer.cli"),
     "localinfer/report": ("localinfer.generation", "localinfer.serve", "localinfer.commands", "localinfer.cli",
                           *RUNTIMES, *HEAVY),
 }

@@ -14,12 +14,17 @@ another's first tokens without recomputing them (a prefix-cache hit; llama.cpp:
 slot's positions from ``start`` on (``llama_memory_seq_rm``).  ``cells_used`` is
 the number of KV cells holding at least one sequence's token, so the block
 manager's count can be checked against the backend's.
+
+What an executor can do beyond that is declared once, in :class:`ExecutorCaps`
+(read as ``executor.caps``); :class:`ExecutorBase` gives every member of the
+contract a safe default, and a wrapper forwards its inner executor's ``caps``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -39,26 +44,171 @@ class Chunk:
     blocks: tuple[int, ...] = ()  # the slot's block table after this step, for paging executors; others ignore it
 
 
+@dataclass(frozen=True)
+class ExecutorCaps:
+    """What an executor can do beyond the core contract; the defaults are the safe answers."""
+
+    n_cells: int = 0                      # KV cells in all (0: not counted in cells)
+    slot_cells: int = 0                   # the most positions one slot holds (0: no limit of its own)
+    block_size: int | None = None         # a paging executor's KV block (the block manager must use it)
+    unified: bool = True                  # one pool of cells for every slot (False: a stream per slot)
+    restores_cached_prefix: bool = False  # ``restore`` brings back a cached prefix no slot holds (a paged pool)
+    verifies_drafts: bool = False         # honours ``Chunk.n_logits`` (several logits rows of one chunk)
+    drops_tail: bool = False              # ``drop(slot, start > 0)`` cuts a slot's tail (not a recurrent model)
+    parks_in_host: bool = False           # ``park`` moves a slot's KV to host memory (decided at load)
+
+
 @runtime_checkable
 class Executor(Protocol):
     n_slots: int              # sequence slots available
     n_vocab: int
 
+    @property
+    def caps(self) -> ExecutorCaps:
+        """What this executor can do (see :class:`ExecutorCaps`)."""
+
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
         """Append every chunk in one forward pass; logits rows (float32, n_vocab) by slot for those asking."""
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> None:
-        """Slot ``dst`` (empty) shares positions [0, n_tokens) of slot ``src`` without recompute (an executor that
-        ``parks_in_host`` returns the tokens dst holds after it: fewer when a write-back found no cells)."""
+    def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
+        """Slot ``dst`` (empty; with ``append``, already holding a prefix of the same tokens) shares positions up to
+        ``n_tokens`` of slot ``src`` without recompute; the tokens dst holds after it (fewer than ``n_tokens`` only
+        when a write-back from host memory found no cells: compute the rest)."""
 
     def drop(self, slot: int, start: int = 0) -> None:
         """Forget positions >= start of ``slot`` (0: the whole slot)."""
 
+    def park(self, slot: int) -> bool | None:
+        """Move ``slot``'s KV to host memory: True when there, False when it does not fit beside the parked
+        states, None when it never will (or the executor does not park in host memory)."""
+
+    def restore(self, slot: int, n_tokens: int) -> None:
+        """Bring positions up to ``n_tokens`` of ``slot`` back from the cached pool (``restores_cached_prefix``)."""
+
     def cells_used(self) -> int:
         """KV cells that hold a token of any slot."""
 
+    def host_cells(self) -> int:
+        """Positions the host memory for parked KV holds (0 without ``parks_in_host``)."""
+
+    def host_tokens(self) -> int:
+        """Positions parked in host memory now."""
+
     def clock(self) -> float:
         """Seconds on the executor's clock: wall time for real backends, virtual time for the simulator."""
+
+    def idle_until(self, t: float) -> None:
+        """Wait for the clock to reach ``t`` (nothing to compute before then): sleep, or advance a virtual clock."""
+
+
+class ExecutorBase:
+    """The contract with its safe defaults: an executor subclasses this and sets what it can do."""
+
+    n_slots: int
+    n_vocab: int
+    n_cells: int = 0
+    slot_cells: int = 0
+    block_size: int | None = None
+    unified: bool = True
+    restores_cached_prefix: bool = False
+    verifies_drafts: bool = False
+    drops_tail: bool = False
+    parks_in_host: bool = False
+    decode_seconds: float = 0.0          # seconds inside the backend's forward passes (0: not counted)
+    vocab = None                         # the model's tokenizer (tokenize, token_bytes, eos_ids), where it has one
+
+    @property
+    def caps(self) -> ExecutorCaps:
+        return ExecutorCaps(**{f.name: getattr(self, f.name) for f in fields(ExecutorCaps)})
+
+    def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
+        raise NotImplementedError
+
+    def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
+        raise NotImplementedError
+
+    def drop(self, slot: int, start: int = 0) -> None:
+        raise NotImplementedError
+
+    def park(self, slot: int) -> bool | None:
+        return None
+
+    def restore(self, slot: int, n_tokens: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} keeps KV only in its slots: it restores no cached prefix")
+
+    def cells_used(self) -> int:
+        raise NotImplementedError
+
+    def host_cells(self) -> int:
+        return 0
+
+    def host_tokens(self) -> int:
+        return 0
+
+    def clock(self) -> float:
+        return time.perf_counter()
+
+    def idle_until(self, t: float) -> None:
+        time.sleep(max(0.0, min(t - self.clock(), 0.05)))
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ExecutorWrapper(ExecutorBase):
+    """An executor around another: every call and ``caps`` forwarded to ``inner`` (override what it adds)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.n_slots = inner.n_slots
+        self.n_vocab = inner.n_vocab
+
+    @property
+    def caps(self) -> ExecutorCaps:
+        return self.inner.caps
+
+    @property
+    def vocab(self):
+        return self.inner.vocab
+
+    def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
+        return self.inner.step(chunks)
+
+    def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
+        return self.inner.copy(src, dst, n_tokens, append=True) if append else self.inner.copy(src, dst, n_tokens)
+
+    def drop(self, slot: int, start: int = 0) -> None:
+        self.inner.drop(slot, start)
+
+    def park(self, slot: int) -> bool | None:
+        return self.inner.park(slot)
+
+    def restore(self, slot: int, n_tokens: int) -> None:
+        self.inner.restore(slot, n_tokens)
+
+    def cells_used(self) -> int:
+        return self.inner.cells_used()
+
+    def host_cells(self) -> int:
+        return self.inner.host_cells()
+
+    def host_tokens(self) -> int:
+        return self.inner.host_tokens()
+
+    def clock(self) -> float:
+        return self.inner.clock()
+
+    def idle_until(self, t: float) -> None:
+        self.inner.idle_until(t)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def check_slot(slot: int, n_slots: int) -> None:

@@ -57,18 +57,35 @@ class Term:
     formula: str
     buffer: str | None = None   # the llama.cpp buffer, e.g. "CUDA0 model", "CPU_Mapped model"
     reported: int | None = None  # what llama.cpp prints for that buffer, when it differs from ``bytes``
+    resident: int | None = None  # bytes that must stay in memory, when fewer than ``bytes`` (a file mapping
+    #                              whose pages are read once at load, or a row at a time); None: all of them
+    resident_formula: str | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.bytes if self.resident is None else self.resident
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Every term of a plan's memory, split by pool.  On unified memory both pools are one."""
+    """Every term of a plan's memory, split by pool.  On unified memory both pools are one.
+
+    Two figures per pool: *mapped* (every buffer as the backend reports it, file
+    mappings whole: what a process monitor shows before memory pressure) and
+    *resident* (what must stay in memory: mapped pages that are read once at
+    load are clean and reclaimable, so they are left out).  The verdict uses the
+    resident figure, or the load peak when loading needs more (``load_peak``:
+    bytes held at the worst moment of loading, 0 when never more than after it).
+    """
 
     terms: tuple[Term, ...]
     unified: bool
     notes: tuple[str, ...] = field(default=())
+    load_peak: int = 0
+    load_peak_formula: str = ""
 
-    def sum(self, key: str | None = None, pool: str | None = None) -> int:
-        return sum(t.bytes for t in self.terms
+    def sum(self, key: str | None = None, pool: str | None = None, *, resident: bool = False) -> int:
+        return sum(t.resident_bytes if resident else t.bytes for t in self.terms
                    if (key is None or t.key == key) and (pool is None or t.pool == pool))
 
     @property
@@ -89,12 +106,25 @@ class MemoryBreakdown:
 
     @property
     def device_bytes(self) -> int:
-        """What the accelerator (or, on unified memory, the whole machine) must hold."""
-        return self.total if self.unified else self.sum(pool="device")
+        """What the accelerator (or, on unified memory, the whole machine) must hold: the resident bytes, or the
+        load peak when it is larger."""
+        if self.unified:
+            return max(self.sum(resident=True), self.load_peak)
+        return self.sum(pool="device", resident=True)
 
     @property
     def host_bytes(self) -> int:
-        return 0 if self.unified else self.sum(pool="host")
+        return 0 if self.unified else max(self.sum(pool="host", resident=True), self.load_peak)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes that must stay in memory after loading (device pool, or all on unified memory)."""
+        return self.sum(pool=None if self.unified else "device", resident=True)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Every buffer as the backend reports it, file mappings whole (device pool, or all on unified memory)."""
+        return self.sum(pool=None if self.unified else "device")
 
     @property
     def total(self) -> int:
@@ -105,7 +135,11 @@ class MemoryBreakdown:
             "unified": self.unified,
             "weights": self.weights, "kv": self.kv, "output": self.output, "compute": self.compute,
             "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "total": self.total,
-            "terms": [t.__dict__ for t in self.terms], "notes": list(self.notes),
+            "resident_bytes": self.resident_bytes, "mapped_bytes": self.mapped_bytes,
+            "weights_resident": self.sum("weights", resident=True),
+            "load_peak_bytes": self.load_peak, "load_peak_formula": self.load_peak_formula,
+            "terms": [dict(t.__dict__, resident_bytes=t.resident_bytes) for t in self.terms],
+            "notes": list(self.notes),
         }
 
 
@@ -123,7 +157,9 @@ class FitRequest:
     n_ubatch: int = 512
     n_outputs_max: int | None = None    # None: llama.cpp's default (n_batch)
     backend: str = "llama.cpp"
-    mmap: bool = True
+    mmap: bool = True                   # llama.cpp maps the file (its -lm mmap, the default)
+    mlock: bool = False                 # and locks what it maps or allocates (-lm mmap+mlock / mlock)
+    repack: bool = True                 # CPU weight repacking (llama.cpp's --no-repack turns it off)
     kv_unified: bool = False
     swa_full: bool = False              # llama.cpp CLI default; its C API (and llama-cpp-python) default to True
     n_ctx_total: int | None = None      # exact llama.cpp -c when it is not n_ctx × n_seq (check_load)
@@ -170,12 +206,17 @@ class BackendMemory(Protocol):
     of a kind ("cuda" | "metal" | "cpu") and why when not there; ``command`` the
     command line that realises a plan ("" when there is none); ``load_request``
     the FitRequest fields a LoadPlan implies; ``probes_cuda`` / ``computes_on_cpu``
-    which device ``run`` checks before loading.  ``offload``: it can split layers
-    between accelerator and host (``--gpu-layers``).
+    which device ``run`` checks before loading; ``load_variants`` other ways to
+    load the same plan that change its memory (label, FitRequest fields), for
+    fit to compare (empty when there are none).  ``offload``: it can split layers
+    between accelerator and host (``--gpu-layers``).  ``splits``: it can split a model
+    across devices and hosts, and then has ``split``, ``fitting_split`` and ``smallest_set``
+    (each answering :class:`localinfer.backends.split.SplitBreakdown`).
     """
 
     name: str
     offload: bool
+    splits: bool
     speed_modelled: bool      # the profiles' speed model (roofline × efficiencies) describes its kernels
 
     def runs_on(self, kind: str) -> tuple[str, str | None]: ...
@@ -190,9 +231,14 @@ class BackendMemory(Protocol):
 
     def load_request(self, plan: Any) -> dict: ...
 
+    def load_variants(self, spec: ModelSpec, device: Any, req: FitRequest) -> tuple[tuple[str, dict], ...]: ...
+
     def probes_cuda(self, plan: Any) -> bool: ...
 
     def computes_on_cpu(self, plan: Any, kind: str) -> bool: ...
+
+    def slot_cells(self, n_tokens: int) -> int:
+        """KV positions one sequence of ``n_tokens`` takes as the backend allocates it (its padding)."""
 
 
 def check_tokens(n_tokens: int, n_seq: int) -> None:
@@ -219,8 +265,12 @@ class OwnTensorsMemory:
     the KV grows, for the formula), ``runs_on``, ``resident_weights``, ``kv_bytes`` and ``load_request``."""
 
     offload = False
+    splits = False
     speed_modelled = False
     blocks = ""
+
+    def slot_cells(self, n_tokens: int) -> int:
+        return n_tokens
 
     def placement(self, spec, kind: str, dtype: str | None) -> tuple[str, str | None, str, int]:
         """(where it computes, why not on the device, weight dtype, bytes per value) on a device of ``kind``."""
@@ -241,3 +291,6 @@ class OwnTensorsMemory:
 
     def computes_on_cpu(self, plan, kind: str) -> bool:
         return (plan.device or "").lower() == "cpu" or self.runs_on(kind)[0] == "cpu"
+
+    def load_variants(self, spec, device, req) -> tuple:
+        return ()

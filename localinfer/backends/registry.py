@@ -1,4 +1,4 @@
-"""Backends by name, imported lazily: each name has an engine and, usually, a memory model.
+"""Backends by name, imported lazily: each name has an engine, usually a memory model, and maybe an executor.
 
 The runner and the CLI ask for an engine by name; ``fit`` and ``plan`` ask for
 the same name's memory model (:class:`localinfer.backends.memory.BackendMemory`),
@@ -7,6 +7,11 @@ backend until it is requested.  The built-in backends are registered exactly as
 third-party ones: through :func:`register`, or the ``localinfer.backends``
 entry-point group (value ``module:Class``; a memory model, if any, under the
 same name in ``localinfer.backend_memory``, value ``module:object``).
+
+A backend that serves (the step engine's :class:`~localinfer.backends.executor.Executor`)
+registers an executor factory ``open(plan, *, running) -> Executor``: ``plan.n_seq``
+sequence slots over ``plan.n_ctx`` KV cells in all, of which ``running`` run at once
+(the rest may park finished requests' KV, where the backend does that).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Backend:
     engine: str | type[Engine]          # "module:Class" or the class
     memory: str | object | None = None  # "module:object" or the object
     hint: str = ""
+    executor: str | object | None = None  # "module:function" or the function: open(plan, *, running) -> Executor
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -38,17 +44,20 @@ _ALIASES = {"llamacpp": "llama.cpp", "llama_cpp": "llama.cpp", "cpp": "llama.cpp
 _entry_points_loaded = False
 
 
-def register(name: str, target: str | type[Engine], hint: str = "", *, memory: str | object | None = None) -> None:
+def register(name: str, target: str | type[Engine], hint: str = "", *, memory: str | object | None = None,
+             executor: str | object | None = None) -> None:
     """Make a backend available by name; target is an Engine subclass or ``"module:Class"``, memory a
-    :class:`~localinfer.backends.memory.BackendMemory` or ``"module:object"`` (None: fit shows llama.cpp's)."""
-    _REGISTRY[name] = Backend(name, target, memory, hint)
+    :class:`~localinfer.backends.memory.BackendMemory` or ``"module:object"`` (None: fit shows llama.cpp's),
+    executor a serving executor factory or ``"module:function"`` (None: it does not serve)."""
+    _REGISTRY[name] = Backend(name, target, memory, hint, executor)
 
 
 register("llama.cpp", "localinfer.backends.llamacpp.engine:LlamaCppEngine",
          "pip install llama-cpp-python (see README for build flags)",
-         memory="localinfer.backends.llamacpp.memory:MEMORY")
+         memory="localinfer.backends.llamacpp.memory:MEMORY",
+         executor="localinfer.backends.llamacpp.executor:open_serving")
 register("torch", "cuda_backend.engine:TorchEngine", "pip install 'localinfer[torch]'",
-         memory="cuda_backend.memory:MEMORY")
+         memory="cuda_backend.memory:MEMORY", executor="cuda_backend.serving:open_serving")
 register("mlx", "localinfer.backends.mlx.engine:MLXEngine", "pip install 'localinfer[mlx]'",
          memory="localinfer.backends.mlx.memory:MEMORY")
 
@@ -112,3 +121,20 @@ def memory_model(name: str = DEFAULT_BACKEND):
 def load_engine(plan: LoadPlan, backend: str = DEFAULT_BACKEND) -> Engine:
     """Load a model with the named backend."""
     return get_backend(backend)(plan)
+
+
+def serving_backends() -> list[str]:
+    """The backends with a serving executor."""
+    _load_entry_points()
+    return [name for name, b in _REGISTRY.items() if b.executor is not None]
+
+
+def open_executor(plan: LoadPlan, backend: str = DEFAULT_BACKEND, *, running: int | None = None):
+    """The named backend's serving executor over ``plan`` (``running``: slots that run at once, default all)."""
+    entry = _REGISTRY[canonical(backend)]
+    if entry.executor is None:
+        raise UsageError(f"the {entry.name} backend has no serving executor", flag="--backend",
+                         hint="use one of " + ", ".join(serving_backends()))
+    factory = entry.executor if not isinstance(entry.executor, str) else _resolve(entry.executor, entry.name,
+                                                                                 entry.hint)
+    return factory(plan, running=plan.n_seq if running is None else running)

@@ -40,8 +40,16 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
     g.add_argument("-b", "--batch", dest="n_batch", type=int, default=None, metavar="N", help="prompt tokens per eval")
     g.add_argument("-ub", "--ubatch", dest="n_ubatch", type=int, default=None, metavar="N",
                    help="tokens per compute graph (smaller: less compute memory)")
+    g.add_argument("-lm", "--load-mode", default=None, choices=("mmap", "none", "mlock", "mmap+mlock"),
+                   help="llama.cpp: map the file (mmap, the default), read it into memory (none), lock it")
+    g.add_argument("--no-repack", action="store_true", default=None,
+                   help="llama.cpp: no CPU weight repacking (slower CPU matmuls, no anonymous copy)")
     g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template to use instead of the GGUF's")
     g.add_argument("--force", action="store_true", help="load even when the fit check says it does not fit")
+    g.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
+                   help="split the layers across these llama.cpp RPC workers (`localinfer worker` on each host)")
+    g.add_argument("-ts", "--tensor-split", default=None, metavar="A,B,...",
+                   help="layer shares per device, RPC workers first (default: by free memory, as llama.cpp)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -129,8 +137,75 @@ def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
               file=sys.stderr)
     names = ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn")
     options = {k: getattr(args, k, None) for k in names}
+    load = {**load_options(args), **split_options(args)}
+    if load:
+        options["options"] = {**load, **overrides.pop("options", {})}
     options.update(overrides)
     return load_plan(path, spec, ctx=args.ctx, force=getattr(args, "force", False), **options)
+
+
+def load_options(args: argparse.Namespace) -> dict:
+    """LoadPlan options for -lm and --no-repack (llama.cpp's load mode; the fit check models them)."""
+    mode, out = getattr(args, "load_mode", None), {}
+    if mode is not None:
+        out.update(mmap=mode in ("mmap", "mmap+mlock"), mlock="mlock" in mode)
+    if getattr(args, "no_repack", None):
+        out["repack"] = False
+    return out
+
+
+def split_options(args: argparse.Namespace) -> dict:
+    """LoadPlan options for --rpc (endpoints) and --tensor-split (shares); {} without them."""
+    from localinfer.plan.split import parse_shares
+
+    rpc, ts = getattr(args, "rpc", None), getattr(args, "tensor_split", None)
+    out = {}
+    if rpc:
+        from localinfer.backends.llamacpp.rpc_probe import parse_endpoints
+
+        out["rpc"] = tuple(parse_endpoints(rpc))
+    if ts:
+        out["tensor_split"] = parse_shares(ts)
+    if out and (getattr(args, "backend", None) or "llama.cpp") not in ("llama.cpp", "llamacpp", "llama_cpp", "cpp"):
+        raise UsageError("--rpc and --tensor-split split layers with llama.cpp", flag="--rpc",
+                         hint="drop --backend")
+    return out
+
+
+def check_split(spec, plan: LoadPlan, force: bool):
+    """The split check of a plan with --rpc/--tensor-split: asks the workers (a typed error naming one that does
+    not answer) and refuses a device that would overflow, unless --force.  Returns the SplitFit."""
+    from localinfer.errors import DoesNotFitError
+    from localinfer.plan import split_devices
+    from localinfer.plan.split import fit_split
+
+    endpoints = plan.options.get("rpc") or ()
+    from localinfer.backends.llamacpp.rpc_probe import probe
+
+    setup = split_devices.from_workers([probe(ep) for ep in endpoints])
+    if not setup.devices:
+        raise UsageError("--tensor-split needs devices to split over: add --rpc HOST:PORT", flag="--tensor-split")
+    req = plan_request(spec, plan)
+    sf = fit_split(spec, setup.devices, req, shares=plan.options.get("tensor_split"), host_usable=setup.host_usable,
+                   cpu_features=setup.host.cpu_features, search=False)
+    if sf.fits or force:
+        if not sf.fits:
+            print(f"warning: {sf.reason} (loading anyway: --force)", file=sys.stderr)
+        return sf
+    worst = max(sf.breakdown.devices, key=lambda d: d.total - d.usable)
+    raise DoesNotFitError(sf.reason, needed=worst.total, available=worst.usable,
+                          hint="try `localinfer fit --rpc ...` for a --tensor-split that fits (or --force)")
+
+
+def plan_request(spec, plan: LoadPlan):
+    """The FitRequest a LoadPlan implies for llama.cpp (the split check and run --json's prediction)."""
+    from localinfer.backends.memory import FitRequest
+    from localinfer.backends.registry import memory_model
+
+    return FitRequest(n_ctx=max(1, -(-plan.n_ctx // plan.n_seq)), n_seq=plan.n_seq, type_k=plan.type_k,
+                      type_v=plan.type_v, flash_attn=plan.flash_attn, n_gpu_layers=plan.n_gpu_layers,
+                      n_batch=plan.n_batch, n_ubatch=min(plan.n_ubatch, plan.n_batch), n_ctx_total=plan.n_ctx,
+                      **memory_model("llama.cpp").load_request(plan))
 
 
 def backend_name(args: argparse.Namespace) -> str:
@@ -143,6 +218,8 @@ def check_fit(spec, plan: LoadPlan, backend: str, force: bool):
     """Refuse a plan that does not fit on this machine (``--force`` loads anyway, with a warning)."""
     from localinfer.generation.load import check_fit as verdict
 
+    if plan.options.get("rpc") or plan.options.get("tensor_split"):
+        return check_split(spec, plan, force)
     result = verdict(spec, plan, backend, force)
     if result is None:
         print(f"note: the {backend} backend has no memory model; the fit check is skipped", file=sys.stderr)
@@ -158,12 +235,33 @@ def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):
     path, spec = read_spec(args)
     plan = plan_from(args, path, spec, **overrides)
     backend = backend_name(args)
-    check_fit(spec, plan, backend, args.force)
+    result = check_fit(spec, plan, backend, args.force)
+    args.split_fit = result if plan.options.get("rpc") or plan.options.get("tensor_split") else None
     if not quiet:
         print(f"loading {os.path.basename(str(path))} ({backend}, ctx {plan.n_ctx}, KV {plan.type_k}/{plan.type_v})...",
               file=sys.stderr, flush=True)
     engine = load_engine(plan, backend)
     return engine, spec, plan, backend
+
+
+def split_report(args: argparse.Namespace, engine) -> list[dict] | None:
+    """Per device: what llama.cpp allocated (its log) beside the split check's prediction (--rpc runs)."""
+    sf = getattr(args, "split_fit", None)
+    if sf is None:
+        return None
+    from localinfer.backends.llamacpp.rpc import reported_by_device
+
+    reported = reported_by_device(engine.load_log())
+    sb = sf.breakdown
+    rows = [{"device": d.name, "layers": list(d.layers), "output": d.output,
+             "predicted": {"weights": d.weights, "kv": d.kv, "compute": d.compute},
+             "reported": reported.get(d.name)} for d in sb.devices]
+    host = {"weights": sum(r["weights"] for n, r in reported.items() if n.startswith("CPU")),
+            "kv": sum(r["kv"] for n, r in reported.items() if n.startswith("CPU")),
+            "compute": sum(r["compute"] for n, r in reported.items() if n.startswith("CPU"))}
+    rows.append({"device": "host CPU", "predicted": {"weights": sum(sb.host_weights.values()), "kv": sb.host_kv,
+                                                     "compute": sb.host_compute}, "reported": host})
+    return rows
 
 
 def template_from(args: argparse.Namespace, engine, spec):

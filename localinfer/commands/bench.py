@@ -1,12 +1,12 @@
 """`localinfer bench [MODEL]`: prefill/decode speed, TTFT/ITL, memory and bandwidth per KV type;
 `localinfer bench serve --url URL | MODEL`: load-test an OpenAI-compatible HTTP server.
 
-``--batch-sizes 1,2,4,8`` adds batch scaling through the serving engine (:mod:`localinfer.serve.bench`):
+``--batch-sizes 1,2,4,8`` adds batch scaling through the serving engine (:mod:`localinfer.loadgen.batch_scaling`):
 tok/s at each batch beside the bytes read per output token, d(b, L) = D_w/b + L·k (docs/speed.md).
 Prints a table; ``--json FILE`` also writes versioned results (schema in
 :mod:`localinfer.generation.bench`) that capacity reports calibrate their speed model with.
 
-``bench serve`` runs :mod:`localinfer.serve.loadgen` (closed-loop concurrency levels, Poisson arrivals,
+``bench serve`` runs :mod:`localinfer.loadgen.load` (closed-loop concurrency levels, Poisson arrivals,
 TTFT/ITL/e2e percentiles, goodput) against ``--url``, or against a ``localinfer serve MODEL`` it starts and
 stops itself; ``benchmarks/serve_load.py`` takes the same flags (:func:`add_load_arguments`).  ``serve``
 must come right after ``bench``; a file named ``serve`` in the current folder is still benchmarked as a
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         _common.check_fit(spec, plan, backend, args.force)
     batch_plan = None
     if args.batch_sizes:
-        from localinfer.serve.bench import batch_plan as widen
+        from localinfer.loadgen.batch_scaling import batch_plan as widen
 
         batch_plan = widen(plans[config.kv_types[0]], args.batch_sizes, config.depths, config.gen_tokens)
         _common.check_fit(spec, batch_plan, backend, args.force)
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     batch_scaling = None
     if batch_plan is not None:
         from localinfer.model.cost import model_cost
-        from localinfer.serve.bench import run_batch_scaling
+        from localinfer.loadgen.batch_scaling import run_batch_scaling
 
         batch_scaling = run_batch_scaling(batch_plan, model_cost(spec), config.kv_types[0], args.batch_sizes,
                                           config.depths, config.gen_tokens, repeats=config.repeats,
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     settings = {"n_ctx": n_ctx, "threads": first.threads, "n_batch": first.n_batch, "n_ubatch": first.n_ubatch,
                 "gen_tokens": config.gen_tokens, "repeats": config.repeats,
                 "prompt_lengths": list(config.prompt_lengths), "depths": list(config.depths), "lookup": config.lookup,
-                "batch_sizes": list(args.batch_sizes)}
+                "batch_sizes": list(args.batch_sizes),
+                **{k: list(v) for k, v in first.options.items() if k in ("rpc", "tensor_split")}}   # a split run
     doc = results(str(path), spec, backend, _backend_version(backend), settings, runs, device_name, peak,
                   batch_scaling)
     return _emit(doc, render_table, args.json)
@@ -200,7 +201,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """The load generator's flags (``bench serve`` and benchmarks/serve_load.py), defaults from LoadConfig."""
-    from localinfer.serve.loadgen import LoadConfig
+    from localinfer.loadgen.load import LoadConfig
 
     d = LoadConfig()
     join = lambda xs: ",".join(f"{x:g}" for x in xs)
@@ -250,7 +251,7 @@ def load_config(args: argparse.Namespace):
     """A checked LoadConfig from the load flags (UsageError naming the flag)."""
     from localinfer.commands.serve import API_KEY_ENV
     from localinfer.errors import UsageError
-    from localinfer.serve.loadgen import LoadConfig
+    from localinfer.loadgen.load import LoadConfig
 
     extra = {}
     if args.extra_body:
@@ -269,9 +270,9 @@ def load_config(args: argparse.Namespace):
 
 def serve_document(args: argparse.Namespace, progress=None) -> dict:
     """Check the flags (and that ``args.json`` can be written), start ``localinfer serve MODEL`` unless ``--url``
-    is given, run every level and return the JSON document (see :mod:`localinfer.serve.loadgen`)."""
+    is given, run every level and return the JSON document (see :mod:`localinfer.loadgen.load`)."""
     from localinfer.errors import UsageError
-    from localinfer.serve import loadgen
+    from localinfer.loadgen import load as loadgen
     from localinfer.util.atomic import check_writable
 
     config = load_config(args)
@@ -287,7 +288,7 @@ def serve_document(args: argparse.Namespace, progress=None) -> dict:
         check_writable(args.json)                     # before minutes of measuring
     load_before = loadgen.loadavg()
     if url is None:
-        from localinfer.serve.loadgen_server import LocalServe
+        from localinfer.loadgen.local_serve import LocalServe
 
         with LocalServe(args.model, threads=args.threads, ctx=args.ctx, parallel=args.parallel,
                         extra=args.serve_arg) as started:
@@ -302,7 +303,7 @@ def serve_document(args: argparse.Namespace, progress=None) -> dict:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from localinfer.serve.loadgen import ProgressBar, render_table
+    from localinfer.loadgen.load import ProgressBar, render_table
 
     doc = serve_document(args, progress=ProgressBar())
     return _emit(doc, render_table, args.json)

@@ -44,7 +44,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, metavar="T",
                         help="torch/mlx weight dtype: f32, bf16, f16 (default: the engine's; torch bf16 on CUDA, "
                              "mlx f16 on Metal, f32 on the CPU)")
+    g = parser.add_argument_group("llama.cpp load mode (memory the CPU shares: the resident figure changes)")
+    g.add_argument("-lm", "--load-mode", default=None, choices=("mmap", "none", "mlock", "mmap+mlock"),
+                   help="llama.cpp's -lm: mmap (default), none (read into memory), mlock, mmap+mlock")
+    g.add_argument("--no-mmap", action="store_true", help="the same as --load-mode none")
+    g.add_argument("--mlock", action="store_true", help="lock the weights in memory (with mmap: the whole mapping)")
+    g.add_argument("--no-repack", action="store_true", help="llama.cpp's --no-repack: no CPU_REPACK copy")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
+    g = parser.add_argument_group("across devices and hosts (llama.cpp RPC, -sm layer)")
+    g.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
+                   help="plan for these running workers (`localinfer worker`): asks them for devices and memory")
+    g.add_argument("--devices", dest="split_devices", default=None, metavar="A,B,...",
+                   help="plan offline from profiles: this machine first, then one per worker host "
+                        "(m2-max-96gb,m2-max-96gb; '2x rtx-4090' for two GPUs in one host)")
+    g.add_argument("--link", default=None, metavar="NAME",
+                   help="network between the hosts, for the speed: loopback, 1gbe, 10gbe, thunderbolt")
+    g.add_argument("-ts", "--tensor-split", default=None, metavar="A,B,...",
+                   help="layer shares per device, RPC workers first (default: by free memory, as llama.cpp)")
+    g.add_argument("-sm", "--split-mode", default="layer", choices=("layer",),
+                   help="how to split: layer (the only mode planned)")
 
 
 def _request(args, spec):
@@ -84,7 +102,21 @@ def _request(args, spec):
         raise UsageError("--dtype sets the torch and mlx weight dtype; llama.cpp keeps the GGUF's types",
                          flag="--dtype", hint="add --backend torch or --backend mlx, or drop --dtype")
     return FitRequest(n_ctx=ctx, n_seq=args.parallel, type_k=type_k, type_v=type_v, flash_attn=fa,
-                      n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend, dtype=args.dtype)
+                      n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend, dtype=args.dtype,
+                      **load_mode(args))
+
+
+def load_mode(args) -> dict:
+    """FitRequest's mmap / mlock / repack from -lm, --no-mmap, --mlock and --no-repack."""
+    from localinfer.errors import UsageError
+
+    mode = args.load_mode
+    if mode is not None and (args.no_mmap or args.mlock):
+        raise UsageError("give either --load-mode or --no-mmap/--mlock, not both", flag="--load-mode",
+                         hint="--load-mode none is --no-mmap; --load-mode mmap+mlock is --mlock")
+    if mode is None:
+        mode = ("none" if args.no_mmap else "mmap") if not args.mlock else ("mlock" if args.no_mmap else "mmap+mlock")
+    return {"mmap": mode in ("mmap", "mmap+mlock"), "mlock": "mlock" in mode, "repack": not args.no_repack}
 
 
 def _devices(args):
@@ -98,6 +130,36 @@ def _devices(args):
     return all_devices(names)
 
 
+def run_split(args, spec, req) -> int:
+    """``--rpc`` / ``--devices``: one verdict for the model split across the devices."""
+    from localinfer.devices.links import get_link
+    from localinfer.errors import UsageError
+    from localinfer.plan import split_devices
+    from localinfer.plan.split import fit_split, parse_shares
+    from localinfer.report.split import render_split_text
+
+    if args.rpc and args.split_devices:
+        raise UsageError("give --rpc (running workers) or --devices (profiles), not both", flag="--devices")
+    if args.rpc:
+        from localinfer.backends.llamacpp.rpc_probe import is_loopback, parse_endpoints, probe
+
+        eps = parse_endpoints(args.rpc)
+        setup = split_devices.from_workers([probe(ep) for ep in eps])
+        link = args.link or ("loopback" if all(is_loopback(ep.rpartition(":")[0]) for ep in eps) else None)
+    else:
+        setup = split_devices.from_profiles(args.split_devices)
+        link = args.link
+    sf = fit_split(spec, setup.devices, req, shares=parse_shares(args.tensor_split), host_usable=setup.host_usable,
+                   cpu_features=setup.host.cpu_features, profiles=setup.profiles,
+                   link=get_link(link) if link else None, remote=setup.remote)
+    if args.json:
+        json.dump(sf.to_dict(), sys.stdout, indent=1)
+        print()
+    else:
+        print(render_split_text(spec, sf))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from localinfer.generation.load import open_model
     from localinfer.plan.fit import fit_device
@@ -106,6 +168,12 @@ def run(args: argparse.Namespace) -> int:
 
     spec = open_model(args.model).spec
     req = _request(args, spec)
+    if args.rpc or args.split_devices:
+        return run_split(args, spec, req)
+    if args.tensor_split or args.link:
+        from localinfer.errors import UsageError
+
+        raise UsageError("--tensor-split and --link plan a split: add --rpc or --devices", flag="--tensor-split")
     results = [fit_device(spec, dev, req) for dev in _devices(args)]
     speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}
     if args.json:

@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench", default=None, metavar="FILE",
                    help="measured speed on this device (`localinfer bench --json` or llama-bench JSON)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    s = p.add_argument_group("across hosts (llama.cpp RPC)")
+    s.add_argument("--split", default=None, metavar="HOSTS",
+                   help="plan for the model split over these hosts, this machine first (fit --devices' syntax); "
+                        "no offload")
+    s.add_argument("--link", default=None, metavar="NAME", help="network between them: loopback, 1gbe, 10gbe, "
+                                                                "thunderbolt")
 
 
 def _check(v, flag: str, lo: float, hi: float | None = None):
@@ -60,6 +66,26 @@ def _check_context(spec, n_ctx: int) -> None:
                          hint=f"use --input + --output of {train} or less")
 
 
+def _split_speed(args, spec, n_ctx: int):
+    """(SplitSpeedModel, KV budget) for --split HOSTS [--link NAME]."""
+    from localinfer.backends.memory import FitRequest
+    from localinfer.devices.links import get_link
+    from localinfer.plan import split_devices
+    from localinfer.plan.split_plan import SplitSpeedModel, split_budget
+
+    if args.bench:
+        raise UsageError("--bench calibrates one device; a --split is planned from the hosts' profiles",
+                         flag="--bench")
+    setup = split_devices.from_profiles(args.split)
+    missing = [p.name for p in setup.profiles if not (p.bandwidth_bytes_per_s and p.bf16_flops)]
+    if missing:
+        raise UsageError(f"--split: profile {missing[0]} has no bandwidth or FLOP/s to plan speed with",
+                         flag="--split", hint="use profiles with bandwidth and bf16_flops (localinfer devices)")
+    room, sb = split_budget(spec, setup, n_ctx)
+    link = get_link(args.link) if args.link else None
+    return SplitSpeedModel(spec, setup, sb, FitRequest(n_ctx=n_ctx), link, args.split), room
+
+
 def build(args: argparse.Namespace):
     """(spec, SpeedModel, Plan) for the parsed arguments."""
     from localinfer.devices.profiles import get_device
@@ -75,12 +101,18 @@ def build(args: argparse.Namespace):
     _check(args.draft_tokens, "--draft-tokens", 1, 64)
     workload = Workload(args.requests, args.input, args.output, args.shared_prefix, deadline_s=args.deadline)
     spec = open_model(args.model).spec
-    device = get_device(args.device)
-    calibration = load_bench(args.bench) if args.bench else None
-    speed = SpeedModel(model_cost(spec), device, calibration)
     n_ctx = workload.input_tokens + workload.output_tokens
     _check_context(spec, n_ctx)
-    room = default_kv_budget(spec, device, n_ctx)  # what the device leaves for KV after weights and buffers
+    if args.split:
+        speed, room = _split_speed(args, spec, n_ctx)
+        device = speed.device
+    else:
+        if args.link:
+            raise UsageError("--link sets the network of a --split", flag="--link", hint="add --split HOSTS")
+        device = get_device(args.device)
+        calibration = load_bench(args.bench) if args.bench else None
+        speed = SpeedModel(model_cost(spec), device, calibration)
+        room = default_kv_budget(spec, device, n_ctx)  # what the device leaves for KV after weights and buffers
     if room < 0:
         raise UsageError(f"{device.name} cannot hold this model with a {n_ctx}-token request: weights and buffers "
                          f"need {fmt_bytes(device.usable_bytes - room)} of {fmt_bytes(device.usable_bytes)}",
@@ -111,8 +143,22 @@ def build(args: argparse.Namespace):
     elif args.draft:
         raise UsageError("--draft needs --acceptance (how often the target agrees with the draft)",
                          flag="--acceptance", hint="e.g. --acceptance 0.7")
-    configs = candidate_configs(workload, kv_types=kv_types, drafts=tuple(drafts), offload=not args.no_offload)
+    configs = candidate_configs(workload, kv_types=kv_types, drafts=tuple(drafts),
+                                offload=not args.no_offload and not args.split)
     return spec, speed, plan(speed, workload, budget, configs, spec=spec)
+
+
+def _memory(spec, device, workload) -> dict:
+    """Weights and buffers as the KV budget counts them (resident) and as mapped, for one request."""
+    from localinfer.backends.memory import FitRequest
+    from localinfer.plan.fit import fit_device, mapped_note
+    from localinfer.units import fmt_bytes
+
+    n_ctx = workload.input_tokens + workload.output_tokens
+    bd = fit_device(spec, device, FitRequest(n_ctx=n_ctx), search=False).breakdown
+    note = mapped_note(bd)
+    return {"resident_bytes": bd.resident_bytes, "mapped_bytes": bd.mapped_bytes,
+            "note": None if note is None else f"the budget counts {fmt_bytes(bd.resident_bytes)} resident; {note}"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,15 +166,18 @@ def run(args: argparse.Namespace) -> int:
     from localinfer.report.plan import prefix_note, render_text
 
     spec, speed, p = build(args)
+    memory = _memory(spec, speed.device, p.workload)
     if args.json:
         out = plan_dict(p)
         note = prefix_note(speed, p.workload)
         if note:
             out["shared_prefix_note"] = note
-        out.update(model=spec.name, device=speed.device.name)
+        out.update(model=spec.name, device=speed.device.name, memory=memory)
         print(json.dumps(out, indent=2))
     else:
         print(render_text(spec, speed, p))
+        if memory["note"]:
+            print(f"memory: {memory['note']}")
     from localinfer.plan.planner import UNKNOWN
 
     infeasible = p.best is None and not any(o.verdict == UNKNOWN for o in p.outcomes)

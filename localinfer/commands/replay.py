@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--token-budget", type=int, default=None, metavar="B", help="most new tokens per step (default: no limit)")
     s.add_argument("--itl-target", type=float, default=None, metavar="MS",
                    help="chunked: the largest chunk predicted to keep a step under MS milliseconds")
+    s.add_argument("--max-gap", type=float, default=None, metavar="MS",
+                   help="chunked: while requests decode, prompt chunks are cut so that each step, and so every "
+                        "stream's gap between tokens, is predicted to take at most MS milliseconds")
     s.add_argument("--admission", choices=ADMISSIONS, default=None,
                    help=f"reserve input + max output blocks up front, or allocate on demand and preempt "
                         f"(default {d.admission})")
@@ -57,13 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(args):
     from localinfer.serve.scheduler import SchedulerConfig
 
-    for flag, value in (("--chunk", args.chunk), ("--itl-target", args.itl_target)):
+    for flag, value in (("--chunk", args.chunk), ("--itl-target", args.itl_target), ("--max-gap", args.max_gap)):
         if value is not None and args.policy != "chunked":
             raise UsageError(f"{flag} applies to chunked prefill only", flag=flag, hint="add --policy chunked")
     kw = {k: v for k, v in (("policy", args.policy), ("max_running", args.max_running), ("chunk_tokens", args.chunk),
                             ("token_budget", args.token_budget), ("admission", args.admission)) if v is not None}
     if args.itl_target is not None:
         kw["itl_target_s"] = args.itl_target / 1e3
+    if args.max_gap is not None:
+        kw["max_gap_s"] = args.max_gap / 1e3
     return SchedulerConfig(deadline_aware=args.deadline_aware, drop_late=args.drop_late, **kw)
 
 
@@ -172,6 +177,10 @@ def render_text(result, config, desc: str) -> str:
          f"{result.blocks.block_tokens} tokens{kv}; {len(result.steps)} steps; {pre} preemptions, "
          f"{redo} tokens recomputed"),
     ]
+    gaps = result.largest_gaps(3)
+    if gaps:
+        lines.append("largest gaps, and the steps in them:")
+        lines += ["  " + safe_text(g.describe()) for g in gaps]
     return "\n".join(lines)
 
 

@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench", action="append", default=[], metavar="[DEVICE=]FILE",
                    help="measurements for a device (default: this machine), from `localinfer bench --json` "
                         "or llama-bench; shown against the predictions (repeatable)")
+    g = p.add_argument_group("across hosts (llama.cpp RPC): text, md and json")
+    g.add_argument("--split", default=None, metavar="HOSTS",
+                   help="also each model split over these hosts, this machine first (fit --devices' syntax)")
+    g.add_argument("--link", default=None, metavar="NAME", help="network between them: loopback, 1gbe, 10gbe, "
+                                                                "thunderbolt")
     g = p.add_argument_group("feasibility map (html): the middle --ctx as each request's input")
     g.add_argument("--requests", type=int, default=16, metavar="N", help="requests arriving together (default 16)")
     g.add_argument("--output-tokens", type=int, default=256, metavar="G", help="output tokens each (default 256)")
@@ -80,6 +85,36 @@ def build(args: argparse.Namespace):
                         plots=args.format == "html", workload=workload)
 
 
+def with_splits(args: argparse.Namespace, text: str) -> str:
+    """The report plus one row per model × context × KV type split over ``--split``'s hosts."""
+    import json
+
+    from localinfer.backends.memory import FitRequest
+    from localinfer.devices.links import get_link
+    from localinfer.generation.load import open_model
+    from localinfer.plan import split_devices
+    from localinfer.plan.split import fit_split
+    from localinfer.report.split import render_split_rows
+
+    setup = split_devices.from_profiles(args.split)
+    link = get_link(args.link) if args.link else None
+    rows = []
+    for m in args.models or [None]:
+        spec = open_model(m).spec
+        for ctx in _ints(args.ctx, "--ctx"):
+            for kv in (t.strip() for t in args.kv.split(",") if t.strip()):
+                req = FitRequest(n_ctx=ctx, type_k=kv, type_v=kv, flash_attn=True if kv != "f16" else None)
+                sf = fit_split(spec, setup.devices, req, host_usable=setup.host_usable,
+                               cpu_features=setup.host.cpu_features, profiles=setup.profiles, link=link,
+                               remote=setup.remote)
+                rows.append({"model": spec.name, "ctx": ctx, "kv": kv, **sf.to_dict()})
+    if args.format == "json":
+        doc = json.loads(text)
+        doc["splits"] = {"hosts": args.split, "link": args.link, "rows": rows}
+        return json.dumps(doc, indent=1)
+    return text.rstrip("\n") + "\n\n" + render_split_rows(args.split, args.link, rows, args.format == "md")
+
+
 def render(report, fmt: str) -> str:
     """The report in one of FORMATS."""
     from localinfer.report.capacity import render_json, render_md, render_text
@@ -98,7 +133,13 @@ def run(args: argparse.Namespace) -> int:
         from localinfer.model.sources import resolve_model
 
         check_writable(args.output, inputs=[resolve_model(m) for m in (args.models or [None])])
+    if args.split and args.format == "html":
+        raise UsageError("--split is rendered in text, md and json", flag="--split", hint="use --format md")
+    if args.link and not args.split:
+        raise UsageError("--link sets the network of a --split", flag="--link", hint="add --split HOSTS")
     text = render(build(args), args.format)
+    if args.split:
+        text = with_splits(args, text)
     if args.output:
         atomic_write(args.output, text if text.endswith("\n") else text + "\n")
         print(f"wrote {args.output}", file=sys.stderr)

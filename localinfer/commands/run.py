@@ -1,7 +1,8 @@
 """`localinfer run [MODEL] -p TEXT | -f FILE`: generate one reply.
 
 The prompt goes through the model's chat template unless ``--raw`` (as
-``ollama run`` and ``mlx_lm.generate`` do).  The reply streams to stdout and a
+``ollama run`` and ``mlx_lm.generate`` do).  ``--json-schema FILE`` or ``--grammar FILE``
+(Lark, llguidance's dialect) constrains the reply (docs/structured.md).  The reply streams to stdout and a
 stats line goes to stderr; ``--json`` prints one JSON object instead.
 """
 
@@ -25,6 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", metavar="TEXT", help="system message (chat template only)")
     parser.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object with the reply and the stats")
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="constrain the reply to the JSON schema in FILE")
+    shape.add_argument("--grammar", metavar="FILE", help="constrain the reply to the Lark grammar in FILE")
+
+
+def grammar_from_args(args):
+    """The grammar --json-schema or --grammar names (compiled now, so a bad file fails before the model loads)."""
+    from localinfer.generation.constraints import grammar_from_file
+
+    if getattr(args, "json_schema", None):
+        return grammar_from_file(args.json_schema, "json_schema", "--json-schema")
+    if getattr(args, "grammar", None):
+        return grammar_from_file(args.grammar, "lark", "--grammar")
+    return None
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -67,12 +82,19 @@ def run(args: argparse.Namespace) -> int:
     params = _common.sampling_from(args)
     max_tokens = _common.max_tokens_from(args)
     decoder = _common.decoder_from(args)
+    grammar = grammar_from_args(args)
     engine, spec, plan, backend = _common.load(args, quiet=args.json)
     with engine:
         prompt = prompt_tokens(args, engine, spec, text)
         runner = Runner(engine)
+        constraint = None
+        if grammar is not None:
+            from localinfer.generation.constraints import Constraint, grammar_tokenizer
+
+            constraint = Constraint(grammar_tokenizer(engine), grammar, "--json-schema" if args.json_schema
+                                    else "--grammar")
         stream = runner.stream(prompt, params, max_tokens=max_tokens, stop=args.stop, decoder=decoder,
-                               ignore_eos=args.ignore_eos)
+                               ignore_eos=args.ignore_eos, constraint=constraint)
         parts = []
         for chunk in stream:
             parts.append(chunk.text)
@@ -80,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
         memory = engine.memory()
+        devices = _common.split_report(args, engine)
     tm = chunk.timings
     if args.json:
         out = {
@@ -90,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
                      "threads": plan.threads, "n_gpu_layers": plan.n_gpu_layers},
             "memory": memory,
         }
+        if devices is not None:
+            out["devices"] = devices
         json.dump(out, sys.stdout, indent=1, ensure_ascii=False)
         print()
     else:

@@ -5,7 +5,7 @@
         [--token-budget N] [--chunk N | --itl-target MS] [--partial-slack F|off] [--decode-share F]
         [--prefix-cache on|off] [--parked N] [--lookup [--draft-max N]] [--allowed-origins O,...]
         [--strict-model-names] [--default-max-tokens N] [--header-timeout S] [--body-timeout S] [--keep-alive S]
-        [--max-connections N]
+        [--max-connections N] [--show-prompts]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
@@ -14,7 +14,8 @@ gets ``--parked`` more sequence ids (default 32; the cache's size does
 not change), whose finished requests' KV stays in host memory for later prefix
 hits until the pool needs it (docs/serving.md).  Then the socket
 is bound, ``/health`` answers 503 while the model loads in the engine thread
-and 200 once it is ready.  The HTTP side is in ``localinfer/serve/http``.
+and 200 once it is ready.  A browser finds a chat page at ``/`` and the engine
+view at ``/engine``.  The HTTP side is in ``localinfer/serve/http``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import socket
 import sys
 import threading
 
+from localinfer.backends import registry
 from localinfer.commands import _common
 from localinfer.errors import UsageError
 
 API_KEY_ENV = "LOCALINFER_API_KEY"
-SERVING_BACKENDS = ("llama.cpp", "torch")   # backends with a serving executor
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunking.add_argument("--chunk", type=int, default=None, metavar="N", help="prompt tokens per request per step")
     chunking.add_argument("--itl-target", type=float, default=None, metavar="MS",
                           help="prefill chunks sized to keep each step under MS milliseconds")
+    g.add_argument("--max-gap", default=None, metavar="MS|off",
+                   help="while requests decode, prompt chunks are cut so that every step, and so every stream's "
+                        "wait for its next token, is predicted to take at most MS milliseconds (default off)")
+    g.add_argument("--step-log", default=None, metavar="FILE",
+                   help="append one JSON line per engine step to FILE: its time, prediction and chunks "
+                        "(benchmarks/step_gaps.py names the steps behind each stream's largest gaps)")
     g.add_argument("--partial-slack", default=None, metavar="F|off",
                    help="a prompt chunk that does not finish its prompt joins a step that finishes another only if "
                         "it makes the step at most F longer, so each first token leaves with the step its own prompt "
@@ -97,6 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES", help="request body cap (default 4 MiB)")
     g.add_argument("--grace", type=float, default=10.0, metavar="S",
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 10)")
+    g.add_argument("--show-prompts", action="store_true",
+                   help="the engine view (/engine, /v1/engine/state) shows prompt and output text (default: counts only)")
     g.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
 
 
@@ -114,6 +124,7 @@ def _check(args) -> str | None:
         raise UsageError(f"--itl-target must be a positive number of milliseconds, got {args.itl_target}",
                          flag="--itl-target")
     _partial_slack(args.partial_slack)
+    _max_gap(args.max_gap)
     if args.decode_share is not None and not 0 <= args.decode_share <= 100:
         raise UsageError(f"--decode-share must be a number in 0..100, got {args.decode_share}",
                          flag="--decode-share", hint="e.g. --decode-share 0.05, or 0 for none")
@@ -184,6 +195,22 @@ def origins(values: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _max_gap(text: str | None) -> dict:
+    """ServeConfig's ``max_gap_s`` from --max-gap MS: {} for the default, None for 'off', else seconds."""
+    if text is None:
+        return {}
+    if text.strip().lower() == "off":
+        return {"max_gap_s": None}
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v < 1e6:
+        raise UsageError(f"--max-gap must be a positive number of milliseconds or 'off', got {text!r}",
+                         flag="--max-gap", hint="e.g. --max-gap 150")
+    return {"max_gap_s": v / 1e3}
+
+
 def _partial_slack(text: str | None) -> dict:
     """ServeConfig's ``partial_slack`` from --partial-slack: {} for the default, None for 'off', else a fraction."""
     if text is None:
@@ -237,10 +264,15 @@ def _run(args: argparse.Namespace) -> int:
 
     key = _check(args)
     backend = _common.backend_name(args)
-    if backend not in SERVING_BACKENDS:
-        raise UsageError(f"serve runs on the llama.cpp or torch executor; backend {backend!r} has none yet",
-                         flag="--backend", hint="use --backend llama.cpp or --backend torch")
+    if backend not in registry.serving_backends():
+        names = " or ".join(registry.serving_backends())
+        raise UsageError(f"serve runs on the {names} executor; backend {backend!r} has none yet",
+                         flag="--backend", hint="use --backend " + " or --backend ".join(registry.serving_backends()))
     path, spec = _common.read_spec(args)
+    if args.step_log is not None:      # appended to, so never the model file
+        from localinfer.util.atomic import check_writable
+
+        check_writable(args.step_log, inputs=(path,))
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
     config = serve_config(args, plan.n_batch)
@@ -260,7 +292,7 @@ def _run(args: argparse.Namespace) -> int:
     app_config = AppConfig(model_id=model_id, aliases=(os.path.basename(str(path)), *args.alias), api_key=key,
                            allowed_hosts=tuple(sorted(hosts)), max_body_bytes=args.max_body,
                            allowed_origins=origins(args.allowed_origins), strict_model_names=args.strict_model_names,
-                           default_max_tokens=args.default_max_tokens,
+                           default_max_tokens=args.default_max_tokens, show_prompts=args.show_prompts,
                            template=_template_factory(args, spec), created=int(os.path.getmtime(path)), **timeouts)
     runtime = Runtime(_executor_factory(backend, plan, args.parallel), config)
     return _serve(args, runtime, app_config, plan)
@@ -275,17 +307,17 @@ def serve_config(args, n_batch: int):
     return ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                        chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
                        prefix_cache=args.prefix_cache == "on", park=args.parked, **_partial_slack(args.partial_slack),
+                       **_max_gap(args.max_gap), step_log=args.step_log,
                        draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0,
                        **({} if args.decode_share is None else {"decode_share": args.decode_share}))
 
 
 def _executor_factory(backend: str, plan, parallel: int):
-    """What the engine thread calls to load: llama.cpp's executor over the plan, or the torch paged executor
-    over the plan fit checked (``--parallel`` slots; its pool keeps finished requests' blocks for prefix hits,
-    so it parks no sequences)."""
-    fitted = plan.with_(n_seq=parallel)
-    parks = plan.n_seq > parallel       # ids for parked requests (not with --parked 0 or --prefix-cache off)
-    return (lambda: _open_torch(fitted)) if backend == "torch" else (lambda: open_llamacpp(plan, park_host=parks))
+    """What the engine thread calls to load: the backend's serving executor over the plan (``--parallel`` of its
+    ids run at once; the rest park finished requests' KV where the backend does that)."""
+    from localinfer.backends import registry
+
+    return lambda: registry.open_executor(plan, backend, running=parallel)
 
 
 def open_llamacpp(plan, *, park_host: bool = True):
@@ -294,12 +326,6 @@ def open_llamacpp(plan, *, park_host: bool = True):
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     return LlamaCppExecutor(plan, park_host=park_host)
-
-
-def _open_torch(plan):
-    from cuda_backend.serving import open_plan
-
-    return open_plan(plan)
 
 
 def check_template(path: str) -> None:
@@ -323,6 +349,7 @@ def _template_factory(args, spec):
 
 
 def _serve(args, runtime, app_config, plan) -> int:
+    from localinfer.serve.http.runtime import RuntimeState
     from localinfer.serve.http.server import bind, serve
 
     try:
@@ -337,10 +364,10 @@ def _serve(args, runtime, app_config, plan) -> int:
 
     def announce_ready(server):
         runtime.ready.wait()
-        if runtime.state == "failed":       # as llama-server and vLLM do: no server without a model
+        if runtime.state is RuntimeState.FAILED:       # as llama-server and vLLM do: no server without a model
             print(f"error: the model failed to load: {runtime.load_error}", file=sys.stderr, flush=True)
             server.should_exit = True
-        elif runtime.state == "ready":
+        elif runtime.state is RuntimeState.READY:
             print(f"ready: {runtime.context_tokens} KV tokens, {runtime.config.parallel} slots "
                   f"(+{runtime.engine.park_slots} parked)", file=sys.stderr, flush=True)
 
@@ -350,7 +377,7 @@ def _serve(args, runtime, app_config, plan) -> int:
         signum = serve(runtime, app_config, sock, grace_s=args.grace, log_level=args.log_level,
                        announce=lambda server: threading.Thread(target=announce_ready, args=(server,),
                                                                 daemon=True).start(), **limits)
-    if runtime.state == "failed":
+    if runtime.state is RuntimeState.FAILED:
         return 1
     print(f"stopped{f' (signal {signum})' if signum else ''}", file=sys.stderr)
     return 0

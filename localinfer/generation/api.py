@@ -34,8 +34,11 @@ def fit(model: str | Path | None = None, device: str = "local", *, ctx: int = 40
     """Will ``model`` (None: the embedded one) fit on ``device`` (a profile name, "local" for this machine)?
 
     Returns a :class:`localinfer.plan.fit.FitResult`: ``fits``, ``reason``, ``breakdown``, ``max_ctx``,
-    ``max_parallel``, ``kv_type``, ``offload``, ``suggestions``, ``command``.  Reads the header only.
-    Other FitRequest fields (``flash_attn``, ``n_gpu_layers``, ``n_ubatch``, ``dtype``...) pass through.
+    ``max_parallel``, ``kv_type``, ``offload``, ``suggestions``, ``command``, ``load_options``.  Reads the
+    header only.  On a CPU ``needed`` is the memory that must stay resident (``breakdown.resident_bytes``, or
+    the load peak when larger); ``breakdown.mapped_bytes`` is the mapped total a process monitor shows.
+    Other FitRequest fields (``flash_attn``, ``n_gpu_layers``, ``n_ubatch``, ``dtype``, ``mmap``, ``mlock``,
+    ``repack``...) pass through.
     """
     from localinfer.backends.memory import FitRequest
     from localinfer.backends.registry import canonical
@@ -58,7 +61,8 @@ def load(model: str | Path | None = None, *, backend: str | None = None, ctx: in
     """Load ``model`` (None: the embedded one) after the same fit check as ``localinfer run``.
 
     Raises DoesNotFitError (its hint names the flags that fit) unless ``force``.
-    Extra keywords are LoadPlan fields (``device``, ``dtype``, ``seed``, ``options``).
+    Extra keywords are LoadPlan fields (``device``, ``dtype``, ``seed``, ``options``; llama.cpp reads
+    ``options={"mmap": False, "mlock": True, "repack": False}`` and the fit check models them).
     """
     from localinfer.generation.load import load as load_engine
 
@@ -97,10 +101,14 @@ def _params(temperature, top_k, top_p, min_p, repeat_penalty, seed):
 
 def stream(engine: Engine, prompt: Prompt, *, max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
            top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed: int | None = None,
-           stop: Sequence[str] = (), lookup: bool = False) -> Iterator:
+           stop: Sequence[str] = (), lookup: bool = False, response_format=None, grammar: str | None = None
+           ) -> Iterator:
     """The reply as it is generated: chunks with ``text``, ``token``, and ``finish_reason`` on the last.
 
     ``temperature=0`` is greedy; ``lookup=True`` drafts from the context (prompt lookup), same output.
+    ``response_format`` (OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"schema": ...}}``, a bare JSON schema, or a pydantic model class) or ``grammar`` (Lark, llguidance's dialect)
+    constrains the reply; it ends when the grammar is complete.
     """
     from localinfer.generation.runner import Runner
 
@@ -110,8 +118,22 @@ def stream(engine: Engine, prompt: Prompt, *, max_tokens: int = 256, temperature
 
         decoder = LookupDecoder()
     params = _params(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    constraint = _constraint(engine, response_format, grammar)
     yield from Runner(engine).stream(_tokens(engine, prompt), params, max_tokens=max_tokens, stop=tuple(stop),
-                                     decoder=decoder)
+                                     decoder=decoder, constraint=constraint)
+
+
+def _constraint(engine: Engine, response_format, grammar: str | None):
+    if response_format is None and grammar is None:
+        return None
+    from localinfer.errors import UsageError
+    from localinfer.generation.constraints import Constraint, grammar_from, grammar_tokenizer, response_format_grammar
+
+    if response_format is not None and grammar is not None:
+        raise UsageError("give response_format or grammar, not both", flag="grammar")
+    g = response_format_grammar(response_format) if grammar is None else grammar_from("lark", grammar, "grammar")
+    return None if g is None else Constraint(grammar_tokenizer(engine), g, "grammar" if grammar else
+                                             "response_format")
 
 
 def generate(engine: Engine, prompt: Prompt, **options) -> str:

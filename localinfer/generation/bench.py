@@ -10,7 +10,7 @@ For each KV cache type the model is loaded once, then:
   device profile's peak when it has one.
 
 With ``--batch-sizes`` it also measures batch scaling through the serving
-engine (measured by :mod:`localinfer.serve.bench`; held and drawn here): b
+engine (measured by :mod:`localinfer.loadgen.batch_scaling`; held and drawn here): b
 greedy requests decoding together, tok/s against b, next to the bytes read per
 output token d(b, L) = D_w/b + L·k (docs/speed.md).
 

@@ -35,6 +35,7 @@ HELP = """commands:
   /save FILE         write the transcript as JSON (atomically)
   /load FILE         read a transcript written by /save
   /set key=value     change a setting: temp, top_k, top_p, min_p, repeat_penalty, seed, max_tokens
+  /schema FILE       replies follow the JSON schema in FILE (/schema - drops it)
   /exit              leave (or Ctrl-D)
 Ctrl-C stops a reply; a line ending in \\ continues on the next line."""
 
@@ -58,6 +59,7 @@ class ChatSession:
         self.model_name = model_name
         self.ignore_eos = ignore_eos
         self.sampler = self._sampler()
+        self.grammar: str | None = None   # /schema: every reply's grammar
         self.messages: list[dict] = []
         self.start = 0               # messages[start:] are in the model's view
         self.last = None             # the last reply's final chunk
@@ -111,6 +113,11 @@ class ChatSession:
             self.messages.pop()
             return
         parts: list[str] = []
+        self.sampler.constraint = None
+        if self.grammar is not None:
+            from localinfer.generation.constraints import Constraint, grammar_tokenizer
+
+            self.sampler.constraint = Constraint(grammar_tokenizer(self.engine), self.grammar, "/schema")
         stream = self.runner.stream(prompt, max_tokens=self.max_tokens, sampler=self.sampler, decoder=self.decoder,
                                     ignore_eos=self.ignore_eos)
         chunk = None
@@ -167,7 +174,7 @@ class ChatSession:
         handler: Callable[[str], bool | None] | None = {
             "/help": lambda a: self.say(HELP), "/?": lambda a: self.say(HELP), "/reset": self._reset,
             "/stats": self._stats, "/system": self._system, "/save": self._save, "/load": self._load,
-            "/set": self._set, "/exit": lambda a: False, "/quit": lambda a: False, "/bye": lambda a: False,
+            "/set": self._set, "/schema": self._schema, "/exit": lambda a: False, "/quit": lambda a: False, "/bye": lambda a: False,
         }.get(name)
         if handler is None:
             self.note(f"unknown command {name}; /help lists them")
@@ -200,6 +207,19 @@ class ChatSession:
             return
         self.system = None if arg == "-" else arg
         self.note("[system message cleared]" if self.system is None else "[system message set]")
+
+    def _schema(self, arg: str) -> None:
+        if not arg:
+            self.note("[replies follow a JSON schema]" if self.grammar else "[no schema: /schema FILE sets one]")
+            return
+        if arg == "-":
+            self.grammar = None
+            self.note("[schema dropped]")
+            return
+        from localinfer.generation.constraints import grammar_from_file
+
+        self.grammar = grammar_from_file(arg, "json_schema", "/schema")
+        self.note(f"[replies follow the JSON schema in {arg}]")
 
     def _set(self, arg: str) -> None:
         if not arg:

@@ -34,6 +34,7 @@ class Sampler(Protocol):
     """What decoders need from sampling (implemented in localinfer.generation.sampling)."""
 
     greedy: bool
+    constraint: object | None      # a generation.constraints.Constraint the draws keep to, or None
 
     def probs(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The final next-token distribution (after penalties, temperature, top-k/p, min-p)."""

@@ -127,10 +127,13 @@ class Runner:
 
     def stream(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (), decoder: Decoder | None = None,
-               sampler: Sampler | None = None, seq: int = 0, ignore_eos: bool = False) -> Iterator[Chunk]:
+               sampler: Sampler | None = None, seq: int = 0, ignore_eos: bool = False,
+               constraint=None) -> Iterator[Chunk]:
         """Generate a reply to prompt token ids, one chunk per token.
 
-        ``ignore_eos`` bans end-of-generation tokens (benchmarks that need exactly max_tokens).
+        ``ignore_eos`` bans end-of-generation tokens (benchmarks that need exactly max_tokens).  ``constraint``
+        (a :class:`~localinfer.generation.constraints.Constraint`, or the sampler's own) keeps the reply in its
+        grammar; the reply ends, reason stop, when the grammar is complete.
         """
         engine = self.engine
         check_max_tokens(max_tokens)
@@ -143,6 +146,8 @@ class Runner:
                                    needed=len(prompt), available=engine.n_ctx,
                                    hint="use a larger --ctx or a shorter prompt")
         sampler = sampler or Sampler(params or SamplingParams(), banned=engine.eos_ids if ignore_eos else ())
+        if constraint is not None:
+            sampler.constraint = constraint
         decoder = decoder or PlainDecoder()
         t0 = time.perf_counter()
         tm = Timings(prompt_tokens=len(prompt))
@@ -178,6 +183,7 @@ class Runner:
         """
         engine = self.engine
         reply, reason, last = ReplyText(engine.token_bytes, stops), None, None
+        grammar = sampler.constraint
         emitted, kv_base = [first], len(context)
         while True:
             now = time.perf_counter()
@@ -193,7 +199,7 @@ class Runner:
                     reason = "stop"
                 else:
                     text = reply.feed(tok)
-                    if reply.stopped:
+                    if reply.stopped or grammar is not None and grammar.stopped_after(tm.generated):
                         reason = "stop"
                 if reason is None and tm.generated >= max_tokens:
                     reason = "length"

@@ -119,8 +119,9 @@ def _check_int(name, v, lo, hi, flag):
 class Sampler:
     """Implements :class:`localinfer.generation.decoding.Sampler` for one SamplingParams."""
 
-    def __init__(self, params: SamplingParams | None = None, *, banned: Iterable[int] = ()):
+    def __init__(self, params: SamplingParams | None = None, *, banned: Iterable[int] = (), constraint=None):
         self.params = params or SamplingParams()
+        self.constraint = constraint      # a generation.constraints.Constraint: its mask applies first
         self.banned = np.fromiter(banned, dtype=np.int64)
         seed = self.params.seed
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
@@ -168,13 +169,23 @@ class Sampler:
     # ---- the decoding.Sampler protocol ---------------------------------------
     def probs(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """The final next-token distribution over the whole vocabulary."""
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
         ids, pr = self.candidates(logits, history)
         out = np.zeros(np.asarray(logits).shape[0], dtype=np.float64)
         out[ids] = pr
         return out
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        """One token: argmax when greedy, else a draw from the filtered distribution."""
+        """One token: argmax when greedy, else a draw from the filtered distribution.  With a constraint, the
+        draw is among the tokens its grammar allows, and the constraint consumes it."""
+        if self.constraint is None:
+            return self._draw(logits, history)
+        token = self._draw(self.constraint.apply(logits), history)
+        self.constraint.consume(token)
+        return token
+
+    def _draw(self, logits: np.ndarray, history: Sequence[int]) -> int:
         if self.greedy and not len(self.banned) and (self.params.repeat_penalty == 1.0 or not history):
             return int(np.argmax(logits))
         ids, pr = self.candidates(logits, history)

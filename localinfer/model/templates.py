@@ -268,18 +268,20 @@ class ChatTemplate:
             self._env.deadline = None
         return "".join(out)
 
-    def segments(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> tuple[list[Segment], list[str]]:
+    def segments(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                 **extra: Any) -> tuple[list[Segment], list[str]]:
         """The rendered prompt split into template text and message text.
 
         Returns (segments, unlocated): contents the template rewrote so that
         they could not be found in its output (their text then sits inside
-        template segments).
+        template segments).  ``extra``: more template variables (``tools=``).
         """
         messages = check_messages(messages)
-        real = self._render(messages, add_generation_prompt, {})
+        real = self._render(messages, add_generation_prompt, extra)
         nonce = secrets.token_hex(6)
         marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        masked = self._render([dict(m, content=marks[i]) for i, m in enumerate(messages)], add_generation_prompt, {})
+        masked = self._render([dict(m, content=marks[i]) for i, m in enumerate(messages)], add_generation_prompt,
+                              extra)
         parts = re.split(f"\ue000{nonce}:([0-9]+)\ue001", masked)
         segs = []
         for j, part in enumerate(parts):
@@ -291,9 +293,11 @@ class ChatTemplate:
             return [s for s in segs if s.text], []
         return _locate(real, [m["content"] for m in messages])
 
-    def tokens(self, engine, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Prompt token ids: template text with special tokens, message text without."""
-        segs, unlocated = self.segments(messages, add_generation_prompt=add_generation_prompt)
+    def tokens(self, engine, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+               **extra: Any) -> list[int]:
+        """Prompt token ids: template text with special tokens, message text without.  ``extra`` (``tools=``)
+        is rendered as template text: a caller that takes it from a user checks it holds no special-token text."""
+        segs, unlocated = self.segments(messages, add_generation_prompt=add_generation_prompt, **extra)
         check = getattr(engine, "check_text_fits", None)
         if check is not None:  # refuse by bytes before tokenizing megabytes
             check(sum(len(s.text.encode("utf-8", "replace")) for s in segs), "the templated prompt")
@@ -329,8 +333,12 @@ def _locate(real: str, contents: list[str]) -> tuple[list[Segment], list[str]]:
     return segs, unlocated
 
 
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
 def check_messages(messages: Sequence[dict]) -> list[dict]:
-    """Validate a conversation: a list of {role, content} with known roles and string content."""
+    """Validate a conversation: a list of {role, content} with known roles and string content (plus an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` and ``name``, passed through)."""
     if not isinstance(messages, (list, tuple)):
         raise TemplateError("messages must be a list of {role, content} objects")
     out, total = [], 0
@@ -342,7 +350,7 @@ def check_messages(messages: Sequence[dict]) -> list[dict]:
         total += len(m["content"])
         if total > MAX_OUTPUT_CHARS:
             raise TemplateError(f"the conversation is over {MAX_OUTPUT_CHARS:,} characters")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": m["content"], **{k: m[k] for k in TOOL_KEYS if k in m}})
     return out
 
 

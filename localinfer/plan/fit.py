@@ -21,8 +21,8 @@ from localinfer.devices.profiles import DeviceProfile
 from localinfer.model.spec import ModelSpec
 from localinfer.units import fmt_bytes
 
-__all__ = ["FitRequest", "FitResult", "MAX_PARALLEL", "Offload", "backend_memory", "breakdown", "check_load",
-           "fit_device", "max_context", "max_parallel"]
+__all__ = ["MAX_PARALLEL", "FitRequest", "FitResult", "LoadOption", "Offload", "backend_memory", "breakdown",
+           "check_load", "fit_device", "mapped_note", "max_context", "max_parallel"]
 
 KV_PREFERENCE = ("f16", "q8_0", "q4_0")   # most faithful first
 CTX_STEP = 256
@@ -35,6 +35,20 @@ class Offload:
     gpu_layers: int        # value for -ngl
     device_bytes: int
     host_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadOption:
+    """One way to load the same plan (a llama.cpp load mode, repacking off) and the memory it takes."""
+
+    label: str             # the backend's flags for it
+    changes: dict          # FitRequest fields it sets
+    needed: int            # what the verdict would use: resident, or the load peak when larger
+    resident: int
+    mapped: int
+    load_peak: int
+    fits: bool
+    current: bool          # this is the request as given
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,7 @@ class FitResult:
     command: str = ""
     warnings: tuple[str, ...] = field(default=())
     supported: bool = True              # False: the backend cannot use this device (see BackendMemory.runs_on)
+    load_options: tuple[LoadOption, ...] = ()   # other load modes compared (memory the CPU shares only)
 
     @property
     def free_bytes(self) -> int:
@@ -87,6 +102,9 @@ class FitResult:
             "offload": None if self.offload is None else dict(self.offload.__dict__),
             "suggestions": list(self.suggestions), "command": self.command, "warnings": list(self.warnings),
             "supported": self.supported,
+            "resident_bytes": self.breakdown.resident_bytes, "mapped_bytes": self.breakdown.mapped_bytes,
+            "load_peak_bytes": self.breakdown.load_peak,
+            "load_options": [dict(o.__dict__) for o in self.load_options],
         }
 
 
@@ -205,12 +223,39 @@ def _reason(bd: MemoryBreakdown, usable: int, device: DeviceProfile) -> str:
     cap = ""
     if device.working_set_cap_bytes is not None and usable == device.working_set_cap_bytes:
         cap = " (the GPU working-set cap)"
-    parts = ", ".join(f"{k} {fmt_bytes(bd.sum(k, None if bd.unified else 'device'))}"
-                      for k in ("weights", "kv", "compute", "output") if bd.sum(k, None if bd.unified else 'device'))
+    pool = None if bd.unified else "device"
+    parts = ", ".join(f"{k} {fmt_bytes(bd.sum(k, pool, resident=True))}"
+                      for k in ("weights", "kv", "compute", "output") if bd.sum(k, pool, resident=True))
+    what = "resident " if bd.mapped_bytes != bd.resident_bytes else ""
+    if bd.load_peak > bd.resident_bytes:
+        what = f"at the load peak ({fmt_bytes(bd.resident_bytes)} resident after it) "
     if need <= usable:
-        return f"fits: {fmt_bytes(need)} of {fmt_bytes(usable)} usable on {where}{cap}, {fmt_bytes(usable - need)} left"
-    return (f"needs {fmt_bytes(need)} on {where} but {fmt_bytes(usable)} is usable{cap}: "
+        return (f"fits: {fmt_bytes(need)} {what}of {fmt_bytes(usable)} usable on {where}{cap}, "
+                f"{fmt_bytes(usable - need)} left")
+    return (f"needs {fmt_bytes(need)} {what}on {where} but {fmt_bytes(usable)} is usable{cap}: "
             f"{fmt_bytes(need - usable)} over ({parts})")
+
+
+def mapped_note(bd: MemoryBreakdown) -> str | None:
+    """The mapped total beside the resident figure, when they differ (information: the verdict uses resident)."""
+    extra = bd.mapped_bytes - bd.resident_bytes
+    if extra <= 0:
+        return None
+    return (f"mapped {fmt_bytes(bd.mapped_bytes)}: a process monitor shows up to this much before memory pressure; "
+            f"{fmt_bytes(extra)} of it are clean file pages the kernel reclaims (read once, at load, to repack, "
+            "or a row per token: the token embeddings)")
+
+
+def load_options(spec: ModelSpec, device: DeviceProfile, req: FitRequest, model: BackendMemory
+                 ) -> tuple[LoadOption, ...]:
+    """The request under each load mode the backend offers (with the request's own first)."""
+    out = []
+    for label, changes in model.load_variants(spec, device, req):
+        alt = replace(req, **changes)
+        bd, _ = breakdown(spec, device, alt)
+        out.append(LoadOption(label, dict(changes), bd.device_bytes, bd.resident_bytes, bd.mapped_bytes,
+                              bd.load_peak, bd.device_bytes <= device.usable_bytes, alt == req))
+    return tuple(sorted(out, key=lambda o: not o.current))
 
 
 def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | None = None, *,
@@ -261,11 +306,15 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
             suggestions.append(f"--parallel {mpar}")
         if off is not None:
             suggestions.append(f"--gpu-layers {off.gpu_layers}")
+    options = load_options(spec, device, req, model)
+    cheaper = [o for o in options if not o.current and o.fits]
+    if not fits and cheaper:
+        suggestions.append(min(cheaper, key=lambda o: o.needed).label)
     command = result.command
     if not fits and off is not None:
         command = model.command(spec, req, cells, device, off.gpu_layers)
     return replace(result, max_ctx=mctx, max_parallel=mpar, kv_type=kvt, offload=off, ubatch=ub,
-                   suggestions=tuple(suggestions), command=command)
+                   suggestions=tuple(suggestions), command=command, load_options=options)
 
 
 def _cpu_view(dev: DeviceProfile) -> DeviceProfile:

@@ -199,6 +199,22 @@ def _measured(speed: SpeedModel, cal: Calibration) -> tuple[Measured, ...]:
     return tuple(out)
 
 
+def _mapped_notes(specs, devices, n_ctx: int) -> list[str]:
+    """Where the memory that must stay resident (what the table counts) is less than what is mapped."""
+    from localinfer.backends.memory import FitRequest
+    from localinfer.plan.fit import fit_device, mapped_note
+
+    out = []
+    for s in specs:
+        for d in devices:
+            bd = fit_device(s, d, FitRequest(n_ctx=n_ctx), search=False).breakdown
+            note = mapped_note(bd)
+            if note:
+                out.append(f"{clean(s.name)} on {clean(d.name)} at {n_ctx} tokens: {fmt_bytes(bd.resident_bytes)} "
+                           f"resident (counted); {note}")
+    return out
+
+
 def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | None = None, plots: bool = False,
                  workload=None) -> Report:
     """Every model × device.  ``calibrations`` maps a device name to its measurements."""
@@ -211,6 +227,7 @@ def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | Non
               "with two prefetch buffers"),
              "speeds come from each profile's bandwidth, peak FLOP/s and efficiencies unless measured",
              "largest ctx stops at the model's trained context length"]
+    notes += _mapped_notes(specs, devices, min(contexts))
     for s in specs:
         over = [c for c in contexts if s.n_ctx_train and c > s.n_ctx_train]
         if over:

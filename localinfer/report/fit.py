@@ -52,14 +52,21 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
         bd = r.breakdown
         pool = None if bd.unified else "device"
         name = safe_text(r.device.name, None)[:21]
-        w, kv, cb, left = (bd.sum("weights", pool), bd.sum("kv", pool), bd.sum("compute", pool) + bd.sum("output", pool),
-                           r.free_bytes) if r.supported else (None,) * 4
+        w, kv, cb, left = (bd.sum("weights", pool, resident=True), bd.sum("kv", pool),
+                           bd.sum("compute", pool) + bd.sum("output", pool), r.free_bytes) if r.supported else (None,) * 4
         lines.append(f"{name:<22}{_g(r.usable_bytes):>10}{_g(w):>11}{_g(kv):>10}{_g(cb):>10}{_g(left):>11}  "
                      f"{'yes' if r.fits else 'NO':<5}{_ctx(r.max_ctx):>8}{(str(r.max_parallel) if r.max_parallel else '—'):>8}")
     lines.append("")
     for r in results:
         lines.append(f"{safe_text(r.device.name, None)}: {safe_text(r.device.display_name, None)}")
         lines.extend(_wrap(r.reason, "  "))
+        from localinfer.plan.fit import mapped_note
+
+        note = mapped_note(r.breakdown) if r.supported else None
+        if note:
+            lines.extend(_wrap(note, "  "))
+        if len({(o.needed, o.mapped) for o in r.load_options}) > 1:     # only when the load mode matters
+            lines.extend(_wrap("load options: " + options_text(r.load_options), "  "))
         if not r.fits:
             if r.suggestions:
                 lines.extend(_wrap("would fit with: " + "; ".join(r.suggestions), "  "))
@@ -85,6 +92,19 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
             lines.extend(_wrap(r.command, "  $ ", "      "))
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def options_text(options) -> str:
+    """Each load mode's resident (and mapped, peak) bytes, the cheapest named."""
+    parts = []
+    for o in options:
+        extra = [f"mapped {_g(o.mapped)}"] if o.mapped != o.resident else []
+        if o.load_peak > o.resident:
+            extra.append(f"{_g(o.load_peak)} while loading")
+        parts.append(f"{o.label}{' (as asked)' if o.current else ''} {_g(o.resident)} resident"
+                     + (f" ({', '.join(extra)})" if extra else ""))
+    best = min(options, key=lambda o: (o.needed, not o.current))
+    return "; ".join(parts) + f". Least memory: {best.label}" + (" (as asked)" if best.current else "")
 
 
 def _wrap(text: str, first: str, rest: str | None = None) -> list[str]:

@@ -3,7 +3,7 @@
 ``generate_batch(model, prompts, ...) -> list[str]`` has the shape of vLLM's
 ``LLM.generate``: every prompt becomes a :class:`~localinfer.serve.request.Request`
 with its own sampler (the parameters and seed it would get alone), the
-:class:`~localinfer.serve.engine.Engine` (scheduler + block manager) steps them
+:class:`~localinfer.serve.engine.StepEngine` (scheduler + block manager) steps them
 ``parallel`` at a time on a :class:`LlamaCppExecutor`, and each reply ends by
 the rules of :class:`~localinfer.generation.runner.Runner`: an end-of-generation
 token or a stop string (``"stop"``), ``max_tokens``, or the request's context
@@ -29,10 +29,9 @@ from localinfer.errors import ContextFullError, LocalinferError, UsageError
 from localinfer.generation.sampling import SamplingParams, check_max_tokens
 from localinfer.generation.text import ReplyText, check_stops
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
-from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.request import FinishReason, Request
-from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.scheduler import Policy, SchedulerConfig
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PARALLEL = 4
@@ -104,26 +103,24 @@ def run_batch(executor, vocab, prompts: Sequence[Sequence[int]], params: Samplin
     check_max_tokens(max_tokens)
     stops = check_stops(stop)
     params = params or SamplingParams()
-    block_tokens = block_tokens or getattr(executor, "block_size", None) or DEFAULT_BLOCK_TOKENS
+    caps = executor.caps
+    block_tokens = caps.block_size or block_tokens or DEFAULT_BLOCK_TOKENS
     parallel = min(parallel or executor.n_slots, executor.n_slots)
-    unified = getattr(executor, "unified", True)
     if ctx is None:
-        ctx = executor.n_cells // parallel // block_tokens * block_tokens if unified else executor.slot_cells
+        ctx = caps.n_cells // parallel // block_tokens * block_tokens if caps.unified else caps.slot_cells
     per_slot = blocks_for(ctx, block_tokens)
-    pool = executor.n_cells // block_tokens if unified else parallel * (executor.slot_cells // block_tokens)
-    if ctx > executor.slot_cells or parallel * per_slot > pool:
+    pool = caps.n_cells // block_tokens if caps.unified else parallel * (caps.slot_cells // block_tokens)
+    if ctx > caps.slot_cells or parallel * per_slot > pool:
         raise UsageError(f"{parallel} requests of {ctx} positions need {parallel * per_slot * block_tokens} KV "
-                         f"cells ({executor.slot_cells} per slot); the context has {executor.n_cells}",
+                         f"cells ({caps.slot_cells} per slot); the context has {caps.n_cells}",
                          flag="--parallel", hint="use a smaller ctx or fewer parallel requests")
     if chunk is not None and chunk < 1:
         raise UsageError(f"the prefill chunk must be >= 1 token, got {chunk}", flag="--chunk")
-    config = SchedulerConfig(policy="continuous" if chunk is None else "chunked", max_running=parallel,
+    config = SchedulerConfig(policy=Policy.CONTINUOUS if chunk is None else Policy.CHUNKED, max_running=parallel,
                              chunk_tokens=chunk or SchedulerConfig.chunk_tokens, admission=admission)
     if kv_blocks is not None:
         pool = min(pool, kv_blocks)
-    blocks = BlockManager(pool, block_tokens, prefix_cache=prefix_cache,
-                          pool_hits=getattr(executor, "restores_cached_prefix", False))
-    engine = Engine(executor, Scheduler(config, blocks))
+    engine = build_step_engine(executor, config, block_tokens=block_tokens, num_blocks=pool, prefix_cache=prefix_cache)
     start = executor.clock()
     stop_tokens = frozenset() if ignore_eos else frozenset(vocab.eos_ids)
     requests, replies = [], {}
@@ -180,8 +177,11 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     prompt alone (same threads and flash attention) for prompts under 64 tokens; for longer ones when
     both run with ``ubatch`` < 64 (see :mod:`localinfer.backends.llamacpp.executor`).
     """
-    if backend not in ("llama.cpp", "llamacpp", "torch"):
-        raise UsageError(f"generate_batch runs on the llama.cpp or torch executor; backend {backend!r} has none yet",
+    from localinfer.backends import registry
+
+    if registry.canonical(backend) not in registry.serving_backends():
+        names = " or ".join(registry.serving_backends())
+        raise UsageError(f"generate_batch runs on the {names} executor; backend {backend!r} has none yet",
                          flag="--backend", hint="use backend='llama.cpp', or Runner for one prompt at a time")
     params = sampling or SamplingParams()
     changes = {k: v for k, v in (("temperature", temperature), ("seed", seed)) if v is not None}
@@ -191,10 +191,10 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
         raise UsageError(f"parallel must be a positive integer, got {parallel!r}", flag="--parallel")
     if not prompts:
         return []
+    from localinfer.backends.engine import LoadPlan
     from localinfer.backends.vocab import VocabOnly
     from localinfer.model.sources import default_model_path
     from localinfer.model.spec import ModelSpec
-    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     path = os.fspath(model) if model is not None else str(default_model_path())
     spec = ModelSpec.from_gguf(path)
@@ -207,22 +207,14 @@ def generate_batch(model: str | os.PathLike | None, prompts: Sequence[str | Sequ
     if ctx is None:
         ctx = max(len(t) for t in token_lists) + max_tokens
         ctx = min(ctx, spec.n_ctx_train) if spec.n_ctx_train else ctx
-    if backend == "torch":   # cuda_backend's paged executor: a pool of parallel x ceil(ctx / 16) blocks
-        from cuda_backend.serving import open_executor
-
-        with open_executor(path, n_slots=parallel, n_ctx=ctx, threads=threads, type_k=type_k, type_v=type_v,
-                           device="cpu" if n_gpu_layers == 0 else None) as ex:
-            results = run_batch(ex, ex.vocab, token_lists, params, max_tokens=max_tokens, parallel=parallel,
-                                ctx=ctx, chunk=chunk, stop=stop)
-        return [r.text for r in results]
-    from localinfer.backends.llamacpp.memory import LLAMA_CTX_PAD
-    from localinfer.units import pad_to
-
-    slot = pad_to(blocks_for(ctx) * DEFAULT_BLOCK_TOKENS, LLAMA_CTX_PAD)   # llama.cpp's 256-cell pages
-    with LlamaCppExecutor.open(path, n_slots=parallel, n_ctx=parallel * slot, threads=threads,
-                               flash_attn=flash_attn, unified=kv_unified, type_k=type_k, type_v=type_v,
-                               n_gpu_layers=n_gpu_layers, n_ubatch=ubatch, quiet=True) as ex:
-        results = run_batch(ex, ex.engine, token_lists, params, max_tokens=max_tokens, parallel=parallel, ctx=ctx,
+    # every slot holds ctx positions, in whole blocks; the backend's memory model pads that as it allocates
+    memory = registry.memory_model(backend)
+    slot = memory.slot_cells(blocks_for(ctx) * DEFAULT_BLOCK_TOKENS) if memory is not None else ctx
+    plan = LoadPlan(path, n_ctx=parallel * slot, n_seq=parallel, n_threads=threads, flash_attn=flash_attn,
+                    n_ubatch=ubatch, type_k=type_k, type_v=type_v, n_gpu_layers=n_gpu_layers,
+                    options={"kv_unified": kv_unified, "quiet": True})
+    with registry.open_executor(plan, backend) as ex:
+        results = run_batch(ex, ex.vocab, token_lists, params, max_tokens=max_tokens, parallel=parallel, ctx=ctx,
                             chunk=chunk, stop=stop)
     return [r.text for r in results]
 

@@ -17,18 +17,15 @@ With ``pool_hits=False`` a hit stops at the first block no running sequence
 holds and no parked sequence keeps: for backends that keep KV only in
 sequences (every hit is then a copy from one of them).
 
-Parked sequences (``parking``, turned on by an engine that keeps finished
-requests' KV in spare sequence slots): ``free(seq)`` then leaves the
-sequence's leading committed whole blocks that the cache names (its *kept
-prefix*) backed by the parked sequence ``seq``: unreferenced, they wait in the
-LRU as cached blocks, and with ``pool_hits=False`` they stay hits, since the
-parked sequence still holds their KV.  ``unpark(seq, keep)`` shortens or forgets
-a parked sequence (a preempted request's KV is dropped; a parked sequence
-evicted for its slot); an unreferenced block no parked sequence backs leaves
-the cache at once.  Evicting a backed block (LRU, for an allocation) cuts every
-parked sequence holding it from that block on and calls
-``on_evict(seq, first position cut)``, so the owner drops those positions
-(``executor.drop``) and the KV cells and blocks agree: ``tokens_held``.  With
+Parked sequences (a :class:`~localinfer.serve.parking.Parking` given at
+construction, for an engine that keeps finished requests' KV in spare sequence
+slots): ``free(seq)`` then leaves the sequence's leading committed whole blocks
+that the cache names (its *kept prefix*) backed by the parked sequence: unreferenced,
+they wait in the LRU as cached blocks, and with ``pool_hits=False`` they stay
+hits, since the parked sequence still holds their KV.  An unreferenced block no
+parked sequence backs leaves the cache at once; evicting a backed block (LRU,
+for an allocation) cuts every parked sequence holding it from that block on
+(``Parking.evict``), so the KV cells and blocks agree: ``tokens_held``.  With
 parking, a block whose parent in its own sequence is not the cached one (two
 sequences computed one prefix at once) is not cached, so whoever holds a
 cached block holds its whole chain and one copy seats any hit.
@@ -52,6 +49,7 @@ from dataclasses import dataclass
 
 from localinfer.errors import LocalinferError, UsageError
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
+from localinfer.serve.parking import Parking
 from localinfer.serve.prefix_hashes import PrefixHashes, chain_hash
 
 ROOT_HASH = 0
@@ -84,10 +82,13 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, *, prefix_cache: bool = True,
                  pool_hits: bool = True, hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash,
-                 max_used: int | None = None):
+                 max_used: int | None = None, parking: Parking | None = None):
         if num_blocks < 0 or block_tokens <= 0 or not 0 <= (max_used or 0) <= num_blocks:
             raise UsageError(f"need a non-negative block count, a positive block size and at most that many "
                              f"referenced, got {num_blocks} blocks of {block_tokens} ({max_used})", flag="--block")
+        if parking is not None and pool_hits:
+            raise ValueError("parking is for executors that keep KV only in sequences: build the BlockManager "
+                             "with pool_hits=False")
         self.block_tokens = block_tokens
         self.prefix_cache = prefix_cache
         self.pool_hits = pool_hits
@@ -102,10 +103,9 @@ class BlockManager:
         self.lengths: dict[object, int] = {}                  # tokens written per sequence
         self._chain: dict[object, tuple[int, int]] = {}       # per sequence: (whole blocks hashed, last hash)
         self.used = 0                                         # blocks with a reference
-        self.parking = False                                  # free() parks (set by the engine that keeps the KV)
-        self.parked: dict[object, list[int]] = {}             # parked sequence -> its kept prefix's blocks
-        self._backers: dict[int, set] = {}                    # block -> parked sequences keeping it
-        self.on_evict: Callable[[object, int], None] | None = None
+        self.parking = parking                                # free() parks into it
+        if parking is not None:
+            parking.bind_blocks(self)
         self.peak_used = 0
         self.evictions = 0
         self.max_used = max_used      # referenced blocks at most (the KV cells); the rest only cache (host memory)
@@ -147,7 +147,21 @@ class BlockManager:
 
     def tokens_held(self) -> int:
         """``tokens_in_use`` plus the whole blocks that only parked sequences keep (what KV cells hold then)."""
-        return self.tokens_in_use() + self.block_tokens * sum(1 for b in self._backers if self.blocks[b].ref == 0)
+        parked = self.parking.held_blocks() if self.parking is not None else 0
+        return self.tokens_in_use() + self.block_tokens * parked
+
+    @property
+    def parked(self) -> dict[object, list[int]]:
+        """Parked sequence -> its kept prefix's blocks (empty without parking)."""
+        return self.parking.kept if self.parking is not None else {}
+
+    def is_cached(self, b: int) -> bool:
+        """Block ``b`` is the prefix cache's block for its hash."""
+        h = self.blocks[b].hash
+        return h is not None and self._cache.get(h) == b
+
+    def _backed(self, b: int) -> bool:
+        return self.parking is not None and self.parking.backs(b)
 
     # ---- the prefix cache ----------------------------------------------------
     def match(self, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> list[int]:
@@ -168,7 +182,7 @@ class BlockManager:
             block = self.blocks[b]
             if block.parent != parent or block.tokens != tuple(tokens[i * p:(i + 1) * p]):
                 break
-            if not self.pool_hits and block.ref == 0 and b not in self._backers:
+            if not self.pool_hits and block.ref == 0 and not self._backed(b):
                 break
             found.append(b)
             parent = h
@@ -270,11 +284,11 @@ class BlockManager:
                 chunk = tuple(tokens[i * p:(i + 1) * p])
                 cached = self._cache.get(h)
                 if (cached is not None and not self.pool_hits and self.blocks[cached].ref == 0
-                        and cached not in self._backers):
+                        and not self._backed(cached)):
                     self._unhash(cached)    # a live copy serves hits better than one nobody holds
                 # parking: a block whose parent in this sequence is not the cached one (both computed at once)
                 # stays out, so that whoever holds a cached block holds its whole chain (one copy seats a hit)
-                own = not self.parking or i == 0 or self._cache.get(parent) == table[i - 1]
+                own = self.parking is None or i == 0 or self._cache.get(parent) == table[i - 1]
                 if h not in self._cache and own:
                     block.hash, block.parent, block.tokens = h, parent, chunk
                     self._cache[h] = block.id
@@ -301,8 +315,8 @@ class BlockManager:
         table = self.tables.pop(seq)
         n = self.lengths.pop(seq)
         self._chain.pop(seq, None)
-        if self.parking:
-            self._park(seq, table, n)
+        if self.parking is not None:
+            self.parking.park_blocks(seq, table, n)
         for b in reversed(table):   # the tail first: it is the first to be evicted
             self._unref(b)
 
@@ -311,29 +325,14 @@ class BlockManager:
 
         An unreferenced block no parked sequence backs any more leaves the cache (to the free pool).
         """
-        kept = self.parked.get(seq)
-        if kept is None:
-            return 0
-        k = min(len(kept), max(0, keep_tokens) // self.block_tokens)
-        gone = kept[k:]
-        del kept[k:]
-        if not kept:
-            del self.parked[seq]
-        for b in gone:
-            self._unback(b, seq)
-        return k * self.block_tokens
+        return self.parking.unpark(seq, keep_tokens) if self.parking is not None else 0
 
     def parked_sharers(self, seq) -> list[tuple[object, int]]:
         """Parked sequences sharing ``seq``'s leading blocks: (parked sequence, whole blocks in common), most first."""
-        table, out = self.tables[seq], []
-        n = min(len(table), self.lengths[seq] // self.block_tokens)
-        for other, kept in self.parked.items():
-            k, limit = 0, min(n, len(kept))
-            while k < limit and kept[k] == table[k]:
-                k += 1
-            if k:
-                out.append((other, k))
-        return sorted(out, key=lambda x: -x[1])
+        if self.parking is None:
+            return []
+        table = self.tables[seq]
+        return self.parking.sharers(table, min(len(table), self.lengths[seq] // self.block_tokens))
 
     def sharers(self, seq) -> list[tuple[object, int]]:
         """Other sequences sharing ``seq``'s leading blocks: (sequence, whole blocks in common), most first."""
@@ -402,55 +401,21 @@ class BlockManager:
             else:
                 self._release(b)
 
-    def _park(self, seq, table: list[int], n_tokens: int) -> None:
-        self.unpark(seq)
-        kept = []
-        for b in table[:n_tokens // self.block_tokens]:
-            h = self.blocks[b].hash
-            if h is None or self._cache.get(h) != b:
-                break
-            kept.append(b)
-        if kept:
-            self.parked[seq] = kept
-            for b in kept:
-                self._backers.setdefault(b, set()).add(seq)
-
-    def _unback(self, b: int, seq) -> None:
-        """Parked ``seq`` no longer keeps block ``b``; an unreferenced block nobody keeps leaves the cache."""
-        backers = self._backers.get(b)
-        if backers is None:
-            return
-        backers.discard(seq)
-        if not backers:
-            del self._backers[b]
-            if self.blocks[b].ref == 0 and b in self._lru:
-                self._unhash(b)
-
-    def _evict_backed(self, b: int) -> None:
-        """Cached block ``b`` is evicted: every parked sequence keeping it is cut from it on (``on_evict``)."""
-        p = self.block_tokens
-        for seq in list(self._backers.get(b, ())):
-            kept = self.parked[seq]
-            j = kept.index(b)
-            gone = kept[j:]
-            del kept[j:]
-            if not kept:
-                del self.parked[seq]
-            for d in gone:
-                self._unback(d, seq)
-            if self.on_evict is not None:
-                self.on_evict(seq, j * p)
-
     def _release(self, b: int) -> None:
         block = self.blocks[b]
         if block.ref:
             return   # referenced again (a cache hit) before the deferred release
         if (block.hash is not None and self._cache.get(block.hash) == b
-                and (self.pool_hits or not self.parking or b in self._backers)):
+                and (self.pool_hits or self.parking is None or self._backed(b))):
             self._lru[b] = None
         else:
             self._reset(block)
             self._free.append(b)
+
+    def uncache_if_unused(self, b: int) -> None:
+        """Block ``b`` lost its last parked backer: unreferenced and waiting in the LRU, it leaves the cache."""
+        if self.blocks[b].ref == 0 and b in self._lru:
+            self._unhash(b)
 
     def _unhash(self, b: int) -> None:
         """Take unreferenced block ``b`` out of the prefix cache (into the free pool, unless a release is pending)."""
@@ -467,7 +432,8 @@ class BlockManager:
         else:
             b, _ = self._lru.popitem(last=False)
             self.evictions += 1
-            self._evict_backed(b)
+            if self.parking is not None:
+                self.parking.evict(b)
             self._reset(self.blocks[b])
         self._ref(b)
         return b

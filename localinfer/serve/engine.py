@@ -1,45 +1,19 @@
-"""The step-level serving engine: a scheduler and a block manager driving any Executor.
+"""The step engine: a scheduler and a block manager driving any Executor.
 
 One ``step``: the scheduler picks the batch (decodes, prompt chunks, admissions);
 newly admitted requests get a sequence slot, and a prefix-cache hit whose blocks
-another running request holds becomes ``executor.copy`` of those positions (no
-recompute); preempted and finished requests' slots are dropped; the executor
-computes the batch in one call; each request asking for a token samples it with
-its own sampler.  Each token, and each finish, becomes a ``StreamChunk`` on that
-request's stream.
+another running (or parked) request holds becomes ``executor.copy`` of those
+positions (no recompute); preempted and finished requests leave their slots
+(:mod:`localinfer.serve.parking` keeps finished ones' KV where the block manager
+has a Parking); the executor computes the batch in one call; each request asking
+for a token samples it with its own sampler.  Each token, and each finish,
+becomes a ``StreamChunk`` on that request's stream.
 
-An executor that can bring back a cached prefix no running request holds
-declares ``restores_cached_prefix = True`` and ``restore(slot, n_tokens)`` (the
-simulator); with any other, the block manager must be built with ``pool_hits=False``.
-
-Parking (``park_slots`` > 0: sequence slots beyond ``max_running``, for an
-executor that keeps KV only in its sequences, llama.cpp): a request that
-finishes or is cancelled keeps its slot, cut to its kept prefix (the whole
-committed blocks the prefix cache names, ``BlockManager.free`` with
-``parking``); those blocks stay in the cache as evictable, and a later request
-whose prompt matches them is seated by ``executor.copy`` from the parked slot,
-as from a running request.  The block manager's eviction of such a block drops
-the parked slot's positions from that block on (``executor.drop(slot,
-start)``), so KV cells and blocks agree (``BlockManager.tokens_held``); when all
-``park_slots`` are parked, one gives its slot up whole: the least recently used
-one whose prompt another parked request was sent too, else the least recently
-used.  A preempted request, or one that failed, is not parked.  An executor
-that ``parks_in_host`` (llama.cpp's with ``park_host``) moves a parked
-slot's KV out of its cells (``executor.park``): a hit then shares the running
-holder's positions first and has the rest written back from the parked slot,
-so the cells are the running requests' blocks (``tokens_in_use``), and a
-write-back that finds no free cells is computed instead (``copy`` returns
-what it shared).  When host memory is full (``park`` returns False) parked
-requests give theirs up, chosen as for a slot; one that fits alone neither is
-not parked.  Of two parked requests where one's kept blocks begin the other's
-(a hit), only the longer keeps its slot, so two ids never hold one conversation.
-
-Every chunk carries its request's block table from the block manager
-(``Chunk.blocks``), so a paging executor (the torch one, built with
-``external_blocks=True``) writes and reads exactly the blocks the manager
-counts; an executor that declares ``block_size`` must use the manager's.
-Executors that keep KV their own way (llama.cpp) ignore the tables.
-
+What the executor can do is read from ``executor.caps``: an executor that
+``restores_cached_prefix`` brings back a cached prefix no request holds
+(``pool_hits``); one that declares ``block_size`` pages KV in the block
+manager's blocks, and every chunk carries its request's block table
+(``Chunk.blocks``); others keep KV their own way and ignore the tables.
 Copy-on-write block copies are bookkeeping only here: a backend whose KV cells
 carry several sequence ids (llama.cpp) writes a new cell for the new token and
 never overwrites a shared one; a paging executor sees a table entry change
@@ -50,15 +24,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from localinfer.backends.executor import Chunk, Executor
 from localinfer.generation.sampling import SamplingParams
+from localinfer.serve.masks import fill_step_masks
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
-from localinfer.serve.scheduler import Scheduler, StepPlan
+from localinfer.serve.scheduler import Scheduler, StepBatch
 
 
 @dataclass(frozen=True)
@@ -74,33 +48,42 @@ class StreamChunk:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step computed: (request id, start, new tokens) per chunk, and when."""
+    """What one step computed: (request id, start, new tokens) per chunk, and when; each chunk's kind ("prefill",
+    "decode", or "verify" with lookup drafts), whether it yielded the request's next token, the requests admitted
+    (seated) in it, and the step model's prediction of its time (None without one)."""
 
     start_s: float
     end_s: float
     chunks: tuple[tuple[str, int, int], ...]
+    kinds: tuple[str, ...] = ()
+    sampled: tuple[bool, ...] = ()
+    admitted: tuple[str, ...] = ()
+    predicted_s: float | None = None
+
+    def as_json(self) -> dict:
+        return {"start_s": self.start_s, "end_s": self.end_s, "predicted_s": self.predicted_s,
+                "chunks": [[rid, start, n, kind, got] for (rid, start, n), kind, got
+                           in zip(self.chunks, self.kinds, self.sampled)], "admitted": list(self.admitted)}
 
 
-class Engine:
-    def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False, park_slots: int = 0):
+class StepEngine:
+    def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False,
+                 on_step: Callable[[StepRecord], None] | None = None):
+        caps, parking = executor.caps, scheduler.blocks.parking
         if scheduler.config.max_running > executor.n_slots:
             raise ValueError(f"max_running {scheduler.config.max_running} exceeds the executor's "
                              f"{executor.n_slots} slots")
-        if park_slots and not 0 < park_slots <= executor.n_slots - scheduler.config.max_running:
-            raise ValueError(f"{park_slots} parked slots and max_running {scheduler.config.max_running} exceed the "
-                             f"executor's {executor.n_slots} slots")
-        if park_slots and scheduler.blocks.pool_hits:
-            raise ValueError("parking is for executors that keep KV only in sequences: build the BlockManager "
-                             "with pool_hits=False")
-        if scheduler.blocks.pool_hits and not getattr(executor, "restores_cached_prefix", False):
+        if parking is not None and parking.slots > executor.n_slots - scheduler.config.max_running:
+            raise ValueError(f"{parking.slots} parked slots and max_running {scheduler.config.max_running} exceed "
+                             f"the executor's {executor.n_slots} slots")
+        if scheduler.blocks.pool_hits and not caps.restores_cached_prefix:
             raise ValueError("this executor keeps KV only in live sequences: build the BlockManager with "
                              "pool_hits=False, so that every prefix hit is a copy from a running request")
-        if scheduler.drafter is not None and not getattr(executor, "verifies_drafts", False):
+        if scheduler.drafter is not None and not caps.verifies_drafts:
             raise ValueError("this executor returns one logits row per chunk: it cannot verify lookup drafts "
                              "(it declares verifies_drafts = True when it honours Chunk.n_logits)")
-        size = getattr(executor, "block_size", None)
-        if size is not None and size != scheduler.blocks.block_tokens:
-            raise ValueError(f"the executor's KV blocks hold {size} tokens, the block manager's "
+        if caps.block_size is not None and caps.block_size != scheduler.blocks.block_tokens:
+            raise ValueError(f"the executor's KV blocks hold {caps.block_size} tokens, the block manager's "
                              f"{scheduler.blocks.block_tokens}: one block size for both")
         self.executor = executor
         self.scheduler = scheduler
@@ -110,15 +93,23 @@ class Engine:
         self._streams: dict[str, deque[StreamChunk]] = {}
         self._holding: set[str] = set()     # requests whose slot holds the positions their blocks say
         self.records: list[StepRecord] | None = [] if record else None
+        self.on_step = on_step            # hears of every step's record (a server's step log), on the engine thread
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._in_step = False
         self._after_step: list[Request] = []     # cancelled during the step in flight: slots dropped after it
-        self.park_slots = park_slots
-        self._parked: OrderedDict[str, int] = OrderedDict()   # parked request id -> slot, least recently used first
-        self._prompt_of: dict[str, int] = {}        # parked request id -> hash of its prompt
-        self.blocks.parking = bool(park_slots)
-        self.blocks.on_evict = self._evicted if park_slots else None
+        self.parking = parking
+        if parking is not None:
+            parking.bind_engine(executor, self._free_slots, self.slot_of)
+
+    @property
+    def park_slots(self) -> int:
+        return self.parking.slots if self.parking is not None else 0
+
+    @property
+    def _parked(self):
+        """Parked request id -> its slot, least recently used first."""
+        return self.parking.slot_of if self.parking is not None else {}
 
     # ---- requests ------------------------------------------------------------
     def add_request(self, request: Request) -> Request:
@@ -183,6 +174,8 @@ class Engine:
                 sched.complete(plan, {}, start)
                 return events
             chunks = [self._chunk(c.request, c.tokens, c.start, c.samples, 1 + len(c.draft)) for c in plan.chunks]
+            model = sched.step_model     # predicted before the step runs (a fitted model learns from it after)
+            predicted = model.seconds(plan.shapes()) if model is not None and self._recording else None
             self._in_step = True
         try:
             rows = ex.step(chunks)
@@ -193,7 +186,9 @@ class Engine:
             raise
         with self._lock:
             self._end_step()
+            samples = tuple(c.samples for c in plan.chunks)      # read before complete() moves the requests on
             sampled, before = {}, {}
+            fill_step_masks(plan.chunks)      # the grammar masks of every constrained row, before any is sampled
             for c, ch in zip(plan.chunks, chunks):
                 r = c.request
                 if c.samples and r.state is State.RUNNING:    # not cancelled meanwhile
@@ -206,9 +201,13 @@ class Engine:
                 if r.id in self.slot_of:
                     ex.drop(self.slot_of[r.id], position)
             self._holding.update(c.request.id for c in plan.chunks)
-            if self.records is not None:
-                self.records.append(StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens)
-                                                                 for c in plan.chunks)))
+            if self._recording:
+                rec = self._record(plan, samples, tuple(c.request.id in sampled for c in plan.chunks), start, end,
+                                   predicted)
+                if self.records is not None:
+                    self.records.append(rec)
+                if self.on_step is not None:
+                    self.on_step(rec)
             for rid, (r, n) in before.items():
                 for tok in r.output[n:]:
                     ev = StreamChunk(rid, tok, end)
@@ -218,6 +217,17 @@ class Engine:
                 self._release(r)
                 events.append(self._emit_finish(r))
             return events
+
+    @property
+    def _recording(self) -> bool:
+        return self.records is not None or self.on_step is not None
+
+    def _record(self, plan: StepBatch, samples: tuple[bool, ...], got: tuple[bool, ...], start: float, end: float,
+                predicted: float | None) -> StepRecord:
+        kinds = tuple("verify" if c.draft else "prefill" if c.n_tokens > 1 or not s else "decode"
+                      for c, s in zip(plan.chunks, samples))
+        return StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens) for c in plan.chunks), kinds,
+                          got, tuple(r.id for r in plan.admitted), predicted)
 
     def _end_step(self) -> None:
         self._in_step = False
@@ -251,8 +261,9 @@ class Engine:
         from the pool."""
         slot = self._free_slots.popleft()
         self.slot_of[r.id] = slot
+        parking = self.parking
         if r.id in self._parked:      # an earlier request of the same id is parked: it gives its slot up now
-            self._unpark(r.id)
+            parking.give_up(r.id)
         if not r.cached:
             return
         p, have, src, append = self.blocks.block_tokens, 0, None, False
@@ -260,21 +271,18 @@ class Engine:
             if other in self._holding:
                 have, src = min(k * p, r.cached), self.slot_of[other]
                 break
-        for other, k in self.blocks.parked_sharers(r.id):
-            if other in self._parked:
-                if min(k * p, r.cached) > have:
-                    if self._host_parking() and src is not None:   # the running holder's cells, then the rest
-                        self.executor.copy(src, slot, have)
-                        append = True
-                    have, src = min(k * p, r.cached), self._parked[other]
-                    self._parked.move_to_end(other)     # used: the last to give its slot up
-                break
+        hit = parking.hit(r.id, r.cached, have) if parking is not None else None
+        if hit is not None:
+            if parking.in_host and src is not None:    # the running holder's cells, then the rest
+                self.executor.copy(src, slot, have)
+                append = True
+            src, have = hit
         if src is not None:
             got = self.executor.copy(src, slot, have, append=True) if append else self.executor.copy(src, slot, have)
-            if self._host_parking():    # a write-back from host memory that found no cells shares less
+            if parking is not None and parking.in_host:    # a write-back from host memory that found no cells
                 have = got
         if have < r.cached:
-            if getattr(self.executor, "restores_cached_prefix", False):
+            if self.executor.caps.restores_cached_prefix:
                 self.executor.restore(slot, r.cached)
             else:   # the hit spans blocks of several requests: compute what no single one can give
                 self.executor.step([self._chunk(r, r.view()[have:r.cached], have, False)])
@@ -289,83 +297,10 @@ class Engine:
         """r leaves its slot: parked (cut to its kept prefix) if it finished without error, else dropped."""
         slot = self.slot_of.pop(r.id, None)
         self._holding.discard(r.id)
-        park = self.park_slots and slot is not None and r.state is State.FINISHED \
-            and r.finish_reason is not FinishReason.ERROR
-        kept = self.blocks.unpark(r.id, r.n_tokens if park else 0)
-        if slot is None:
-            return
-        mine = self.blocks.parked.get(r.id, [])
-        keeper = next((o for o in self._parked if mine == self.blocks.parked.get(o, [])[:len(mine)]), None) \
-            if mine else None
-        if keeper is not None:                # r hit keeper's blocks and keeps no more: one id per conversation
-            self._parked.move_to_end(keeper)
-            kept = self.blocks.unpark(r.id)
-        if not kept:
+        if self.parking is not None:
+            slot = self.parking.release(r, slot)
+        if slot is not None:
             self.executor.drop(slot)
-            self._free_slots.append(slot)
-            return
-        self.executor.drop(slot, kept)
-        prompt = hash(r.prompt)
-        if self._host_parking() and not self._parks_in_host(slot, prompt):
-            self.blocks.unpark(r.id)         # no room in host memory: not parked in cells either, where it
-            self.executor.drop(slot)         # would widen what every step attends over
-            self._free_slots.append(slot)
-            return
-        self._parked[r.id] = slot
-        self._prompt_of[r.id] = prompt
-        for other in [o for o in self._parked if o != r.id]:   # older parked KV that r keeps all of
-            theirs = self.blocks.parked.get(other)
-            if theirs is not None and theirs == mine[:len(theirs)]:
-                self._unpark(other)
-        while len(self._parked) > self.park_slots:
-            self._unpark(self._victim())
-
-    def _parks_in_host(self, slot: int, prompt: int) -> bool:
-        """Move ``slot``'s KV to host memory, parked requests giving theirs up (``_victim``) while it does not fit
-        beside them (``park`` False); False when it cannot go there (``park`` None: over the whole
-        budget) or fits alone neither.  True also when the executor has just turned host parking off (its first
-        state would not cut) and the block pool is the cells alone: the KV then stays parked in its cells."""
-        while (done := self.executor.park(slot)) is not True:
-            if not self._host_parking():      # in cells from now on, unless the pool has a host tier past them
-                return self.blocks.max_used is None
-            if done is None or not self._parked:
-                return False
-            self._unpark(self._victim(also=prompt))
-        return True
-
-    def _victim(self, also: int | None = None) -> str:
-        """The parked request to give its slot up: the least recently used one whose prompt another parked request
-        (or the one being parked, whose prompt hash is ``also``) was sent too, a prompt answered again differently
-        (a regenerate; a resend whose first token flipped): its prompt's blocks stay in the other, it loses only its
-        answer's.  Else the least recently used.  Plain LRU would take an unrelated conversation, the next one
-        wanted when prompts come back in turn: each resent prompt answered differently took one."""
-        seen = Counter(self._prompt_of.values())
-        if also is not None:
-            seen[also] += 1
-        return next((rid for rid in self._parked if seen[self._prompt_of.get(rid)] > 1), next(iter(self._parked)))
-
-    def _host_parking(self) -> bool:
-        """The executor moves parked KV out of its cells (read each time: an executor may turn it off; llama.cpp's
-        decides at load, from a probe state)."""
-        return bool(self.park_slots) and getattr(self.executor, "parks_in_host", False)
-
-    def _unpark(self, rid: str) -> None:
-        """Parked ``rid`` gives its slot up: its KV is dropped and its blocks leave the cache (unless shared)."""
-        slot = self._parked.pop(rid)
-        self._prompt_of.pop(rid, None)
-        self.blocks.unpark(rid)
-        self.executor.drop(slot)
-        self._free_slots.append(slot)
-
-    def _evicted(self, rid: str, start: int) -> None:
-        """The block manager evicted parked ``rid``'s blocks from position ``start`` on: drop that KV."""
-        slot = self._parked.get(rid, self.slot_of.get(rid))     # slot_of: freed in this schedule, released later
-        if slot is None:
-            return
-        self.executor.drop(slot, start)
-        if start == 0 and self._parked.get(rid) == slot:
-            del self._parked[rid]
-            self._prompt_of.pop(rid, None)
             self._free_slots.append(slot)
 
     @property
@@ -378,9 +313,9 @@ class Engine:
         self._streams.setdefault(r.id, deque()).append(ev)
         return ev
 
-    def _fail(self, plan: StepPlan, exc: Exception) -> None:
+    def _fail(self, plan: StepBatch, exc: Exception) -> None:
         now = self.executor.clock()
-        self.scheduler.complete(StepPlan(), {}, now)    # the step is over: deferred frees go back
+        self.scheduler.complete(StepBatch(), {}, now)    # the step is over: deferred frees go back
         for c in plan.chunks:
             r = c.request
             if not r.finished:
@@ -392,8 +327,4 @@ class Engine:
         nxt = self.scheduler.next_arrival()
         if nxt is None:
             raise RuntimeError("requests are waiting but none can be admitted")
-        advance = getattr(self.executor, "advance_to", None)
-        if advance is not None:
-            advance(nxt)
-        else:
-            time.sleep(max(0.0, min(nxt - self.executor.clock(), 0.05)))
+        self.executor.idle_until(nxt)

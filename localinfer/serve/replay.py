@@ -23,10 +23,11 @@ import numpy as np
 
 from localinfer.errors import UsageError
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for, tokens_held
+from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine, StepRecord
+from localinfer.serve.engine import StepRecord
 from localinfer.serve.request import Request
-from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.scheduler import SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
 from localinfer.serve.step_model import StepModel
 from localinfer.util.stats import percentile
@@ -156,6 +157,12 @@ class ReplayResult:
         k = self.kv_bytes_per_token
         return None if k is None else self.blocks.peak_used * self.blocks.block_tokens * k
 
+    def largest_gaps(self, top: int = 5) -> list:
+        """The largest gaps between any request's tokens, and the steps that made them (:mod:`.gaps`)."""
+        from localinfer.serve.gaps import largest_gaps
+
+        return largest_gaps([s.as_json() for s in self.steps], top)
+
     def summary(self) -> dict:
         total = self.total_s
         outs = sum(len(r.output) for r in self.requests)
@@ -199,12 +206,11 @@ def replay(trace: list[TraceRequest], config: SchedulerConfig, step_model: StepM
     if kv_blocks is None:
         need = sorted((blocks_for(tokens_held(t.input, t.output), block_tokens) for t in trace), reverse=True)
         kv_blocks = sum(need[:config.max_running]) + sum(blocks_for(n, block_tokens) for n in named.values())
-    blocks = BlockManager(kv_blocks, block_tokens)
-    if prefix_cached:
-        for name, n in named.items():
-            blocks.preload(prefix_tokens(name, n))
-    scheduler = Scheduler(config, blocks, step_model)
-    engine = Engine(SimulatedExecutor(step_model, n_slots=config.max_running), scheduler, record=True)
+    preload = [prefix_tokens(name, n) for name, n in named.items()] if prefix_cached else ()
+    engine = build_step_engine(SimulatedExecutor(step_model, n_slots=config.max_running), config,
+                               step_model=step_model, block_tokens=block_tokens, num_blocks=kv_blocks,
+                               preload=preload, record=True)
+    scheduler, blocks = engine.scheduler, engine.blocks
     reqs = [Request(t.id, trace_prompt(t), t.output, arrival_s=t.arrival_ms / 1e3,
                     deadline_s=None if t.deadline_ms is None else t.deadline_ms / 1e3) for t in trace]
     for r in reqs:

@@ -1,10 +1,12 @@
 """A serving request: what it asks for, where it is in its life, and when each token came.
 
-States::
+States, and the transitions that move between them::
 
-    waiting ──admit──▶ running ──▶ finished (stop | length | cancelled | deadline | error)
-       ▲                  │
-       └──── preempted ◀──┘   (its KV is dropped and recomputed on readmission)
+    waiting ──admit()──▶ running ──finish()──▶ finished (stop | length | cancelled | deadline | error)
+       ▲                    │
+       └──── preempt() ◀────┘   (its KV is dropped and recomputed on readmission; ``preemptions`` counts it)
+
+A waiting request may also finish (cancelled, refused at admission, past its deadline).
 
 The tokens still to compute are ``all_tokens[computed:]``: after a preemption
 ``computed`` is 0 and the prompt *and* the outputs so far are prefilled again;
@@ -28,11 +30,10 @@ from localinfer.serve.prefix_hashes import PrefixHashes
 class State(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
-class FinishReason(enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
@@ -169,7 +170,18 @@ class Request:
             return FinishReason.LENGTH
         return None
 
+    def admit(self, cached: int, seq: int, now: float) -> None:
+        """Admitted at ``now`` as the ``seq``-th, with its first ``cached`` tokens' KV found in the prefix cache."""
+        self.cached = self.computed = cached
+        self.recomputed += max(0, self.dropped - cached)    # what the prefix cache did not keep
+        self.dropped = 0
+        self.state = State.RUNNING
+        self.seq = seq
+        if self.admitted_s is None:
+            self.admitted_s = now
+
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        """Finished (the scheduler's ``finish`` is the one caller): a subclass releases what it holds here."""
         self.state = State.FINISHED
         self.finish_reason = reason
         self.finished_s = now

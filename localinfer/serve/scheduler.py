@@ -6,10 +6,11 @@ Each step, in this order:
 2. every running request still prefilling gets one chunk, in admission order:
    its whole remainder (``fixed``, ``continuous``) or at most ``chunk_tokens``
    (``chunked``; or the largest chunk whose predicted step time stays under
-   ``itl_target_s``), all within ``token_budget`` new tokens per step; with
+   ``itl_target_s``; with ``max_gap_s``, while requests decode, the largest that keeps the step
+   within that bound), all within ``token_budget`` new tokens per step; with
    ``partial_slack`` a chunk that does not finish its prompt waits for the next
    step when this one already finishes a prompt and the chunk would make it more
-   than that fraction longer (below);
+   than that fraction longer;
 3. arrived waiting requests are admitted, first come first served, while fewer
    than ``max_running`` hold a slot (``fixed``: only when none is running, so a
    group starts after the previous one finished), and get their first chunk; a
@@ -19,31 +20,9 @@ Each step, in this order:
 
 With ``decode_share`` a step that computes prompt tokens is followed, while
 requests decode, by decode-only steps (2 and 3 wait): the nearest whole number of
-them to that fraction of its predicted time less its decodes' (below).
+them to that fraction of its predicted time less its decodes'.
 
-Why ``partial_slack``: a step's tokens all come out when the whole step ends, so
-a partial chunk riding in a step that finishes another prompt delays that
-prompt's first token (and every decode's next one) by the partial chunk's time,
-and buys nothing where compute is the bottleneck (a CPU: the chunk costs the same
-in the next step).  Eight 302-token prompts arriving together with a 512-token
-budget finished at 512-token boundaries, the 7th and 8th both in the last step;
-deferring, each leaves the step its own prompt ends in.  Where a step's time is
-flat in its tokens (a GPU below its compute roof) the chunk adds little and the
-step model lets it in.
-
-Why ``decode_share``: on a compute-bound machine a prompt step stalls every decode
-for its whole length, so requests whose prompts ran in consecutive steps are one
-token apart and finish in consecutive steps; closed-loop clients (an editor, an
-agent) send their next requests within a step of each other, the second waits out
-the first's prefill, and the pair stays a pair, cycle after cycle (a convoy: TTFT
-two prefills where one would do).  Decode-only steps after each prompt step give
-the requests already decoding a lead of a few tokens over those whose prompts
-wait, so their finishes, and their clients' next arrivals, come a prefill apart
-instead.  The decodes keep at least that share of the machine under a stream of
-prompts (as TGI's ``max_waiting_tokens`` lets decode steps pass before waiting
-requests are prefilled); a burst arriving together pays for it, its k-th prompt
-waiting k - 1 such gaps.  Deadline predictions leave the gaps out (a few percent
-at the serve default).  It needs a step model.
+Why ``partial_slack``, ``decode_share`` and ``max_gap_s``, with what each costs: docs/serving.md.
 
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
@@ -59,6 +38,7 @@ to the pool when the step in flight completes.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,18 +50,31 @@ from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.speculation import Drafter, check_draft_max
 from localinfer.serve.step_model import StepModel, chunk_for_target
 
-POLICIES = ("fixed", "continuous", "chunked")
-ADMISSIONS = ("reserve", "on_demand")
+class Policy(enum.StrEnum):
+    FIXED = "fixed"
+    CONTINUOUS = "continuous"
+    CHUNKED = "chunked"
+
+
+class Admission(enum.StrEnum):
+    RESERVE = "reserve"
+    ON_DEMAND = "on_demand"
+
+
+POLICIES = tuple(Policy)
+ADMISSIONS = tuple(Admission)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = "continuous"
+    policy: Policy = Policy.CONTINUOUS
     max_running: int = 8
     chunk_tokens: int = 512              # chunked: most prompt tokens of one request per step
     token_budget: int | None = None      # most new tokens per step (None: no limit)
     itl_target_s: float | None = None    # chunked: the chunk is the largest predicted to keep the step under this
-    admission: str = "reserve"
+    max_gap_s: float | None = None       # chunked: a step that gives a running stream its next token is predicted to
+                                         # take at most this; prompt chunks are cut to fit (None: no bound)
+    admission: Admission = Admission.RESERVE
     deadline_aware: bool = False
     drop_late: bool = False              # finish a request past its deadline at the next step boundary
     draft_max: int = 0                   # prompt-lookup drafts per decoding request and step (0: none)
@@ -96,6 +89,8 @@ class SchedulerConfig:
             raise UsageError(f"unknown policy {self.policy!r}", flag="--policy", hint="use " + "|".join(POLICIES))
         if self.admission not in ADMISSIONS:
             raise UsageError(f"unknown admission {self.admission!r}", hint="use " + " or ".join(ADMISSIONS))
+        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "admission", Admission(self.admission))
         for name, flag in (("max_running", "--max-running"), ("chunk_tokens", "--chunk"),
                            ("token_budget", "--token-budget")):
             v = getattr(self, name)
@@ -105,6 +100,9 @@ class SchedulerConfig:
             check_draft_max(self.draft_max)
         if self.itl_target_s is not None and not self.itl_target_s > 0:
             raise UsageError(f"the ITL target must be positive, got {self.itl_target_s!r}")
+        if self.max_gap_s is not None and not self.max_gap_s > 0:
+            raise UsageError(f"the largest token gap must be positive, got {self.max_gap_s!r}", flag="--max-gap",
+                             hint="e.g. --max-gap 150 (milliseconds), or leave it out for no bound")
         if self.partial_slack is not None and not self.partial_slack >= 0:
             raise UsageError(f"partial_slack must be a fraction >= 0, got {self.partial_slack!r}")
         if isinstance(self.decode_share, bool) or not 0 <= self.decode_share <= 100:
@@ -131,7 +129,7 @@ class ScheduledChunk:
 
 
 @dataclass
-class StepPlan:
+class StepBatch:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -149,8 +147,10 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, step_model: StepModel | None = None):
-        if (config.itl_target_s is not None or config.deadline_aware or config.decode_share) and step_model is None:
-            raise UsageError("an ITL target, a decode share or deadline-aware admission needs a step-time model",
+        if (config.itl_target_s is not None or config.max_gap_s is not None or config.deadline_aware
+                or config.decode_share) and step_model is None:
+            raise UsageError("an ITL target, a gap bound, a decode share or deadline-aware admission needs a step-time "
+                             "model",
                              hint="give --step-model or --device with --model")
         self.config = config
         self.blocks = blocks
@@ -179,12 +179,7 @@ class Scheduler:
         r = self.requests.get(request_id)
         if r is None or r.finished:
             return None
-        if r in self.running:
-            self.running.remove(r)
-            self.blocks.free(r.id)
-        elif r in self.waiting:
-            self.waiting.remove(r)
-        r.finish(FinishReason.CANCELLED if error is None else FinishReason.ERROR, now, error)
+        self.finish(r, FinishReason.CANCELLED if error is None else FinishReason.ERROR, now, error)
         return r
 
     @property
@@ -195,9 +190,9 @@ class Scheduler:
         return min((r.arrival_s for r in self.waiting), default=None)
 
     # ---- one step ------------------------------------------------------------
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float) -> StepBatch:
         """The next batch; the block manager treats it as in flight until ``complete``."""
-        cfg, plan = self.config, StepPlan()
+        cfg, plan = self.config, StepBatch()
         budget = [cfg.token_budget if cfg.token_budget is not None else 1 << 62]
         if cfg.drop_late:
             for r in [*self.running, *self.waiting]:
@@ -213,7 +208,7 @@ class Scheduler:
             for r in [r for r in self.running if r.prefilling]:
                 if r in self.running:
                     self._prefill_chunk(plan, r, budget)
-            if cfg.policy != "fixed" or group_start:
+            if cfg.policy is not Policy.FIXED or group_start:
                 self._admit(plan, now, budget)
         if self.drafter is not None:
             self._draft(plan, budget)
@@ -223,7 +218,7 @@ class Scheduler:
         self.blocks.begin_step()
         return plan
 
-    def complete(self, plan: StepPlan, sampled: Mapping[str, int | Sequence[int]], now: float) -> list[Request]:
+    def complete(self, plan: StepBatch, sampled: Mapping[str, int | Sequence[int]], now: float) -> list[Request]:
         """The step finished at ``now`` with these output tokens (a list for a chunk that verified a draft:
         the accepted drafts and the next token); the requests it finished.  A draft not wholly kept leaves
         ``plan.trims``: (request, position) from which its slot's KV is to be dropped."""
@@ -251,7 +246,7 @@ class Scheduler:
             self.blocks.commit(r.id, r.view(r.computed), r.prefix_hashes(self.blocks.block_tokens))
             if kept < len(ch.draft) + 1:
                 plan.trims.append((r, r.computed))
-                if self.config.admission == "on_demand":     # reserved blocks stay: they are the request's own
+                if self.config.admission is Admission.ON_DEMAND:     # reserved blocks stay: they are the request's own
                     self.blocks.shrink(r.id, r.computed)
             if reason is not None:
                 self.finish(r, reason, now)
@@ -259,6 +254,9 @@ class Scheduler:
         return done
 
     def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+        """The one way a request ends (stop, length, cancel, deadline, refusal, error): it leaves the queue or the
+        batch, its blocks go back (after the step in flight), the drafter forgets it, and the request releases what
+        it holds itself (``Request.finish``)."""
         if self.drafter is not None:
             self.drafter.forget(r.id)
         if r in self.running:
@@ -269,7 +267,7 @@ class Scheduler:
         r.finish(reason, now, error)
 
     # ---- internals -----------------------------------------------------------
-    def _owe_decodes(self, plan: StepPlan) -> None:
+    def _owe_decodes(self, plan: StepBatch) -> None:
         """``decode_share``: a step with prompt tokens owes that share of its predicted time less its decodes' (all
         of it with none) in decode-only steps, held only while requests decode; a decode-only step pays its time off."""
         decodes = [(c.n_tokens, c.start) for c in plan.chunks if not c.request.prefilling]
@@ -279,7 +277,7 @@ class Scheduler:
         elif decodes and self._decode_owed > 0:      # nothing owed (most steps): no prediction to make
             self._decode_owed -= self.step_model.seconds(decodes)
 
-    def _owes_a_step(self, plan: StepPlan) -> bool:
+    def _owes_a_step(self, plan: StepBatch) -> bool:
         """Whether the debt is at least half this decode-only step's predicted time: the gaps are the nearest
         whole number of decode steps to the share, not the next one up (a debt just over one step is one)."""
         if self._decode_owed >= 0.5 * self.step_model.seconds(plan.shapes()):
@@ -287,19 +285,30 @@ class Scheduler:
         self._decode_owed = 0.0
         return False
 
-    def _chunk_limit(self, plan: StepPlan, r: Request, budget: list[int]) -> int:
+    def _chunk_limit(self, plan: StepBatch, r: Request, budget: list[int]) -> int:
         cfg, n = self.config, r.remaining
-        if cfg.policy != "chunked":
+        if cfg.policy is not Policy.CHUNKED:
             return n if n <= budget[0] or not plan.chunks else 0
         n = min(n, cfg.chunk_tokens, budget[0])
         if cfg.itl_target_s is not None:
             fit = chunk_for_target(self.step_model, cfg.itl_target_s, plan.shapes(), r.computed, n)
             n = fit if fit or plan.chunks else 1
+        if cfg.max_gap_s is not None and any(c.samples and not c.request.prefilling for c in plan.chunks):
+            n = self._within_gap(plan, r, n)
         if n < r.remaining and cfg.partial_slack is not None and self._holds_partial(plan, r.computed, n):
             return 0
         return n
 
-    def _holds_partial(self, plan: StepPlan, start: int, n: int) -> bool:
+    def _within_gap(self, plan: StepBatch, r: Request, n: int) -> int:
+        """``max_gap_s``: the largest chunk of r (at most n) that keeps this step, which gives running streams their
+        next token, within the bound.  When the step's decodes alone reach it, the oldest prompt still moves by a
+        block a step (no prompt waits for ever behind a batch of decodes too large for the bound)."""
+        fit = chunk_for_target(self.step_model, self.config.max_gap_s, plan.shapes(), r.computed, n)
+        if fit or any(c.request.prefilling for c in plan.chunks):
+            return fit
+        return min(n, self.blocks.block_tokens)
+
+    def _holds_partial(self, plan: StepBatch, start: int, n: int) -> bool:
         """A chunk of n tokens after ``start`` that leaves its prompt unfinished would lengthen this step, which
         finishes another prompt, by more than ``partial_slack`` of its time (by token count without a step model)."""
         if not any(c.samples and c.request.prefilling for c in plan.chunks):   # computed moves at complete()
@@ -312,12 +321,12 @@ class Scheduler:
             more = self.step_model.seconds([*shapes, (n, start)]) - base
         return more > self.config.partial_slack * base
 
-    def _prefill_chunk(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
+    def _prefill_chunk(self, plan: StepBatch, r: Request, budget: list[int]) -> None:
         n = self._chunk_limit(plan, r, budget)
         if n > 0:
             self._add_chunk(plan, r, n, budget)
 
-    def _add_chunk(self, plan: StepPlan, r: Request, n: int, budget: list[int]) -> bool:
+    def _add_chunk(self, plan: StepBatch, r: Request, n: int, budget: list[int]) -> bool:
         """Schedule n tokens of r, taking blocks (preempting the newest on demand); False if r was preempted."""
         while self.blocks.grow_needed(r.id, r.computed + n) > self.blocks.num_free:
             victim = max(self.running, key=lambda x: x.seq)
@@ -329,7 +338,7 @@ class Scheduler:
         budget[0] -= n
         return True
 
-    def _draft(self, plan: StepPlan, budget: list[int]) -> None:
+    def _draft(self, plan: StepBatch, budget: list[int]) -> None:
         """Lengthen decode chunks with prompt-lookup drafts, from what the step leaves: free blocks and budget."""
         model, bm = self.step_model, self.blocks
         shapes = plan.shapes()                # kept current as chunks grow, so later drafts see earlier ones
@@ -348,20 +357,19 @@ class Scheduler:
             shapes[i] = (1 + len(draft), ch.start)
             budget[0] -= len(draft)
 
-    def _preempt(self, plan: StepPlan, r: Request, budget: list[int]) -> None:
+    def _preempt(self, plan: StepBatch, r: Request, budget: list[int]) -> None:
         for ch in [c for c in plan.chunks if c.request is r]:
             plan.chunks.remove(ch)
             budget[0] += ch.n_tokens
         self.running.remove(r)
         self.blocks.free(r.id)
         r.preempt()
-        r.state = State.WAITING
         self.waiting.appendleft(r)
         plan.preempted.append(r)
 
-    def _admit(self, plan: StepPlan, now: float, budget: list[int]) -> None:
+    def _admit(self, plan: StepBatch, now: float, budget: list[int]) -> None:
         cfg, bm = self.config, self.blocks
-        waits_for_prefix = cfg.wait_for_prefix and bm.prefix_cache and cfg.policy != "fixed"
+        waits_for_prefix = cfg.wait_for_prefix and bm.prefix_cache and cfg.policy is not Policy.FIXED
         i = 0     # requests before i wait for a prefix in flight; the others keep their order
         while (i < len(self.waiting) and len(self.running) < cfg.max_running
                and self.waiting[i].arrival_s <= now + 1e-12):
@@ -371,10 +379,8 @@ class Scheduler:
             reserve = tokens_held(len(r.prompt), r.max_tokens)
             whole = request_blocks(len(r.prompt), r.max_tokens, bm.block_tokens)
             if whole > bm.capacity:
-                del self.waiting[i]
+                self.finish(r, FinishReason.ERROR, now, f"needs {whole} KV blocks, the pool has {bm.capacity}")
                 plan.refused.append(r)
-                r.finish(FinishReason.ERROR, now, f"needs {whole} KV blocks, "
-                                                  f"the pool has {bm.capacity}")
                 continue
             tokens = r.view()
             hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))
@@ -385,23 +391,17 @@ class Scheduler:
                 first = self._first_step(r, hit, plan)
                 owed = self._owed(r, hit, plan, budget, first) if r.deadline_s is not None else 0.0
                 if r.deadline_s is not None and self._predict_finish(r, now, first + owed) > r.deadline_s:
-                    del self.waiting[i]
+                    self.finish(r, FinishReason.DEADLINE, now)
                     plan.refused.append(r)
-                    r.finish(FinishReason.DEADLINE, now)
                     continue
                 if self._makes_late(r, now, first, plan):
                     break    # waits: it would make a running request miss its deadline (refused once it is late)
-            held = reserve if cfg.admission == "reserve" else None
+            held = reserve if cfg.admission is Admission.RESERVE else None
             if not bm.can_allocate(tokens, held, hit):
                 break
             del self.waiting[i]
-            r.cached = r.computed = bm.allocate(r.id, tokens, held, hit)
-            r.recomputed += max(0, r.dropped - r.cached)    # what the prefix cache did not keep
-            r.dropped = 0
-            r.state = State.RUNNING
-            r.seq, self._admitted = self._admitted, self._admitted + 1
-            if r.admitted_s is None:
-                r.admitted_s = now
+            r.admit(bm.allocate(r.id, tokens, held, hit), self._admitted, now)
+            self._admitted += 1
             self.running.append(r)
             plan.admitted.append(r)
             self._prefill_chunk(plan, r, budget)
@@ -423,13 +423,13 @@ class Scheduler:
                 return True
         return False
 
-    def _first_step(self, r: Request, hit_blocks: list[int], plan: StepPlan) -> float:
+    def _first_step(self, r: Request, hit_blocks: list[int], plan: StepBatch) -> float:
         """The predicted time of this step with r's prefill (after its cache hit) beside what the step holds
         (decodes, chunks, this step's other admissions)."""
         hit = len(hit_blocks) * self.blocks.block_tokens
         return self.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit)])
 
-    def _makes_late(self, r: Request, now: float, first: float, plan: StepPlan) -> bool:
+    def _makes_late(self, r: Request, now: float, first: float, plan: StepBatch) -> bool:
         """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
         past its deadline.  The steps after: one decode per running request, with and without r's."""
         timed = [x for x in self.running if x.deadline_s is not None]
@@ -448,13 +448,13 @@ class Scheduler:
                 return True
         return False
 
-    def _owed(self, r: Request, hit_blocks: list[int], plan: StepPlan, budget: list[int], first: float) -> float:
+    def _owed(self, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], first: float) -> float:
         """Predicted seconds of the prefill that running requests still owe beyond this step's chunks (a chunk
         held back or cut by the budget): it runs before r's, first come first served -- unless r's whole prompt
         fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now.
         ``first``: :meth:`_first_step`'s time of this step with r's prefill."""
         hit = len(hit_blocks) * self.blocks.block_tokens
-        limit = min(budget[0], self.config.chunk_tokens) if self.config.policy == "chunked" else budget[0]
+        limit = min(budget[0], self.config.chunk_tokens) if self.config.policy is Policy.CHUNKED else budget[0]
         if r.n_tokens - hit <= limit:
             return 0.0
         scheduled = {c.request.id: c.n_tokens for c in plan.chunks}     # at most one chunk a request a step

@@ -19,11 +19,11 @@ from itertools import count
 
 import numpy as np
 
-from localinfer.backends.executor import Chunk
+from localinfer.backends.executor import Chunk, ExecutorBase
 from localinfer.serve.step_model import StepModel
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(ExecutorBase):
     restores_cached_prefix = True    # the KV pool keeps unreferenced cached blocks readable
     verifies_drafts = True           # honours Chunk.n_logits
 
@@ -66,13 +66,15 @@ class SimulatedExecutor:
                 out[ch.slot] = rows[0] if ch.n_logits == 1 else rows
         return out
 
-    def copy(self, src: int, dst: int, n_tokens: int) -> None:
+    def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
         cells = self._cells.get(src, [])
         if n_tokens > len(cells):
             raise ValueError(f"slot {src} holds {len(cells)} positions, cannot share {n_tokens}")
-        if self._cells.get(dst):
+        have = self._cells.get(dst, [])
+        if have and not append:
             raise ValueError(f"slot {dst} is not empty")
-        self._cells[dst] = cells[:n_tokens]
+        self._cells[dst] = have + cells[len(have):n_tokens]
+        return n_tokens
 
     def restore(self, slot: int, n_tokens: int) -> None:
         """Slot positions up to n_tokens come back from the cache pool (cells of their own)."""
@@ -89,6 +91,6 @@ class SimulatedExecutor:
     def clock(self) -> float:
         return self.now
 
-    def advance_to(self, t: float) -> None:
-        """Idle until ``t`` (nothing to compute before the next arrival)."""
+    def idle_until(self, t: float) -> None:
+        """Idle until ``t`` (nothing to compute before the next arrival): the virtual clock jumps there."""
         self.now = max(self.now, float(t))

@@ -76,6 +76,12 @@ class Drafter:
                     else CostModel.predicted(step_seconds, room + 1))
         n = r.n_tokens
         draft = dec.propose(r.view(n - 1), r.view()[n - 1], room=room, is_eos=lambda t: t in r.stop_tokens)
+        grammar = r.sampler.constraint
+        if grammar is not None and draft.tokens:      # verify only what the grammar allows
+            grammar.sync(r.output)
+            keep = grammar.valid_prefix(draft.tokens)
+            if keep < len(draft.tokens):
+                draft = Draft(draft.tokens[:keep], draft.source, draft.agreement)
         self._drafts[r.id] = draft
         return tuple(draft.tokens)
 

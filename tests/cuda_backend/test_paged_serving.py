@@ -17,7 +17,7 @@ pytest.importorskip("llama_cpp")
 
 from cuda_backend.paged_executor import PagedExecutor
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
 from localinfer.backends.executor import Chunk, Executor
 from localinfer.serve.request import Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
@@ -80,7 +80,7 @@ def engine_for(eng, n_blocks, max_running=4, admission="reserve", **kw):
     ex = PagedExecutor(eng.model, n_slots=max_running, num_blocks=n_blocks, type_k="f32", type_v="f32", **kw)
     sched = Scheduler(SchedulerConfig(max_running=max_running, admission=admission, policy="chunked",
                                       chunk_tokens=24), BlockManager(n_blocks, 16, pool_hits=False))
-    return Engine(ex, sched), ex
+    return StepEngine(ex, sched), ex
 
 
 def greedy_alone(eng, prompt, n):
@@ -132,7 +132,7 @@ def test_engine_with_block_tables_from_the_block_manager(eng):
         ex = PagedExecutor(eng.model, n_slots=3, num_blocks=n_blocks, type_k="f32", type_v="f32", external_blocks=True)
         sched = Scheduler(SchedulerConfig(max_running=3, admission=admission),
                           BlockManager(n_blocks, 16, pool_hits=True))
-        e = Engine(ex, sched)          # every chunk carries its request's table from the block manager
+        e = StepEngine(ex, sched)          # every chunk carries its request's table from the block manager
         first = e.add_request(Request("r0", prompts[0], 5))
         run_checking_cells(e, ex)                           # r0 finishes; its two whole blocks stay cached
         reqs = [first] + [e.add_request(Request(f"r{i}", p, 5)) for i, p in enumerate(prompts[1:], 1)]
@@ -160,7 +160,7 @@ def test_random_requests_and_cancels(eng, specs, admission, external, n_blocks):
     family = prompts_for(eng.n_vocab, [40, 40, 40], seed=12)
     inner = PagedExecutor(eng.model, n_slots=3, num_blocks=n_blocks, type_k="f32", type_v="f32",
                           external_blocks=external)
-    e = Engine(inner, Scheduler(SchedulerConfig(max_running=3, admission=admission, policy="chunked",
+    e = StepEngine(inner, Scheduler(SchedulerConfig(max_running=3, admission=admission, policy="chunked",
                                                 chunk_tokens=16), BlockManager(n_blocks, 16, pool_hits=external)))
     reqs, cancel_at = [], {}
     for i, (f, n, out, at) in enumerate(specs):

@@ -18,7 +18,7 @@ from cuda_backend.serving import BLOCK_TOKENS, open_executor
 from localinfer.backends.executor import Chunk
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
 from localinfer.serve.request import Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from tests.cuda_backend.test_paged_executor import ATOL_F32, alone, check, drive, prompts_for, static_engine
@@ -55,7 +55,7 @@ def test_block_size_is_the_block_managers(tiny_models):
     with open_tiny(tiny_models["qwen3"], 8) as ex:
         assert ex.external and ex.restores_cached_prefix and ex.block_size == BLOCK_TOKENS
         with pytest.raises(ValueError, match="one block size"):
-            Engine(ex, Scheduler(SchedulerConfig(max_running=3), BlockManager(16, 8, pool_hits=False)))
+            StepEngine(ex, Scheduler(SchedulerConfig(max_running=3), BlockManager(16, 8, pool_hits=False)))
 
 
 @pytest.mark.parametrize("pool_hits", [True, False], ids=["pool-hits", "live-hits"])
@@ -72,7 +72,7 @@ def test_tables_equal_the_block_managers(tiny_models, pool_hits):
     for n_blocks, admission in ((40, "reserve"), (5, "on_demand")):
         with open_tiny(path, n_blocks) as ex:
             bm = BlockManager(ex.pool.num_blocks, ex.block_size, pool_hits=pool_hits)
-            e = Engine(ex, Scheduler(SchedulerConfig(max_running=3, admission=admission, policy="chunked",
+            e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=3, admission=admission, policy="chunked",
                                                      chunk_tokens=16), bm))
             first = e.add_request(Request("r0", tuple(prompts[0]), 12))
             e.step()

@@ -96,7 +96,7 @@ def test_without_batch_sizes_the_section_is_null(default_model):
 
 def test_measure_frees_every_cell_and_checks_its_arguments(default_model, cost):
     from localinfer.backends.engine import LoadPlan
-    from localinfer.serve.bench import batch_plan, measure_batch, measure_batch_scaling
+    from localinfer.loadgen.batch_scaling import batch_plan, measure_batch, measure_batch_scaling
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
 
     plan = batch_plan(LoadPlan(str(default_model), n_threads=1, flash_attn=True), (3,), (5,), 3)

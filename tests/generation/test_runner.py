@@ -169,6 +169,7 @@ def test_each_step_hands_the_sampler_a_view_of_the_history_not_a_copy():
 
     class Spy:
         greedy = True
+        constraint = None
 
         def sample(self, logits, history):
             seen.append((history, list(history[-3:]), len(history)))

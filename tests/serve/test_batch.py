@@ -162,12 +162,12 @@ SYSTEM = tuple(range(500, 516))                        # four whole blocks of 4 
        st.sampled_from(["reserve", "on_demand"]))
 def test_random_add_step_cancel_keeps_llama_cpp_cells_equal_to_the_blocks(unified, ops, admission):
     from localinfer.serve.block_manager import BlockManager
-    from localinfer.serve.engine import Engine
+    from localinfer.serve.engine import StepEngine
     from localinfer.serve.request import Request
     from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
     blocks = BlockManager(10, 4, pool_hits=False)        # 40 of the 256 cells: on_demand preempts
-    eng = Engine(unified, Scheduler(SchedulerConfig(max_running=3, admission=admission), blocks))
+    eng = StepEngine(unified, Scheduler(SchedulerConfig(max_running=3, admission=admission), blocks))
     now = unified.clock()
     ids = []
     for op, k, n in ops:

@@ -9,7 +9,7 @@ client on the same machine does; steps take 23 ms + 2.4 ms a token + 0.3 µs a c
 import statistics
 
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
 from localinfer.serve.http.config import DEFAULT_DECODE_SHARE
 from localinfer.serve.replay import TraceRequest, trace_prompt
 from localinfer.serve.request import Request
@@ -26,7 +26,7 @@ def closed_loop(decode_share: float, clients: int = 4, requests: int = 16, think
                              decode_share=decode_share)
     scheduler = Scheduler(config, BlockManager(1000, 16), MODEL)
     executor = SimulatedExecutor(MODEL, n_slots=8)
-    engine = Engine(executor, scheduler)
+    engine = StepEngine(executor, scheduler)
     sent = []
 
     def send(at: float) -> None:

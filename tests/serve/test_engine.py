@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
+from localinfer.serve.parking import Parking
 from localinfer.backends.executor import Chunk, Executor
 from localinfer.serve.request import FinishReason, Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
@@ -18,7 +19,7 @@ CARD = LinearStepModel.parse("26.22,30.4,3")
 
 def engine(n_blocks=200, p=4, **cfg):
     ex = SimulatedExecutor(CARD, n_slots=cfg.get("max_running", 8))
-    return Engine(ex, Scheduler(SchedulerConfig(**cfg), BlockManager(n_blocks, p), CARD), record=True)
+    return StepEngine(ex, Scheduler(SchedulerConfig(**cfg), BlockManager(n_blocks, p), CARD), record=True)
 
 
 def test_simulated_executor_contract():
@@ -119,8 +120,8 @@ def test_an_executor_without_restore_needs_live_hits_only():
 
     sched = lambda **kw: Scheduler(SchedulerConfig(max_running=2), BlockManager(50, 4, **kw))
     with pytest.raises(ValueError, match="pool_hits=False"):
-        Engine(Plain(CARD, n_slots=2), sched())
-    e = Engine(Plain(CARD, n_slots=2), sched(pool_hits=False))
+        StepEngine(Plain(CARD, n_slots=2), sched())
+    e = StepEngine(Plain(CARD, n_slots=2), sched(pool_hits=False))
     system = tuple(range(1000, 1012))
     e.add_request(Request("a", system + (1,), 2))
     e.run()
@@ -144,7 +145,7 @@ def test_cancel_from_another_thread_frees_after_the_step_in_flight():
 
     p = 16
     ex = Slow(CARD, n_slots=2)
-    e = Engine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(200, p), CARD))
+    e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(200, p), CARD))
     r = e.add_request(Request("long", tuple(range(104 * p - 10)), 11))     # 104 blocks with its output
     worker = threading.Thread(target=e.step)
     worker.start()
@@ -190,7 +191,7 @@ class _CopyOnlyExecutor(SimulatedExecutor):
 def test_a_hit_spanning_two_live_requests_is_completed_by_computing_the_gap():
     p = 4
     ex = _CopyOnlyExecutor(CARD, n_slots=4)
-    eng = Engine(ex, Scheduler(SchedulerConfig("continuous", max_running=4, wait_for_prefix=False),
+    eng = StepEngine(ex, Scheduler(SchedulerConfig("continuous", max_running=4, wait_for_prefix=False),
                                BlockManager(64, p, pool_hits=False), CARD))
     base = tuple(range(10, 18))                     # two whole blocks (b does not wait for a's: a split chain)
     a = eng.submit(base + (1,), 40)                 # prefilled in the same step as b: a registers blocks 0-1,
@@ -241,8 +242,8 @@ def test_cancel_with_an_error_frees_the_slot_and_does_not_park():
     """The server finishes requests with an error this way when its engine loop fails: the slot must come back
     (before, the scheduler was told directly and the slot stayed taken until none was left)."""
     ex = SimulatedExecutor(CARD, n_slots=3)
-    e = Engine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(64, 4, pool_hits=False), CARD),
-               park_slots=1)
+    e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=2),
+                                 BlockManager(64, 4, pool_hits=False, parking=Parking(1)), CARD))
     rs = [e.add_request(Request(f"e{i}", tuple(range(10 * i, 10 * i + 9)), 20)) for i in range(2)]
     e.step()
     assert all(e.cancel(r.id, error="engine loop error") for r in rs)

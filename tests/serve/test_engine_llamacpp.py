@@ -3,7 +3,7 @@
 import pytest
 
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
 from localinfer.serve.request import FinishReason, Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
@@ -22,7 +22,7 @@ def _engine(ex, **cfg):
     for slot in range(ex.n_slots):
         ex.drop(slot)
     config = SchedulerConfig(max_running=3, policy="chunked", chunk_tokens=16, **cfg)
-    return Engine(ex, Scheduler(config, BlockManager(40, 16, pool_hits=False)))
+    return StepEngine(ex, Scheduler(config, BlockManager(40, 16, pool_hits=False)))
 
 
 def test_prefix_hit_copies_cells_and_counts_match(executor):

@@ -47,7 +47,7 @@ def _error(r, status: int, param=None, code=None) -> str:
     ("messages", [{"role": "user", "content": 5}], "messages[0].content"),
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
      "messages[0].content[0]"),
-    ("model", 3, "model"), ("tools", [{"type": "function"}], "tools"), ("logit_bias", {"x": 5}, "logit_bias"),
+    ("model", 3, "model"), ("tools", [{"type": "function"}], "tools[0]"), ("logit_bias", {"x": 5}, "logit_bias"),
     ("logit_bias", {"1": 101}, "logit_bias"), ("logit_bias", {"99999999": 1}, "logit_bias"), ("n_probs", 3, "n_probs"),
     ("mirostat", 2, "mirostat"), ("grammar", "root ::= \"a\"", "grammar"), ("echo", True, "echo"),
     ("stream_options", "x", "stream_options"), ("deadline_ms", -5, "deadline_ms"),

@@ -117,3 +117,22 @@ def test_a_torch_plan_that_does_not_fit_is_refused_before_binding(capsys, tmp_pa
     code = main(["serve", str(big), "--backend", "torch", "--port", "0"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("error: needs") and "hint:" in err and "serving" not in err
+
+
+def test_structured_output_on_the_torch_executor(torch_srv):
+    """The grammar masks apply on the torch executor's rows as on llama.cpp's (one tokenizer per vocabulary)."""
+    pytest.importorskip("llguidance")
+    import json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    with _client(torch_srv) as c:
+        r = c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Is it ok? JSON."}],
+                                      max_tokens=12, temperature=0.7, seed=2,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "ok", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+        t = c.completions.create(model=MODEL_ID, prompt="Answer:", max_tokens=4, temperature=1.0, seed=1,
+                                 extra_body={"choice": ["yes", "no"]})
+        assert t.choices[0].text in ("yes", "no") and t.choices[0].finish_reason == "stop"

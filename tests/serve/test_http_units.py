@@ -14,7 +14,7 @@ from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.responses import TextStream
 from localinfer.serve.http.sampler import ServeRequest, logprob_of, sampling_for
 from localinfer.serve.http.schemas import parse
-from localinfer.serve.http.stepfit import FittedStepModel
+from localinfer.serve.http.step_timing import FittedStepModel
 from localinfer.serve.request import FinishReason
 from localinfer.serve.step_model import LinearStepModel
 

@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
 from localinfer.serve.http.sampler import ServeRequest
+from localinfer.serve.parking import Parking
 from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
@@ -32,8 +34,7 @@ def _held(bm, seq, tokens):
 
 # ---- the block manager ------------------------------------------------------------------------------------
 def test_a_parked_sequence_keeps_its_whole_committed_blocks_as_hits():
-    bm = BlockManager(16, 4, pool_hits=False)
-    bm.parking = True
+    bm = BlockManager(16, 4, pool_hits=False, parking=Parking())
     a = toks(10, 0)
     _held(bm, "a", a)
     bm.free("a")
@@ -57,8 +58,7 @@ def test_without_parking_live_hits_only_as_before():
 
 
 def test_an_unparked_sequence_leaves_nothing_cached():
-    bm = BlockManager(16, 4, pool_hits=False)
-    bm.parking = True
+    bm = BlockManager(16, 4, pool_hits=False, parking=Parking())
     _held(bm, "a", toks(12, 0))
     bm.begin_step()
     bm.free("a")                                          # while a step is in flight: released at its end
@@ -69,8 +69,7 @@ def test_an_unparked_sequence_leaves_nothing_cached():
 
 def test_eviction_cuts_every_parked_sequence_holding_the_block():
     cut = []
-    bm = BlockManager(6, 4, pool_hits=False)
-    bm.parking, bm.on_evict = True, lambda seq, start: cut.append((seq, start))
+    bm = BlockManager(6, 4, pool_hits=False, parking=Parking(on_evict=lambda seq, start: cut.append((seq, start))))
     a = toks(12, 0)
     _held(bm, "a", a)
     bm.free("a")                                          # parked: blocks 0, 1, 2
@@ -87,8 +86,7 @@ def test_eviction_cuts_every_parked_sequence_holding_the_block():
 
 def test_evicting_a_parent_first_makes_the_deeper_blocks_unmatchable():
     cut = []
-    bm = BlockManager(4, 4, pool_hits=False)
-    bm.parking, bm.on_evict = True, lambda seq, start: cut.append((seq, start))
+    bm = BlockManager(4, 4, pool_hits=False, parking=Parking(on_evict=lambda seq, start: cut.append((seq, start))))
     a = toks(12, 0)
     _held(bm, "a", a)
     bm.free("a")
@@ -100,8 +98,7 @@ def test_evicting_a_parent_first_makes_the_deeper_blocks_unmatchable():
 
 
 def test_preload_parks_nothing():
-    bm = BlockManager(8, 4, pool_hits=False)
-    bm.parking = True
+    bm = BlockManager(8, 4, pool_hits=False, parking=Parking())
     assert bm.preload(toks(8, 0)) == 2
     assert bm.parked == {} and bm.num_cached == 0 and bm.match(toks(8, 0) + (1,)) == []
 
@@ -112,6 +109,7 @@ class ContentExecutor(SimulatedExecutor):
     the slot holds: a wrong or missing cell after a copy, drop or park changes the output."""
 
     restores_cached_prefix = False
+    drops_tail = True
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -151,8 +149,8 @@ def cold(prompt, n):
 def parking_engine(n_blocks=40, p=4, max_running=2, park=2, **cfg):
     ex = ContentExecutor(CARD, n_slots=max_running + park, n_vocab=VOCAB)
     cfg = {"policy": "chunked", "chunk_tokens": 8, **cfg}
-    sched = Scheduler(SchedulerConfig(max_running=max_running, **cfg), BlockManager(n_blocks, p, pool_hits=False))
-    return Engine(ex, sched, park_slots=park)
+    return build_step_engine(ex, SchedulerConfig(max_running=max_running, **cfg), block_tokens=p, num_blocks=n_blocks,
+                             park_slots=park)
 
 
 def _run(e, check=True):
@@ -266,17 +264,17 @@ def test_a_preempted_request_is_not_parked():
 
 def test_prefix_cache_off_or_no_spare_slots_parks_nothing():
     ex = ContentExecutor(CARD, n_slots=4, n_vocab=VOCAB)
-    e = Engine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(40, 4, prefix_cache=False, pool_hits=False)),
-               park_slots=2)
+    e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=2),
+                                 BlockManager(40, 4, prefix_cache=False, pool_hits=False, parking=Parking(2))))
     e.add_request(Request("a", toks(13, 0), 3))
     _run(e)
     assert e.parked == 0 and ex.cells_used() == 0 and e.blocks.num_cached == 0
     with pytest.raises(ValueError, match="exceed"):
-        Engine(ContentExecutor(CARD, n_slots=3), Scheduler(SchedulerConfig(max_running=2),
-                                                           BlockManager(40, 4, pool_hits=False)), park_slots=2)
+        StepEngine(ContentExecutor(CARD, n_slots=3), Scheduler(SchedulerConfig(max_running=2),
+                                                               BlockManager(40, 4, pool_hits=False, parking=Parking(2))))
     with pytest.raises(ValueError, match="pool_hits=False"):
-        Engine(SimulatedExecutor(CARD, n_slots=4), Scheduler(SchedulerConfig(max_running=2), BlockManager(40, 4)),
-               park_slots=2)
+        StepEngine(SimulatedExecutor(CARD, n_slots=4), Scheduler(SchedulerConfig(max_running=2),
+                                                                 BlockManager(40, 4, parking=Parking(2))))
 
 
 @settings(max_examples=40, deadline=None)
@@ -316,8 +314,8 @@ def test_serve_config_gives_the_executor_ids_for_parked_sequences_and_build_engi
 
 def test_a_failed_prefix_copy_ends_that_steps_requests_in_error_and_the_engine_goes_on():
     ex = SimulatedExecutor(CARD, n_slots=3)
-    e = Engine(ex, Scheduler(SchedulerConfig(max_running=2, policy="chunked"), BlockManager(40, 4, pool_hits=False)),
-               park_slots=1)
+    e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=2, policy="chunked"),
+                                 BlockManager(40, 4, pool_hits=False, parking=Parking(1))))
     first = e.add_request(Request("a", toks(12, 0), 2))
     e.run()
     assert e.parked == 1 and first.finish_reason is FinishReason.LENGTH

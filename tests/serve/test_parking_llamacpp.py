@@ -11,7 +11,8 @@ the same executor, everything dropped first).
 import pytest
 
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
+from localinfer.serve.parking import Parking
 from localinfer.serve.http.sampler import ServeRequest
 from localinfer.serve.request import FinishReason, Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
@@ -49,7 +50,7 @@ def _engine(ex, park=2, **cfg):
         ex.drop(slot)
     assert ex.cells_used() == 0
     config = SchedulerConfig(max_running=2, policy="chunked", chunk_tokens=P, **cfg)
-    return Engine(ex, Scheduler(config, BlockManager(ex.n_cells // P, P, pool_hits=False)), park_slots=park)
+    return StepEngine(ex, Scheduler(config, BlockManager(ex.n_cells // P, P, pool_hits=False, parking=Parking(park))))
 
 
 def _run(e):

@@ -171,6 +171,30 @@ def test_itl_target_bounds_every_gap(capsys):
     assert got["total_ms"] > _api("chunked")["total_ms"]          # smaller chunks, more steps
 
 
+def test_max_gap_bounds_every_running_streams_gap_and_spares_the_prompts_alone():
+    """The gap bound cuts a prompt's chunk only while other requests decode: r0's and r1's prompts (none decoding
+    yet) run whole, later prompts are cut so no stream waits more than 60 ms for its next token."""
+    model = LinearStepModel.parse(STEP)
+    plain = replay(load_trace(TRACE), SchedulerConfig(policy="chunked", max_running=2, chunk_tokens=2048,
+                                                      token_budget=4096), model)
+    bound = replay(load_trace(TRACE), SchedulerConfig(policy="chunked", max_running=2, chunk_tokens=2048,
+                                                      token_budget=4096, max_gap_s=0.060), model)
+    assert max(r.max_gap_s for r in plain.requests) > 0.060
+    assert max(r.max_gap_s for r in bound.requests) <= 0.060 + 1e-9
+    itl = replay(load_trace(TRACE), SchedulerConfig(policy="chunked", max_running=2, chunk_tokens=2048,
+                                                    token_budget=4096, itl_target_s=0.060), model)
+    first = {r.id: r.ttft_s for r in bound.requests}
+    assert first["r0"] == min(r.ttft_s for r in plain.requests if r.id == "r0")    # alone: not cut
+    assert first["r0"] < {r.id: r.ttft_s for r in itl.requests}["r0"]             # the ITL target cuts it anyway
+
+
+def test_max_gap_needs_the_chunked_policy_and_a_positive_bound(capsys):
+    rc, _, err = _cli(capsys, "--max-gap", "50")
+    assert rc != 0 and "--max-gap" in err and "chunked" in err
+    rc, _, err = _cli(capsys, "--policy", "chunked", "--max-gap", "-5")
+    assert rc != 0 and "--max-gap" in err and "Traceback" not in err
+
+
 def test_device_profile_step_model(tmp_path, capsys):
     from tests.support import chapter
 
@@ -195,3 +219,16 @@ def test_drop_late_stops_a_request_past_its_deadline(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["finish_reasons"]["r0"] == "deadline" and 300 < got["requests"]["r0"]["finish_ms"] < 700
     assert got["total_ms"] < _api("continuous")["total_ms"]
+
+
+def test_the_largest_gap_is_named_with_the_steps_that_made_it(capsys):
+    """The chapter's 376 ms gap of r0 (continuous batching): the step that prefilled r2's 8192 tokens beside r0's
+    decode; the gaps read from the step records are the requests' own."""
+    result = replay(load_trace(TRACE), SchedulerConfig(policy="continuous", max_running=2),
+                    LinearStepModel.parse(STEP))
+    top = result.largest_gaps(2)
+    assert top[0].request == "r0" and close(top[0].ms, 376)
+    assert [(s["prefill"], s["decodes"], s["admitted"]) for s in top[0].steps] == [(8192, 1, ["r2"])]
+    assert close(top[0].ms, max(r.max_gap_s for r in result.requests) * 1e3) and top[0].ms >= top[1].ms
+    rc, out, _ = _cli(capsys, "--policy", "continuous")
+    assert rc == 0 and "r0: 376 ms = 376 ms (8192 prompt tokens, 1 decodes, 1 seated)" in out

@@ -330,7 +330,7 @@ def test_deadline_aware_holds_a_newcomer_that_would_make_a_running_request_late(
 
 
 def test_under_overload_deadline_aware_admission_keeps_admitted_requests_on_time():
-    from localinfer.serve.engine import Engine
+    from localinfer.serve.engine import StepEngine
     from localinfer.serve.simulated import SimulatedExecutor
 
     model = LinearStepModel(0.02, 0.0001, 0.0)
@@ -339,7 +339,7 @@ def test_under_overload_deadline_aware_admission_keeps_admitted_requests_on_time
         ex = SimulatedExecutor(model, n_slots=8)
         s = Scheduler(SchedulerConfig(max_running=8, deadline_aware=aware, drop_late=aware), BlockManager(4000, 16),
                       model)
-        e = Engine(ex, s)
+        e = StepEngine(ex, s)
         rs = [e.add_request(req(f"r{i}", 200, 60, arrival=0.08 * i, deadline_s=0.08 * i + 2.0)) for i in range(60)]
         e.run()
         goods[aware] = sum(r.on_time for r in rs)

@@ -15,7 +15,7 @@ import pytest
 from localinfer.errors import UsageError
 from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
+from localinfer.serve.engine import StepEngine
 from localinfer.serve.request import FinishReason, Request
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
@@ -79,7 +79,7 @@ def _sim_engine(draft_max=4, token_budget=None, n_blocks=64):
     model = LinearStepModel(0.02, 0.00002, 0.0)
     config = SchedulerConfig(max_running=4, policy="chunked", chunk_tokens=32, token_budget=token_budget,
                              draft_max=draft_max)
-    return Engine(SimulatedExecutor(model, n_slots=4), Scheduler(config, BlockManager(n_blocks, 16), model),
+    return StepEngine(SimulatedExecutor(model, n_slots=4), Scheduler(config, BlockManager(n_blocks, 16), model),
                   record=True)
 
 
@@ -114,6 +114,21 @@ def test_output_with_rejected_drafts_equals_plain_decoding_on_the_simulator():
     assert outs[0] == outs[1] and e.scheduler.drafter.drafted > 0
 
 
+def test_every_way_a_request_ends_releases_its_lookup_state():
+    """Cancels (a stop string, a client gone), errors and deadline drops go through the scheduler's one finish
+    path: no request's LookupDecoder outlives it (before, cancel skipped the drafter and kept one each)."""
+    e = _sim_engine(draft_max=4)
+    reqs = [e.add_request(Request(f"s{i}", _lure(e.executor, i), 40)) for i in range(4)]
+    for _ in range(4):
+        e.step()
+    d = e.scheduler.drafter
+    assert d.drafted > 0 and set(d._decoders) == {r.id for r in reqs}
+    e.cancel("s0")
+    e.cancel("s1", error="engine loop error")
+    e.run()
+    assert all(r.finished for r in reqs) and d._decoders == {} and d._drafts == {}
+
+
 def test_draft_flags_are_checked():
     with pytest.raises(UsageError, match="draft"):
         SchedulerConfig(draft_max=10_000)
@@ -127,7 +142,7 @@ def test_an_executor_that_returns_one_row_per_chunk_is_refused_for_drafts():
 
     model = LinearStepModel(0.02, 0.0, 0.0)
     with pytest.raises(ValueError, match="verify lookup drafts"):
-        Engine(OneRow(model), Scheduler(SchedulerConfig(draft_max=4), BlockManager(8, 16), model))
+        StepEngine(OneRow(model), Scheduler(SchedulerConfig(draft_max=4), BlockManager(8, 16), model))
 
 
 def test_steps_without_a_draft_to_size_ask_the_step_model_nothing_extra():
@@ -144,7 +159,7 @@ def test_steps_without_a_draft_to_size_ask_the_step_model_nothing_extra():
     for draft_max in (0, 8):
         calls[0] = 0
         config = SchedulerConfig(max_running=4, policy="chunked", chunk_tokens=64, draft_max=draft_max)
-        e = Engine(SimulatedExecutor(model, n_slots=4), Scheduler(config, BlockManager(64, 16), model))
+        e = StepEngine(SimulatedExecutor(model, n_slots=4), Scheduler(config, BlockManager(64, 16), model))
         for i in range(4):       # prompts without a repeated n-gram, and the simulator's outputs repeat none either
             e.add_request(Request(f"n{i}", tuple(range(100 * i + 1, 100 * i + 40)), 12))
         e.run()
@@ -161,7 +176,7 @@ def test_rejected_drafts_give_their_blocks_back_under_on_demand_admission():
     model = LinearStepModel(0.02, 0.00002, 0.0)
     config = SchedulerConfig(max_running=4, policy="chunked", chunk_tokens=64, draft_max=8, admission="on_demand")
     ex = SimulatedExecutor(model, n_slots=4)
-    e = Engine(ex, Scheduler(config, BlockManager(64, 4), model))
+    e = StepEngine(ex, Scheduler(config, BlockManager(64, 4), model))
     reqs = [e.add_request(Request(f"s{i}", _lure(ex, i), 9)) for i in range(3)]
     while e.unfinished:
         e.step()

@@ -51,6 +51,8 @@ class ScriptedEngine(Engine):
 class TableSampler:
     """Temperature sampling with its own seeded RNG (the Sampler protocol)."""
 
+    constraint = None
+
     def __init__(self, temperature: float = 1.0, seed: int = 0):
         self.greedy = temperature == 0
         self.temperature = temperature

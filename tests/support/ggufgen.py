@@ -147,6 +147,7 @@ def write_tiny_model(
     extra_kv: dict | None = None,
     seed: int = 0,
     n_extra_tokens: int = 0,
+    added_tokens: tuple[tuple[str, int], ...] = (),
 ) -> Path:
     """A random-weight llama / qwen2 / qwen3 model that llama.cpp loads and tokenizes.
 
@@ -156,7 +157,8 @@ def write_tiny_model(
     or n_ff: keep them multiples of 256 for K-quants), the output matrix
     output_qtype (default qtype) unless tied; ``overrides`` maps a name fragment
     (``"ffn_down"``, ``"token_embd"``) to the type of the matrices whose names contain it.
-    ``n_extra_tokens`` appends that many control tokens (to choose the vocabulary size).
+    ``n_extra_tokens`` appends that many control tokens (to choose the vocabulary size); ``added_tokens``
+    appends (text, token type) pairs after them (3: control, 4: user-defined, as in ``<tool_call>``).
     """
     rng = np.random.default_rng(seed)
     path = Path(path)
@@ -165,6 +167,8 @@ def write_tiny_model(
     n_base = len(tokens)
     tokens += [f"<|extra_{i}|>" for i in range(n_extra_tokens)]
     types += [3] * n_extra_tokens
+    tokens += [t for t, _ in added_tokens]
+    types += [k for _, k in added_tokens]
     n_vocab = len(tokens)
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")

@@ -50,6 +50,9 @@ class _Graph:
         self.flags: list[int] = []      # 1 input, 2 output, 4 external (weights, KV cache)
         self.nodes: list[int] = []
         self.leafs: list[int] = []
+        self.unit: object = "in"         # the layer being built ("in", an index, "out"): where weights live
+        self.home: dict[int, tuple] = {}  # external tensor -> (unit, "weight" | "kv"), for the layer split
+        self.at: list[object] = []         # the unit each tensor was built in
 
     def _new(self, size, layout, op, src, view_src, voff, flags) -> int:
         self.size.append(size)
@@ -59,6 +62,7 @@ class _Graph:
         self.view_src.append(view_src)
         self.voff.append(voff)
         self.flags.append(flags)
+        self.at.append(self.unit)
         return len(self.size) - 1
 
     def leaf(self, nbytes: int, shape: tuple, flags: int) -> int:
@@ -66,8 +70,10 @@ class _Graph:
         self.leafs.append(t)
         return t
 
-    def weight(self) -> int:
-        return self._new(0, (), "NONE", (), None, 0, 4)
+    def weight(self, kind: str = "weight") -> int:
+        t = self._new(0, (), "NONE", (), None, 0, 4)
+        self.home[t] = (self.unit, kind)
+        return t
 
     def op_(self, op: str, shape: tuple, esize: int, *src: int, flags: int = 0) -> int:
         n = 1
@@ -164,6 +170,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         cur = g.op_("SCALE", (E, T), F32, cur)
     last = layers[-1]
     for il in layers:
+        g.unit = il
         H, Hkv = spec.n_head[il], spec.n_head_kv[il]
         nq, nk, nv = H * hd, Hkv * hd, Hkv * hdv
         is_swa = bool(swa and spec.swa_layers[il])
@@ -184,7 +191,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             v = values(x, Hkv)
             k = keys(x, Hkv)
         k_idx, v_idx, m = kv_input(is_swa)
-        kc, vc = w(), w()
+        kc, vc = g.weight("kv"), g.weight("kv")
         g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
         if flash_attn:
             g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(v, (nv, T)), v_idx, vc), vc, 0, 4))
@@ -248,6 +255,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         if post_norms:
             f = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, f), w())
         cur = g.op_("ADD", (E, R), F32, f, res)
+    g.unit = "out"
     x = g.op_("RMS_NORM", (E, O), F32, cur)
     x = g.op_("MUL", (E, O), F32, x, w(), flags=2)
     g.op_("MUL_MAT", (spec.vocab_size, O), F32, w(), x, flags=2)

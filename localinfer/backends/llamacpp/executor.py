@@ -1,85 +1,18 @@
 """The llama.cpp executor: many sequences in one context, one ``llama_decode`` per step.
 
-One llama.cpp context holds ``n_slots`` sequence ids.  A KV cell stores one
-token's K/V rows and the set of sequence ids that attend to it.  Two layouts:
+One context holds ``n_slots`` sequence ids over ``n_cells`` KV cells, in one
+stream (``unified``, the default: ``copy`` is ``llama_memory_seq_cp``, a shared
+prefix held once) or a stream per slot (``unified=False``: each slot's cells laid
+out as a solo context's, where a token is computed exactly as alone).  A step is
+one batch of every chunk (split only past ``n_batch`` tokens or ``n_outputs_max``
+logit rows, and short rows first in a call of their own: ``split_short``);
+``drop`` is ``llama_memory_seq_rm``; ``cells_used`` is llama.cpp's own count.
+A step either appends every chunk or leaves every slot as it was.
 
-* ``unified`` (the default, ``kv_unified``): one stream of ``n_cells`` cells
-  that every sequence draws from.  ``copy(src, dst, n)`` is
-  ``llama_memory_seq_cp``: the cells of positions [0, n) of ``src`` gain the id
-  ``dst``; nothing is recomputed and no bytes move, so a shared prefix of P
-  tokens with private tails t_i holds P + sum(t_i) cells, not sum(P + t_i).
-* per-slot streams (``unified=False``): slot s owns its own ``n_cells / n_slots``
-  cells; ``copy`` is llama.cpp's stream copy (the bytes of the whole stream,
-  then the tail dropped), so a copied prefix is stored twice.
-
-Either way a step is one batch whose rows carry (token, position, sequence id,
-wants logits), all chunks in one ``llama_decode`` (split only past ``n_batch``
-tokens or ``n_outputs_max`` logit rows); ``drop(slot, start)`` is
-``llama_memory_seq_rm``.  ``cells_used()`` is llama.cpp's own count of non-empty
-cells, read from its sequence-state serialisation for ``seq_id = -1`` (every cell; the format in
-:mod:`.kv_state`).
-
-Sequence ids need not all be running requests: the server gives the context
-``--parallel`` + parked ids (``n_seq_max``; a unified cache's size does not
-depend on it), and a finished request's sequence stays *parked* with its
-prompt's whole blocks, evictable, so a later prompt with the same prefix is a
-``copy`` from it (serve/engine.py).  Parking cuts a sequence's tail
-(``drop(slot, start)``), which recurrent and hybrid models cannot do:
-``drops_tail`` is False for them.
-
-A parked sequence's cells widen every step: llama.cpp attends over the cells
-up to the highest one in use (``n_kv``, padded to 256), and flash attention
-still visits each masked cell.  With ``park_host`` (the server's executor)
-``park(slot)`` moves the slot's KV to host memory (``llama_state_seq_get_data``,
-as llama-server's ``--cache-ram`` keeps prompts) and frees its cells; ``copy``
-from it writes the wanted positions back (``llama_state_seq_set_data`` of the
-blob cut to those cells) into fresh cells of the target slot; past ``host_budget``
-(default: ``HOST_PARK_MAX`` or half the free RAM) ``park`` returns False and the
-slot keeps its cells (the engine then gives older parked KV up); ``host_cells()``,
-the budget over the bytes a position adds to a state (measured by the load-time
-probe), is how far the server's cache reaches past the cells.  At concurrency
-4 (300-token prompts, 128 tokens out, 2 threads) llama.cpp's ``n_kv`` was
-mostly 2304 with one sequence parked in cells and 1536-1792 without, and a
-4-row decode step took 22.4 against 21.1 ms (benchmarks/results/
-serve_park_host_cpu.txt).
-
-Short rows go in a call of their own (``split_short``, CPU with flash attention):
-ggml's CPU flash attention computes 64 query rows at a time once a ubatch has 64
-or more, and skips a tile of 64 KV cells only when every row of the query tile
-masks it.  A decode row of another sequence inside a prefill's query tile makes
-that tile attend to the union of both sequences' cells: 7 decodes (of slots
-holding 302 tokens each) beside a 302-token prefill added 93 ms to its 639 ms in
-one ubatch, 43 ms in a call of their own (2 threads; benchmarks/results/
-serve_split_cpu.txt).  Chunks under 64 tokens are
-decoded first in a call of fewer rows (the one-row kernel, each row over its own
-cells, as in a decode-only step) while they total under 64 rows (64+ decodes,
-or decodes with lookup drafts at many slots, take the tiled kernel in their own
-call); the long chunks follow in their own call.  Not with ``n_ubatch`` < 64
-(every ubatch takes the one-row kernel anyway) nor on a recurrent model.
-
-A step either appends every chunk or, on any error (no free cells:
-:class:`~localinfer.errors.ContextFullError`; Ctrl-C), leaves every slot as it was.
-
-Batch invariance (llama.cpp's CPU kernels, embedded model; tests/serve and
-benchmarks/serving.py): a token's logits inside a batch equal its logits alone
-bit for bit when its attention runs the same kernel over the same cells in the
-same order.  Per-slot streams lay each slot's cells out as a solo context does:
-exact at 1 and 2 threads, flash attention on or off (a slot as large as the
-solo context).  Two things still part them:
-
-* the kernel: ggml's flash attention takes a one-row kernel (f16 running sum)
-  for fewer than 64 query rows of a stream in a ubatch and a tiled float32 one
-  for 64 or more, so prompts of 64+ tokens prefilled alongside others (llama.cpp
-  splits such a batch into equal shares per sequence) differ by up to ~0.8 from
-  a solo prefill; with ``n_ubatch`` < 64 on both sides every row takes the
-  one-row kernel and they are equal again.  Decodes beside a long prefill are
-  exact with ``split_short`` (their own call: the one-row kernel); inside the
-  prefill's ubatch they differed by 0.47-0.90 from a decode-only step;
-* a unified cache: attention spans every slot's cells (without flash attention
-  rows then differ by ~1.1), and a sequence's cells leave position order once
-  llama.cpp reuses a freed cell below them (it searches free cells from a
-  moving head and wraps); measured, 2 of 8 greedy 32-token replies stayed
-  identical with 4 slots refilled.
+Ids beyond the running requests park finished requests' KV for prefix hits
+(``drops_tail``: not on recurrent or hybrid models); with ``park_host`` a parked
+slot's KV moves to host memory (``llama_state_seq_get_data``) and is written back
+on a hit.  docs/executor.md explains each choice with its measurements.
 """
 
 from __future__ import annotations
@@ -95,7 +28,7 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.backends.engine import LoadPlan
-from localinfer.backends.executor import Chunk, check_chunks, check_slot
+from localinfer.backends.executor import Chunk, ExecutorBase, check_chunks, check_slot
 from localinfer.backends.llamacpp import native
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, HEADER, cut_seq_state, parse_kv_state
@@ -105,7 +38,7 @@ HOST_PARK_MAX = 8 << 30          # parked KV in host memory, at most (llama-serv
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 
 
-class LlamaCppExecutor:
+class LlamaCppExecutor(ExecutorBase):
     """The :class:`~localinfer.backends.executor.Executor` contract on one llama.cpp context.
 
     ``engine`` is the underlying :class:`LlamaCppEngine` (tokenizer, EOS ids,
@@ -132,7 +65,7 @@ class LlamaCppExecutor:
         model = self.engine.model_handle
         self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
         self.verifies_drafts = self.drops_tail     # rejected drafts are cut with a partial seq_rm
-        on_cpu = plan.n_gpu_layers == 0 or not _L.llama_supports_gpu_offload()
+        on_cpu = plan.n_gpu_layers == 0 or not (native.local_accelerator() or plan.options.get("rpc"))
         self.split_short = (on_cpu and plan.flash_attn is not False and min(plan.n_ubatch, plan.n_batch) >= FA_TILE_ROWS
                             and not _L.llama_model_is_recurrent(model))   # short chunks in a call of their own
         self._len = [0] * self.n_slots
@@ -171,6 +104,11 @@ class LlamaCppExecutor:
                             n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                             n_gpu_layers=n_gpu_layers, options={**options, "kv_unified": unified}),
                    park_host=park_host, host_budget=host_budget)
+
+    @property
+    def vocab(self) -> LlamaCppEngine:
+        """The tokenizer: the underlying engine."""
+        return self.engine
 
     # ---- the contract ---------------------------------------------------------
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
@@ -447,3 +385,10 @@ def _pack(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[list[tu
             groups[-1].append((int(t), c.start + i, c.slot, w))
             outs += w
     return groups
+
+
+def open_serving(plan: LoadPlan, *, running: int) -> LlamaCppExecutor:
+    """The serving executor (the registry's factory): ``plan.n_seq`` ids over one context; the ids past
+    ``running`` park finished requests' KV, in host memory (``park_host``: off the cells every step attends
+    over; without parked ids no load-time parking probe runs)."""
+    return LlamaCppExecutor(plan, park_host=plan.n_seq > running)

@@ -145,18 +145,26 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
                             swa_full=req.swa_full)
     n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
     terms: list[Term] = []
-    wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features)
+    unified = device.unified or kind == "cpu"
+    wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features, repack=req.repack,
+                          mlock=req.mlock)
     for name, nbytes in wp.buffers.items():
         on_dev = name in wp.device_buffers
         formula = ("file range from the first to the last byte of the mapped tensors" if "Mapped" in name else
-                   "Σ matmul weights repacked for this CPU (a second copy)" if "REPACK" in name else
+                   "Σ matmul weights repacked for this CPU (anonymous memory)" if "REPACK" in name else
                    "Σ tensor bytes, padded and aligned")
         counted = nbytes
         if not on_dev and not device.unified and kind != "cpu" and wp.tensor_bytes[name] != nbytes:
             counted = wp.tensor_bytes[name]
             formula = "Σ bytes of the tensors kept on the host (the mapping spans more, read once at load)"
+        resident = resident_formula = None
+        if kind == "cpu" and wp.resident[name] != nbytes:      # the CPU computes from this buffer
+            resident = wp.resident[name]
+            resident_formula = ("Σ bytes of the mapped tensors read after loading: not the repacked ones (read "
+                                "once, at load), not the token embeddings (a row per token)")
         terms.append(Term("weights", f"weights ({name.split()[0]})", counted, _pool(kind, on_dev), formula, name,
-                          reported=nbytes if counted != nbytes else None))
+                          reported=nbytes if counted != nbytes else None, resident=resident,
+                          resident_formula=resident_formula))
     start = spec.n_layers if (kind == "cpu" or ngl == 0) else gpu_layer_start(spec.n_layers, ngl)
     kv_dev = kv_bytes_from_layer(spec, start, cells, req.type_k, req.type_v)
     kv_host = kv_bytes_from_layer(spec, 0, cells, req.type_k, req.type_v) - kv_dev
@@ -178,16 +186,54 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
     terms.append(Term("compute", "compute buffer", ce.device, "device", ce.formula, f"{dev} compute"))
     if ce.host:
         terms.append(Term("compute", "compute buffer (host)", ce.host, "host", ce.host_formula, "CPU compute"))
-    unified = device.unified or kind == "cpu"
     notes: list[str] = []
     mapped = sum(t.bytes for t in terms if t.key == "weights")
     if unified and mapped > wp.physical_bytes:
         terms.append(Term("weights", "weights mapped twice (counted once)", wp.physical_bytes - mapped, "device",
                           "overlap of the Metal and CPU mapped file ranges", None))
+    peak, peak_formula = load_peak(wp, req, unified) if kind == "cpu" else (0, "")
     if wp.repacked:
+        if req.mmap and not req.mlock:
+            how = ("their mapped pages are read once, at load, and then stay only as clean page cache the kernel "
+                   "reclaims: counted in the mapped total, not in the resident memory")
+        elif req.mmap:
+            how = "with mlock their mapped pages stay locked too: both copies count"
+        else:
+            how = "without mmap they are read straight into that buffer (one tensor staged at a time)"
         notes.append(f"llama.cpp repacks {len(wp.repacked)} weight tensors for this CPU "
-                     f"({', '.join(device.cpu_features)}): CPU_REPACK is a second copy beside the mapping")
-    return MemoryBreakdown(tuple(terms), unified, tuple(notes)), cells
+                     f"({', '.join(device.cpu_features)}) into CPU_REPACK; {how}")
+    return MemoryBreakdown(tuple(terms), unified, tuple(notes), peak, peak_formula), cells
+
+
+def load_peak(wp, req: FitRequest, unified: bool) -> tuple[int, str]:
+    """Host bytes held at the worst moment of loading, when loading holds more than the weights it leaves.
+
+    Without mmap, llama.cpp reads each tensor of a buffer that is not host memory (CPU_REPACK) into a
+    staging copy of its size before repacking it, largest first: at most the weights plus the largest
+    repacked tensor.  With mmap the source is the mapping itself (clean page cache): no extra bytes.
+    """
+    if req.mmap or not wp.repacked:
+        return 0, ""
+    host = sum(v for k, v in wp.resident.items() if unified or k not in wp.device_buffers)
+    return host + wp.largest_repacked, (f"weights {host} + one staging copy of the largest repacked tensor "
+                                        f"{wp.largest_repacked} (--no-mmap reads it before repacking)")
+
+
+LOAD_MODES = {(True, False): "mmap", (True, True): "mmap+mlock", (False, False): "none", (False, True): "mlock"}
+
+
+def load_flags(req: FitRequest) -> list[str]:
+    """llama.cpp's flags for the request's load mode and repacking (defaults print nothing)."""
+    mode = LOAD_MODES[(req.mmap, req.mlock)]
+    return (["-lm", mode] if mode != "mmap" else []) + ([] if req.repack else ["--no-repack"])
+
+
+def variant_label(c: dict, repack_asked: bool) -> str:
+    """A load variant as llama.cpp's flags, the mode always named: ``-lm none --no-repack``."""
+    flags = ["-lm", LOAD_MODES[(c["mmap"], c["mlock"])]]
+    if c["repack"] != repack_asked or not c["repack"]:
+        flags.append("--repack" if c["repack"] else "--no-repack")
+    return " ".join(flags)
 
 
 def llama_command(spec: ModelSpec, req: FitRequest, cells: LlamaCells | None, device,
@@ -214,8 +260,7 @@ def llama_command(spec: ModelSpec, req: FitRequest, cells: LlamaCells | None, de
         parts.append("-kvu")
     if req.swa_full and spec.has_swa:
         parts.append("--swa-full")
-    if not req.mmap:
-        parts.append("--no-mmap")
+    parts += load_flags(req)
     return " ".join(parts)
 
 
@@ -239,15 +284,47 @@ class LlamaCppMemory:
         return llama_command(spec, req, geometry, device, n_gpu_layers)
 
     def load_request(self, plan) -> dict:
-        """FitRequest fields a LoadPlan implies: logit rows per decode, mmap, llama-cpp-python's swa_full."""
-        return {"n_outputs_max": outputs_cap(plan),
-                "mmap": bool(plan.options.get("mmap", True)), "swa_full": bool(plan.options.get("swa_full", True))}
+        """FitRequest fields a LoadPlan implies: logit rows per decode, load mode, repacking, llama-cpp-python's
+        swa_full."""
+        o = plan.options
+        return {"n_outputs_max": outputs_cap(plan), "mmap": bool(o.get("mmap", True)), "mlock": bool(o.get("mlock")),
+                "repack": bool(o.get("repack", True)), "swa_full": bool(o.get("swa_full", True))}
+
+    def load_variants(self, spec, device, req) -> tuple[tuple[str, dict], ...]:
+        """On a CPU device: the four load modes, and repacking switched, where llama.cpp repacks."""
+        if device.kind != "cpu":
+            return ()
+        out = [{"mmap": m, "mlock": lk, "repack": req.repack} for m, lk in LOAD_MODES]
+        if weight_placement(spec, device.kind, req.n_gpu_layers, cpu_features=device.cpu_features).repacked:
+            out.append({"mmap": req.mmap, "mlock": req.mlock, "repack": not req.repack})
+        return tuple((variant_label(c, req.repack), c) for c in out)
 
     def probes_cuda(self, plan) -> bool:
         return False
 
     def computes_on_cpu(self, plan, kind: str) -> bool:
         return kind == "cpu"
+
+    def slot_cells(self, n_tokens: int) -> int:
+        """KV cells a sequence of ``n_tokens`` takes in a context (llama.cpp pads n_ctx_seq to 256)."""
+        return pad_to(n_tokens, LLAMA_CTX_PAD)
+
+    splits = True               # layers across devices: RPC workers and local GPUs (-sm layer)
+
+    def split(self, spec, devices, req, shares=None, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import split_breakdown
+
+        return split_breakdown(spec, devices, req, shares, cpu_features=cpu_features)
+
+    def fitting_split(self, spec, devices, req, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import fitting_split
+
+        return fitting_split(spec, devices, req, cpu_features=cpu_features)
+
+    def smallest_set(self, spec, devices, req, *, cpu_features=()):
+        from localinfer.backends.llamacpp.split import smallest_set
+
+        return smallest_set(spec, devices, req, cpu_features=cpu_features)
 
 
 MEMORY = LlamaCppMemory()

@@ -154,9 +154,19 @@ def last_error() -> str:
     return "see LOCALINFER_LLAMA_LOG=1 for llama.cpp's log"
 
 
+LOAD_MODES = {(True, False): "LLAMA_LOAD_MODE_MMAP", (True, True): "LLAMA_LOAD_MODE_MMAP_MLOCK",
+              (False, False): "LLAMA_LOAD_MODE_NONE", (False, True): "LLAMA_LOAD_MODE_MLOCK"}
+
+
 def load_model(path: str, plan: LoadPlan):
     mp = _L.llama_model_default_params()
     mp.n_gpu_layers = plan.n_gpu_layers
+    o = plan.options
+    if "mmap" in o or "mlock" in o:     # as the fit check assumes (backends/llamacpp/memory.py load_request)
+        mp.load_mode = getattr(_L, LOAD_MODES[(bool(o.get("mmap", True)), bool(o.get("mlock")))])
+    if not o.get("repack", True):
+        mp.use_extra_bufts = False
+    keep = split_params(mp, plan)   # --rpc / --tensor-split: the arrays live until the load returns
     stop = threading.Event()
     progress = _L.llama_progress_callback(lambda _fraction, _user: not stop.is_set() and signals.pending() is None)
     mp.progress_callback = progress
@@ -167,11 +177,50 @@ def load_model(path: str, plan: LoadPlan):
             if model:
                 _L.llama_model_free(model)
             raise KeyboardInterrupt
+    del keep
     if not model:
         raise UnsupportedModelError(f"llama.cpp could not load {os.path.basename(path)}: {last_error()}",
                                     hint="check that llama.cpp supports this architecture and quant type, "
                                          "or try another --backend", path=path)
     return model
+
+
+def local_accelerator() -> bool:
+    """Whether llama.cpp sees a GPU here (discrete or integrated).  ``llama_supports_gpu_offload()`` is true on
+    a CPU-only machine too once the RPC backend is built in (it counts RPC as offload)."""
+    from pathlib import Path
+
+    libdir = Path(_L.__file__).parent / "lib"
+    name = next((n for n in ("libggml.so.0", "libggml.0.dylib", "libggml.so", "libggml.dylib")
+                 if (libdir / n).exists()), None)
+    if name is None:
+        return bool(_L.llama_supports_gpu_offload())
+    by_type = ctypes.CDLL(str(libdir / name)).ggml_backend_dev_by_type
+    by_type.restype, by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    return bool(by_type(1) or by_type(2))      # GGML_BACKEND_DEVICE_TYPE_GPU, _IGPU
+
+
+def split_params(mp, plan: LoadPlan):
+    """Devices and split for ``plan.options`` "rpc" (endpoints) and "tensor_split" (weights); None when neither."""
+    endpoints, weights = plan.options.get("rpc"), plan.options.get("tensor_split")
+    if not endpoints and not weights:
+        return None
+    from localinfer.backends.llamacpp import rpc
+
+    devices = rpc.add_servers(endpoints) if endpoints else []
+    devices += rpc.local_accelerators()             # llama.cpp's order: RPC devices first, then local GPUs
+    keep = [rpc.device_array(devices)]
+    mp.devices = ctypes.cast(keep[0], ctypes.c_void_p)
+    mp.split_mode = _L.LLAMA_SPLIT_MODE_LAYER
+    if weights:
+        if len(weights) > len(devices):
+            raise UsageError(f"--tensor-split has {len(weights)} shares for {len(devices)} devices "
+                             f"({', '.join(d.name + ' ' + d.description for d in devices) or 'none'})",
+                             flag="--tensor-split", hint="give one share per device, RPC workers first")
+        arr = (ctypes.c_float * _L.llama_max_devices())(*weights)
+        keep.append(arr)
+        mp.tensor_split = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
+    return keep
 
 
 def new_context(model, plan: LoadPlan):

@@ -11,7 +11,14 @@ N > n_layer.  Buffers then follow the backend:
   values) and aligned to 128 bytes;
 * on x86/ARM CPUs llama.cpp repacks some quant types for faster matmuls into a
   ``CPU_REPACK`` buffer *beside* the mapping (e.g. Q4_0/Q4_K/IQ4_NL/MXFP4 with
-  AVX2), which is real extra memory.
+  AVX2): anonymous memory, while the mapped pages of those tensors are read once,
+  at load, and stay only as clean, reclaimable page cache.
+
+What must stay resident of a host mapping (``WeightPlacement.resident``) is
+therefore the tensors still read after loading: not the repacked ones, and not
+the token embeddings, which are read a row per token (unless a tied output
+matrix reads them whole).  With ``mlock`` the whole mapped range is locked.
+See docs/memory.md ("Resident and mapped").
 """
 
 from __future__ import annotations
@@ -124,6 +131,8 @@ class WeightPlacement:
     physical_bytes: int          # distinct bytes resident (mapped ranges counted once)
     repacked: tuple[str, ...]    # tensors copied into CPU_REPACK
     tensor_bytes: dict[str, int]  # per buffer: bytes of the tensors it holds (a mapping may span more)
+    resident: dict[str, int] = field(default_factory=dict)  # per buffer: bytes that must stay in memory
+    largest_repacked: int = 0    # bytes of the largest repacked tensor (without mmap it is staged once)
 
     @property
     def device_bytes(self) -> int:
@@ -151,19 +160,20 @@ def _union(ranges: list[tuple[int, int]]) -> int:
 
 
 def weight_placement(spec: ModelSpec, kind: str, n_gpu_layers: int = -1, *, mmap: bool = True,
-                     cpu_features: tuple[str, ...] = (), repack: bool = True) -> WeightPlacement:
+                     cpu_features: tuple[str, ...] = (), repack: bool = True, mlock: bool = False) -> WeightPlacement:
     """llama.cpp's model buffers on a device of ``kind`` ("cuda", "metal", "cpu").
 
-    ``cpu_features`` is the host CPU's SIMD level (it decides CPU_REPACK).
+    ``cpu_features`` is the host CPU's SIMD level (it decides CPU_REPACK);
+    ``repack=False`` is llama.cpp's ``--no-repack``; ``mlock`` locks the mapped range.
     A CPU device has no accelerator: every layer is on the CPU whatever ``n_gpu_layers`` says.
     """
     ngl = 0 if kind == "cpu" else n_gpu_layers
     if ngl >= 0 and ngl > spec.n_layers:
         ngl = -1
     memo = spec_cache(spec)
-    key = ("placement", kind, ngl, mmap, tuple(cpu_features), repack)
+    key = ("placement", kind, ngl, mmap, tuple(cpu_features), repack, mlock)
     if key not in memo:
-        memo[key] = _weight_placement(spec, kind, ngl, mmap, tuple(cpu_features) if repack else ())
+        memo[key] = _weight_placement(spec, kind, ngl, mmap, tuple(cpu_features) if repack else (), mlock)
     return memo[key]
 
 
@@ -177,17 +187,22 @@ class _Group:
     cpu_alloc: int = 0         # Σ padded bytes of the originals (no mmap)
     dup_alloc: int = 0         # Σ padded bytes of duplicates (real copies outside a mapping)
     cuda_alloc: int = 0        # Σ CUDA allocation, duplicates included
+    largest: int = 0           # bytes of the largest tensor
     names: list[str] = field(default_factory=list)
+    read: list[tuple[int, int]] = field(default_factory=list)  # mapped extents read whole after loading
 
     def add(self, p: Placed) -> None:
         self.cuda_alloc += pad_to(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN)
         self.names.append(p.name)
         self.lo, self.hi = min(self.lo, p.offset), max(self.hi, p.offset + p.nbytes)
+        self.largest = max(self.largest, p.nbytes)
         if p.duplicate:
             self.dup_alloc += pad_to(p.nbytes, CPU_ALIGN)
         else:
             self.held += p.nbytes
             self.cpu_alloc += pad_to(p.nbytes, CPU_ALIGN)
+        if p.matmul or not (p.duplicate or p.name.startswith(_INPUT_PREFIXES)):
+            self.read.append((p.offset, p.offset + p.nbytes))     # embeddings: a row per token
 
 
 def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:
@@ -216,7 +231,8 @@ def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:
     return units
 
 
-def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: tuple[str, ...]) -> WeightPlacement:
+def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: tuple[str, ...],
+                      mlock: bool = False) -> WeightPlacement:
     n = spec.n_layers
     start = gpu_layer_start(n, ngl) if ngl else n
     out_gpu = kind != "cpu" and output_on_gpu(n, ngl)
@@ -234,17 +250,20 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
     rep = [units[u][2] for u in units if not on_gpu(u) and units[u][2].names]
     buffers: dict[str, int] = {}
     held: dict[str, int] = {}
+    resident: dict[str, int] = {}
     device: list[str] = []
     ranges: list[tuple[int, int]] = []
     allocated = 0
 
-    def mapped(name: str, groups: list[_Group]) -> None:
+    def mapped(name: str, groups: list[_Group], whole: bool) -> None:
         lo, hi = min(g.lo for g in groups), max(g.hi for g in groups)
         if hi < 0:
-            buffers[name] = held[name] = 0
+            buffers[name] = held[name] = resident[name] = 0
             return
         buffers[name], held[name] = hi - lo, sum(g.held for g in groups)
         ranges.append((lo, hi))
+        extents = [(lo, hi)] if whole else [e for g in groups for e in g.read]
+        resident[name] = _union(extents)
 
     if gpu:
         if kind == "cuda":
@@ -253,7 +272,7 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
             allocated += buffers[name]
         elif mmap:
             name = "Metal_Mapped model"
-            mapped(name, gpu)
+            mapped(name, gpu, whole=True)
         else:
             name = "Metal model"
             buffers[name] = sum(g.cpu_alloc + g.dup_alloc for g in gpu)
@@ -261,7 +280,7 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
         device.append(name)
     if plain:
         if mmap:
-            mapped("CPU_Mapped model", plain)
+            mapped("CPU_Mapped model", plain, whole=mlock)
         else:
             buffers["CPU model"] = sum(g.cpu_alloc for g in plain)
             allocated += buffers["CPU model"]
@@ -272,5 +291,6 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
     if kind == "cpu":
         device = list(buffers)
     return WeightPlacement(buffers, tuple(device), 0 if kind == "cpu" else n - start, out_gpu,
-                           _union(ranges) + allocated, repacked, {k: held.get(k, v) for k, v in buffers.items()})
+                           _union(ranges) + allocated, repacked, {k: held.get(k, v) for k, v in buffers.items()},
+                           {k: resident.get(k, v) for k, v in buffers.items()}, max((g.largest for g in rep), default=0))
 

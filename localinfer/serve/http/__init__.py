@@ -20,9 +20,10 @@ key, body size), ``limits`` (header timeout and connection cap below the app),
 admission), ``schemas`` (body validation), ``generation`` (one request's
 choices and its answer), ``responses`` (OpenAI response objects), ``faces``
 with ``embeddings`` (``/v1/embeddings``), ``responses_api`` (``/v1/responses``)
-and ``ollama`` (Ollama's API), ``runtime`` (the engine thread), ``config``
+and ``ollama`` (Ollama's API), ``prepare`` and ``structured`` (prompt tokens and
+grammars), ``pages`` and ``state`` (the browser pages and the engine view), ``runtime`` (the engine thread), ``config``
 (scheduling settings and the engine they build), ``sampler`` (penalties,
-logit bias and logprobs per request), ``stepfit`` (a step-time model fitted
+logit bias and logprobs per request), ``step_timing`` (a step-time model fitted
 online for deadline-aware admission), ``metrics`` (Prometheus), ``sse``
 (server-sent events with disconnect detection), ``server`` (uvicorn with
 signals and grace period).

@@ -22,13 +22,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from localinfer.serve.http import pages
 from localinfer.serve.http.errors import APIError, bad
 from localinfer.serve.http.generation import Generation
 from localinfer.serve.http.guard import LOOPBACK_NAMES, Guard, error_response
 from localinfer.serve.http.intake import Prep, read_json
 from localinfer.serve.http.limits import BODY_TIMEOUT_S
 from localinfer.serve.http.metrics import CONTENT_TYPE
-from localinfer.serve.http.runtime import Runtime
+from localinfer.serve.http.runtime import Runtime, RuntimeState
 from localinfer.serve.http.schemas import GenerationSpec, _short, parse
 from localinfer.serve.http.sse import EventStream
 
@@ -50,6 +51,7 @@ class AppConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     template: object = None                        # a ChatTemplate, or a callable(tokenizer) -> ChatTemplate
     created: int = 0
+    show_prompts: bool = False                     # the engine view shows prompt and output text (serve --show-prompts)
     default_max_tokens: int | None = None          # a request that gives no max_tokens (None: until the context ends)
     extra: dict = field(default_factory=dict)
 
@@ -82,28 +84,30 @@ class Server:
     async def body(self, request: Request):
         return await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
 
-    async def tokens(self, spec: GenerationSpec) -> list[tuple[int, ...]]:
-        """Prompt tokens per prompt (worker threads), logit_bias ids checked against the vocabulary."""
+    async def tokens(self, spec: GenerationSpec) -> list:
+        """The request made ready per prompt (:class:`.prepare.Prepared`, worker threads), logit_bias ids
+        checked against the vocabulary."""
         self.runtime.check_serving()
         n = spec.n * max(1, len(spec.prompts))
         if spec.chat:
-            out = [await self.prep.run(self.prep.chat_tokens, list(spec.messages), n=n)]
+            out = [await self.prep.run(self.prep.chat, spec, n=n)]
         else:
-            out = [await self.prep.run(self.prep.text_tokens, p, n=n) for p in spec.prompts]
+            out = [await self.prep.run(self.prep.text, spec, p, n=n) for p in spec.prompts]
         n_vocab = self.runtime.tokenizer.n_vocab
         wrong = [t for t, _ in spec.logit_bias if t >= n_vocab]
         if wrong:
             raise bad("logit_bias", f"logit_bias token ids must lie in 0..{n_vocab - 1}, got {wrong[0]}")
         return out
 
-    def generation(self, request: Request, spec: GenerationSpec, prompts: list[tuple[int, ...]],
+    def generation(self, request: Request, spec: GenerationSpec, readies: list,
                    echo: list[str] | None = None) -> Generation:
+        prompts = [r.prompt for r in readies]
         if spec.max_tokens is None and self.config.default_max_tokens:
             ctx = self.runtime.context_tokens          # the default fills what the longest prompt leaves, at most
             free = ctx - max(map(len, prompts))
             spec = replace(spec, max_tokens=max(1, min(self.config.default_max_tokens, free))) if free > 0 else spec
         max_tokens = min(_check_length(spec, len(p), self.runtime.context_tokens) for p in prompts)
-        return Generation(self.runtime, spec, prompts, max_tokens, self.config.model_id, request.receive,
+        return Generation(self.runtime, spec, readies, max_tokens, self.config.model_id, request.receive,
                           self.runtime.tokenizer.eos_ids, echo)
 
 
@@ -112,7 +116,7 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
 
     async def health(request: Request) -> Response:
         state = runtime.state
-        status = 200 if state == "ready" else 503
+        status = 200 if state is RuntimeState.READY else 503
         # no error text: /health answers without the API key, and a load error names the model's path
         return JSONResponse({"status": {"ready": "ok"}.get(state, state)}, status_code=status)
 
@@ -158,6 +162,7 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
     from localinfer.serve.http import faces
 
     routes += faces.routes(srv)
+    routes += pages.page_routes(runtime, config.show_prompts)      # /, /engine, /static/*, /v1/engine/state
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _internal})
     app.add_middleware(Guard, config=config, runtime=runtime)
     app.state.prep = srv.prep

@@ -1,41 +1,25 @@
-"""How the server schedules (:class:`ServeConfig`) and the engine it builds over an executor.
+"""How the server schedules (:class:`ServeConfig`) and the step engine it builds over an executor.
 
-The KV pool is the executor's cells in blocks of ``block_tokens`` (docs/serving.md:
-a sequence of L tokens holds ⌈L / p⌉ blocks), so a request's prompt +
-max_tokens may use at most ``⌊cells / p⌋ · p`` positions.  Every prefix hit is a
-copy from a sequence that holds the KV (``pool_hits=False``: llama.cpp keeps KV
-only in its sequences): a running request, or a parked one — the executor has
-``n_slots`` = ``parallel`` + ``park_slots`` sequence ids, and a finished or
-cancelled request's slot stays parked with its whole committed blocks (evictable
-cached blocks) until the pool or a slot is needed (``Engine`` parking), so a
-repeated system prompt or a resent conversation is copied, not recomputed.
-``prefix_cache=False`` parks nothing.  Prompts are prefilled in chunks (``chunked``); a request
-with a deadline is refused at admission when the step model fitted on this
-machine (:mod:`.stepfit`) predicts it late, and stopped (finish reason
-``deadline``) once its deadline has passed — its result is worthless then and
-its slot serves someone else.  With ``draft_max`` (``serve --lookup``) decoding
-requests verify prompt-lookup drafts inside the same steps (:mod:`localinfer.serve.speculation`).
+Prompts are prefilled in chunks; a request with a deadline is refused at admission when the step
+model fitted on this machine (:mod:`.step_timing`) predicts it late, and stopped (finish reason
+``deadline``) once its deadline has passed.  Finished requests' KV is parked in spare sequence
+ids for later prefix hits (:mod:`localinfer.serve.parking`).  The defaults below are chosen from
+measurements recorded in docs/executor.md and docs/serving.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localinfer.serve.block_manager import BlockManager
-from localinfer.serve.engine import Engine
-from localinfer.serve.http.stepfit import FittedStepModel, TimedExecutor, calibrate
-from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+from localinfer.serve.assembly import build_step_engine
+from localinfer.serve.engine import StepEngine
+from localinfer.serve.http.step_timing import FittedStepModel, TimedExecutor, calibrate
+from localinfer.serve.scheduler import Admission, Policy, SchedulerConfig
 
 MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
-# Parked sequences keep finished requests' KV: each user's next chat turn and a shared system prompt hit it.
-# llama.cpp's executor keeps them in host memory (park_host), so parking costs no decode speed (0 / 1 / 4 / 8 parked:
-# 83.2 / 83.8 / 83.7 / 82.1 tok/s at concurrency 1, benchmarks/results/serve_parked_cpu.txt) and a sequence id costs
-# nothing measurable (a 4-row decode step 19.4-20.2 ms with 5, 17 or 65 ids); their RAM is capped (8 GiB or half the
-# free RAM, executor.HOST_PARK_MAX; Engine._victim says who goes first), which the fit check does not count.  Sixteen
-# keep 8 users' 4-turn chats: 82% of later turns' prompt tokens cached against 30% with one parked, TTFT p50 0.99 s
-# against 1.71 s (llama-server: 53%, 2.07 s); 24 users' 3-turn chats need more: 79% cached with 32 against 36% with 16,
-# TTFT p50 1.32-1.41 s against 2.17-2.36 s, while fresh prompts ran as fast with 32 as with 16 (median ratio 0.97x at
-# concurrency 4, 1.04x at 8, three rounds; benchmarks/results/serve_multiturn_cpu.txt).
+# Parked sequences keep finished requests' KV: each user's next chat turn and a shared system prompt hit it.  32 keep
+# 24 users' 3-turn chats at no cost to fresh prompts (docs/executor.md); their host RAM is capped (HOST_PARK_MAX or half
+# the free RAM; Parking.victim says who goes first), which the fit check does not count.
 DEFAULT_PARKED = 32
 # A prompt's unfinished chunk joins a step that finishes another prompt only if it lengthens it by at most a quarter
 # (scheduler.py, partial_slack): on a CPU, 8 prompts of 302 tokens arriving together then leave one per step.
@@ -55,6 +39,8 @@ class ServeConfig:
     token_budget: int | None = None
     chunk: int | None = None             # prompt tokens per request per step (None: SchedulerConfig's)
     itl_target_s: float | None = None
+    max_gap_s: float | None = None       # while requests decode, a step is predicted to take at most this
+    step_log: str | None = None          # a file the engine appends one JSON line per step to (serve --step-log)
     prefix_cache: bool = True
     block_tokens: int = 16
     admission: str = "on_demand"
@@ -78,25 +64,16 @@ class ServeConfig:
         return self.parallel + self.park_slots
 
 
-def build_engine(inner, config: ServeConfig) -> tuple[TimedExecutor, Engine, FittedStepModel]:
-    """(timed executor, engine, step model) over a loaded executor."""
+def build_engine(inner, config: ServeConfig, on_step=None) -> tuple[TimedExecutor, StepEngine, FittedStepModel]:
+    """(timed executor, step engine, step model) over a loaded executor; ``on_step`` hears of every step."""
     model = FittedStepModel(calibrate(inner))
     executor = TimedExecutor(inner, model)
-    # a paging executor (torch) brings its block size and restores prefixes cached in blocks no sequence holds
-    p = getattr(inner, "block_size", None) or config.block_tokens
-    n_blocks = (getattr(inner, "n_cells", None) or 0) // p
-    # parking needs spare sequence ids and dropping a sequence's tail (not a recurrent model)
-    park = max(0, min(config.park_slots, inner.n_slots - config.parallel)) if getattr(inner, "drops_tail", False) else 0
-    # parked KV in host memory (llama.cpp's park_host): a cache tier past the cells, as much as the parked ids hold
-    # and the host budget's bytes (llama.cpp parks no more; 32 ids of a 128k context would be 262,144 blocks)
-    per_slot = (getattr(inner, "slot_cells", None) or n_blocks * p) // p
-    host = min(park * per_slot, inner.host_cells() // p) if getattr(inner, "parks_in_host", False) else 0
-    blocks = BlockManager(n_blocks + host, p, prefix_cache=config.prefix_cache,
-                          pool_hits=getattr(inner, "restores_cached_prefix", False), max_used=n_blocks if host else None)
     chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
-    sched = SchedulerConfig(policy="chunked", max_running=config.parallel, token_budget=config.token_budget,
-                            itl_target_s=config.itl_target_s, admission=config.admission, deadline_aware=True,
-                            drop_late=True, draft_max=config.draft_max, partial_slack=config.partial_slack,
-                            decode_share=config.decode_share, **chunk)
-    engine = Engine(executor, Scheduler(sched, blocks, model), park_slots=park)
+    sched = SchedulerConfig(policy=Policy.CHUNKED, max_running=config.parallel, token_budget=config.token_budget,
+                            itl_target_s=config.itl_target_s, max_gap_s=config.max_gap_s,
+                            admission=Admission(config.admission),
+                            deadline_aware=True, drop_late=True, draft_max=config.draft_max,
+                            partial_slack=config.partial_slack, decode_share=config.decode_share, **chunk)
+    engine = build_step_engine(executor, sched, step_model=model, block_tokens=config.block_tokens,
+                               prefix_cache=config.prefix_cache, park_slots=config.park_slots, on_step=on_step)
     return executor, engine, model

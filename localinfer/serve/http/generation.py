@@ -15,24 +15,29 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+from localinfer.model.tool_parse import ToolStream
 from localinfer.serve.http import responses as R
 from localinfer.serve.http import sse
 from localinfer.serve.http.errors import APIError
+from localinfer.serve.http.prepare import Prepared
 from localinfer.serve.http.runtime import Event, Runtime
 from localinfer.serve.http.sampler import ServeRequest, sampling_for
 from localinfer.serve.http.schemas import GenerationSpec
+from localinfer.serve.request import FinishReason
 
 
 class Generation:
-    """``prompts``: one token tuple, or a list of them (completions with several prompts: choice ``p * n + j`` is
-    prompt p's j-th); ``echo``: each prompt's text, put before its choices' text."""
+    """``ready``: the request made ready (:class:`.prepare.Prepared`), or a list of them (completions with several
+    prompts: choice ``p * n + j`` is prompt p's j-th); ``echo``: each prompt's text, put before its choices'."""
 
-    def __init__(self, runtime: Runtime, spec: GenerationSpec, prompts, max_tokens: int,
+    def __init__(self, runtime: Runtime, spec: GenerationSpec, ready, max_tokens: int,
                  model: str, receive, eos_ids: frozenset[int], echo: list[str] | None = None):
-        prompts = [prompts] if prompts and isinstance(prompts[0], int) else list(prompts)
-        self.runtime, self.spec, self.prompts, self.model = runtime, spec, prompts, model
-        self.prompt = prompts[0]
+        readies = list(ready) if isinstance(ready, (list, tuple)) else [ready]
+        self.prompts = [r.prompt for r in readies]
+        self.runtime, self.spec, self.prompt, self.model = runtime, spec, readies[0].prompt, model
+        self.ready = readies[0]
         self.echo = echo
+        constraints = [c for r in readies for c in r.constraints(spec.n)]
         self.id = ("chatcmpl-" if spec.chat else "cmpl-") + uuid.uuid4().hex[:24]
         deadline = None if spec.deadline_ms is None else spec.deadline_ms / 1e3
 
@@ -43,11 +48,13 @@ class Generation:
                                 stop_tokens=frozenset() if spec.ignore_eos else eos_ids,
                                 banned=eos_ids if spec.ignore_eos else frozenset(),
                                 presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
-                                top_logprobs=spec.logprobs, logit_bias=spec.logit_bias)
+                                top_logprobs=spec.logprobs, logit_bias=spec.logit_bias,
+                                constraint=constraints[i])
 
-        every = [p for p in prompts for _ in range(spec.n)]
+        every = [p for p in self.prompts for _ in range(spec.n)]
         self.handles, self.queue = runtime.submit(every, make, asyncio.get_running_loop())
         self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in self.handles]
+        self.tools = [ToolStream(self.ready.tools) for _ in self.handles] if self.ready.tools is not None else None
         self.reasons: list[str | None] = [None] * len(self.handles)
         self.client_gone = False
         self._first: Event | None = None
@@ -82,13 +89,13 @@ class Generation:
         self._first = ev
 
     def _refusal(self, ev: Event) -> APIError | None:
-        if ev.reason == "deadline":
+        if ev.reason is FinishReason.DEADLINE:
             return APIError(429, f"the server cannot finish this request within deadline_ms="
                                  f"{self.spec.deadline_ms:g} at its current load", param="deadline_ms",
                             code="deadline_unmeetable", headers={"Retry-After": "1"})
-        if ev.reason == "cancelled" and not self.client_gone:
+        if ev.reason is FinishReason.CANCELLED and not self.client_gone:
             return APIError(503, "the server is shutting down", code="shutting_down")
-        if ev.reason == "error":
+        if ev.reason is FinishReason.ERROR:
             return APIError(500, f"the engine failed on this request: {ev.error or 'unknown error'}",
                             code="engine_error")
         return None
@@ -98,9 +105,9 @@ class Generation:
         OpenAI's clients know): refused before its first token, or cut after it by an engine error, its
         deadline passing or the server shutting down.  None for a normal end, or when the client left."""
         text = self.texts[ev.index]
-        if ev.reason in (None, "stop", "length") or text.stopped or self.client_gone:
+        if ev.reason in (None, FinishReason.STOP, FinishReason.LENGTH) or text.stopped or self.client_gone:
             return None
-        if ev.reason == "deadline" and text.tokens:
+        if ev.reason is FinishReason.DEADLINE and text.tokens:
             return APIError(504, f"deadline_ms={self.spec.deadline_ms:g} passed after {text.tokens} tokens, "
                                  "before the reply was finished", param="deadline_ms", code="deadline_exceeded")
         return self._refusal(ev) or APIError(500, "the request ended without output", code="engine_error")
@@ -112,6 +119,9 @@ class Generation:
             return None
         seen = text.tokens
         delta = text.feed(ev.token)
+        if self.tools is not None:
+            trig = self.ready.tools.trigger if ev.token == self.ready.trigger_token else ""
+            return self.tools[ev.index].feed(trig + delta), []
         lps = []
         if self.spec.logprobs is not None and ev.token not in text.eos and not text.stopped:
             entries = self.handles[ev.index].request.logprobs
@@ -120,10 +130,18 @@ class Generation:
             self.runtime.cancel(self.handles[ev.index], quiet=True)
         return delta, lps
 
-    def _finish(self, ev: Event) -> str:
+    def _finish(self, ev: Event):
+        """The choice's last text (its last deltas for a tool reply) and its finish reason set."""
         text = self.texts[ev.index]
         self.reasons[ev.index] = R.finish_reason(ev.reason, text.stopped)
-        return text.flush()
+        tail = text.flush()
+        if self.tools is None:
+            return tail
+        stream = self.tools[ev.index]
+        deltas = stream.feed(tail) + stream.finish()
+        if stream.result()[1] and self.reasons[ev.index] == "stop":
+            self.reasons[ev.index] = "tool_calls"
+        return deltas
 
     def usage(self) -> dict:
         cached = max((h.request.cached for h in self.handles), default=0)
@@ -145,10 +163,12 @@ class Generation:
             if ev.reason is not None:
                 if cut is None and (cut := self._cut(ev)) is not None:
                     self._cancel_rest()           # the answer is an error now: the other choices stop too
-                parts[ev.index].append(self._finish(ev))
+                tail = self._finish(ev)
+                if self.tools is None:
+                    parts[ev.index].append(tail)
                 continue
             got = self._apply(ev)
-            if got is not None:
+            if got is not None and self.tools is None:
                 parts[ev.index].append(got[0])
                 lps[ev.index] += got[1]
         if self.client_gone:
@@ -160,6 +180,7 @@ class Generation:
         out["choices"] = [R.choice(self.spec.chat, i, self._echo(i) + "".join(parts[i]), self.reasons[i],
                                    None if self.spec.logprobs is None else
                                    R.logprobs_for(self.spec.chat, self.texts[i], lps[i]))
+                          if self.tools is None else R.tool_choice(i, *self.tools[i].result(), self.reasons[i])
                           for i in range(len(self.handles))]
         out["usage"] = self.usage()
         return out
@@ -183,6 +204,10 @@ class Generation:
             if ev.reason is not None:
                 cut = self._cut(ev)
                 tail = self._finish(ev)
+                if self.tools is not None:
+                    for d in tail:
+                        yield frame([R.delta_choice(ev.index, d)])
+                    tail = ""
                 if cut is not None:               # OpenAI's clients raise on an error event: the stream ends
                     if tail:
                         yield frame([R.chunk_choice(chat, ev.index, tail, None, None, False)])
@@ -193,6 +218,10 @@ class Generation:
                 yield frame([R.chunk_choice(chat, ev.index, tail or None, self.reasons[ev.index], None, False)])
                 continue
             got = self._apply(ev)
+            if got is not None and self.tools is not None:
+                for d in got[0]:
+                    yield frame([R.delta_choice(ev.index, d)])
+                continue
             if got is None or (not got[0] and not got[1]):
                 continue
             text = self.texts[ev.index]

@@ -13,7 +13,7 @@ Checked in this order:
   [::1] on any port, and those given with ``--allowed-origins`` (``*``: any).
   For those, CORS preflights (``OPTIONS`` with ``Access-Control-Request-Method``)
   are answered 200 and replies carry ``Access-Control-Allow-Origin``;
-* the bearer token on every path but ``/health`` (one ``Authorization`` header:
+* the bearer token on every path but ``/health`` and the browser pages' (one ``Authorization`` header:
   two are a 400, not "the last wins");
 * the declared body size.
 """
@@ -25,6 +25,7 @@ import ipaddress
 
 from starlette.responses import Response
 
+from localinfer.serve.http import pages
 from localinfer.serve.http.errors import APIError
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -84,7 +85,7 @@ class Guard:
                             param="origin", code="origin_not_allowed")
         if method == "OPTIONS" and origin is not None and "access-control-request-method" in headers:
             return None                       # a preflight carries no credentials
-        if self.key is not None and path != "/health":
+        if self.key is not None and path != "/health" and not pages.public(path):   # pages ask for the key
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):

@@ -123,33 +123,39 @@ class Prep:
         return ServerVocab(self.runtime.tokenizer, self.runtime.context_tokens)
 
     def template(self):
-        """The chat template, built once from the factory (it needs the loaded tokenizer)."""
+        """The chat template, built once from the factory (it needs the loaded tokenizer), under a lock: the
+        worker threads share it (``config.template`` holds it from then on, as :func:`.prepare` expects)."""
         with self._lock:
             if self._template is None:
                 tpl = self.config.template
                 self._template = tpl if hasattr(tpl, "tokens") else tpl(self.runtime.tokenizer)
+                self.config.template = self._template
             return self._template
 
-    def chat_tokens(self, messages: list[dict]) -> tuple[int, ...]:
+    def chat(self, spec):
+        """The chat request made ready (:func:`.prepare`): its text refused by its bytes first."""
         from localinfer.errors import LocalinferError
+        from localinfer.serve.http.prepare import prepare
 
-        ctx = self.runtime.context_tokens
-        check_bytes(self.runtime.tokenizer, sum(len(m["content"].encode("utf-8", "replace")) for m in messages),
-                    ctx, "the messages' text", "messages")
+        text = sum(len(m["content"].encode("utf-8", "replace")) for m in spec.messages
+                   if isinstance(m.get("content"), str))
+        check_bytes(self.runtime.tokenizer, text, self.runtime.context_tokens, "the messages' text", "messages")
+        self.template()
         try:
-            return tuple(self.template().tokens(self.vocab(), messages))
+            return prepare(self.runtime, self.config, spec, vocab=self.vocab())
         except LocalinferError as exc:
             raise bad("messages", f"the chat template refused these messages: {exc}", code="template_error") from None
 
-    def text_tokens(self, prompt, param: str = "prompt") -> tuple[int, ...]:
-        tok = self.runtime.tokenizer
+    def text(self, spec, prompt, param: str = "prompt"):
+        """One completions prompt made ready (:func:`.prepare`): text refused by its bytes first."""
+        from dataclasses import replace
+
+        from localinfer.serve.http.prepare import prepare
+
         if isinstance(prompt, str):
-            check_bytes(tok, len(prompt.encode("utf-8", "replace")), self.runtime.context_tokens, "the prompt", param)
-            return tuple(tok.tokenize(prompt, add_bos=True, special=False))
-        bad_ids = [t for t in prompt if not 0 <= t < tok.n_vocab]
-        if bad_ids:
-            raise bad(param, f"prompt token ids must lie in 0..{tok.n_vocab - 1}, got {bad_ids[0]}")
-        return tuple(prompt)
+            check_bytes(self.runtime.tokenizer, len(prompt.encode("utf-8", "replace")), self.runtime.context_tokens,
+                        "the prompt", param)
+        return prepare(self.runtime, self.config, replace(spec, prompt=prompt))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

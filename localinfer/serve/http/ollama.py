@@ -150,7 +150,7 @@ def routes(srv) -> list:
             t1 = time.perf_counter_ns()
             t_first = t_first or t1
             return line(text, done=True, done_reason=reason or "stop", total_duration=t1 - t0, load_duration=0,
-                        prompt_eval_count=len(prompts[0]), prompt_eval_duration=t_first - t0,
+                        prompt_eval_count=len(prompts[0].prompt), prompt_eval_duration=t_first - t0,
                         eval_count=gen.completion_tokens(), eval_duration=t1 - t_first)
 
         handed_off = False

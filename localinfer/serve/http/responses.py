@@ -15,7 +15,7 @@ import time
 from localinfer.generation.text import ReplyText
 from localinfer.serve.http.sampler import TokenLogprob
 
-FINISH = {"stop": "stop", "length": "length"}
+FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 class TextStream(ReplyText):
@@ -89,3 +89,16 @@ def chunk_choice(chat: bool, index: int, content: str | None, reason: str | None
             delta["content"] = content
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return {"index": index, "text": content or "", "logprobs": logprobs, "finish_reason": reason}
+
+
+def tool_choice(index: int, content: str | None, calls: list[dict], reason: str | None) -> dict:
+    """A chat choice of a request with tools: ``content`` (None when it only called) and ``tool_calls``."""
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+
+
+def delta_choice(index: int, delta: dict) -> dict:
+    """A chunk choice carrying one tool-reply delta (content, or a call's header or argument fragment)."""
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}

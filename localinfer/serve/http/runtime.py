@@ -1,4 +1,4 @@
-"""The engine thread: one :class:`~localinfer.serve.engine.Engine` stepped in a thread of its own.
+"""The engine thread: one :class:`~localinfer.serve.engine.StepEngine` stepped in a thread of its own.
 
 The event loop never touches the engine.  It puts ``add`` and ``cancel``
 commands in a locked inbox and wakes the thread; the thread applies them
@@ -23,6 +23,7 @@ end-to-end time of recent requests times the queue depth over the slots).
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import queue
@@ -37,17 +38,26 @@ from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.metrics import Metrics
 from localinfer.serve.http.sampler import ServeRequest
 from localinfer.serve.request import FinishReason
+from localinfer.serve.step_log import StepLog
 from localinfer.util import signals
 
 log = logging.getLogger("localinfer.serve")
 IDLE_WAIT_S = 0.5
 
 
+class RuntimeState(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
 @dataclass(frozen=True)
 class Event:
     index: int                   # which of the request's n choices
     token: int | None
-    reason: str | None = None    # stop | length | cancelled | deadline | error
+    reason: FinishReason | None = None
     error: str | None = None
 
 
@@ -65,11 +75,13 @@ class Runtime:
         self.config = config
         self.metrics = metrics or Metrics()
         self._open = open_executor
-        self.state = "loading"            # loading | ready | failed | draining | stopped
+        self.state = RuntimeState.LOADING
         self._idle_published = False      # kv_cells_used read at the start of this idle spell
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
+        self._step_log: StepLog | None = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
+        self.watch = None                  # the engine view's EngineWatch (http/state.py), told of steps and finishes
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Handle]] = []
         self._active: dict[str, Handle] = {}
@@ -90,8 +102,8 @@ class Runtime:
 
     def drain(self) -> None:
         """Refuse new requests (503); those in flight go on."""
-        if self.state in ("ready", "loading"):
-            self.state = "draining"
+        if self.state in (RuntimeState.READY, RuntimeState.LOADING):
+            self.state = RuntimeState.DRAINING
 
     def shutdown_after(self, grace_s: float) -> None:
         """Refuse new requests now; cancel those still running ``grace_s`` from now (returns at once)."""
@@ -146,12 +158,12 @@ class Runtime:
             self._cond.notify()
 
     def check_serving(self) -> None:
-        if self.state == "loading":
+        if self.state is RuntimeState.LOADING:
             raise APIError(503, "the model is still loading; retry shortly", code="loading",
                            headers={"Retry-After": "1"})
-        if self.state == "failed":
+        if self.state is RuntimeState.FAILED:
             raise APIError(503, "the model failed to load; the server's log says why", code="load_failed")
-        if self.state != "ready":
+        if self.state is not RuntimeState.READY:
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
     @property
@@ -168,17 +180,17 @@ class Runtime:
                 self._load()
         except BaseException as exc:  # noqa: BLE001 - reported on /health and to every request
             if self._stopping.is_set():
-                self.state = "stopped"                # stopped while loading: nothing failed
+                self.state = RuntimeState.STOPPED                # stopped while loading: nothing failed
                 self.ready.set()
                 return
             self.load_error = " ".join(str(exc).split()) or type(exc).__name__
-            self.state = "failed"
+            self.state = RuntimeState.FAILED
             log.info("loading failed: %s", self.load_error)    # the CLI prints it as its error line
             self.ready.set()
             return
         self._relay.start()                   # events exist only once the model is loaded
-        if self.state == "loading":
-            self.state = "ready"
+        if self.state is RuntimeState.LOADING:
+            self.state = RuntimeState.READY
         self.ready.set()
         try:
             self._serve()
@@ -187,18 +199,19 @@ class Runtime:
                 self._cancel_all()
                 self._publish(idle=True)
             finally:
-                self.state = "stopped"
+                self.state = RuntimeState.STOPPED
                 self._end_relay()
-            close = getattr(self.executor.inner, "close", None)
-            if close is not None:
-                close()
+            self.executor.close()
+            if self._step_log is not None:
+                self._step_log.close()
 
     def _load(self) -> None:
         inner = self._open()
-        self.tokenizer = getattr(inner, "engine", None) or getattr(inner, "vocab", None)   # llama.cpp's / torch's
-        self.executor, self.engine, self.step_model = build_engine(inner, self.config)
+        self.tokenizer = inner.vocab
+        self._step_log = StepLog(self.config.step_log) if self.config.step_log else None
+        self.executor, self.engine, self.step_model = build_engine(inner, self.config, on_step=self._step_log)
         b = self.engine.blocks
-        self.context_tokens = min(b.capacity * b.block_tokens, getattr(inner, "slot_cells", None) or 1 << 62)
+        self.context_tokens = min(b.capacity * b.block_tokens, inner.caps.slot_cells or 1 << 62)
         self._publish(idle=True)
 
     def _serve(self) -> None:
@@ -241,7 +254,7 @@ class Runtime:
         if self._stop_at is not None and not engine.unfinished and not self._active:
             with self._cond:
                 if not self._inbox:
-                    self.state = "stopped"
+                    self.state = RuntimeState.STOPPED
                     return True
         return False
 
@@ -263,11 +276,13 @@ class Runtime:
         self.engine.forget(r.id)                              # the engine keeps every request otherwise
         reason = r.finish_reason or FinishReason.ERROR
         self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not h.quiet_cancel)
+        if self.watch is not None:
+            self.watch.finished(r, reason)
         if r.finished_s is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self._mean_e2e = 0.9 * self._mean_e2e + 0.1 * (r.finished_s - r.arrival_s)
         with self._cond:
             self._outstanding -= 1
-        return [(h, Event(h.index, None, reason.value, r.error))]
+        return [(h, Event(h.index, None, reason, r.error))]
 
     def _cancel_active(self, error: str | None = None) -> list[tuple[Handle, Event]]:
         out = []
@@ -334,6 +349,8 @@ class Runtime:
             values["kv_host_tokens"] = self.executor.host_tokens()
         self._idle_published = idle
         self.metrics.publish(values)
+        if self.watch is not None:
+            self.watch.published(self, idle)
 
 
 def _deliver(out: list[tuple[Handle, Event]]) -> None:

@@ -1,12 +1,13 @@
 """A serving request with OpenAI's extra sampling knobs: banned EOS, logit bias, presence/frequency penalties,
-logprobs.
+logprobs, and a grammar (structured output, tool calls: :mod:`localinfer.generation.constraints`).
 
 Penalties follow OpenAI's definition over the tokens generated so far
 (``c[t]`` = times t was generated)::
 
     logit[t] -= c[t] * frequency_penalty + (c[t] > 0) * presence_penalty
 
-Logprobs are the model's own: log-softmax of the raw logits row (before
+A constrained request's mask applies first (the sampler's ``constraint``), and a
+reply whose grammar is complete ends there with reason stop.  Logprobs are the model's own: log-softmax of the raw logits row (before
 penalties, filters and temperature), as OpenAI and vLLM report them; the
 top alternatives are the ``k`` largest of that row.
 """
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localinfer.generation.constraints import Constraint
 from localinfer.generation.sampling import Sampler, SamplingParams
-from localinfer.serve.request import Request
+from localinfer.serve.request import FinishReason, Request
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class ServeRequest(Request):
     frequency_penalty: float = 0.0
     top_logprobs: int | None = None        # None: no logprobs recorded
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias) added to the raw logits (OpenAI's logit_bias)
+    constraint: Constraint | None = None    # the reply's grammar
     logprobs: list[TokenLogprob] = field(default_factory=list, init=False)
 
     @property
@@ -46,10 +49,24 @@ class ServeRequest(Request):
             self._sampler = ServeSampler(self)
         return self._sampler
 
+    def append(self, token: int, now: float) -> FinishReason | None:
+        reason = super().append(token, now)
+        c = self.constraint
+        if reason is None and c is not None and (c.stopped_after(len(self.output)) or c.failed):
+            return FinishReason.STOP
+        return reason
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        """Finished: its grammar state goes with it (a server keeps a request's record until its reply is sent)."""
+        super().finish(reason, now, error)
+        self.constraint = None
+        if self._sampler is not None:
+            self._sampler.constraint = None
+
 
 class ServeSampler(Sampler):
     def __init__(self, request: ServeRequest):
-        super().__init__(request.sampling, banned=request.banned)
+        super().__init__(request.sampling, banned=request.banned, constraint=request.constraint)
         self.request = request
         self._counts: dict[int, int] = {}
         self._seen = 0

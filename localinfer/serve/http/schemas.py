@@ -6,13 +6,15 @@ type or the allowed range.  Ranges are OpenAI's API reference's
 (temperature 0–2, penalties −2–2, top_logprobs 0–20, completions logprobs 0–5,
 at most 4 stop strings); sampling fields left out keep
 :class:`~localinfer.generation.sampling.SamplingParams`' defaults (llama.cpp's).
+Structured output and tools (``response_format``, ``regex``, ``choice``,
+``grammar``, ``tools``, ``tool_choice``) are checked in :mod:`.structured`.
 Fields that would change the meaning of a reply and are not implemented
-(tools, response_format other than text, suffix, best_of, and llama-server's
-own sampling and output fields such as ``n_probs`` or ``mirostat``, unless
-given their neutral value) are refused rather than ignored; other unknown
-fields are ignored, as vLLM does.  ``/v1/completions`` takes a list of prompts
-(one choice per prompt and ``n``), ``echo`` and ``logit_bias``; llama-server's
-``n_predict`` stands for ``max_tokens``.
+(functions, suffix, best_of, and llama-server's own sampling and output fields
+such as ``n_probs``, ``json_schema`` or ``mirostat``, unless given their
+neutral value) are refused rather than ignored; other unknown fields are
+ignored, as vLLM does.  ``/v1/completions`` takes a list of prompts (one choice
+per prompt and ``n``), ``echo`` and ``logit_bias``; llama-server's ``n_predict``
+stands for ``max_tokens``; ``model`` may be left out (the loaded model).
 """
 
 from __future__ import annotations
@@ -22,19 +24,20 @@ from dataclasses import dataclass, field
 
 from localinfer.generation.sampling import MAX_SEED, SamplingParams
 from localinfer.serve.http.errors import bad
+from localinfer.serve.http.structured import Structure, parse_structure, tool_message
 
 MAX_N = 16
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_DEADLINE_MS = 24 * 3600 * 1000
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "suffix", "best_of",
-               "response_format", "audio", "modalities", "prediction")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+UNSUPPORTED = ("functions", "function_call", "suffix", "best_of", "audio", "modalities", "prediction")
 # llama-server's request fields that change the reply and that this server does not implement: refused unless
 # given their neutral value (the value that leaves the reply as without the field); the fields that only tune
-# these (mirostat_tau, dry_base, xtc_threshold...) do nothing alone and are ignored
-LLAMA_SERVER_ONLY = {"grammar": ("",), "json_schema": ({},), "n_probs": (0,), "post_sampling_probs": (False,),
+# these (mirostat_tau, dry_base, xtc_threshold...) do nothing alone and are ignored.  (grammar is structured.py's,
+# in llguidance's Lark dialect.)
+LLAMA_SERVER_ONLY = {"json_schema": ({},), "n_probs": (0,), "post_sampling_probs": (False,),
                      "mirostat": (0,), "typical_p": (1, 1.0),
                      "tfs_z": (1, 1.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
                      "dry_multiplier": (0, 0.0), "dynatemp_range": (0, 0.0),
@@ -70,6 +73,7 @@ class GenerationSpec:
     include_usage: bool = False
     ignore_eos: bool = False
     deadline_ms: float | None = None
+    structure: Structure | None = None              # grammar or tools (structured.py)
 
 
 def parse(body, *, chat: bool, deadline_header: str | None = None) -> GenerationSpec:
@@ -79,8 +83,6 @@ def parse(body, *, chat: bool, deadline_header: str | None = None) -> Generation
     for name in UNSUPPORTED:
         v = body.get(name)
         if v is None or v is False or v == {} or v == [] or v == 1 and name == "best_of" or v == "none":
-            continue
-        if name == "response_format" and isinstance(v, dict) and v.get("type") == "text":
             continue
         raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
     for name, neutral in LLAMA_SERVER_ONLY.items():
@@ -120,6 +122,9 @@ def parse(body, *, chat: bool, deadline_header: str | None = None) -> Generation
         kw["include_usage"] = bool(_bool(opts, "include_usage", "stream_options.include_usage"))
     kw["ignore_eos"] = bool(_bool(body, "ignore_eos"))
     kw["deadline_ms"] = _deadline(body, deadline_header)
+    kw["structure"] = parse_structure(body)
+    if kw["structure"] is not None and kw["structure"].tools and not chat:
+        raise bad("tools", "tools are for /v1/chat/completions")
     return GenerationSpec(**kw)
 
 
@@ -136,9 +141,12 @@ def _messages(v) -> tuple[dict, ...]:
             raise bad(where, f"{where} must be an object, got {_kind(m)}")
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"{where}.role", f"{where}.role must be one of system, user, assistant, got "
+            raise bad(f"{where}.role", f"{where}.role must be one of system, user, assistant, tool, got "
                                        f"{_short(role)}")
-        out.append({"role": ROLES[role], "content": _content(m.get("content"), f"{where}.content", role)})
+        extra = tool_message(m, where, role)
+        out.append({"role": ROLES[role], "content": _content(m.get("content"), f"{where}.content",
+                                                             "assistant" if extra.get("tool_calls") else role),
+                    **extra})
     return tuple(out)
 
 

@@ -1,6 +1,6 @@
 """Peaks of a server's KV use while a load runs: ``/metrics`` gauges and llama-server's ``GET /slots``.
 
-The keys of ``peaks`` (each the largest value seen) are described in :mod:`localinfer.serve.loadgen`:
+The keys of ``peaks`` (each the largest value seen) are described in :mod:`localinfer.loadgen.load`:
 ``localinfer_kv_blocks_used`` (x 16 tokens per block), ``localinfer_requests_running``,
 ``llamacpp:kv_cache_tokens``, ``llamacpp:requests_processing`` and ``llama_server_slot_tokens``
 (the sum over llama-server's processing slots of ``n_prompt_tokens + next_token[0].n_decoded``).

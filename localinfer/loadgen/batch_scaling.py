@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from localinfer.backends.engine import LoadPlan
+from localinfer.backends.executor import ExecutorWrapper
 from localinfer.generation.bench import batch_row, batch_section, prompt_of
 from localinfer.generation.sampling import SamplingParams
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
@@ -40,19 +41,16 @@ def batch_plan(plan: LoadPlan, batches: Sequence[int], depths: Sequence[int], ge
     return plan.with_(n_seq=n, n_ctx=n * slot, options={**plan.options, "kv_unified": False, "quiet": True})
 
 
-class _Recorder:
+class _Recorder(ExecutorWrapper):
     """An executor that also keeps, per step, (seconds inside, ((start, new tokens), ...))."""
 
     def __init__(self, inner):
-        self._inner = inner
+        super().__init__(inner)
         self.steps: list[tuple[float, tuple[tuple[int, int], ...]]] = []
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
     def step(self, chunks):
         t0 = time.perf_counter()
-        rows = self._inner.step(chunks)
+        rows = self.inner.step(chunks)
         self.steps.append((time.perf_counter() - t0, tuple((c.start, len(c.tokens)) for c in chunks)))
         return rows
 

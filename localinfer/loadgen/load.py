@@ -14,7 +14,7 @@ within ``RESEND_WITHIN_S`` of sending and before any byte of answer (too soon fo
 it) is sent once more, timed from its first send, and counted in ``resent``; a later or second such close,
 or one mid-answer, fails it.
 
-Per run: TTFT / ITL / e2e p50, p95, p99; output tokens/s and requests/s over the makespan; goodput, vLLM's
+Per run: TTFT / ITL / e2e p50, p95, p99, ITL p99.9, the largest gap overall and each request's largest; output tokens/s and requests/s over the makespan; goodput, vLLM's
 ``--goodput`` definition: requests per second that finished correctly (HTTP 200, the whole output) with
 TTFT ≤ ``slo_ttft`` and e2e ≤ ``slo_e2e``.  Closed loop: ``c`` workers, each sending its next request when
 the last one ends, ``requests`` in all.  Open loop: arrivals at exponential gaps of mean 1/rate, whatever
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 from localinfer.errors import BackendUnavailableError, RemoteServerError, UsageError
-from localinfer.serve.loadgen_peaks import SLOT_PEAK, PeakWatcher
+from localinfer.loadgen.peaks import SLOT_PEAK, PeakWatcher
 from localinfer.util.stats import percentile
 
 try:
@@ -262,11 +262,19 @@ def summarise(results: list[Result], makespan: float, slo_ttft: float, slo_e2e: 
            "cached_tokens": sum(r.cached_tokens for r in results),
            "resent": sum(r.resent for r in results),
            "errors": sorted({f"{r.status} {r.error}" for r in results if not r.ok})[:5]}
+    gaps = [g for r in results for g in r.gaps_s]
     for name, xs in (("ttft", [r.ttft_s for r in results if r.ttft_s is not None]),
-                     ("itl", [g for r in results for g in r.gaps_s]),
+                     ("itl", gaps),
                      ("e2e", [r.e2e_s for r in results if r.ok])):
         for q in (50, 95, 99):
             out[f"{name}_p{q}_ms"] = ms(percentile(xs, q / 100))
+    # a stream that freezes: the slowest 0.1% of gaps, the largest one, and each request's largest
+    largest = [max(r.gaps_s) for r in results if r.gaps_s]
+    out["itl_p99.9_ms"] = ms(percentile(gaps, 0.999))
+    out["gap_max_ms"] = ms(max(gaps, default=None))
+    out["request_gap_p50_ms"] = ms(percentile(largest, 0.5))
+    out["request_gap_p95_ms"] = ms(percentile(largest, 0.95))
+    out["request_gaps_ms"] = [ms(g) for g in largest]
     return out
 
 
@@ -418,7 +426,7 @@ def render_table(doc: dict) -> str:
     """One line per run: output tok/s, req/s, goodput, TTFT / ITL / e2e percentiles (s, ms), ok count, peak cells."""
     sec = lambda v: "-" if v is None else f"{v / 1e3:.2f}s"
     head = (f"{'run':>10} {'tok/s':>8} {'req/s':>7} {'good/s':>7} {'TTFT p50':>9} {'p95':>7} {'ITL p50':>8} "
-            f"{'e2e p50':>8} {'p95':>7} {'ok':>7} {'peak cells':>10}")
+            f"{'p99':>7} {'max gap':>8} {'e2e p50':>8} {'p95':>7} {'ok':>7} {'peak cells':>10}")
     lines = [f"{doc.get('server')}  model {doc.get('model')}", head]
     for r in doc["runs"]:
         key = f"c={r['concurrency']}" if r["mode"] == "closed" else f"rate={r['rate_req_s']:g}"
@@ -426,8 +434,11 @@ def render_table(doc: dict) -> str:
         cells = p.get("localinfer_kv_blocks_used") or p.get(SLOT_PEAK) or p.get("llamacpp:kv_cache_tokens")
         ok = f"{r['ok']}/{r['requests']}"
         itl = "-" if r["itl_p50_ms"] is None else f"{r['itl_p50_ms']:.1f}ms"
+        tail = "-" if r.get("itl_p99_ms") is None else f"{r['itl_p99_ms']:.0f}ms"
+        gap = "-" if r.get("gap_max_ms") is None else f"{r['gap_max_ms']:.0f}ms"
         lines.append(f"{key:>10} {r['output_tok_s']:>8.2f} {r['requests_s']:>7.3f} {r['goodput_req_s']:>7.3f} "
-                     f"{sec(r['ttft_p50_ms']):>9} {sec(r['ttft_p95_ms']):>7} {itl:>8} {sec(r['e2e_p50_ms']):>8} "
+                     f"{sec(r['ttft_p50_ms']):>9} {sec(r['ttft_p95_ms']):>7} {itl:>8} {tail:>7} {gap:>8} "
+                     f"{sec(r['e2e_p50_ms']):>8} "
                      f"{sec(r['e2e_p95_ms']):>7} {ok:>7} {'-' if not cells else int(cells):>10}")
     return "\n".join(lines)
 

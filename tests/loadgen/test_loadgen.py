@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from localinfer.errors import RemoteServerError, UsageError
-from localinfer.serve import loadgen
-from localinfer.serve.loadgen import LoadConfig, Result, summarise
-from localinfer.serve.loadgen_peaks import SLOT_PEAK, slot_tokens
+from localinfer.loadgen import load as loadgen
+from localinfer.loadgen.load import LoadConfig, Result, render_table, summarise
+from localinfer.loadgen.peaks import SLOT_PEAK, slot_tokens
 
 httpx = pytest.importorskip("httpx")
 
@@ -35,6 +35,18 @@ def test_summarise_counts_goodput_as_vllm_does():
     assert s["errors"] == ["429 queue full"]
     assert s["ttft_p50_ms"] == 750.0 and s["itl_p50_ms"] == 200.0 and s["e2e_p50_ms"] == 2500.0
     assert s["e2e_p99_ms"] == pytest.approx(3970.0)
+
+
+def test_summarise_shows_a_freeze_the_percentiles_hide():
+    """One stall of 1.2 s among 999 gaps of 30 ms: p99 stays at 30 ms, the p99.9, the largest gap and the
+    stalled request's own largest gap show it."""
+    steady = [Result(True, 200, 0.1, 3.1, 101, [0.03] * 100) for _ in range(9)]
+    stalled = Result(True, 200, 0.1, 4.3, 101, [0.03] * 50 + [1.2] + [0.03] * 49)
+    s = summarise(steady + [stalled], 5.0, slo_ttft=1.0, slo_e2e=10.0)
+    assert s["itl_p99_ms"] == 30.0 and s["itl_p99.9_ms"] > 30.0 and s["gap_max_ms"] == 1200.0
+    assert sorted(s["request_gaps_ms"]) == [30.0] * 9 + [1200.0] and s["request_gap_p50_ms"] == 30.0
+    assert "max gap" in render_table({"server": "x", "model": "m", "runs": [
+        {**s, "mode": "closed", "concurrency": 4, "peaks": {}}]})
 
 
 def test_summarise_of_nothing_has_no_percentiles():

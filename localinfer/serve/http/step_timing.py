@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from localinfer.backends.executor import Chunk
 from localinfer.model.cost import attention_pairs
+from localinfer.backends.executor import Chunk, ExecutorWrapper
 from localinfer.serve.step_model import LinearStepModel
 
 
@@ -63,29 +63,19 @@ def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
     return old
 
 
-class TimedExecutor:
-    """An Executor that forwards every call and reports each step's shapes and wall time to a FittedStepModel."""
+class TimedExecutor(ExecutorWrapper):
+    """An executor that forwards every call and reports each step's shapes and wall time to a FittedStepModel."""
 
     def __init__(self, inner, model: FittedStepModel | None = None):
-        self.inner = inner
+        super().__init__(inner)
         self.model = model
-        self.n_slots = inner.n_slots
-        self.n_vocab = inner.n_vocab
-        self.n_cells = getattr(inner, "n_cells", None)
-        self.slot_cells = getattr(inner, "slot_cells", None)
-        self.verifies_drafts = getattr(inner, "verifies_drafts", False)
-        self.restores_cached_prefix = getattr(inner, "restores_cached_prefix", False)   # paged (torch) executors
-        self.block_size = getattr(inner, "block_size", None)
         self.steps = 0
         self.step_seconds = 0.0
 
     @property
-    def parks_in_host(self) -> bool:     # llama.cpp's park_host, decided by its load-time probe
-        return getattr(self.inner, "parks_in_host", False)
-
-    @property
     def decode_seconds(self) -> float:
-        return getattr(self.inner, "decode_seconds", 0.0)
+        """Seconds inside the backend's forward passes (0 where it does not count them)."""
+        return self.inner.decode_seconds
 
     def step(self, chunks: Sequence[Chunk]):
         t0 = self.inner.clock()
@@ -99,38 +89,17 @@ class TimedExecutor:
             self.model.observe([(len(c.tokens), c.start) for c in chunks], dt)
         return rows
 
-    def copy(self, src: int, dst: int, n_tokens: int, **kw) -> int | None:
-        return self.inner.copy(src, dst, n_tokens, **kw)
-
-    def park(self, slot: int) -> bool | None:
-        return self.inner.park(slot)
-
-    def restore(self, slot: int, n_tokens: int) -> None:
-        self.inner.restore(slot, n_tokens)
-
-    def drop(self, slot: int, start: int = 0) -> None:
-        self.inner.drop(slot, start)
-
-    def cells_used(self) -> int:
-        return self.inner.cells_used()
-
-    def host_tokens(self) -> int:
-        f = getattr(self.inner, "host_tokens", None)
-        return f() if f is not None else 0
-
-    def clock(self) -> float:
-        return self.inner.clock()
-
 
 def calibrate(executor, n: int = 64) -> LinearStepModel:
     """Seed coefficients from two steps on slot 0 (a prefill of n tokens, then one decode), dropped afterwards.
 
     A paging executor (``block_size``) gets the pool's first blocks as slot 0's table (before any block
     manager hands blocks out)."""
-    cells = min(c for c in (getattr(executor, "n_cells", None), getattr(executor, "slot_cells", None), n + 1) if c)
+    caps = executor.caps
+    cells = min(c for c in (caps.n_cells, caps.slot_cells, n + 1) if c)
     n = max(2, min(n, cells - 1))
     tokens = tuple(i % max(1, executor.n_vocab - 1) + 1 for i in range(n))
-    p = getattr(executor, "block_size", None)
+    p = caps.block_size
     blocks = tuple(range(-(-(n + 1) // p))) if p else ()
     t0 = executor.clock()
     executor.step([Chunk(0, tokens, 0, True, blocks=blocks)])

@@ -1,0 +1,268 @@
+"""Structured output costs: grammar mask + apply per token per row, and serve tok/s with a JSON schema vs without.
+
+    python benchmarks/structured.py [--out benchmarks/results/structured_cpu.json] [--serve] [--threads 2]
+
+1. Mask + apply: JSON-schema replies are walked token by token (each step draws the likeliest allowed token of
+   random logits, so every state a reply passes through is timed), for the embedded model's 49,152-token
+   vocabulary and a generated 152,064-token one (the 49k pieces plus concatenations of two of them, the size of
+   Qwen2's).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
+   ``Constraint.apply`` (bits to −inf logits) for each row; batch 1 and batch 8 (eight replies with eight
+   schemas filled in one call, the time divided by 8).  Wall time and the calling thread's CPU time (with one
+   mask thread the fill runs in it; on a shared machine wall-time tails are other processes' time slices).
+2. ``--engine``: the step engine in process (llama.cpp, 1 thread, per-slot KV, no HTTP), batches of 1, 4 and 8
+   greedy requests with the serve schema's grammar and without, alternating, ``max_tokens`` each (EOS banned):
+   tok/s ratio and the CPU milliseconds per token the grammar adds.
+3. ``--serve``: ``localinfer serve`` (embedded model, ``--parallel 8``) under closed-loop clients at concurrency
+   1, 4 and 8, the same prompts with ``response_format`` json_schema and without, in the order A B B A;
+   completion tokens per second (``serve_ratio``: with over without, over both runs of each).
+   llama-server's ``json_schema`` side is not run here (building it takes ~16 min of CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from localinfer.generation.constraints import Constraint, fill_masks, grammar_from, grammar_tokenizer
+from localinfer.util.atomic import atomic_write
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                               "maxItems": 6}}, "required": ["name", "age", "tags"]},
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 2, "maxItems": 8, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "price": {"type": "number"},
+                                         "label": {"enum": ["new", "used", "refurbished"]}},
+        "required": ["id", "price", "label"], "additionalProperties": False}}}, "required": ["items"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                                      "when": {"type": "string", "format": "date"},
+                                      "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 60}]}},
+     "required": ["code", "when", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 10}}}}}}, "required": ["a"]},
+]
+SCHEMAS = SCHEMAS + SCHEMAS                                     # eight replies in the batch-8 runs
+
+
+class SyntheticVocab:
+    """A 152k vocabulary: the embedded model's pieces, then concatenations of two of them (seeded)."""
+
+    def __init__(self, base, n_vocab: int = 152_064, seed: int = 0):
+        self.base, self.n_vocab = base, n_vocab
+        self.eos_ids, self.bos_id = base.eos_ids, base.bos_id
+        rng = np.random.default_rng(seed)
+        plain = [i for i in range(base.n_vocab) if base.token_bytes(i)]
+        pairs = rng.choice(plain, size=(n_vocab - base.n_vocab, 2))
+        self.extra = [base.token_bytes(int(a)) + base.token_bytes(int(b)) for a, b in pairs]
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.base.token_bytes(i) if i < self.base.n_vocab else self.extra[i - self.base.n_vocab]
+
+    def token_text(self, i: int) -> str:
+        return self.base.token_text(i) if i < self.base.n_vocab else self.token_bytes(i).decode("utf-8", "replace")
+
+    def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
+        return self.base.tokenize(text, add_bos=add_bos, special=special)
+
+
+def mask_costs(vocab, batch: int, steps: int, seed: int = 0) -> dict:
+    """Per-row seconds of one step's fill + apply, over ``steps`` steps of ``batch`` replies (restarted when done)."""
+    tok = grammar_tokenizer(vocab)
+    grammars = [grammar_from("json_schema", s, "schema") for s in SCHEMAS[:batch]]
+    rng = np.random.default_rng(seed)
+    cs = [Constraint(tok, g) for g in grammars]
+    per_row, fills, cpu = [], [], []
+    logits = [rng.standard_normal(vocab.n_vocab).astype(np.float32) for _ in cs]     # the executor's rows
+    for _ in range(steps):
+        for x in logits:
+            x[rng.integers(0, vocab.n_vocab, 64)] += 4.0                      # a different argmax each step
+        c0, t0 = time.thread_time(), time.perf_counter()
+        fill_masks([(c, c.tokens, ()) for c in cs])
+        t1 = time.perf_counter()
+        masked = [c.apply(x) for c, x in zip(cs, logits)]
+        t2, c2 = time.perf_counter(), time.thread_time()
+        per_row.append((t2 - t0) / len(cs))
+        fills.append((t1 - t0) / len(cs))
+        cpu.append((c2 - c0) / len(cs))
+        for i, (c, m) in enumerate(zip(cs, masked)):
+            ok = np.isfinite(m)
+            ok[list(vocab.eos_ids)] = False
+            if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
+                cs[i] = Constraint(tok, grammars[i])
+                continue
+            c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+    ms, cms = np.array(per_row) * 1e3, np.array(cpu) * 1e3
+
+    def q(a, p):
+        return round(float(np.percentile(a, p)), 4)
+
+    return {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "p50_ms": q(ms, 50), "p99_ms": q(ms, 99),
+            "mean_ms": round(float(ms.mean()), 4), "fill_p50_ms": q(np.array(fills) * 1e3, 50),
+            "cpu_p50_ms": q(cms, 50), "cpu_p99_ms": q(cms, 99)}
+
+
+SERVE_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 60}, "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+    "genres": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 2, "maxItems": 5},
+    "summary": {"type": "string", "maxLength": 200}}, "required": ["title", "year", "genres", "summary"],
+    "additionalProperties": False}
+TOPICS = ["a film about the sea", "a film about space", "a comedy set in Paris", "a war drama", "a heist film",
+          "a love story in Rome", "a documentary about bees", "a horror film in a forest"]
+
+
+def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
+    import httpx
+
+    from localinfer.serve.loadgen_server import LocalServe
+
+    out = []
+    with LocalServe(None, threads=threads, ctx=8192, parallel=8) as url:
+        def body(i: int, schema: bool) -> dict:
+            b = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "messages": [
+                {"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON with title, year, "
+                                            "genres and summary."}]}
+            if schema:
+                b["response_format"] = {"type": "json_schema", "json_schema": {"name": "film",
+                                                                              "schema": SERVE_SCHEMA}}
+            return b
+
+        model = httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
+        httpx.post(url + "/chat/completions", json={**body(0, True), "model": model}, timeout=120)   # warm-up
+        for conc in levels:
+            for schema in (False, True, True, False):       # ABBA: a drift in the machine's load hits both
+                tokens, done, lock = [0], [0], threading.Lock()
+
+                def client(k: int, schema=schema, tokens=tokens, done=done, lock=lock) -> None:
+                    with httpx.Client(timeout=300) as c:
+                        for r in range(rounds):
+                            j = c.post(url + "/chat/completions",
+                                       json={**body(k * rounds + r, schema), "model": model}).json()
+                            with lock:
+                                tokens[0] += j["usage"]["completion_tokens"]
+                                if schema and j["choices"][0]["finish_reason"] == "stop":
+                                    json.loads(j["choices"][0]["message"]["content"])
+                                    done[0] += 1
+
+                t0 = time.perf_counter()
+                ts = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                wall = time.perf_counter() - t0
+                out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
+                            "completion_tokens": tokens[0], "seconds": round(wall, 3),
+                            "tok_s": round(tokens[0] / wall, 2), **({"complete_json": done[0]} if schema else {})})
+                print(out[-1], file=sys.stderr)
+    return out
+
+
+def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[dict]:
+    """The step engine in process on llama.cpp (1 thread, per-slot KV), no HTTP: wall and CPU seconds of the same
+    batch with the serve schema's grammar on every request and without, alternating A B A B..."""
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+    from localinfer.model.sources import default_model_path
+    from localinfer.serve.block_manager import BlockManager
+    from localinfer.serve.engine import Engine
+    from localinfer.serve.http.sampler import ServeRequest
+    from localinfer.serve.request import GREEDY
+    from localinfer.serve.scheduler import Scheduler, SchedulerConfig
+
+    out = []
+    with LlamaCppExecutor.open(default_model_path(), n_slots=8, n_ctx=4096, threads=1, flash_attn=True,
+                               unified=False) as ex:
+        tok = grammar_tokenizer(ex.engine)
+        grammar = grammar_from("json_schema", SERVE_SCHEMA, "schema")
+        prompts = [tuple(ex.engine.tokenize(f"Describe {t} as JSON with title, year, genres and summary.",
+                                            add_bos=True)) for t in TOPICS]
+        for conc in levels:
+            for rep in range(repeats):
+                for schema in (False, True):
+                    for slot in range(ex.n_slots):
+                        ex.drop(slot)
+                    e = Engine(ex, Scheduler(SchedulerConfig(max_running=8, policy="chunked"),
+                                             BlockManager(256, 16, pool_hits=False)))
+                    reqs = [e.add_request(ServeRequest(f"r{i}", prompts[i % len(prompts)], max_tokens,
+                                                       sampling=GREEDY, banned=ex.engine.eos_ids,
+                                                       constraint=Constraint(tok, grammar) if schema else None))
+                            for i in range(conc)]
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    while e.unfinished:
+                        e.step()
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    n = sum(len(r.output) for r in reqs)
+                    out.append({"concurrency": conc, "schema": schema, "tokens": n, "seconds": round(wall, 3),
+                                "cpu_seconds": round(cpu, 3), "tok_s": round(n / wall, 2)})
+                    print(out[-1], file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
+    ap.add_argument("--steps", type=int, default=300, help="mask steps per vocabulary and batch size")
+    ap.add_argument("--serve", action="store_true", help="also measure serve tok/s with a schema and without")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--levels", default="1,4,8")
+    ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--engine", action="store_true", help="also measure the step engine in process, schema vs none")
+    args = ap.parse_args(argv)
+    from localinfer.backends.vocab import VocabOnly
+    from localinfer.model.sources import default_model_path
+
+    base = VocabOnly(str(default_model_path()))
+    doc = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
+           "llguidance": __import__("llguidance").__version__, "mask": []}
+    t0 = time.perf_counter()
+    big = SyntheticVocab(base)
+    tok_build = {}
+    for name, vocab in (("49k", base), ("152k", big)):
+        t = time.perf_counter()
+        grammar_tokenizer(vocab)
+        tok_build[name] = round(time.perf_counter() - t, 3)
+        for batch in (1, 8):
+            doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
+            print(doc["mask"][-1], file=sys.stderr)
+    doc["tokenizer_build_s"] = tok_build
+    doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
+    levels = [int(x) for x in args.levels.split(",")]
+    if args.engine:
+        runs = doc["engine"] = engine_rates(levels, args.max_tokens)
+
+        def per_token(c, schema, key):
+            rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
+            return sum(r[key] for r in rs) / sum(r["tokens"] for r in rs)
+
+        doc["engine_ratio"] = {str(c): round(per_token(c, False, "seconds") / per_token(c, True, "seconds"), 3)
+                               for c in levels}
+        doc["engine_cpu_ms_per_token_added"] = {
+            str(c): round(1e3 * (per_token(c, True, "cpu_seconds") - per_token(c, False, "cpu_seconds")), 3)
+            for c in levels}
+    if args.serve:
+        runs = serve_rates(args.threads, levels, args.rounds, args.max_tokens)
+        doc["serve"] = runs
+        def rate(c, schema):
+            rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
+            return sum(r["completion_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+
+        doc["serve_ratio"] = {str(c): round(rate(c, True) / rate(c, False), 3) for c in levels}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        atomic_write(args.out, text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Compute buffers per device when llama.cpp splits layers across devices (``-sm layer``, RPC workers, GPUs).
+
+llama.cpp's scheduler (ggml-backend.cpp, ``ggml_backend_sched_split_graph``)
+gives every node of the graph a backend — the device of the weight it
+multiplies, else its neighbours' by expansion (accelerators down, then up,
+then every backend down and up), views that of their source, graph inputs the
+CPU — cuts the node sequence into splits where the backend changes, and gives
+each split a copy of every tensor it reads from another device.  With
+pipeline parallelism (several devices, every layer offloaded, devices with
+async compute and events, as RPC devices are) each copy and each graph input
+exists ``n_copies`` = 4 times and is never freed.  Then one graph allocator
+runs over the whole sequence with one arena per backend.  This module replays
+all of it over the graph :mod:`.compute_buffer` builds; the result is each
+backend's high-water mark, the figure llama.cpp logs as
+``<device> compute buffer size``.
+"""
+
+from __future__ import annotations
+
+from localinfer.backends.llamacpp.compute_buffer import ALIGN, _Graph, _llama_graph
+from localinfer.model.spec import ModelSpec
+
+N_COPIES = 4          # GGML_SCHED_MAX_COPIES
+_UNWEIGHTED = ("ROPE", "FLASH_ATTN_EXT")   # ops the weight rule skips (their small tensors must not decide)
+
+
+def _is_view(g: _Graph, t: int) -> bool:
+    return g.op[t] == "VIEW"
+
+
+def assign(g: _Graph, unit_backend, cpu: int, pin_norms: bool) -> list[int]:
+    """Backend of every tensor after the scheduler's passes 1-4 (``unit_backend(unit)`` places weights/KV).
+
+    ``pin_norms``: llama.cpp pins each layer's norms ("norm" tensors) to the layer's device when every layer
+    is offloaded or a ubatch has fewer than 32 tokens (llama-context.cpp, graph_get_cb)."""
+    bid = [-1] * len(g.size)
+    for t, (unit, _) in g.home.items():
+        bid[t] = unit_backend(unit)
+    for t in g.leafs:
+        bid[t] = cpu
+    if pin_norms:
+        for t in g.nodes:
+            if g.op[t] == "RMS_NORM" and isinstance(g.at[t], int):
+                bid[t] = unit_backend(g.at[t])
+
+    def is_weight(s: int) -> bool:
+        base = g.view_src[s] if g.view_src[s] is not None else s
+        return base in g.home and g.home[base][1] == "weight"
+
+    for t in g.nodes:                                   # pass 1: pre-allocated sources and weights
+        vs = g.view_src[t]
+        if vs is not None and vs in g.home:
+            bid[t] = bid[vs]
+        elif g.op[t] not in _UNWEIGHTED:
+            for s in g.src[t]:
+                if is_weight(s):
+                    bid[t] = bid[g.view_src[s] if g.view_src[s] is not None else s]
+                    break
+    order = [t for t in g.nodes if not _is_view(g, t)]
+    for seq, skip_cpu in ((order, True), (order[::-1], True), (order, False), (order[::-1], False)):
+        cur = -1                                        # pass 2: expand accelerators, then everything
+        for t in seq:
+            if bid[t] != -1:
+                cur = -1 if skip_cpu and bid[t] == cpu else bid[t]
+            elif cur != -1:
+                bid[t] = cur
+    for t in g.nodes:                                   # pass 4: views and unassigned sources
+        if g.view_src[t] is not None and bid[t] == -1:
+            bid[t] = bid[g.view_src[t]]
+        for s in g.src[t]:
+            if bid[s] == -1:
+                bid[s] = bid[g.view_src[s]] if g.view_src[s] is not None else bid[t]
+        if bid[t] == -1:
+            bid[t] = 0
+    return bid
+
+
+def schedule(g: _Graph, bid: list[int], n_copies: int):
+    """Pass 5 and the graph copy: (leafs, nodes, backend, flags, srcs, view_src, counted-as-view) for the replay."""
+    size, layout = list(g.size), list(g.layout)
+    flags, src, view_src = list(g.flags), [list(s) for s in g.src], list(g.view_src)
+    bid = list(bid)
+
+    def new(nbytes, lay, backend, fl, srcs=(), vsrc=None) -> int:
+        size.append(nbytes)
+        layout.append(lay)
+        flags.append(fl)
+        src.append(list(srcs))
+        view_src.append(vsrc)
+        bid.append(backend)
+        return len(size) - 1
+
+    splits: list[tuple[int, list[int], list[int]]] = []     # backend, inputs, nodes
+    copies: dict[tuple[int, int], list[int]] = {}
+    for t in g.nodes:
+        if not _is_view(g, t) and (not splits or bid[t] != splits[-1][0]):
+            splits.append((bid[t], [], []))
+        if not splits:
+            splits.append((bid[t], [], []))
+        backend, inputs, nodes = splits[-1]
+        nodes.append(t)
+        if _is_view(g, t):
+            continue
+        for j, s in enumerate(src[t]):
+            if bid[s] == backend:
+                continue
+            key = (s, backend)
+            if key not in copies:
+                fl = (1 | 2) if n_copies > 1 else 0
+                copies[key] = [new(size[s], layout[s], backend, fl) for _ in range(n_copies)]
+                inputs.append(s)
+            src[t][j] = copies[key][0]
+    leafs: list[int] = []
+    if n_copies > 1:
+        for t in g.leafs:                               # every graph input, n_copies times, never freed
+            flags[t] |= 2
+            leafs.append(t)
+            leafs += [new(size[t], layout[t], bid[t], 1 | 2) for _ in range(n_copies - 1)]
+        for backend, inputs, _ in splits:
+            for s in inputs:
+                leafs += copies[(s, backend)]
+    leafs += list(g.leafs)
+    order: list[int] = []
+    dep_view: set[int] = set()
+    for backend, inputs, nodes in splits:
+        for s in inputs:
+            base = view_src[s] if view_src[s] is not None else s
+            dep = new(0, (), bid[s], 0, (s,), base)   # keeps the source alive until it is copied
+            dep_view.add(dep)
+            order += [dep, copies[(s, backend)][0]]
+        order += nodes
+    return leafs, order, bid, flags, src, view_src, size, layout, dep_view
+
+
+def replay(n_backends: int, aligns: list[int], leafs, nodes, bid, flags, src, view_src, size, layout,
+           dep_view, inplace) -> list[int]:
+    """ggml_gallocr with one arena per backend: each backend's high-water mark in bytes."""
+    n = len(size)
+    children, views = [0] * n, [0] * n
+    allocated, offset = [False] * n, [0] * n
+    arenas = [[[0, 1 << 62]] for _ in range(n_backends)]
+    high = [0] * n_backends
+
+    def pad(x: int, b: int) -> int:
+        a = aligns[b]
+        return -(-x // a) * a
+
+    def take(nbytes: int, b: int) -> int:
+        blocks, nbytes = arenas[b], pad(nbytes, b)
+        best, best_size = -1, None
+        for i in range(len(blocks) - 1):
+            s = blocks[i][1]
+            if s >= nbytes and (best_size is None or s <= best_size):
+                best, best_size = i, s
+        if best < 0:
+            best = len(blocks) - 1
+        off = blocks[best][0]
+        blocks[best][0] += nbytes
+        blocks[best][1] -= nbytes
+        if blocks[best][1] == 0:
+            del blocks[best]
+        high[b] = max(high[b], off + nbytes)
+        return off
+
+    def give(off: int, nbytes: int, b: int) -> None:
+        blocks, nbytes = arenas[b], pad(nbytes, b)
+        for i, (o, s) in enumerate(blocks):
+            if o + s == off:
+                blocks[i][1] += nbytes
+                if i + 1 < len(blocks) and blocks[i][0] + blocks[i][1] == blocks[i + 1][0]:
+                    blocks[i][1] += blocks[i + 1][1]
+                    del blocks[i + 1]
+                return
+            if off + nbytes == o:
+                blocks[i] = [off, s + nbytes]
+                if i > 0 and blocks[i - 1][0] + blocks[i - 1][1] == off:
+                    blocks[i - 1][1] += blocks[i][1]
+                    del blocks[i]
+                return
+        j = 0
+        while j < len(blocks) and blocks[j][0] < off:
+            j += 1
+        blocks.insert(j, [off, nbytes])
+
+    def alloc(t: int, b: int) -> None:
+        if allocated[t] or flags[t] & 4 or view_src[t] is not None:
+            return
+        allocated[t] = True
+        if inplace(t):
+            for p in src[t]:
+                if not allocated[p] or flags[p] & 2 or layout[p] != layout[t]:
+                    continue
+                if children[p] != 1 or views[p] != 0:
+                    continue
+                offset[t] = offset[p]
+                bid[t] = bid[p]
+                allocated[p] = False
+                extra = pad(size[p], bid[p]) - pad(size[t], bid[p])
+                if extra > 0:
+                    give(offset[t] + pad(size[t], bid[p]), extra, bid[p])
+                return
+        bid[t] = b
+        offset[t] = take(size[t], b)
+
+    def free(t: int) -> None:
+        if flags[t] & 2:
+            return
+        give(offset[t], size[t], bid[t])
+        allocated[t] = False
+
+    for t in leafs:
+        alloc(t, bid[t])
+    for t in nodes:
+        if view_src[t] is not None and t not in dep_view:
+            views[view_src[t]] += 1
+        for s in src[t]:
+            children[s] += 1
+    for t in nodes:
+        b = bid[t]
+        for s in src[t]:
+            alloc(s, b)
+        alloc(t, b)
+        for s in src[t]:
+            children[s] -= 1
+            if children[s] == 0 and views[s] == 0:
+                vs = view_src[s]
+                if vs is not None and s not in dep_view:
+                    views[vs] -= 1
+                    if views[vs] == 0 and children[vs] == 0 and allocated[vs]:
+                        free(vs)
+                elif vs is None and allocated[s]:
+                    free(s)
+    return high
+
+
+def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int, n_ubatch: int, n_outputs: int,
+                  flash_attn: bool, n_kv_swa: int | None = None, type_k: str = "f16", type_v: str = "f16",
+                  pipeline: bool = False, pin_norms: bool = False) -> list[int]:
+    """Compute buffer bytes per backend: ``kinds`` lists the devices ("cpu" for an RPC worker's CPU, "cuda",
+    "metal"), the host CPU is appended last; ``unit_backend(unit)`` gives the backend index of "in", each layer
+    index and "out" (``len(kinds)`` for the host)."""
+    from localinfer.backends.llamacpp.compute_buffer import _INPLACE, attn_rotation
+
+    layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
+    rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
+    g = _llama_graph(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv if n_kv_swa is None else n_kv_swa,
+                     type_k if rot[0] else "f16", type_v if rot[1] else "f16")
+    cpu = len(kinds)
+    bid = assign(g, unit_backend, cpu, pin_norms or n_ubatch < 32)
+    leafs, nodes, bid, flags, src, view_src, size, layout, dep = schedule(g, bid, N_COPIES if pipeline else 1)
+    ops = g.op + ["NONE"] * (len(size) - len(g.op))
+    aligns = [ALIGN.get(k, 32) for k in kinds] + [ALIGN["cpu"]]
+    return replay(cpu + 1, aligns, leafs, nodes, bid, flags, src, view_src, size, layout, dep,
+                  lambda t: ops[t] in _INPLACE)

@@ -1,0 +1,70 @@
+"""`localinfer plan --split HOSTS`: the planner's speed model and KV budget for a model split across hosts.
+
+:class:`SplitSpeedModel` is a :class:`~localinfer.plan.speed.SpeedModel` whose
+steps visit the stages in turn: each stage takes its share of the weights
+(``W_i / W``) of the step its own device's profile predicts, and every step
+adds the network (:func:`localinfer.plan.split.split_speed`'s terms for the
+step's tokens).  The KV budget is what the tightest device leaves: each
+device's room after its weights and compute buffer, divided by its share of
+the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from localinfer.backends.memory import FitRequest
+from localinfer.model.cost import model_cost
+from localinfer.plan.speed import Estimate, SpeedModel
+from localinfer.plan.split import RPC_OVERHEAD_S, _token_traffic, fit_split
+from localinfer.units import ceil_div
+
+
+class SplitSpeedModel(SpeedModel):
+    """Stages in turn, each at its own device's roofline for its share of the weights, plus the network."""
+
+    def __init__(self, spec, setup, sb, req: FitRequest, link=None, label: str = "split"):
+        used = [i for i, d in enumerate(sb.devices) if d.layers or d.output]
+        total = sum(sb.devices[i].weights for i in used) or 1
+        cost = model_cost(spec)
+        first = setup.profiles[used[0]]
+        super().__init__(cost, first, None, req.n_ubatch)
+        self.device = replace(first, name=label, display_name=f"split over {label}", power_w=None)
+        self.stages = [(sb.devices[i].weights / total, SpeedModel(cost, setup.profiles[i], None, req.n_ubatch))
+                       for i in used]
+        self.spec, self.sb, self.req, self.link, self.remote = spec, sb, req, link, list(setup.remote)
+        self.remote_used = any(self.remote[i] for i in used)
+
+    def _net(self, tokens: int, rows: int) -> float:
+        if self.link is None:
+            return 0.0
+        nbytes, trips = _token_traffic(self.spec, self.sb, self.req, self.remote, tokens, rows)
+        return self.link.transfer_s(nbytes, trips) + (RPC_OVERHEAD_S if self.remote_used else 0.0)
+
+    def _sum(self, parts, net: float) -> Estimate:
+        seconds = sum(f * e.seconds for f, e in parts) + net
+        compute = sum(f * e.compute_s for f, e in parts)
+        memory = sum(f * e.memory_s for f, e in parts) + net
+        source = parts[0][1].source if parts else "unknown"
+        return Estimate(seconds, compute, memory, sum(e.flops for _, e in parts) // max(len(parts), 1),
+                        sum(e.bytes for _, e in parts) // max(len(parts), 1), source)
+
+    def decode_step(self, batch: int = 1, context: int = 1, kv="f16", rows: int = 1,
+                    shared_prefix: int = 0) -> Estimate:
+        parts = [(f, m.decode_step(batch, context, kv, rows, shared_prefix)) for f, m in self.stages]
+        return self._sum(parts, self._net(batch * rows, batch * rows))
+
+    def prefill(self, batch: int, new: int, cached: int = 0) -> Estimate:
+        parts = [(f, m.prefill(batch, new, cached)) for f, m in self.stages]
+        calls = ceil_div(batch * new, self.ubatch)
+        return self._sum(parts, calls * self._net(min(self.ubatch, batch * new), batch))
+
+
+def split_budget(spec, setup, n_ctx: int) -> tuple[int, object]:
+    """(KV bytes the split leaves, its breakdown): the tightest device's room over its share of the KV."""
+    sf = fit_split(spec, setup.devices, FitRequest(n_ctx=n_ctx), host_usable=setup.host_usable,
+                   cpu_features=setup.host.cpu_features, search=False)
+    sb = sf.breakdown
+    total_kv = sum(d.kv for d in sb.devices) or 1
+    rooms = [(d.usable - d.weights - d.compute) * total_kv // d.kv for d in sb.devices if d.kv]
+    return (min(rooms) if rooms else 0), sb

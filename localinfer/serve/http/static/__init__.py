@@ -1,0 +1,1 @@
+"""The browser pages' files (HTML, CSS, JS), served by :mod:`localinfer.serve.http.pages`."""

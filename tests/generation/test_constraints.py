@@ -1,0 +1,142 @@
+"""Constraints on the embedded model's vocabulary: grammars, masks, sync and rollback, batched fills, tool formats.
+
+Random walks draw uniformly among the tokens each mask allows: whatever is drawn, the text must satisfy the
+schema (or parse as the format's calls) once the grammar says it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from localinfer.errors import GrammarError
+
+pytest.importorskip("llguidance")
+pytest.importorskip("llama_cpp")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": -5, "maximum": 5},
+                                      "b": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
+                                            "maxItems": 3}}, "required": ["a", "b"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"enum": ["x", "y"]}, "v": {"anyOf": [{"type": "null"},
+                                                                                   {"type": "number"}]}},
+     "required": ["kind"], "additionalProperties": False},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-f]{2}[0-9]$"},
+                                      "in": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                             "required": ["n"], "additionalProperties": False}},
+     "required": ["code", "in"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def vocab(default_model):
+    from localinfer.backends.vocab import VocabOnly
+
+    v = VocabOnly(str(default_model))
+    yield v
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def tok(vocab):
+    from localinfer.generation.constraints import grammar_tokenizer
+
+    t = grammar_tokenizer(vocab)
+    assert grammar_tokenizer(vocab) is t          # one per vocabulary
+    return t
+
+
+def _walk(vocab, c, rng, limit=400, short=True):
+    """Draw allowed tokens (short ones more often, so walks end) until the grammar completes."""
+    for _ in range(limit):
+        if c.stopped_after(len(c.tokens)):
+            break
+        ok = np.flatnonzero(c.allowed())
+        ok = ok[~np.isin(ok, list(vocab.eos_ids))] if len(ok) > len(vocab.eos_ids) else ok
+        if short:
+            lens = np.array([len(vocab.token_bytes(int(t))) or 9 for t in ok])
+            ok = ok[lens == lens.min()] if rng.random() < 0.7 else ok
+        c.consume(int(rng.choice(ok)))
+    return b"".join(vocab.token_bytes(t) for t in c.tokens).decode("utf-8")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("k", range(len(SCHEMAS)))
+def test_random_walks_satisfy_the_schema(vocab, tok, k, seed):
+    from localinfer.generation.constraints import Constraint, grammar_from
+
+    c = Constraint(tok, grammar_from("json_schema", SCHEMAS[k], "schema"))
+    text = _walk(vocab, c, np.random.default_rng(seed))
+    assert c.stopped_after(len(c.tokens)), text
+    jsonschema.validate(json.loads(text), SCHEMAS[k])
+
+
+@pytest.mark.parametrize("kind,value,field", [
+    ("json_schema", {"type": "nope"}, "response_format.json_schema.schema"), ("json_schema", [1], "s"),
+    ("regex", "(", "regex"), ("regex", "", "regex"), ("choice", [], "choice"), ("choice", ["a", ""], "choice"),
+    ("lark", "start: nothing_here", "grammar"), ("lark", 5, "grammar"), ("yaml", "x", "k")])
+def test_grammars_that_do_not_compile_name_their_field(kind, value, field):
+    from localinfer.generation.constraints import grammar_from
+
+    with pytest.raises(GrammarError) as err:
+        grammar_from(kind, value, field)
+    assert err.value.field == field and "\n" not in str(err.value) and str(err.value).startswith(field)
+
+
+def test_sync_rolls_back_and_masks_follow_the_output(vocab, tok):
+    from localinfer.generation.constraints import Constraint, grammar_from
+
+    g = grammar_from("json_schema", SCHEMAS[0], "s")
+    a = Constraint(tok, g)
+    text = _walk(vocab, a, np.random.default_rng(5))
+    out = list(a.tokens)
+    for n in (len(out) - 1, len(out) // 2, 3, 0):
+        a.sync(out[:n])                           # a draft not kept, a preemption: fewer tokens than consumed
+        fresh = Constraint(tok, g)
+        fresh.sync(out[:n])
+        assert a.tokens == out[:n] and np.array_equal(a.mask(), fresh.mask())
+        assert not a.stopped_after(n)
+    a.sync(out)
+    assert a.stopped_after(len(out)) and json.loads(text)
+    b = a.clone()
+    b.sync(out[:2])
+    assert a.tokens == out and a.stopped_after(len(out))
+
+
+def test_batched_fill_with_drafts_equals_single_masks(vocab, tok):
+    from localinfer.generation.constraints import Constraint, fill_masks, grammar_from
+
+    cs = [Constraint(tok, grammar_from("json_schema", s, "s")) for s in SCHEMAS]
+    walks = []
+    for i, c in enumerate(cs):
+        _walk(vocab, c, np.random.default_rng(10 + i))
+        walks.append(list(c.tokens))
+    items = [(c, w[:4], w[4:7] if i != 1 else ()) for i, (c, w) in enumerate(zip(cs, walks))]
+    fill_masks(items)
+    for c, out, draft in items:
+        for j in range(len(draft) + 1):
+            filled = c.mask().copy()
+            probe = c.clone()
+            probe._rows = None
+            assert np.array_equal(filled, probe.mask()), (j, draft)
+            if j < len(draft):
+                c.consume(draft[j])
+
+
+def test_masks_and_sampler_apply(vocab, tok):
+    from localinfer.generation.constraints import Constraint, grammar_from
+    from localinfer.generation.sampling import Sampler, SamplingParams
+
+    c = Constraint(tok, grammar_from("choice", ["yes", "no"], "choice"))
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(vocab.n_vocab + 7).astype(np.float32)     # padded rows: ids past the vocabulary
+    masked = c.apply(logits)
+    allowed = np.flatnonzero(np.isfinite(masked))
+    assert 0 < len(allowed) < 20 and (allowed < vocab.n_vocab).all()
+    s = Sampler(SamplingParams(temperature=1.0, seed=3), constraint=c)
+    while not c.stopped_after(len(c.tokens)):
+        s.sample(rng.standard_normal(vocab.n_vocab).astype(np.float32), [])
+    assert b"".join(vocab.token_bytes(t) for t in c.tokens) in (b"yes", b"no")
