@@ -1,7 +1,7 @@
 """``POST /v1/embeddings`` (and ``/embeddings``): OpenAI's embeddings from llama.cpp's pooling.
 
-The loaded model's weights get a second, small llama.cpp context with
-embeddings on (:mod:`localinfer.backends.llamacpp.embeddings`), made on the
+The loaded model's weights get a second, small context with embeddings on
+(the engine's ``embedder``: llama.cpp's, :mod:`localinfer.backends.llamacpp.embeddings`), made on the
 first request, so generation's KV cells are never touched.  One thread runs it:
 the inputs of every request waiting when it is free go into the same decodes
 (batched across requests, ``EMBED_SEQS`` sequences at a time).  ``input`` is a
@@ -57,13 +57,8 @@ class Embeddings:
         return await fut
 
     def _open(self):
-        from localinfer.backends.llamacpp.embeddings import LlamaEmbedder
-
-        tok = self.runtime.tokenizer
-        model = getattr(tok, "model_handle", None)
-        plan = getattr(tok, "plan", None)
-        return LlamaEmbedder(model, min(EMBED_CTX, self.context), EMBED_SEQS,
-                             plan.threads if plan is not None else 1)
+        """The engine's embeddings context (``embedder``: the llama.cpp engine has one)."""
+        return self.runtime.tokenizer.embedder(min(EMBED_CTX, self.context), EMBED_SEQS)
 
     @property
     def context(self) -> int:
@@ -151,7 +146,7 @@ async def compute(srv, body: dict, param: str = "input"):
     runtime = srv.runtime
     items = _inputs(body.get(param), param)
     runtime.check_serving()
-    if getattr(runtime.tokenizer, "model_handle", None) is None:
+    if getattr(runtime.tokenizer, "embedder", None) is None:
         raise APIError(501, "embeddings need the llama.cpp backend", code="unsupported")
     ids = await srv.prep.run(_tokens, srv, items, param, n=1)
     try:
