@@ -30,7 +30,7 @@ class Generation:
     """``ready``: the request made ready (:class:`.prepare.Prepared`), or a list of them (completions with several
     prompts: choice ``p * n + j`` is prompt p's j-th); ``echo``: each prompt's text, put before its choices'."""
 
-    def __init__(self, runtime: Runtime, spec: GenerationSpec, ready, max_tokens: int,
+    def __init__(self, runtime: Runtime, spec: GenerationSpec, ready: Prepared | list[Prepared], max_tokens: int,
                  model: str, receive, eos_ids: frozenset[int], echo: list[str] | None = None):
         readies = list(ready) if isinstance(ready, (list, tuple)) else [ready]
         self.prompts = [r.prompt for r in readies]
