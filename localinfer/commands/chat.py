@@ -48,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop is not used by chat; the chat template ends each reply", flag="--stop")
     loaded = read_transcript(args.load) if args.load else None
     if args.save:
-        from localinfer.util.atomic import check_writable
-
         from localinfer.model.sources import resolve_model
+        from localinfer.util.atomic import check_writable
 
         check_writable(args.save, inputs=[resolve_model(args.model)])  # before the model loads
     engine, spec, plan, _backend = _common.load(args)
@@ -69,4 +68,21 @@ def run(args: argparse.Namespace) -> int:
         if loaded:
             session.messages, system = loaded
             session.system = system if system is not None else session.system
-        return session.loop()
+        return session.loop() if sys.stdin.isatty() else session.loop(read_piped_line)
+
+
+MAX_PIPED_LINE = 1 << 20      # characters of one line read from a pipe or file (/dev/zero has no newline)
+
+
+def read_piped_line(prompt: str) -> str:
+    """``input()`` for a stdin that is not a terminal, at most MAX_PIPED_LINE characters a line."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = sys.stdin.readline(MAX_PIPED_LINE + 1)
+    if not line:
+        raise EOFError
+    if len(line) > MAX_PIPED_LINE:
+        from localinfer.errors import UsageError
+
+        raise UsageError(f"an input line is over {MAX_PIPED_LINE:,} characters", hint="is stdin a text file?")
+    return line.removesuffix("\n")

@@ -1,9 +1,11 @@
 """`localinfer serve [MODEL]`: an OpenAI-compatible HTTP server on the serving engine.
 
     localinfer serve [MODEL] [--host 127.0.0.1] [--port 8080] [--parallel N] [--ctx N] [-ctk/-ctv T] [-t N]
-        [--backend NAME] [--api-key KEY | LOCALINFER_API_KEY] [--max-queue N] [--token-budget N]
-        [--chunk N | --itl-target MS] [--partial-slack F|off] [--decode-share F] [--prefix-cache on|off]
-        [--parked N] [--lookup [--draft-max N]] [--show-prompts]
+        [--backend NAME] [--api-key KEY | --api-key-file FILE | LOCALINFER_API_KEY] [--max-queue N]
+        [--token-budget N] [--chunk N | --itl-target MS] [--partial-slack F|off] [--decode-share F]
+        [--prefix-cache on|off] [--parked N] [--lookup [--draft-max N]] [--allowed-origins O,...]
+        [--strict-model-names] [--default-max-tokens N] [--header-timeout S] [--body-timeout S] [--keep-alive S]
+        [--max-connections N] [--show-prompts]
 
 Before anything is loaded the plan (``--ctx`` KV cells shared by ``--parallel``
 sequences, one unified cache) goes through the same fit check as ``run``; a
@@ -34,6 +36,7 @@ API_KEY_ENV = "LOCALINFER_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from localinfer.serve.http.limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS
     from localinfer.serve.speculation import DRAFT_MAX
 
     _common.add_model_args(parser)
@@ -42,10 +45,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0: a free one)")
     g.add_argument("--parallel", "-np", type=int, default=4, metavar="N", help="requests decoded together (default 4)")
     g.add_argument("--api-key", default=None, metavar="KEY", help=f"require Authorization: Bearer KEY (or ${API_KEY_ENV})")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from the first line of FILE (kept out of the process list)")
     g.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     g.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also accept this Host header name (DNS-rebinding check: IP addresses, localhost, "
                         "*.localhost and this machine's name always pass; '*': any; repeatable)")
+    g.add_argument("--allowed-origins", action="append", default=[], metavar="O,...",
+                   help="browser origins (scheme://host:port) that may call the server, besides its own and "
+                        "localhost's on any port; '*': any (other origins get 403; repeatable)")
+    g.add_argument("--default-max-tokens", "--n-predict", type=int, default=None, metavar="N",
+                   help="tokens a request that names no max_tokens may generate (default: until the context ends)")
+    g.add_argument("--strict-model-names", action="store_true",
+                   help="answer 404 to a model name that is not the model's file name or an --alias (default: "
+                        "any name is served, as llama-server does)")
+    g.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                   help=f"seconds a request's headers may take to arrive, then 408 (default {HEADER_TIMEOUT_S:g})")
+    g.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                   help=f"seconds a request's body may take to arrive, then 408 (default {BODY_TIMEOUT_S:g})")
+    g.add_argument("--keep-alive", type=float, default=None, metavar="S",
+                   help=f"seconds an idle connection stays open between requests (default {KEEP_ALIVE_S:g})")
+    g.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help=f"open connections at most; more are answered 503 (default {MAX_CONNECTIONS}, and below "
+                        "the descriptor limit)")
     g.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests waiting beyond --parallel before 429 (default 64)")
     g.add_argument("--token-budget", type=int, default=None, metavar="N",
@@ -114,7 +136,17 @@ def _check(args) -> str | None:
         if not args.lookup:
             raise UsageError("--draft-max needs --lookup", flag="--draft-max", hint="add --lookup")
         check_draft_max(args.draft_max)
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    for flag, v in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                    ("--keep-alive", args.keep_alive)):
+        if v is not None and not 0 < v <= 86400:
+            raise UsageError(f"{flag} {v} is out of range", flag=flag, hint="use a number of seconds in (0, 86400]")
+    if args.default_max_tokens is not None and not 1 <= args.default_max_tokens <= 1 << 24:
+        raise UsageError(f"--default-max-tokens {args.default_max_tokens} is out of range",
+                         flag="--default-max-tokens", hint="use 1..16777216")
+    if args.max_connections is not None and not 1 <= args.max_connections <= 1 << 20:
+        raise UsageError(f"--max-connections {args.max_connections} is out of range", flag="--max-connections",
+                         hint="use 1..1048576")
+    key = _api_key(args)
     if key is not None and (not key.strip() or any(c.isspace() for c in key)):
         raise UsageError("the API key must be non-empty and contain no spaces", flag="--api-key")
     if not _loopback(args.host):
@@ -125,6 +157,42 @@ def _check(args) -> str | None:
             print(f"warning: serving on {args.host} without an API key: anyone who can reach it can use it",
                   file=sys.stderr)
     return key
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else --api-key-file's first line, else $LOCALINFER_API_KEY; None: no key."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise UsageError("give --api-key or --api-key-file, not both", flag="--api-key-file")
+    if args.api_key_file is not None:
+        from localinfer.util.files import read_capped
+
+        def refuse(problem, exc):
+            detail = f": {exc.strerror}" if exc is not None and exc.strerror else f" ({problem})"
+            return UsageError(f"cannot read the API key file {args.api_key_file}{detail}", flag="--api-key-file",
+                              hint="give a small regular file with the key on its first line")
+
+        text = read_capped(args.api_key_file, 4096, refuse).decode("utf-8", "replace")
+        return (text.splitlines() or [""])[0].strip() or _empty_key()
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+
+def _empty_key():
+    raise UsageError("the API key file is empty", flag="--api-key-file", hint="put the key on its first line")
+
+
+def origins(values: list[str]) -> tuple[str, ...]:
+    """--allowed-origins values (comma-separated, repeatable): '*' or scheme://host[:port] each."""
+    out = []
+    for v in (o.strip() for text in values for o in text.split(",")):
+        if not v:
+            continue
+        if v != "*" and ("://" not in v or v.split("://", 1)[0] not in ("http", "https", "app", "tauri",
+                                                                        "chrome-extension", "moz-extension")
+                         or "/" in v.split("://", 1)[1].rstrip("/")):
+            raise UsageError(f"--allowed-origins {v!r} is not an origin", flag="--allowed-origins",
+                             hint="give scheme://host[:port], e.g. http://localhost:3000, or '*'")
+        out.append(v.rstrip("/"))
+    return tuple(out)
 
 
 def _max_gap(text: str | None) -> dict:
@@ -180,6 +248,16 @@ def _need_server_packages() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until a signal: exit 0 after a stop by signal in any phase (before the server takes over the
+    signals, while it loads, while it serves), 1 when the model fails to load."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt as exc:          # SIGINT/SIGTERM before the server handles signals itself
+        print(f"\nstopped (signal {getattr(exc, 'signum', 2)})", file=sys.stderr)
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     _need_server_packages()
     from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
     from localinfer.serve.http.runtime import Runtime
@@ -208,10 +286,14 @@ def run(args: argparse.Namespace) -> int:
     hosts = {*LOOPBACK_NAMES, socket.gethostname().lower(), *(h.lower() for h in args.allow_host)}
     if args.host not in ("0.0.0.0", "::"):
         hosts.add(args.host.lower())
+    if args.chat_template is not None:      # a missing or broken file is refused now, not on every chat request
+        check_template(args.chat_template)
+    timeouts = {} if args.body_timeout is None else {"body_timeout_s": args.body_timeout}
     app_config = AppConfig(model_id=model_id, aliases=(os.path.basename(str(path)), *args.alias), api_key=key,
                            allowed_hosts=tuple(sorted(hosts)), max_body_bytes=args.max_body,
-                           template=_template_factory(args, spec), created=int(os.path.getmtime(path)),
-                           show_prompts=args.show_prompts)
+                           allowed_origins=origins(args.allowed_origins), strict_model_names=args.strict_model_names,
+                           default_max_tokens=args.default_max_tokens, show_prompts=args.show_prompts,
+                           template=_template_factory(args, spec), created=int(os.path.getmtime(path)), **timeouts)
     runtime = Runtime(_executor_factory(backend, plan, args.parallel), config)
     return _serve(args, runtime, app_config, plan)
 
@@ -246,6 +328,19 @@ def open_llamacpp(plan, *, park_host: bool = True):
     return LlamaCppExecutor(plan, park_host=park_host)
 
 
+def check_template(path: str) -> None:
+    """Read, compile and try a --chat-template FILE on a one-message conversation (TemplateError if it fails)."""
+    from localinfer.errors import TemplateError
+    from localinfer.model.templates import ChatTemplate
+
+    tpl = ChatTemplate.from_file(path)
+    try:
+        tpl.render([{"role": "user", "content": "hello"}])
+    except TemplateError as exc:
+        raise TemplateError(f"--chat-template {path} fails on a one-message conversation: {exc}",
+                            hint="fix the template or leave --chat-template out") from None
+
+
 def _template_factory(args, spec):
     """The chat template, built once the tokenizer exists (its BOS/EOS text goes into the template)."""
     def build(tokenizer):
@@ -277,9 +372,11 @@ def _serve(args, runtime, app_config, plan) -> int:
                   f"(+{runtime.engine.park_slots} parked)", file=sys.stderr, flush=True)
 
     with sock:
+        limits = {k: v for k, v in (("header_timeout_s", args.header_timeout), ("keep_alive_s", args.keep_alive),
+                                    ("max_connections", args.max_connections)) if v is not None}
         signum = serve(runtime, app_config, sock, grace_s=args.grace, log_level=args.log_level,
                        announce=lambda server: threading.Thread(target=announce_ready, args=(server,),
-                                                                daemon=True).start())
+                                                                daemon=True).start(), **limits)
     if runtime.state is RuntimeState.FAILED:
         return 1
     print(f"stopped{f' (signal {signum})' if signum else ''}", file=sys.stderr)

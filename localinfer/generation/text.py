@@ -38,10 +38,12 @@ class ReplyText:
         return text
 
     def flush(self) -> str:
-        """What was held back (and any unfinished UTF-8 sequence, replaced), once; '' after a stop string."""
+        """What was held back, once; '' after a stop string.  A character the reply was cut in the middle of
+        (its last token's bytes start a UTF-8 sequence that never ends) is left out, not shown as U+FFFD."""
         if self.held is None:
             return ""
-        text, self.held = self.held + self.utf8.decode(b"", final=True), None
+        self.utf8.reset()
+        text, self.held = self.held, None
         self.offset += len(text)
         return text
 

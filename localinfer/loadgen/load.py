@@ -190,6 +190,29 @@ async def one(client, config: LoadConfig, model: str, prompt: str) -> Result:
         headers["x-localinfer-deadline-ms"] = str(config.deadline_ms)
     t0 = time.perf_counter()
     times, usage, resent = [], None, False
+    try:
+        async with asyncio.timeout(config.timeout):      # the whole request: httpx's timeout is per read
+            done = await _send(client, body, headers, t0, times)
+    except TimeoutError:
+        return Result(False, 0, error=f"no complete reply within --timeout {config.timeout:g} s",
+                      resent=False)
+    if isinstance(done, Result):
+        return done
+    usage, resent = done
+    end = time.perf_counter()
+    usage = usage or {}
+    n = usage["completion_tokens"] if _count(usage.get("completion_tokens")) else len(times)
+    details = usage.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return Result(bool(times) and n >= config.output_tokens, 200, times[0] - t0 if times else None, end - t0, n,
+                  [b - a for a, b in itertools.pairwise(times)], prompt_tokens=_count(usage.get("prompt_tokens")),
+                  cached_tokens=cached, resent=resent)
+
+
+async def _send(client, body: dict, headers: dict, t0: float, times: list):
+    """Stream one completion, appending each text chunk's arrival to ``times``: (usage, resent), or a failed
+    Result."""
+    usage, resent = None, False
     for attempt in range(2):
         answered = False
         try:
@@ -217,14 +240,7 @@ async def one(client, config: LoadConfig, model: str, prompt: str) -> Result:
             resent = True
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             return Result(False, 0, error=f"{type(exc).__name__}: {exc}", resent=resent)
-    end = time.perf_counter()
-    usage = usage or {}
-    n = usage["completion_tokens"] if _count(usage.get("completion_tokens")) else len(times)
-    details = usage.get("prompt_tokens_details")
-    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    return Result(bool(times) and n >= config.output_tokens, 200, times[0] - t0 if times else None, end - t0, n,
-                  [b - a for a, b in itertools.pairwise(times)], prompt_tokens=_count(usage.get("prompt_tokens")),
-                  cached_tokens=cached, resent=resent)
+    return usage, resent
 
 
 def is_good(r: Result, slo_ttft: float, slo_e2e: float) -> bool:

@@ -215,11 +215,16 @@ class ChatTemplate:
     @classmethod
     def from_file(cls, path: str | os.PathLike, **kw) -> ChatTemplate:
         """Load an override template (``--chat-template FILE``)."""
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_TEMPLATE_CHARS * 4 + 1)
-        except OSError as exc:
-            raise TemplateError(f"cannot read chat template {path}: {exc.strerror}", hint="check the path") from None
+        from localinfer.util.files import TOO_LARGE, read_capped
+
+        def refuse(problem, exc):                 # a FIFO would block the read, /dev/zero never end
+            if problem == TOO_LARGE:
+                return TemplateError(f"chat template {path} is over {MAX_TEMPLATE_CHARS * 4:,} bytes",
+                                     hint="pass a smaller --chat-template FILE")
+            why = exc.strerror if exc is not None and exc.strerror else "not a regular file"
+            return TemplateError(f"cannot read chat template {path}: {why}", hint="check the path")
+
+        data = read_capped(path, MAX_TEMPLATE_CHARS * 4, refuse)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:

@@ -95,11 +95,11 @@ def load_bench(path: str | os.PathLike) -> Calibration:
     text = raw.decode("utf-8", errors="replace").strip()
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):      # also nesting too deep, an integer of thousands of digits
         try:
             data = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError:
-            raise _bad(path, "not JSON or JSON lines") from None
+        except (ValueError, RecursionError):
+            raise _bad(path, "not JSON or JSON lines (or nested too deeply)") from None
     if isinstance(data, list):
         cal = from_llama_bench(data, path)
     elif isinstance(data, dict):

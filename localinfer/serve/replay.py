@@ -111,14 +111,16 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
         raise UsageError(f"cannot read trace {p}: {exc}", hint="give a readable JSON or JSONL file") from None
     try:
         items = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):      # also nesting too deep, an integer of thousands of digits
         items = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     items.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise UsageError(f"{p} line {n}: not JSON ({exc.msg})",
+                except (ValueError, RecursionError) as exc:
+                    why = getattr(exc, "msg", None) or ("nested too deeply" if isinstance(exc, RecursionError)
+                                                        else str(exc)[:80])
+                    raise UsageError(f"{p} line {n}: not JSON ({why})",
                                      hint="a trace is a JSON list or one JSON object per line") from None
     return parse_trace(items, str(p))
 

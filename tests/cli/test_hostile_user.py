@@ -452,3 +452,12 @@ def test_a_fifo_given_as_a_transcript_or_bench_file_is_refused_not_waited_on(tmp
             (read_transcript if reader == "transcript" else load_bench)(str(fifo))
     finally:
         _signal.alarm(0)
+
+
+def test_chat_reading_dev_zero_stops_at_the_line_cap():
+    """Issue 32 item 7: `chat < /dev/zero` read one endless line (no newline) into memory without bound."""
+    with open("/dev/zero", "rb") as zero:
+        p = subprocess.run([sys.executable, "-m", "localinfer", "chat"], cwd=REPO, stdin=zero, check=False,
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "input line is over" in p.stderr and "Traceback" not in p.stderr

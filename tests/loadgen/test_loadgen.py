@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -110,8 +111,9 @@ def test_an_unreachable_server_is_a_remote_server_error():
 class FakeServer:
     """A stdlib stand-in for llama-server: /v1/models, /slots, and streamed /v1/completions with usage."""
 
-    def __init__(self, models=None, slots=None, status=200, hang_up=()):
+    def __init__(self, models=None, slots=None, status=200, hang_up=(), comments=False):
         outer = self
+        self.comments = comments                       # answer with SSE keep-alive comments only, never a token
         self.models = {"data": [{"id": "fake"}]} if models is None else models
         self.slots, self.status, self.bodies = slots, status, []
         self.hang_up, self.posts = set(hang_up), 0     # POSTs (0: the warm-up) closed without a byte of answer
@@ -148,6 +150,13 @@ class FakeServer:
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
                 self.end_headers()
+                for _ in range(300 if outer.comments else 0):   # at most 30 s of ': keep-alive'
+                    try:
+                        self.wfile.write(b": keep-alive\n\n")
+                        self.wfile.flush()
+                    except OSError:
+                        return
+                    time.sleep(0.1)
                 for _ in range(body["max_tokens"]):
                     self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
                 usage = {"prompt_tokens": 10, "completion_tokens": body["max_tokens"],
@@ -180,6 +189,23 @@ def test_llama_server_slots_are_polled_for_the_peak():
     body = fake.bodies[-1]
     assert body["min_tokens"] == 8 and body["ignore_eos"] and body["deadline_ms"] == 5000
     assert body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
+
+
+def test_the_timeout_bounds_the_whole_request_not_each_read():
+    """Issue 32 item 7: a peer sending keep-alive comments never trips httpx's per-read timeout."""
+    import asyncio
+
+    fake = FakeServer(comments=True)
+    config = LoadConfig(concurrency=(1,), **dict(TINY, timeout=1.0))
+
+    async def go():
+        async with httpx.AsyncClient(base_url=fake.url, timeout=config.timeout) as client:
+            return await loadgen.one(client, config, "fake", "hi")
+    try:
+        r = asyncio.run(asyncio.wait_for(go(), 20))
+    finally:
+        fake.close()
+    assert not r.ok and "--timeout 1" in r.error
 
 
 def test_a_request_the_server_hung_up_on_before_answering_is_sent_once_more():

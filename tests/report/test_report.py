@@ -128,7 +128,8 @@ def test_measured_beside_predicted(tmp_path, models):
 
 
 def test_bench_files_rejected_cleanly(tmp_path):
-    for content in ("not json", "[1, 2]", json.dumps({"schema": "other"}), json.dumps([{"n_prompt": -5}])):
+    deep, huge = "[" * 100_000 + "]" * 100_000, '[{"n_prompt": ' + "9" * 5000 + "}]"     # issue 32: internal errors
+    for content in ("not json", "[1, 2]", json.dumps({"schema": "other"}), json.dumps([{"n_prompt": -5}]), deep, huge):
         p = tmp_path / "bad.json"
         p.write_text(content)
         with pytest.raises(UsageError) as e:

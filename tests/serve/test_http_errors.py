@@ -47,7 +47,9 @@ def _error(r, status: int, param=None, code=None) -> str:
     ("messages", [{"role": "user", "content": 5}], "messages[0].content"),
     ("messages", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}],
      "messages[0].content[0]"),
-    ("model", 3, "model"), ("tools", [{"type": "function"}], "tools[0]"), ("logit_bias", {"1": 5}, "logit_bias"),
+    ("model", 3, "model"), ("tools", [{"type": "function"}], "tools[0]"), ("logit_bias", {"x": 5}, "logit_bias"),
+    ("logit_bias", {"1": 101}, "logit_bias"), ("logit_bias", {"99999999": 1}, "logit_bias"), ("n_probs", 3, "n_probs"),
+    ("mirostat", 2, "mirostat"), ("grammar", "root ::= \"a\"", "grammar"), ("echo", True, "echo"),
     ("stream_options", "x", "stream_options"), ("deadline_ms", -5, "deadline_ms"),
 ])
 def test_wrong_types_and_out_of_range_name_the_field(http, field, value, param):
@@ -76,7 +78,8 @@ def test_deadline_header(http):
 
 def test_completions_fields(http):
     _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ""}), 400, "prompt")
-    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ["a", "b"]}), 400, "prompt")
+    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ["a", ""]}), 400, "prompt")
+    _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": ["a"] * 65}), 400, "prompt")
     _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "x", "logprobs": 6}), 400, "logprobs")
     _error(http.post("/v1/completions", json={"model": MODEL_ID, "prompt": [1, 10**9]}), 400, "prompt")
     r = http.post("/v1/completions", json={"model": MODEL_ID, "prompt": [1, 504, 3458], "max_tokens": 2})
@@ -84,16 +87,17 @@ def test_completions_fields(http):
 
 
 def test_malformed_json_body_and_content_type(http):
-    for raw in (b"{", b"[1, 2", b"\xff\xfe", b"null", b"[]", b"", b'"text"'):
+    deep, huge = b"[" * 100_000 + b"]" * 100_000, b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}"
+    for raw in (b"{", b"[1, 2", b"\xff\xfe", b"null", b"[]", b"", b'"text"', deep, huge):
         _error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
     _error(http.post(CHAT, content=json.dumps(OK), headers={"content-type": "text/plain"}), 415)
     _error(http.post(CHAT, content=json.dumps(OK), headers={"content-type": "application/x-www-form-urlencoded"}),
            415)
 
 
-def test_unknown_model_route_and_method(http):
-    _error(http.post(CHAT, json=dict(OK, model="gpt-4")), 404, "model", "model_not_found")
-    _error(http.get("/v1/nothing"), 404)
+def test_unknown_route_and_method(http):
+    msg = _error(http.get("/v1/nothing" + "x" * 20_000), 404)
+    assert len(msg) < 200                             # the path is not echoed whole
     _error(http.get(CHAT), 405)
 
 
@@ -117,16 +121,12 @@ def test_body_over_the_cap_is_413(http, srv):
     assert http.post(CHAT, json=OK).status_code == 200
 
 
-def test_host_header_is_checked_and_no_cors(http, srv):
+def test_host_header_is_checked(http, srv):
     _error(http.get("/v1/models", headers={"host": "evil.example"}), 403, "host", "host_not_allowed")
     _error(http.get("/v1/models", headers={"host": "evil.example:8080"}), 403)
     for ok in ("192.168.1.5:8080", "[fe80::1]:8080", "10.0.0.2", "app.localhost:3000"):   # nothing to rebind
         assert http.get("/v1/models", headers={"host": ok}).status_code == 200, ok
     _error(http.get("/v1/models", headers={"host": "192.168.1.5.evil.example"}), 403)
-    r = http.get("/v1/models", headers={"host": f"localhost:{srv.port}", "origin": "http://evil.example"})
-    assert r.status_code == 200 and not any(h.lower().startswith("access-control") for h in r.headers)
-    assert http.options(CHAT, headers={"origin": "http://evil.example",
-                                       "access-control-request-method": "POST"}).status_code == 405
 
 
 def test_health_and_metrics(http, srv):

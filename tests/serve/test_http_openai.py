@@ -152,9 +152,7 @@ def test_errors_are_the_clients_typed_exceptions(client):
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, "hi", temperature=5)
     assert e.value.body["param"] == "temperature" and "between 0 and 2" in e.value.body["message"]
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    # any model name is served with one model loaded (issue 32); --strict-model-names: test_http_clients.py
     with pytest.raises(openai.BadRequestError) as e:
         _chat(client, "hi " * 50, max_tokens=1000)
     msg = e.value.body["message"]

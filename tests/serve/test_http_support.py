@@ -23,10 +23,12 @@ MODEL_ID = "smollm2"
 
 class LiveServer:
     """``open_executor(config)``: the executor factory for the runtime (default: the server's llama.cpp executor,
-    one unified cache of ``ctx`` cells, 1 thread, flash attention on, parked KV in host memory)."""
+    one unified cache of ``ctx`` cells, 1 thread, flash attention on, parked KV in host memory); ``app``: more
+    AppConfig fields; ``limits``: make_server's connection limits."""
 
     def __init__(self, model, *, parallel: int = 4, max_queue: int = 8, ctx: int = 1024, api_key: str | None = None,
-                 grace_s: float = 2.0, open_executor=None, show_prompts: bool = False, **serve):
+                 grace_s: float = 2.0, open_executor=None, show_prompts: bool = False, app: dict | None = None,
+                 limits: dict | None = None, **serve):
         from localinfer.backends.engine import LoadPlan
         from localinfer.model.spec import ModelSpec
         from localinfer.model.templates import template_with_vocab
@@ -47,10 +49,10 @@ class LiveServer:
         spec = ModelSpec.from_gguf(str(model))
         self.runtime = Runtime(factory, config)
         self.config = AppConfig(model_id=MODEL_ID, api_key=api_key, template=lambda tok: template_with_vocab(spec, tok),
-                                show_prompts=show_prompts)
+                                show_prompts=show_prompts, **(app or {}))
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
-        self.server, self.app = make_server(self.runtime, self.config, grace_s=grace_s)
+        self.server, self.app = make_server(self.runtime, self.config, grace_s=grace_s, **(limits or {}))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

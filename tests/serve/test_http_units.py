@@ -37,7 +37,7 @@ def test_parse_defaults_aliases_and_precedence():
 
 
 @pytest.mark.parametrize("body, param", [
-    ([], None), ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ([], None), ({"model": 7, "messages": [{"role": "user", "content": "x"}]}, "model"),    # no model: the loaded one
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
     ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},

@@ -112,6 +112,8 @@ def test_shared_prefix_through_replay(tmp_path, capsys):
      "unique"),
     ('[{"id": "a", "arrival_ms": 5, "input": 5, "output": 1, "deadline_ms": 1}]', '"deadline_ms" must be'),
     ("[1, 2", "line 1: not JSON"),
+    ("[" * 100_000 + "]" * 100_000, "line 1: not JSON (nested too deeply)"),      # issue 32: was an internal error
+    ('[{"id": "a", "arrival_ms": 0, "input": ' + "9" * 5000 + ', "output": 1}]', "line 1: not JSON"),
     ('[{"id": "a", "arrival_ms": 0, "input": 1e12, "output": 1}]', '"input" must be a whole number between'),
     ('[{"id": "a", "arrival_ms": 0, "input": 10000000000, "output": 1}]', '"input" must be a whole number between'),
     ('[{"id": "a", "arrival_ms": NaN, "input": 5, "output": 1}]', '"arrival_ms" must be a number'),

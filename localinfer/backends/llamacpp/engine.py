@@ -129,6 +129,12 @@ class LlamaCppEngine(Engine):
         """The llama_model (None once closed)."""
         return self._model
 
+    def embedder(self, n_ctx: int, n_seq: int = 8):
+        """Sentence embeddings over this model on a context of their own (:class:`.embeddings.LlamaEmbedder`)."""
+        from localinfer.backends.llamacpp.embeddings import LlamaEmbedder
+
+        return LlamaEmbedder(self._model, n_ctx, n_seq, self.plan.threads)
+
     def fill_batch(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
         """Write rows into the batch from slot 0: token, position, sequence, logits flag."""
         n = len(tokens)

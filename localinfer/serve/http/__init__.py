@@ -12,13 +12,18 @@ Threads: uvicorn's event loop runs the handlers; the engine (scheduler, block
 manager, llama.cpp executor) runs in one thread of its own (:mod:`.runtime`).
 Handlers hand it requests through a locked inbox and receive tokens through
 ``loop.call_soon_threadsafe`` — no handler ever waits on the engine, and
-template rendering and tokenisation run in a worker thread.
+template rendering and tokenisation run in worker threads.
 
-Modules: ``app`` (routes and the access guard), ``schemas`` (body
-validation), ``generation`` (one request's choices and its answer),
-``responses`` (OpenAI response objects), ``runtime`` (the engine thread),
-``config`` (scheduling settings and the engine they build), ``sampler``
-(penalties and logprobs per request), ``step_timing`` (a step-time model fitted
+Modules: ``app`` (the OpenAI routes), ``guard`` (Host, Origin and CORS, API
+key, body size), ``limits`` (header timeout and connection cap below the app),
+``intake`` (the body read with a time limit, prompt tokens with byte checks and
+admission), ``schemas`` (body validation), ``generation`` (one request's
+choices and its answer), ``responses`` (OpenAI response objects), ``faces``
+with ``embeddings`` (``/v1/embeddings``), ``responses_api`` (``/v1/responses``)
+and ``ollama`` (Ollama's API), ``prepare`` and ``structured`` (prompt tokens and
+grammars), ``pages`` and ``state`` (the browser pages and the engine view), ``runtime`` (the engine thread), ``config``
+(scheduling settings and the engine they build), ``sampler`` (penalties,
+logit bias and logprobs per request), ``step_timing`` (a step-time model fitted
 online for deadline-aware admission), ``metrics`` (Prometheus), ``sse``
 (server-sent events with disconnect detection), ``server`` (uvicorn with
 signals and grace period).

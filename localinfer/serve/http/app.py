@@ -1,25 +1,20 @@
-"""The Starlette app: routes, the access guard, and the glue from a body to a :class:`Generation`.
+"""The Starlette app: routes, and the glue from a body to a :class:`Generation`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, ``GET /health`` (503 while loading, 200 when ready),
-``GET /metrics`` (Prometheus text).  The guard (pure ASGI, before routing)
-checks, in this order: the Host header against the allowed names (DNS
-rebinding: a page on evil.example resolving to 127.0.0.1 still sends
-``Host: evil.example``; an IP address or a ``*.localhost`` name names nothing
-an attacker can rebind, so those always pass, as in Ollama's check), with or
-without an API key; the bearer token on every path but ``/health``; the
-declared body size.  No CORS headers are ever sent, so browsers keep other origins out.
+Routes (each also without the ``/v1`` prefix, as llama-server serves them):
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``; ``GET /health`` (503 while loading, 200 when ready)
+and ``GET /metrics`` (Prometheus text); the other faces add theirs
+(:mod:`.faces`).  With one model loaded any model name is served and the reply
+names the real one (llama-server's behaviour, so clients that hard-code
+``gpt-3.5-turbo`` work); ``strict_model_names`` (``--strict-model-names``)
+answers 404 to a name that is neither the model's nor an alias (vLLM's).
+The access guard (Host, Origin/CORS, API key, body size) is :mod:`.guard`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import ipaddress
-import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,36 +25,94 @@ from starlette.routing import Route
 from localinfer.serve.http import pages
 from localinfer.serve.http.errors import APIError, bad
 from localinfer.serve.http.generation import Generation
+from localinfer.serve.http.guard import LOOPBACK_NAMES, Guard, error_response
+from localinfer.serve.http.intake import Prep, read_json
+from localinfer.serve.http.limits import BODY_TIMEOUT_S
 from localinfer.serve.http.metrics import CONTENT_TYPE
-from localinfer.serve.http.prepare import prepare
 from localinfer.serve.http.runtime import Runtime, RuntimeState
-from localinfer.serve.http.schemas import GenerationSpec, parse
+from localinfer.serve.http.schemas import GenerationSpec, _short, parse
 from localinfer.serve.http.sse import EventStream
 
+__all__ = ["LOOPBACK_NAMES", "AppConfig", "build_app", "error_response"]
+
 log = logging.getLogger("localinfer.serve")
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
 DEADLINE_HEADER = "x-localinfer-deadline-ms"
 
 
 @dataclass
 class AppConfig:
-    model_id: str                                  # the name /v1/models lists and requests must give
-    aliases: tuple[str, ...] = ()                  # other names accepted in "model"
+    model_id: str                                  # the name /v1/models lists and replies carry
+    aliases: tuple[str, ...] = ()                  # other names accepted in "model" (with strict_model_names)
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES
+    allowed_origins: tuple[str, ...] = ()          # besides the server's own and localhost's ('*': any)
+    strict_model_names: bool = False               # 404 for a model name that is not the model's or an alias
     max_body_bytes: int = 4 << 20
+    body_timeout_s: float = BODY_TIMEOUT_S
     template: object = None                        # a ChatTemplate, or a callable(tokenizer) -> ChatTemplate
     created: int = 0
     show_prompts: bool = False                     # the engine view shows prompt and output text (serve --show-prompts)
+    default_max_tokens: int | None = None          # a request that gives no max_tokens (None: until the context ends)
     extra: dict = field(default_factory=dict)
 
 
-def error_response(err: APIError) -> Response:
-    return Response(err.json_bytes(), status_code=err.status, media_type="application/json", headers=err.headers)
+class Server:
+    """What every face's handlers share: the runtime, the config and the prompt preparation."""
+
+    def __init__(self, runtime: Runtime, config: AppConfig):
+        self.runtime, self.config = runtime, config
+        self.prep = Prep(runtime, config)
+
+    def close(self) -> None:
+        """Free what the faces hold on the model (before the engine closes it), then the prep threads."""
+        emb = getattr(self, "embeddings", None)
+        if emb is not None:
+            emb.close()
+        self.prep.close()
+
+    def card(self, model_id: str | None = None) -> dict:
+        return {"id": model_id or self.config.model_id, "object": "model", "created": self.config.created,
+                "owned_by": "localinfer", "max_model_len": self.runtime.context_tokens}
+
+    def check_model(self, name: str) -> None:
+        """Any name with one model loaded; with strict names only the model's and its aliases (else 404).
+        No name (``""``) is the loaded model."""
+        if self.config.strict_model_names and name and name not in (self.config.model_id, *self.config.aliases):
+            raise APIError(404, f"model {_short(name)} does not exist; this server serves "
+                                f"{self.config.model_id!r}", param="model", code="model_not_found")
+
+    async def body(self, request: Request):
+        return await read_json(request, self.config.max_body_bytes, self.config.body_timeout_s)
+
+    async def tokens(self, spec: GenerationSpec) -> list:
+        """The request made ready per prompt (:class:`.prepare.Prepared`, worker threads), logit_bias ids
+        checked against the vocabulary."""
+        self.runtime.check_serving()
+        n = spec.n * max(1, len(spec.prompts))
+        if spec.chat:
+            out = [await self.prep.run(self.prep.chat, spec, n=n)]
+        else:
+            out = [await self.prep.run(self.prep.text, spec, p, n=n) for p in spec.prompts]
+        n_vocab = self.runtime.tokenizer.n_vocab
+        wrong = [t for t, _ in spec.logit_bias if t >= n_vocab]
+        if wrong:
+            raise bad("logit_bias", f"logit_bias token ids must lie in 0..{n_vocab - 1}, got {wrong[0]}")
+        return out
+
+    def generation(self, request: Request, spec: GenerationSpec, readies: list,
+                   echo: list[str] | None = None) -> Generation:
+        prompts = [r.prompt for r in readies]
+        if spec.max_tokens is None and self.config.default_max_tokens:
+            ctx = self.runtime.context_tokens          # the default fills what the longest prompt leaves, at most
+            free = ctx - max(map(len, prompts))
+            spec = replace(spec, max_tokens=max(1, min(self.config.default_max_tokens, free))) if free > 0 else spec
+        max_tokens = min(_check_length(spec, len(p), self.runtime.context_tokens) for p in prompts)
+        return Generation(self.runtime, spec, readies, max_tokens, self.config.model_id, request.receive,
+                          self.runtime.tokenizer.eos_ids, echo)
 
 
 def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
-    prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localinfer-prep")   # templates, tokenizer
+    srv = Server(runtime, config)
 
     async def health(request: Request) -> Response:
         state = runtime.state
@@ -68,35 +121,31 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
         return JSONResponse({"status": {"ready": "ok"}.get(state, state)}, status_code=status)
 
     async def models(request: Request) -> Response:
-        card = {"id": config.model_id, "object": "model", "created": config.created, "owned_by": "localinfer"}
-        card["max_model_len"] = runtime.context_tokens
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [srv.card()]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        srv.check_model(name)
+        return JSONResponse(srv.card(name))
 
     async def metrics(request: Request) -> Response:
-        return Response(runtime.metrics.exposition(), media_type=CONTENT_TYPE)
+        # the engine thread publishes after each step; requests handed to it since (or still being tokenised)
+        # count as waiting now, so a long prefill step does not show 0 running and 0 waiting
+        m = runtime.metrics
+        behind = runtime.outstanding + srv.prep.preparing - m.gauge("requests_running")
+        if behind > m.gauge("requests_waiting"):
+            m.publish({**m.snapshot.values, "requests_waiting": behind})
+        return Response(m.exposition(), media_type=CONTENT_TYPE)
 
     async def generate(request: Request, chat: bool) -> Response:
-        spec = parse(await read_json(request, config.max_body_bytes), chat=chat,
-                     deadline_header=request.headers.get(DEADLINE_HEADER))
-        if spec.model not in (config.model_id, *config.aliases):
-            raise APIError(404, f"model {spec.model!r} does not exist; this server serves {config.model_id!r}",
-                           param="model", code="model_not_found")
-        runtime.check_serving()
-        loop = asyncio.get_running_loop()
-        ready = await loop.run_in_executor(prep, prepare, runtime, config, spec)
-        max_tokens = _check_length(spec, len(ready.prompt), runtime.context_tokens)
-        gen = Generation(runtime, spec, ready, max_tokens, config.model_id, request.receive,
-                         runtime.tokenizer.eos_ids)
-        handed_off = False
-        try:
-            await gen.first()
-            if not spec.stream:
-                return JSONResponse(await gen.response())
-            handed_off = True
-            return EventStream(gen.frames(), lambda completed: gen.close())
-        finally:
-            if not handed_off:
-                gen.close()
+        spec = parse(await srv.body(request), chat=chat, deadline_header=request.headers.get(DEADLINE_HEADER))
+        srv.check_model(spec.model)
+        prompts = await srv.tokens(spec)
+        echo = None
+        if spec.echo:
+            echo = [p if isinstance(p, str) else runtime.tokenizer.detokenize(list(p)) for p in spec.prompts]
+        gen = srv.generation(request, spec, prompts, echo)
+        return await answer(gen, spec.stream)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, True)
@@ -104,18 +153,39 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
     async def completions(request: Request) -> Response:
         return await generate(request, False)
 
-    routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"]),
-              Route("/v1/chat/completions", _errors(chat_completions, runtime), methods=["POST"]),
-              Route("/v1/completions", _errors(completions, runtime), methods=["POST"])]
+    routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
+    for prefix in ("/v1", ""):
+        routes += [Route(f"{prefix}/models", handled(models, runtime), methods=["GET"]),
+                   Route(prefix + "/models/{model:path}", handled(model, runtime), methods=["GET"]),
+                   Route(f"{prefix}/chat/completions", handled(chat_completions, runtime), methods=["POST"]),
+                   Route(f"{prefix}/completions", handled(completions, runtime), methods=["POST"])]
+    from localinfer.serve.http import faces
+
+    routes += faces.routes(srv)
     routes += pages.page_routes(runtime, config.show_prompts)      # /, /engine, /static/*, /v1/engine/state
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception, Exception: _internal})
     app.add_middleware(Guard, config=config, runtime=runtime)
-    app.state.prep = prep
+    app.state.prep = srv.prep
+    app.state.server = srv
     return app
 
 
-def _errors(handler, runtime: Runtime):
+async def answer(gen: Generation, stream: bool) -> Response:
+    """The OpenAI answer of a built generation: JSON, or SSE frames; the generation closed however it ends."""
+    handed_off = False
+    try:
+        await gen.first()
+        if not stream:
+            return JSONResponse(await gen.response())
+        handed_off = True
+        return EventStream(gen.frames(), lambda completed: gen.close())
+    finally:
+        if not handed_off:
+            gen.close()
+
+
+def handled(handler, runtime: Runtime):
+    """The handler with its APIErrors answered in OpenAI's shape (and counted)."""
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
@@ -126,7 +196,8 @@ def _errors(handler, runtime: Runtime):
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
-    msg = {404: f"no route {request.url.path}", 405: f"method {request.method} is not allowed on {request.url.path}"}
+    path = _short(request.url.path)
+    msg = {404: f"no route {path}", 405: f"method {request.method} is not allowed on {path}"}
     return error_response(APIError(exc.status_code, msg.get(exc.status_code, str(exc.detail)), code="not_found"
                                    if exc.status_code == 404 else None))
 
@@ -134,25 +205,6 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
 async def _internal(request: Request, exc: Exception) -> Response:
     log.exception("internal error on %s", request.url.path)
     return error_response(APIError(500, f"internal error ({type(exc).__name__})", code="internal_error"))
-
-
-# ---- the body --------------------------------------------------------------------
-async def read_json(request: Request, cap: int):
-    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if ctype not in ("application/json", ""):
-        raise APIError(415, f"Content-Type must be application/json, got {ctype[:60]!r}", code="unsupported_media")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > cap:
-            raise APIError(413, f"the request body is over the {cap}-byte limit (--max-body)", code="body_too_large")
-    try:
-        return json.loads(body)
-    except UnicodeDecodeError:
-        raise bad(None, "the request body is not UTF-8", code="invalid_json") from None
-    except json.JSONDecodeError as exc:
-        raise bad(None, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
-                  code="invalid_json") from None
 
 
 def _check_length(spec: GenerationSpec, n_prompt: int, context: int) -> int:
@@ -167,60 +219,3 @@ def _check_length(spec: GenerationSpec, n_prompt: int, context: int) -> int:
                         f"{n_prompt + spec.max_tokens} tokens is over the {context}-token context",
                   code="context_length_exceeded")
     return spec.max_tokens
-
-
-# ---- the guard -------------------------------------------------------------------
-class Guard:
-    """Host check, bearer token and declared body size, before any route runs."""
-
-    def __init__(self, app, config: AppConfig, runtime: Runtime):
-        self.app, self.config, self.runtime = app, config, runtime
-        self.key = None if config.api_key is None else config.api_key.encode()
-        self.hosts = {h.lower() for h in config.allowed_hosts}
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        err = self._check(scope.get("path", ""), headers)
-        if err is not None:
-            self.runtime.metrics.rejected.labels(str(err.status)).inc()
-            return await error_response(err)(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-    def _check(self, path: str, headers: dict[str, str]) -> APIError | None:
-        host = _hostname(headers.get("host", ""))
-        if not self._host_allowed(host):
-            return APIError(403, f"Host {host[:80]!r} is not served here (--allow-host adds one)",
-                            param="host", code="host_not_allowed")
-        if self.key is not None and path != "/health" and not pages.public(path):   # pages ask for the key
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-                return APIError(401, "missing or wrong API key: send Authorization: Bearer KEY" if auth
-                                else "this server needs an API key: send Authorization: Bearer KEY",
-                                code="invalid_api_key")
-        length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return APIError(400, "Content-Length is not a number", param="content-length")
-            if int(length) > self.config.max_body_bytes:
-                return APIError(413, f"the request body is {int(length)} bytes; the limit is "
-                                     f"{self.config.max_body_bytes} (--max-body)", code="body_too_large")
-        return None
-
-    def _host_allowed(self, host: str) -> bool:
-        if "*" in self.hosts or host in self.hosts or host.endswith(".localhost"):
-            return True
-        try:
-            ipaddress.ip_address(host[1:-1] if host.startswith("[") else host)
-        except ValueError:
-            return False
-        return True
-
-
-def _hostname(host: str) -> str:
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[:host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host

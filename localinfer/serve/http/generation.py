@@ -27,27 +27,35 @@ from localinfer.serve.request import FinishReason
 
 
 class Generation:
-    def __init__(self, runtime: Runtime, spec: GenerationSpec, ready: Prepared, max_tokens: int,
-                 model: str, receive, eos_ids: frozenset[int]):
-        self.runtime, self.spec, self.prompt, self.model = runtime, spec, ready.prompt, model
-        self.ready = ready
-        constraints = ready.constraints(spec.n)
+    """``ready``: the request made ready (:class:`.prepare.Prepared`), or a list of them (completions with several
+    prompts: choice ``p * n + j`` is prompt p's j-th); ``echo``: each prompt's text, put before its choices'."""
+
+    def __init__(self, runtime: Runtime, spec: GenerationSpec, ready: Prepared | list[Prepared], max_tokens: int,
+                 model: str, receive, eos_ids: frozenset[int], echo: list[str] | None = None):
+        readies = list(ready) if isinstance(ready, (list, tuple)) else [ready]
+        self.prompts = [r.prompt for r in readies]
+        self.runtime, self.spec, self.prompt, self.model = runtime, spec, readies[0].prompt, model
+        self.ready = readies[0]
+        self.echo = echo
+        constraints = [c for r in readies for c in r.constraints(spec.n)]
         self.id = ("chatcmpl-" if spec.chat else "cmpl-") + uuid.uuid4().hex[:24]
         deadline = None if spec.deadline_ms is None else spec.deadline_ms / 1e3
 
         def make(rid, tokens, arrival, i):
             return ServeRequest(rid, tokens, max_tokens, arrival_s=arrival,
                                 deadline_s=None if deadline is None else arrival + deadline,
-                                sampling=sampling_for(spec.sampling, i),
+                                sampling=sampling_for(spec.sampling, i % spec.n),
                                 stop_tokens=frozenset() if spec.ignore_eos else eos_ids,
                                 banned=eos_ids if spec.ignore_eos else frozenset(),
                                 presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
-                                top_logprobs=spec.logprobs, constraint=constraints[i])
+                                top_logprobs=spec.logprobs, logit_bias=spec.logit_bias,
+                                constraint=constraints[i])
 
-        self.handles, self.queue = runtime.submit([self.prompt] * spec.n, make, asyncio.get_running_loop())
+        every = [p for p in self.prompts for _ in range(spec.n)]
+        self.handles, self.queue = runtime.submit(every, make, asyncio.get_running_loop())
         self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in self.handles]
-        self.tools = [ToolStream(ready.tools) for _ in self.handles] if ready.tools is not None else None
-        self.reasons: list[str | None] = [None] * spec.n
+        self.tools = [ToolStream(self.ready.tools) for _ in self.handles] if self.ready.tools is not None else None
+        self.reasons: list[str | None] = [None] * len(self.handles)
         self.client_gone = False
         self._first: Event | None = None
         self._watcher = sse.watch_disconnect(receive, self._disconnected)
@@ -137,7 +145,10 @@ class Generation:
 
     def usage(self) -> dict:
         cached = max((h.request.cached for h in self.handles), default=0)
-        return R.usage(len(self.prompt), sum(t.tokens for t in self.texts), cached)
+        return R.usage(sum(map(len, self.prompts)), sum(t.tokens for t in self.texts), cached)
+
+    def _echo(self, index: int) -> str:
+        return "" if self.echo is None else self.echo[index // self.spec.n]
 
     # ---- answers -----------------------------------------------------------------
     async def response(self) -> dict:
@@ -166,7 +177,7 @@ class Generation:
             raise cut                             # a reply cut short is an error, not a 200 with half a text
         kind = "chat.completion" if self.spec.chat else "text_completion"
         out = R.envelope(kind, self.id, self.model)
-        out["choices"] = [R.choice(self.spec.chat, i, "".join(parts[i]), self.reasons[i],
+        out["choices"] = [R.choice(self.spec.chat, i, self._echo(i) + "".join(parts[i]), self.reasons[i],
                                    None if self.spec.logprobs is None else
                                    R.logprobs_for(self.spec.chat, self.texts[i], lps[i]))
                           if self.tools is None else R.tool_choice(i, *self.tools[i].result(), self.reasons[i])
@@ -183,9 +194,9 @@ class Generation:
         def frame(choices, **more):
             return sse.event({**base, "choices": choices, **extra, **more})
 
-        if chat:
-            for i in range(len(self.handles)):
-                yield frame([R.chunk_choice(True, i, "", None, None, first=True)])
+        for i in range(len(self.handles)):
+            if chat or self.echo is not None:
+                yield frame([R.chunk_choice(chat, i, "" if chat else self._echo(i), None, None, first=True)])
         while not self.done:
             ev = await self._next()
             if ev is None:
@@ -219,6 +230,30 @@ class Generation:
         if self.spec.include_usage:
             yield sse.event({**base, "choices": [], "usage": self.usage()})
         yield sse.DONE
+
+    async def pieces(self) -> AsyncIterator[tuple[int, str, str | None]]:
+        """The answer as (choice, new text, finish reason or None) for the other faces (Ollama, Responses);
+        APIError when a choice is cut (engine error, deadline, shutdown) or the client left."""
+        while not self.done:
+            ev = await self._next()
+            if ev is None:
+                continue
+            if ev.reason is not None:
+                cut = self._cut(ev)
+                tail = self._finish(ev)
+                if cut is not None:
+                    self._cancel_rest()
+                    raise cut
+                yield ev.index, tail, self.reasons[ev.index]
+                continue
+            got = self._apply(ev)
+            if got is not None and got[0]:
+                yield ev.index, got[0], None
+        if self.client_gone:
+            raise APIError(499, "the client closed the request", code="client_closed")
+
+    def completion_tokens(self) -> int:
+        return sum(t.tokens for t in self.texts)
 
     def _cancel_rest(self) -> None:
         for h in self.handles:

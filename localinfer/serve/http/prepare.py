@@ -36,7 +36,9 @@ class Prepared:
         return [None if c is None else (c if i == 0 else c.clone()) for i in range(n)]
 
 
-def prepare(runtime, config, spec: GenerationSpec) -> Prepared:
+def prepare(runtime, config, spec: GenerationSpec, vocab=None) -> Prepared:
+    """``vocab``: what the chat template tokenises with (the server's, whose byte check measures the
+    per-request context: :class:`.intake.ServerVocab`); default the runtime's tokenizer."""
     tok = runtime.tokenizer
     st = spec.structure
     if not spec.chat:
@@ -66,7 +68,7 @@ def prepare(runtime, config, spec: GenerationSpec) -> Prepared:
     elif st is not None:
         grammar, field = st.grammar, st.field
     try:
-        prompt = tuple(template.tokens(tok, messages, **extra))
+        prompt = tuple(template.tokens(vocab or tok, messages, **extra))
     except TemplateError as exc:
         raise bad("messages", f"the chat template refused these messages: {exc}", code="template_error") from None
     return Prepared(prompt, _constraint(tok, grammar, field), fmt, trigger)

@@ -1,5 +1,5 @@
-"""A serving request with OpenAI's extra sampling knobs: banned EOS, presence/frequency penalties, logprobs, and a
-grammar (structured output, tool calls: :mod:`localinfer.generation.constraints`).
+"""A serving request with OpenAI's extra sampling knobs: banned EOS, logit bias, presence/frequency penalties,
+logprobs, and a grammar (structured output, tool calls: :mod:`localinfer.generation.constraints`).
 
 Penalties follow OpenAI's definition over the tokens generated so far
 (``c[t]`` = times t was generated)::
@@ -39,6 +39,7 @@ class ServeRequest(Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int | None = None        # None: no logprobs recorded
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, bias) added to the raw logits (OpenAI's logit_bias)
     constraint: Constraint | None = None    # the reply's grammar
     logprobs: list[TokenLogprob] = field(default_factory=list, init=False)
 
@@ -73,6 +74,10 @@ class ServeSampler(Sampler):
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         r = self.request
         raw = logits
+        if r.logit_bias:
+            logits = np.array(logits, dtype=np.float32)
+            for t, b in r.logit_bias:
+                logits[t] += b
         if r.presence_penalty or r.frequency_penalty:
             logits = self._penalized(np.asarray(logits, dtype=np.float32))
         token = super().sample(logits, history)

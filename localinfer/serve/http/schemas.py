@@ -9,8 +9,12 @@ at most 4 stop strings); sampling fields left out keep
 Structured output and tools (``response_format``, ``regex``, ``choice``,
 ``grammar``, ``tools``, ``tool_choice``) are checked in :mod:`.structured`.
 Fields that would change the meaning of a reply and are not implemented
-(functions, logit_bias, echo, suffix, best_of) are refused rather than ignored;
-other unknown fields are ignored, as vLLM does.
+(functions, suffix, best_of, and llama-server's own sampling and output fields
+such as ``n_probs``, ``json_schema`` or ``mirostat``, unless given their
+neutral value) are refused rather than ignored; other unknown fields are
+ignored, as vLLM does.  ``/v1/completions`` takes a list of prompts (one choice
+per prompt and ``n``), ``echo`` and ``logit_bias``; llama-server's ``n_predict``
+stands for ``max_tokens``; ``model`` may be left out (the loaded model).
 """
 
 from __future__ import annotations
@@ -28,8 +32,23 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_DEADLINE_MS = 24 * 3600 * 1000
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-UNSUPPORTED = ("functions", "function_call", "logit_bias", "echo", "suffix", "best_of", "audio", "modalities",
-               "prediction")
+UNSUPPORTED = ("functions", "function_call", "suffix", "best_of", "audio", "modalities", "prediction")
+# llama-server's request fields that change the reply and that this server does not implement: refused unless
+# given their neutral value (the value that leaves the reply as without the field); the fields that only tune
+# these (mirostat_tau, dry_base, xtc_threshold...) do nothing alone and are ignored.  (grammar is structured.py's,
+# in llguidance's Lark dialect.)
+LLAMA_SERVER_ONLY = {"json_schema": ({},), "n_probs": (0,), "post_sampling_probs": (False,),
+                     "mirostat": (0,), "typical_p": (1, 1.0),
+                     "tfs_z": (1, 1.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
+                     "dry_multiplier": (0, 0.0), "dynatemp_range": (0, 0.0),
+                     "penalty_last_n": (64,), "repeat_last_n": (64,), "penalize_nl": (False,),
+                     "n_keep": (0,), "n_discard": (), "samplers": (), "lora": ([],), "id_slot": (-1,),
+                     "n_indent": (0,), "t_max_predict_ms": (0,), "image_data": ([],), "return_tokens": (False,),
+                     "min_keep": (0,), "cache_prompt": (True,), "n_cmpl": (1,), "chat_template_kwargs": ({},),
+                     "reasoning_format": (), "grammar_lazy": (False,), "grammar_triggers": ([],),
+                     "preserved_tokens": ([],)}
+MAX_PROMPTS = 64
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -39,7 +58,10 @@ class GenerationSpec:
     chat: bool
     model: str
     messages: tuple[dict, ...] = ()                 # chat: [{"role", "content": str}]
-    prompt: str | tuple[int, ...] = ""              # completions: text or token ids
+    prompt: str | tuple[int, ...] = ""              # completions: text or token ids (the first of prompts)
+    prompts: tuple = ()                             # completions: every prompt (one or more)
+    echo: bool = False                              # completions: the prompt's text before each choice's
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in -100..100)
     max_tokens: int | None = None                   # None: until the context is full
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
@@ -63,16 +85,29 @@ def parse(body, *, chat: bool, deadline_header: str | None = None) -> Generation
         if v is None or v is False or v == {} or v == [] or v == 1 and name == "best_of" or v == "none":
             continue
         raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
+    for name, neutral in LLAMA_SERVER_ONLY.items():
+        if name in body and body[name] is not None and not any(body[name] == v for v in neutral):
+            raise bad(name, f"{name} is a llama-server field this server does not implement; leave it out",
+                      code="unsupported_parameter")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", f"model must be a non-empty string, got {_kind(model)}")
+    model = "" if model is None else model      # optional (or null), as llama-server and vLLM have it
+    if not isinstance(model, str):
+        raise bad("model", f"model must be a string, got {_kind(model)}")
     kw: dict = {"chat": chat, "model": model}
     if chat:
         kw["messages"] = _messages(body.get("messages"))
     else:
-        kw["prompt"] = _prompt(body.get("prompt"))
+        kw["prompts"] = _prompts(body.get("prompt"))
+        kw["prompt"] = kw["prompts"][0]
+    if _bool(body, "echo"):
+        if chat:
+            raise bad("echo", "echo is a /v1/completions field; leave it out of chat requests")
+        kw["echo"] = True
+    kw["logit_bias"] = _logit_bias(body.get("logit_bias"))
     mt = _int(body, "max_completion_tokens", 1, 1 << 24) if chat else None
     kw["max_tokens"] = mt if mt is not None else _int(body, "max_tokens", 1, 1 << 24)
+    if kw["max_tokens"] is None and body.get("n_predict") not in (None, -1):
+        kw["max_tokens"] = _int(body, "n_predict", 1, 1 << 24)
     kw["sampling"] = _sampling(body)
     kw["stop"] = _stop(body.get("stop"))
     kw["presence_penalty"] = _float(body, "presence_penalty", -2.0, 2.0) or 0.0
@@ -133,18 +168,49 @@ def _content(v, where: str, role: str) -> str:
     return "".join(parts)
 
 
-def _prompt(v) -> str | tuple[int, ...]:
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]                                    # a batch of one
+def _prompts(v) -> tuple:
+    """One prompt (text or token ids) or a list of them: each a non-empty string or array of token ids."""
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        if len(v) > MAX_PROMPTS:
+            raise bad("prompt", f"prompt holds {len(v)} prompts; the limit is {MAX_PROMPTS}")
+        return tuple(_prompt(p, f"prompt[{i}]") for i, p in enumerate(v))
+    return (_prompt(v, "prompt"),)
+
+
+def _prompt(v, where: str) -> str | tuple[int, ...]:
     if isinstance(v, str):
         if not v:
-            raise bad("prompt", "prompt is empty")
+            raise bad("prompt", f"{where} is empty")
         return v
     if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         return tuple(v)
-    if isinstance(v, list) and len(v) > 1 and all(isinstance(t, (str, list)) for t in v):
-        raise bad("prompt", f"prompt holds {len(v)} prompts; send one prompt per request")
-    raise bad("prompt", f"prompt must be a non-empty string or an array of token ids, got {_kind(v)}")
+    raise bad("prompt", f"{where} must be a non-empty string or an array of token ids, got {_kind(v)}")
+
+
+def _logit_bias(v) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (or llama-server's [[id, bias], ...]), each bias in -100..100."""
+    if v is None or v == {} or v == []:
+        return ()
+    items = v.items() if isinstance(v, dict) else v if isinstance(v, list) else None
+    if items is None:
+        raise bad("logit_bias", f"logit_bias must be an object of token id -> bias, got {_kind(v)}")
+    out = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise bad("logit_bias", f"logit_bias entries must be [token id, bias], got {_kind(item)}")
+        k, b = item
+        try:
+            t = int(k) if isinstance(k, (str, int)) and not isinstance(k, bool) else None
+        except ValueError:
+            t = None
+        if t is None or t < 0:
+            raise bad("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {_short(k)}")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"logit_bias[{t}] must be a number in -100..100, got {_kind(b)}")
+        out.append((t, float(b)))
+    if len(out) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"logit_bias has {len(out)} entries; the limit is {MAX_LOGIT_BIAS}")
+    return tuple(out)
 
 
 def _sampling(body) -> SamplingParams:

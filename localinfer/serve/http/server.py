@@ -5,9 +5,10 @@ new requests on open connections answer 503, lets in-flight requests finish
 for up to ``grace_s``, then cancels what is left (their KV freed; a stream
 gets an error event, code ``shutting_down``, and ``[DONE]``; a reply not
 streamed a 503), stops
-the engine thread and returns normally (the CLI exits 0).  A second SIGINT stops
-at once (uvicorn's force exit).  uvicorn re-raises a captured signal after
-shutdown; this server does not, so the exit status is 0.
+the engine thread and returns normally (the CLI exits 0).  A second signal ends the
+grace period at once (what runs is cancelled, every reply still ends in JSON or a
+stream's error event); a third is uvicorn's force exit.  uvicorn re-raises a
+captured signal after shutdown; this server does not, so the exit status is 0.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 import uvicorn
 from starlette.applications import Starlette
 
 from localinfer.serve.http.app import AppConfig, build_app
+from localinfer.serve.http.limits import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, protocol_class
 from localinfer.serve.http.runtime import Runtime
 
 SIGNALS = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
@@ -35,11 +38,31 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.runtime, self.grace_s = runtime, grace_s
         self.stopped_by: int | None = None
+        self.signals = 0
+        self.prep = None                              # the app's Prep: prompts being tokenised
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.runtime.shutdown_after(self.grace_s)     # the engine cancels what is left; streams end cleanly
+        self.signals += 1
+        if self.signals == 2:                         # stop now, still cleanly: every reply ends in JSON
+            self._stop_engine(0.0)
+            return
+        if self.signals == 1:
+            self.runtime.drain()                      # new requests: 503 from now on
+            self._stop_engine(self.grace_s)           # the engine cancels what is left; streams end cleanly
         self.stopped_by = self.stopped_by or sig
-        super().handle_exit(sig, frame)
+        super().handle_exit(sig, frame)               # a third: uvicorn's force exit
+
+    def _stop_engine(self, grace_s: float) -> None:
+        """``runtime.shutdown_after`` once no prompt is being tokenised (within the grace period): an idle engine
+        told to stop closes the model, and no tokeniser thread may be inside llama.cpp then."""
+        at = time.monotonic() + grace_s
+
+        def attempt():
+            if self.prep is not None and self.prep.preparing and time.monotonic() < at:
+                threading.Timer(0.02, attempt).start()
+                return
+            self.runtime.shutdown_after(max(0.0, at - time.monotonic()))
+        attempt()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -71,9 +94,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.0,
-                log_level: str = "warning") -> tuple[_Server, Starlette]:
+def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.0, log_level: str = "warning",
+                header_timeout_s: float = HEADER_TIMEOUT_S, keep_alive_s: float = KEEP_ALIVE_S,
+                max_connections: int = MAX_CONNECTIONS) -> tuple[_Server, Starlette]:
+    """The server and its app; the connection limits are :mod:`.limits`'."""
     app = build_app(runtime, app_config)
+    protocol = protocol_class(header_timeout_s, max_connections,
+                              on_refused=lambda status: runtime.metrics.rejected.labels(str(status)).inc())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -81,24 +108,26 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
         try:
             yield
         finally:
+            app.state.server.close()          # the embeddings context goes before the model it uses
             stopper = threading.Thread(target=runtime.stop, args=(0.0,), name="localinfer-stop", daemon=True)
             stopper.start()
             while stopper.is_alive():                       # not run_in_executor: works during interpreter exit
                 await asyncio.sleep(0.02)
-            app.state.prep.shutdown(wait=False)
 
     app.router.lifespan_context = lifespan
     # uvicorn waits a little longer than the engine, so cancelled streams still send their last chunk
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0, access_log=False,
-                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=5,
-                            limit_concurrency=1024)            # connections; past it uvicorn answers 503
-    return _Server(config, runtime, grace_s), app
+                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=keep_alive_s,
+                            http=protocol, limit_concurrency=protocol.limit_connections + 1)   # the protocol caps
+    server = _Server(config, runtime, grace_s)
+    server.prep = app.state.prep
+    return server, app
 
 
 def serve(runtime: Runtime, app_config: AppConfig, sock: socket.socket, *, grace_s: float = 10.0,
-          log_level: str = "warning", announce=None) -> int | None:
+          log_level: str = "warning", announce=None, **limits) -> int | None:
     """Serve on ``sock`` until a signal (or ``server.should_exit``); the signal number that stopped it."""
-    server, _ = make_server(runtime, app_config, grace_s=grace_s, log_level=log_level)
+    server, _ = make_server(runtime, app_config, grace_s=grace_s, log_level=log_level, **limits)
     if announce is not None:
         announce(server)
     logging.getLogger("localinfer.serve").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)

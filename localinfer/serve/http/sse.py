@@ -35,15 +35,17 @@ def watch_disconnect(receive, on_disconnect: Callable[[], None]) -> asyncio.Task
 
 
 class EventStream:
-    """An ASGI response that sends ``body`` (SSE frames) and calls ``on_close(completed)`` however it ends."""
+    """An ASGI response that sends ``body`` (SSE frames, or NDJSON lines with ``media_type``) and calls
+    ``on_close(completed)`` however it ends."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[bool], None]):
-        self.body, self.on_close = body, on_close
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[bool], None],
+                 media_type: str = "text/event-stream"):
+        self.body, self.on_close, self.media_type = body, on_close, media_type
 
     async def __call__(self, scope, receive, send) -> None:
         completed = False
         try:
-            headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+            headers = [(b"content-type", self.media_type.encode() + b"; charset=utf-8")]
             headers += [(k.encode(), v.encode()) for k, v in HEADERS.items()]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for frame in self.body:

@@ -1,0 +1,121 @@
+"""Connection limits below the ASGI app: uvicorn's h11 protocol with a header timeout and a connection cap.
+
+uvicorn times a connection only between requests (``timeout_keep_alive``,
+armed after a response); a client that opens a connection and sends nothing,
+or trickles its request headers a byte at a time, holds a socket forever, and
+enough of them exhaust the descriptors.  :func:`protocol_class` makes an
+``H11Protocol`` that
+
+* gives each request ``header_timeout_s`` to deliver its whole request line and
+  headers, counted from the connection's opening or from the first byte after
+  the previous response (nginx's ``client_header_timeout``): then a 408 and the
+  connection closes;
+* refuses connections past ``max_connections`` at once (a 503, closed), and
+  the cap never reaches the process's descriptor limit (:func:`connection_cap`);
+* answers the HTTP parser's errors in OpenAI's JSON shape, not plain text.
+
+A client's end of input (FIN) still ends its request, as uvicorn has it: a half-close cannot be told from a
+hang-up, and a hung-up request must free its slot and KV at once (Go's net/http and nginx do the same).
+
+The body's own time limit is applied where the app reads it (:mod:`.intake`).
+"""
+
+from __future__ import annotations
+
+import resource
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from localinfer.serve.http.errors import APIError
+
+HEADER_TIMEOUT_S = 10.0       # request line + headers, from the first byte (or the connection's opening)
+BODY_TIMEOUT_S = 60.0         # the whole body, once the headers are in
+KEEP_ALIVE_S = 5              # an idle connection between requests (uvicorn's timeout_keep_alive)
+MAX_CONNECTIONS = 512
+FD_RESERVE = 64               # descriptors kept for the model files, logs and the engine
+
+
+def connection_cap(wanted: int) -> int:
+    """``wanted``, lowered so that the open connections stay below the descriptor limit (RLIMIT_NOFILE)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - FD_RESERVE))
+
+
+def raw_error(err: APIError) -> bytes:
+    """A whole HTTP/1.1 response for ``err`` that closes the connection (written below h11)."""
+    body = err.json_bytes()
+    phrase = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+              503: "Service Unavailable"}.get(err.status, "Error")
+    head = (f"HTTP/1.1 {err.status} {phrase}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                   on_refused=None) -> type[H11Protocol]:
+    """An H11Protocol subclass with these limits; ``on_refused(status)`` counts what it refuses."""
+    cap = connection_cap(max_connections)
+
+    class GuardedH11(H11Protocol):
+        limit_header_s = header_timeout_s
+        limit_connections = cap
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > self.limit_connections:
+                self._refuse(APIError(503, f"the server holds {self.limit_connections} connections, its limit "
+                                           "(--max-connections); retry later", code="too_many_connections",
+                                      headers={"Retry-After": "1"}))
+                return
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()                       # the first byte of a next request: its headers are timed
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            before = self.cycle
+            super().handle_events()
+            if self.cycle is not before:          # a request's headers are complete
+                self._disarm()
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse(APIError(400, f"the request is not valid HTTP/1.1: {msg}", code="invalid_http"))
+
+        # ---- the header timer ------------------------------------------------------
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(self.limit_header_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+                return
+            buffered = bool(self.conn.trailing_data[0])
+            if buffered:                          # part of a request came: say why it ends
+                self._refuse(APIError(408, f"the request headers did not arrive within {self.limit_header_s:g} s "
+                                           "(--header-timeout)", code="request_timeout"))
+            else:
+                self.transport.close()
+
+        def _refuse(self, err: APIError) -> None:
+            if on_refused is not None:
+                on_refused(err.status)
+            if not self.transport.is_closing():
+                self.transport.write(raw_error(err))
+                self.transport.close()
+
+    return GuardedH11
