@@ -30,7 +30,7 @@ import numpy as np
 from localinfer.backends.engine import Engine
 
 
-class Sampler(Protocol):
+class TokenSampler(Protocol):
     """What decoders need from sampling (implemented in localinfer.generation.sampling)."""
 
     greedy: bool
@@ -118,7 +118,7 @@ class Decoder(Protocol):
     def start(self, prompt: Sequence[int]) -> None:
         """Called once per generation with the whole prompt (lets drafters index it)."""
 
-    def step(self, engine: Engine, context: list[int], pending: int, sampler: Sampler, seq: int = 0) -> list[int]:
+    def step(self, engine: Engine, context: list[int], pending: int, sampler: TokenSampler, seq: int = 0) -> list[int]:
         """Evaluate pending (+ drafts) and return the emitted tokens (>= 1)."""
 
 
@@ -131,7 +131,7 @@ class PlainDecoder:
     def start(self, prompt: Sequence[int]) -> None:
         self.stats = DecodeStats()
 
-    def step(self, engine: Engine, context: list[int], pending: int, sampler: Sampler, seq: int = 0) -> list[int]:
+    def step(self, engine: Engine, context: list[int], pending: int, sampler: TokenSampler, seq: int = 0) -> list[int]:
         t0 = time.perf_counter()
         logits = engine.eval([pending], seq=seq)[0]
         t1 = time.perf_counter()

@@ -38,7 +38,7 @@ from statistics import median
 
 from localinfer.backends.engine import Engine
 from localinfer.errors import UsageError
-from localinfer.generation.decoding import DecodeStats, History, Sampler
+from localinfer.generation.decoding import DecodeStats, History, TokenSampler
 from localinfer.plan.speculation import MAX_DRAFT, choose_draft_length
 
 
@@ -343,7 +343,7 @@ class LookupDecoder:
         self._following = -1  # where the copy in progress continues, or -1
         self._agreement = 0
 
-    def step(self, engine: Engine, context: list[int], pending: int, sampler: Sampler, seq: int = 0) -> list[int]:
+    def step(self, engine: Engine, context: list[int], pending: int, sampler: TokenSampler, seq: int = 0) -> list[int]:
         """One round: draft, verify pending + drafts in one eval, trim rejected drafts, learn."""
         t0 = time.perf_counter()
         if self._engine_id != id(engine):
@@ -374,7 +374,7 @@ class LookupDecoder:
         st.plain_seconds_per_token = self.cost.measured(1)
         return emitted
 
-    def _verify(self, rows, draft: list[int], sampler: Sampler) -> list[int]:
+    def _verify(self, rows, draft: list[int], sampler: TokenSampler) -> list[int]:
         """Draw each position as plain decoding would; stop at the first draw that is not the draft."""
         base, n = self.index.tokens, len(self.index.tokens)
         out: list[int] = []

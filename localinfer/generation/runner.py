@@ -5,7 +5,7 @@ consume: it reuses the cached prefix of the previous request, prefills the
 rest with logits for the last position only, samples the first token from
 them, then calls a :class:`~localinfer.generation.decoding.Decoder` (plain or
 prompt-lookup) step after step with that token pending, yielding one
-:class:`Chunk` per emitted token and a last one carrying the finish reason
+:class:`TextChunk` per emitted token and a last one carrying the finish reason
 and the timings.  (Prefilling the whole prompt, rather than ``prompt[:-1]``
 and a first decode step, saves one forward pass of TTFT.)
 
@@ -71,7 +71,7 @@ class Timings:
 
 
 @dataclass
-class Chunk:
+class TextChunk:
     """One step of a stream: new text (may be empty while bytes or a stop string are pending)."""
 
     text: str
@@ -128,7 +128,7 @@ class Runner:
     def stream(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (), decoder: Decoder | None = None,
                sampler: Sampler | None = None, seq: int = 0, ignore_eos: bool = False,
-               constraint=None) -> Iterator[Chunk]:
+               constraint=None) -> Iterator[TextChunk]:
         """Generate a reply to prompt token ids, one chunk per token.
 
         ``ignore_eos`` bans end-of-generation tokens (benchmarks that need exactly max_tokens).  ``constraint``
@@ -174,7 +174,7 @@ class Runner:
         del context[n:]
         self._cached[seq] = context
 
-    def _decode(self, context, first, sampler, decoder, max_tokens, stops, seq, tm, t0) -> Iterator[Chunk]:
+    def _decode(self, context, first, sampler, decoder, max_tokens, stops, seq, tm, t0) -> Iterator[TextChunk]:
         """Emit ``first`` (sampled from the prefill's logits), then decoder steps until a finish reason.
 
         State between rounds: the KV holds ``context``; ``emitted[-1]`` is pending
@@ -207,9 +207,9 @@ class Runner:
                     engine.trim(kv_base + i, seq)
                     del context[kv_base + i:]
                     if not engine.is_eos(tok):
-                        yield Chunk(text, tok, timings=tm, stats=decoder.stats)
+                        yield TextChunk(text, tok, timings=tm, stats=decoder.stats)
                     break
-                yield Chunk(text, tok, timings=tm, stats=decoder.stats)
+                yield TextChunk(text, tok, timings=tm, stats=decoder.stats)
             if reason is not None:
                 break
             pending = emitted[-1]
@@ -225,7 +225,7 @@ class Runner:
             kv_base = len(context) - len(emitted) + 1
         tail = reply.flush()
         tm.total = time.perf_counter() - t0
-        yield Chunk(tail, None, finish_reason=reason, timings=tm, stats=decoder.stats)
+        yield TextChunk(tail, None, finish_reason=reason, timings=tm, stats=decoder.stats)
 
     def generate(self, prompt: Sequence[int], params: SamplingParams | None = None, **kw) -> Generation:
         """The whole reply as one string (``stream`` collected)."""

@@ -61,7 +61,7 @@ class Measured:
 
 
 @dataclass(frozen=True)
-class Offload:
+class StreamedOffload:
     """Weight offload that makes the weights fit (None where they fit, or there is no link)."""
 
     groups: int
@@ -85,7 +85,7 @@ class Row:
     largest_ctx: dict[str, int]        # per KV type, one request
     cheapest_kv: dict[int, str | None]  # per context: most faithful KV type that fits
     cells: tuple[Cell, ...]
-    offload: Offload | None = None
+    offload: StreamedOffload | None = None
     measured: tuple[Measured, ...] = ()
     power_w: float | None = None
 
@@ -164,7 +164,7 @@ def _finite(x: float) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _offload(spec, device, speed: SpeedModel, contexts, budget: int) -> Offload | None:
+def _offload(spec, device, speed: SpeedModel, contexts, budget: int) -> StreamedOffload | None:
     """When the weights overflow: stream enough groups for one request at the smallest context."""
     from localinfer.errors import UsageError
     from localinfer.plan.offload import plan_offload
@@ -178,7 +178,7 @@ def _offload(spec, device, speed: SpeedModel, contexts, budget: int) -> Offload 
     except UsageError:
         return None
     kinds = "+".join(sorted({g.kind for g in p.groups}))
-    return Offload(len(p.groups), kinds, p.net_bytes, p.copy_s_per_step, _rate(1, p.step_s) or 0.0)
+    return StreamedOffload(len(p.groups), kinds, p.net_bytes, p.copy_s_per_step, _rate(1, p.step_s) or 0.0)
 
 
 def _measured(speed: SpeedModel, cal: Calibration) -> tuple[Measured, ...]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from localinfer.errors import UsageError
-from localinfer.generation.decoding import Sampler as SamplerProtocol
+from localinfer.generation.decoding import TokenSampler as SamplerProtocol
 from localinfer.generation.sampling import Sampler, SamplingParams, check_max_tokens
 
 

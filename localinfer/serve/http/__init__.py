@@ -17,7 +17,7 @@ template rendering and tokenisation run in worker threads.
 Modules: ``app`` (the OpenAI routes), ``guard`` (Host, Origin and CORS, API
 key, body size), ``limits`` (header timeout and connection cap below the app),
 ``intake`` (the body read with a time limit, prompt tokens with byte checks and
-admission), ``schemas`` (body validation), ``generation`` (one request's
+admission), ``schemas`` (body validation), ``reply`` (one request's
 choices and its answer), ``responses`` (OpenAI response objects), ``faces``
 with ``embeddings`` (``/v1/embeddings``), ``responses_api`` (``/v1/responses``)
 and ``ollama`` (Ollama's API), ``prepare`` and ``structured`` (prompt tokens and

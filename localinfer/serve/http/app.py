@@ -1,4 +1,4 @@
-"""The Starlette app: routes, and the glue from a body to a :class:`Generation`.
+"""The Starlette app: routes, and the glue from a body to a :class:`Reply`.
 
 Routes (each also without the ``/v1`` prefix, as llama-server serves them):
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from localinfer.serve.http import pages
 from localinfer.serve.http.errors import APIError, bad
-from localinfer.serve.http.generation import Generation
+from localinfer.serve.http.reply import Reply
 from localinfer.serve.http.guard import LOOPBACK_NAMES, Guard, error_response
 from localinfer.serve.http.intake import Prep, read_json
 from localinfer.serve.http.limits import BODY_TIMEOUT_S
@@ -100,14 +100,14 @@ class Server:
         return out
 
     def generation(self, request: Request, spec: GenerationSpec, readies: list,
-                   echo: list[str] | None = None) -> Generation:
+                   echo: list[str] | None = None) -> Reply:
         prompts = [r.prompt for r in readies]
         if spec.max_tokens is None and self.config.default_max_tokens:
             ctx = self.runtime.context_tokens          # the default fills what the longest prompt leaves, at most
             free = ctx - max(map(len, prompts))
             spec = replace(spec, max_tokens=max(1, min(self.config.default_max_tokens, free))) if free > 0 else spec
         max_tokens = min(_check_length(spec, len(p), self.runtime.context_tokens) for p in prompts)
-        return Generation(self.runtime, spec, readies, max_tokens, self.config.model_id, request.receive,
+        return Reply(self.runtime, spec, readies, max_tokens, self.config.model_id, request.receive,
                           self.runtime.tokenizer.eos_ids, echo)
 
 
@@ -170,7 +170,7 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
     return app
 
 
-async def answer(gen: Generation, stream: bool) -> Response:
+async def answer(gen: Reply, stream: bool) -> Response:
     """The OpenAI answer of a built generation: JSON, or SSE frames; the generation closed however it ends."""
     handed_off = False
     try:

@@ -1,6 +1,6 @@
 """One HTTP generation: its engine requests (n choices), their events, and the OpenAI answer they make.
 
-The handler builds a :class:`Generation` after the prompt is tokenised; it
+The handler builds a :class:`Reply` after the prompt is tokenised; it
 submits the choices to the engine thread and starts the disconnect watcher.
 ``first()`` waits for the first event so a request refused at admission
 (deadline, shutdown) still gets an HTTP error status even when streaming;
@@ -26,7 +26,7 @@ from localinfer.serve.http.schemas import GenerationSpec
 from localinfer.serve.request import FinishReason
 
 
-class Generation:
+class Reply:
     """``ready``: the request made ready (:class:`.prepare.Prepared`), or a list of them (completions with several
     prompts: choice ``p * n + j`` is prompt p's j-th); ``echo``: each prompt's text, put before its choices'."""
 
