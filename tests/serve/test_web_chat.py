@@ -1,8 +1,11 @@
 """The chat page in headless Chromium with the embedded model: a streamed conversation, Stop cancelling the
 request on the server (its KV blocks freed), regenerate, conversations kept across a reload, and model output
-holding HTML shown as text, never as markup."""
+holding HTML shown as text, never as markup, and the JSON schema / tools panel (bad JSON refused inline, a reply
+held to a schema, a streamed tool call shown as a block)."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -117,4 +120,60 @@ def test_html_in_a_reply_is_text(server, page):
     page.wait_for_timeout(300)                                        # an onerror would have fired by now
     assert page.evaluate("() => window.pwned === undefined")
     assert not [e for e in page.errors if "Content Security Policy" in e]
+    server.wait_idle(10)
+
+
+def _panel(page, schema: str = "", tools: str = "", choice: str = "auto", parallel: bool = True) -> None:
+    page.evaluate("() => { document.getElementById('structured').open = true; }")
+    page.fill("#schema", schema)
+    page.fill("#tools", tools)
+    page.select_option("#tool_choice", choice)
+    page.set_checked("#parallel_tools", parallel)
+
+
+def test_the_schema_panel_constrains_the_reply_and_refuses_bad_json(server, page):
+    sent = []
+    page.on("request", lambda r: sent.append(r.post_data) if r.url.endswith("/v1/chat/completions") else None)
+    page.click("#newchat")
+    _settings(page, "0", "120")
+    _panel(page, schema="{bad json")
+    page.fill("#input", "What is the capital of France?")
+    page.click("#send")
+    assert "not valid JSON" in page.text_content("#schema_error")     # shown inline, nothing sent
+    assert not sent and page.evaluate("() => document.querySelectorAll('.msg').length") == 0
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    _panel(page, schema=json.dumps(schema))
+    page.click("#send")
+    assert wait_for(page, LAST_FINISH, 60) == "stop"
+    reply = json.loads(page.evaluate(LAST_TEXT))
+    assert set(reply) == {"answer"} and isinstance(reply["answer"], str)
+    body = json.loads(sent[-1])
+    assert body["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "schema", "schema": schema, "strict": True}}
+    assert json.loads(page.evaluate("() => JSON.parse(localStorage.getItem('localinfer.settings')).schema")) == schema
+    _panel(page)
+    server.wait_idle(10)
+
+
+def test_the_tools_panel_shows_a_streamed_tool_call(server, page):
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    page.click("#newchat")
+    _settings(page, "0", "120")
+    _panel(page, tools=json.dumps(tools), choice="required", parallel=False)    # one call, then the end
+    page.fill("#input", "What is the weather in Paris?")
+    page.click("#send")
+    assert wait_for(page, LAST_FINISH, 60) == "tool_calls"
+    calls = page.evaluate(f"""() => [...({LAST})().querySelectorAll('.toolcall')].map((b) =>
+        [b.querySelector('.toolname').textContent, b.querySelector('.toolargs').textContent])""")
+    assert len(calls) == 1 and calls[0][0] == "get_weather"
+    assert isinstance(json.loads(calls[0][1])["city"], str)
+    page.reload()                                                     # the panel and the call survive a reload
+    wait_for(page, f"() => document.getElementById('model').textContent.startsWith('{MODEL_ID}')")
+    assert page.input_value("#tool_choice") == "required" and not page.is_checked("#parallel_tools")
+    assert json.loads(page.input_value("#tools")) == tools
+    assert page.evaluate(f"() => ({LAST})().querySelector('.toolname').textContent") == "get_weather"
+    _panel(page)
     server.wait_idle(10)

@@ -1,5 +1,6 @@
 // The chat page: conversations kept in localStorage, replies streamed from /v1/chat/completions (SSE),
-// Stop aborts the fetch (the server cancels the request), markdown rendered by LI.renderMarkdown.
+// Stop aborts the fetch (the server cancels the request), markdown rendered by LI.renderMarkdown; the
+// JSON schema / tools panel adds response_format and tools, streamed tool calls shown as blocks.
 "use strict";
 (function () {
   const STORE = "localinfer.chats", SETTINGS = "localinfer.settings";
@@ -29,16 +30,22 @@
   }
 
   // ---- settings ----------------------------------------------------------------
-  const FIELDS = ["temperature", "top_p", "max_tokens", "seed"];
+  const FIELDS = ["temperature", "top_p", "max_tokens", "seed", "schema", "tools", "tool_choice"];
   function loadSettings() {
     let s = {};
     try { s = JSON.parse(localStorage.getItem(SETTINGS)) || {}; } catch (e) { s = {}; }
     for (const f of FIELDS) if (s[f] !== undefined) $(f).value = s[f];
     for (const f of FIELDS) $(f).addEventListener("change", saveSettings);
+    if (s.parallel_tools !== undefined) $("parallel_tools").checked = s.parallel_tools;
+    $("parallel_tools").addEventListener("change", saveSettings);
+    for (const f of ["schema", "tools"]) $(f).addEventListener("input", () => { structured(); saveSettings(); });
+    if ($("schema").value.trim() || $("tools").value.trim()) $("structured").open = true;
+    structured();
   }
   function saveSettings() {
     const s = {};
     for (const f of FIELDS) s[f] = $(f).value;
+    s.parallel_tools = $("parallel_tools").checked;
     localStorage.setItem(SETTINGS, JSON.stringify(s));
   }
   function sampling() {
@@ -50,6 +57,33 @@
     if (!Number.isNaN(n)) out.max_completion_tokens = n;
     if (!Number.isNaN(seed)) out.seed = seed;
     return out;
+  }
+  // The panel's fields as request fields, or null (each bad field's error shown under it).
+  function structured() {
+    const out = {};
+    let ok = true;
+    const parse = (id, check, what) => {
+      const text = $(id).value.trim();
+      $(id + "_error").textContent = "";
+      if (!text) return undefined;
+      try {
+        const v = JSON.parse(text);
+        if (check(v)) return v;
+        $(id + "_error").textContent = "not " + what;
+      } catch (e) {
+        $(id + "_error").textContent = "not valid JSON: " + e.message;
+      }
+      ok = false;
+      return undefined;
+    };
+    const schema = parse("schema", (v) => v !== null && typeof v === "object" && !Array.isArray(v),
+                         "a JSON object (a JSON schema)");
+    const tools = parse("tools", Array.isArray, "a JSON array of tools");
+    if (schema !== undefined)
+      out.response_format = { type: "json_schema", json_schema: { name: "schema", schema, strict: true } };
+    if (tools !== undefined && tools.length) { out.tools = tools; out.tool_choice = $("tool_choice").value;
+      out.parallel_tool_calls = $("parallel_tools").checked; }
+    return ok ? out : null;
   }
 
   // ---- drawing -----------------------------------------------------------------
@@ -67,12 +101,20 @@
     const box = LI.el("div", "msg " + m.role);
     box.appendChild(LI.el("div", "role", m.role === "user" ? "you" : model || "assistant"));
     const body = box.appendChild(LI.el("div", "body"));
+    const calls = box.appendChild(LI.el("div", "calls"));
     const meta = box.appendChild(LI.el("div", "meta"));
     const view = {
       box, body, meta,
       update() {
         if (m.role === "assistant") LI.renderMarkdown(m.content, body);
         else body.textContent = m.content;
+        calls.replaceChildren();
+        for (const call of m.tool_calls || []) {
+          const block = calls.appendChild(LI.el("div", "toolcall"));
+          const head = block.appendChild(LI.el("div", "toolhead", "tool call: "));
+          head.appendChild(LI.el("b", "toolname", call.name));
+          block.appendChild(LI.el("pre", "toolargs")).appendChild(LI.el("code", null, call.arguments));
+        }
         meta.textContent = m.meta || "";
         if (m.error) meta.appendChild(LI.el("span", "error", (m.meta ? " · " : "") + m.error));
       },
@@ -98,7 +140,7 @@
   }
 
   // ---- a reply -----------------------------------------------------------------
-  async function reply(chat) {
+  async function reply(chat, extra) {
     const messages = [];
     if ((chat.system || "").trim()) messages.push({ role: "system", content: chat.system });
     for (const m of chat.messages) messages.push({ role: m.role, content: m.content });
@@ -117,7 +159,7 @@
     };
     try {
       const body = Object.assign({ model: model || "default", messages, stream: true,
-                                   stream_options: { include_usage: true } }, sampling());
+                                   stream_options: { include_usage: true } }, sampling(), extra);
       const res = await LI.api("/v1/chat/completions", { method: "POST", body: JSON.stringify(body),
         headers: { "Content-Type": "application/json" }, signal: controller.signal });
       if (!res.ok) {
@@ -144,6 +186,14 @@
               if (c && c.delta && c.delta.content) {
                 if (first === null) first = performance.now();
                 msg.content += c.delta.content;
+                redraw();
+              }
+              for (const d of (c && c.delta && c.delta.tool_calls) || []) {
+                if (first === null) first = performance.now();
+                msg.tool_calls = msg.tool_calls || [];
+                const call = (msg.tool_calls[d.index || 0] ||= { name: "", arguments: "" });
+                if (d.function && d.function.name) call.name += d.function.name;
+                if (d.function && d.function.arguments) call.arguments += d.function.arguments;
                 redraw();
               }
               if (c && c.finish_reason) finish = c.finish_reason;
@@ -181,6 +231,8 @@
   async function send() {
     const text = $("input").value;
     if (!text.trim() || controller) return;
+    const extra = structured();
+    if (!extra) { $("status").textContent = "fix the JSON schema / tools panel first"; return; }
     const chat = current();
     chat.system = $("system").value;
     if (!chat.messages.length) chat.title = text.trim().slice(0, 40);
@@ -189,17 +241,19 @@
     drawMessage(chat.messages[chat.messages.length - 1]);
     save();
     drawList();
-    await reply(chat);
+    await reply(chat, extra);
   }
 
   async function regenerate() {
     const chat = current();
     if (controller || !chat.messages.length) return;
+    const extra = structured();
+    if (!extra) { $("status").textContent = "fix the JSON schema / tools panel first"; return; }
     if (chat.messages[chat.messages.length - 1].role === "assistant") chat.messages.pop();
     if (!chat.messages.length) return;
     save();
     drawAll();
-    await reply(chat);
+    await reply(chat, extra);
   }
 
   async function connect() {
