@@ -304,12 +304,13 @@ def serve_config(args, n_batch: int):
     from localinfer.serve.speculation import DRAFT_MAX
 
     budget = args.token_budget if args.token_budget is not None else n_batch
-    return ServeConfig(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
-                       chunk=args.chunk, itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
-                       prefix_cache=args.prefix_cache == "on", park=args.parked, **_partial_slack(args.partial_slack),
-                       **_max_gap(args.max_gap), step_log=args.step_log,
-                       draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0,
-                       **({} if args.decode_share is None else {"decode_share": args.decode_share}))
+    return ServeConfig.build(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
+                             **({} if args.chunk is None else {"chunk_tokens": args.chunk}),
+                             itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
+                             prefix_cache=args.prefix_cache == "on", park=args.parked,
+                             **_partial_slack(args.partial_slack), **_max_gap(args.max_gap), step_log=args.step_log,
+                             draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0,
+                             **({} if args.decode_share is None else {"decode_share": args.decode_share}))
 
 
 def _executor_factory(backend: str, plan, parallel: int):

@@ -225,10 +225,10 @@ def test_the_probe_measures_a_positions_bytes_and_the_servers_cache_reaches_as_f
     try:
         ex.host_budget = 5 * p * ex.position_bytes + p // 2        # five blocks of positions, and a part
         assert ex.host_cells() == 5 * p
-        _, engine, _ = build_engine(ex, ServeConfig(parallel=2, park=2, block_tokens=p))
+        _, engine, _ = build_engine(ex, ServeConfig.build(parallel=2, park=2, block_tokens=p))
         assert engine.blocks.num_blocks == cells + 5 and engine.blocks.capacity == cells
         ex.host_budget = 1 << 40                                   # then the parked ids' slots bound it
-        _, engine, _ = build_engine(ex, ServeConfig(parallel=2, park=2, block_tokens=p))
+        _, engine, _ = build_engine(ex, ServeConfig.build(parallel=2, park=2, block_tokens=p))
         assert engine.blocks.num_blocks == cells + 2 * ex.slot_cells // p
     finally:
         ex.host_budget = None

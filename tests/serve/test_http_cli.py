@@ -76,7 +76,7 @@ def test_health_is_503_while_loading(default_model):
         go.wait(30)
         return LlamaCppExecutor(LoadPlan(str(default_model), n_ctx=256, n_seq=1, n_threads=1))
 
-    runtime = Runtime(slow_open, ServeConfig(parallel=1))
+    runtime = Runtime(slow_open, ServeConfig.build(parallel=1))
     with _bare_server(runtime) as url:
         try:
             r = httpx.get(url + "/health")
@@ -256,7 +256,7 @@ def test_a_signal_while_loading_stops_the_load(default_model):
         runtime.shutdown_after(0.0)
         opened.append(open_llamacpp(plan))         # raises: the load was stopped
 
-    runtime = Runtime(signalled_then_open, ServeConfig(parallel=1))
+    runtime = Runtime(signalled_then_open, ServeConfig.build(parallel=1))
     runtime.start()
     assert runtime.ready.wait(30)
     runtime.stop()
@@ -292,7 +292,7 @@ def test_a_failed_load_answers_503_without_the_error_text():
     def failing_open():
         raise OSError("cannot open /home/someone/secret/model.gguf")
 
-    runtime = Runtime(failing_open, ServeConfig(parallel=1))
+    runtime = Runtime(failing_open, ServeConfig.build(parallel=1))
     with _bare_server(runtime) as url:
         assert runtime.ready.wait(30) and runtime.state == "failed"
         r = httpx.get(url + "/health")

@@ -37,7 +37,7 @@ class LiveServer:
         from localinfer.serve.http.runtime import Runtime
         from localinfer.serve.http.server import bind, make_server
 
-        config = ServeConfig(parallel=parallel, max_queue=max_queue, **serve)
+        config = ServeConfig.build(parallel=parallel, max_queue=max_queue, **serve)
         if open_executor is None:
             from localinfer.commands.serve import open_llamacpp
 

@@ -186,7 +186,7 @@ def test_the_relay_thread_not_the_engine_wakes_the_loop():
     from localinfer.serve.http.runtime import Event, Handle, Runtime
 
     with _relay_loop() as (loop, calls):
-        rt = Runtime(lambda: None, ServeConfig(parallel=1))
+        rt = Runtime(lambda: None, ServeConfig.build(parallel=1))
         rt._loop = loop
         rt._relay.start()
         queue: asyncio.Queue = asyncio.Queue()
@@ -213,7 +213,7 @@ def test_the_relay_delivers_what_was_queued_before_the_end_in_one_wake_up():
     from localinfer.serve.http.runtime import Event, Handle, Runtime
 
     with _relay_loop() as (loop, calls):
-        rt = Runtime(lambda: None, ServeConfig(parallel=1))
+        rt = Runtime(lambda: None, ServeConfig.build(parallel=1))
         rt._loop = loop
         queue: asyncio.Queue = asyncio.Queue()
         h = Handle(None, queue, 0)

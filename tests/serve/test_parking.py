@@ -298,17 +298,17 @@ def test_random_add_step_cancel_with_parking_keeps_cells_equal_to_blocks(seq, ad
 def test_serve_config_gives_the_executor_ids_for_parked_sequences_and_build_engine_parks_in_them():
     from localinfer.serve.http.config import DEFAULT_PARKED, ServeConfig, build_engine
 
-    assert (ServeConfig(parallel=4).n_slots, ServeConfig(parallel=4, park=4).n_slots) == (4 + DEFAULT_PARKED, 8)
-    assert ServeConfig(parallel=4, park=0).n_slots == ServeConfig(parallel=4, prefix_cache=False).n_slots == 4
-    assert ServeConfig(parallel=200, park=100).park_slots == 56        # llama.cpp's 256 sequence ids
+    assert (ServeConfig.build(parallel=4).n_slots, ServeConfig.build(parallel=4, park=4).n_slots) == (4 + DEFAULT_PARKED, 8)
+    assert ServeConfig.build(parallel=4, park=0).n_slots == ServeConfig.build(parallel=4, prefix_cache=False).n_slots == 4
+    assert ServeConfig.build(parallel=200, park=100).park_slots == 56        # llama.cpp's 256 sequence ids
     inner = ContentExecutor(CARD, n_slots=6, n_vocab=VOCAB)
     inner.n_cells, inner.drops_tail = 256, True
-    _, engine, _ = build_engine(inner, ServeConfig(parallel=2, park=2))
+    _, engine, _ = build_engine(inner, ServeConfig.build(parallel=2, park=2))
     assert engine.park_slots == 2 and engine.scheduler.config.max_running == 2 and engine.blocks.parking
-    _, engine, _ = build_engine(inner, ServeConfig(parallel=2, park=8))
+    _, engine, _ = build_engine(inner, ServeConfig.build(parallel=2, park=8))
     assert engine.park_slots == 4                                      # what the executor has beyond --parallel
     inner.drops_tail = False                                           # a recurrent model: nothing parked
-    _, engine, _ = build_engine(inner, ServeConfig(parallel=2))
+    _, engine, _ = build_engine(inner, ServeConfig.build(parallel=2))
     assert engine.park_slots == 0 and not engine.blocks.parking
 
 

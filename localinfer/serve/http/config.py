@@ -9,7 +9,7 @@ measurements recorded in docs/executor.md and docs/serving.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.engine import StepEngine
@@ -30,25 +30,39 @@ DEFAULT_PARTIAL_SLACK = 0.25
 DEFAULT_DECODE_SHARE = 0.05
 
 
+# The scheduler serve runs: chunked prefill, blocks taken as the KV grows, deadlines kept (a late request is refused
+# or stopped), with the defaults above.  ``--parallel`` is its ``max_running``.
+SERVE_SCHEDULER = SchedulerConfig(policy=Policy.CHUNKED, max_running=4, admission=Admission.ON_DEMAND,
+                                  deadline_aware=True, drop_late=True, partial_slack=DEFAULT_PARTIAL_SLACK,
+                                  decode_share=DEFAULT_DECODE_SHARE)
+_SCHEDULER_FIELDS = frozenset(f.name for f in fields(SchedulerConfig))
+
+
 @dataclass(frozen=True)
 class ServeConfig:
-    """How the server schedules: slots, queue, prefill chunking, prefix cache, shutdown grace."""
+    """How the server runs: the scheduler's settings, and what only a server has (its queue, the prefix cache and
+    parked sequences, the step log)."""
 
-    parallel: int = 4
+    scheduler: SchedulerConfig = SERVE_SCHEDULER
     max_queue: int = 64
-    token_budget: int | None = None
-    chunk: int | None = None             # prompt tokens per request per step (None: SchedulerConfig's)
-    itl_target_s: float | None = None
-    max_gap_s: float | None = None       # while requests decode, a step is predicted to take at most this
     step_log: str | None = None          # a file the engine appends one JSON line per step to (serve --step-log)
     prefix_cache: bool = True
     block_tokens: int = 16
-    admission: str = "on_demand"
     park: int | None = None              # parked sequences for finished requests' KV (None: DEFAULT_PARKED)
-    draft_max: int = 0                   # prompt-lookup drafts per request and step (0: no lookup)
-    partial_slack: float | None = DEFAULT_PARTIAL_SLACK   # None: fill every step's budget
-    decode_share: float = DEFAULT_DECODE_SHARE   # decode-only time after a prompt step, a share of its prompt time
 
+    @classmethod
+    def build(cls, *, parallel: int | None = None, **options) -> ServeConfig:
+        """A config from flat options: the scheduler's fields (``chunk_tokens``, ``token_budget``, ``max_gap_s``, …;
+        ``parallel`` is ``max_running``) over :data:`SERVE_SCHEDULER`, the rest ServeConfig's own."""
+        sched = {k: options.pop(k) for k in list(options) if k in _SCHEDULER_FIELDS}
+        if parallel is not None:
+            sched["max_running"] = parallel
+        return cls(scheduler=replace(SERVE_SCHEDULER, **sched), **options)
+
+    @property
+    def parallel(self) -> int:
+        """Requests decoding at once (``--parallel``)."""
+        return self.scheduler.max_running
 
     @property
     def park_slots(self) -> int:
@@ -68,12 +82,6 @@ def build_engine(inner, config: ServeConfig, on_step=None) -> tuple[TimedExecuto
     """(timed executor, step engine, step model) over a loaded executor; ``on_step`` hears of every step."""
     model = FittedStepModel(calibrate(inner))
     executor = TimedExecutor(inner, model)
-    chunk = {"chunk_tokens": config.chunk} if config.chunk else {}
-    sched = SchedulerConfig(policy=Policy.CHUNKED, max_running=config.parallel, token_budget=config.token_budget,
-                            itl_target_s=config.itl_target_s, max_gap_s=config.max_gap_s,
-                            admission=Admission(config.admission),
-                            deadline_aware=True, drop_late=True, draft_max=config.draft_max,
-                            partial_slack=config.partial_slack, decode_share=config.decode_share, **chunk)
-    engine = build_step_engine(executor, sched, step_model=model, block_tokens=config.block_tokens,
+    engine = build_step_engine(executor, config.scheduler, step_model=model, block_tokens=config.block_tokens,
                                prefix_cache=config.prefix_cache, park_slots=config.park_slots, on_step=on_step)
     return executor, engine, model
