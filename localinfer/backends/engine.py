@@ -20,12 +20,15 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.model.kv import KV_TYPES
+
+if TYPE_CHECKING:
+    from localinfer.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class Engine(ABC):
     n_vocab: int
     bos_id: int | None
     eos_ids: frozenset[int]
+    spec: ModelSpec | None = None   # the GGUF header's facts, where the backend read one
+    #: ``embedder(n_ctx, n_seq)`` gives an embeddings context (``serve``'s /v1/embeddings)
+    embeds: bool = False
 
     # ---- tokenizer ---------------------------------------------------------
     @abstractmethod

@@ -43,6 +43,7 @@ to ``commit``.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class Block:
     hash: int | None = None          # set once the block is full and computed
     parent: int | None = None        # the previous block's hash (ROOT_HASH for the first)
     tokens: tuple[int, ...] = ()     # a hashed block's tokens, for the collision check
+    filled: int = 0                  # token slots written (a sequence's blocks fill in order: all full but its last)
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,6 @@ class BlockManager:
         self._deferred: list[int] = []
         self._in_flight = False
         self.tables: dict[object, list[int]] = {}
-        self.lengths: dict[object, int] = {}                  # tokens written per sequence
         self._chain: dict[object, tuple[int, int]] = {}       # per sequence: (whole blocks hashed, last hash)
         self.used = 0                                         # blocks with a reference
         self.parking = parking                                # free() parks into it
@@ -137,13 +138,7 @@ class BlockManager:
 
     def tokens_in_use(self) -> int:
         """Token slots written in referenced blocks, each physical block once (what KV cells hold)."""
-        filled: dict[int, int] = {}
-        p = self.block_tokens
-        for seq, table in self.tables.items():
-            n = self.lengths[seq]
-            for i, b in enumerate(table):
-                filled[b] = max(filled.get(b, 0), min(p, max(0, n - i * p)))
-        return sum(filled.values())
+        return sum(block.filled for block in self.blocks if block.ref)
 
     def tokens_held(self) -> int:
         """``tokens_in_use`` plus the whole blocks that only parked sequences keep (what KV cells hold then)."""
@@ -154,6 +149,12 @@ class BlockManager:
     def parked(self) -> dict[object, list[int]]:
         """Parked sequence -> its kept prefix's blocks (empty without parking)."""
         return self.parking.kept if self.parking is not None else {}
+
+    def written(self, seq) -> int:
+        """Tokens ``seq`` holds computed: its blocks are full up to its last written one."""
+        table, blocks = self.tables[seq], self.blocks
+        unwritten = bisect_left(table, True, key=lambda b: blocks[b].filled == 0)     # its first unwritten block
+        return (unwritten - 1) * self.block_tokens + blocks[table[unwritten - 1]].filled if unwritten else 0
 
     def is_cached(self, b: int) -> bool:
         """Block ``b`` is the prefix cache's block for its hash."""
@@ -224,14 +225,13 @@ class BlockManager:
             self._ref(b)
         total = blocks_for(max(reserve_tokens or 0, len(tokens)), self.block_tokens)
         self.tables[seq] = hit + [self._take() for _ in range(total - len(hit))]
-        self.lengths[seq] = len(hit) * self.block_tokens
         if hit:
             self._chain[seq] = (len(hit), self.blocks[hit[-1]].hash)
-        return self.lengths[seq]
+        return len(hit) * self.block_tokens
 
     def grow_needed(self, seq, n_tokens: int) -> int:
         """Free blocks ``grow(seq, n_tokens)`` would take."""
-        table, n = self.tables[seq], self.lengths[seq]
+        table, n = self.tables[seq], self.written(seq)
         extra = max(0, blocks_for(n_tokens, self.block_tokens) - len(table))
         tail = n // self.block_tokens
         cow = n_tokens > n and n % self.block_tokens and tail < len(table) and self.blocks[table[tail]].ref > 1
@@ -243,11 +243,12 @@ class BlockManager:
         if need > self.num_free:
             raise OutOfBlocks(f"KV pool: {need} blocks needed, {self.num_free} free", needed=need,
                               available=self.num_free, hint="lower --max-running or raise --kv-budget")
-        table, n, p = self.tables[seq], self.lengths[seq], self.block_tokens
+        table, n, p = self.tables[seq], self.written(seq), self.block_tokens
         copies = []
         tail = n // p
         if n_tokens > n and n % p and tail < len(table) and self.blocks[table[tail]].ref > 1:
             new = self._take()
+            self.blocks[new].filled = n % p
             copies.append(BlockCopy(table[tail], new, n % p))
             self._unref(table[tail])
             table[tail] = new
@@ -257,7 +258,7 @@ class BlockManager:
 
     def shrink(self, seq, n_tokens: int) -> int:
         """Give back ``seq``'s blocks past what ``n_tokens`` need (grown for drafts that were rejected); how many."""
-        table, keep = self.tables[seq], blocks_for(max(n_tokens, self.lengths[seq]), self.block_tokens)
+        table, keep = self.tables[seq], blocks_for(max(n_tokens, self.written(seq)), self.block_tokens)
         extra = table[keep:]
         del table[keep:]
         for b in reversed(extra):
@@ -272,7 +273,9 @@ class BlockManager:
         p, table = self.block_tokens, self.tables[seq]
         if len(tokens) > len(table) * p:
             raise ValueError(f"sequence {seq!r} holds {len(table)} blocks, not enough for {len(tokens)} tokens")
-        self.lengths[seq] = len(tokens)
+        n, before = len(tokens), self.written(seq)
+        for i in range(min(before, n) // p, blocks_for(max(before, n), p)):
+            self.blocks[table[i]].filled = min(p, max(0, n - i * p))
         if not self.prefix_cache:
             return
         memo = self._memo(hashes)
@@ -300,7 +303,6 @@ class BlockManager:
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already has blocks")
         self.tables[child] = list(self.tables[parent])
-        self.lengths[child] = self.lengths[parent]
         if parent in self._chain:
             self._chain[child] = self._chain[parent]
         for b in self.tables[child]:
@@ -312,8 +314,8 @@ class BlockManager:
         With ``parking`` the sequence is parked: its kept prefix (leading committed whole blocks
         the cache names) stays backed by ``seq`` until ``unpark`` or eviction.
         """
+        n = self.written(seq)
         table = self.tables.pop(seq)
-        n = self.lengths.pop(seq)
         self._chain.pop(seq, None)
         if self.parking is not None:
             self.parking.park_blocks(seq, table, n)
@@ -332,14 +334,15 @@ class BlockManager:
         if self.parking is None:
             return []
         table = self.tables[seq]
-        return self.parking.sharers(table, min(len(table), self.lengths[seq] // self.block_tokens))
+        return self.parking.sharers(table, min(len(table), self.written(seq) // self.block_tokens))
 
     def sharers(self, seq) -> list[tuple[object, int]]:
         """Other sequences sharing ``seq``'s leading blocks: (sequence, whole blocks in common), most first."""
         table, p, out = self.tables[seq], self.block_tokens, []
+        mine = self.written(seq) // p
         for other, theirs in self.tables.items():
             k = 0
-            limit = min(len(table), len(theirs), self.lengths[other] // p, self.lengths[seq] // p)
+            limit = min(len(table), len(theirs), self.written(other) // p, mine)
             while k < limit and table[k] == theirs[k]:
                 k += 1
             if other != seq and k:
@@ -441,4 +444,4 @@ class BlockManager:
     def _reset(self, block: Block) -> None:
         if block.hash is not None and self._cache.get(block.hash) == block.id:
             del self._cache[block.hash]
-        block.hash, block.parent, block.tokens = None, None, ()
+        block.hash, block.parent, block.tokens, block.filled = None, None, (), 0

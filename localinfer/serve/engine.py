@@ -50,7 +50,7 @@ class StreamChunk:
 class StepRecord:
     """What one step computed: (request id, start, new tokens) per chunk, and when; each chunk's kind ("prefill",
     "decode", or "verify" with lookup drafts), whether it yielded the request's next token, the requests admitted
-    (seated) in it, and the step model's prediction of its time (None without one)."""
+    (seated) and preempted in it, and the step model's prediction of its time (None without one)."""
 
     start_s: float
     end_s: float
@@ -59,11 +59,13 @@ class StepRecord:
     sampled: tuple[bool, ...] = ()
     admitted: tuple[str, ...] = ()
     predicted_s: float | None = None
+    preempted: tuple[str, ...] = ()
 
     def as_json(self) -> dict:
         return {"start_s": self.start_s, "end_s": self.end_s, "predicted_s": self.predicted_s,
                 "chunks": [[rid, start, n, kind, got] for (rid, start, n), kind, got
-                           in zip(self.chunks, self.kinds, self.sampled)], "admitted": list(self.admitted)}
+                           in zip(self.chunks, self.kinds, self.sampled)], "admitted": list(self.admitted),
+                "preempted": list(self.preempted)}
 
 
 class StepEngine:
@@ -227,7 +229,7 @@ class StepEngine:
         kinds = tuple("verify" if c.draft else "prefill" if c.n_tokens > 1 or not s else "decode"
                       for c, s in zip(plan.chunks, samples))
         return StepRecord(start, end, tuple((c.request.id, c.start, c.n_tokens) for c in plan.chunks), kinds,
-                          got, tuple(r.id for r in plan.admitted), predicted)
+                          got, tuple(r.id for r in plan.admitted), predicted, tuple(r.id for r in plan.preempted))
 
     def _end_step(self) -> None:
         self._in_step = False

@@ -163,7 +163,7 @@ class Parking:
         """The parked slot holding most of ``rid``'s cached prefix and how many tokens it gives, if more than
         ``have`` (it becomes the most recently used)."""
         bm = self._blocks
-        n = min(len(bm.tables[rid]), bm.lengths[rid] // bm.block_tokens)
+        n = min(len(bm.tables[rid]), bm.written(rid) // bm.block_tokens)
         for other, k in self.sharers(bm.tables[rid], n):
             if other in self.slot_of:
                 if min(k * bm.block_tokens, cached) <= have:

@@ -159,7 +159,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._admitted = 0
+        self.admissions = 0          # requests seated, each time (a preempted request is admitted again)
+        self.preemptions = 0
         self._decode_owed = 0.0      # seconds of decode-only steps still owed after a prompt step (decode_share)
         self.peak_running = 0
 
@@ -364,6 +365,7 @@ class Scheduler:
         self.running.remove(r)
         self.blocks.free(r.id)
         r.preempt()
+        self.preemptions += 1
         self.waiting.appendleft(r)
         plan.preempted.append(r)
 
@@ -400,8 +402,8 @@ class Scheduler:
             if not bm.can_allocate(tokens, held, hit):
                 break
             del self.waiting[i]
-            r.admit(bm.allocate(r.id, tokens, held, hit), self._admitted, now)
-            self._admitted += 1
+            r.admit(bm.allocate(r.id, tokens, held, hit), self.admissions, now)
+            self.admissions += 1
             self.running.append(r)
             plan.admitted.append(r)
             self._prefill_chunk(plan, r, budget)

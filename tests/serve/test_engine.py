@@ -101,10 +101,18 @@ def test_random_add_step_cancel_leaves_nothing_behind(seq, admission, policy):
     def check(e):
         assert e.blocks.used <= e.blocks.num_blocks
         assert e.executor.cells_used() == e.blocks.tokens_in_use()     # KV cells = tokens in referenced blocks
+        for r in e.scheduler.running:        # the block manager reads what a sequence holds off its blocks
+            assert e.blocks.written(r.id) == r.computed
 
     apply_ops(e, seq, tuple(range(500, 508)), check)
     e.run()
     assert e.blocks.used == 0 and e.executor.cells_used() == 0
+    reqs = e.scheduler.requests.values()     # one count of admissions and preemptions: the scheduler's
+    assert e.scheduler.preemptions == sum(r.preemptions for r in reqs)
+    once = sum(r.admitted_s is not None for r in reqs)     # a preempted request is admitted again unless cancelled
+    assert once <= e.scheduler.admissions <= once + e.scheduler.preemptions
+    assert sum(len(s.admitted) for s in e.records) <= e.scheduler.admissions
+    assert sum(len(s.preempted) for s in e.records) <= e.scheduler.preemptions
     assert all(r.finished for r in e.scheduler.requests.values())
     for r in e.scheduler.requests.values():
         assert r.finish_reason in (FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.ERROR)

@@ -14,8 +14,7 @@ openai = pytest.importorskip("openai")
 
 SLOW_AFTER = 4          # steps at full speed, then each step takes SLOW_S longer
 SLOW_S = 0.2
-BODY = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
-        "deadline_ms": 1500}
+BODY = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture
@@ -42,6 +41,11 @@ def slowing(default_model):
         return lambda: SlowsDown(plan, park_host=True)
 
     srv = LiveServer(default_model, parallel=2, open_executor=opener)
+    # the deadline: three times the reply at this machine's present speed (a loaded machine is slower), so it is
+    # admitted, and far below the (60 - SLOW_AFTER) × SLOW_S = 11 s the slowed reply would take
+    t0 = time.monotonic()
+    httpx.post(srv.url + "/v1/completions", json=BODY, timeout=60).raise_for_status()
+    srv.deadline_ms = min(6000, max(1500, round(3000 * (time.monotonic() - t0))))
     yield srv
     srv.stop()
 
@@ -52,18 +56,19 @@ def _slow_from_now(srv) -> None:
 
 def test_a_deadline_passing_mid_reply_is_504_not_a_half_reply(slowing):
     _slow_from_now(slowing)
-    t0 = time.monotonic()
-    r = httpx.post(slowing.url + "/v1/completions", json=BODY, timeout=60)
-    assert time.monotonic() - t0 < 1.5 + 1.0        # cut at the deadline, not run to its 60 tokens (12 s)
+    t0, deadline = time.monotonic(), slowing.deadline_ms
+    r = httpx.post(slowing.url + "/v1/completions", json={**BODY, "deadline_ms": deadline}, timeout=60)
+    assert time.monotonic() - t0 < deadline / 1e3 + 1.0     # cut at the deadline, not run to its 60 tokens (12 s)
     err = r.json()["error"]
     assert r.status_code == 504 and err["code"] == "deadline_exceeded" and err["param"] == "deadline_ms", r.text
-    assert "deadline_ms=1500 passed after" in err["message"] and "\n" not in err["message"]
+    assert f"deadline_ms={deadline} passed after" in err["message"] and "\n" not in err["message"]
     slowing.wait_idle()
 
 
 def test_a_stream_cut_mid_reply_ends_with_an_error_event(slowing):
     _slow_from_now(slowing)
-    with httpx.stream("POST", slowing.url + "/v1/completions", json={**BODY, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", slowing.url + "/v1/completions", json={**BODY, "stream": True,
+                                                                          "deadline_ms": slowing.deadline_ms}, timeout=60) as r:
         assert r.status_code == 200
         events = sse_events(list(r.iter_lines()))
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "deadline_exceeded", events[-3:]
@@ -73,9 +78,10 @@ def test_a_stream_cut_mid_reply_ends_with_an_error_event(slowing):
     # the openai client raises the error event as its typed APIError
     _slow_from_now(slowing)
     client = openai.OpenAI(base_url=slowing.base_url, api_key="none", max_retries=0)
-    with pytest.raises(openai.APIError, match="deadline_ms=1500 passed after") as e:
+    with pytest.raises(openai.APIError, match=f"deadline_ms={slowing.deadline_ms} passed after") as e:
         for _ in client.completions.create(model=MODEL_ID, prompt=BODY["prompt"], max_tokens=60, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True, "deadline_ms": 1500}):
+                                           stream=True, extra_body={"ignore_eos": True,
+                                                                    "deadline_ms": slowing.deadline_ms}):
             pass
     assert not isinstance(e.value, openai.RateLimitError)       # cut mid-reply, not refused at admission
     slowing.wait_idle()
@@ -83,12 +89,12 @@ def test_a_stream_cut_mid_reply_ends_with_an_error_event(slowing):
 
 def test_n_choices_cut_together_and_no_usage_chunk_after_the_error(slowing):
     _slow_from_now(slowing)
-    t0 = time.monotonic()
-    r = httpx.post(slowing.url + "/v1/completions", json={**BODY, "n": 2}, timeout=60)
-    assert r.status_code == 504 and time.monotonic() - t0 < 1.5 + 1.0, r.text    # neither ran to its end
+    t0, deadline = time.monotonic(), slowing.deadline_ms
+    r = httpx.post(slowing.url + "/v1/completions", json={**BODY, "n": 2, "deadline_ms": deadline}, timeout=60)
+    assert r.status_code == 504 and time.monotonic() - t0 < deadline / 1e3 + 1.0, r.text   # neither ran to its end
     slowing.wait_idle()
     _slow_from_now(slowing)
-    body = {**BODY, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {**BODY, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "deadline_ms": deadline}
     with httpx.stream("POST", slowing.url + "/v1/completions", json=body, timeout=60) as r:
         events = sse_events(list(r.iter_lines()))
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "deadline_exceeded"

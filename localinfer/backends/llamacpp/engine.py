@@ -39,6 +39,7 @@ class LlamaCppEngine(Engine):
     """One llama.cpp model and context with ``plan.n_seq`` independent KV streams."""
 
     name = "llama.cpp"
+    embeds = True
 
     def __init__(self, plan: LoadPlan):
         super().__init__(plan)

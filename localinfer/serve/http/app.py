@@ -62,12 +62,12 @@ class Server:
     def __init__(self, runtime: Runtime, config: AppConfig):
         self.runtime, self.config = runtime, config
         self.prep = Prep(runtime, config)
+        self.embeddings = None          # the embeddings face's context holder (embeddings.routes sets it)
 
     def close(self) -> None:
         """Free what the faces hold on the model (before the engine closes it), then the prep threads."""
-        emb = getattr(self, "embeddings", None)
-        if emb is not None:
-            emb.close()
+        if self.embeddings is not None:
+            self.embeddings.close()
         self.prep.close()
 
     def card(self, model_id: str | None = None) -> dict:

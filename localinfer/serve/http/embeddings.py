@@ -146,7 +146,7 @@ async def compute(srv, body: dict, param: str = "input"):
     runtime = srv.runtime
     items = _inputs(body.get(param), param)
     runtime.check_serving()
-    if getattr(runtime.tokenizer, "embedder", None) is None:
+    if runtime.tokenizer is None or not runtime.tokenizer.embeds:
         raise APIError(501, "embeddings need the llama.cpp backend", code="unsupported")
     ids = await srv.prep.run(_tokens, srv, items, param, n=1)
     try:

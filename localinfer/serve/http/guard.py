@@ -45,7 +45,7 @@ class Guard:
         self.app, self.config, self.runtime = app, config, runtime
         self.key = None if config.api_key is None else config.api_key.encode()
         self.hosts = {h.lower() for h in config.allowed_hosts}
-        self.origins = {o.lower().rstrip("/") for o in getattr(config, "allowed_origins", ())}
+        self.origins = {o.lower().rstrip("/") for o in config.allowed_origins}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -69,8 +69,7 @@ def check_bytes(tokenizer, n_bytes: int, context: int, what: str, param: str) ->
     """Refuse text of ``n_bytes`` that is certainly ``context`` tokens or more (400), before tokenising it."""
     if n_bytes <= context:
         return
-    longest = getattr(tokenizer, "longest_token_bytes", None)
-    least = -(-n_bytes // max(1, longest())) if longest is not None else 0
+    least = -(-n_bytes // max(1, tokenizer.longest_token_bytes()))
     if least >= context:
         raise bad(param, f"{what} is {n_bytes:,} bytes, so at least {least:,} tokens; the context holds {context} "
                          "per request", code="context_length_exceeded")

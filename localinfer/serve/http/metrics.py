@@ -29,6 +29,8 @@ COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of step
     "engine_steps": "executor steps taken",
     "spec_draft_tokens": "prompt-lookup draft tokens verified (serve --lookup)",
     "spec_accepted_tokens": "of those, accepted",
+    "admissions": "requests given a sequence slot (a preempted request again when it is readmitted)",
+    "preemptions": "requests preempted (KV dropped, recomputed later)",
 }
 
 
@@ -55,7 +57,6 @@ class Metrics:
         self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = c("generation_tokens", "tokens generated")
         self.prefix_hit_tokens = c("prefix_cache_hit_tokens", "prompt tokens found in the prefix cache")
-        self.preemptions = c("preemptions", "requests preempted (KV dropped, recomputed later)")
         self.cancelled = c("requests_cancelled", "requests cancelled by their client (disconnect or shutdown)")
         self.finished = c("requests_finished", "requests finished, by reason", labelnames=("reason",))
         self.rejected = c("requests_rejected", "requests answered with an error status", labelnames=("status",))
@@ -75,8 +76,6 @@ class Metrics:
         self.prompt_tokens.inc(len(r.prompt))
         self.generation_tokens.inc(len(r.output))
         self.prefix_hit_tokens.inc(r.cached)
-        if r.preemptions:
-            self.preemptions.inc(r.preemptions)
         if cancelled:
             self.cancelled.inc()
         self.finished.labels(r.finish_reason.value if r.finish_reason else "unknown").inc()

@@ -79,13 +79,17 @@ def _openai_body(body: dict, *, chat: bool) -> dict:
 def routes(srv) -> list:
     runtime, config = srv.runtime, srv.config
 
+    def model_spec():
+        """The loaded model's header facts (None before it loads)."""
+        return None if runtime.tokenizer is None else runtime.tokenizer.spec
+
     def details() -> dict:
-        spec = getattr(runtime.tokenizer, "spec", None)
-        d = {"parent_model": "", "format": "gguf", "family": getattr(spec, "arch", "") or "", "families": None,
+        spec = model_spec()
+        d = {"parent_model": "", "format": "gguf", "family": "" if spec is None else spec.arch, "families": None,
              "parameter_size": "", "quantization_level": ""}
         if spec is not None:
             d["families"] = [spec.arch]
-            n = sum(int(getattr(t, "n_elements", 0) or 0) for t in spec.tensors)
+            n = spec.n_params
             d["parameter_size"] = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else ""
             try:
                 import gguf
@@ -96,10 +100,10 @@ def routes(srv) -> list:
         return d
 
     def card() -> dict:
-        spec = getattr(runtime.tokenizer, "spec", None)
+        spec = model_spec()
         modified = datetime.fromtimestamp(config.created or 0, UTC).isoformat().replace("+00:00", "Z")
         name = f"{config.model_id}:latest"
-        return {"name": name, "model": name, "modified_at": modified, "size": getattr(spec, "file_size", 0) or 0,
+        return {"name": name, "model": name, "modified_at": modified, "size": 0 if spec is None else spec.file_size,
                 "digest": hashlib.sha256(f"{config.model_id}:{config.created}".encode()).hexdigest(),
                 "details": details()}
 
@@ -199,15 +203,15 @@ def routes(srv) -> list:
 
     async def show(request: Request) -> Response:
         await body_of(request)
-        spec = getattr(runtime.tokenizer, "spec", None)
+        spec = model_spec()
         tpl = srv.prep.template() if runtime.state == "ready" else None
         info = {}
         if spec is not None:
             info = {"general.architecture": spec.arch, "general.name": spec.name,
                     f"{spec.arch}.context_length": spec.n_ctx_train, f"{spec.arch}.embedding_length": spec.n_embd,
                     f"{spec.arch}.block_count": spec.n_layers}
-        return JSONResponse({"modelfile": f"FROM {os.path.basename(getattr(spec, 'path', '') or config.model_id)}\n",
-                             "parameters": "", "template": getattr(tpl, "source", ""), "details": details(),
+        return JSONResponse({"modelfile": f"FROM {os.path.basename(config.model_id if spec is None else spec.path)}\n",
+                             "parameters": "", "template": "" if tpl is None else tpl.source, "details": details(),
                              "model_info": info, "capabilities": ["completion", "embedding"],
                              "modified_at": card()["modified_at"]})
 

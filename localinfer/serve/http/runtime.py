@@ -341,7 +341,8 @@ class Runtime:
                   "kv_cells_used": self.metrics.gauge("kv_cells_used"),
                   "kv_host_tokens": self.metrics.gauge("kv_host_tokens"), "engine_steps": self.executor.steps,
                   "engine_step_seconds": self.executor.step_seconds,
-                  "engine_decode_seconds": self.executor.decode_seconds}
+                  "engine_decode_seconds": self.executor.decode_seconds,
+                  "admissions": s.admissions, "preemptions": s.preemptions}
         if s.drafter is not None:
             values.update(spec_draft_tokens=s.drafter.drafted, spec_accepted_tokens=s.drafter.accepted)
         if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait

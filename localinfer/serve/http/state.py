@@ -38,10 +38,7 @@ class EngineWatch:
         self._read_at = -1e9                       # time.monotonic() of the last page read
         self._steps: deque[dict] = deque(maxlen=STEPS_KEPT)
         self._finished: deque[dict] = deque(maxlen=FINISHED_KEPT)
-        self._running: set[str] = set()
-        self._admitted_now: list[str] = []         # admitted since the last step record
-        self._preempted_now: list[str] = []
-        self.admissions = self.preemptions = self.output_done = 0
+        self.output_done = 0
         self._n_step = 0
         self._exec = (0, 0.0)                      # the executor's (steps, step seconds) at the last publish
         self._key = None                           # what the last snapshot saw (rebuilt only when it changes)
@@ -88,7 +85,6 @@ class EngineWatch:
         self.fresh.set()
 
     def _note_finished(self, r, reason) -> None:
-        self._running.discard(r.id)
         self.output_done += len(r.output)
         times = r.token_times
         self._finished.append({
@@ -102,16 +98,6 @@ class EngineWatch:
         engine, executor = runtime.engine, runtime.executor
         self._engine = engine
         sched = engine.scheduler
-        now_running = {r.id for r in sched.running}
-        for rid in now_running - self._running:
-            self.admissions += 1
-            self._admitted_now.append(rid)
-        for rid in self._running - now_running:
-            r = sched.requests.get(rid)
-            if r is not None and r.preemptions and not r.finished and r not in sched.running:
-                self.preemptions += 1
-                self._preempted_now.append(rid)
-        self._running = now_running
         watched = self.watched
         if engine.records is None and watched:
             engine.records = []                    # Engine appends a StepRecord per step while this is a list
@@ -120,7 +106,6 @@ class EngineWatch:
         d_steps, d_seconds = steps - self._exec[0], seconds - self._exec[1]
         self._exec = (steps, seconds)
         if not watched:
-            self._admitted_now, self._preempted_now = [], []
             return
         for rec in records or ():
             self._record(runtime, rec, d_seconds if len(records) == 1 and d_steps == 1 else None)
@@ -147,8 +132,7 @@ class EngineWatch:
             "budget": sched.config.token_budget, "chunks": chunks,
             "measured_s": measured_s, "wall_s": rec.end_s - rec.start_s,
             "predicted_s": rec.predicted_s,      # the step model's, made before the step ran
-            "admitted": [_short(x) for x in self._admitted_now], "preempted": [_short(x) for x in self._preempted_now]})
-        self._admitted_now, self._preempted_now = [], []
+            "admitted": [_short(x) for x in rec.admitted], "preempted": [_short(x) for x in rec.preempted]})
 
     def _build(self, runtime) -> dict:
         engine, sched, blocks = runtime.engine, runtime.engine.scheduler, runtime.engine.blocks
@@ -157,7 +141,7 @@ class EngineWatch:
         index = {r.id: i for i, r in enumerate(live)}
         requests = [self._request(runtime, r, now, blocks) for r in live]
         grid, counts = _grid(blocks, index)
-        model = getattr(runtime.step_model, "model", runtime.step_model)
+        model = None if runtime.step_model is None else runtime.step_model.model     # the fitted LinearStepModel
         cfg = sched.config
         return {
             "config": {"parallel": cfg.max_running, "max_queue": runtime.config.max_queue,
@@ -173,11 +157,10 @@ class EngineWatch:
                        "blocks": sum(len(v) for v in blocks.parked.values())},
             "steps": list(self._steps),
             "finished": list(self._finished),
-            "counts": {"admissions": self.admissions, "preemptions": self.preemptions,
+            "counts": {"admissions": sched.admissions, "preemptions": sched.preemptions,
                        "output_tokens": self.output_done + sum(len(r.output) for r in live)},
             "step_model": None if model is None else {
-                "fixed_s": getattr(model, "fixed_s", None), "per_token_s": getattr(model, "per_token_s", None),
-                "per_pair_s": getattr(model, "per_pair_s", None)},
+                "fixed_s": model.fixed_s, "per_token_s": model.per_token_s, "per_pair_s": model.per_pair_s},
             "clock_s": now,
             "metrics": metric_samples(runtime.metrics),
         }

@@ -74,7 +74,7 @@
     stat(box, "s-used", "KV blocks in use", metric(m, "localinfer_kv_blocks_used"));
     stat(box, "s-parked", "parked requests", metric(m, "localinfer_kv_sequences_parked"));
     stat(box, "s-steps", "steps", metric(m, "localinfer_engine_steps_total"));
-    stat(box, "s-admissions", "admissions (seen)", snap.counts.admissions);
+    stat(box, "s-admissions", "admissions", snap.counts.admissions);
     stat(box, "s-preemptions", "preemptions", metric(m, "localinfer_preemptions_total"));
     stat(box, "s-hit", "prefix-cache hit rate", prompt ? LI.fmt(100 * hit / prompt, 1) + "%" : "–");
     const itl = last("itl");
