@@ -35,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
     g.add_argument("-fa", "--flash-attn", dest="flash_attn", default=None, choices=("on", "off", "auto"),
                    help="flash attention (default: on when V is quantized, else the backend's choice)")
     g.add_argument("-ngl", "--gpu-layers", dest="n_gpu_layers", type=int, default=None, metavar="N",
-                   help="layers on the accelerator (-1: all)")
+                   help="layers on the accelerator, the output layer counted as one (-1: all)")
     g.add_argument("-t", "--threads", dest="n_threads", type=int, default=None, metavar="N", help="CPU threads")
     g.add_argument("-b", "--batch", dest="n_batch", type=int, default=None, metavar="N", help="prompt tokens per eval")
     g.add_argument("-ub", "--ubatch", dest="n_ubatch", type=int, default=None, metavar="N",
