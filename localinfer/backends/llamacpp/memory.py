@@ -128,14 +128,9 @@ def llama_kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: 
     return sum(sum(llama_kv_layer_bytes(spec, il, cells, type_k, type_v)) for il in attention_layers(spec, layers))
 
 
-def _pool(kind: str, on_device: bool) -> str:
-    return "device" if kind == "cpu" or on_device else "host"
-
-
-def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown, LlamaCells]:
-    """Every memory term of ``req`` on ``device`` as llama.cpp allocates it, with its formula."""
-    kind = device.kind
-    ngl = 0 if kind == "cpu" else req.n_gpu_layers
+def llama_geometry(spec: ModelSpec, req: FitRequest) -> tuple[LlamaCells, int, int]:
+    """(KV cells, n_ubatch, logit rows of the worst-case ubatch) llama.cpp uses for ``req``: n_batch is at most
+    n_ctx, n_ubatch at most n_batch (and the sliding-window cells follow the n_ubatch it ends up with)."""
     cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified,
                         swa_full=req.swa_full)
     n_batch = min(cells.n_ctx, req.n_batch)
@@ -144,6 +139,18 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
         cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified,
                             swa_full=req.swa_full)
     n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
+    return cells, n_ubatch, n_outputs
+
+
+def _pool(kind: str, on_device: bool) -> str:
+    return "device" if kind == "cpu" or on_device else "host"
+
+
+def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown, LlamaCells]:
+    """Every memory term of ``req`` on ``device`` as llama.cpp allocates it, with its formula."""
+    kind = device.kind
+    ngl = 0 if kind == "cpu" else req.n_gpu_layers
+    cells, n_ubatch, n_outputs = llama_geometry(spec, req)
     terms: list[Term] = []
     unified = device.unified or kind == "cpu"
     wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features, repack=req.repack,

@@ -22,7 +22,7 @@ from itertools import combinations
 
 import numpy as np
 
-from localinfer.backends.llamacpp.memory import llama_cells, llama_kv_layer_bytes, output_bytes
+from localinfer.backends.llamacpp.memory import llama_geometry, llama_kv_layer_bytes, output_bytes
 from localinfer.backends.llamacpp.placement import _groups, offloaded_units, rope_once
 from localinfer.backends.llamacpp.split_compute import split_compute
 from localinfer.backends.memory import FitRequest
@@ -47,18 +47,6 @@ def unit_devices(n_layer: int, n_gpu_layers: int, shares) -> tuple[int, ...]:
         x = np.float32(j) / np.float32(len(units))
         out[il] = min(int(np.searchsorted(points, x, side="right")), len(shares) - 1)
     return tuple(out)
-
-
-def _geometry(spec: ModelSpec, req: FitRequest):
-    cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified,
-                        swa_full=req.swa_full)
-    n_batch = min(cells.n_ctx, req.n_batch)
-    n_ubatch = min(n_batch, req.n_ubatch)
-    if n_ubatch != req.n_ubatch:
-        cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified,
-                            swa_full=req.swa_full)
-    n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
-    return cells, n_ubatch, n_outputs
 
 
 def _unit_bytes(spec: ModelSpec, kind: str) -> dict:
@@ -104,7 +92,7 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
         tuple(float(d.free) for d in devices)
     n = spec.n_layers
     units = unit_devices(n, req.n_gpu_layers, used)
-    cells, n_ubatch, n_outputs = _geometry(spec, req)
+    cells, n_ubatch, n_outputs = llama_geometry(spec, req)
     full = len(offloaded_units(n, req.n_gpu_layers)) > n
     pipeline = len(devices) > 1 and full and all(d.async_events for d in devices)
 
@@ -145,7 +133,7 @@ def _greedy_counts(spec: ModelSpec, devices, req: FitRequest, reserve: list[int]
     the last device cannot take the rest."""
     n = spec.n_layers
     order = [u if u < n else "out" for u in offloaded_units(n, req.n_gpu_layers)]
-    cells, _, _ = _geometry(spec, req)
+    cells, _, _ = llama_geometry(spec, req)
     kv = {il: sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v)) for il in range(n)}
     counts, pos = [], 0
     for i, d in enumerate(devices):
