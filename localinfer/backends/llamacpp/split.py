@@ -92,7 +92,7 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
         tuple(float(d.free) for d in devices)
     n = spec.n_layers
     units = unit_devices(n, req.n_gpu_layers, used)
-    cells, n_ubatch, n_outputs = llama_geometry(spec, req)
+    cells, graphs = llama_geometry(spec, req)
     full = len(offloaded_units(n, req.n_gpu_layers)) > n
     pipeline = len(devices) > 1 and full and all(d.async_events for d in devices)
 
@@ -102,10 +102,11 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
 
     computes = [0] * (len(devices) + 1)
     if compute:
-        computes = split_compute(spec, backend, [d.kind for d in devices], n_kv=cells.cells_base,
-                                 n_ubatch=n_ubatch, n_outputs=n_outputs, flash_attn=req.flash_attn_on,
-                                 n_kv_swa=cells.cells_swa, type_k=req.type_k, type_v=req.type_v,
-                                 pipeline=pipeline, pin_norms=full)
+        each = [split_compute(spec, backend, [d.kind for d in devices], n_kv=cells.cells_base, n_ubatch=tokens,
+                              n_outputs=rows, flash_attn=req.flash_attn_on, n_kv_swa=cells.cells_swa,
+                              type_k=req.type_k, type_v=req.type_v, pipeline=pipeline, pin_norms=full)
+                for tokens, rows in graphs]
+        computes = [max(sizes) for sizes in zip(*each)]          # each backend's buffer keeps the largest
     kv = [0] * (len(devices) + 1)
     for il in range(n):
         kv[backend(il)] += sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
@@ -133,7 +134,7 @@ def _greedy_counts(spec: ModelSpec, devices, req: FitRequest, reserve: list[int]
     the last device cannot take the rest."""
     n = spec.n_layers
     order = [u if u < n else "out" for u in offloaded_units(n, req.n_gpu_layers)]
-    cells, _, _ = llama_geometry(spec, req)
+    cells, _ = llama_geometry(spec, req)
     kv = {il: sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v)) for il in range(n)}
     counts, pos = [], 0
     for i, d in enumerate(devices):
