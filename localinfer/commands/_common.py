@@ -35,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
     g.add_argument("-fa", "--flash-attn", dest="flash_attn", default=None, choices=("on", "off", "auto"),
                    help="flash attention (default: on when V is quantized, else the backend's choice)")
     g.add_argument("-ngl", "--gpu-layers", dest="n_gpu_layers", type=int, default=None, metavar="N",
-                   help="layers on the accelerator (-1: all)")
+                   help="layers on the accelerator, the output layer counted as one (-1: all)")
     g.add_argument("-t", "--threads", dest="n_threads", type=int, default=None, metavar="N", help="CPU threads")
     g.add_argument("-b", "--batch", dest="n_batch", type=int, default=None, metavar="N", help="prompt tokens per eval")
     g.add_argument("-ub", "--ubatch", dest="n_ubatch", type=int, default=None, metavar="N",
@@ -236,7 +236,7 @@ def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):
     plan = plan_from(args, path, spec, **overrides)
     backend = backend_name(args)
     result = check_fit(spec, plan, backend, args.force)
-    args.split_fit = result if plan.options.get("rpc") or plan.options.get("tensor_split") else None
+    args.fit_check = (spec, plan, result)        # device_report's prediction, made when asked for
     if not quiet:
         print(f"loading {os.path.basename(str(path))} ({backend}, ctx {plan.n_ctx}, KV {plan.type_k}/{plan.type_v})...",
               file=sys.stderr, flush=True)
@@ -244,24 +244,37 @@ def load(args: argparse.Namespace, *, quiet: bool = False, **overrides):
     return engine, spec, plan, backend
 
 
-def split_report(args: argparse.Namespace, engine) -> list[dict] | None:
-    """Per device: what llama.cpp allocated (its log) beside the split check's prediction (--rpc runs)."""
-    sf = getattr(args, "split_fit", None)
-    if sf is None:
-        return None
-    from localinfer.backends.llamacpp.rpc import reported_by_device
+def predicted_devices(spec, plan: LoadPlan, fit) -> list[dict] | None:
+    """Per device, the bytes the fit check predicts llama.cpp allocates for ``plan`` as it is loaded: the split's
+    devices and the host (``fit`` a SplitFit), else the device ``fit`` checked (a CPU alone is one row).  None
+    when llama.cpp is not the backend (``allocated`` rows: weights, kv, compute)."""
+    from localinfer.backends.llamacpp import allocated
+    from localinfer.backends.registry import memory_model
+    from localinfer.plan.split import SplitFit
 
-    reported = reported_by_device(engine.load_log())
-    sb = sf.breakdown
-    rows = [{"device": d.name, "layers": list(d.layers), "output": d.output,
-             "predicted": {"weights": d.weights, "kv": d.kv, "compute": d.compute},
-             "reported": reported.get(d.name)} for d in sb.devices]
-    host = {"weights": sum(r["weights"] for n, r in reported.items() if n.startswith("CPU")),
-            "kv": sum(r["kv"] for n, r in reported.items() if n.startswith("CPU")),
-            "compute": sum(r["compute"] for n, r in reported.items() if n.startswith("CPU"))}
-    rows.append({"device": "host CPU", "predicted": {"weights": sum(sb.host_weights.values()), "kv": sb.host_kv,
-                                                     "compute": sb.host_compute}, "reported": host})
-    return rows
+    model, req = memory_model("llama.cpp"), plan_request(spec, plan)
+    if isinstance(fit, SplitFit):
+        if req == fit.request:
+            return allocated.predicted_split(fit.breakdown)
+        from localinfer.devices.profiles import local_device
+
+        return allocated.predicted_split(model.split(spec, fit.devices, req, plan.options.get("tensor_split"),
+                                                     cpu_features=local_device().cpu_features))
+    if fit is None or fit.request.backend != "llama.cpp":
+        return None
+    return allocated.predicted_terms(model.breakdown(spec, fit.device, req)[0])
+
+
+def device_report(args: argparse.Namespace, engine) -> list[dict] | None:
+    """Per device: what llama.cpp allocated (its log) beside the fit check's prediction (llama.cpp runs)."""
+    if getattr(args, "fit_check", None) is None or not hasattr(engine, "load_log"):
+        return None
+    predicted = predicted_devices(*args.fit_check)
+    if predicted is None:
+        return None
+    from localinfer.backends.llamacpp.allocated import with_reported
+
+    return with_reported(predicted, engine.load_log())
 
 
 def template_from(args: argparse.Namespace, engine, spec):

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device profile(s) to check (default: this machine and every profile)")
     parser.add_argument("--all", action="store_true", help="this machine and every profile (the default)")
     parser.add_argument("-ngl", "--gpu-layers", type=int, default=-1, metavar="N",
-                        help="repeating layers on the accelerator (-1: all, the default)")
+                        help="layers on the accelerator, the output layer counted as one and offloaded first, as llama.cpp "
+                             "(-1: all, the default)")
     parser.add_argument("-ub", "--ubatch", type=int, default=512, metavar="N", help="llama.cpp -ub (default 512)")
     from localinfer.backends.registry import DEFAULT_BACKEND, names
 

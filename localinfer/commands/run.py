@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
         memory = engine.memory()
-        devices = _common.split_report(args, engine)
+        devices = _common.device_report(args, engine)
     tm = chunk.timings
     if args.json:
         out = {

@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     _need_server_packages()
     from localinfer.serve.http.app import LOOPBACK_NAMES, AppConfig
+    from localinfer.serve.http.metrics import Metrics
     from localinfer.serve.http.runtime import Runtime
 
     key = _check(args)
@@ -280,8 +281,9 @@ def _run(args: argparse.Namespace) -> int:
         from localinfer.backends.llamacpp.memory import outputs_cap
 
         plan = plan.with_(options={**plan.options, "n_outputs_max": outputs_cap(plan.with_(n_seq=config.n_slots))})
-    _common.check_fit(spec, plan, backend, args.force)
+    fit = _common.check_fit(spec, plan, backend, args.force)
     plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
+    predicted = _common.predicted_devices(spec, plan, fit) if backend == "llama.cpp" else None
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
     hosts = {*LOOPBACK_NAMES, socket.gethostname().lower(), *(h.lower() for h in args.allow_host)}
     if args.host not in ("0.0.0.0", "::"):
@@ -294,8 +296,20 @@ def _run(args: argparse.Namespace) -> int:
                            allowed_origins=origins(args.allowed_origins), strict_model_names=args.strict_model_names,
                            default_max_tokens=args.default_max_tokens, show_prompts=args.show_prompts,
                            template=_template_factory(args, spec), created=int(os.path.getmtime(path)), **timeouts)
-    runtime = Runtime(_executor_factory(backend, plan, args.parallel), config)
+    metrics = Metrics()
+    runtime = Runtime(_executor_factory(backend, plan, args.parallel, devices=_reporter(metrics, predicted)), config,
+                      metrics)
     return _serve(args, runtime, app_config, plan)
+
+
+def _reporter(metrics, predicted: list[dict] | None):
+    """What the executor factory calls once the model is loaded: each device's bytes as llama.cpp logged them,
+    beside the prediction, into /metrics (None: no prediction to report beside)."""
+    if predicted is None:
+        return None
+    from localinfer.backends.llamacpp.allocated import with_reported
+
+    return lambda executor: metrics.set_devices(with_reported(predicted, executor.vocab.load_log()))
 
 
 def serve_config(args, n_batch: int):
@@ -313,12 +327,22 @@ def serve_config(args, n_batch: int):
                              **({} if args.decode_share is None else {"decode_share": args.decode_share}))
 
 
-def _executor_factory(backend: str, plan, parallel: int):
+def _executor_factory(backend: str, plan, parallel: int, devices=None):
     """What the engine thread calls to load: the backend's serving executor over the plan (``--parallel`` of its
-    ids run at once; the rest park finished requests' KV where the backend does that)."""
+    ids run at once; the rest park finished requests' KV where the backend does that); ``devices(executor)``
+    is told when it is open."""
     from localinfer.backends import registry
 
-    return lambda: registry.open_executor(plan, backend, running=parallel)
+    def open_executor():
+        executor = registry.open_executor(plan, backend, running=parallel)
+        if devices is not None:
+            try:
+                devices(executor)
+            except BaseException:
+                executor.close()
+                raise
+        return executor
+    return open_executor
 
 
 def open_llamacpp(plan, *, park_host: bool = True):

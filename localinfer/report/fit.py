@@ -73,7 +73,8 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
             elif r.offload is None and r.supported:
                 lines.append("  nothing fits: not even the weights")
         if r.offload is not None:
-            lines.extend(_wrap(f"keep {r.offload.gpu_layers} of {spec.n_layers} layers on the accelerator "
+            lines.extend(_wrap(f"keep {r.offload.gpu_layers} of {spec.n_layers + 1} layers (the output layer "
+                               "counts as one) on the accelerator "
                                f"(-ngl {r.offload.gpu_layers}); the host holds {_g(r.offload.host_bytes)} "
                                "(layers left behind, embeddings, output buffer)", "  "))
         if r.kv_type and r.kv_type != req.type_k:

@@ -1,7 +1,8 @@
 """A model split across two loopback llama.cpp RPC workers (1 thread each): fit's bytes per device equal what
 llama.cpp allocates, for the default split, uneven --tensor-splits and a partial -ngl, on the embedded model,
 a MoE, a model with an untied output, Q/K/V biases, per-layer rope_freqs with a tied output, and gemma3's
-sliding-window layers, with quantized KV and without flash attention; greedy output equals the local run."""
+sliding-window layers, with quantized KV, without flash attention and with sequences that do not divide the
+ubatch; greedy output equals the local run."""
 
 import json
 import os
@@ -68,7 +69,11 @@ def _predict(path: str, endpoints: list[str], case: dict):
                            cpu_features=setup.host.cpu_features)
 
 
-MORE = {"smollm2": [{"n_ctx": 512, "type_k": "q8_0", "type_v": "q8_0"}, {"n_ctx": 512, "flash_attn": False}],
+MORE = {"smollm2": [{"n_ctx": 512, "type_k": "q8_0", "type_v": "q8_0"}, {"n_ctx": 512, "flash_attn": False},
+                    # 3 sequences: the graph llama.cpp reserves has 513 tokens (a multiple of n_seq_max); 10 of
+                    # them with -ub 8: the decode graph (10 tokens, 10 logit rows) is the larger one
+                    {"n_ctx": 768, "n_seq": 3}, {"n_ctx": 2560, "n_seq": 10, "n_ubatch": 8, "n_batch": 8,
+                                                 "tensor_split": [1, 3]}],
         "qwen2-bias": [{"n_ctx": 512}, {"n_ctx": 512, "tensor_split": [3, 1]}],
         "llama-rope-freqs-tied": [{"n_ctx": 512}, {"n_ctx": 512, "n_gpu_layers": 2}],
         "gemma3-iswa": [{"n_ctx": 2048}, {"n_ctx": 1024, "tensor_split": [1, 2]}]}

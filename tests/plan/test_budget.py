@@ -129,8 +129,12 @@ def test_output_buffer(tiny):
 # ---- weight placement ---------------------------------------------------------------------
 
 def test_layer_split_rules():
-    assert gpu_layer_start(36, -1) == 0 and gpu_layer_start(36, 10) == 26 and gpu_layer_start(36, 99) == 0
-    assert output_on_gpu(36, 37) and not output_on_gpu(36, 36) and output_on_gpu(36, -1)
+    """-ngl N offloads the last N of the 37 units (36 blocks, then the output layer): llama-model.cpp's
+    i_gpu_start = n_layer + 1 - N; tests/backends/test_rpc_ngl.py checks it against llama.cpp's allocations."""
+    assert gpu_layer_start(36, -1) == 0 and gpu_layer_start(36, 10) == 27 and gpu_layer_start(36, 99) == 0
+    assert gpu_layer_start(36, 36) == 1 and gpu_layer_start(36, 37) == 0
+    assert gpu_layer_start(36, 1) == 36 and gpu_layer_start(36, 0) == 36          # no block offloaded
+    assert output_on_gpu(36, 1) and output_on_gpu(36, 36) and output_on_gpu(36, -1) and not output_on_gpu(36, 0)
 
 
 def test_repack_rules():
@@ -159,10 +163,13 @@ def test_partial_offload_is_exact_by_layer(tiny_f16):
     assert "CUDA0 model" not in none.buffers and none.n_gpu_layers == 0
     embd = tiny_f16.tensor("token_embd.weight").n_bytes
     assert full.tensor_bytes["CPU_Mapped model"] == embd          # the input layer stays on the host
-    for ngl in range(5):
+    output = full.buffers["CUDA0 model"] - sum(tiny_f16.layer_bytes)
+    assert output > 0
+    for ngl in range(1, 5):                   # the output layer goes first, then the blocks from the last one
         wp = weight_placement(tiny_f16, "cuda", ngl)
-        layers = sum(tiny_f16.layer_bytes[4 - ngl:])
-        assert wp.n_gpu_layers == ngl and wp.buffers.get("CUDA0 model", 0) == layers   # f16: no row padding
+        layers = sum(tiny_f16.layer_bytes[5 - ngl:])
+        assert wp.output_on_device and wp.n_gpu_layers == ngl - 1
+        assert wp.buffers["CUDA0 model"] == layers + output                            # f16: no row padding
     five = weight_placement(tiny_f16, "cuda", 5)
     assert five.output_on_device and five.buffers == full.buffers
 

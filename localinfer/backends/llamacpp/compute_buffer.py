@@ -3,9 +3,9 @@
 llama.cpp sizes the compute buffer by building the worst-case graph (a full
 ``n_ubatch`` of tokens, ``min(n_ubatch, n_outputs_max)`` logit rows, the whole
 KV cache visible) and running ggml's graph allocator over it: tensors are
-placed first-fit-by-size in a growing arena, freed after their last consumer,
+placed best-fit in a growing arena, freed after their last consumer,
 and some ops (norms, adds, rope, softmax...) write in place over a parent that
-has no other consumer.  The buffer is the arena's high-water mark, holes
+has no other consumer (:mod:`.gallocr`).  The buffer is the arena's high-water mark, holes
 included — which is why no closed formula gets it right.
 
 This module builds the same node sequence for llama-style decoders (llama,
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from localinfer.backends.llamacpp.gallocr import replay
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
@@ -262,104 +263,10 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     return g
 
 
-def _replay(g: _Graph, align: int, sizes: list[int] | None = None) -> int:
-    """ggml_gallocr over the graph: returns the arena's high-water mark in bytes."""
-    size = g.size if sizes is None else sizes
-    n = len(g.size)
-    children = [0] * n
-    views = [0] * n
-    allocated = [False] * n
-    offset = [0] * n
-    blocks: list[list[int]] = [[0, 1 << 62]]   # free blocks sorted by offset; the last one is the tail
-    high = 0
-
-    def pad(x: int) -> int:
-        return -(-x // align) * align
-
-    def take(size: int) -> int:
-        nonlocal high
-        size = pad(size)
-        best, best_size = -1, None
-        for i in range(len(blocks) - 1):
-            s = blocks[i][1]
-            if s >= size and (best_size is None or s <= best_size):
-                best, best_size = i, s
-        if best < 0:
-            best = len(blocks) - 1
-        off = blocks[best][0]
-        blocks[best][0] += size
-        blocks[best][1] -= size
-        if blocks[best][1] == 0:
-            del blocks[best]
-        high = max(high, off + size)
-        return off
-
-    def give(off: int, size: int) -> None:
-        size = pad(size)
-        for i, (o, s) in enumerate(blocks):
-            if o + s == off:
-                blocks[i][1] += size
-                if i + 1 < len(blocks) and blocks[i][0] + blocks[i][1] == blocks[i + 1][0]:
-                    blocks[i][1] += blocks[i + 1][1]
-                    del blocks[i + 1]
-                return
-            if off + size == o:
-                blocks[i] = [off, s + size]
-                if i > 0 and blocks[i - 1][0] + blocks[i - 1][1] == off:
-                    blocks[i - 1][1] += blocks[i][1]
-                    del blocks[i]
-                return
-        j = 0
-        while j < len(blocks) and blocks[j][0] < off:
-            j += 1
-        blocks.insert(j, [off, size])
-
-    def alloc(t: int) -> None:
-        if allocated[t] or g.flags[t] & 4 or g.view_src[t] is not None:
-            return
-        allocated[t] = True
-        if g.op[t] in _INPLACE:
-            for p in g.src[t]:
-                if not allocated[p] or g.flags[p] & 2 or g.layout[p] != g.layout[t]:
-                    continue
-                if children[p] != 1 or views[p] != 0:
-                    continue
-                offset[t] = offset[p]
-                allocated[p] = False
-                extra = pad(size[p]) - pad(size[t])
-                if extra > 0:
-                    give(offset[t] + pad(size[t]), extra)
-                return
-        offset[t] = take(size[t])
-
-    def free(t: int) -> None:
-        if g.flags[t] & 2:
-            return
-        give(offset[t], size[t])
-        allocated[t] = False
-
-    for t in g.leafs:
-        alloc(t)
-    for t in g.nodes:
-        if g.view_src[t] is not None:
-            views[g.view_src[t]] += 1
-        for s in g.src[t]:
-            children[s] += 1
-    for t in g.nodes:
-        for s in g.src[t]:
-            alloc(s)
-        alloc(t)
-        for s in g.src[t]:
-            children[s] -= 1
-            if children[s] == 0 and views[s] == 0:
-                vs = g.view_src[s]
-                if vs is not None:
-                    views[vs] -= 1
-                    if views[vs] == 0 and children[vs] == 0 and allocated[vs]:
-                        free(vs)
-                elif allocated[s]:
-                    free(s)
-    return high
+def _replay(g: _Graph, align: int, sizes: list[int]) -> int:
+    """ggml_gallocr over the graph on one backend: the arena's high-water mark in bytes."""
+    return replay([align], g.leafs, g.nodes, [0] * len(sizes), g.flags, g.src, g.view_src, sizes, g.layout,
+                  lambda t: g.op[t] in _INPLACE)[0]
 
 
 _BIG = 1_000_003   # a prime no model dimension equals: shapes built with it never collide by accident

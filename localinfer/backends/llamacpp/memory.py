@@ -9,7 +9,7 @@ hold pad(min(cells, window + n_ubatch), 256).  Weights follow
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from localinfer.backends.llamacpp.compute_buffer import compute_estimate
 from localinfer.backends.llamacpp.placement import gpu_layer_start, weight_placement
@@ -128,14 +128,14 @@ def llama_kv_bytes(spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: 
     return sum(sum(llama_kv_layer_bytes(spec, il, cells, type_k, type_v)) for il in attention_layers(spec, layers))
 
 
-def _pool(kind: str, on_device: bool) -> str:
-    return "device" if kind == "cpu" or on_device else "host"
+def llama_geometry(spec: ModelSpec, req: FitRequest) -> tuple[LlamaCells, tuple[tuple[int, int], ...]]:
+    """KV cells, and the (tokens, logit rows) of each worst-case graph llama.cpp reserves compute memory for
+    (llama-context.cpp, ``sched_reserve``; the buffers keep the largest of them).
 
-
-def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown, LlamaCells]:
-    """Every memory term of ``req`` on ``device`` as llama.cpp allocates it, with its formula."""
-    kind = device.kind
-    ngl = 0 if kind == "cpu" else req.n_gpu_layers
+    n_batch is at most n_ctx and n_ubatch at most n_batch (the sliding-window cells follow the n_ubatch it ends
+    up with).  The prompt graph has min(n_ubatch, n_outputs_max) logit rows and n_ubatch tokens rounded up to a
+    multiple of the sequences (``graph_reserve``: an equal share for each of n_seq_max); the decode graph, a
+    token and a logit row per sequence, is listed only when it has more rows than the prompt graph."""
     cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified,
                         swa_full=req.swa_full)
     n_batch = min(cells.n_ctx, req.n_batch)
@@ -144,6 +144,19 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
         cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified,
                             swa_full=req.swa_full)
     n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
+    graphs = ((pad_to(n_ubatch, req.n_seq), n_outputs),)
+    return cells, graphs + (((req.n_seq, req.n_seq),) if req.n_seq > n_outputs else ())
+
+
+def _pool(kind: str, on_device: bool) -> str:
+    return "device" if kind == "cpu" or on_device else "host"
+
+
+def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown, LlamaCells]:
+    """Every memory term of ``req`` on ``device`` as llama.cpp allocates it, with its formula."""
+    kind = device.kind
+    ngl = 0 if kind == "cpu" else req.n_gpu_layers
+    cells, graphs = llama_geometry(spec, req)
     terms: list[Term] = []
     unified = device.unified or kind == "cpu"
     wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features, repack=req.repack,
@@ -180,9 +193,13 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
     terms.append(Term("output", "output buffer (logits)", output_bytes(spec, req.n_seq), _pool(kind, False),
                       f"n_vocab {spec.vocab_size} × n_seq {req.n_seq} × 4 B (float32 logits)", "CPU output"))
     gpu_layers = 0 if start >= spec.n_layers else spec.n_layers - start
-    ce = compute_estimate(spec, n_kv=cells.cells_base, n_ubatch=n_ubatch, n_outputs=n_outputs,
-                          flash_attn=req.flash_attn_on, kind=kind, gpu_layers=gpu_layers,
-                          type_k=req.type_k, type_v=req.type_v, n_kv_swa=cells.cells_swa)
+    ces = [compute_estimate(spec, n_kv=cells.cells_base, n_ubatch=tokens, n_outputs=rows,
+                            flash_attn=req.flash_attn_on, kind=kind, gpu_layers=gpu_layers,
+                            type_k=req.type_k, type_v=req.type_v, n_kv_swa=cells.cells_swa) for tokens, rows in graphs]
+    ce = ces[0]
+    if len(ces) > 1:
+        ce = replace(ce, device=max(c.device for c in ces), host=max(c.host for c in ces),
+                     formula=ce.formula + f"; or the decode graph ({req.n_seq} tokens and logit rows), if larger")
     terms.append(Term("compute", "compute buffer", ce.device, "device", ce.formula, f"{dev} compute"))
     if ce.host:
         terms.append(Term("compute", "compute buffer (host)", ce.host, "host", ce.host_formula, "CPU compute"))
@@ -285,10 +302,11 @@ class LlamaCppMemory:
 
     def load_request(self, plan) -> dict:
         """FitRequest fields a LoadPlan implies: logit rows per decode, load mode, repacking, llama-cpp-python's
-        swa_full."""
+        swa_full, one KV stream for all sequences (serve's unified cache)."""
         o = plan.options
         return {"n_outputs_max": outputs_cap(plan), "mmap": bool(o.get("mmap", True)), "mlock": bool(o.get("mlock")),
-                "repack": bool(o.get("repack", True)), "swa_full": bool(o.get("swa_full", True))}
+                "repack": bool(o.get("repack", True)), "swa_full": bool(o.get("swa_full", True)),
+                "kv_unified": bool(o.get("kv_unified"))}
 
     def load_variants(self, spec, device, req) -> tuple[tuple[str, dict], ...]:
         """On a CPU device: the four load modes, and repacking switched, where llama.cpp repacks."""

@@ -1,9 +1,11 @@
 """Where llama.cpp puts each weight tensor, and the buffers that come out of it.
 
-llama.cpp's layer split (``-ngl N``): the input layer (token embedding) always
-stays on the CPU; of the ``n_layer`` repeating blocks the *last* N go to the
-accelerator; the output layer (``output_norm``, ``output``) goes too only when
-N > n_layer.  Buffers then follow the backend:
+llama.cpp's layer split (``-ngl N``, llama-model.cpp ``load_tensors``): the
+input layer (token embedding) always stays on the CPU; the ``n_layer``
+repeating blocks and then the output layer (``output_norm``, ``output``) are
+``n_layer + 1`` units, of which the *last* N go to the accelerator — so
+``-ngl 1`` offloads the output layer alone, ``-ngl n_layer`` all but block 0,
+and ``-ngl n_layer + 1`` (or -1) everything.  Buffers then follow the backend:
 
 * mmap'd host tensors are not copied: ``CPU_Mapped`` (and ``Metal_Mapped``) is
   the file range from the first to the last byte of the tensors in it;
@@ -48,15 +50,36 @@ REPACK_RULES: dict[str, dict[str, int]] = {
 }
 
 
+def offloaded_units(n_layer: int, n_gpu_layers: int) -> range:
+    """Units llama.cpp offloads for ``-ngl n_gpu_layers`` (negative: all): layers are 0..n_layer-1, the output
+    layer is unit ``n_layer``; the last ``min(ngl, n_layer + 1)`` units (``i_gpu_start = n_layer + 1 − ngl``)."""
+    ngl = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
+    return range(max(n_layer + 1 - ngl, 0), n_layer + 1)
+
+
 def gpu_layer_start(n_layer: int, n_gpu_layers: int) -> int:
-    """First repeating layer on the accelerator for ``-ngl n_gpu_layers`` (negative: all)."""
-    if n_gpu_layers < 0:
-        return 0
-    return max(n_layer - n_gpu_layers, 0)
+    """First repeating layer on the accelerator (``n_layer``: none) for ``-ngl n_gpu_layers``."""
+    return min(offloaded_units(n_layer, n_gpu_layers).start, n_layer)
 
 
 def output_on_gpu(n_layer: int, n_gpu_layers: int) -> bool:
-    return n_gpu_layers < 0 or n_gpu_layers > n_layer
+    """Whether the output layer is offloaded: by every ``-ngl`` but 0 (it is the first unit to go)."""
+    return len(offloaded_units(n_layer, n_gpu_layers)) > 0
+
+
+def rope_once(spec: ModelSpec, kind: str, n_layers_here: int) -> int:
+    """Bytes to take back from the sum over a device's layers when it holds ``n_layers_here`` of them.
+
+    Each layer's ``rope_freqs`` is a duplicate of layer 0's, and the loader hands back a duplicate already in
+    the same buffer type's context (llama-model-loader.cpp, ``TENSOR_DUPLICATED``): a device allocates it once,
+    so every layer but its first gives its copy back."""
+    rope = spec.tensor("rope_freqs.weight")
+    if rope is None or n_layers_here < 2:
+        return 0
+    if kind == "cuda":
+        return (n_layers_here - 1) * pad_to(cuda_alloc_size(rope.type.name, tuple(rope.shape), rope.n_bytes),
+                                            CUDA_ALIGN)
+    return (n_layers_here - 1) * pad_to(rope.n_bytes, CPU_ALIGN)
 
 
 def repackable(type_name: str, shape: tuple[int, ...], cpu_features: tuple[str, ...]) -> bool:
@@ -99,11 +122,11 @@ def place_tensors(spec: ModelSpec, n_gpu_layers: int) -> list[Placed]:
     for t in spec.tensors:
         m = _LAYER_RE.match(t.name)
         if m:
-            gpu = int(m.group(1)) >= start and n_gpu_layers != 0
+            gpu = int(m.group(1)) >= start
         elif t.name.startswith(_INPUT_PREFIXES):
             gpu = False
         elif t.name.startswith("rope_freqs"):
-            gpu = start < n and n_gpu_layers != 0 and start == 0
+            gpu = start == 0
         else:
             gpu = out_gpu
         matmul = len(t.shape) >= 2 and not t.name.startswith(_INPUT_PREFIXES) and "norm" not in t.name
@@ -116,7 +139,7 @@ def place_tensors(spec: ModelSpec, n_gpu_layers: int) -> list[Placed]:
     if rope is not None:
         for il in range(1, n):
             placed.append(Placed(f"rope_freqs.weight (blk.{il})", rope.n_bytes, rope.offset, rope.type.name,
-                                 tuple(rope.shape), il >= start and n_gpu_layers != 0, False, duplicate=True))
+                                 tuple(rope.shape), il >= start, False, duplicate=True))
     return placed
 
 
@@ -234,7 +257,7 @@ def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:
 def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: tuple[str, ...],
                       mlock: bool = False) -> WeightPlacement:
     n = spec.n_layers
-    start = gpu_layer_start(n, ngl) if ngl else n
+    start = gpu_layer_start(n, ngl)
     out_gpu = kind != "cpu" and output_on_gpu(n, ngl)
     units = _groups(spec, feats)
 
@@ -268,14 +291,14 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
     if gpu:
         if kind == "cuda":
             name = "CUDA0 model"
-            buffers[name] = sum(g.cuda_alloc for g in gpu)
+            buffers[name] = sum(g.cuda_alloc for g in gpu) - rope_once(spec, kind, n - start)
             allocated += buffers[name]
         elif mmap:
             name = "Metal_Mapped model"
             mapped(name, gpu, whole=True)
         else:
             name = "Metal model"
-            buffers[name] = sum(g.cpu_alloc + g.dup_alloc for g in gpu)
+            buffers[name] = sum(g.cpu_alloc + g.dup_alloc for g in gpu) - rope_once(spec, kind, n - start)
             allocated += buffers[name]
         device.append(name)
     if plain:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes as C
 import os
-import re
 import sys
 import threading
 import time
@@ -199,25 +198,6 @@ def device_array(devs: list[Device]):
     """A NULL-terminated ``ggml_backend_dev_t`` array for ``llama_model_params.devices`` (keep it alive)."""
     arr = (C.c_void_p * (len(devs) + 1))(*[d.handle for d in devs], None)
     return arr
-
-
-# ---- what llama.cpp allocated, per device ---------------------------------------------------
-
-_BUF = re.compile(r"(\S+) (model|KV|compute) buffer size\s*=\s*([0-9]+(?:\.[0-9]+)?) MiB")
-_KIND = {"model": "weights", "KV": "kv", "compute": "compute"}
-
-
-def reported_by_device(lines) -> dict[str, dict[str, int]]:
-    """Buffer sizes llama.cpp logged while loading, per buffer name ("RPC0[host:port]", "CPU_Mapped", "CPU"):
-    weights, kv, compute in bytes (logged in MiB with two decimals: within 0.005 MiB).  A compute buffer is
-    logged again when re-reserved; the last figure stands."""
-    out: dict[str, dict[str, int]] = {}
-    for line in lines:
-        for name, kind, mib in _BUF.findall(line):
-            entry = out.setdefault(name, {"weights": 0, "kv": 0, "compute": 0})
-            value = round(float(mib) * (1 << 20))
-            entry[_KIND[kind]] = value if kind == "compute" else entry[_KIND[kind]] + value
-    return out
 
 
 # ---- a worker lost mid-run ---------------------------------------------------------------

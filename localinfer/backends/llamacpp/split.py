@@ -22,8 +22,8 @@ from itertools import combinations
 
 import numpy as np
 
-from localinfer.backends.llamacpp.memory import llama_cells, llama_kv_layer_bytes, output_bytes
-from localinfer.backends.llamacpp.placement import _groups
+from localinfer.backends.llamacpp.memory import llama_geometry, llama_kv_layer_bytes, output_bytes
+from localinfer.backends.llamacpp.placement import _groups, offloaded_units, rope_once
 from localinfer.backends.llamacpp.split_compute import split_compute
 from localinfer.backends.memory import FitRequest
 from localinfer.backends.split import HOST, DeviceShare, SplitBreakdown
@@ -31,63 +31,31 @@ from localinfer.errors import UsageError
 from localinfer.model.spec import ModelSpec
 
 
-def n_offloaded(n_layer: int, n_gpu_layers: int) -> int:
-    """llama.cpp's ``n_gpu_layers()``: -1 means every layer plus the output layer."""
-    return n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
-
-
 def unit_devices(n_layer: int, n_gpu_layers: int, shares) -> tuple[int, ...]:
-    """Device of layers 0..n_layer-1 and of the output layer (index n_layer), HOST for the CPU (float32 as llama.cpp)."""
+    """Device of layers 0..n_layer-1 and of the output layer (index n_layer), HOST for the CPU (float32 as llama.cpp):
+    unit ``j`` of the offloaded ones (:func:`offloaded_units`) goes to the first device whose split point exceeds
+    ``j / len(offloaded)``."""
     if not len(shares):
         return (HOST,) * (n_layer + 1)
-    ngl = n_offloaded(n_layer, n_gpu_layers)
     points = np.cumsum(np.asarray(shares, dtype=np.float32), dtype=np.float32)
     if not points[-1] > 0:
         raise UsageError("--tensor-split shares must not all be zero", flag="--tensor-split")
     points = (points / points[-1]).astype(np.float32)
-    start = max(n_layer + 1 - ngl, 0)
-    act = min(ngl, n_layer + 1)
-    out = []
-    for il in range(n_layer + 1):
-        if il < start or il - start >= act:
-            out.append(HOST)
-        else:
-            x = np.float32(il - start) / np.float32(act)
-            out.append(min(int(np.searchsorted(points, x, side="right")), len(shares) - 1))
+    units = offloaded_units(n_layer, n_gpu_layers)
+    out = [HOST] * (n_layer + 1)
+    for j, il in enumerate(units):
+        x = np.float32(j) / np.float32(len(units))
+        out[il] = min(int(np.searchsorted(points, x, side="right")), len(shares) - 1)
     return tuple(out)
 
 
-def _geometry(spec: ModelSpec, req: FitRequest):
-    cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=req.n_ubatch, kv_unified=req.kv_unified,
-                        swa_full=req.swa_full)
-    n_batch = min(cells.n_ctx, req.n_batch)
-    n_ubatch = min(n_batch, req.n_ubatch)
-    if n_ubatch != req.n_ubatch:
-        cells = llama_cells(spec, req.llama_n_ctx, req.n_seq, n_ubatch=n_ubatch, kv_unified=req.kv_unified,
-                            swa_full=req.swa_full)
-    n_outputs = min(n_ubatch, n_batch if req.n_outputs_max is None else req.n_outputs_max)
-    return cells, n_ubatch, n_outputs
-
-
 def _unit_bytes(spec: ModelSpec, kind: str) -> dict:
-    """Weight bytes each unit ("in", layer index, "out") takes in a device buffer of this kind.
-
-    Each layer's ``rope_freqs`` is a duplicate of layer 0's: a device allocates it once (the loader hands a
-    duplicate already in that device's context back), so every layer but the first on a device gives it back:
-    see :func:`_rope_once`."""
+    """Weight bytes each unit ("in", layer index, "out") takes in a device buffer of this kind (each layer's
+    ``rope_freqs`` duplicate included: :func:`rope_once` takes back all but one per device)."""
     out = {}
     for unit, (every, _, _) in _groups(spec, ()).items():
         out[unit] = every.cuda_alloc if kind == "cuda" else every.cpu_alloc + every.dup_alloc
     return out
-
-
-def _rope_once(spec: ModelSpec, kind: str, n_layers_here: int) -> int:
-    """Bytes to take back from Σ units for a device holding ``n_layers_here`` layers (rope_freqs once)."""
-    rope = spec.tensor("rope_freqs.weight")
-    if rope is None or n_layers_here < 2:
-        return 0
-    align = 128 if kind == "cuda" else 32
-    return (n_layers_here - 1) * (-(-rope.n_bytes // align) * align)
 
 
 def _host_weights(spec: ModelSpec, host_units: set, mmap: bool, feats: tuple[str, ...]) -> dict[str, int]:
@@ -124,9 +92,8 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
         tuple(float(d.free) for d in devices)
     n = spec.n_layers
     units = unit_devices(n, req.n_gpu_layers, used)
-    cells, n_ubatch, n_outputs = _geometry(spec, req)
-    ngl = n_offloaded(n, req.n_gpu_layers)
-    full = ngl > n
+    cells, graphs = llama_geometry(spec, req)
+    full = len(offloaded_units(n, req.n_gpu_layers)) > n
     pipeline = len(devices) > 1 and full and all(d.async_events for d in devices)
 
     def backend(unit) -> int:
@@ -135,10 +102,11 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
 
     computes = [0] * (len(devices) + 1)
     if compute:
-        computes = split_compute(spec, backend, [d.kind for d in devices], n_kv=cells.cells_base,
-                                 n_ubatch=n_ubatch, n_outputs=n_outputs, flash_attn=req.flash_attn_on,
-                                 n_kv_swa=cells.cells_swa, type_k=req.type_k, type_v=req.type_v,
-                                 pipeline=pipeline, pin_norms=full)
+        each = [split_compute(spec, backend, [d.kind for d in devices], n_kv=cells.cells_base, n_ubatch=tokens,
+                              n_outputs=rows, flash_attn=req.flash_attn_on, n_kv_swa=cells.cells_swa,
+                              type_k=req.type_k, type_v=req.type_v, pipeline=pipeline, pin_norms=full)
+                for tokens, rows in graphs]
+        computes = [max(sizes) for sizes in zip(*each)]          # each backend's buffer keeps the largest
     kv = [0] * (len(devices) + 1)
     for il in range(n):
         kv[backend(il)] += sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
@@ -147,7 +115,7 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
         ub = _unit_bytes(spec, d.kind)
         mine = [u for u in ub if u != "in" and backend(u) == i]
         layers = tuple(sorted(u for u in mine if u != "out"))
-        weights = sum(ub[u] for u in mine) - _rope_once(spec, d.kind, len(layers))
+        weights = sum(ub[u] for u in mine) - rope_once(spec, d.kind, len(layers))
         shares_out.append(DeviceShare(d.name, d.kind, layers, "out" in mine, weights, kv[i], computes[i], d.usable))
     host_units = {"in"} | {il for il in range(n) if units[il] == HOST} | ({"out"} if units[n] == HOST else set())
     notes = []
@@ -165,10 +133,8 @@ def _greedy_counts(spec: ModelSpec, devices, req: FitRequest, reserve: list[int]
     """Most units each device takes in order, each within usable − ``reserve`` (its compute buffer); None if
     the last device cannot take the rest."""
     n = spec.n_layers
-    ngl = n_offloaded(n, req.n_gpu_layers)
-    start, act = max(n + 1 - ngl, 0), min(ngl, n + 1)
-    order = [u if u < n else "out" for u in range(start, start + act)]
-    cells, _, _ = _geometry(spec, req)
+    order = [u if u < n else "out" for u in offloaded_units(n, req.n_gpu_layers)]
+    cells, _ = llama_geometry(spec, req)
     kv = {il: sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v)) for il in range(n)}
     counts, pos = [], 0
     for i, d in enumerate(devices):

@@ -17,7 +17,8 @@ backend's high-water mark, the figure llama.cpp logs as
 
 from __future__ import annotations
 
-from localinfer.backends.llamacpp.compute_buffer import ALIGN, _Graph, _llama_graph
+from localinfer.backends.llamacpp.compute_buffer import ALIGN, _INPLACE, _Graph, _llama_graph, attn_rotation
+from localinfer.backends.llamacpp.gallocr import replay
 from localinfer.model.spec import ModelSpec
 
 N_COPIES = 4          # GGML_SCHED_MAX_COPIES
@@ -132,115 +133,12 @@ def schedule(g: _Graph, bid: list[int], n_copies: int):
     return leafs, order, bid, flags, src, view_src, size, layout, dep_view
 
 
-def replay(n_backends: int, aligns: list[int], leafs, nodes, bid, flags, src, view_src, size, layout,
-           dep_view, inplace) -> list[int]:
-    """ggml_gallocr with one arena per backend: each backend's high-water mark in bytes."""
-    n = len(size)
-    children, views = [0] * n, [0] * n
-    allocated, offset = [False] * n, [0] * n
-    arenas = [[[0, 1 << 62]] for _ in range(n_backends)]
-    high = [0] * n_backends
-
-    def pad(x: int, b: int) -> int:
-        a = aligns[b]
-        return -(-x // a) * a
-
-    def take(nbytes: int, b: int) -> int:
-        blocks, nbytes = arenas[b], pad(nbytes, b)
-        best, best_size = -1, None
-        for i in range(len(blocks) - 1):
-            s = blocks[i][1]
-            if s >= nbytes and (best_size is None or s <= best_size):
-                best, best_size = i, s
-        if best < 0:
-            best = len(blocks) - 1
-        off = blocks[best][0]
-        blocks[best][0] += nbytes
-        blocks[best][1] -= nbytes
-        if blocks[best][1] == 0:
-            del blocks[best]
-        high[b] = max(high[b], off + nbytes)
-        return off
-
-    def give(off: int, nbytes: int, b: int) -> None:
-        blocks, nbytes = arenas[b], pad(nbytes, b)
-        for i, (o, s) in enumerate(blocks):
-            if o + s == off:
-                blocks[i][1] += nbytes
-                if i + 1 < len(blocks) and blocks[i][0] + blocks[i][1] == blocks[i + 1][0]:
-                    blocks[i][1] += blocks[i + 1][1]
-                    del blocks[i + 1]
-                return
-            if off + nbytes == o:
-                blocks[i] = [off, s + nbytes]
-                if i > 0 and blocks[i - 1][0] + blocks[i - 1][1] == off:
-                    blocks[i - 1][1] += blocks[i][1]
-                    del blocks[i]
-                return
-        j = 0
-        while j < len(blocks) and blocks[j][0] < off:
-            j += 1
-        blocks.insert(j, [off, nbytes])
-
-    def alloc(t: int, b: int) -> None:
-        if allocated[t] or flags[t] & 4 or view_src[t] is not None:
-            return
-        allocated[t] = True
-        if inplace(t):
-            for p in src[t]:
-                if not allocated[p] or flags[p] & 2 or layout[p] != layout[t]:
-                    continue
-                if children[p] != 1 or views[p] != 0:
-                    continue
-                offset[t] = offset[p]
-                bid[t] = bid[p]
-                allocated[p] = False
-                extra = pad(size[p], bid[p]) - pad(size[t], bid[p])
-                if extra > 0:
-                    give(offset[t] + pad(size[t], bid[p]), extra, bid[p])
-                return
-        bid[t] = b
-        offset[t] = take(size[t], b)
-
-    def free(t: int) -> None:
-        if flags[t] & 2:
-            return
-        give(offset[t], size[t], bid[t])
-        allocated[t] = False
-
-    for t in leafs:
-        alloc(t, bid[t])
-    for t in nodes:
-        if view_src[t] is not None and t not in dep_view:
-            views[view_src[t]] += 1
-        for s in src[t]:
-            children[s] += 1
-    for t in nodes:
-        b = bid[t]
-        for s in src[t]:
-            alloc(s, b)
-        alloc(t, b)
-        for s in src[t]:
-            children[s] -= 1
-            if children[s] == 0 and views[s] == 0:
-                vs = view_src[s]
-                if vs is not None and s not in dep_view:
-                    views[vs] -= 1
-                    if views[vs] == 0 and children[vs] == 0 and allocated[vs]:
-                        free(vs)
-                elif vs is None and allocated[s]:
-                    free(s)
-    return high
-
-
 def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int, n_ubatch: int, n_outputs: int,
                   flash_attn: bool, n_kv_swa: int | None = None, type_k: str = "f16", type_v: str = "f16",
                   pipeline: bool = False, pin_norms: bool = False) -> list[int]:
     """Compute buffer bytes per backend: ``kinds`` lists the devices ("cpu" for an RPC worker's CPU, "cuda",
     "metal"), the host CPU is appended last; ``unit_backend(unit)`` gives the backend index of "in", each layer
     index and "out" (``len(kinds)`` for the host)."""
-    from localinfer.backends.llamacpp.compute_buffer import _INPLACE, attn_rotation
-
     layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
     rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
     g = _llama_graph(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv if n_kv_swa is None else n_kv_swa,
@@ -250,5 +148,5 @@ def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int,
     leafs, nodes, bid, flags, src, view_src, size, layout, dep = schedule(g, bid, N_COPIES if pipeline else 1)
     ops = g.op + ["NONE"] * (len(size) - len(g.op))
     aligns = [ALIGN.get(k, 32) for k in kinds] + [ALIGN["cpu"]]
-    return replay(cpu + 1, aligns, leafs, nodes, bid, flags, src, view_src, size, layout, dep,
-                  lambda t: ops[t] in _INPLACE)
+    return replay(aligns, leafs, nodes, bid, flags, src, view_src, size, layout, lambda t: ops[t] in _INPLACE,
+                  dep)

@@ -34,11 +34,18 @@ COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of step
 }
 
 
+DEVICE_MEMORY = ("device_memory_bytes", "bytes of model weights, KV cache and compute buffer on each device: what "
+                 "llama.cpp reported allocating at load (source=reported, its log: within 0.005 MiB) and what "
+                 "fit predicted (source=predicted)")
+
+
 class _Snapshot:
-    """Collector of the gauges above from a dict the engine thread replaces."""
+    """Collector of the gauges above from a dict the engine thread replaces, and of the per-device memory rows
+    (``devices``: set once, after the model loads)."""
 
     def __init__(self):
         self.values: dict[str, float] = {k: 0.0 for k in GAUGES}
+        self.devices: list[dict] = []
 
     def collect(self):
         values = self.values
@@ -46,6 +53,14 @@ class _Snapshot:
             yield GaugeMetricFamily(f"localinfer_{name}", doc, value=values.get(name, 0.0))
         for name, doc in COUNTERS.items():
             yield CounterMetricFamily(f"localinfer_{name}", doc, value=values.get(name, 0.0))
+        if self.devices:
+            family = GaugeMetricFamily(f"localinfer_{DEVICE_MEMORY[0]}", DEVICE_MEMORY[1],
+                                       labels=("device", "kind", "source"))
+            for row in self.devices:
+                for source in ("reported", "predicted"):
+                    for kind, nbytes in (row.get(source) or {}).items():
+                        family.add_metric((row["device"], kind, source), nbytes)
+            yield family
 
 
 class Metrics:
@@ -67,6 +82,14 @@ class Metrics:
 
     def publish(self, values: dict[str, float]) -> None:
         self.snapshot.values = values
+
+    def set_devices(self, rows: list[dict]) -> None:
+        """Per device, its bytes as loaded and as predicted (rows of localinfer.backends.llamacpp.allocated)."""
+        self.snapshot.devices = list(rows)
+
+    @property
+    def devices(self) -> list[dict]:
+        return self.snapshot.devices
 
     def gauge(self, name: str) -> float:
         return self.snapshot.values.get(name, 0.0)

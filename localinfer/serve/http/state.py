@@ -179,13 +179,15 @@ class EngineWatch:
 
 def engine_state(runtime, show_prompts: bool = False) -> dict:
     """The engine view's JSON (version :data:`VERSION`): the runtime's state and the engine thread's last
-    snapshot (``snapshot`` null while loading or before the first one), with its age in seconds."""
+    snapshot (``snapshot`` null while loading or before the first one), with its age in seconds, and each
+    device's memory as loaded beside fit's prediction (``devices``: empty until the model is loaded)."""
     watch = runtime.watch
     if watch is None:                      # the first page read: the engine thread starts snapshotting
         watch = runtime.watch = EngineWatch(show_prompts)
     snap = watch.read()
     return {"version": VERSION, "state": runtime.state, "show_prompts": watch.show_prompts, "error": watch.error,
-            "age_s": None if snap is None else round(time.monotonic() - watch.snapshot_at, 4), "snapshot": snap}
+            "age_s": None if snap is None else round(time.monotonic() - watch.snapshot_at, 4), "snapshot": snap,
+            "devices": runtime.metrics.devices}
 
 
 def metric_samples(metrics) -> dict[str, float]:
