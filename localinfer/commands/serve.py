@@ -281,8 +281,8 @@ def _run(args: argparse.Namespace) -> int:
         from localinfer.backends.llamacpp.memory import outputs_cap
 
         plan = plan.with_(options={**plan.options, "n_outputs_max": outputs_cap(plan.with_(n_seq=config.n_slots))})
-    fit = _common.check_fit(spec, plan, backend, args.force)
     plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
+    fit = _common.check_fit(spec, plan, backend, args.force)     # the plan as it loads (the graph grows with ids)
     predicted = _common.predicted_devices(spec, plan, fit) if backend == "llama.cpp" else None
     model_id = os.path.basename(str(path)).removesuffix(".gguf")
     hosts = {*LOOPBACK_NAMES, socket.gethostname().lower(), *(h.lower() for h in args.allow_host)}

@@ -229,7 +229,7 @@ def test_sigterm_past_the_grace_period_cancels_and_still_ends_the_stream():
             t0 = time.monotonic()
             p.send_signal(signal.SIGTERM)
             lines += list(it)
-        assert time.monotonic() - t0 < 4
+        assert time.monotonic() - t0 < 1 + 6      # the grace period, then the cut: not 480 tokens (≈15 s here)
         events = sse_events(lines)
         # OpenAI's clients know only stop and length (and raise on an error event): the cut is an error
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-3:]
