@@ -153,6 +153,8 @@ class BlockManager:
     def written(self, seq) -> int:
         """Tokens ``seq`` holds computed: its blocks are full up to its last written one."""
         table, blocks = self.tables[seq], self.blocks
+        if table and blocks[table[-1]].filled:       # most often: blocks taken as the KV grows, the last one written
+            return (len(table) - 1) * self.block_tokens + blocks[table[-1]].filled
         unwritten = bisect_left(table, True, key=lambda b: blocks[b].filled == 0)     # its first unwritten block
         return (unwritten - 1) * self.block_tokens + blocks[table[unwritten - 1]].filled if unwritten else 0
 
