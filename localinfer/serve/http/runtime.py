@@ -11,7 +11,10 @@ the step's tokens into SSE frames while the engine thread waited for it (0.63 ms
 a step at 8 streams).  The relay makes that write while the engine thread is
 inside the next ``llama_decode``, which runs without the GIL.  A cancel takes effect before the next step; the
 request's blocks are freed once the step in flight completes
-(``Scheduler.cancel``).  Loading happens in this thread too, so ``/health``
+(``Scheduler.cancel``), and a step all of whose requests are being cancelled is
+stopped in flight (``StepEngine.cancelling``, the one engine call the loop makes:
+it takes no lock a step holds), so a client leaving a long prompt frees the
+engine at once instead of after its prompt chunk.  Loading happens in this thread too, so ``/health``
 answers 503 until the model is ready, and a signal during the load stops it
 (llama.cpp's progress callback polls ``signals.pending``).
 
@@ -155,7 +158,10 @@ class Runtime:
         handle.quiet_cancel = handle.quiet_cancel or quiet
         with self._cond:
             self._inbox.append(("cancel", handle))
+            leaving = [h.request.id for kind, h in self._inbox if kind == "cancel"]
             self._cond.notify()
+        if self.engine is not None:
+            self.engine.cancelling(leaving)
 
     def check_serving(self) -> None:
         if self.state is RuntimeState.LOADING:
