@@ -109,7 +109,8 @@ class Runtime:
             self.state = RuntimeState.DRAINING
 
     def shutdown_after(self, grace_s: float) -> None:
-        """Refuse new requests now; cancel those still running ``grace_s`` from now (returns at once)."""
+        """Refuse new requests now, and those queued but not yet admitted (a 503 each, at the next step boundary);
+        cancel those still running ``grace_s`` from now (returns at once)."""
         self.drain()
         with self._cond:
             at = self._now() + max(0.0, grace_s)
@@ -243,8 +244,8 @@ class Runtime:
                 self._active[h.request.id] = h
             elif h.request.id in self._active and engine.cancel(h.request.id):
                 out += self._finished(h)
-        if self._stop_at is not None and self._now() >= self._stop_at:
-            out += self._cancel_active()
+        if self._stop_at is not None:
+            out += self._refuse_queued() if self._now() < self._stop_at else self._cancel_active()
         if engine.unfinished:
             try:
                 events = engine.step()
@@ -299,6 +300,15 @@ class Runtime:
                 except Exception:  # noqa: BLE001
                     h.request.finish(FinishReason.ERROR, self._now(), error)
             out += self._finished(h)
+        return out
+
+    def _refuse_queued(self) -> list[tuple[Handle, Event]]:
+        """Shutting down: requests never admitted end now (their 503); the running ones keep the grace period."""
+        out = []
+        for r in [r for r in self.engine.scheduler.waiting if r.admitted_s is None]:
+            h = self._active.get(r.id)
+            if h is not None and self.engine.cancel(r.id):
+                out += self._finished(h)
         return out
 
     def _cancel_all(self) -> None:
