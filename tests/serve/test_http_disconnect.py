@@ -1,4 +1,4 @@
-"""Clients that leave mid-prompt: the step in flight stops at once."""
+"""Clients that leave: mid-prompt (the step in flight stops at once) and half-way (a half-close is a hang-up)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.serve.test_http_support import MODEL_ID, LiveServer
+from tests.serve.test_http_support import MODEL_ID, LiveServer, assert_only_parked_kv
 
 httpx = pytest.importorskip("httpx")
 
@@ -59,3 +59,24 @@ def test_a_client_leaving_mid_prompt_frees_the_engine_at_once(default_model, tmp
     stopped = [json.loads(line) for line in log.read_text().splitlines() if '"interrupted"' in line]
     assert len(stopped) == 1 and [c[1:3] for c in stopped[0]["chunks"]] == [[0, n]], stopped
 
+
+def test_a_half_closed_client_gets_no_reply_and_its_request_is_cancelled(srv):
+    """Pinned behaviour: a client that sends its request, then shuts its sending side (FIN), is taken as gone --
+    as uvicorn, Go's net/http, nginx and llama-server (cpp-httplib's is_socket_alive) all take it, since a FIN
+    cannot be told from a hang-up and a hung-up request must free its slot at once.  No reply comes; the request
+    is cancelled, its KV given back, and the server goes on serving."""
+    before = srv.metrics()["localinfer_requests_cancelled_total"]
+    body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    with _send(srv.port, "/v1/completions", body) as s:
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got == b""
+    deadline = time.monotonic() + 10
+    while srv.metrics()["localinfer_requests_cancelled_total"] == before:
+        assert time.monotonic() < deadline, "the half-close was not taken as a hang-up"
+        time.sleep(0.05)
+    assert_only_parked_kv(srv, srv.wait_idle())
+    r = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
