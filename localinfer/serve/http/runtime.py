@@ -109,8 +109,8 @@ class Runtime:
             self.state = RuntimeState.DRAINING
 
     def shutdown_after(self, grace_s: float) -> None:
-        """Refuse new requests now, and those queued but not yet admitted (a 503 each, at the next step boundary);
-        cancel those still running ``grace_s`` from now (returns at once)."""
+        """Refuse new requests now, and those queued for a slot (a 503 each, before the next step); cancel those
+        still running ``grace_s`` from now (returns at once)."""
         self.drain()
         with self._cond:
             at = self._now() + max(0.0, grace_s)
@@ -303,9 +303,11 @@ class Runtime:
         return out
 
     def _refuse_queued(self) -> list[tuple[Handle, Event]]:
-        """Shutting down: requests never admitted end now (their 503); the running ones keep the grace period."""
-        out = []
-        for r in [r for r in self.engine.scheduler.waiting if r.admitted_s is None]:
+        """Shutting down: requests queued behind the free slots, never admitted, end now (their 503); the running
+        ones keep the grace period, and so do those the next step admits into a free slot."""
+        sched, out = self.engine.scheduler, []
+        free = sched.config.max_running - len(sched.running)
+        for r in [r for i, r in enumerate(sched.waiting) if i >= free and r.admitted_s is None]:
             h = self._active.get(r.id)
             if h is not None and self.engine.cancel(r.id):
                 out += self._finished(h)
