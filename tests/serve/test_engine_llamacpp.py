@@ -78,3 +78,34 @@ def test_cancelling_the_only_request_of_a_long_prefill_step_stops_it_in_flight(e
     again = e.add_request(Request("again", q, 6))
     e.run()
     assert again.output == ref.output and len(ref.output) == 6
+
+
+def test_a_step_is_not_stopped_while_one_of_its_requests_is_still_wanted(executor):
+    """Cancelling one of two prompts in a step leaves the step to run: the other's first token, sampled from it,
+    is the one it gets when nothing is cancelled (the same batch; later tokens need not match, as the cancelled
+    request's freed cells change where the next ones go, and so the order attention adds them in)."""
+    import threading
+    import time
+
+    e = _engine(executor, chunk_tokens=700)
+    e.records = []
+    a_prompt, b_prompt = tuple(range(3000, 3280)), tuple(range(4000, 4280))
+    e.add_request(Request("a0", a_prompt, 4))
+    ref = e.add_request(Request("b0", b_prompt, 4))
+    e.run()
+    a = e.add_request(Request("a", a_prompt, 4))
+    b = e.add_request(Request("b", b_prompt, 4))
+
+    def cancel_in_flight():
+        deadline = time.monotonic() + 30
+        while not e._flight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        e.cancel("a")
+    t = threading.Thread(target=cancel_in_flight)
+    t.start()
+    e.run()
+    t.join(30)
+    assert a.finish_reason is FinishReason.CANCELLED and b.finish_reason is FinishReason.LENGTH
+    assert not any(r.interrupted for r in e.records) and len(e.records[-4].chunks) == 2
+    assert len(b.output) == 4 and b.output[0] == ref.output[0]
+    assert executor.cells_used() == 0 and e.blocks.used == 0
