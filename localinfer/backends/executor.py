@@ -15,6 +15,11 @@ slot's positions from ``start`` on (``llama_memory_seq_rm``).  ``cells_used`` is
 the number of KV cells holding at least one sequence's token, so the block
 manager's count can be checked against the backend's.
 
+``interrupt`` (any thread) asks the step in flight to stop early: an executor
+that ``interrupts_steps`` then raises :class:`StepInterrupted` from ``step``,
+every slot left as it was before the step (a server stops a long prompt's step
+whose requests have all been cancelled, instead of waiting it out).
+
 What an executor can do beyond that is declared once, in :class:`ExecutorCaps`
 (read as ``executor.caps``); :class:`ExecutorBase` gives every member of the
 contract a safe default, and a wrapper forwards its inner executor's ``caps``.
@@ -56,6 +61,11 @@ class ExecutorCaps:
     verifies_drafts: bool = False         # honours ``Chunk.n_logits`` (several logits rows of one chunk)
     drops_tail: bool = False              # ``drop(slot, start > 0)`` cuts a slot's tail (not a recurrent model)
     parks_in_host: bool = False           # ``park`` moves a slot's KV to host memory (decided at load)
+    interrupts_steps: bool = False        # ``interrupt`` stops the step in flight (StepInterrupted, no slot changed)
+
+
+class StepInterrupted(Exception):
+    """``step`` stopped early because ``interrupt`` asked it to; every slot holds what it held before the step."""
 
 
 @runtime_checkable
@@ -100,6 +110,10 @@ class Executor(Protocol):
     def idle_until(self, t: float) -> None:
         """Wait for the clock to reach ``t`` (nothing to compute before then): sleep, or advance a virtual clock."""
 
+    def interrupt(self) -> None:
+        """Ask the step in flight to stop early (any thread; ``interrupts_steps``): it raises StepInterrupted.
+        Every step starts with no such request pending, so a call between steps is forgotten."""
+
 
 class ExecutorBase:
     """The contract with its safe defaults: an executor subclasses this and sets what it can do."""
@@ -114,6 +128,7 @@ class ExecutorBase:
     verifies_drafts: bool = False
     drops_tail: bool = False
     parks_in_host: bool = False
+    interrupts_steps: bool = False
     decode_seconds: float = 0.0          # seconds inside the backend's forward passes (0: not counted)
     vocab = None                         # the model's tokenizer (tokenize, token_bytes, eos_ids), where it has one
 
@@ -150,6 +165,9 @@ class ExecutorBase:
 
     def idle_until(self, t: float) -> None:
         time.sleep(max(0.0, min(t - self.clock(), 0.05)))
+
+    def interrupt(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -206,6 +224,9 @@ class ExecutorWrapper(ExecutorBase):
 
     def idle_until(self, t: float) -> None:
         self.inner.idle_until(t)
+
+    def interrupt(self) -> None:
+        self.inner.interrupt()
 
     def close(self) -> None:
         self.inner.close()

@@ -18,17 +18,24 @@ Copy-on-write block copies are bookkeeping only here: a backend whose KV cells
 carry several sequence ids (llama.cpp) writes a new cell for the new token and
 never overwrites a shared one; a paging executor sees a table entry change
 under positions it holds and copies that block itself.
+
+A cancel takes effect at the next step boundary, and with an executor that
+``interrupts_steps`` sooner: once every request of the step in flight is
+cancelled (``cancel`` from another thread, or ``cancelling``: a cancel on its
+way), the step is stopped in flight, computes nothing, and those requests
+finish cancelled -- a long prompt's step is not waited out for nobody.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from localinfer.backends.executor import Chunk, Executor
+from localinfer.backends.executor import Chunk, Executor, StepInterrupted
 from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.masks import fill_step_masks
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
@@ -50,7 +57,8 @@ class StreamChunk:
 class StepRecord:
     """What one step computed: (request id, start, new tokens) per chunk, and when; each chunk's kind ("prefill",
     "decode", or "verify" with lookup drafts), whether it yielded the request's next token, the requests admitted
-    (seated) and preempted in it, and the step model's prediction of its time (None without one)."""
+    (seated) and preempted in it, and the step model's prediction of its time (None without one).  ``interrupted``:
+    the step was stopped in flight, its requests all cancelled, and computed none of its chunks."""
 
     start_s: float
     end_s: float
@@ -60,12 +68,16 @@ class StepRecord:
     admitted: tuple[str, ...] = ()
     predicted_s: float | None = None
     preempted: tuple[str, ...] = ()
+    interrupted: bool = False
 
     def as_json(self) -> dict:
-        return {"start_s": self.start_s, "end_s": self.end_s, "predicted_s": self.predicted_s,
-                "chunks": [[rid, start, n, kind, got] for (rid, start, n), kind, got
-                           in zip(self.chunks, self.kinds, self.sampled)], "admitted": list(self.admitted),
-                "preempted": list(self.preempted)}
+        out = {"start_s": self.start_s, "end_s": self.end_s, "predicted_s": self.predicted_s,
+               "chunks": [[rid, start, n, kind, got] for (rid, start, n), kind, got
+                          in zip(self.chunks, self.kinds, self.sampled)], "admitted": list(self.admitted),
+               "preempted": list(self.preempted)}
+        if self.interrupted:
+            out["interrupted"] = True
+        return out
 
 
 class StepEngine:
@@ -100,6 +112,8 @@ class StepEngine:
         self._ids = itertools.count()
         self._in_step = False
         self._after_step: list[Request] = []     # cancelled during the step in flight: slots dropped after it
+        self._flight_lock = threading.Lock()     # taken only around _flight: cancelling() never waits for a step
+        self._flight: frozenset[str] = frozenset()   # the requests of the step inside executor.step
         self.parking = parking
         if parking is not None:
             parking.bind_engine(executor, self._free_slots, self.slot_of)
@@ -138,17 +152,36 @@ class StepEngine:
             self._streams.pop(request_id, None)
 
     def cancel(self, request_id: str, error: str | None = None) -> bool:
-        """Stop the request now (any thread); its slot and KV are freed after the step in flight.  With
-        ``error`` it finishes with reason error and that message (its KV is dropped, not parked)."""
+        """Stop the request now (any thread); its slot and KV are freed after the step in flight, which stops early
+        when no request of it is left (:meth:`cancelling`).  With ``error`` it finishes with reason error and that
+        message (its KV is dropped, not parked)."""
         with self._lock:
             r = self.scheduler.cancel(request_id, self.executor.clock(), error)
             if r is None:
                 return False
-            if self._in_step:
+            in_step = self._in_step
+            if in_step:
                 self._after_step.append(r)
             else:
                 self._release(r)
             self._emit_finish(r)
+        if in_step:
+            self.cancelling(())
+        return True
+
+    def cancelling(self, request_ids) -> bool:
+        """Cancels of ``request_ids`` are on their way (any thread; never waits for the step in flight): when every
+        request of that step is finished or among them, it is stopped in flight (an executor that
+        ``interrupts_steps``), computes nothing, and its requests finish cancelled.  True when it was asked to."""
+        if not self.executor.caps.interrupts_steps:
+            return False
+        leaving = set(request_ids)
+        requests = self.scheduler.requests
+        with self._flight_lock:
+            flight = self._flight
+            if not flight or not all(rid in leaving or getattr(requests.get(rid), "finished", True) for rid in flight):
+                return False
+            self.executor.interrupt()
             return True
 
     @property
@@ -179,8 +212,14 @@ class StepEngine:
             model = sched.step_model     # predicted before the step runs (a fitted model learns from it after)
             predicted = model.seconds(plan.shapes()) if model is not None and self._recording else None
             self._in_step = True
+        with self._flight_lock:
+            self._flight = frozenset(c.request.id for c in plan.chunks)
         try:
             rows = ex.step(chunks)
+        except StepInterrupted:
+            with self._lock:
+                self._end_step()
+                return events + self._interrupted(plan, start, predicted)
         except Exception as exc:
             with self._lock:
                 self._end_step()
@@ -232,6 +271,8 @@ class StepEngine:
                           got, tuple(r.id for r in plan.admitted), predicted, tuple(r.id for r in plan.preempted))
 
     def _end_step(self) -> None:
+        with self._flight_lock:
+            self._flight = frozenset()
         self._in_step = False
         pending, self._after_step = self._after_step, []
         for r in pending:
@@ -315,6 +356,28 @@ class StepEngine:
         self._streams.setdefault(r.id, deque()).append(ev)
         return ev
 
+    def _interrupted(self, plan: StepBatch, start: float, predicted: float | None) -> list[StreamChunk]:
+        """The step was stopped in flight: the executor holds what it held before it; its requests, each cancelled
+        or with a cancel on its way, finish cancelled now."""
+        now = self.executor.clock()
+        samples = tuple(c.samples for c in plan.chunks)
+        self.scheduler.complete(StepBatch(), {}, now)    # the step is over: deferred frees go back
+        events = []
+        for c in plan.chunks:
+            r = c.request
+            if not r.finished:
+                self.scheduler.finish(r, FinishReason.CANCELLED, now)
+                self._release(r)
+                events.append(self._emit_finish(r))
+        if self._recording:
+            rec = self._record(plan, samples, (False,) * len(plan.chunks), start, now, predicted)
+            rec = dataclasses.replace(rec, interrupted=True)
+            if self.records is not None:
+                self.records.append(rec)
+            if self.on_step is not None:
+                self.on_step(rec)
+        return events
+
     def _fail(self, plan: StepBatch, exc: Exception) -> None:
         now = self.executor.clock()
         self.scheduler.complete(StepBatch(), {}, now)    # the step is over: deferred frees go back
@@ -327,6 +390,5 @@ class StepEngine:
 
     def _idle(self) -> None:
         nxt = self.scheduler.next_arrival()
-        if nxt is None:
-            raise RuntimeError("requests are waiting but none can be admitted")
-        self.executor.idle_until(nxt)
+        if nxt is not None:     # None: nothing waits (the last running request was cancelled from another thread)
+            self.executor.idle_until(nxt)

@@ -292,3 +292,74 @@ with LlamaCppExecutor.open({str(default_model)!r}, n_slots=70, n_ctx=512, n_batc
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-600:]
     assert r.stdout.strip() == str(list(range(0, 70, 10)))
+
+
+def _interrupt_once_in_flight(ex):
+    """A thread that interrupts ``ex`` once a step is inside it (it polls the executor's own flag)."""
+    import threading
+    import time
+
+    def run():
+        deadline = time.monotonic() + 30
+        while not ex._stepping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.01)                       # inside llama_decode by now: a 400-row graph takes far longer
+        ex.interrupt()
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_an_interrupt_stops_the_graph_in_flight_and_undoes_the_step(ex):
+    """interrupt() from another thread: llama.cpp's abort callback stops the graph between nodes (status 2, counted
+    in ``aborted``), the step raises StepInterrupted, and every slot holds what it held before it -- the steps after
+    it compute, bit for bit, what they compute when it never ran.  A call between steps is forgotten."""
+    from localinfer.backends.executor import StepInterrupted
+
+    assert ex.caps.interrupts_steps
+    a = _tokens(ex, PROMPTS[0])
+
+    def steps(interrupted: bool):
+        ex.step([Chunk(0, tuple(range(1000, 1100)), 0, False)])
+        if interrupted:
+            aborted = ex.engine.aborted
+            t = _interrupt_once_in_flight(ex)
+            with pytest.raises(StepInterrupted):
+                ex.step([Chunk(0, tuple(range(2000, 2300)), 100, False), Chunk(1, a, 0, True)])
+            t.join(30)
+            assert ex.engine.aborted == aborted + 1
+            assert ex.cells_used() == 100 and ex.slot_len(0) == 100 and ex.slot_len(1) == 0
+            ex.interrupt()                     # no step in flight: forgotten
+        rows = ex.step([Chunk(0, (7,), 100, True), Chunk(1, a, 0, True)])
+        rows = [rows[0], rows[1], ex.step([Chunk(1, (42,), len(a), True)])[1]]
+        assert ex.slot_len(0) == 101 and ex.slot_len(1) == len(a) + 1 and not ex.engine.interrupted
+        for s in range(ex.n_slots):
+            ex.drop(s)
+        return rows
+
+    cold = steps(interrupted=False)
+    assert all(np.array_equal(x, y) for x, y in zip(steps(interrupted=True), cold, strict=True))
+
+
+def test_an_interrupt_between_the_decodes_of_a_step_stops_before_the_next(default_model):
+    """Where no graph is stopped mid-way (an accelerator's), the step still ends before its next llama_decode, and
+    what its first decode (the short chunk, on its own) wrote is dropped."""
+    from localinfer.backends.executor import StepInterrupted
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+    with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=256, threads=1, n_batch=64, n_ubatch=64) as ex:
+        ex.step([Chunk(1, (1, 2, 3), 0, False)])
+        calls = []
+        decode = ex._decode
+
+        def first_then_interrupt(rows):
+            out = decode(rows)
+            calls.append(len(rows))
+            ex.interrupt()
+            return out
+        ex._decode = first_then_interrupt
+        with pytest.raises(StepInterrupted):
+            ex.step([Chunk(0, tuple(range(100, 260)), 0, False), Chunk(1, (4,), 3, True)])   # four decodes
+        del ex._decode
+        assert calls == [1] and ex.cells_used() == 3 and ex.slot_len(0) == 0 and ex.slot_len(1) == 3
+        assert set(ex.step([Chunk(1, (4,), 3, True)])) == {1}

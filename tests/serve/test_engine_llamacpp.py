@@ -21,7 +21,7 @@ def executor(default_model):
 def _engine(ex, **cfg):
     for slot in range(ex.n_slots):
         ex.drop(slot)
-    config = SchedulerConfig(max_running=3, policy="chunked", chunk_tokens=16, **cfg)
+    config = SchedulerConfig(**{"max_running": 3, "policy": "chunked", "chunk_tokens": 16, **cfg})
     return StepEngine(ex, Scheduler(config, BlockManager(40, 16, pool_hits=False)))
 
 
@@ -39,3 +39,73 @@ def test_prefix_hit_copies_cells_and_counts_match(executor):
         assert executor.cells_used() == e.blocks.tokens_in_use()
     assert b.cached == 32 and executor.cells_used() == 0 and e.blocks.used == 0
     assert all(r.finish_reason is FinishReason.LENGTH for r in (a, b, c))
+
+
+def test_cancelling_the_only_request_of_a_long_prefill_step_stops_it_in_flight(executor):
+    """Issue 32, item 8: a cancel mid-prompt waited out the whole prefill step.  Now the step whose requests are
+    all cancelled is stopped in flight: it ends well before the same step run whole (timed in this test), is
+    recorded as interrupted, leaves no cell or block behind, and the next request's greedy output is a fresh
+    run's.  The simulated executor cannot interrupt: the step ends as before."""
+    import threading
+    import time
+
+    e = _engine(executor, chunk_tokens=700)       # the whole prompt in one step: the worst case
+    e.records = []
+    tok = executor.engine.tokenize
+    q = tuple(tok("The capital of France is"))
+    ref = e.add_request(Request("ref", q, 6))
+    e.run()
+    whole = e.add_request(Request("whole", tuple(range(1000, 1600)), 1))
+    e.run()
+    full_s = e.records[-1].end_s - e.records[-1].start_s
+    assert whole.finish_reason is FinishReason.LENGTH and e.records[-1].chunks[-1][2] == 600
+
+    r = e.add_request(Request("cut", tuple(range(2000, 2600)), 1))
+
+    def cancel_in_flight():
+        deadline = time.monotonic() + 30
+        while not e._flight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        e.cancel("cut")
+    t = threading.Thread(target=cancel_in_flight)
+    t.start()
+    e.run()
+    t.join(30)
+    rec = e.records[-1]
+    assert r.finish_reason is FinishReason.CANCELLED and rec.interrupted and rec.chunks == (("cut", 0, 600),)
+    assert rec.end_s - rec.start_s < 0.5 * full_s, (rec.end_s - rec.start_s, full_s)
+    assert executor.cells_used() == 0 and e.blocks.used == 0 and not e.unfinished
+    again = e.add_request(Request("again", q, 6))
+    e.run()
+    assert again.output == ref.output and len(ref.output) == 6
+
+
+def test_a_step_is_not_stopped_while_one_of_its_requests_is_still_wanted(executor):
+    """Cancelling one of two prompts in a step leaves the step to run: the other's first token, sampled from it,
+    is the one it gets when nothing is cancelled (the same batch; later tokens need not match, as the cancelled
+    request's freed cells change where the next ones go, and so the order attention adds them in)."""
+    import threading
+    import time
+
+    e = _engine(executor, chunk_tokens=700)
+    e.records = []
+    a_prompt, b_prompt = tuple(range(3000, 3280)), tuple(range(4000, 4280))
+    e.add_request(Request("a0", a_prompt, 4))
+    ref = e.add_request(Request("b0", b_prompt, 4))
+    e.run()
+    a = e.add_request(Request("a", a_prompt, 4))
+    b = e.add_request(Request("b", b_prompt, 4))
+
+    def cancel_in_flight():
+        deadline = time.monotonic() + 30
+        while not e._flight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        e.cancel("a")
+    t = threading.Thread(target=cancel_in_flight)
+    t.start()
+    e.run()
+    t.join(30)
+    assert a.finish_reason is FinishReason.CANCELLED and b.finish_reason is FinishReason.LENGTH
+    assert not any(r.interrupted for r in e.records) and len(e.records[-4].chunks) == 2
+    assert len(b.output) == 4 and b.output[0] == ref.output[0]
+    assert executor.cells_used() == 0 and e.blocks.used == 0

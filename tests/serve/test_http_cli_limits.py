@@ -125,6 +125,56 @@ def test_a_second_sigint_cancels_at_once_and_every_reply_ends_in_json():
             p.wait()
 
 
+def test_queued_requests_get_their_503_at_once_while_the_running_one_keeps_its_grace():
+    """Item 8: requests still queued at SIGINT waited out the whole grace period before their 503.  Now they get it
+    (OpenAI's shape, code shutting_down) at once, streamed or not, while the running stream goes on yielding
+    tokens; a second SIGINT then ends it with the shutdown error event, and the exit status is 0."""
+    import json
+    import signal
+    import time
+
+    import httpx
+
+    from tests.serve.test_http_support import sse_events, start_cli
+
+    p, url = start_cli("--parallel", "1", "--grace", "120", "-t", "1")
+    try:
+        body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        got = {}
+
+        def queued(name, stream):
+            got[name] = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 4, "stream": stream},
+                                   timeout=120)
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            it = r.iter_lines()
+            lines = [next(it)]
+            waiting = [threading.Thread(target=queued, args=a) for a in (("whole", False), ("stream", True))]
+            for t in waiting:
+                t.start()
+            deadline = time.monotonic() + 60
+            while "localinfer_requests_waiting 2.0" not in httpx.get(url + "/metrics", timeout=10).text:
+                assert time.monotonic() < deadline, "the two requests were not queued"
+                time.sleep(0.05)
+            p.send_signal(signal.SIGINT)
+            for t in waiting:
+                t.join(60)
+            for name in ("whole", "stream"):
+                assert got[name].status_code == 503, got[name].text
+                assert json.loads(got[name].text)["error"]["code"] == "shutting_down"
+            more = [next(it) for _ in range(8)]             # the running stream still yields tokens
+            assert all(e["choices"][0]["text"] is not None for e in sse_events(more)), more
+            p.send_signal(signal.SIGINT)
+            lines += more + list(it)
+        events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-3:]
+        assert p.wait(30) == 0
+        assert "Traceback" not in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def test_a_signal_before_the_server_starts_exits_0_as_after(monkeypatch, capsys):
     """Item 8: SIGTERM while the plan was being made exited 143, once serving 0; now 0 in every phase."""
     from localinfer.commands import _common

@@ -26,6 +26,7 @@ except ImportError as exc:  # pragma: no cover - the registry turns this into Ba
     raise ImportError(f"llama-cpp-python is not installed ({exc})") from exc
 
 from localinfer.backends.engine import Engine, LoadPlan
+from localinfer.backends.executor import StepInterrupted
 from localinfer.backends.llamacpp import native
 from localinfer.backends.llamacpp.native import parse_memory_log  # noqa: F401  (re-exported)
 from localinfer.backends.vocab import LlamaVocab
@@ -82,8 +83,11 @@ class LlamaCppEngine(Engine):
         self._views["n_seq_id"][:] = 1
         self._slot_seq = np.full(self._n_batch, -1, dtype=np.int64)
         self._abort = threading.Event()
-        self.aborted = 0  # llama_decode calls stopped by Ctrl-C inside the graph
-        self._abort_cb = _L.ggml_abort_callback(lambda _data: self._abort.is_set() or signals.pending() is not None)
+        self.aborted = 0  # llama_decode calls stopped inside the graph (Ctrl-C, or interrupt())
+        self._stop = ctypes.create_string_buffer(2)     # [flag, NUL]: interrupt() sets the flag (native.FLAG_ABORT)
+        self._abort_cb = _L.ggml_abort_callback(
+            lambda _data: self._abort.is_set() or self.interrupted or signals.pending() is not None)
+        self._rest_abort()
 
     # ---- tokenizer (llama.cpp's own, shared with the other backends) --------
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
@@ -148,11 +152,39 @@ class LlamaCppEngine(Engine):
             self._batch.seq_id[i][0] = int(seqs[i])
             self._slot_seq[i] = seqs[i]
 
+    # ---- interrupting a decode from another thread ---------------------------
+    def interrupt(self) -> None:
+        """Stop the llama_decode in flight (any thread): it raises StepInterrupted, as does every later one
+        until :meth:`clear_interrupt`.  On the CPU backend the graph stops at its next node; elsewhere the
+        decode runs to its end and the next one does not start."""
+        self._stop[0] = b"\x01"
+
+    def clear_interrupt(self) -> None:
+        self._stop[0] = b"\x00"
+
+    @property
+    def interrupted(self) -> bool:
+        return self._stop[0] != b"\x00"
+
+    def _rest_abort(self) -> None:
+        """The abort callback between Ctrl-C-armed decodes: the interrupt flag, read in C (no GIL)."""
+        if native.FLAG_ABORT is not None:
+            _L.llama_set_abort_callback(self._ctx, native.FLAG_ABORT, ctypes.cast(self._stop, ctypes.c_void_p))
+        else:     # pragma: no cover - no libc: decode_batch checks the flag before each llama_decode
+            _L.llama_set_abort_callback(self._ctx, native.NO_ABORT, None)
+
     def decode_batch(self, n_tokens: int, abortable: bool) -> None:
+        """llama_decode of the batch's first ``n_tokens`` rows; StepInterrupted when :meth:`interrupt` stopped
+        it (llama.cpp has removed the aborted ubatch's positions; earlier ubatches' are the caller's to drop),
+        KeyboardInterrupt when Ctrl-C did."""
+        if self.interrupted:
+            raise StepInterrupted("interrupted before llama_decode")
         self._batch.n_tokens = n_tokens
         with signals.native():  # a SIGTERM inside aborts the graph (abortable) and raises Terminated here
             rc = self._decode_abortable() if abortable else _L.llama_decode(self._ctx, self._batch)
             self.aborted += rc == 2     # counted here: leaving the block raises when the signal was deferred
+        if rc == 2 and self.interrupted and not self._abort.is_set():
+            raise StepInterrupted("llama_decode interrupted")
         if rc == 2 or (rc == 0 and self._abort.is_set()):
             self._abort.clear()
             raise KeyboardInterrupt
@@ -172,7 +204,7 @@ class LlamaCppEngine(Engine):
             try:
                 return _L.llama_decode(self._ctx, self._batch)
             finally:
-                _L.llama_set_abort_callback(self._ctx, native.NO_ABORT, None)
+                self._rest_abort()
 
     def logit_rows(self, indices: Sequence[int]) -> np.ndarray:
         out = np.empty((len(indices), self.n_vocab), dtype=np.float32)

@@ -12,7 +12,10 @@ A step either appends every chunk or leaves every slot as it was.
 Ids beyond the running requests park finished requests' KV for prefix hits
 (``drops_tail``: not on recurrent or hybrid models); with ``park_host`` a parked
 slot's KV moves to host memory (``llama_state_seq_get_data``) and is written back
-on a hit.  docs/executor.md explains each choice with its measurements.
+on a hit.  ``interrupt`` stops the step in flight: llama.cpp's abort callback,
+read between graph nodes, ends the ``llama_decode`` (status 2; llama.cpp drops
+the aborted ubatch's positions) and the step drops the rest of its chunks'.
+docs/executor.md explains each choice with its measurements.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from typing import Self
@@ -48,6 +52,7 @@ class LlamaCppExecutor(ExecutorBase):
     """
 
     verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk); not on recurrent models
+    interrupts_steps = True     # a graph on the CPU stops at its next node; elsewhere before the next llama_decode
 
     def __init__(self, plan: LoadPlan, *, park_host: bool = False, host_budget: int | None = None):
         self.unified = bool(plan.options.get("kv_unified", True))
@@ -80,6 +85,8 @@ class LlamaCppExecutor(ExecutorBase):
         self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
         self.steps = 0
+        self._flight = threading.Lock()    # step() in flight or not, and the interrupt flag, change together
+        self._stepping = False
         if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
             try:
                 self.step([Chunk(0, (1, 1), 0)])
@@ -120,6 +127,8 @@ class LlamaCppExecutor(ExecutorBase):
             return {}
         groups = self._groups(chunks)
         got: dict[int, list[np.ndarray]] = {}
+        with self._flight:
+            self._stepping = True
         try:
             for rows in groups:
                 for slot, row in self._decode(rows):
@@ -135,6 +144,10 @@ class LlamaCppExecutor(ExecutorBase):
         except BaseException:
             self._rollback(chunks)
             raise
+        finally:
+            with self._flight:
+                self._stepping = False
+                self.engine.clear_interrupt()     # one that came too late to stop this step stops no other
         for c in chunks:
             self._len[c.slot] = c.start + len(c.tokens)
         self.steps += 1
@@ -257,6 +270,13 @@ class LlamaCppExecutor(ExecutorBase):
                 raise LocalinferError(f"llama.cpp cannot drop positions >= {start} of slot {slot} for this model",
                                       hint="recurrent models can only drop whole sequences")
             self._len[slot] = start
+
+    def interrupt(self) -> None:
+        """Stop the step in flight (any thread): it raises StepInterrupted with every slot as before it; a call
+        while no step runs is forgotten."""
+        with self._flight:
+            if self._stepping:
+                self.engine.interrupt()
 
     def cells_used(self) -> int:
         """KV cells holding a token of any slot, as llama.cpp counts them (copies the used cells' rows once)."""

@@ -59,6 +59,21 @@ _backend_ready = False
 NO_ABORT = _L.ggml_abort_callback(0)
 
 
+def _flag_abort():
+    """An abort callback in C that reads a flag and needs no GIL: libc's ``strlen`` over a two-byte buffer
+    ``[flag, NUL]`` is 1 when the flag byte is set and 0 when not.  ggml's CPU backend calls its abort callback
+    after every graph node from the compute thread; a Python callback there would take the GIL each time and wait
+    behind the event loop.  None where libc cannot be found (interrupts then wait for the next llama_decode)."""
+    try:
+        libc = ctypes.CDLL(None) if os.name != "nt" else ctypes.cdll.msvcrt
+        return _L.ggml_abort_callback(ctypes.cast(libc.strlen, ctypes.c_void_p).value)
+    except (OSError, AttributeError, TypeError):    # pragma: no cover - no libc to call
+        return None
+
+
+FLAG_ABORT = _flag_abort()
+
+
 def init_backend() -> None:
     global _backend_ready
     if not _backend_ready:

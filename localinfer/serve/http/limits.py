@@ -15,7 +15,7 @@ enough of them exhaust the descriptors.  :func:`protocol_class` makes an
 * answers the HTTP parser's errors in OpenAI's JSON shape, not plain text.
 
 A client's end of input (FIN) still ends its request, as uvicorn has it: a half-close cannot be told from a
-hang-up, and a hung-up request must free its slot and KV at once (Go's net/http and nginx do the same).
+hang-up, and a hung-up request must free its slot and KV at once (Go's net/http, nginx and llama-server do the same).
 
 The body's own time limit is applied where the app reads it (:mod:`.intake`).
 """

@@ -11,7 +11,10 @@ the step's tokens into SSE frames while the engine thread waited for it (0.63 ms
 a step at 8 streams).  The relay makes that write while the engine thread is
 inside the next ``llama_decode``, which runs without the GIL.  A cancel takes effect before the next step; the
 request's blocks are freed once the step in flight completes
-(``Scheduler.cancel``).  Loading happens in this thread too, so ``/health``
+(``Scheduler.cancel``), and a step all of whose requests are being cancelled is
+stopped in flight (``StepEngine.cancelling``, the one engine call the loop makes:
+it takes no lock a step holds), so a client leaving a long prompt frees the
+engine at once instead of after its prompt chunk.  Loading happens in this thread too, so ``/health``
 answers 503 until the model is ready, and a signal during the load stops it
 (llama.cpp's progress callback polls ``signals.pending``).
 
@@ -106,7 +109,8 @@ class Runtime:
             self.state = RuntimeState.DRAINING
 
     def shutdown_after(self, grace_s: float) -> None:
-        """Refuse new requests now; cancel those still running ``grace_s`` from now (returns at once)."""
+        """Refuse new requests now, and those queued for a slot (a 503 each, before the next step); cancel those
+        still running ``grace_s`` from now (returns at once)."""
         self.drain()
         with self._cond:
             at = self._now() + max(0.0, grace_s)
@@ -155,7 +159,10 @@ class Runtime:
         handle.quiet_cancel = handle.quiet_cancel or quiet
         with self._cond:
             self._inbox.append(("cancel", handle))
+            leaving = [h.request.id for kind, h in self._inbox if kind == "cancel"]
             self._cond.notify()
+        if self.engine is not None:
+            self.engine.cancelling(leaving)
 
     def check_serving(self) -> None:
         if self.state is RuntimeState.LOADING:
@@ -237,8 +244,8 @@ class Runtime:
                 self._active[h.request.id] = h
             elif h.request.id in self._active and engine.cancel(h.request.id):
                 out += self._finished(h)
-        if self._stop_at is not None and self._now() >= self._stop_at:
-            out += self._cancel_active()
+        if self._stop_at is not None:
+            out += self._refuse_queued() if self._now() < self._stop_at else self._cancel_active()
         if engine.unfinished:
             try:
                 events = engine.step()
@@ -293,6 +300,17 @@ class Runtime:
                 except Exception:  # noqa: BLE001
                     h.request.finish(FinishReason.ERROR, self._now(), error)
             out += self._finished(h)
+        return out
+
+    def _refuse_queued(self) -> list[tuple[Handle, Event]]:
+        """Shutting down: requests queued behind the free slots, never admitted, end now (their 503); the running
+        ones keep the grace period, and so do those the next step admits into a free slot."""
+        sched, out = self.engine.scheduler, []
+        free = sched.config.max_running - len(sched.running)
+        for r in [r for i, r in enumerate(sched.waiting) if i >= free and r.admitted_s is None]:
+            h = self._active.get(r.id)
+            if h is not None and self.engine.cancel(r.id):
+                out += self._finished(h)
         return out
 
     def _cancel_all(self) -> None:
