@@ -32,7 +32,7 @@ from localinfer.errors import GrammarError, UsageError
 
 # Compact JSON with a space after ':' and ',' (what chat models write); a schema's own "x-guidance" overrides it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 MAX_CHOICES = 4096
 MAX_FILE_BYTES = 4 << 20
 
@@ -77,6 +77,16 @@ def grammar_from(kind: str, value, field: str) -> str:
             if not isinstance(value, str) or not value.strip():
                 raise GrammarError(f"{field} must be a non-empty Lark grammar string", field=field)
             grammar = llg.LLMatcher.grammar_from_lark(value)
+        elif kind == "gbnf":             # llama.cpp's grammar format (llama-server's ``grammar``), turned into Lark
+            if not isinstance(value, str) or not value.strip():
+                raise GrammarError(f"{field} must be a non-empty GBNF grammar string", field=field)
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                lark = gbnf_to_lark(value)
+            except Exception as exc:  # noqa: BLE001 - the converter raises its own and bare Exceptions
+                raise GrammarError(f"{field} is not a valid GBNF grammar: {_one_line(exc)}", field=field) from None
+            grammar = llg.LLMatcher.grammar_from_lark(lark)
         else:
             raise GrammarError(f"{field}: unknown grammar kind {kind!r}", field=field, hint="kinds: " + ", ".join(KINDS))
     except (ValueError, TypeError) as exc:

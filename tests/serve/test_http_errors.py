@@ -49,7 +49,7 @@ def _error(r, status: int, param=None, code=None) -> str:
      "messages[0].content[0]"),
     ("model", 3, "model"), ("tools", [{"type": "function"}], "tools[0]"), ("logit_bias", {"x": 5}, "logit_bias"),
     ("logit_bias", {"1": 101}, "logit_bias"), ("logit_bias", {"99999999": 1}, "logit_bias"), ("n_probs", 3, "n_probs"),
-    ("mirostat", 2, "mirostat"), ("grammar", "root ::= \"a\"", "grammar"), ("echo", True, "echo"),
+    ("mirostat", 2, "mirostat"), ("grammar", "root ::= \"a", "grammar"), ("echo", True, "echo"),
     ("stream_options", "x", "stream_options"), ("deadline_ms", -5, "deadline_ms"),
 ])
 def test_wrong_types_and_out_of_range_name_the_field(http, field, value, param):

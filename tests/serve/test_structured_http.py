@@ -233,3 +233,23 @@ def test_a_prefix_cache_hit_gives_the_same_constrained_reply(client):
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert again.choices[0].message.content == first.choices[0].message.content
     jsonschema.validate(json.loads(again.choices[0].message.content), SCHEMAS["nested"])
+
+
+def test_llama_server_fields_json_schema_and_gbnf_grammar_are_honoured(srv):
+    """llama-server's own request fields: a top-level ``json_schema`` and a GBNF ``grammar`` constrain the reply as
+    ``response_format`` and a Lark grammar do (clients written for llama-server send them)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    base = {"model": "x", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": "A number?"}]}
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**base, "json_schema": schema}, timeout=120)
+    assert r.status_code == 200, r.text
+    reply = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert set(reply) == {"n"} and 0 <= reply["n"] <= 9
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "x", "prompt": "Answer:", "max_tokens": 10,
+                                                      "temperature": 0, "grammar": 'root ::= ("yes" | "no") "."'},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes.", "no.")
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "x", "prompt": "A", "grammar": "root ::= missing"},
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text

@@ -7,10 +7,10 @@ type or the allowed range.  Ranges are OpenAI's API reference's
 at most 4 stop strings); sampling fields left out keep
 :class:`~localinfer.generation.sampling.SamplingParams`' defaults (llama.cpp's).
 Structured output and tools (``response_format``, ``regex``, ``choice``,
-``grammar``, ``tools``, ``tool_choice``) are checked in :mod:`.structured`.
+``grammar``, llama-server's ``json_schema``, ``tools``, ``tool_choice``) are checked in :mod:`.structured`.
 Fields that would change the meaning of a reply and are not implemented
 (functions, suffix, best_of, and llama-server's own sampling and output fields
-such as ``n_probs``, ``json_schema`` or ``mirostat``, unless given their
+such as ``n_probs`` or ``mirostat``, unless given their
 neutral value) are refused rather than ignored; other unknown fields are
 ignored, as vLLM does.  ``/v1/completions`` takes a list of prompts (one choice
 per prompt and ``n``), ``echo`` and ``logit_bias``; llama-server's ``n_predict``
@@ -35,9 +35,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 UNSUPPORTED = ("functions", "function_call", "suffix", "best_of", "audio", "modalities", "prediction")
 # llama-server's request fields that change the reply and that this server does not implement: refused unless
 # given their neutral value (the value that leaves the reply as without the field); the fields that only tune
-# these (mirostat_tau, dry_base, xtc_threshold...) do nothing alone and are ignored.  (grammar is structured.py's,
-# in llguidance's Lark dialect.)
-LLAMA_SERVER_ONLY = {"json_schema": ({},), "n_probs": (0,), "post_sampling_probs": (False,),
+# these (mirostat_tau, dry_base, xtc_threshold...) do nothing alone and are ignored.  (grammar, in llguidance's
+# Lark dialect or llama.cpp's GBNF, and json_schema are structured.py's.)
+LLAMA_SERVER_ONLY = {"n_probs": (0,), "post_sampling_probs": (False,),
                      "mirostat": (0,), "typical_p": (1, 1.0),
                      "tfs_z": (1, 1.0), "top_n_sigma": (-1, -1.0), "xtc_probability": (0, 0.0),
                      "dry_multiplier": (0, 0.0), "dynatemp_range": (0, 0.0),

@@ -66,12 +66,16 @@ def parse_structure(body: dict) -> Structure | None:
         elif kind != "text":
             raise bad("response_format.type", "response_format.type must be text, json_object or json_schema, got "
                                               f"{json.dumps(kind)[:40]}")
-    for name, kind in (("regex", "regex"), ("choice", "choice"), ("grammar", "lark")):
-        if body.get(name) is not None:
-            grammar, field = _compile(kind, body[name], name), name
+    for name, kind in (("regex", "regex"), ("choice", "choice"), ("grammar", "lark"), ("json_schema", "json_schema")):
+        value = body.get(name)
+        if value is not None:
+            if name == "grammar" and isinstance(value, str) and "::=" in value:
+                kind = "gbnf"             # llama-server's grammar format; ours is Lark
+            grammar, field = _compile(kind, value, name), name
             kinds.append(name)
     if len(kinds) > 1:
-        raise bad(kinds[1], f"give one of response_format (json), regex, choice, grammar; got {', '.join(kinds)}")
+        raise bad(kinds[1], f"give one of response_format (json), regex, choice, grammar, json_schema; got "
+                            f"{', '.join(kinds)}")
     tools = _tools(body.get("tools"))
     choice, named = _tool_choice(body.get("tool_choice"), tools)
     parallel = body.get("parallel_tool_calls", True)
