@@ -185,3 +185,31 @@ def test_a_signal_before_the_server_starts_exits_0_as_after(monkeypatch, capsys)
     monkeypatch.setattr(_common, "read_spec", stopped)
     code, err = _main([], capsys, monkeypatch)
     assert code == 0 and "stopped (signal 15)" in err and "Traceback" not in err
+
+
+def test_a_reply_still_being_written_when_the_engine_stops_keeps_the_vocabulary(default_model):
+    """The engine stopped (its requests cancelled at the end of the grace period) while the HTTP side was behind it,
+    with tokens still to turn into text: the model closed at once and the stream died mid-body ("this engine is
+    closed"; seen under load after a second SIGINT).  It closes when the server stops, after the replies."""
+    import time
+
+    import httpx
+
+    from tests.serve.test_http_support import MODEL_ID, LiveServer, sse_events
+
+    srv = LiveServer(default_model, parallel=1)
+    try:
+        body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            it = r.iter_lines()
+            lines = [next(it)]
+            srv.runtime._loop.call_soon_threadsafe(time.sleep, 1.0)     # the HTTP side falls behind the engine
+            time.sleep(0.3)                                              # ... by some tokens
+            srv.runtime.shutdown_after(0.0)
+            lines += list(it)
+        events = sse_events(lines)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-3:]
+        assert sum(len(c["text"]) for e in events[:-2] for c in e["choices"]) > 0
+    finally:
+        srv.stop()

@@ -27,7 +27,7 @@ def test_a_client_leaving_mid_prompt_frees_the_engine_at_once(default_model, tmp
     that finishes in well under the time that step takes whole (timed here first); the step log shows it stopped
     with none of the prompt computed; no cell is left; the next greedy reply is a fresh run's (prefix cache off)."""
     log = tmp_path / "steps.jsonl"
-    srv = LiveServer(default_model, parallel=2, chunk=1000, token_budget=1000, prefix_cache=False,
+    srv = LiveServer(default_model, parallel=2, chunk_tokens=1000, token_budget=1000, prefix_cache=False,
                      step_log=str(log))
     try:
         with httpx.Client(base_url=srv.url, timeout=120) as c:

@@ -82,6 +82,7 @@ class Runtime:
         self._idle_published = False      # kv_cells_used read at the start of this idle spell
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
+        self._closing = None               # the executor, once the engine thread ended: stop() closes it
         self._step_log: StepLog | None = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
         self.watch = None                  # the engine view's EngineWatch (http/state.py), told of steps and finishes
@@ -125,6 +126,15 @@ class Runtime:
             self._thread.join(join_s + grace_s)
         if self._relay.is_alive() and not self._thread.is_alive():   # the engine ended, so its last events are queued
             self._relay.join(join_s)          # the last events are on the loop when stop returns
+        if not self._thread.is_alive():
+            self._close()
+
+    def _close(self) -> None:
+        """Close the model once, after the engine thread: not when the engine stops, since replies still being
+        written turn their last tokens into text with its vocabulary (the server calls ``stop`` after them)."""
+        executor, self._closing = self._closing, None
+        if executor is not None:
+            executor.close()
 
     # ---- requests (loop thread) -----------------------------------------------
     def submit(self, prompts: list[tuple[int, ...]], make: Callable[..., ServeRequest],
@@ -208,7 +218,7 @@ class Runtime:
             finally:
                 self.state = RuntimeState.STOPPED
                 self._end_relay()
-            self.executor.close()
+            self._closing = self.executor      # closed by stop()
             if self._step_log is not None:
                 self._step_log.close()
 
