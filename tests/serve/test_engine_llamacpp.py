@@ -46,8 +46,6 @@ def test_cancelling_the_only_request_of_a_long_prefill_step_stops_it_in_flight(e
     all cancelled is stopped in flight: it ends well before the same step run whole (timed in this test), is
     recorded as interrupted, leaves no cell or block behind, and the next request's greedy output is a fresh
     run's.  The simulated executor cannot interrupt: the step ends as before."""
-    import threading
-    import time
 
     e = _engine(executor, chunk_tokens=700)       # the whole prompt in one step: the worst case
     e.records = []
@@ -62,15 +60,7 @@ def test_cancelling_the_only_request_of_a_long_prefill_step_stops_it_in_flight(e
 
     r = e.add_request(Request("cut", tuple(range(2000, 2600)), 1))
 
-    def cancel_in_flight():
-        deadline = time.monotonic() + 30
-        while not e._flight and time.monotonic() < deadline:
-            time.sleep(0.001)
-        e.cancel("cut")
-    t = threading.Thread(target=cancel_in_flight)
-    t.start()
-    e.run()
-    t.join(30)
+    _run_cancelling_in_flight(e, "cut")
     rec = e.records[-1]
     assert r.finish_reason is FinishReason.CANCELLED and rec.interrupted and rec.chunks == (("cut", 0, 600),)
     assert rec.end_s - rec.start_s < 0.5 * full_s, (rec.end_s - rec.start_s, full_s)
@@ -84,8 +74,6 @@ def test_a_step_is_not_stopped_while_one_of_its_requests_is_still_wanted(executo
     """Cancelling one of two prompts in a step leaves the step to run: the other's first token, sampled from it,
     is the one it gets when nothing is cancelled (the same batch; later tokens need not match, as the cancelled
     request's freed cells change where the next ones go, and so the order attention adds them in)."""
-    import threading
-    import time
 
     e = _engine(executor, chunk_tokens=700)
     e.records = []
@@ -96,16 +84,24 @@ def test_a_step_is_not_stopped_while_one_of_its_requests_is_still_wanted(executo
     a = e.add_request(Request("a", a_prompt, 4))
     b = e.add_request(Request("b", b_prompt, 4))
 
-    def cancel_in_flight():
-        deadline = time.monotonic() + 30
-        while not e._flight and time.monotonic() < deadline:
-            time.sleep(0.001)
-        e.cancel("a")
-    t = threading.Thread(target=cancel_in_flight)
-    t.start()
-    e.run()
-    t.join(30)
+    _run_cancelling_in_flight(e, "a")
     assert a.finish_reason is FinishReason.CANCELLED and b.finish_reason is FinishReason.LENGTH
     assert not any(r.interrupted for r in e.records) and len(e.records[-4].chunks) == 2
     assert len(b.output) == 4 and b.output[0] == ref.output[0]
     assert executor.cells_used() == 0 and e.blocks.used == 0
+
+
+def _run_cancelling_in_flight(e, request_id: str) -> None:
+    """Run the engine while another thread cancels ``request_id`` as soon as a step is in flight."""
+    import threading
+    import time
+
+    def cancel_in_flight():
+        deadline = time.monotonic() + 30
+        while not e._flight and time.monotonic() < deadline:
+            time.sleep(0.001)
+        e.cancel(request_id)
+    t = threading.Thread(target=cancel_in_flight)
+    t.start()
+    e.run()
+    t.join(30)
