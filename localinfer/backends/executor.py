@@ -112,7 +112,11 @@ class Executor(Protocol):
 
     def interrupt(self) -> None:
         """Ask the step in flight to stop early (any thread; ``interrupts_steps``): it raises StepInterrupted.
-        Every step starts with no such request pending, so a call between steps is forgotten."""
+        A call after ``step`` was entered but before it computes anything stops it too; ``forget_interrupt``
+        (the caller, once the step returned) drops one that came too late, so it stops no later step."""
+
+    def forget_interrupt(self) -> None:
+        """Drop an ``interrupt`` that came after the step in flight ended (called between steps)."""
 
 
 class ExecutorBase:
@@ -167,6 +171,9 @@ class ExecutorBase:
         time.sleep(max(0.0, min(t - self.clock(), 0.05)))
 
     def interrupt(self) -> None:
+        pass
+
+    def forget_interrupt(self) -> None:
         pass
 
     def close(self) -> None:
@@ -227,6 +234,9 @@ class ExecutorWrapper(ExecutorBase):
 
     def interrupt(self) -> None:
         self.inner.interrupt()
+
+    def forget_interrupt(self) -> None:
+        self.inner.forget_interrupt()
 
     def close(self) -> None:
         self.inner.close()

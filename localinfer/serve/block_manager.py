@@ -301,10 +301,11 @@ class BlockManager:
         self._chain[seq] = (max(done, len(tokens) // p), parent)
 
     def fork(self, parent, child) -> None:
-        """``child`` shares every block of ``parent`` (parallel branches); writes copy a shared partial tail."""
+        """``child`` shares the blocks ``parent`` has written (parallel branches); writes copy a shared partial
+        tail, and each takes its own blocks past it (``grow``): a block both could write would hold one's tokens."""
         if child in self.tables:
             raise ValueError(f"sequence {child!r} already has blocks")
-        self.tables[child] = list(self.tables[parent])
+        self.tables[child] = self.tables[parent][:blocks_for(self.written(parent), self.block_tokens)]
         if parent in self._chain:
             self._chain[child] = self._chain[parent]
         for b in self.tables[child]:

@@ -114,6 +114,7 @@ class StepEngine:
         self._after_step: list[Request] = []     # cancelled during the step in flight: slots dropped after it
         self._flight_lock = threading.Lock()     # taken only around _flight: cancelling() never waits for a step
         self._flight: frozenset[str] = frozenset()   # the requests of the step inside executor.step
+        self._leaving: set[str] = set()              # requests whose cancel is on its way (cancelling)
         self.parking = parking
         if parking is not None:
             parking.bind_engine(executor, self._free_slots, self.slot_of)
@@ -175,14 +176,18 @@ class StepEngine:
         ``interrupts_steps``), computes nothing, and its requests finish cancelled.  True when it was asked to."""
         if not self.executor.caps.interrupts_steps:
             return False
-        leaving = set(request_ids)
-        requests = self.scheduler.requests
         with self._flight_lock:
-            flight = self._flight
-            if not flight or not all(rid in leaving or getattr(requests.get(rid), "finished", True) for rid in flight):
-                return False
-            self.executor.interrupt()
-            return True
+            self._leaving.update(request_ids)      # a cancel on its way as the next step is planned counts too
+            return self._interrupt_if_all_leaving()
+
+    def _interrupt_if_all_leaving(self) -> bool:
+        """(Under ``_flight_lock``) interrupt the step in flight if none of its requests is still wanted."""
+        flight, requests = self._flight, self.scheduler.requests
+        if not flight or not all(rid in self._leaving or getattr(requests.get(rid), "finished", True)
+                                 for rid in flight):
+            return False
+        self.executor.interrupt()
+        return True
 
     @property
     def unfinished(self) -> bool:
@@ -214,6 +219,8 @@ class StepEngine:
             self._in_step = True
         with self._flight_lock:
             self._flight = frozenset(c.request.id for c in plan.chunks)
+            if self._leaving and self.executor.caps.interrupts_steps:
+                self._interrupt_if_all_leaving()
         try:
             rows = ex.step(chunks)
         except StepInterrupted:
@@ -273,6 +280,8 @@ class StepEngine:
     def _end_step(self) -> None:
         with self._flight_lock:
             self._flight = frozenset()
+            self._leaving.clear()                # by now the engine has the cancels (or its caller forgot them)
+            self.executor.forget_interrupt()     # one asked as the step ended stops no later step
         self._in_step = False
         pending, self._after_step = self._after_step, []
         for r in pending:

@@ -329,7 +329,12 @@ def test_an_interrupt_stops_the_graph_in_flight_and_undoes_the_step(ex):
             t.join(30)
             assert ex.engine.aborted == aborted + 1
             assert ex.cells_used() == 100 and ex.slot_len(0) == 100 and ex.slot_len(1) == 0
-            ex.interrupt()                     # no step in flight: forgotten
+            ex.interrupt()                     # no step in flight: it would stop the next one as it starts ...
+            with pytest.raises(StepInterrupted):
+                ex.step([Chunk(0, (5,), 100, True)])
+            assert ex.slot_len(0) == 100
+            ex.interrupt()
+            ex.forget_interrupt()              # ... unless forgotten, as the engine does between steps
         rows = ex.step([Chunk(0, (7,), 100, True), Chunk(1, a, 0, True)])
         rows = [rows[0], rows[1], ex.step([Chunk(1, (42,), len(a), True)])[1]]
         assert ex.slot_len(0) == 101 and ex.slot_len(1) == len(a) + 1 and not ex.engine.interrupted

@@ -212,3 +212,22 @@ def test_max_used_caps_the_referenced_blocks_and_the_rest_only_cache():
     hit = bm.match(a + (1,))
     bm.allocate("a2", a + (1,), hit=hit)      # the hit's 2 cached blocks plus one new: 3 referenced
     assert bm.used == 3 and bm.num_free == 1
+
+
+def test_forked_branches_count_their_own_tokens():
+    """A fork shares what the parent wrote; each branch then writes its own blocks, so neither's writes change
+    what the other holds (``written`` is read off the blocks)."""
+    for start in (20, 32):                       # a partial tail shared, and a block boundary
+        bm = BlockManager(20, 16)
+        first = list(range(start))
+        bm.allocate("a", first, reserve_tokens=48)
+        bm.commit("a", first)
+        bm.fork("a", "b")
+        assert bm.written("b") == start
+        bm.grow("a", 40)
+        bm.commit("a", list(range(40)))
+        assert (bm.written("a"), bm.written("b")) == (40, start)
+        bm.grow("b", start + 1)
+        bm.commit("b", first + [99])
+        assert (bm.written("a"), bm.written("b")) == (40, start + 1)
+        assert bm.tokens_in_use() == 40 + 1 + start % 16      # b's copied tail block (or its fresh one)

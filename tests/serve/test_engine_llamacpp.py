@@ -105,3 +105,22 @@ def _run_cancelling_in_flight(e, request_id: str) -> None:
     t.start()
     e.run()
     t.join(30)
+
+
+def test_a_cancel_on_its_way_before_the_step_starts_stops_it_and_no_later_one(executor):
+    """A cancel announced (``cancelling``) while the next step is still being planned, before it is in flight,
+    stops that step as it starts; an interrupt asked after a step ended stops no later step."""
+    e = _engine(executor, chunk_tokens=700)
+    e.records = []
+    r = e.add_request(Request("early", tuple(range(1000, 1600)), 1))
+    assert not e.cancelling(["early"])                   # nothing in flight yet: remembered for the next step
+    e.step()
+    assert e.records[-1].interrupted and r.finish_reason is FinishReason.CANCELLED
+    assert executor.cells_used() == 0 and e.blocks.used == 0
+    tok = executor.engine.tokenize
+    q = tuple(tok("The capital of France is"))
+    executor.interrupt()                                 # between steps: the engine forgets it before the next
+    executor.forget_interrupt()
+    ok = e.add_request(Request("ok", q, 4))
+    e.run()
+    assert ok.finish_reason is FinishReason.LENGTH and not any(s.interrupted for s in e.records[1:])

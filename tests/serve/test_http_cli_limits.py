@@ -213,3 +213,36 @@ def test_a_reply_still_being_written_when_the_engine_stops_keeps_the_vocabulary(
         assert sum(len(c["text"]) for e in events[:-2] for c in e["choices"]) > 0
     finally:
         srv.stop()
+
+
+def test_at_shutdown_a_choice_waiting_behind_its_sibling_keeps_the_grace_period(default_model):
+    """The 503 at once is for requests nobody started: a reply's second choice queued behind its first (n=2 on one
+    slot) is part of a running reply and is served within the grace period, not refused (which failed the reply)."""
+    import time
+
+    import httpx
+
+    from tests.serve.test_http_support import MODEL_ID, LiveServer
+
+    srv = LiveServer(default_model, parallel=1)
+    try:
+        got = {}
+        body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "n": 2,
+                "ignore_eos": True}
+        t = threading.Thread(target=lambda: got.update(r=httpx.post(srv.url + "/v1/completions", json=body,
+                                                                    timeout=60)))
+        t.start()
+        sched, deadline = None, time.monotonic() + 30
+        while True:
+            sched = srv.runtime.engine.scheduler
+            if len(sched.running) == 1 and len(sched.waiting) == 1:
+                break
+            assert time.monotonic() < deadline and t.is_alive(), "the second choice was never queued"
+            time.sleep(0.001)
+        srv.runtime.shutdown_after(30.0)
+        t.join(60)
+        r = got["r"]
+        assert r.status_code == 200, r.text
+        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+    finally:
+        srv.stop()

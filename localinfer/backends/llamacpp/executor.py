@@ -87,6 +87,7 @@ class LlamaCppExecutor(ExecutorBase):
         self.steps = 0
         self._flight = threading.Lock()    # step() in flight or not, and the interrupt flag, change together
         self._stepping = False
+        self._interrupt_asked = False      # interrupt() before this step reached llama_decode
         if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
             try:
                 self.step([Chunk(0, (1, 1), 0)])
@@ -129,6 +130,8 @@ class LlamaCppExecutor(ExecutorBase):
         got: dict[int, list[np.ndarray]] = {}
         with self._flight:
             self._stepping = True
+            if self._interrupt_asked:     # asked while the chunks were checked: stop at the first graph node
+                self.engine.interrupt()
         try:
             for rows in groups:
                 for slot, row in self._decode(rows):
@@ -146,7 +149,7 @@ class LlamaCppExecutor(ExecutorBase):
             raise
         finally:
             with self._flight:
-                self._stepping = False
+                self._stepping = self._interrupt_asked = False
                 self.engine.clear_interrupt()     # one that came too late to stop this step stops no other
         for c in chunks:
             self._len[c.slot] = c.start + len(c.tokens)
@@ -273,10 +276,16 @@ class LlamaCppExecutor(ExecutorBase):
 
     def interrupt(self) -> None:
         """Stop the step in flight (any thread): it raises StepInterrupted with every slot as before it; a call
-        while no step runs is forgotten."""
+        before it reaches llama_decode stops it there, one after it returned is dropped by ``forget_interrupt``."""
         with self._flight:
             if self._stepping:
                 self.engine.interrupt()
+            else:
+                self._interrupt_asked = True
+
+    def forget_interrupt(self) -> None:
+        with self._flight:
+            self._interrupt_asked = False
 
     def cells_used(self) -> int:
         """KV cells holding a token of any slot, as llama.cpp counts them (copies the used cells' rows once)."""

@@ -132,7 +132,8 @@ class Runtime:
     def _close(self) -> None:
         """Close the model once, after the engine thread: not when the engine stops, since replies still being
         written turn their last tokens into text with its vocabulary (the server calls ``stop`` after them)."""
-        executor, self._closing = self._closing, None
+        with self._cond:
+            executor, self._closing = self._closing, None
         if executor is not None:
             executor.close()
 
@@ -224,9 +225,13 @@ class Runtime:
 
     def _load(self) -> None:
         inner = self._open()
-        self.tokenizer = inner.vocab
-        self._step_log = StepLog(self.config.step_log) if self.config.step_log else None
-        self.executor, self.engine, self.step_model = build_engine(inner, self.config, on_step=self._step_log)
+        try:
+            self.tokenizer = inner.vocab
+            self._step_log = StepLog(self.config.step_log) if self.config.step_log else None
+            self.executor, self.engine, self.step_model = build_engine(inner, self.config, on_step=self._step_log)
+        except BaseException:       # calibration failed or a signal came: the model loaded is freed now
+            inner.close()
+            raise
         b = self.engine.blocks
         self.context_tokens = min(b.capacity * b.block_tokens, inner.caps.slot_cells or 1 << 62)
         self._publish(idle=True)
@@ -317,9 +322,11 @@ class Runtime:
         ones keep the grace period, and so do those the next step admits into a free slot."""
         sched, out = self.engine.scheduler, []
         free = sched.config.max_running - len(sched.running)
+        # a reply's choices share a queue: one of them admitted, the others wait their turn in the grace period
+        started = {id(h.queue) for h in self._active.values() if h.request.admitted_s is not None}
         for r in [r for i, r in enumerate(sched.waiting) if i >= free and r.admitted_s is None]:
             h = self._active.get(r.id)
-            if h is not None and self.engine.cancel(r.id):
+            if h is not None and id(h.queue) not in started and self.engine.cancel(r.id):
                 out += self._finished(h)
         return out
 

@@ -20,6 +20,7 @@ from localinfer.serve.http.errors import bad
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z][\w-]*\s*::=")     # a line "name ::= ...": llama.cpp's GBNF, not Lark
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ def parse_structure(body: dict) -> Structure | None:
     for name, kind in (("regex", "regex"), ("choice", "choice"), ("grammar", "lark"), ("json_schema", "json_schema")):
         value = body.get(name)
         if value is not None:
-            if name == "grammar" and isinstance(value, str) and "::=" in value:
+            if name == "grammar" and isinstance(value, str) and _GBNF_RULE.search(value):
                 kind = "gbnf"             # llama-server's grammar format; ours is Lark
             grammar, field = _compile(kind, value, name), name
             kinds.append(name)
