@@ -4,11 +4,15 @@
 
 1. Mask + apply: JSON-schema replies are walked token by token (each step draws the likeliest allowed token of
    random logits, so every state a reply passes through is timed), for the embedded model's 49,152-token
-   vocabulary and a generated 152,064-token one (the 49k pieces plus concatenations of two of them, the size of
-   Qwen2's).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
+   vocabulary, a generated 152,064-token one (the 49k pieces plus concatenations of two of them, the size of
+   Qwen2's: 54% of its tokens are over 10 bytes) and, where ``scripts/llama_sources.sh`` has unpacked
+   llama.cpp's sources, Qwen2's own 151,936-token vocabulary (its ``ggml-vocab-qwen2.gguf`` test file: 10% over
+   10 bytes).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
    ``Constraint.apply`` (bits to −inf logits) for each row; batch 1 and batch 8 (eight replies with eight
    schemas filled in one call, the time divided by 8).  Wall time and the calling thread's CPU time (with one
-   mask thread the fill runs in it; on a shared machine wall-time tails are other processes' time slices).
+   mask thread the fill runs in it; on a shared machine wall-time tails are other processes' time slices);
+   fill and apply apart; and the slowest 1% of steps again, each state on a fresh matcher (first visit or the
+   state's own cost) with the reply's text before it.
 2. ``--engine``: the step engine in process (llama.cpp, 1 thread, per-slot KV, no HTTP), batches of 1, 4 and 8
    greedy requests with the serve schema's grammar and without, alternating, ``max_tokens`` each (EOS banned):
    tok/s ratio and the CPU milliseconds per token the grammar adds.
@@ -21,7 +25,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import os
 import platform
 import sys
 import threading
@@ -74,40 +81,84 @@ class SyntheticVocab:
         return self.base.tokenize(text, add_bos=add_bos, special=special)
 
 
+def qwen2_vocab_path() -> str | None:
+    """llama.cpp's Qwen2 vocabulary test file (151,936 real tokens, no weights) in the llama-cpp-python sdist that
+    ``scripts/llama_sources.sh`` unpacked, if it has been (it does not download it here)."""
+    import llama_cpp
+    cache = Path(os.environ.get("LOCALINFER_CACHE", Path.home() / ".cache" / "localinfer"))
+    path = cache / f"llama-src-{llama_cpp.__version__}" / "src" / "vendor" / "llama.cpp" / "models" / "ggml-vocab-qwen2.gguf"
+    return str(path) if path.exists() else None
+
+
+def _q(a, p) -> float:
+    return round(float(np.percentile(a, p)), 4)
+
+
 def mask_costs(vocab, batch: int, steps: int, seed: int = 0) -> dict:
-    """Per-row seconds of one step's fill + apply, over ``steps`` steps of ``batch`` replies (restarted when done)."""
+    """Per-row cost of one step's fill + apply, over ``steps`` steps of ``batch`` replies (restarted when done).
+
+    A step is timed as a whole (``fill_masks`` for the batch, then ``Constraint.apply`` for each row) and divided
+    by the batch.  Fill and apply are also timed apart, and the steps in the top 1% are looked at again: the same
+    state on a fresh matcher (walked there by the same tokens, so none of llguidance's caches is warm) says whether
+    a slow mask is a first visit or the state's own cost; the text just before says where in the reply it was."""
     tok = grammar_tokenizer(vocab)
     grammars = [grammar_from("json_schema", s, "schema") for s in SCHEMAS[:batch]]
     rng = np.random.default_rng(seed)
     cs = [Constraint(tok, g) for g in grammars]
-    per_row, fills, cpu = [], [], []
+    wall, cpu, fill_cpu, apply_cpu, gcs, where = [], [], [], [], [], []
+    collections = [0]
+
+    def on_gc(phase, info):
+        collections[0] += phase == "start"
+
     logits = [rng.standard_normal(vocab.n_vocab).astype(np.float32) for _ in cs]     # the executor's rows
-    for _ in range(steps):
-        for x in logits:
-            x[rng.integers(0, vocab.n_vocab, 64)] += 4.0                      # a different argmax each step
-        c0, t0 = time.thread_time(), time.perf_counter()
-        fill_masks([(c, c.tokens, ()) for c in cs])
-        t1 = time.perf_counter()
-        masked = [c.apply(x) for c, x in zip(cs, logits)]
-        t2, c2 = time.perf_counter(), time.thread_time()
-        per_row.append((t2 - t0) / len(cs))
-        fills.append((t1 - t0) / len(cs))
-        cpu.append((c2 - c0) / len(cs))
-        for i, (c, m) in enumerate(zip(cs, masked)):
-            ok = np.isfinite(m)
-            ok[list(vocab.eos_ids)] = False
-            if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
-                cs[i] = Constraint(tok, grammars[i])
-                continue
-            c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
-    ms, cms = np.array(per_row) * 1e3, np.array(cpu) * 1e3
-
-    def q(a, p):
-        return round(float(np.percentile(a, p)), 4)
-
-    return {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "p50_ms": q(ms, 50), "p99_ms": q(ms, 99),
-            "mean_ms": round(float(ms.mean()), 4), "fill_p50_ms": q(np.array(fills) * 1e3, 50),
-            "cpu_p50_ms": q(cms, 50), "cpu_p99_ms": q(cms, 99)}
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(steps):
+            for x in logits:
+                x[rng.integers(0, vocab.n_vocab, 64)] += 4.0                      # a different argmax each step
+            g0 = collections[0]
+            c0, t0 = time.thread_time(), time.perf_counter()
+            fill_masks([(c, c.tokens, ()) for c in cs])
+            c1 = time.thread_time()
+            masked = [c.apply(x) for c, x in zip(cs, logits)]
+            t2, c2 = time.perf_counter(), time.thread_time()
+            wall.append((t2 - t0) / len(cs))
+            cpu.append((c2 - c0) / len(cs))
+            fill_cpu.append((c1 - c0) / len(cs))
+            apply_cpu.append((c2 - c1) / len(cs))
+            gcs.append(collections[0] - g0)
+            where.append([(i, np.array(c.tokens, dtype=np.int32)) for i, c in enumerate(cs)])   # not GC-tracked
+            for i, (c, m) in enumerate(zip(cs, masked)):
+                ok = np.isfinite(m)
+                ok[list(vocab.eos_ids)] = False
+                if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
+                    cs[i] = Constraint(tok, grammars[i])
+                    continue
+                c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+    finally:
+        gc.callbacks.remove(on_gc)
+    ms, cms = np.array(wall) * 1e3, np.array(cpu) * 1e3
+    fms, ams = np.array(fill_cpu) * 1e3, np.array(apply_cpu) * 1e3
+    slow = []
+    for k in np.argsort(-cms)[:max(1, steps // 100)]:
+        rows = []
+        for i, tokens in where[k]:                       # the same states on fresh matchers
+            m = Constraint(tok, grammars[i]).matcher
+            m.consume_tokens(tokens.tolist())
+            buf = np.zeros(cs[0].words, dtype=np.int32)
+            f0 = time.thread_time()
+            m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+            rows.append((time.thread_time() - f0) * 1e3)
+            m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+        i, tokens = max(where[k], key=lambda w: len(w[1]))
+        slow.append({"step": int(k), "cpu_ms": round(float(cms[k]), 3), "fill_ms": round(float(fms[k]), 3),
+                     "apply_ms": round(float(ams[k]), 3), "gc": gcs[k], "fresh_fill_ms": round(sum(rows) / len(rows), 3),
+                     "tokens_in": len(tokens), "text_before": tok.decode_str(tokens.tolist())[-40:]})
+    return {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "p50_ms": _q(ms, 50), "p99_ms": _q(ms, 99),
+            "mean_ms": round(float(ms.mean()), 4), "cpu_p50_ms": _q(cms, 50), "cpu_p99_ms": _q(cms, 99),
+            "fill_cpu_p50_ms": _q(fms, 50), "fill_cpu_p99_ms": _q(fms, 99), "apply_cpu_p50_ms": _q(ams, 50),
+            "apply_cpu_p99_ms": _q(ams, 99), "steps_with_gc": int(sum(g > 0 for g in gcs)), "slowest": slow}
 
 
 SERVE_SCHEMA = {"type": "object", "properties": {
@@ -122,7 +173,7 @@ TOPICS = ["a film about the sea", "a film about space", "a comedy set in Paris",
 def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
     import httpx
 
-    from localinfer.serve.loadgen_server import LocalServe
+    from localinfer.loadgen.local_serve import LocalServe
 
     out = []
     with LocalServe(None, threads=threads, ctx=8192, parallel=8) as url:
@@ -172,7 +223,7 @@ def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[d
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
     from localinfer.model.sources import default_model_path
     from localinfer.serve.block_manager import BlockManager
-    from localinfer.serve.engine import Engine
+    from localinfer.serve.engine import StepEngine
     from localinfer.serve.http.sampler import ServeRequest
     from localinfer.serve.request import GREEDY
     from localinfer.serve.scheduler import Scheduler, SchedulerConfig
@@ -189,7 +240,7 @@ def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[d
                 for schema in (False, True):
                     for slot in range(ex.n_slots):
                         ex.drop(slot)
-                    e = Engine(ex, Scheduler(SchedulerConfig(max_running=8, policy="chunked"),
+                    e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=8, policy="chunked"),
                                              BlockManager(256, 16, pool_hits=False)))
                     reqs = [e.add_request(ServeRequest(f"r{i}", prompts[i % len(prompts)], max_tokens,
                                                        sampling=GREEDY, banned=ex.engine.eos_ids,
@@ -206,6 +257,14 @@ def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[d
     return out
 
 
+def machine() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return {"arch": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
+            "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
@@ -216,25 +275,31 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--engine", action="store_true", help="also measure the step engine in process, schema vs none")
+    ap.add_argument("--no-mask", action="store_true", help="skip the mask cost measurement")
     args = ap.parse_args(argv)
     from localinfer.backends.vocab import VocabOnly
     from localinfer.model.sources import default_model_path
 
-    base = VocabOnly(str(default_model_path()))
-    doc = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
+    doc = {"machine": machine(), "python": platform.python_version(),
            "llguidance": __import__("llguidance").__version__, "mask": []}
-    t0 = time.perf_counter()
-    big = SyntheticVocab(base)
-    tok_build = {}
-    for name, vocab in (("49k", base), ("152k", big)):
-        t = time.perf_counter()
-        grammar_tokenizer(vocab)
-        tok_build[name] = round(time.perf_counter() - t, 3)
-        for batch in (1, 8):
-            doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
-            print(doc["mask"][-1], file=sys.stderr)
-    doc["tokenizer_build_s"] = tok_build
-    doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
+    if not args.no_mask:
+        base = VocabOnly(str(default_model_path()))
+        vocabs = [("49k", lambda: base), ("152k", lambda: SyntheticVocab(base))]
+        if qwen2 := qwen2_vocab_path():
+            vocabs.append(("qwen2 152k", lambda: VocabOnly(qwen2)))
+        t0, tok_build = time.perf_counter(), {}
+        doc["mask_loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+        for name, make in vocabs:
+            vocab = make()
+            t = time.perf_counter()
+            grammar_tokenizer(vocab)
+            tok_build[name] = round(time.perf_counter() - t, 3)
+            for batch in (1, 8):
+                doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
+                print({k: v for k, v in doc["mask"][-1].items() if k != "slowest"}, file=sys.stderr)
+        doc["mask_loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        doc["tokenizer_build_s"] = tok_build
+        doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
     levels = [int(x) for x in args.levels.split(",")]
     if args.engine:
         runs = doc["engine"] = engine_rates(levels, args.max_tokens)
