@@ -161,6 +161,66 @@ def mask_costs(vocab, batch: int, steps: int, seed: int = 0) -> dict:
             "apply_cpu_p99_ms": _q(ams, 99), "steps_with_gc": int(sum(g > 0 for g in gcs)), "slowest": slow}
 
 
+def mask_beside_forward(vocab, batch: int, steps: int, threads: int, seed: int = 0) -> dict:
+    """The masks' share of a step's critical path with a real forward pass: ``mask_costs``'s walk over ``vocab``,
+    each step's fill started before one decode step of the embedded model for ``batch`` sequences (llama.cpp,
+    ``threads`` threads) and waited for after it (``StepMasks``, as the engine does), then applied; and the same
+    walk with the fill after the forward pass.  The two walks go in lockstep (same seed, same states), a step of
+    each in turn.  Per row: (wait + apply) / batch, wall time; and the forward pass's own wall time, which the
+    fill beside it may lengthen where it has no core of its own."""
+    from localinfer.backends.executor import Chunk
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+    from localinfer.model.sources import default_model_path
+    from localinfer.serve.masks import StepMasks
+
+    tok = grammar_tokenizer(vocab)
+    grammars = [grammar_from("json_schema", s, "schema") for s in SCHEMAS[:batch]]
+    modes = {"beside": StepMasks(True), "after": StepMasks(False)}
+    walks = {mode: ([Constraint(tok, g) for g in grammars], np.random.default_rng(seed)) for mode in modes}
+    rows = {mode: [rng.standard_normal(vocab.n_vocab).astype(np.float32) for _ in grammars]
+            for mode, (_, rng) in walks.items()}
+    path = {mode: [] for mode in modes}
+    forward = {mode: [] for mode in modes}
+    with LlamaCppExecutor.open(default_model_path(), n_slots=2 * batch, n_ctx=2 * batch * 1024, threads=threads,
+                               flash_attn=True, unified=False) as ex:
+        prompt = tuple(ex.engine.tokenize("Describe a film as JSON.", add_bos=True))
+        got = ex.step([Chunk(s, prompt, 0, True) for s in range(2 * batch)])
+        last = {s: int(np.argmax(got[s])) for s in got}
+        pos = len(prompt)
+        for _ in range(steps):
+            for k, (mode, masks) in enumerate(modes.items()):
+                cs, rng = walks[mode]
+                slots = range(k * batch, (k + 1) * batch)
+                for x in rows[mode]:
+                    x[rng.integers(0, vocab.n_vocab, 64)] += 4.0
+                masks.start([(c, c.tokens, ()) for c in cs])
+                t0 = time.perf_counter()
+                got = ex.step([Chunk(s, (last[s],), pos, True) for s in slots])
+                t1 = time.perf_counter()
+                masks.finish()
+                masked = [c.apply(x) for c, x in zip(cs, rows[mode])]
+                t2 = time.perf_counter()
+                forward[mode].append(t1 - t0)
+                path[mode].append((t2 - t1) / batch)
+                last.update({s: int(np.argmax(got[s])) for s in slots})
+                for i, (c, m) in enumerate(zip(cs, masked)):
+                    ok = np.isfinite(m)
+                    ok[list(vocab.eos_ids)] = False
+                    if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
+                        cs[i] = Constraint(tok, grammars[i])
+                        continue
+                    c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+            pos += 1
+    for masks in modes.values():
+        masks.close()
+    out = {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "threads": threads}
+    for mode in modes:
+        ms, fw = np.array(path[mode]) * 1e3, np.array(forward[mode]) * 1e3
+        out[mode] = {"p50_ms": _q(ms, 50), "p99_ms": _q(ms, 99), "forward_p50_ms": _q(fw, 50),
+                     "forward_mean_ms": round(float(fw.mean()), 3)}
+    return out
+
+
 SERVE_SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 60}, "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
     "genres": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 2, "maxItems": 5},
@@ -217,9 +277,14 @@ def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -
     return out
 
 
-def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[dict]:
-    """The step engine in process on llama.cpp (1 thread, per-slot KV), no HTTP: wall and CPU seconds of the same
-    batch with the serve schema's grammar on every request and without, alternating A B A B..."""
+MODES = {"none": (False, True), "schema": (True, True), "schema serial": (True, False)}   # (grammar, overlap)
+
+
+def engine_rates(levels: list[int], max_tokens: int, threads: int, repeats: int = 3) -> list[dict]:
+    """The step engine in process on llama.cpp (per-slot KV), no HTTP: wall and CPU seconds of the same batch
+    without a grammar, with the serve schema's grammar on every request filled beside the forward pass (the
+    engine's default), and filled after it, in turn; per step, how long the step waited for its masks once the
+    logits were back (``StepMasks.wait_s``)."""
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
     from localinfer.model.sources import default_model_path
     from localinfer.serve.block_manager import BlockManager
@@ -229,30 +294,35 @@ def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[d
     from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
     out = []
-    with LlamaCppExecutor.open(default_model_path(), n_slots=8, n_ctx=4096, threads=1, flash_attn=True,
+    with LlamaCppExecutor.open(default_model_path(), n_slots=8, n_ctx=4096, threads=threads, flash_attn=True,
                                unified=False) as ex:
         tok = grammar_tokenizer(ex.engine)
         grammar = grammar_from("json_schema", SERVE_SCHEMA, "schema")
         prompts = [tuple(ex.engine.tokenize(f"Describe {t} as JSON with title, year, genres and summary.",
                                             add_bos=True)) for t in TOPICS]
         for conc in levels:
-            for rep in range(repeats):
-                for schema in (False, True):
+            for _ in range(repeats):
+                for mode, (schema, overlap) in MODES.items():
                     for slot in range(ex.n_slots):
                         ex.drop(slot)
                     e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=8, policy="chunked"),
-                                             BlockManager(256, 16, pool_hits=False)))
+                                                 BlockManager(256, 16, pool_hits=False)), overlap_masks=overlap)
                     reqs = [e.add_request(ServeRequest(f"r{i}", prompts[i % len(prompts)], max_tokens,
                                                        sampling=GREEDY, banned=ex.engine.eos_ids,
                                                        constraint=Constraint(tok, grammar) if schema else None))
                             for i in range(conc)]
+                    waits = []
                     c0, t0 = time.process_time(), time.perf_counter()
                     while e.unfinished:
                         e.step()
+                        waits.append(e.masks.wait_s)
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    e.masks.close()
                     n = sum(len(r.output) for r in reqs)
-                    out.append({"concurrency": conc, "schema": schema, "tokens": n, "seconds": round(wall, 3),
-                                "cpu_seconds": round(cpu, 3), "tok_s": round(n / wall, 2)})
+                    w = np.array(waits) * 1e3
+                    out.append({"concurrency": conc, "mode": mode, "tokens": n, "steps": len(waits),
+                                "seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "tok_s": round(n / wall, 2),
+                                "wait_p50_ms": _q(w, 50), "wait_p99_ms": _q(w, 99)})
                     print(out[-1], file=sys.stderr)
     return out
 
@@ -276,6 +346,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--engine", action="store_true", help="also measure the step engine in process, schema vs none")
     ap.add_argument("--no-mask", action="store_true", help="skip the mask cost measurement")
+    ap.add_argument("--beside", action="store_true",
+                    help="also measure the masks' share of the step with a real forward pass beside the fill")
     args = ap.parse_args(argv)
     from localinfer.backends.vocab import VocabOnly
     from localinfer.model.sources import default_model_path
@@ -298,21 +370,31 @@ def main(argv=None) -> int:
                 doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
                 print({k: v for k, v in doc["mask"][-1].items() if k != "slowest"}, file=sys.stderr)
         doc["mask_loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        if args.beside:
+            doc["beside"] = []
+            for name, make in vocabs:
+                vocab = make()
+                for batch in (1, 8):
+                    doc["beside"].append({"name": name, **mask_beside_forward(vocab, batch, args.steps, args.threads)})
+                    print(doc["beside"][-1], file=sys.stderr)
+            doc["beside_loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
         doc["tokenizer_build_s"] = tok_build
         doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
     levels = [int(x) for x in args.levels.split(",")]
     if args.engine:
-        runs = doc["engine"] = engine_rates(levels, args.max_tokens)
+        doc["engine_loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+        runs = doc["engine"] = engine_rates(levels, args.max_tokens, args.threads)
+        doc["engine_loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
 
-        def per_token(c, schema, key):
-            rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
+        def per_token(c, mode, key):
+            rs = [r for r in runs if r["concurrency"] == c and r["mode"] == mode]
             return sum(r[key] for r in rs) / sum(r["tokens"] for r in rs)
 
-        doc["engine_ratio"] = {str(c): round(per_token(c, False, "seconds") / per_token(c, True, "seconds"), 3)
-                               for c in levels}
-        doc["engine_cpu_ms_per_token_added"] = {
-            str(c): round(1e3 * (per_token(c, True, "cpu_seconds") - per_token(c, False, "cpu_seconds")), 3)
-            for c in levels}
+        doc["engine_ratio"] = {mode: {str(c): round(per_token(c, "none", "seconds") / per_token(c, mode, "seconds"), 3)
+                                      for c in levels} for mode in MODES if mode != "none"}
+        doc["engine_cpu_ms_per_token_added"] = {mode: {
+            str(c): round(1e3 * (per_token(c, mode, "cpu_seconds") - per_token(c, "none", "cpu_seconds")), 3)
+            for c in levels} for mode in MODES if mode != "none"}
     if args.serve:
         runs = serve_rates(args.threads, levels, args.rounds, args.max_tokens)
         doc["serve"] = runs
