@@ -1,6 +1,7 @@
 """Structured output costs: grammar mask + apply per token per row, and serve tok/s with a JSON schema vs without.
 
-    python benchmarks/structured.py [--out benchmarks/results/structured_cpu.json] [--serve] [--threads 2]
+    python benchmarks/structured.py [--out benchmarks/results/structured_cpu.json] [--beside] [--engine]
+        [--serve [--llama-server "$(scripts/build_llama_server.sh)"]] [--threads 2]
 
 1. Mask + apply: JSON-schema replies are walked token by token (each step draws the likeliest allowed token of
    random logits, so every state a reply passes through is timed), for the embedded model's 49,152-token
@@ -13,13 +14,20 @@
    mask thread the fill runs in it; on a shared machine wall-time tails are other processes' time slices);
    fill and apply apart; and the slowest 1% of steps again, each state on a fresh matcher (first visit or the
    state's own cost) with the reply's text before it.
-2. ``--engine``: the step engine in process (llama.cpp, 1 thread, per-slot KV, no HTTP), batches of 1, 4 and 8
-   greedy requests with the serve schema's grammar and without, alternating, ``max_tokens`` each (EOS banned):
-   tok/s ratio and the CPU milliseconds per token the grammar adds.
-3. ``--serve``: ``localinfer serve`` (embedded model, ``--parallel 8``) under closed-loop clients at concurrency
-   1, 4 and 8, the same prompts with ``response_format`` json_schema and without, in the order A B B A;
-   completion tokens per second (``serve_ratio``: with over without, over both runs of each).
-   llama-server's ``json_schema`` side is not run here (building it takes ~16 min of CPU).
+2. ``--beside``: the masks' share of a step's critical path with a real forward pass: the same walks, each
+   step's fill started before one decode step of the embedded model (llama.cpp, ``--threads``) and waited for
+   after it, as the serving engine does (``StepMasks``), against the fill after the forward pass; per row,
+   (wait + apply) / batch, and the forward pass's own time.
+3. ``--engine``: the step engine in process (llama.cpp, ``--threads``, per-slot KV, no HTTP), batches of 1, 4
+   and 8 greedy requests with the serve schema's grammar, its masks filled beside the forward pass and after it,
+   and without a grammar, in turn, ``max_tokens`` each (EOS banned): tok/s ratios, the CPU milliseconds per
+   token the grammar adds, and each step's wait for its masks.
+4. ``--serve``: ``localinfer serve`` and, with ``--llama-server PATH``, llama.cpp's llama-server (which turns
+   ``response_format`` json_schema into a GBNF grammar), one after the other, each on the embedded model with
+   ``--threads`` threads, 8192 cells over 8 slots, flash attention: closed-loop clients at concurrency 1, 4 and
+   8, the same prompts with ``response_format`` json_schema and without, in the order A B B A; completion tokens
+   per second, with over without (each reply that completes is validated against the schema), ``--repeats``
+   times, the servers' order rotated, and the median ratio; the load average beside every run.
 """
 
 from __future__ import annotations
@@ -30,7 +38,11 @@ import gc
 import json
 import os
 import platform
+import socket
+import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -230,51 +242,103 @@ TOPICS = ["a film about the sea", "a film about space", "a comedy set in Paris",
           "a love story in Rome", "a documentary about bees", "a horror film in a forest"]
 
 
-def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
+@contextlib.contextmanager
+def started(kind: str, llama_server: str | None, threads: int, ctx: int = 8192, parallel: int = 8):
+    """A ready server's base URL: ``localinfer serve`` or llama-server, on the embedded model, ``threads`` threads,
+    ``ctx`` cells of context over ``parallel`` slots, flash attention on (``benchmarks/serve_peers.py``'s flags)."""
+    from localinfer.loadgen.local_serve import LocalServe
+    from localinfer.model.sources import default_model_path
+
+    if kind == "localinfer":
+        with LocalServe(None, threads=threads, ctx=ctx, parallel=parallel, extra=["-fa", "on"]) as url:
+            yield url
+        return
     import httpx
 
-    from localinfer.loadgen.local_serve import LocalServe
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [llama_server, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx),
+           "-np", str(parallel), "--kv-unified", "--no-webui", "-t", str(threads), "-tb", str(threads), "-fa", "on"]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url, deadline = f"http://127.0.0.1:{port}/v1", time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    sys.exit(f"llama-server exited with {proc.returncode}: {log.read()[-800:]}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    sys.exit("llama-server was not ready within 300 s")
+                time.sleep(0.25)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
+    """Closed-loop clients at each concurrency, the same prompts without a schema and with it, in the order A B B A
+    (a drift in the machine's load hits both): completion tokens per second, the load average beside each run."""
+    import httpx
+    import jsonschema
+
+    def body(i: int, schema: bool) -> dict:
+        b = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "messages": [
+            {"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON with title, year, "
+                                        "genres and summary."}]}
+        if schema:
+            b["response_format"] = {"type": "json_schema", "json_schema": {"name": "film", "schema": SERVE_SCHEMA}}
+        return b
 
     out = []
-    with LocalServe(None, threads=threads, ctx=8192, parallel=8) as url:
-        def body(i: int, schema: bool) -> dict:
-            b = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "messages": [
-                {"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON with title, year, "
-                                            "genres and summary."}]}
-            if schema:
-                b["response_format"] = {"type": "json_schema", "json_schema": {"name": "film",
-                                                                              "schema": SERVE_SCHEMA}}
-            return b
+    model = httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
+    for schema in (True, False):                                 # warm-up (the schema's grammar compiled once)
+        httpx.post(url + "/chat/completions", json={**body(0, schema), "model": model}, timeout=120).raise_for_status()
+    for conc in levels:
+        for schema in (False, True, True, False):
+            tokens, done, lock = [0], [0], threading.Lock()
 
-        model = httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
-        httpx.post(url + "/chat/completions", json={**body(0, True), "model": model}, timeout=120)   # warm-up
-        for conc in levels:
-            for schema in (False, True, True, False):       # ABBA: a drift in the machine's load hits both
-                tokens, done, lock = [0], [0], threading.Lock()
+            def client(k: int, schema=schema, tokens=tokens, done=done, lock=lock) -> None:
+                with httpx.Client(timeout=300) as c:
+                    for r in range(rounds):
+                        reply = c.post(url + "/chat/completions",
+                                       json={**body(k * rounds + r, schema), "model": model})
+                        reply.raise_for_status()
+                        j = reply.json()
+                        with lock:
+                            tokens[0] += j["usage"]["completion_tokens"]
+                            if schema and j["choices"][0]["finish_reason"] == "stop":   # complete: valid
+                                jsonschema.validate(json.loads(j["choices"][0]["message"]["content"]), SERVE_SCHEMA)
+                                done[0] += 1
 
-                def client(k: int, schema=schema, tokens=tokens, done=done, lock=lock) -> None:
-                    with httpx.Client(timeout=300) as c:
-                        for r in range(rounds):
-                            j = c.post(url + "/chat/completions",
-                                       json={**body(k * rounds + r, schema), "model": model}).json()
-                            with lock:
-                                tokens[0] += j["usage"]["completion_tokens"]
-                                if schema and j["choices"][0]["finish_reason"] == "stop":
-                                    json.loads(j["choices"][0]["message"]["content"])
-                                    done[0] += 1
-
-                t0 = time.perf_counter()
-                ts = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                wall = time.perf_counter() - t0
-                out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
-                            "completion_tokens": tokens[0], "seconds": round(wall, 3),
-                            "tok_s": round(tokens[0] / wall, 2), **({"complete_json": done[0]} if schema else {})})
-                print(out[-1], file=sys.stderr)
+            t0 = time.perf_counter()
+            ts = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            wall = time.perf_counter() - t0
+            out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
+                        "completion_tokens": tokens[0], "seconds": round(wall, 3), "tok_s": round(tokens[0] / wall, 2),
+                        "loadavg_1": round(os.getloadavg()[0], 2), **({"complete_json": done[0]} if schema else {})})
+            print(out[-1], file=sys.stderr)
     return out
+
+
+def serve_ratios(runs: list[dict], levels: list[int]) -> dict[str, float]:
+    """Per concurrency: tok/s with the schema over tok/s without, over the runs of each."""
+    def rate(c, schema):
+        rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
+        return sum(r["completion_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+
+    return {str(c): round(rate(c, True) / rate(c, False), 3) for c in levels}
 
 
 MODES = {"none": (False, True), "schema": (True, True), "schema serial": (True, False)}   # (grammar, overlap)
@@ -343,6 +407,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--levels", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    ap.add_argument("--repeats", type=int, default=3, help="--serve: measurements of each server (median ratio)")
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="--serve: also llama-server (scripts/build_llama_server.sh prints its path), the same runs")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--engine", action="store_true", help="also measure the step engine in process, schema vs none")
     ap.add_argument("--no-mask", action="store_true", help="skip the mask cost measurement")
@@ -396,13 +463,22 @@ def main(argv=None) -> int:
             str(c): round(1e3 * (per_token(c, mode, "cpu_seconds") - per_token(c, "none", "cpu_seconds")), 3)
             for c in levels} for mode in MODES if mode != "none"}
     if args.serve:
-        runs = serve_rates(args.threads, levels, args.rounds, args.max_tokens)
-        doc["serve"] = runs
-        def rate(c, schema):
-            rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
-            return sum(r["completion_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
-
-        doc["serve_ratio"] = {str(c): round(rate(c, True) / rate(c, False), 3) for c in levels}
+        kinds = ["localinfer"] + (["llama-server"] if args.llama_server else [])
+        doc["serve"] = {"threads": args.threads, "ctx": 8192, "parallel": 8, "rounds": args.rounds,
+                        "max_tokens": args.max_tokens, "repeats": []}
+        for rep in range(args.repeats):        # the servers one after the other, the first one rotated each time
+            row = {}
+            for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
+                with started(kind, args.llama_server, args.threads) as url:
+                    before = [round(x, 2) for x in os.getloadavg()]
+                    runs = serve_rates(url, levels, args.rounds, args.max_tokens)
+                    row[kind] = {"loadavg_before": before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                                 "runs": runs, "ratio": serve_ratios(runs, levels)}
+                    print(kind, row[kind]["ratio"], row[kind]["loadavg_after"], file=sys.stderr)
+            doc["serve"]["repeats"].append(row)
+        doc["serve"]["median_ratio"] = {kind: {str(c): statistics.median(r[kind]["ratio"][str(c)]
+                                                                          for r in doc["serve"]["repeats"])
+                                               for c in levels} for kind in kinds}
     text = json.dumps(doc, indent=1)
     if args.out:
         atomic_write(args.out, text + "\n")
