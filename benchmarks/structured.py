@@ -299,8 +299,10 @@ def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> li
 
     out = []
     model = httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
-    for schema in (True, False):                                 # warm-up (the schema's grammar compiled once)
-        httpx.post(url + "/chat/completions", json={**body(0, schema), "model": model}, timeout=120).raise_for_status()
+    for i in range(len(TOPICS)):            # warm-up: every prompt once each way, so no run pays the others' prefills
+        for schema in (True, False):
+            httpx.post(url + "/chat/completions", json={**body(i, schema), "model": model, "max_tokens": 4},
+                       timeout=120).raise_for_status()
     for conc in levels:
         for schema in (False, True, True, False):
             tokens, done, lock = [0], [0], threading.Lock()
