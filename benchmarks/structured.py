@@ -305,9 +305,9 @@ def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> li
                        timeout=120).raise_for_status()
     for conc in levels:
         for schema in (False, True, True, False):
-            tokens, done, lock = [0], [0], threading.Lock()
+            tokens, done, invalid, lock = [0], [0], [0], threading.Lock()
 
-            def client(k: int, schema=schema, tokens=tokens, done=done, lock=lock) -> None:
+            def client(k: int, schema=schema, tokens=tokens, done=done, invalid=invalid, lock=lock) -> None:
                 with httpx.Client(timeout=300) as c:
                     for r in range(rounds):
                         reply = c.post(url + "/chat/completions",
@@ -316,9 +316,13 @@ def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> li
                         j = reply.json()
                         with lock:
                             tokens[0] += j["usage"]["completion_tokens"]
-                            if schema and j["choices"][0]["finish_reason"] == "stop":   # complete: valid
-                                jsonschema.validate(json.loads(j["choices"][0]["message"]["content"]), SERVE_SCHEMA)
-                                done[0] += 1
+                            if schema and j["choices"][0]["finish_reason"] == "stop":   # complete: valid?
+                                try:
+                                    jsonschema.validate(json.loads(j["choices"][0]["message"]["content"]),
+                                                        SERVE_SCHEMA)
+                                    done[0] += 1
+                                except (ValueError, jsonschema.ValidationError):
+                                    invalid[0] += 1
 
             t0 = time.perf_counter()
             ts = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
@@ -329,7 +333,7 @@ def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> li
             wall = time.perf_counter() - t0
             out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
                         "completion_tokens": tokens[0], "seconds": round(wall, 3), "tok_s": round(tokens[0] / wall, 2),
-                        "loadavg_1": round(os.getloadavg()[0], 2), **({"complete_json": done[0]} if schema else {})})
+                        "loadavg_1": round(os.getloadavg()[0], 2), **({"complete_json": done[0], "invalid_json": invalid[0]} if schema else {})})
             print(out[-1], file=sys.stderr)
     return out
 
