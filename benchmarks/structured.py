@@ -1,29 +1,48 @@
 """Structured output costs: grammar mask + apply per token per row, and serve tok/s with a JSON schema vs without.
 
-    python benchmarks/structured.py [--out benchmarks/results/structured_cpu.json] [--serve] [--threads 2]
+    python benchmarks/structured.py [--out benchmarks/results/structured_cpu.json] [--beside] [--engine]
+        [--serve [--llama-server "$(scripts/build_llama_server.sh)"]] [--threads 2]
 
 1. Mask + apply: JSON-schema replies are walked token by token (each step draws the likeliest allowed token of
    random logits, so every state a reply passes through is timed), for the embedded model's 49,152-token
-   vocabulary and a generated 152,064-token one (the 49k pieces plus concatenations of two of them, the size of
-   Qwen2's).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
+   vocabulary, a generated 152,064-token one (the 49k pieces plus concatenations of two of them, the size of
+   Qwen2's: 54% of its tokens are over 10 bytes) and, where ``scripts/llama_sources.sh`` has unpacked
+   llama.cpp's sources, Qwen2's own 151,936-token vocabulary (its ``ggml-vocab-qwen2.gguf`` test file: 10% over
+   10 bytes).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
    ``Constraint.apply`` (bits to −inf logits) for each row; batch 1 and batch 8 (eight replies with eight
    schemas filled in one call, the time divided by 8).  Wall time and the calling thread's CPU time (with one
-   mask thread the fill runs in it; on a shared machine wall-time tails are other processes' time slices).
-2. ``--engine``: the step engine in process (llama.cpp, 1 thread, per-slot KV, no HTTP), batches of 1, 4 and 8
-   greedy requests with the serve schema's grammar and without, alternating, ``max_tokens`` each (EOS banned):
-   tok/s ratio and the CPU milliseconds per token the grammar adds.
-3. ``--serve``: ``localinfer serve`` (embedded model, ``--parallel 8``) under closed-loop clients at concurrency
-   1, 4 and 8, the same prompts with ``response_format`` json_schema and without, in the order A B B A;
-   completion tokens per second (``serve_ratio``: with over without, over both runs of each).
-   llama-server's ``json_schema`` side is not run here (building it takes ~16 min of CPU).
+   mask thread the fill runs in it; on a shared machine wall-time tails are other processes' time slices);
+   fill and apply apart; and the slowest 1% of steps again, each state on a fresh matcher (first visit or the
+   state's own cost) with the reply's text before it.
+2. ``--beside``: the masks' share of a step's critical path with a real forward pass: the same walks, each
+   step's fill started before one decode step of the embedded model (llama.cpp, ``--threads``) and waited for
+   after it, as the serving engine does (``StepMasks``), against the fill after the forward pass; per row,
+   (wait + apply) / batch, and the forward pass's own time.
+3. ``--engine``: the step engine in process (llama.cpp, ``--threads``, per-slot KV, no HTTP), batches of 1, 4
+   and 8 greedy requests with the serve schema's grammar, its masks filled beside the forward pass and after it,
+   and without a grammar, in turn, ``max_tokens`` each (EOS banned): tok/s ratios, the CPU milliseconds per
+   token the grammar adds, and each step's wait for its masks.
+4. ``--serve``: ``localinfer serve`` and, with ``--llama-server PATH``, llama.cpp's llama-server (which turns
+   ``response_format`` json_schema into a GBNF grammar), one after the other, each on the embedded model with
+   ``--threads`` threads, 8192 cells over 8 slots, flash attention: closed-loop clients at concurrency 1, 4 and
+   8, the same prompts with ``response_format`` json_schema and without, in the order A B B A; completion tokens
+   per second, with over without (each reply that completes is validated against the schema), ``--repeats``
+   times, the servers' order rotated, and the median ratio; the load average beside every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import os
 import platform
+import socket
+import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -74,40 +93,144 @@ class SyntheticVocab:
         return self.base.tokenize(text, add_bos=add_bos, special=special)
 
 
+def qwen2_vocab_path() -> str | None:
+    """llama.cpp's Qwen2 vocabulary test file (151,936 real tokens, no weights) in the llama-cpp-python sdist that
+    ``scripts/llama_sources.sh`` unpacked, if it has been (it does not download it here)."""
+    import llama_cpp
+    cache = Path(os.environ.get("LOCALINFER_CACHE", Path.home() / ".cache" / "localinfer"))
+    path = cache / f"llama-src-{llama_cpp.__version__}" / "src" / "vendor" / "llama.cpp" / "models" / "ggml-vocab-qwen2.gguf"
+    return str(path) if path.exists() else None
+
+
+def _q(a, p) -> float:
+    return round(float(np.percentile(a, p)), 4)
+
+
 def mask_costs(vocab, batch: int, steps: int, seed: int = 0) -> dict:
-    """Per-row seconds of one step's fill + apply, over ``steps`` steps of ``batch`` replies (restarted when done)."""
+    """Per-row cost of one step's fill + apply, over ``steps`` steps of ``batch`` replies (restarted when done).
+
+    A step is timed as a whole (``fill_masks`` for the batch, then ``Constraint.apply`` for each row) and divided
+    by the batch.  Fill and apply are also timed apart, and the steps in the top 1% are looked at again: the same
+    state on a fresh matcher (walked there by the same tokens, so none of llguidance's caches is warm) says whether
+    a slow mask is a first visit or the state's own cost; the text just before says where in the reply it was."""
     tok = grammar_tokenizer(vocab)
     grammars = [grammar_from("json_schema", s, "schema") for s in SCHEMAS[:batch]]
     rng = np.random.default_rng(seed)
     cs = [Constraint(tok, g) for g in grammars]
-    per_row, fills, cpu = [], [], []
+    wall, cpu, fill_cpu, apply_cpu, gcs, where = [], [], [], [], [], []
+    collections = [0]
+
+    def on_gc(phase, info):
+        collections[0] += phase == "start"
+
     logits = [rng.standard_normal(vocab.n_vocab).astype(np.float32) for _ in cs]     # the executor's rows
-    for _ in range(steps):
-        for x in logits:
-            x[rng.integers(0, vocab.n_vocab, 64)] += 4.0                      # a different argmax each step
-        c0, t0 = time.thread_time(), time.perf_counter()
-        fill_masks([(c, c.tokens, ()) for c in cs])
-        t1 = time.perf_counter()
-        masked = [c.apply(x) for c, x in zip(cs, logits)]
-        t2, c2 = time.perf_counter(), time.thread_time()
-        per_row.append((t2 - t0) / len(cs))
-        fills.append((t1 - t0) / len(cs))
-        cpu.append((c2 - c0) / len(cs))
-        for i, (c, m) in enumerate(zip(cs, masked)):
-            ok = np.isfinite(m)
-            ok[list(vocab.eos_ids)] = False
-            if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
-                cs[i] = Constraint(tok, grammars[i])
-                continue
-            c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
-    ms, cms = np.array(per_row) * 1e3, np.array(cpu) * 1e3
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(steps):
+            for x in logits:
+                x[rng.integers(0, vocab.n_vocab, 64)] += 4.0                      # a different argmax each step
+            g0 = collections[0]
+            c0, t0 = time.thread_time(), time.perf_counter()
+            fill_masks([(c, c.tokens, ()) for c in cs])
+            c1 = time.thread_time()
+            masked = [c.apply(x) for c, x in zip(cs, logits)]
+            t2, c2 = time.perf_counter(), time.thread_time()
+            wall.append((t2 - t0) / len(cs))
+            cpu.append((c2 - c0) / len(cs))
+            fill_cpu.append((c1 - c0) / len(cs))
+            apply_cpu.append((c2 - c1) / len(cs))
+            gcs.append(collections[0] - g0)
+            where.append([(i, np.array(c.tokens, dtype=np.int32)) for i, c in enumerate(cs)])   # not GC-tracked
+            for i, (c, m) in enumerate(zip(cs, masked)):
+                ok = np.isfinite(m)
+                ok[list(vocab.eos_ids)] = False
+                if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
+                    cs[i] = Constraint(tok, grammars[i])
+                    continue
+                c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+    finally:
+        gc.callbacks.remove(on_gc)
+    ms, cms = np.array(wall) * 1e3, np.array(cpu) * 1e3
+    fms, ams = np.array(fill_cpu) * 1e3, np.array(apply_cpu) * 1e3
+    slow = []
+    for k in np.argsort(-cms)[:max(1, steps // 100)]:
+        rows = []
+        for i, tokens in where[k]:                       # the same states on fresh matchers
+            m = Constraint(tok, grammars[i]).matcher
+            m.consume_tokens(tokens.tolist())
+            buf = np.zeros(cs[0].words, dtype=np.int32)
+            f0 = time.thread_time()
+            m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+            rows.append((time.thread_time() - f0) * 1e3)
+            m.unsafe_compute_mask_ptr(buf.ctypes.data, buf.nbytes)
+        i, tokens = max(where[k], key=lambda w: len(w[1]))
+        slow.append({"step": int(k), "cpu_ms": round(float(cms[k]), 3), "fill_ms": round(float(fms[k]), 3),
+                     "apply_ms": round(float(ams[k]), 3), "gc": gcs[k], "fresh_fill_ms": round(sum(rows) / len(rows), 3),
+                     "tokens_in": len(tokens), "text_before": tok.decode_str(tokens.tolist())[-40:]})
+    return {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "p50_ms": _q(ms, 50), "p99_ms": _q(ms, 99),
+            "mean_ms": round(float(ms.mean()), 4), "cpu_p50_ms": _q(cms, 50), "cpu_p99_ms": _q(cms, 99),
+            "fill_cpu_p50_ms": _q(fms, 50), "fill_cpu_p99_ms": _q(fms, 99), "apply_cpu_p50_ms": _q(ams, 50),
+            "apply_cpu_p99_ms": _q(ams, 99), "steps_with_gc": int(sum(g > 0 for g in gcs)), "slowest": slow}
 
-    def q(a, p):
-        return round(float(np.percentile(a, p)), 4)
 
-    return {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "p50_ms": q(ms, 50), "p99_ms": q(ms, 99),
-            "mean_ms": round(float(ms.mean()), 4), "fill_p50_ms": q(np.array(fills) * 1e3, 50),
-            "cpu_p50_ms": q(cms, 50), "cpu_p99_ms": q(cms, 99)}
+def mask_beside_forward(vocab, batch: int, steps: int, threads: int, seed: int = 0) -> dict:
+    """The masks' share of a step's critical path with a real forward pass: ``mask_costs``'s walk over ``vocab``,
+    each step's fill started before one decode step of the embedded model for ``batch`` sequences (llama.cpp,
+    ``threads`` threads) and waited for after it (``StepMasks``, as the engine does), then applied; and the same
+    walk with the fill after the forward pass.  The two walks go in lockstep (same seed, same states), a step of
+    each in turn.  Per row: (wait + apply) / batch, wall time; and the forward pass's own wall time, which the
+    fill beside it may lengthen where it has no core of its own."""
+    from localinfer.backends.executor import Chunk
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+    from localinfer.model.sources import default_model_path
+    from localinfer.serve.masks import StepMasks
+
+    tok = grammar_tokenizer(vocab)
+    grammars = [grammar_from("json_schema", s, "schema") for s in SCHEMAS[:batch]]
+    modes = {"beside": StepMasks(True), "after": StepMasks(False)}
+    walks = {mode: ([Constraint(tok, g) for g in grammars], np.random.default_rng(seed)) for mode in modes}
+    rows = {mode: [rng.standard_normal(vocab.n_vocab).astype(np.float32) for _ in grammars]
+            for mode, (_, rng) in walks.items()}
+    path = {mode: [] for mode in modes}
+    forward = {mode: [] for mode in modes}
+    with LlamaCppExecutor.open(default_model_path(), n_slots=2 * batch, n_ctx=2 * batch * 1024, threads=threads,
+                               flash_attn=True, unified=False) as ex:
+        prompt = tuple(ex.engine.tokenize("Describe a film as JSON.", add_bos=True))
+        got = ex.step([Chunk(s, prompt, 0, True) for s in range(2 * batch)])
+        last = {s: int(np.argmax(got[s])) for s in got}
+        pos = len(prompt)
+        for _ in range(steps):
+            for k, (mode, masks) in enumerate(modes.items()):
+                cs, rng = walks[mode]
+                slots = range(k * batch, (k + 1) * batch)
+                for x in rows[mode]:
+                    x[rng.integers(0, vocab.n_vocab, 64)] += 4.0
+                masks.start([(c, c.tokens, ()) for c in cs])
+                t0 = time.perf_counter()
+                got = ex.step([Chunk(s, (last[s],), pos, True) for s in slots])
+                t1 = time.perf_counter()
+                masks.finish()
+                masked = [c.apply(x) for c, x in zip(cs, rows[mode])]
+                t2 = time.perf_counter()
+                forward[mode].append(t1 - t0)
+                path[mode].append((t2 - t1) / batch)
+                last.update({s: int(np.argmax(got[s])) for s in slots})
+                for i, (c, m) in enumerate(zip(cs, masked)):
+                    ok = np.isfinite(m)
+                    ok[list(vocab.eos_ids)] = False
+                    if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
+                        cs[i] = Constraint(tok, grammars[i])
+                        continue
+                    c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+            pos += 1
+    for masks in modes.values():
+        masks.close()
+    out = {"vocab": vocab.n_vocab, "batch": batch, "steps": steps, "threads": threads}
+    for mode in modes:
+        ms, fw = np.array(path[mode]) * 1e3, np.array(forward[mode]) * 1e3
+        out[mode] = {"p50_ms": _q(ms, 50), "p99_ms": _q(ms, 99), "forward_p50_ms": _q(fw, 50),
+                     "forward_mean_ms": round(float(fw.mean()), 3)}
+    return out
 
 
 SERVE_SCHEMA = {"type": "object", "properties": {
@@ -119,91 +242,167 @@ TOPICS = ["a film about the sea", "a film about space", "a comedy set in Paris",
           "a love story in Rome", "a documentary about bees", "a horror film in a forest"]
 
 
-def serve_rates(threads: int, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
+@contextlib.contextmanager
+def started(kind: str, llama_server: str | None, threads: int, ctx: int = 8192, parallel: int = 8):
+    """A ready server's base URL: ``localinfer serve`` or llama-server, on the embedded model, ``threads`` threads,
+    ``ctx`` cells of context over ``parallel`` slots, flash attention on (``benchmarks/serve_peers.py``'s flags)."""
+    from localinfer.loadgen.local_serve import LocalServe
+    from localinfer.model.sources import default_model_path
+
+    if kind == "localinfer":
+        with LocalServe(None, threads=threads, ctx=ctx, parallel=parallel, extra=["-fa", "on"]) as url:
+            yield url
+        return
     import httpx
 
-    from localinfer.serve.loadgen_server import LocalServe
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [llama_server, "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx),
+           "-np", str(parallel), "--kv-unified", "--no-webui", "-t", str(threads), "-tb", str(threads), "-fa", "on"]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url, deadline = f"http://127.0.0.1:{port}/v1", time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    sys.exit(f"llama-server exited with {proc.returncode}: {log.read()[-800:]}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    sys.exit("llama-server was not ready within 300 s")
+                time.sleep(0.25)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
+    """Closed-loop clients at each concurrency, the same prompts without a schema and with it, in the order A B B A
+    (a drift in the machine's load hits both): completion tokens per second, the load average beside each run."""
+    import httpx
+    import jsonschema
+
+    def body(i: int, schema: bool) -> dict:
+        b = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "messages": [
+            {"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON with title, year, "
+                                        "genres and summary."}]}
+        if schema:
+            b["response_format"] = {"type": "json_schema", "json_schema": {"name": "film", "schema": SERVE_SCHEMA}}
+        return b
 
     out = []
-    with LocalServe(None, threads=threads, ctx=8192, parallel=8) as url:
-        def body(i: int, schema: bool) -> dict:
-            b = {"model": "x", "max_tokens": max_tokens, "temperature": 0, "messages": [
-                {"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON with title, year, "
-                                            "genres and summary."}]}
-            if schema:
-                b["response_format"] = {"type": "json_schema", "json_schema": {"name": "film",
-                                                                              "schema": SERVE_SCHEMA}}
-            return b
+    model = httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
+    for i in range(len(TOPICS)):            # warm-up: every prompt once each way, so no run pays the others' prefills
+        for schema in (True, False):
+            httpx.post(url + "/chat/completions", json={**body(i, schema), "model": model, "max_tokens": 4},
+                       timeout=120).raise_for_status()
+    for conc in levels:
+        for schema in (False, True, True, False):
+            tokens, done, invalid, lock = [0], [0], [0], threading.Lock()
 
-        model = httpx.get(url + "/models", timeout=10).json()["data"][0]["id"]
-        httpx.post(url + "/chat/completions", json={**body(0, True), "model": model}, timeout=120)   # warm-up
-        for conc in levels:
-            for schema in (False, True, True, False):       # ABBA: a drift in the machine's load hits both
-                tokens, done, lock = [0], [0], threading.Lock()
-
-                def client(k: int, schema=schema, tokens=tokens, done=done, lock=lock) -> None:
-                    with httpx.Client(timeout=300) as c:
-                        for r in range(rounds):
-                            j = c.post(url + "/chat/completions",
-                                       json={**body(k * rounds + r, schema), "model": model}).json()
-                            with lock:
-                                tokens[0] += j["usage"]["completion_tokens"]
-                                if schema and j["choices"][0]["finish_reason"] == "stop":
-                                    json.loads(j["choices"][0]["message"]["content"])
+            def client(k: int, schema=schema, tokens=tokens, done=done, invalid=invalid, lock=lock) -> None:
+                with httpx.Client(timeout=300) as c:
+                    for r in range(rounds):
+                        reply = c.post(url + "/chat/completions",
+                                       json={**body(k * rounds + r, schema), "model": model})
+                        reply.raise_for_status()
+                        j = reply.json()
+                        with lock:
+                            tokens[0] += j["usage"]["completion_tokens"]
+                            if schema and j["choices"][0]["finish_reason"] == "stop":   # complete: valid?
+                                try:
+                                    jsonschema.validate(json.loads(j["choices"][0]["message"]["content"]),
+                                                        SERVE_SCHEMA)
                                     done[0] += 1
+                                except (ValueError, jsonschema.ValidationError):
+                                    invalid[0] += 1
 
-                t0 = time.perf_counter()
-                ts = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                wall = time.perf_counter() - t0
-                out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
-                            "completion_tokens": tokens[0], "seconds": round(wall, 3),
-                            "tok_s": round(tokens[0] / wall, 2), **({"complete_json": done[0]} if schema else {})})
-                print(out[-1], file=sys.stderr)
+            t0 = time.perf_counter()
+            ts = [threading.Thread(target=client, args=(k,)) for k in range(conc)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            wall = time.perf_counter() - t0
+            out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
+                        "completion_tokens": tokens[0], "seconds": round(wall, 3), "tok_s": round(tokens[0] / wall, 2),
+                        "loadavg_1": round(os.getloadavg()[0], 2), **({"complete_json": done[0], "invalid_json": invalid[0]} if schema else {})})
+            print(out[-1], file=sys.stderr)
     return out
 
 
-def engine_rates(levels: list[int], max_tokens: int, repeats: int = 3) -> list[dict]:
-    """The step engine in process on llama.cpp (1 thread, per-slot KV), no HTTP: wall and CPU seconds of the same
-    batch with the serve schema's grammar on every request and without, alternating A B A B..."""
+def serve_ratios(runs: list[dict], levels: list[int]) -> dict[str, float]:
+    """Per concurrency: tok/s with the schema over tok/s without, over the runs of each."""
+    def rate(c, schema):
+        rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
+        return sum(r["completion_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+
+    return {str(c): round(rate(c, True) / rate(c, False), 3) for c in levels}
+
+
+MODES = {"none": (False, True), "schema": (True, True), "schema serial": (True, False)}   # (grammar, overlap)
+
+
+def engine_rates(levels: list[int], max_tokens: int, threads: int, repeats: int = 3) -> list[dict]:
+    """The step engine in process on llama.cpp (per-slot KV), no HTTP: wall and CPU seconds of the same batch
+    without a grammar, with the serve schema's grammar on every request filled beside the forward pass (the
+    engine's default), and filled after it, in turn; per step, how long the step waited for its masks once the
+    logits were back (``StepMasks.wait_s``)."""
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
     from localinfer.model.sources import default_model_path
     from localinfer.serve.block_manager import BlockManager
-    from localinfer.serve.engine import Engine
+    from localinfer.serve.engine import StepEngine
     from localinfer.serve.http.sampler import ServeRequest
     from localinfer.serve.request import GREEDY
     from localinfer.serve.scheduler import Scheduler, SchedulerConfig
 
     out = []
-    with LlamaCppExecutor.open(default_model_path(), n_slots=8, n_ctx=4096, threads=1, flash_attn=True,
+    with LlamaCppExecutor.open(default_model_path(), n_slots=8, n_ctx=4096, threads=threads, flash_attn=True,
                                unified=False) as ex:
         tok = grammar_tokenizer(ex.engine)
         grammar = grammar_from("json_schema", SERVE_SCHEMA, "schema")
         prompts = [tuple(ex.engine.tokenize(f"Describe {t} as JSON with title, year, genres and summary.",
                                             add_bos=True)) for t in TOPICS]
         for conc in levels:
-            for rep in range(repeats):
-                for schema in (False, True):
+            for _ in range(repeats):
+                for mode, (schema, overlap) in MODES.items():
                     for slot in range(ex.n_slots):
                         ex.drop(slot)
-                    e = Engine(ex, Scheduler(SchedulerConfig(max_running=8, policy="chunked"),
-                                             BlockManager(256, 16, pool_hits=False)))
+                    e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=8, policy="chunked"),
+                                                 BlockManager(256, 16, pool_hits=False)), overlap_masks=overlap)
                     reqs = [e.add_request(ServeRequest(f"r{i}", prompts[i % len(prompts)], max_tokens,
                                                        sampling=GREEDY, banned=ex.engine.eos_ids,
                                                        constraint=Constraint(tok, grammar) if schema else None))
                             for i in range(conc)]
+                    waits = []
                     c0, t0 = time.process_time(), time.perf_counter()
                     while e.unfinished:
                         e.step()
+                        waits.append(e.masks.wait_s)
                     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    e.masks.close()
                     n = sum(len(r.output) for r in reqs)
-                    out.append({"concurrency": conc, "schema": schema, "tokens": n, "seconds": round(wall, 3),
-                                "cpu_seconds": round(cpu, 3), "tok_s": round(n / wall, 2)})
+                    w = np.array(waits) * 1e3
+                    out.append({"concurrency": conc, "mode": mode, "tokens": n, "steps": len(waits),
+                                "seconds": round(wall, 3), "cpu_seconds": round(cpu, 3), "tok_s": round(n / wall, 2),
+                                "wait_p50_ms": _q(w, 50), "wait_p99_ms": _q(w, 99)})
                     print(out[-1], file=sys.stderr)
     return out
+
+
+def machine() -> dict:
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return {"arch": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
+            "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
 def main(argv=None) -> int:
@@ -214,48 +413,78 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--levels", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    ap.add_argument("--repeats", type=int, default=3, help="--serve: measurements of each server (median ratio)")
+    ap.add_argument("--llama-server", default=None, metavar="PATH",
+                    help="--serve: also llama-server (scripts/build_llama_server.sh prints its path), the same runs")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--engine", action="store_true", help="also measure the step engine in process, schema vs none")
+    ap.add_argument("--no-mask", action="store_true", help="skip the mask cost measurement")
+    ap.add_argument("--beside", action="store_true",
+                    help="also measure the masks' share of the step with a real forward pass beside the fill")
     args = ap.parse_args(argv)
     from localinfer.backends.vocab import VocabOnly
     from localinfer.model.sources import default_model_path
 
-    base = VocabOnly(str(default_model_path()))
-    doc = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "python": platform.python_version(),
+    doc = {"machine": machine(), "python": platform.python_version(),
            "llguidance": __import__("llguidance").__version__, "mask": []}
-    t0 = time.perf_counter()
-    big = SyntheticVocab(base)
-    tok_build = {}
-    for name, vocab in (("49k", base), ("152k", big)):
-        t = time.perf_counter()
-        grammar_tokenizer(vocab)
-        tok_build[name] = round(time.perf_counter() - t, 3)
-        for batch in (1, 8):
-            doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
-            print(doc["mask"][-1], file=sys.stderr)
-    doc["tokenizer_build_s"] = tok_build
-    doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
+    if not args.no_mask:
+        base = VocabOnly(str(default_model_path()))
+        vocabs = [("49k", lambda: base), ("152k", lambda: SyntheticVocab(base))]
+        if qwen2 := qwen2_vocab_path():
+            vocabs.append(("qwen2 152k", lambda: VocabOnly(qwen2)))
+        t0, tok_build = time.perf_counter(), {}
+        doc["mask_loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+        for name, make in vocabs:
+            vocab = make()
+            t = time.perf_counter()
+            grammar_tokenizer(vocab)
+            tok_build[name] = round(time.perf_counter() - t, 3)
+            for batch in (1, 8):
+                doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
+                print({k: v for k, v in doc["mask"][-1].items() if k != "slowest"}, file=sys.stderr)
+        doc["mask_loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        if args.beside:
+            doc["beside"] = []
+            for name, make in vocabs:
+                vocab = make()
+                for batch in (1, 8):
+                    doc["beside"].append({"name": name, **mask_beside_forward(vocab, batch, args.steps, args.threads)})
+                    print(doc["beside"][-1], file=sys.stderr)
+            doc["beside_loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        doc["tokenizer_build_s"] = tok_build
+        doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
     levels = [int(x) for x in args.levels.split(",")]
     if args.engine:
-        runs = doc["engine"] = engine_rates(levels, args.max_tokens)
+        doc["engine_loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+        runs = doc["engine"] = engine_rates(levels, args.max_tokens, args.threads)
+        doc["engine_loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
 
-        def per_token(c, schema, key):
-            rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
+        def per_token(c, mode, key):
+            rs = [r for r in runs if r["concurrency"] == c and r["mode"] == mode]
             return sum(r[key] for r in rs) / sum(r["tokens"] for r in rs)
 
-        doc["engine_ratio"] = {str(c): round(per_token(c, False, "seconds") / per_token(c, True, "seconds"), 3)
-                               for c in levels}
-        doc["engine_cpu_ms_per_token_added"] = {
-            str(c): round(1e3 * (per_token(c, True, "cpu_seconds") - per_token(c, False, "cpu_seconds")), 3)
-            for c in levels}
+        doc["engine_ratio"] = {mode: {str(c): round(per_token(c, "none", "seconds") / per_token(c, mode, "seconds"), 3)
+                                      for c in levels} for mode in MODES if mode != "none"}
+        doc["engine_cpu_ms_per_token_added"] = {mode: {
+            str(c): round(1e3 * (per_token(c, mode, "cpu_seconds") - per_token(c, "none", "cpu_seconds")), 3)
+            for c in levels} for mode in MODES if mode != "none"}
     if args.serve:
-        runs = serve_rates(args.threads, levels, args.rounds, args.max_tokens)
-        doc["serve"] = runs
-        def rate(c, schema):
-            rs = [r for r in runs if r["concurrency"] == c and r["schema"] == schema]
-            return sum(r["completion_tokens"] for r in rs) / sum(r["seconds"] for r in rs)
-
-        doc["serve_ratio"] = {str(c): round(rate(c, True) / rate(c, False), 3) for c in levels}
+        kinds = ["localinfer"] + (["llama-server"] if args.llama_server else [])
+        doc["serve"] = {"threads": args.threads, "ctx": 8192, "parallel": 8, "rounds": args.rounds,
+                        "max_tokens": args.max_tokens, "repeats": []}
+        for rep in range(args.repeats):        # the servers one after the other, the first one rotated each time
+            row = {}
+            for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
+                with started(kind, args.llama_server, args.threads) as url:
+                    before = [round(x, 2) for x in os.getloadavg()]
+                    runs = serve_rates(url, levels, args.rounds, args.max_tokens)
+                    row[kind] = {"loadavg_before": before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                                 "runs": runs, "ratio": serve_ratios(runs, levels)}
+                    print(kind, row[kind]["ratio"], row[kind]["loadavg_after"], file=sys.stderr)
+            doc["serve"]["repeats"].append(row)
+        doc["serve"]["median_ratio"] = {kind: {str(c): statistics.median(r[kind]["ratio"][str(c)]
+                                                                          for r in doc["serve"]["repeats"])
+                                               for c in levels} for kind in kinds}
     text = json.dumps(doc, indent=1)
     if args.out:
         atomic_write(args.out, text + "\n")

@@ -5,8 +5,9 @@ newly admitted requests get a sequence slot, and a prefix-cache hit whose blocks
 another running (or parked) request holds becomes ``executor.copy`` of those
 positions (no recompute); preempted and finished requests leave their slots
 (:mod:`localinfer.serve.parking` keeps finished ones' KV where the block manager
-has a Parking); the executor computes the batch in one call; each request asking
-for a token samples it with its own sampler.  Each token, and each finish,
+has a Parking); the executor computes the batch in one call, while the grammar
+masks of its constrained requests are filled beside it (:mod:`localinfer.serve.masks`);
+each request asking for a token samples it with its own sampler.  Each token, and each finish,
 becomes a ``StreamChunk`` on that request's stream.
 
 What the executor can do is read from ``executor.caps``: an executor that
@@ -28,6 +29,7 @@ finish cancelled -- a long prompt's step is not waited out for nobody.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 from localinfer.backends.executor import Chunk, Executor, StepInterrupted
 from localinfer.generation.sampling import SamplingParams
-from localinfer.serve.masks import fill_step_masks
+from localinfer.serve.masks import StepMasks, step_mask_items
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepBatch
 
@@ -82,7 +84,7 @@ class StepRecord:
 
 class StepEngine:
     def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False,
-                 on_step: Callable[[StepRecord], None] | None = None):
+                 on_step: Callable[[StepRecord], None] | None = None, overlap_masks: bool = True):
         caps, parking = executor.caps, scheduler.blocks.parking
         if scheduler.config.max_running > executor.n_slots:
             raise ValueError(f"max_running {scheduler.config.max_running} exceeds the executor's "
@@ -116,6 +118,7 @@ class StepEngine:
         self._flight: frozenset[str] = frozenset()   # the requests of the step inside executor.step
         self._leaving: set[str] = set()              # requests whose cancel is on its way (cancelling)
         self.parking = parking
+        self.masks = StepMasks(overlap_masks)    # grammar masks, filled beside the executor's step
         if parking is not None:
             parking.bind_engine(executor, self._free_slots, self.slot_of)
 
@@ -217,6 +220,7 @@ class StepEngine:
             model = sched.step_model     # predicted before the step runs (a fitted model learns from it after)
             predicted = model.seconds(plan.shapes()) if model is not None and self._recording else None
             self._in_step = True
+            self.masks.start(step_mask_items(plan.chunks))    # constrained rows' masks, beside the forward pass
         with self._flight_lock:
             self._flight = frozenset(c.request.id for c in plan.chunks)
             if self._leaving and self.executor.caps.interrupts_steps:
@@ -225,10 +229,14 @@ class StepEngine:
             rows = ex.step(chunks)
         except StepInterrupted:
             with self._lock:
+                with contextlib.suppress(Exception):
+                    self.masks.finish()       # its requests are all cancelled: no row is sampled
                 self._end_step()
                 return events + self._interrupted(plan, start, predicted)
         except Exception as exc:
             with self._lock:
+                with contextlib.suppress(Exception):
+                    self.masks.finish()
                 self._end_step()
                 self._fail(plan, exc)
             raise
@@ -236,7 +244,7 @@ class StepEngine:
             self._end_step()
             samples = tuple(c.samples for c in plan.chunks)      # read before complete() moves the requests on
             sampled, before = {}, {}
-            fill_step_masks(plan.chunks)      # the grammar masks of every constrained row, before any is sampled
+            self.masks.finish()               # every mask filled before any row is sampled
             for c, ch in zip(plan.chunks, chunks):
                 r = c.request
                 if c.samples and r.state is State.RUNNING:    # not cancelled meanwhile

@@ -140,3 +140,21 @@ def test_masks_and_sampler_apply(vocab, tok):
     while not c.stopped_after(len(c.tokens)):
         s.sample(rng.standard_normal(vocab.n_vocab).astype(np.float32), [])
     assert b"".join(vocab.token_bytes(t) for t in c.tokens) in (b"yes", b"no")
+
+
+def test_apply_forbids_exactly_what_the_mask_forbids_sparse_dense_or_between(vocab, tok):
+    from localinfer.generation.constraints import Constraint, grammar_from
+
+    rng = np.random.default_rng(1)
+    cases = [("choice", ["yes", "no"], ""),                                        # sparse: the allowed ids
+             ("regex", "[^a]*", "bcd"),                                            # between: a 0 / −inf bias
+             ("json_schema", {"type": "object", "properties": {"s": {"type": "string"}}}, '{"s": "ab')]  # few out
+    for kind, value, prefix in cases + cases[::-1]:          # each path after each other: reused buffers
+        c = Constraint(tok, grammar_from(kind, value, kind))
+        c.sync(tok.tokenize_str(prefix))
+        logits = rng.standard_normal(vocab.n_vocab + 7).astype(np.float32)
+        want = np.full_like(logits, -np.inf)
+        ok = c.allowed()
+        want[:vocab.n_vocab][ok] = logits[:vocab.n_vocab][ok]
+        np.testing.assert_array_equal(c.apply(logits), want)
+        np.testing.assert_array_equal(c.apply(logits), want)

@@ -36,7 +36,7 @@ def executor(default_model):
         yield ex
 
 
-def _run(ex, prompts, *, blocks=120, draft_max=0, sampling=GREEDY, max_tokens=60):
+def _run(ex, prompts, *, blocks=120, draft_max=0, sampling=GREEDY, max_tokens=60, overlap=True):
     from localinfer.generation.constraints import Constraint, grammar_from, grammar_tokenizer
     from localinfer.serve.http.sampler import ServeRequest
 
@@ -46,7 +46,7 @@ def _run(ex, prompts, *, blocks=120, draft_max=0, sampling=GREEDY, max_tokens=60
     tok = grammar_tokenizer(ex.engine)
     config = SchedulerConfig(max_running=4, policy="chunked", chunk_tokens=32, draft_max=draft_max,
                              admission="on_demand")
-    e = StepEngine(ex, Scheduler(config, BlockManager(blocks, 16, pool_hits=False)))
+    e = StepEngine(ex, Scheduler(config, BlockManager(blocks, 16, pool_hits=False)), overlap_masks=overlap)
     reqs = [e.add_request(ServeRequest(f"r{i}", p, max_tokens, sampling=sampling, stop_tokens=ex.engine.eos_ids,
                                        constraint=Constraint(tok, grammar))) for i, p in enumerate(prompts)]
     for _ in range(2000):
@@ -92,3 +92,14 @@ def test_seeded_sampling_is_valid_and_repeatable(executor):
             assert r.finish_reason is FinishReason.STOP
             jsonschema.validate(json.loads(_text(executor, r)), SCHEMA)
     assert runs[0] == runs[1]
+
+
+def test_masks_filled_beside_the_forward_pass_or_after_it_draw_the_same_tokens(executor):
+    tok = executor.engine.tokenize
+    prompts = [tuple(tok(f"List {k} fruits as JSON with a count. ", add_bos=True)) for k in (3, 4, 5, 6)]
+    sampling = SamplingParams(temperature=0.8, seed=5)
+    beside = _run(executor, prompts, sampling=sampling)[1]
+    after = _run(executor, prompts, sampling=sampling, overlap=False)[1]
+    assert [r.output for r in beside] == [r.output for r in after]
+    for r in beside:
+        jsonschema.validate(json.loads(_text(executor, r)), SCHEMA)
