@@ -93,6 +93,18 @@ class SyntheticVocab:
         return self.base.tokenize(text, add_bos=add_bos, special=special)
 
 
+
+def _advance(cs, masked, vocab, tok, grammars) -> None:
+    """Each reply takes its most likely allowed token (EOS banned); one that ended, or has no token left, or ran
+    past 400 tokens starts again on a fresh matcher of its grammar."""
+    for i, (c, m) in enumerate(zip(cs, masked)):
+        ok = np.isfinite(m)
+        ok[list(vocab.eos_ids)] = False
+        if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
+            cs[i] = Constraint(tok, grammars[i])
+            continue
+        c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+
 def qwen2_vocab_path() -> str | None:
     """llama.cpp's Qwen2 vocabulary test file (151,936 real tokens, no weights) in the llama-cpp-python sdist that
     ``scripts/llama_sources.sh`` unpacked, if it has been (it does not download it here)."""
@@ -141,13 +153,7 @@ def mask_costs(vocab, batch: int, steps: int, seed: int = 0) -> dict:
             apply_cpu.append((c2 - c1) / len(cs))
             gcs.append(collections[0] - g0)
             where.append([(i, np.array(c.tokens, dtype=np.int32)) for i, c in enumerate(cs)])   # not GC-tracked
-            for i, (c, m) in enumerate(zip(cs, masked)):
-                ok = np.isfinite(m)
-                ok[list(vocab.eos_ids)] = False
-                if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
-                    cs[i] = Constraint(tok, grammars[i])
-                    continue
-                c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+            _advance(cs, masked, vocab, tok, grammars)
     finally:
         gc.callbacks.remove(on_gc)
     ms, cms = np.array(wall) * 1e3, np.array(cpu) * 1e3
@@ -215,13 +221,7 @@ def mask_beside_forward(vocab, batch: int, steps: int, threads: int, seed: int =
                 forward[mode].append(t1 - t0)
                 path[mode].append((t2 - t1) / batch)
                 last.update({s: int(np.argmax(got[s])) for s in slots})
-                for i, (c, m) in enumerate(zip(cs, masked)):
-                    ok = np.isfinite(m)
-                    ok[list(vocab.eos_ids)] = False
-                    if c.stopped_after(len(c.tokens)) or not ok.any() or len(c.tokens) > 400:
-                        cs[i] = Constraint(tok, grammars[i])
-                        continue
-                    c.consume(int(np.argmax(np.where(ok, m, -np.inf))))
+                _advance(cs, masked, vocab, tok, grammars)
             pos += 1
     for masks in modes.values():
         masks.close()
