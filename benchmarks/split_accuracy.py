@@ -29,29 +29,15 @@ CASES = [
 
 
 def models(d: Path) -> dict[str, tuple[str, list[dict]]]:
-    from gguf import GGMLQuantizationType
+    from tests.backends.test_rpc_split import MORE, write_split_models
 
-    from gguf_tools.skeleton import write_skeleton
-    from localinfer.model.sources import resolve_model
-    from tests.support.ggufgen import write_tiny_model
-
-    moe = write_skeleton({"n_layers": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 0,
-                          "vocab_size": 1000, "context_length": 4096, "arch": "qwen3moe", "n_expert": 8,
-                          "n_expert_used": 2, "expert_ff": 128, "type": "f16"}, d / "moe.gguf")
-    untied = write_tiny_model(d / "untied.gguf", arch="qwen3", n_layers=6, qtype=GGMLQuantizationType.Q8_0)
-    from tests.backends.test_rpc_split import MORE
-    from tests.plan.test_fit_llamacpp import write_tiny_gemma3
-
-    qwen2 = write_tiny_model(d / "qwen2.gguf", arch="qwen2", n_layers=4, qtype=GGMLQuantizationType.Q8_0)
-    rope = write_tiny_model(d / "rope.gguf", arch="llama", n_layers=4, qtype=GGMLQuantizationType.Q4_0,
-                            rope_freqs=True, tied=True)
+    m = write_split_models(d)
     small = CASES[:2] + [{"n_ctx": 512, "n_gpu_layers": 3}]
-    return {"smollm2-135m q4_1": (str(resolve_model(None)), CASES + MORE["smollm2"]),
-            "qwen3moe 4L f16 (skeleton)": (str(moe), small), "qwen3 6L q8_0 untied": (str(untied), small),
-            "qwen2 4L q8_0 (biases)": (str(qwen2), MORE["qwen2-bias"]),
-            "llama 4L q4_0 rope_freqs tied": (str(rope), MORE["llama-rope-freqs-tied"]),
-            "gemma3 8L f32 iSWA (skeleton)": (str(write_tiny_gemma3(d / "gemma3.gguf")), MORE["gemma3-iswa"])}
-
+    return {"smollm2-135m q4_1": (m["smollm2"], CASES + MORE["smollm2"]),
+            "qwen3moe 4L f16 (skeleton)": (m["qwen3moe"], small), "qwen3 6L q8_0 untied": (m["qwen3-untied"], small),
+            "qwen2 4L q8_0 (biases)": (m["qwen2-bias"], MORE["qwen2-bias"]),
+            "llama 4L q4_0 rope_freqs tied": (m["llama-rope-freqs-tied"], MORE["llama-rope-freqs-tied"]),
+            "gemma3 8L f32 iSWA (skeleton)": (m["gemma3-iswa"], MORE["gemma3-iswa"])}
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

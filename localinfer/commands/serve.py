@@ -195,36 +195,31 @@ def origins(values: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _max_gap(text: str | None) -> dict:
-    """ServeConfig's ``max_gap_s`` from --max-gap MS: {} for the default, None for 'off', else seconds."""
+def _number_or_off(text: str | None, key: str, flag: str, ok, what: str, example: str, per: float = 1.0) -> dict:
+    """ServeConfig's ``key`` from ``flag``: {} for the default, None for 'off', else the number (÷ ``per``)."""
     if text is None:
         return {}
     if text.strip().lower() == "off":
-        return {"max_gap_s": None}
+        return {key: None}
     try:
         v = float(text)
     except ValueError:
         v = float("nan")
-    if not 0 < v < 1e6:
-        raise UsageError(f"--max-gap must be a positive number of milliseconds or 'off', got {text!r}",
-                         flag="--max-gap", hint="e.g. --max-gap 150")
-    return {"max_gap_s": v / 1e3}
+    if not ok(v):
+        raise UsageError(f"{flag} must be {what} or 'off', got {text!r}", flag=flag, hint=f"e.g. {flag} {example}")
+    return {key: v / per}
+
+
+def _max_gap(text: str | None) -> dict:
+    """--max-gap MS: the largest token gap a step is cut to (``max_gap_s``)."""
+    return _number_or_off(text, "max_gap_s", "--max-gap", lambda v: 0 < v < 1e6,
+                          "a positive number of milliseconds", "150", per=1e3)
 
 
 def _partial_slack(text: str | None) -> dict:
-    """ServeConfig's ``partial_slack`` from --partial-slack: {} for the default, None for 'off', else a fraction."""
-    if text is None:
-        return {}
-    if text.strip().lower() == "off":
-        return {"partial_slack": None}
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not 0 <= v <= 100:
-        raise UsageError(f"--partial-slack must be a fraction in 0..100 or 'off', got {text!r}", flag="--partial-slack",
-                         hint="e.g. --partial-slack 0.25")
-    return {"partial_slack": v}
+    """--partial-slack: a fraction of a prompt-finishing step (``partial_slack``)."""
+    return _number_or_off(text, "partial_slack", "--partial-slack", lambda v: 0 <= v <= 100, "a fraction in 0..100",
+                          "0.25")
 
 
 def _loopback(host: str) -> bool:

@@ -186,7 +186,7 @@ class StepEngine:
     def _interrupt_if_all_leaving(self) -> bool:
         """(Under ``_flight_lock``) interrupt the step in flight if none of its requests is still wanted."""
         flight, requests = self._flight, self.scheduler.requests
-        if not flight or not all(rid in self._leaving or getattr(requests.get(rid), "finished", True)
+        if not flight or not all(rid in self._leaving or (r := requests.get(rid)) is None or r.finished
                                  for rid in flight):
             return False
         self.executor.interrupt()

@@ -43,9 +43,8 @@ def two_workers():
         yield [ep for _, ep in ws]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("split")
+def write_split_models(d) -> dict[str, str]:
+    """The models the split is checked on, written under ``d`` (the embedded one besides): name -> path."""
     moe = write_skeleton({"n_layers": 4, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 0,
                           "vocab_size": 1000, "context_length": 4096, "arch": "qwen3moe", "n_expert": 8,
                           "n_expert_used": 2, "expert_ff": 128, "type": "f16"}, d / "moe.gguf")
@@ -56,6 +55,11 @@ def models(tmp_path_factory):
     gemma = write_tiny_gemma3(d / "gemma3.gguf")
     return {"smollm2": str(resolve_model(None)), "qwen3moe": str(moe), "qwen3-untied": str(untied),
             "qwen2-bias": str(qwen2), "llama-rope-freqs-tied": str(rope), "gemma3-iswa": str(gemma)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return write_split_models(tmp_path_factory.mktemp("split"))
 
 
 def _predict(path: str, endpoints: list[str], case: dict):
