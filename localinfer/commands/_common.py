@@ -262,7 +262,8 @@ def predicted_devices(spec, plan: LoadPlan, fit) -> list[dict] | None:
                                                      cpu_features=local_device().cpu_features))
     if fit is None or fit.request.backend != "llama.cpp":
         return None
-    return allocated.predicted_terms(model.breakdown(spec, fit.device, req)[0])
+    bd = fit.breakdown if req == fit.request else model.breakdown(spec, fit.device, req)[0]   # the fit check's own
+    return allocated.predicted_terms(bd)
 
 
 def device_report(args: argparse.Namespace, engine) -> list[dict] | None:
