@@ -82,6 +82,7 @@ class PagedExecutor(ExecutorBase):
         if n_slots < 1:
             raise UsageError(f"n_slots must be >= 1, got {n_slots}", flag="--parallel")
         self.model, self.device = model, model.device
+        self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else 0
         cfg = model.cfg
         self.n_slots, self.n_vocab, self.block_size = n_slots, cfg.vocab_size, block_size
         self.max_model_len = min(max_model_len or model.cos.shape[0], model.cos.shape[0])

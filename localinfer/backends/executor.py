@@ -62,6 +62,7 @@ class ExecutorCaps:
     drops_tail: bool = False              # ``drop(slot, start > 0)`` cuts a slot's tail (not a recurrent model)
     parks_in_host: bool = False           # ``park`` moves a slot's KV to host memory (decided at load)
     interrupts_steps: bool = False        # ``interrupt`` stops the step in flight (StepInterrupted, no slot changed)
+    cpu_threads: int = 0                  # CPU cores the forward pass keeps busy (0: it runs on an accelerator)
 
 
 class StepInterrupted(Exception):
@@ -133,6 +134,7 @@ class ExecutorBase:
     drops_tail: bool = False
     parks_in_host: bool = False
     interrupts_steps: bool = False
+    cpu_threads: int = 0
     decode_seconds: float = 0.0          # seconds inside the backend's forward passes (0: not counted)
     vocab = None                         # the model's tokenizer (tokenize, token_bytes, eos_ids), where it has one
 

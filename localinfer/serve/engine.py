@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from localinfer.backends.executor import Chunk, Executor, StepInterrupted
 from localinfer.generation.sampling import SamplingParams
-from localinfer.serve.masks import StepMasks, step_mask_items
+from localinfer.serve.masks import StepMasks, spare_core, step_mask_items
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepBatch
 
@@ -84,7 +84,7 @@ class StepRecord:
 
 class StepEngine:
     def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False,
-                 on_step: Callable[[StepRecord], None] | None = None, overlap_masks: bool = True):
+                 on_step: Callable[[StepRecord], None] | None = None, overlap_masks: bool | None = None):
         caps, parking = executor.caps, scheduler.blocks.parking
         if scheduler.config.max_running > executor.n_slots:
             raise ValueError(f"max_running {scheduler.config.max_running} exceeds the executor's "
@@ -118,7 +118,8 @@ class StepEngine:
         self._flight: frozenset[str] = frozenset()   # the requests of the step inside executor.step
         self._leaving: set[str] = set()              # requests whose cancel is on its way (cancelling)
         self.parking = parking
-        self.masks = StepMasks(overlap_masks)    # grammar masks, filled beside the executor's step
+        # grammar masks: filled beside the executor's step where a core is free for them (None: decide so)
+        self.masks = StepMasks(spare_core(caps.cpu_threads) if overlap_masks is None else overlap_masks)
         if parking is not None:
             parking.bind_engine(executor, self._free_slots, self.slot_of)
 

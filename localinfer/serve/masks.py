@@ -10,16 +10,28 @@ step computes, so :class:`StepMasks` fills them on a worker thread while the exe
 logits come back.  A mask's cost is the walk of llguidance's token trie from the grammar's state: tens of
 microseconds in most states, milliseconds inside a length-bounded string on a large vocabulary
 (``docs/structured.md``); beside the forward pass, that is off the step's critical path.
+
+Only where a core is free for it (:func:`spare_core`): a forward pass on the CPU whose threads take every core
+waits for its slowest thread, so a fill that takes a core from one of them costs the whole pass more than the
+fill's own time (``docs/structured.md``); there the masks are filled after the pass.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from localinfer.generation.constraints import fill_masks
 from localinfer.serve.request import State
+
+
+def spare_core(cpu_threads: int) -> bool:
+    """Whether a mask thread has a core of its own beside a forward pass that keeps ``cpu_threads`` cores busy
+    (``ExecutorCaps.cpu_threads``: 0 on an accelerator)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores > cpu_threads
 
 
 def step_mask_items(chunks: Sequence) -> list:
