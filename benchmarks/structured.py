@@ -5,8 +5,9 @@
 
 1. Mask + apply: JSON-schema replies are walked token by token (each step draws the likeliest allowed token of
    random logits, so every state a reply passes through is timed), for the embedded model's 49,152-token
-   vocabulary, a generated 152,064-token one (the 49k pieces plus concatenations of two of them, the size of
-   Qwen2's: 54% of its tokens are over 10 bytes) and, where ``scripts/llama_sources.sh`` has unpacked
+   vocabulary, two generated 152,064-token ones (the size of Qwen2's: the 49k pieces plus concatenations of two
+   of them, their lengths drawn from the 49k's own, so as many long tokens as a real BPE vocabulary has; and a
+   stress case, any two pieces, 54% of its tokens over 10 bytes) and, where ``scripts/llama_sources.sh`` has unpacked
    llama.cpp's sources, Qwen2's own 151,936-token vocabulary (its ``ggml-vocab-qwen2.gguf`` test file: 10% over
    10 bytes).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
    ``Constraint.apply`` (bits to −inf logits) for each row; batch 1 and batch 8 (eight replies with eight
@@ -73,15 +74,44 @@ SCHEMAS = SCHEMAS + SCHEMAS                                     # eight replies 
 
 
 class SyntheticVocab:
-    """A 152k vocabulary: the embedded model's pieces, then concatenations of two of them (seeded)."""
+    """A 152k vocabulary: the embedded model's pieces, then concatenations of two of them (seeded).
 
-    def __init__(self, base, n_vocab: int = 152_064, seed: int = 0):
+    ``lengths="pairs"``: any two pieces, so the added tokens are about twice as long as the pieces (54% of the
+    vocabulary over 10 bytes; a stress case no real tokenizer has).  ``lengths="matched"``: each added token's
+    length in bytes is drawn from the embedded vocabulary's own lengths and made of two pieces that add up to it,
+    so the whole vocabulary has the length profile of a real BPE vocabulary (9% over 10 bytes; Qwen2's 152k: 10%).
+    """
+
+    def __init__(self, base, n_vocab: int = 152_064, seed: int = 0, lengths: str = "pairs"):
         self.base, self.n_vocab = base, n_vocab
         self.eos_ids, self.bos_id = base.eos_ids, base.bos_id
         rng = np.random.default_rng(seed)
         plain = [i for i in range(base.n_vocab) if base.token_bytes(i)]
-        pairs = rng.choice(plain, size=(n_vocab - base.n_vocab, 2))
-        self.extra = [base.token_bytes(int(a)) + base.token_bytes(int(b)) for a, b in pairs]
+        want = n_vocab - base.n_vocab
+        if lengths == "pairs":
+            pairs = rng.choice(plain, size=(want, 2))
+            self.extra = [base.token_bytes(int(a)) + base.token_bytes(int(b)) for a, b in pairs]
+            return
+        if lengths != "matched":
+            raise ValueError(f"lengths must be 'pairs' or 'matched', got {lengths!r}")
+        pieces = [base.token_bytes(i) for i in plain]
+        by_len: dict[int, list[bytes]] = {}
+        for b in pieces:
+            by_len.setdefault(len(b), []).append(b)
+        seen, self.extra = set(pieces), []
+        targets = np.array([len(b) for b in pieces if len(b) >= 2])
+        while len(self.extra) < want:
+            for n in rng.choice(targets, size=want):
+                head = int(rng.integers(1, n))           # the first piece's length, the second's is the rest
+                if head not in by_len or n - head not in by_len:
+                    continue
+                a, b = by_len[head], by_len[n - head]
+                tok = a[int(rng.integers(len(a)))] + b[int(rng.integers(len(b)))]
+                if tok not in seen:
+                    seen.add(tok)
+                    self.extra.append(tok)
+                    if len(self.extra) == want:
+                        break
 
     def token_bytes(self, i: int) -> bytes:
         return self.base.token_bytes(i) if i < self.base.n_vocab else self.extra[i - self.base.n_vocab]
@@ -92,6 +122,10 @@ class SyntheticVocab:
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
         return self.base.tokenize(text, add_bos=add_bos, special=special)
 
+
+def long_share(vocab, over: int = 10) -> float:
+    """The share of a vocabulary's tokens longer than ``over`` bytes."""
+    return round(sum(len(vocab.token_bytes(i)) > over for i in range(vocab.n_vocab)) / vocab.n_vocab, 3)
 
 
 def _advance(cs, masked, vocab, tok, grammars) -> None:
@@ -283,9 +317,12 @@ def started(kind: str, llama_server: str | None, threads: int, ctx: int = 8192, 
                 proc.kill()
 
 
-def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> list[dict]:
+def serve_rates(url: str, levels: list[int], requests: int, max_tokens: int) -> list[dict]:
     """Closed-loop clients at each concurrency, the same prompts without a schema and with it, in the order A B B A
-    (a drift in the machine's load hits both): completion tokens per second, the load average beside each run."""
+    (a drift in the machine's load hits both): completion tokens per second, the load average beside each run.
+
+    Every run sends the same ``requests`` prompts (the topics in turn), the clients taking the next one as they
+    finish, so each level and each way measures the same replies."""
     import httpx
     import jsonschema
 
@@ -306,12 +343,12 @@ def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> li
     for conc in levels:
         for schema in (False, True, True, False):
             tokens, done, invalid, lock = [0], [0], [0], threading.Lock()
+            todo = iter(range(requests))
 
-            def client(k: int, schema=schema, tokens=tokens, done=done, invalid=invalid, lock=lock) -> None:
+            def client(k: int, schema=schema, tokens=tokens, done=done, invalid=invalid, lock=lock, todo=todo) -> None:
                 with httpx.Client(timeout=300) as c:
-                    for r in range(rounds):
-                        reply = c.post(url + "/chat/completions",
-                                       json={**body(k * rounds + r, schema), "model": model})
+                    while (i := next(todo, None)) is not None:       # next() on a range iterator holds the GIL
+                        reply = c.post(url + "/chat/completions", json={**body(i, schema), "model": model})
                         reply.raise_for_status()
                         j = reply.json()
                         with lock:
@@ -331,7 +368,7 @@ def serve_rates(url: str, levels: list[int], rounds: int, max_tokens: int) -> li
             for t in ts:
                 t.join()
             wall = time.perf_counter() - t0
-            out.append({"concurrency": conc, "schema": schema, "requests": conc * rounds,
+            out.append({"concurrency": conc, "schema": schema, "requests": requests,
                         "completion_tokens": tokens[0], "seconds": round(wall, 3), "tok_s": round(tokens[0] / wall, 2),
                         "loadavg_1": round(os.getloadavg()[0], 2), **({"complete_json": done[0], "invalid_json": invalid[0]} if schema else {})})
             print(out[-1], file=sys.stderr)
@@ -412,7 +449,7 @@ def main(argv=None) -> int:
     ap.add_argument("--serve", action="store_true", help="also measure serve tok/s with a schema and without")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--levels", default="1,4,8")
-    ap.add_argument("--rounds", type=int, default=2, help="requests per client per level")
+    ap.add_argument("--requests", type=int, default=16, help="--serve: requests per run (the same prompts each run)")
     ap.add_argument("--repeats", type=int, default=3, help="--serve: measurements of each server (median ratio)")
     ap.add_argument("--llama-server", default=None, metavar="PATH",
                     help="--serve: also llama-server (scripts/build_llama_server.sh prints its path), the same runs")
@@ -429,7 +466,8 @@ def main(argv=None) -> int:
            "llguidance": __import__("llguidance").__version__, "mask": []}
     if not args.no_mask:
         base = VocabOnly(str(default_model_path()))
-        vocabs = [("49k", lambda: base), ("152k", lambda: SyntheticVocab(base))]
+        vocabs = [("49k", lambda: base), ("152k", lambda: SyntheticVocab(base, lengths="matched")),
+                  ("152k long pairs", lambda: SyntheticVocab(base, lengths="pairs"))]
         if qwen2 := qwen2_vocab_path():
             vocabs.append(("qwen2 152k", lambda: VocabOnly(qwen2)))
         t0, tok_build = time.perf_counter(), {}
@@ -439,6 +477,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             grammar_tokenizer(vocab)
             tok_build[name] = round(time.perf_counter() - t, 3)
+            doc.setdefault("over_10_bytes", {})[name] = long_share(vocab)
             for batch in (1, 8):
                 doc["mask"].append({"name": name, **mask_costs(vocab, batch, args.steps)})
                 print({k: v for k, v in doc["mask"][-1].items() if k != "slowest"}, file=sys.stderr)
@@ -470,14 +509,14 @@ def main(argv=None) -> int:
             for c in levels} for mode in MODES if mode != "none"}
     if args.serve:
         kinds = ["localinfer"] + (["llama-server"] if args.llama_server else [])
-        doc["serve"] = {"threads": args.threads, "ctx": 8192, "parallel": 8, "rounds": args.rounds,
+        doc["serve"] = {"threads": args.threads, "ctx": 8192, "parallel": 8, "requests": args.requests,
                         "max_tokens": args.max_tokens, "repeats": []}
         for rep in range(args.repeats):        # the servers one after the other, the first one rotated each time
             row = {}
             for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
                 with started(kind, args.llama_server, args.threads) as url:
                     before = [round(x, 2) for x in os.getloadavg()]
-                    runs = serve_rates(url, levels, args.rounds, args.max_tokens)
+                    runs = serve_rates(url, levels, args.requests, args.max_tokens)
                     row[kind] = {"loadavg_before": before, "loadavg_after": [round(x, 2) for x in os.getloadavg()],
                                  "runs": runs, "ratio": serve_ratios(runs, levels)}
                     print(kind, row[kind]["ratio"], row[kind]["loadavg_after"], file=sys.stderr)
