@@ -131,6 +131,16 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.is_greedy
 
+    @property
+    def draws_unmasked_first(self) -> bool:
+        """Whether a constrained draw may be made without the grammar's mask and kept when the grammar allows it:
+        exactly the masked draw when greedy (the likeliest allowed token is the likeliest token if that one is
+        allowed) and when only temperature and penalties shape the distribution (a draw from p kept only inside
+        the allowed set A is a draw from p restricted to A: rejection sampling).  Not with top-k, top-p or min-p,
+        which the mask must narrow first."""
+        p = self.params
+        return self.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
+
     # ---- the candidate set ---------------------------------------------------
     def _penalize(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params
@@ -178,11 +188,19 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
         """One token: argmax when greedy, else a draw from the filtered distribution.  With a constraint, the
-        draw is among the tokens its grammar allows, and the constraint consumes it."""
-        if self.constraint is None:
+        draw is among the tokens its grammar allows, and the constraint consumes it: where that is the same (see
+        ``draws_unmasked_first``), a draw without the mask is tried first and kept if the grammar allows it, so
+        most tokens of a reply that follows its grammar cost no mask at all."""
+        c = self.constraint
+        if c is None:
             return self._draw(logits, history)
-        token = self._draw(self.constraint.apply(logits), history)
-        self.constraint.consume(token)
+        if self.draws_unmasked_first:
+            token = self._draw(logits, history)
+            if c.allows(token):
+                c.consume(token)
+                return token
+        token = self._draw(c.apply(logits), history)
+        c.consume(token)
         return token
 
     def _draw(self, logits: np.ndarray, history: Sequence[int]) -> int:

@@ -35,12 +35,17 @@ def spare_core(cpu_threads: int) -> bool:
 
 
 def step_mask_items(chunks: Sequence) -> list:
-    """(constraint, output, draft) of each scheduled chunk that samples and is constrained."""
+    """(constraint, output, draft) of each scheduled chunk that samples, is constrained and needs its masks
+    before it samples: a row with a draft to verify, or one whose sampler cannot try a draw without the mask
+    first (``Sampler.draws_unmasked_first``: greedy and plain temperature can, and fill a mask only when the
+    grammar refuses that draw)."""
     items = []
     for c in chunks:
         r = c.request
-        if c.samples and r.state is State.RUNNING and r.sampler.constraint is not None:
-            items.append((r.sampler.constraint, r.output, c.draft))
+        s = r.sampler
+        if (c.samples and r.state is State.RUNNING and s.constraint is not None
+                and (c.draft or not s.draws_unmasked_first)):
+            items.append((s.constraint, r.output, c.draft))
     return items
 
 

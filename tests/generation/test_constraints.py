@@ -158,3 +158,67 @@ def test_apply_forbids_exactly_what_the_mask_forbids_sparse_dense_or_between(voc
         want[:vocab.n_vocab][ok] = logits[:vocab.n_vocab][ok]
         np.testing.assert_array_equal(c.apply(logits), want)
         np.testing.assert_array_equal(c.apply(logits), want)
+
+
+def test_allows_says_what_the_mask_says_for_every_token_filled_or_not(vocab, tok):
+    """Every token id in every state of walks through each schema, its end included (EOS only where the grammar
+    accepts, and once it is complete), and ids past the vocabulary: allows() is the mask's bit."""
+    from localinfer.generation.constraints import Constraint, grammar_from
+
+    rng = np.random.default_rng(5)
+    eos = sorted(vocab.eos_ids)
+    for k, schema in enumerate(SCHEMAS):
+        grammar = grammar_from("json_schema", schema, "schema")
+        walk = Constraint(tok, grammar)
+        _walk(vocab, walk, rng)
+        c = Constraint(tok, grammar)
+        for n in range(len(walk.tokens) + 1):
+            c.sync(walk.tokens[:n])
+            fresh = c.clone()                       # no mask filled: the matcher's check of the one token
+            want = c.allowed()                      # fills c's mask: the bit
+            sample = np.unique(np.concatenate([eos, np.flatnonzero(want), rng.integers(0, vocab.n_vocab, 300)]))
+            assert [fresh.allows(int(t)) for t in sample] == want[sample].tolist(), (k, n)
+            assert [c.allows(int(t)) for t in sample] == want[sample].tolist(), (k, n)
+            assert not c.allows(vocab.n_vocab) and not fresh.allows(-1)
+        assert c.stopped_after(len(c.tokens)) and all(c.clone().allows(t) for t in eos)
+
+
+def test_a_draw_without_the_mask_first_is_the_masked_draw(vocab, tok):
+    """Greedy: the same token as the argmax of the masked logits, state after state.  Temperature alone: the
+    draws kept or redrawn under the mask follow the masked distribution (rejection sampling); with top-k the mask
+    comes first."""
+    from localinfer.generation.constraints import Constraint, grammar_from
+    from localinfer.generation.sampling import Sampler, SamplingParams
+
+    rng = np.random.default_rng(7)
+    grammar = grammar_from("json_schema", SCHEMAS[0], "schema")
+    c, ref = Constraint(tok, grammar), Constraint(tok, grammar)
+    s = Sampler(SamplingParams(temperature=0.0), constraint=c)
+    assert s.draws_unmasked_first
+    unmasked = 0
+    while not c.stopped_after(len(c.tokens)) and len(c.tokens) < 60:
+        logits = rng.standard_normal(vocab.n_vocab).astype(np.float32)
+        top = int(np.argmax(logits))
+        logits[tok.tokenize_str('{"a": 1')[:1] if not c.tokens else [top]] += 6.0   # often allowed, sometimes not
+        want = int(np.argmax(ref.apply(logits)))
+        unmasked += c._filled() is None and c.allows(int(np.argmax(logits)))
+        assert s.sample(logits, []) == want
+        ref.consume(want)
+    assert unmasked > 0 and c.stopped_after(len(c.tokens))
+
+    c = Constraint(tok, grammar_from("choice", ["yes", "no", "maybe"], "choice"))
+    ids = np.flatnonzero(c.allowed())
+    logits = np.full(vocab.n_vocab, -4.0, dtype=np.float32)
+    logits[ids] = np.linspace(0.0, 1.5, len(ids))
+    logits[int(np.argmax(logits < 0))] = 2.0                    # the likeliest token is one the grammar refuses
+    p = np.exp(logits[ids] - logits[ids].max())
+    p /= p.sum()
+    assert not Sampler(SamplingParams(temperature=1.0, top_k=40), constraint=c).draws_unmasked_first
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11), constraint=c)
+    assert s.draws_unmasked_first
+    counts = np.zeros(len(ids))
+    for _ in range(3000):
+        fresh = c.clone()
+        s.constraint = fresh
+        counts[np.searchsorted(ids, s.sample(logits, []))] += 1
+    assert 0.5 * np.abs(counts / counts.sum() - p).sum() < 0.04     # total variation, 3000 draws
