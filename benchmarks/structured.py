@@ -5,8 +5,9 @@
 
 1. Mask + apply: JSON-schema replies are walked token by token (each step draws the likeliest allowed token of
    random logits, so every state a reply passes through is timed), for the embedded model's 49,152-token
-   vocabulary, two generated 152,064-token ones (the size of Qwen2's: the 49k pieces plus concatenations of two
-   of them, their lengths drawn from the 49k's own, so as many long tokens as a real BPE vocabulary has; and a
+   vocabulary, three generated 152,064-token ones (the size of Qwen2's: the 49k pieces plus concatenations of
+   two of them: the pairs a BPE trainer would merge next in this Python's standard library sources; pairs whose
+   lengths are drawn from the 49k's own, so as many long tokens as a real vocabulary but random prefixes; and a
    stress case, any two pieces, 54% of its tokens over 10 bytes) and, where ``scripts/llama_sources.sh`` has unpacked
    llama.cpp's sources, Qwen2's own 151,936-token vocabulary (its ``ggml-vocab-qwen2.gguf`` test file: 10% over
    10 bytes).  A step is ``fill_masks`` (the serving step's batched llguidance call, GIL released) plus
@@ -74,26 +75,31 @@ SCHEMAS = SCHEMAS + SCHEMAS                                     # eight replies 
 
 
 class SyntheticVocab:
-    """A 152k vocabulary: the embedded model's pieces, then concatenations of two of them (seeded).
+    """A 152k vocabulary: the embedded model's pieces, then concatenations of two of them.
 
-    ``lengths="pairs"``: any two pieces, so the added tokens are about twice as long as the pieces (54% of the
+    ``lengths="merges"``: the pairs a BPE trainer would merge next (:func:`merged_pairs`), so the added tokens
+    share prefixes as a real vocabulary's do.  ``lengths="pairs"``: any two pieces, so the added tokens are about twice as long as the pieces (54% of the
     vocabulary over 10 bytes; a stress case no real tokenizer has).  ``lengths="matched"``: each added token's
     length in bytes is drawn from the embedded vocabulary's own lengths and made of two pieces that add up to it,
-    so the whole vocabulary has the length profile of a real BPE vocabulary (9% over 10 bytes; Qwen2's 152k: 10%).
+    so the whole vocabulary has the length profile of a real BPE vocabulary (11% over 10 bytes; Qwen2's 152k:
+    10%) but random prefixes (seeded).
     """
 
-    def __init__(self, base, n_vocab: int = 152_064, seed: int = 0, lengths: str = "pairs"):
+    def __init__(self, base, n_vocab: int = 152_064, seed: int = 0, lengths: str = "merges"):
         self.base, self.n_vocab = base, n_vocab
         self.eos_ids, self.bos_id = base.eos_ids, base.bos_id
         rng = np.random.default_rng(seed)
         plain = [i for i in range(base.n_vocab) if base.token_bytes(i)]
         want = n_vocab - base.n_vocab
+        if lengths == "merges":
+            self.extra = merged_pairs(base, want)
+            return
         if lengths == "pairs":
             pairs = rng.choice(plain, size=(want, 2))
             self.extra = [base.token_bytes(int(a)) + base.token_bytes(int(b)) for a, b in pairs]
             return
         if lengths != "matched":
-            raise ValueError(f"lengths must be 'pairs' or 'matched', got {lengths!r}")
+            raise ValueError(f"lengths must be 'merges', 'matched' or 'pairs', got {lengths!r}")
         pieces = [base.token_bytes(i) for i in plain]
         by_len: dict[int, list[bytes]] = {}
         for b in pieces:
@@ -121,6 +127,38 @@ class SyntheticVocab:
 
     def tokenize(self, text: str, *, add_bos: bool = False, special: bool = False) -> list[int]:
         return self.base.tokenize(text, add_bos=add_bos, special=special)
+
+
+def merged_pairs(base, n: int, corpus_bytes: int = 12 << 20) -> list[bytes]:
+    """``n`` new tokens as a BPE trainer would add them next: the ``n`` most frequent adjacent pairs of the
+    embedded vocabulary's tokens in a corpus (this Python's standard library sources, the first ``corpus_bytes``
+    in sorted order), each pair's bytes one token, none that the vocabulary already has."""
+    import collections
+    import sysconfig
+
+    root, files = sysconfig.get_paths()["stdlib"], []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "test", "tests", "__pycache__", "idlelib"))
+        files += [os.path.join(d, f) for f in sorted(names) if f.endswith(".py")]
+    pairs, read = collections.Counter(), 0
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        ids = base.tokenize(text)
+        pairs.update(zip(ids, ids[1:]))
+        read += len(text)
+        if read >= corpus_bytes:
+            break
+    seen = {base.token_bytes(i) for i in range(base.n_vocab)}
+    out = []
+    for (a, b), _ in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
+        tok = base.token_bytes(a) + base.token_bytes(b)
+        if tok not in seen:
+            seen.add(tok)
+            out.append(tok)
+            if len(out) == n:
+                return out
+    raise ValueError(f"the corpus gave {len(out)} new pairs, not {n}")
 
 
 def long_share(vocab, over: int = 10) -> float:
@@ -466,7 +504,8 @@ def main(argv=None) -> int:
            "llguidance": __import__("llguidance").__version__, "mask": []}
     if not args.no_mask:
         base = VocabOnly(str(default_model_path()))
-        vocabs = [("49k", lambda: base), ("152k", lambda: SyntheticVocab(base, lengths="matched")),
+        vocabs = [("49k", lambda: base), ("152k", lambda: SyntheticVocab(base, lengths="merges")),
+                  ("152k matched lengths", lambda: SyntheticVocab(base, lengths="matched")),
                   ("152k long pairs", lambda: SyntheticVocab(base, lengths="pairs"))]
         if qwen2 := qwen2_vocab_path():
             vocabs.append(("qwen2 152k", lambda: VocabOnly(qwen2)))
