@@ -20,11 +20,14 @@
    step's fill started before one decode step of the embedded model (llama.cpp, ``--threads``) and waited for
    after it, as the serving engine does (``StepMasks``), against the fill after the forward pass; per row,
    (wait + apply) / batch, and the forward pass's own time.
-3. ``--engine``: the step engine in process (llama.cpp, ``--threads``, per-slot KV, no HTTP), batches of 1, 4
+3. ``--draws``: the grammar's part of each token of the embedded model's replies to the serve prompts (one at a
+   time, llama.cpp, ``--threads``): the draw tried without the mask first, kept where the grammar allows it,
+   against the mask applied first; greedy and temperature 1; how many tokens needed a mask.
+4. ``--engine``: the step engine in process (llama.cpp, ``--threads``, per-slot KV, no HTTP), batches of 1, 4
    and 8 greedy requests with the serve schema's grammar, its masks filled beside the forward pass and after it,
    and without a grammar, in turn, ``max_tokens`` each (EOS banned): tok/s ratios, the CPU milliseconds per
    token the grammar adds, and each step's wait for its masks.
-4. ``--serve``: ``localinfer serve`` and, with ``--llama-server PATH``, llama.cpp's llama-server (which turns
+5. ``--serve``: ``localinfer serve`` and, with ``--llama-server PATH``, llama.cpp's llama-server (which turns
    ``response_format`` json_schema into a GBNF grammar), one after the other, each on the embedded model with
    ``--threads`` threads, 8192 cells over 8 slots, flash attention: closed-loop clients at concurrency 1, 4 and
    8, the same prompts with ``response_format`` json_schema and without, in the order A B B A; completion tokens
@@ -134,6 +137,7 @@ def merged_pairs(base, n: int, corpus_bytes: int = 12 << 20) -> list[bytes]:
     embedded vocabulary's tokens in a corpus (this Python's standard library sources, the first ``corpus_bytes``
     in sorted order), each pair's bytes one token, none that the vocabulary already has."""
     import collections
+    import itertools
     import sysconfig
 
     root, files = sysconfig.get_paths()["stdlib"], []
@@ -145,7 +149,7 @@ def merged_pairs(base, n: int, corpus_bytes: int = 12 << 20) -> list[bytes]:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
         ids = base.tokenize(text)
-        pairs.update(zip(ids, ids[1:]))
+        pairs.update(itertools.pairwise(ids))
         read += len(text)
         if read >= corpus_bytes:
             break
@@ -472,6 +476,50 @@ def engine_rates(levels: list[int], max_tokens: int, threads: int, repeats: int 
     return out
 
 
+def draw_costs(threads: int, max_tokens: int = 128) -> list[dict]:
+    """The grammar's part of each token in replies of the embedded model (llama.cpp, one request at a time) to the
+    serve prompts with the serve schema: the draw tried without the mask first where the sampler may
+    (``Sampler.draws_unmasked_first``), against the mask applied first (``apply``, as before); greedy and
+    temperature 1 (no top-k/p, min-p); how many tokens needed a mask."""
+    from localinfer.backends.executor import Chunk
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+    from localinfer.generation.sampling import Sampler, SamplingParams
+    from localinfer.model.sources import default_model_path
+
+    out = []
+    with LlamaCppExecutor.open(default_model_path(), n_slots=1, n_ctx=1024, threads=threads) as ex:
+        eng = ex.engine
+        tok, grammar = grammar_tokenizer(eng), grammar_from("json_schema", SERVE_SCHEMA, "schema")
+        for temp in (0.0, 1.0):
+            for first in ("draw", "mask"):
+                times, masked = [], 0
+                for i, topic in enumerate(TOPICS):
+                    prompt = eng.tokenize(f"<|im_start|>user\nDescribe {topic} as JSON with title, year, genres and "
+                                          "summary.<|im_end|>\n<|im_start|>assistant\n", special=True)
+                    ex.drop(0)
+                    c = Constraint(tok, grammar)
+                    s = Sampler(SamplingParams(temperature=temp, top_k=0, top_p=1.0, min_p=0.0, seed=i), constraint=c)
+                    logits, output = ex.step([Chunk(0, tuple(prompt), 0, True)])[0], []
+                    for k in range(max_tokens):
+                        t0 = time.perf_counter()
+                        if first == "draw":
+                            token = s.sample(logits, output)
+                        else:
+                            token = s._draw(c.apply(logits), output)
+                            c.consume(token)
+                        times.append(time.perf_counter() - t0)
+                        masked += c._rows is not None and c._base == len(c.tokens) - 1
+                        output.append(token)
+                        if c.stopped_after(len(output)):
+                            break
+                        logits = ex.step([Chunk(0, (token,), len(prompt) + k, True)])[0]
+                ms = np.array(times) * 1e3
+                out.append({"temperature": temp, "first": first, "tokens": len(ms), "masks": int(masked),
+                            "mean_ms": round(float(ms.mean()), 4), "p50_ms": _q(ms, 50), "p99_ms": _q(ms, 99)})
+                print(out[-1], file=sys.stderr)
+    return out
+
+
 def machine() -> dict:
     cpu = ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -494,6 +542,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--engine", action="store_true", help="also measure the step engine in process, schema vs none")
     ap.add_argument("--no-mask", action="store_true", help="skip the mask cost measurement")
+    ap.add_argument("--draws", action="store_true",
+                    help="also measure the grammar's part of each token, drawn without the mask first or after it")
     ap.add_argument("--beside", action="store_true",
                     help="also measure the masks' share of the step with a real forward pass beside the fill")
     args = ap.parse_args(argv)
@@ -532,6 +582,9 @@ def main(argv=None) -> int:
         doc["tokenizer_build_s"] = tok_build
         doc["mask_seconds"] = round(time.perf_counter() - t0, 1)
     levels = [int(x) for x in args.levels.split(",")]
+    if args.draws:
+        doc["draws_loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+        doc["draws"] = draw_costs(args.threads)
     if args.engine:
         doc["engine_loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
         runs = doc["engine"] = engine_rates(levels, args.max_tokens, args.threads)
