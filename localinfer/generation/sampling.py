@@ -173,7 +173,10 @@ class Sampler:
             ids, e = ids[keep], e[keep]
         if p.top_p < 1.0:
             ids, e = _nucleus(ids, e, p.top_p * total)
-        probs = e ** (1.0 / p.temperature)
+        if p.temperature == 1.0:
+            probs = e
+        else:    # from the logits, not e ** (1/T): e underflows 87 nats below the top, e ** (1/T) would not
+            probs = np.exp((logits[ids] - z.max()).astype(np.float64) / p.temperature)
         return ids, probs / probs.sum()
 
     # ---- the decoding.Sampler protocol ---------------------------------------

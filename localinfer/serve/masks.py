@@ -27,11 +27,15 @@ from localinfer.generation.constraints import fill_masks
 from localinfer.serve.request import State
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def spare_core(cpu_threads: int) -> bool:
     """Whether a mask thread has a core of its own beside a forward pass that keeps ``cpu_threads`` cores busy
     (``ExecutorCaps.cpu_threads``: 0 on an accelerator)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores > cpu_threads
+    return cpu_cores() > cpu_threads
 
 
 def step_mask_items(chunks: Sequence) -> list:

@@ -208,7 +208,7 @@ def test_a_draw_without_the_mask_first_is_the_masked_draw(vocab, tok):
 
     c = Constraint(tok, grammar_from("choice", ["yes", "no", "maybe"], "choice"))
     ids = np.flatnonzero(c.allowed())
-    logits = np.full(vocab.n_vocab, -4.0, dtype=np.float32)
+    logits = np.full(vocab.n_vocab, -30.0, dtype=np.float32)    # the draws are the allowed ids or the one below
     logits[ids] = np.linspace(0.0, 1.5, len(ids))
     logits[int(np.argmax(logits < 0))] = 2.0                    # the likeliest token is one the grammar refuses
     p = np.exp(logits[ids] - logits[ids].max())

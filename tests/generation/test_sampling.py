@@ -134,3 +134,14 @@ def test_with_setting_parses_and_validates():
     for key, value in (("temp", "nan"), ("temp", "abc"), ("nope", "1"), ("top_k", "1.5"), ("greedy", "maybe")):
         with pytest.raises(UsageError):
             p.with_setting(key, value)
+
+
+def test_temperature_is_exact_far_below_the_top():
+    """Temperature scales the logits before they are exponentiated: tokens 100 and 150 nats below the top keep
+    their share at a high temperature (e ** (1/T) of an underflowed float32 weight lost them)."""
+    logits = np.full(64, -np.inf, dtype=np.float32)
+    logits[[3, 7, 9]] = [200.0, 100.0, 50.0]
+    ids, probs = Sampler(SamplingParams(temperature=50.0, top_k=0, top_p=1.0, min_p=0.0)).candidates(logits, [])
+    got = dict(zip(ids.tolist(), probs.tolist()))
+    want = np.exp(np.array([200.0, 100.0, 50.0]) / 50.0)
+    np.testing.assert_allclose([got[3], got[7], got[9]], want / want.sum(), rtol=1e-9)

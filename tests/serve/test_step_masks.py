@@ -74,8 +74,6 @@ def test_a_failed_fill_is_raised_by_finish_and_the_next_step_starts_clean(tok):
 def test_the_engine_fills_beside_the_forward_pass_only_where_a_core_is_free(default_model):
     """A CPU forward pass whose threads take every core is not given a mask thread beside it; one on fewer
     threads, or on an accelerator (cpu_threads 0), is; an explicit choice stands."""
-    import os
-
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
     from localinfer.serve.block_manager import BlockManager
     from localinfer.serve.engine import StepEngine
@@ -83,7 +81,7 @@ def test_the_engine_fills_beside_the_forward_pass_only_where_a_core_is_free(defa
     from localinfer.serve.simulated import SimulatedExecutor
     from localinfer.serve.step_model import LinearStepModel
 
-    cores = len(os.sched_getaffinity(0))
+    cores = step_masks.cpu_cores()
 
     def engine(ex, **kw):
         return StepEngine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(64, 16, pool_hits=False)), **kw)
@@ -91,7 +89,7 @@ def test_the_engine_fills_beside_the_forward_pass_only_where_a_core_is_free(defa
     assert step_masks.spare_core(0) and step_masks.spare_core(cores - 1) and not step_masks.spare_core(cores)
     assert engine(SimulatedExecutor(LinearStepModel.parse("26.22,30.4,3"), n_slots=2)).masks.overlap                 # its forward pass takes no core
     for threads in sorted({1, cores}):
-        with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=256, threads=threads) as ex:
+        with LlamaCppExecutor.open(default_model, n_slots=2, n_ctx=256, threads=threads, n_gpu_layers=0) as ex:
             assert ex.caps.cpu_threads == threads
             assert engine(ex).masks.overlap is (threads < cores)
             assert engine(ex, overlap_masks=True).masks.overlap and not engine(ex, overlap_masks=False).masks.overlap

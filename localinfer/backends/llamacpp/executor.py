@@ -71,7 +71,8 @@ class LlamaCppExecutor(ExecutorBase):
         self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
         self.verifies_drafts = self.drops_tail     # rejected drafts are cut with a partial seq_rm
         on_cpu = plan.n_gpu_layers == 0 or not (native.local_accelerator() or plan.options.get("rpc"))
-        self.cpu_threads = plan.threads if on_cpu else 0
+        whole = plan.n_gpu_layers < 0 or plan.n_gpu_layers > int(_L.llama_model_n_layer(model))   # output layer too
+        self.cpu_threads = 0 if not on_cpu and whole else plan.threads    # a layer on the CPU keeps its threads busy
         self.split_short = (on_cpu and plan.flash_attn is not False and min(plan.n_ubatch, plan.n_batch) >= FA_TILE_ROWS
                             and not _L.llama_model_is_recurrent(model))   # short chunks in a call of their own
         self._len = [0] * self.n_slots
