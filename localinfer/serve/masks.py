@@ -18,24 +18,19 @@ fill's own time (``docs/structured.md``); there the masks are filled after the p
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from localinfer.generation.constraints import fill_masks
+from localinfer.generation.load import usable_cores
 from localinfer.serve.request import State
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def spare_core(cpu_threads: int) -> bool:
     """Whether a mask thread has a core of its own beside a forward pass that keeps ``cpu_threads`` cores busy
     (``ExecutorCaps.cpu_threads``: 0 on an accelerator)."""
-    return cpu_cores() > cpu_threads
+    return usable_cores() > cpu_threads
 
 
 def step_mask_items(chunks: Sequence) -> list:
@@ -51,12 +46,6 @@ def step_mask_items(chunks: Sequence) -> list:
                 and (c.draft or not s.draws_unmasked_first)):
             items.append((s.constraint, r.output, c.draft))
     return items
-
-
-def fill_step_masks(chunks: Sequence) -> None:
-    """Fill the next-token masks (draft positions included) of the scheduled chunks that sample and are
-    constrained, before their rows are sampled."""
-    fill_masks(step_mask_items(chunks))
 
 
 class StepMasks:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.serve.test_http_support import sse_events, start_cli
+from tests.serve.test_http_support import exits_cleanly, reap, sse_events, start_cli
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -134,9 +134,7 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0():
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=2)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        reap(p)
 
 
 def test_sigterm_during_a_prefill_stops_accepting_and_finishes_it():
@@ -166,9 +164,7 @@ def test_sigterm_during_a_prefill_stops_accepting_and_finishes_it():
         assert got["at"] > signalled and late in (503, "refused"), late    # it was in flight at the signal
         assert p.wait(30) == 0 and "Traceback" not in p.stderr.read()
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        reap(p)
 
 
 def test_sigint_when_idle_exits_0():
@@ -176,12 +172,9 @@ def test_sigint_when_idle_exits_0():
     try:
         assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer k"}).json()["data"][0]["id"]
         p.send_signal(signal.SIGINT)
-        assert p.wait(30) == 0
-        assert "Traceback" not in p.stderr.read()
+        exits_cleanly(p)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        reap(p)
 
 
 def test_json_error_shape_and_allowed_hosts_from_the_command(tmp_path):
@@ -236,9 +229,7 @@ def test_sigterm_past_the_grace_period_cancels_and_still_ends_the_stream():
         assert all(c["finish_reason"] is None for e in events[:-2] for c in e["choices"])
         assert p.wait(30) == 0
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        reap(p)
 
 
 def test_a_signal_while_loading_stops_the_load(default_model):
@@ -277,9 +268,7 @@ def test_a_model_llama_cpp_cannot_load_ends_the_server_with_1(tmp_path):
     try:
         assert p.wait(60) == 1
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        reap(p)
     lines = [ln for ln in p.stderr.read().splitlines() if ln.startswith(("error", "Traceback", "stopped"))]
     assert lines == ["error: the model failed to load: llama.cpp could not load badtok.gguf: "
                      "error loading model vocabulary: unknown tokenizer: 'nonsense'"], lines

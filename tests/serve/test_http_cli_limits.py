@@ -92,7 +92,7 @@ def test_a_second_sigint_cancels_at_once_and_every_reply_ends_in_json():
 
     import httpx
 
-    from tests.serve.test_http_support import sse_events, start_cli
+    from tests.serve.test_http_support import exits_cleanly, reap, sse_events, start_cli
 
     p, url = start_cli("--grace", "60", "-t", "1")
     try:
@@ -117,12 +117,9 @@ def test_a_second_sigint_cancels_at_once_and_every_reply_ends_in_json():
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-3:]
         r = got["r"]
         assert r.status_code == 503 and json.loads(r.text)["error"]["code"] == "shutting_down", r.text
-        assert p.wait(30) == 0
-        assert "Traceback" not in p.stderr.read()
+        exits_cleanly(p)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        reap(p)
 
 
 def test_queued_requests_get_their_503_at_once_while_the_running_one_keeps_its_grace():
@@ -135,7 +132,7 @@ def test_queued_requests_get_their_503_at_once_while_the_running_one_keeps_its_g
 
     import httpx
 
-    from tests.serve.test_http_support import sse_events, start_cli
+    from tests.serve.test_http_support import exits_cleanly, reap, sse_events, start_cli
 
     p, url = start_cli("--parallel", "1", "--grace", "120", "-t", "1")
     try:
@@ -167,12 +164,9 @@ def test_queued_requests_get_their_503_at_once_while_the_running_one_keeps_its_g
             lines += more + list(it)
         events = sse_events(lines)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-3:]
-        assert p.wait(30) == 0
-        assert "Traceback" not in p.stderr.read()
+        exits_cleanly(p)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        reap(p)
 
 
 def test_a_signal_before_the_server_starts_exits_0_as_after(monkeypatch, capsys):

@@ -162,6 +162,19 @@ def start_cli(*flags, timeout: float = 60.0):
         time.sleep(0.1)
 
 
+def exits_cleanly(p, timeout: float = 30.0) -> None:
+    """The server process ends with status 0 and no traceback on its stderr."""
+    assert p.wait(timeout) == 0
+    assert "Traceback" not in p.stderr.read()
+
+
+def reap(p) -> None:
+    """Kill the server process if it still runs (a test's ``finally``)."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
 def sse_events(lines) -> list:
     """Decoded ``data:`` payloads of an SSE body (``[DONE]`` kept as the string)."""
     out = []

@@ -75,13 +75,14 @@ def test_the_engine_fills_beside_the_forward_pass_only_where_a_core_is_free(defa
     """A CPU forward pass whose threads take every core is not given a mask thread beside it; one on fewer
     threads, or on an accelerator (cpu_threads 0), is; an explicit choice stands."""
     from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+    from localinfer.generation.load import usable_cores
     from localinfer.serve.block_manager import BlockManager
     from localinfer.serve.engine import StepEngine
     from localinfer.serve.scheduler import Scheduler, SchedulerConfig
     from localinfer.serve.simulated import SimulatedExecutor
     from localinfer.serve.step_model import LinearStepModel
 
-    cores = step_masks.cpu_cores()
+    cores = usable_cores()
 
     def engine(ex, **kw):
         return StepEngine(ex, Scheduler(SchedulerConfig(max_running=2), BlockManager(64, 16, pool_hits=False)), **kw)
