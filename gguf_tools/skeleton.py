@@ -30,12 +30,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType, GGUFWriter
 
+from .layouts import all_fields, archs, layout_for
 from .mix import FTYPES, ModelShape, choose_types, parse_ftype
 from .presets import get_preset
 from .quants import tensor_bytes
 
 ALIGNMENT = 32
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+ARCHS = archs()
 
 # field -> (python type, default or None when required, meaning)
 SPEC_FIELDS: dict[str, tuple[type | tuple, Any, str]] = {
@@ -63,6 +64,7 @@ SPEC_FIELDS: dict[str, tuple[type | tuple, Any, str]] = {
     "overrides": (list, [], "[[regex, type], ...] per-tensor type overrides (like llama-quantize --tensor-type)"),
     "source": (str, "", "where the numbers come from"),
     "preset": (str, "", "preset name"),
+    **all_fields(),
 }
 
 
@@ -121,8 +123,7 @@ def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"spec field {key!r} is {v}, more than any model has (limit {SPEC_LIMITS[key]:,})")
         out[key] = v
     s = out
-    if s["arch"] not in ARCHS:
-        raise ValueError(f"spec field 'arch' is {s['arch']!r}; skeletons support {', '.join(ARCHS)}")
+    layout_for(s["arch"])
     for key in ("n_layers", "n_embd", "n_head", "vocab_size", "context_length"):
         if s[key] <= 0:
             raise ValueError(f"spec field {key!r} must be positive, got {s[key]}")
@@ -133,15 +134,7 @@ def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:
         if s["n_embd"] % s["n_head"]:
             raise ValueError("head_dim is required when n_embd is not divisible by n_head")
         s["head_dim"] = s["n_embd"] // s["n_head"]
-    moe = s["arch"].endswith("moe")
-    if moe and not (s["n_expert"] and s["expert_ff"] and 0 < s["n_expert_used"] <= s["n_expert"]):
-        raise ValueError("an MoE spec needs n_expert, expert_ff and 0 < n_expert_used <= n_expert")
-    if not moe and (s["n_expert"] or not s["n_ff"]):
-        raise ValueError(f"arch {s['arch']!r} is dense: give n_ff and no n_expert (use qwen3moe for experts)")
-    if s["qk_norm"] is None:
-        s["qk_norm"] = s["arch"] in ("qwen3", "qwen3moe")
-    if s["qkv_bias"] is None:
-        s["qkv_bias"] = s["arch"] == "qwen2"
+    layout_for(s["arch"]).normalize(s)
     s["type"] = parse_ftype(s["type"])
     for item in s["overrides"]:
         if not (isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(x, str) for x in item)):
@@ -151,33 +144,8 @@ def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def tensor_shapes(spec: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor, GGUF order (row length first), in llama.cpp naming."""
-    s = spec
-    e, hd, v = s["n_embd"], s["head_dim"], s["vocab_size"]
-    q, kv = s["n_head"] * hd, s["n_head_kv"] * hd
-    out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (e, v))]
-    if s["rope_freqs"]:
-        out.append(("rope_freqs.weight", (hd // 2,)))
-    for il in range(s["n_layers"]):
-        b = f"blk.{il}."
-        out += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (e, q)), (b + "attn_k.weight", (e, kv)),
-                (b + "attn_v.weight", (e, kv)), (b + "attn_output.weight", (q, e))]
-        if s["qkv_bias"]:
-            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
-        if s["qk_norm"]:
-            out += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
-        out.append((b + "ffn_norm.weight", (e,)))
-        if s["n_expert"]:
-            ne, ff = s["n_expert"], s["expert_ff"]
-            out += [(b + "ffn_gate_inp.weight", (e, ne)), (b + "ffn_gate_exps.weight", (e, ff, ne)),
-                    (b + "ffn_up_exps.weight", (e, ff, ne)), (b + "ffn_down_exps.weight", (ff, e, ne))]
-        else:
-            ff = s["n_ff"]
-            out += [(b + "ffn_gate.weight", (e, ff)), (b + "ffn_up.weight", (e, ff)), (b + "ffn_down.weight", (ff, e))]
-    out.append(("output_norm.weight", (e,)))
-    if not s["tied_embeddings"]:
-        out.append(("output.weight", (e, v)))
-    return out
+    """(name, shape) of every tensor, GGUF order (row length first), in llama.cpp naming (the arch's layout)."""
+    return layout_for(spec["arch"]).tensors(spec)
 
 
 def plan_tensors(spec: dict[str, Any], type: str | None = None) -> list[tuple[str, tuple[int, ...], T, int]]:
@@ -202,18 +170,8 @@ def _add_metadata(w: GGUFWriter, s: dict[str, Any], ftype: str) -> None:
     w.add_uint32("general.file_type", int(file_type))
     if default not in (T.F32, T.F16, T.BF16):
         w.add_uint32("general.quantization_version", 2)
-    for key, value in (("block_count", s["n_layers"]), ("context_length", s["context_length"]),
-                       ("embedding_length", s["n_embd"]), ("feed_forward_length", s["n_ff"]),
-                       ("attention.head_count", s["n_head"]), ("attention.head_count_kv", s["n_head_kv"]),
-                       ("attention.key_length", s["head_dim"]), ("attention.value_length", s["head_dim"]),
-                       ("rope.dimension_count", s["head_dim"]), ("vocab_size", s["vocab_size"])):
-        w.add_uint32(a + key, value)
-    w.add_float32(a + "rope.freq_base", float(s["rope_freq_base"]))
-    w.add_float32(a + "attention.layer_norm_rms_epsilon", float(s["norm_eps"]))
-    if s["n_expert"]:
-        w.add_uint32(a + "expert_count", s["n_expert"])
-        w.add_uint32(a + "expert_used_count", s["n_expert_used"])
-        w.add_uint32(a + "expert_feed_forward_length", s["expert_ff"])
+    for key, value, vtype in layout_for(s["arch"]).metadata(s):
+        w.add_key_value(key if key.startswith("general.") else a + key, value, vtype)
     w.add_string("tokenizer.ggml.model", "none")
     w.add_key_value("localinfer.skeleton", s["preset"] or "spec", GGUFValueType.STRING)
 
