@@ -259,3 +259,54 @@ def write_not_a_model(path: str | Path, kind: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+                    seed: int = 0, extra_kv: dict | None = None) -> Path:
+    """A random-weight model of any architecture ``gguf_tools.layouts`` knows, that llama.cpp loads and decodes.
+
+    ``spec`` is a skeleton spec dict (``gguf_tools.skeleton.SPEC_FIELDS``) with tiny sizes; ``vocab_size`` is
+    replaced by the byte-level vocabulary's (259 tokens), so any text tokenizes.  Metadata and tensor names and
+    shapes are the layout's (what llama.cpp's converter writes); 1-D tensors and norms are F32 near 1 (norms) or
+    small (biases, SSM parameters), matrices random in ``qtype`` (F32 where the type's blocks do not divide a row).
+    """
+    from gguf import GGML_QUANT_SIZES
+
+    from gguf_tools.layouts import layout_for
+    from gguf_tools.skeleton import normalize_spec
+
+    tokens, types, merges = byte_level_vocab()
+    s = normalize_spec({**spec, "vocab_size": len(tokens)})
+    layout = layout_for(s["arch"])
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    w = GGUFWriter(str(path), s["arch"])
+    w.add_name(s["name"] or f"tiny-{s['arch']}")
+    a = s["arch"] + "."
+    for key, value, vtype in layout.metadata(s):
+        w.add_key_value(key if key.startswith("general.") else a + key, value, vtype)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_add_bos_token(False)
+    for key, value in (extra_kv or {}).items():
+        w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else w.add_string(key, value)
+    for name, shape in layout.tensors(s):
+        if len(shape) == 1 or "norm" in name:
+            n = int(np.prod(shape))
+            base = 1.0 if "norm" in name else 0.0
+            data = (base + 0.1 * rng.standard_normal(n)).astype(np.float32).reshape(shape[::-1])
+            w.add_tensor(name, data)
+            continue
+        qt = qtype if shape[0] % GGML_QUANT_SIZES[qtype][0] == 0 else GGMLQuantizationType.F32
+        std = 1.0 if name.startswith("token_embd") else 0.05
+        data, raw = random_tensor(rng, shape, qt, std)
+        w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
