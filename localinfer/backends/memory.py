@@ -97,6 +97,11 @@ class MemoryBreakdown:
         return self.sum("kv")
 
     @property
+    def state(self) -> int:
+        """Recurrent state (hybrid and recurrent models): r and s rows per sequence."""
+        return self.sum("state")
+
+    @property
     def output(self) -> int:
         return self.sum("output")
 
@@ -133,7 +138,8 @@ class MemoryBreakdown:
     def to_dict(self) -> dict:
         return {
             "unified": self.unified,
-            "weights": self.weights, "kv": self.kv, "output": self.output, "compute": self.compute,
+            "weights": self.weights, "kv": self.kv, "state": self.state, "output": self.output,
+            "compute": self.compute,
             "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "total": self.total,
             "resident_bytes": self.resident_bytes, "mapped_bytes": self.mapped_bytes,
             "weights_resident": self.sum("weights", resident=True),

@@ -50,9 +50,10 @@ def row_bytes(type_name: str, n_values: int) -> int:
 
 
 def attention_layers(spec: ModelSpec, layers=None) -> list[int]:
-    """Layers that hold a KV cache (those with KV heads), optionally restricted to ``layers``."""
+    """Layers that hold a KV cache (the family's rule: attention layers, not recurrent ones), optionally
+    restricted to ``layers``."""
     chosen = range(spec.n_layers) if layers is None else layers
-    return [il for il in chosen if spec.n_head_kv[il] > 0]
+    return [il for il in chosen if spec.kv_dims[il] != (0, 0)]
 
 
 def kv_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16", *, layers=None) -> int:
@@ -64,7 +65,7 @@ def kv_bytes_per_token(spec: ModelSpec, type_k: str = "f16", type_v: str = "f16"
     total = 0
     for il in attention_layers(spec, layers):
         nk, nv = spec.kv_elements_per_token(il)
-        total += row_bytes(type_k, nk) + row_bytes(type_v, nv)
+        total += row_bytes(type_k, nk) + (row_bytes(type_v, nv) if nv else 0)
     return total
 
 
@@ -75,11 +76,36 @@ def kv_rows(spec: ModelSpec, type_k: str, type_v: str) -> tuple[tuple[int, int, 
     if key not in memo:
         rows = []
         for il in range(spec.n_layers):
-            if spec.n_head_kv[il] == 0:
+            nk, nv = spec.kv_elements_per_token(il)
+            if (nk, nv) == (0, 0):
                 rows.append((0, 0, False))
                 continue
-            nk, nv = spec.kv_elements_per_token(il)
-            rows.append((row_bytes(type_k, nk), row_bytes(type_v, nv), bool(spec.swa_layers[il] and spec.sliding_window)))
+            rows.append((row_bytes(type_k, nk), row_bytes(type_v, nv) if nv else 0,
+                         bool(spec.swa_layers[il] and spec.sliding_window)))
         memo[key] = tuple(rows)
     return memo[key]
 
+
+
+RS_TYPE_BYTES = 4     # llama.cpp's recurrent state is F32 (create_memory: type_r = type_s = GGML_TYPE_F32)
+
+
+def recurrent_rows(n_seq: int, n_rs_seq: int = 0) -> int:
+    """Rows of each recurrent layer's r and s tensors: max(1, n_seq_max) × (1 + n_rs_seq)
+    (llama-memory-recurrent.cpp: ``mem_size * (1 + n_rs_seq)``, mem_size = max(1, n_seq_max))."""
+    return max(1, n_seq) * (1 + n_rs_seq)
+
+
+def recurrent_state_bytes(spec: ModelSpec, n_seq: int = 1, *, n_rs_seq: int = 0, layers=None,
+                          align: int = 1) -> int:
+    """Bytes of the recurrent state (r and s tensors, F32) of the recurrent layers, for ``n_seq`` sequences.
+
+    Qwen3-Next-80B-A3B: 36 of 48 layers recurrent, r = 3 × (4096 + 2·16·128) = 24,576 values,
+    s = 128 × 4096 = 524,288 values; (24,576 + 524,288) × 4 B × 36 = 75.4 MiB per sequence.
+    Each tensor is padded to the buffer's alignment (32 B on a CPU, 128 on CUDA).
+    """
+    rows = recurrent_rows(n_seq, n_rs_seq)
+    r, s = spec.rs_dims
+    per_layer = -(-r * RS_TYPE_BYTES * rows // align) * align + -(-s * RS_TYPE_BYTES * rows // align) * align
+    chosen = range(spec.n_layers) if layers is None else layers
+    return per_layer * sum(1 for il in chosen if spec.recurrent[il])

@@ -16,12 +16,13 @@ from typing import Any
 
 from gguf_tools import GGUFFormatError, GGUFHeader, TensorInfo
 from gguf_tools.split import read_model_header
+from localinfer.model.arch import MLA, Base
+from localinfer.model.arch import derive as derive_arch
 
 # Fallbacks for facts older files leave out.  Pattern n: layer il uses the
 # sliding window unless (il + 1) % n == 0 (llama.cpp's set_swa_pattern).
-_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2, "llama4": 4}
 _QK_NORM_ARCHS = {"qwen3", "qwen3moe", "gemma3", "olmo2"}
-KNOWN_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "qwen2moe", "mistral3", "gemma2", "phi3")
 MAX_SANE_CONTEXT = 1 << 24
 # Engine defaults for keys a file may omit (the one place they are defined).
 DEFAULT_ROPE_BASE = 10000.0   # llama.cpp's rope_freq_base_train without {arch}.rope.freq_base
@@ -69,6 +70,16 @@ class ModelSpec:
     rms_eps: float = DEFAULT_RMS_EPS       # {arch}.attention.layer_norm_rms_epsilon
     rope_dim: int | None = None            # {arch}.rope.dimension_count (None: the whole K head)
     rope_orig_ctx: int | None = None       # {arch}.rope.scaling.original_context_length (YaRN; None: n_ctx_train)
+    # ---- the architecture family's facts (localinfer.model.arch) ----
+    rules: str = "attention"               # the family whose byte rules apply; "generic": none claims this arch
+    kv_dims: tuple[tuple[int, int], ...] = ()   # per layer: (K, V) values a cell holds; (0, 0): no KV cache
+    recurrent: tuple[bool, ...] = ()       # per layer: holds a recurrent state
+    rs_dims: tuple[int, int] = (0, 0)      # (n_embd_r, n_embd_s) of one sequence in one recurrent layer
+    swa_kind: str | None = None            # "standard" | "chunked" for the swa_layers
+    mla: MLA | None = None                 # latent attention sizes (deepseek2)
+    n_layer_nextn: int = 0                 # NextN/MTP layers after the trunk: in the file, not loaded
+    skipped_bytes: int = 0                 # bytes of the tensors llama.cpp skips (the NextN layers')
+    rules_source: str = ""
 
     # ---- derived quantities -------------------------------------------------
 
@@ -134,8 +145,22 @@ class ModelSpec:
         return self.rope_orig_ctx or self.n_ctx_train
 
     def kv_elements_per_token(self, il: int) -> tuple[int, int]:
-        """(K elements, V elements) one token adds to layer il's cache."""
-        return self.n_head_kv[il] * self.head_dim_k, self.n_head_kv[il] * self.head_dim_v
+        """(K elements, V elements) one token adds to layer il's cache (the family's rule: an MLA latent has
+        no V; a recurrent layer holds no KV)."""
+        return self.kv_dims[il]
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(self.recurrent)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(il for il, r in enumerate(self.recurrent) if r)
+
+    @property
+    def rules_generic(self) -> bool:
+        """No family claims this architecture: KV and compute follow the generic attention rules."""
+        return self.rules == "generic"
 
     def require_weights(self) -> "ModelSpec":
         """This spec, or UnsupportedModelError for a file with no tensors to place or run (vocab-only).
@@ -244,6 +269,16 @@ def _build(h: GGUFHeader) -> ModelSpec:
             raise _err(h, a + "block_count",
                        f"{a}block_count is {n_layers} but the file has no blk.{empty}.* tensors")
 
+    # NextN/MTP layers follow the trunk; llama.cpp skips their tensors and caches (llama-model.cpp load_hparams:
+    # n_layer() = block_count - nextn_predict_layers; TENSOR_SKIP without load_mtp)
+    n_all = n_layers
+    n_nextn = _int(h, a + "nextn_predict_layers", default=0, allow_zero=True)
+    if n_nextn >= n_all:
+        raise _err(h, a + "nextn_predict_layers", f"{a}nextn_predict_layers is {n_nextn} of {n_all} layers")
+    n_layers = n_all - n_nextn
+    tensors = [t for t in h.tensors if not (_LAYER_RE.match(t.name) and int(_LAYER_RE.match(t.name).group(1)) >= n_layers)]
+    skipped = sum(t.n_bytes for t in h.tensors) - sum(t.n_bytes for t in tensors)
+
     tok = h.tensor("token_embd.weight")
     n_embd = _int(h, a + "embedding_length")
     if n_embd is None:
@@ -254,37 +289,21 @@ def _build(h: GGUFHeader) -> ModelSpec:
         raise _err(h, a + "embedding_length",
                    f"{a}embedding_length is {n_embd} but token_embd.weight rows have {tok.shape[0]} values")
 
-    n_head = _per_layer(h, a + "attention.head_count", n_layers)
+    n_head = _per_layer(h, a + "attention.head_count", n_all)
     if n_head is None:
         raise _missing(h, a + "attention.head_count", f"{a}attention.head_count is missing")
-    n_head_kv = _per_layer(h, a + "attention.head_count_kv", n_layers) or n_head
-    for il in range(n_layers):
-        hq, hkv = n_head[il], n_head_kv[il]
-        if hq == 0 and hkv == 0:
-            continue  # a layer without attention (hybrid models)
-        if hq == 0 or hkv == 0:
-            raise _err(h, a + "attention.head_count_kv", f"layer {il} has {hq} query heads and {hkv} KV heads")
-        if hq % hkv:
-            raise _err(h, a + "attention.head_count_kv",
-                       f"layer {il}: head_count {hq} is not divisible by head_count_kv {hkv}")
+    n_head = n_head[:n_layers]
+    n_head_kv = (_per_layer(h, a + "attention.head_count_kv", n_all) or n_head)[:n_layers]
     first_attn = next((il for il in range(n_layers) if n_head[il]), 0)
     default_hd = n_embd // n_head[first_attn] if n_head[first_attn] else 0
     head_dim_k = _int(h, a + "attention.key_length", default=default_hd)
     head_dim_v = _int(h, a + "attention.value_length", default=head_dim_k)
 
-    # Tensor shapes must agree with the heads (shape[1] is the output dimension).
-    for il in range(n_layers):
-        for name, heads, hd in (("attn_q", n_head[il], head_dim_k), ("attn_k", n_head_kv[il], head_dim_k),
-                                ("attn_v", n_head_kv[il], head_dim_v)):
-            t = h.tensor(f"blk.{il}.{name}.weight")
-            if t is not None and len(t.shape) >= 2 and t.shape[1] != heads * hd:
-                raise _err(h, a + "attention.head_count",
-                           f"blk.{il}.{name}.weight has {t.shape[1]} outputs; metadata implies {heads} × {hd}")
-
-    n_ff = _per_layer(h, a + "feed_forward_length", n_layers)
+    n_ff = _per_layer(h, a + "feed_forward_length", n_all)
     if n_ff is None:
         n_ff = (0,) * n_layers
         missing.append(f"{a}feed_forward_length")
+    n_ff = n_ff[:n_layers]
 
     vocab = _int(h, a + "vocab_size")
     tokens = h.kv.get("tokenizer.ggml.tokens")
@@ -321,22 +340,32 @@ def _build(h: GGUFHeader) -> ModelSpec:
         raise _err(h, a + "attention.sliding_window", f"{a}attention.sliding_window must be a non-negative integer")
     sliding = sliding or None
     pattern = h.kv.get(a + "attention.sliding_window_pattern")
+    pattern_unknown = False
     if sliding is None:
         swa_layers = (False,) * n_layers
     elif isinstance(pattern, list):
-        if len(pattern) != n_layers:
+        if len(pattern) not in (n_layers, n_all):
             raise _err(h, a + "attention.sliding_window_pattern",
-                       f"sliding_window_pattern has {len(pattern)} entries, expected {n_layers}")
-        swa_layers = tuple(bool(x) for x in pattern)
+                       f"sliding_window_pattern has {len(pattern)} entries, expected {n_all}")
+        swa_layers = tuple(bool(x) for x in pattern[:n_layers])
     else:
         period = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else _SWA_PERIOD.get(arch)
         if period:
             swa_layers = tuple((il + 1) % period != 0 for il in range(n_layers))
         else:
-            swa_layers = (False,) * n_layers
-            if arch not in ("qwen2", "qwen3", "llama", "qwen3moe", "qwen2moe"):
-                missing.append("sliding-window layer pattern (assumed no SWA layers)")
-            sliding = None
+            swa_layers, pattern_unknown = (False,) * n_layers, True
+
+    facts = derive_arch(h, Base(arch, n_layers, n_embd, n_head, n_head_kv, n_ff, head_dim_k, head_dim_v, sliding,
+                                swa_layers), lambda key, message: _err(h, key, message))
+    sliding = facts.sliding_window
+    if facts.swa_layers is not None:
+        swa_layers = facts.swa_layers
+    elif pattern_unknown:          # a window but no layer pattern, and the family names none
+        if arch not in ("qwen2", "qwen3", "llama", "qwen3moe", "qwen2moe"):
+            missing.append("sliding-window layer pattern (assumed no SWA layers)")
+        sliding = None
+    if facts.rules == "generic":
+        missing.append(f"architecture {arch!r} is not one localinfer knows; KV and compute estimates use generic rules")
 
     n_expert = _int(h, a + "expert_count", default=0, allow_zero=True)
     n_expert_used = _int(h, a + "expert_used_count", default=0, allow_zero=True)
@@ -352,8 +381,6 @@ def _build(h: GGUFHeader) -> ModelSpec:
     if isinstance(rms_eps, bool) or not isinstance(rms_eps, (int, float)) or not 0 < rms_eps < 1:
         raise _err(h, a + "attention.layer_norm_rms_epsilon",
                    f"{a}attention.layer_norm_rms_epsilon is {rms_eps!r}; it must be a number between 0 and 1")
-    if arch not in KNOWN_ARCHS:
-        missing.append(f"architecture {arch!r} is not one localinfer knows; KV and compute estimates use generic rules")
 
     tmpl = h.kv.get("tokenizer.chat_template")
     return ModelSpec(
@@ -382,7 +409,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
         qk_norm=h.tensor("blk.0.attn_q_norm.weight") is not None or (arch in _QK_NORM_ARCHS and not h.tensors),
         file_type=h.kv.get("general.file_type") if isinstance(h.kv.get("general.file_type"), int) else None,
         file_size=h.file_size,
-        tensors=tuple(h.tensors),
+        tensors=tuple(tensors),
         layer_bytes=tuple(layer_bytes.get(il, 0) for il in range(n_layers)),
         missing=tuple(missing),
         chat_template=tmpl if isinstance(tmpl, str) else None,
@@ -392,4 +419,13 @@ def _build(h: GGUFHeader) -> ModelSpec:
         rms_eps=float(rms_eps),
         rope_dim=_int(h, a + "rope.dimension_count"),
         rope_orig_ctx=_int(h, a + "rope.scaling.original_context_length"),
+        rules=facts.rules,
+        kv_dims=facts.kv_dims,
+        recurrent=facts.recurrent,
+        rs_dims=facts.rs_dims,
+        swa_kind=facts.swa_kind if sliding else None,
+        mla=facts.mla,
+        n_layer_nextn=n_nextn,
+        skipped_bytes=skipped,
+        rules_source=facts.source,
     )

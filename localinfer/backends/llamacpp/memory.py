@@ -15,7 +15,7 @@ from localinfer.backends.llamacpp.compute_buffer import compute_estimate
 from localinfer.backends.llamacpp.placement import gpu_layer_start, weight_placement
 from localinfer.backends.memory import FitRequest, MemoryBreakdown, Term, check_tokens
 from localinfer.errors import UsageError
-from localinfer.model.kv import attention_layers, check_kv_type, kv_rows
+from localinfer.model.kv import attention_layers, check_kv_type, kv_rows, recurrent_rows, recurrent_state_bytes
 from localinfer.model.spec import ModelSpec
 from localinfer.units import pad_to
 from localinfer.util.memo import spec_cache
@@ -185,11 +185,30 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
                   f"n_head_kv·{spec.head_dim_v})) × cells; cells = pad(n_ctx {req.llama_n_ctx}, 256) → "
                   f"{cells.n_stream} stream(s) × {cells.cells_base}"
                   + (f" ({cells.cells_swa} in sliding-window layers)" if spec.has_swa else ""))
+    if spec.mla is not None and spec.kv_dims and not any(v for _, v in spec.kv_dims):
+        kv_formula = (f"Σ layers row_bytes({req.type_k}, kv_lora_rank {spec.mla.kv_lora_rank} + rope "
+                      f"{spec.mla.n_rot}) × cells (MLA caches one latent, no V); cells = pad(n_ctx "
+                      f"{req.llama_n_ctx}, 256) → {cells.n_stream} stream(s) × {cells.cells_base}")
+    elif spec.has_recurrent:
+        kv_formula += f" (only the {len(attention_layers(spec))} attention layers of {spec.n_layers})"
     dev = {"cuda": "CUDA0", "metal": "Metal"}.get(kind, "CPU")
     if kv_dev:
         terms.append(Term("kv", "KV cache", kv_dev, "device", kv_formula, f"{dev} KV"))
     if kv_host:
         terms.append(Term("kv", "KV cache (CPU layers)", kv_host, _pool(kind, False), kv_formula, "CPU KV"))
+    if spec.has_recurrent:
+        align = 128 if kind == "cuda" else 32
+        on_dev = range(start, spec.n_layers)
+        rs_dev = recurrent_state_bytes(spec, req.n_seq, layers=on_dev, align=align)
+        rs_host = recurrent_state_bytes(spec, req.n_seq, layers=range(start), align=32)
+        r, s_ = spec.rs_dims
+        rs_formula = (f"{len(spec.recurrent_layers)} recurrent layers × (r {r} + s {s_} values) × 4 B (F32) × "
+                      f"{recurrent_rows(req.n_seq)} rows (one per sequence)")
+        if rs_dev:
+            terms.append(Term("state", "recurrent state", rs_dev, "device", rs_formula, f"{dev} RS"))
+        if rs_host:
+            terms.append(Term("state", "recurrent state (CPU layers)", rs_host, _pool(kind, False), rs_formula,
+                              "CPU RS"))
     terms.append(Term("output", "output buffer (logits)", output_bytes(spec, req.n_seq), _pool(kind, False),
                       f"n_vocab {spec.vocab_size} × n_seq {req.n_seq} × 4 B (float32 logits)", "CPU output"))
     gpu_layers = 0 if start >= spec.n_layers else spec.n_layers - start

@@ -82,6 +82,15 @@ def rope_once(spec: ModelSpec, kind: str, n_layers_here: int) -> int:
     return (n_layers_here - 1) * pad_to(rope.n_bytes, CPU_ALIGN)
 
 
+def repack_candidate(name: str, shape: tuple[int, ...]) -> bool:
+    """A weight llama.cpp's CPU repack buffer can take: the 2-D weight of a MUL_MAT or the 3-D expert stack of a
+    MUL_MAT_ID (ggml-cpu repack.cpp ``supports_op``: ggml_n_dims 2 resp. 3).  Other 3-D weights, such as MLA's
+    ``attn_k_b``/``attn_v_b`` (batched per head in a MUL_MAT), are never repacked; nor are norms or embeddings."""
+    if name.startswith(_INPUT_PREFIXES) or "norm" in name:
+        return False
+    return len(shape) == 2 or (len(shape) == 3 and "_exps." in name)
+
+
 def repackable(type_name: str, shape: tuple[int, ...], cpu_features: tuple[str, ...]) -> bool:
     """Whether llama.cpp's CPU backend repacks a matmul weight of this type and shape."""
     if len(shape) < 2:
@@ -129,7 +138,7 @@ def place_tensors(spec: ModelSpec, n_gpu_layers: int) -> list[Placed]:
             gpu = start == 0
         else:
             gpu = out_gpu
-        matmul = len(t.shape) >= 2 and not t.name.startswith(_INPUT_PREFIXES) and "norm" not in t.name
+        matmul = repack_candidate(t.name, tuple(t.shape))
         placed.append(Placed(t.name, t.n_bytes, t.offset, t.type.name, tuple(t.shape), gpu, matmul))
     embd = spec.tensor("token_embd.weight")
     if spec.tied_embeddings and embd is not None:
