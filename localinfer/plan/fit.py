@@ -225,7 +225,7 @@ def _reason(bd: MemoryBreakdown, usable: int, device: DeviceProfile) -> str:
         cap = " (the GPU working-set cap)"
     pool = None if bd.unified else "device"
     parts = ", ".join(f"{k} {fmt_bytes(bd.sum(k, pool, resident=True))}"
-                      for k in ("weights", "kv", "compute", "output") if bd.sum(k, pool, resident=True))
+                      for k in ("weights", "kv", "state", "compute", "output") if bd.sum(k, pool, resident=True))
     what = "resident " if bd.mapped_bytes != bd.resident_bytes else ""
     if bd.load_peak > bd.resident_bytes:
         what = f"at the load peak ({fmt_bytes(bd.resident_bytes)} resident after it) "

@@ -12,14 +12,18 @@ WIDTH = 100
 
 def fit_json(spec, req, results) -> dict:
     """The document ``fit --json`` prints: the model, the request, and each device's verdict with every term."""
-    from localinfer.model.kv import kv_bytes_per_token
+    from localinfer.model.kv import attention_layers, kv_bytes_per_token, recurrent_state_bytes
 
     return {
         "model": {"path": spec.path, "name": spec.name, "arch": spec.arch, "n_layers": spec.n_layers,
+                  "rules": spec.rules, "rules_source": spec.rules_source,
+                  "attention_layers": len(attention_layers(spec)), "recurrent_layers": len(spec.recurrent_layers),
+                  "nextn_layers_skipped": spec.n_layer_nextn, "skipped_bytes": spec.skipped_bytes,
                   "weight_bytes": spec.weight_bytes, "file_size": spec.file_size, "n_ctx_train": spec.n_ctx_train,
                   "kv_bytes_per_token": kv_bytes_per_token(spec, req.type_k, req.type_v),
-                  "kv_bytes_per_token_formula": "Σ layers row_bytes(type_k, n_head_kv·head_dim_k) + "
-                                                "row_bytes(type_v, n_head_kv·head_dim_v)",
+                  "kv_bytes_per_token_formula": "Σ cache layers row_bytes(type_k, K values per cell) + "
+                                                "row_bytes(type_v, V values per cell)",
+                  "recurrent_state_bytes_per_sequence": recurrent_state_bytes(spec, 1),
                   "missing": list(spec.missing)},
         "request": dict(req.__dict__),
         "devices": [r.to_dict() for r in results],
@@ -43,16 +47,17 @@ def _ctx(n: int | None) -> str:
 def render_text(spec, req, results, speeds: dict | None = None) -> str:
     """The fit report as text that reads at 100 columns."""
     fa = {True: "on", False: "off", None: "auto"}[req.flash_attn]
-    head = (f"{safe_text(spec.name, None)}  ({spec.arch}, {spec.n_layers} layers, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
+    head = (f"{safe_text(spec.name, None)}  ({spec.arch}, {layers_text(spec)}, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
             f"request: {req.n_ctx} tokens × {req.n_seq} sequence(s), KV {req.type_k}/{req.type_v}, "
             f"flash attention {fa}, backend {req.backend}")
-    cols = f"{'device':<22}{'usable':>10}{'weights':>11}{'KV':>10}{'compute':>10}{'left':>11}  {'fits':<5}{'max ctx':>8}{'max par':>8}"
+    kv_head = "KV+state" if spec.has_recurrent else "KV"
+    cols = f"{'device':<22}{'usable':>10}{'weights':>11}{kv_head:>10}{'compute':>10}{'left':>11}  {'fits':<5}{'max ctx':>8}{'max par':>8}"
     lines = [head, "", cols, "-" * len(cols)]
     for r in results:
         bd = r.breakdown
         pool = None if bd.unified else "device"
         name = safe_text(r.device.name, None)[:21]
-        w, kv, cb, left = (bd.sum("weights", pool, resident=True), bd.sum("kv", pool),
+        w, kv, cb, left = (bd.sum("weights", pool, resident=True), bd.sum("kv", pool) + bd.sum("state", pool),
                            bd.sum("compute", pool) + bd.sum("output", pool), r.free_bytes) if r.supported else (None,) * 4
         lines.append(f"{name:<22}{_g(r.usable_bytes):>10}{_g(w):>11}{_g(kv):>10}{_g(cb):>10}{_g(left):>11}  "
                      f"{'yes' if r.fits else 'NO':<5}{_ctx(r.max_ctx):>8}{(str(r.max_parallel) if r.max_parallel else '—'):>8}")
@@ -77,6 +82,10 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
                                "counts as one) on the accelerator "
                                f"(-ngl {r.offload.gpu_layers}); the host holds {_g(r.offload.host_bytes)} "
                                "(layers left behind, embeddings, output buffer)", "  "))
+        if spec.has_recurrent and r.supported:
+            lines.extend(_wrap(f"recurrent state: {_g(bd_state := r.breakdown.state)} for {req.n_seq} sequence(s) "
+                               f"({_g(bd_state // max(req.n_seq, 1))} each, whatever the context), beside KV "
+                               f"{_g(r.breakdown.kv)} in {len(_attn(spec))} attention layers", "  "))
         if r.kv_type and r.kv_type != req.type_k:
             lines.append(f"  KV type that fits at this context: {r.kv_type}")
         sp = (speeds or {}).get(r.device.name)
@@ -93,6 +102,26 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
             lines.extend(_wrap(r.command, "  $ ", "      "))
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _attn(spec) -> list[int]:
+    from localinfer.model.kv import attention_layers
+
+    return attention_layers(spec)
+
+
+def layers_text(spec) -> str:
+    """``48 layers (12 attention, 36 recurrent)``, ``61 layers, MLA latent 512+64``, ``+1 NextN skipped``."""
+    out = f"{spec.n_layers} layers"
+    if spec.has_recurrent:
+        out += f" ({len(_attn(spec))} attention, {len(spec.recurrent_layers)} recurrent)"
+    if spec.mla is not None and spec.rules == "mla":
+        out += f", MLA latent {spec.mla.kv_lora_rank}+{spec.mla.n_rot}"
+    if spec.swa_kind == "chunked":
+        out += f", chunked attention {spec.sliding_window}"
+    if spec.n_layer_nextn:
+        out += f", +{spec.n_layer_nextn} NextN skipped"
+    return out
 
 
 def options_text(options) -> str:
