@@ -49,7 +49,10 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
     fa = {True: "on", False: "off", None: "auto"}[req.flash_attn]
     head = (f"{safe_text(spec.name, None)}  ({spec.arch}, {layers_text(spec)}, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
             f"request: {req.n_ctx} tokens × {req.n_seq} sequence(s), KV {req.type_k}/{req.type_v}, "
-            f"flash attention {fa}, backend {req.backend}")
+            f"flash attention {fa}, backend {req.backend}"
+            + (f", {spec.swa_kind} window {spec.sliding_window} "
+               + ("at full size (--swa-full)" if req.swa_full else "cached for window + ubatch (--swa-full: full size)")
+               if spec.has_swa else ""))
     kv_head = "KV+state" if spec.has_recurrent else "KV"
     cols = f"{'device':<22}{'usable':>10}{'weights':>11}{kv_head:>10}{'compute':>10}{'left':>11}  {'fits':<5}{'max ctx':>8}{'max par':>8}"
     lines = [head, "", cols, "-" * len(cols)]
