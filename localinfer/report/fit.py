@@ -21,8 +21,11 @@ def fit_json(spec, req, results) -> dict:
                   "nextn_layers_skipped": spec.n_layer_nextn, "skipped_bytes": spec.skipped_bytes,
                   "weight_bytes": spec.weight_bytes, "file_size": spec.file_size, "n_ctx_train": spec.n_ctx_train,
                   "kv_bytes_per_token": kv_bytes_per_token(spec, req.type_k, req.type_v),
-                  "kv_bytes_per_token_formula": "Σ cache layers row_bytes(type_k, K values per cell) + "
-                                                "row_bytes(type_v, V values per cell)",
+                  "kv_bytes_per_token_formula": (
+                      "Σ layers row_bytes(type_k, n_head_kv·head_dim_k) + row_bytes(type_v, n_head_kv·head_dim_v)"
+                      if spec.rules in ("attention", "generic") else
+                      f"Σ cache layers row_bytes(type_k, K values per cell) + row_bytes(type_v, V values per cell) "
+                      f"({spec.rules} rules: {spec.rules_source})"),
                   "recurrent_state_bytes_per_sequence": recurrent_state_bytes(spec, 1),
                   "missing": list(spec.missing)},
         "request": dict(req.__dict__),
