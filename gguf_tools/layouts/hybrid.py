@@ -24,6 +24,8 @@ Granite's logit/residual/embedding scales, and nemotron_h_moe / lfm2moe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from gguf import GGUFValueType as V
@@ -36,8 +38,8 @@ U32, F32, BOOL, ARR = V.UINT32, V.FLOAT32, V.BOOL, V.ARRAY
 RECURRENT, ATTENTION, FFN_ONLY = "M", "*", "-"
 
 FIELDS: Fields = {
-    "layer_pattern": (str, "", "hybrids: one character per layer, M recurrent, * attention, - FFN only (nemotron_h); "
-                               "default: qwen35/qwen3next from full_attention_interval, mamba2 all M"),
+    "layer_pattern": (str, "", ("hybrids: one character per layer, M recurrent, * attention, - FFN only (nemotron_h); "
+                                "default: qwen35/qwen3next from full_attention_interval, mamba2 all M")),
     "full_attention_interval": (int, 0, "qwen35/qwen3next: every Nth layer is full attention (default 4)"),
     "ssm_conv_kernel": (int, 0, "SSM / short-conv kernel width (default 4; lfm2: shortconv.l_cache, default 3)"),
     "ssm_state": (int, 0, "SSM state size (delta-net: key/value head dim; Mamba-2: d_state, default 128)"),
@@ -50,137 +52,156 @@ FIELDS: Fields = {
     "rope_sections": (list, [], "qwen35/qwen35moe rope.dimension_sections (default [11, 11, 10, 0])"),
 }
 
-_DELTA_NET = ("qwen35", "qwen35moe", "qwen3next")
-_MAMBA2 = ("mamba2", "granitehybrid", "nemotron_h")
-_MOE = ("qwen35moe", "qwen3next")                 # always MoE; granitehybrid is MoE when n_expert > 0
-_PER_LAYER_KV = ("granitehybrid", "nemotron_h", "lfm2")
+Changes = dict[str, "tuple[Any, V] | None"]      # metadata key -> (value, type), or None to drop the key
 
 
-def _int(s: dict[str, Any], key: str, default: int) -> int:
-    s[key] = s[key] or default
+def _default(s: dict[str, Any], key: str, value: int) -> int:
+    s[key] = s[key] or value
     return s[key]
+
+
+def _pattern_every(s: dict[str, Any]) -> str:
+    every = _default(s, "full_attention_interval", 4)
+    return "".join(ATTENTION if (i + 1) % every == 0 else RECURRENT for i in range(s["n_layers"]))
+
+
+# ---- per family: complete the spec (returning the default layer pattern) and the keys it adds -------------
+
+
+def _complete_delta_net(s: dict[str, Any]) -> str:
+    """qwen35.cpp / qwen3next.cpp: head_k_dim = head_v_dim = ssm_d_state, n_v_heads a multiple of n_k_heads."""
+    if not (s["ssm_state"] and s["ssm_groups"] and s["ssm_dt_rank"]):
+        raise ValueError(f"arch {s['arch']!r} needs ssm_state (linear head dim), ssm_groups (linear key heads) "
+                         "and ssm_dt_rank (linear value heads)")
+    if s["ssm_dt_rank"] % s["ssm_groups"]:
+        raise ValueError("ssm_dt_rank (value heads) must be a multiple of ssm_groups (key heads)")
+    _default(s, "ssm_conv_kernel", 4)
+    _default(s, "ssm_inner", s["ssm_state"] * s["ssm_dt_rank"])
+    _default(s, "rope_dim", s["head_dim"] // 4)                  # partial_rotary_factor 0.25
+    if s["arch"] != "qwen3next":                                 # qwen35*.cpp require rope.dimension_sections
+        s["rope_sections"] = list(s["rope_sections"] or [11, 11, 10, 0])
+    if s["n_expert"]:
+        _default(s, "shared_expert_ff", s["n_ff"])
+    return _pattern_every(s)
+
+
+def _complete_mamba2(s: dict[str, Any]) -> str:
+    """Mamba-2 mixers (conversion/mamba.py defaults: d_conv 4, d_state 128, n_groups 1, expand 2, head dim 64)."""
+    _default(s, "ssm_conv_kernel", 4)
+    _default(s, "ssm_state", 128)
+    _default(s, "ssm_groups", 1)
+    _default(s, "ssm_inner", 2 * s["n_embd"])
+    _default(s, "ssm_dt_rank", s["ssm_inner"] // 64)
+    if s["ssm_inner"] % s["ssm_groups"] or s["ssm_inner"] % s["ssm_dt_rank"]:
+        raise ValueError("ssm_inner must be a multiple of ssm_groups and of ssm_dt_rank")
+    if s["arch"] == "granitehybrid" and s["ssm_inner"] != 2 * s["n_embd"]:
+        raise ValueError("granitehybrid: llama.cpp supports only ssm_inner = 2 x n_embd (granite-hybrid.cpp)")
+    return RECURRENT * s["n_layers"] if s["arch"] == "mamba2" else ""
+
+
+def _complete_lfm2(s: dict[str, Any]) -> str:
+    _default(s, "ssm_conv_kernel", 3)
+    if s["n_head"] * s["head_dim"] != s["n_embd"]:
+        raise ValueError("lfm2: n_head x head_dim must equal n_embd (attn_q is n_embd x n_embd)")
+    return ""
+
+
+def _ssm_keys(s: dict[str, Any]) -> Changes:
+    return {"ssm.conv_kernel": (s["ssm_conv_kernel"], U32), "ssm.inner_size": (s["ssm_inner"], U32),
+            "ssm.state_size": (s["ssm_state"], U32), "ssm.time_step_rank": (s["ssm_dt_rank"], U32),
+            "ssm.group_count": (s["ssm_groups"], U32)}
+
+
+def _kv_array(s: dict[str, Any]) -> Changes:
+    return {"attention.head_count_kv": (head_kv_layers(s), ARR)}
+
+
+def _keys_delta_net(s: dict[str, Any]) -> Changes:
+    out: Changes = {"rope.dimension_count": (s["rope_dim"], U32),
+                    "full_attention_interval": (s["full_attention_interval"], U32),
+                    "attention.recurrent_layers": ([c == RECURRENT for c in s["layer_pattern"]], ARR), **_ssm_keys(s)}
+    if s["rope_sections"]:
+        out["rope.dimension_sections"] = (list(s["rope_sections"]), ARR)
+    if s["shared_expert_ff"]:
+        out["expert_shared_feed_forward_length"] = (s["shared_expert_ff"], U32)
+    return out
+
+
+def _keys_granite(s: dict[str, Any]) -> Changes:
+    out: Changes = {**_kv_array(s), **_ssm_keys(s), "rope.scaling.finetuned": (False, BOOL)}  # 4.0-H: no RoPE
+    if s["n_expert"]:       # granite-hybrid.cpp sizes the experts by feed_forward_length
+        out.update({"feed_forward_length": (s["expert_ff"], U32), "expert_feed_forward_length": None})
+    if s["shared_expert_ff"]:
+        out["expert_shared_feed_forward_length"] = (s["shared_expert_ff"], U32)
+    return out
+
+
+def _keys_nemotron(s: dict[str, Any]) -> Changes:
+    return {**_kv_array(s), **_ssm_keys(s),
+            "feed_forward_length": ([s["n_ff"] if c == FFN_ONLY else 0 for c in s["layer_pattern"]], ARR),
+            "attention.layer_norm_epsilon": (float(s["norm_eps"]), F32)}       # nemotron-h.cpp requires it
+
+
+def _keys_lfm2(s: dict[str, Any]) -> Changes:
+    return {**_kv_array(s), "shortconv.l_cache": (s["ssm_conv_kernel"], U32)}
+
+
+def _keys_mamba2(s: dict[str, Any]) -> Changes:
+    """conversion/mamba.py writes head_count 0 and feed_forward_length 0, no attention keys."""
+    dropped = ("attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
+               "rope.freq_base")
+    return {**dict.fromkeys(dropped), "attention.head_count": (0, U32), "feed_forward_length": (0, U32),
+            **_ssm_keys(s)}
+
+
+@dataclass(frozen=True)
+class _Family:
+    complete: Callable[[dict[str, Any]], str]
+    keys: Callable[[dict[str, Any]], Changes]
+    block: Callable[[dict[str, Any], str, str], Tensors]
+    kinds: str = RECURRENT + ATTENTION      # layer kinds the pattern may use
+    experts: str = "optional"                # "required", "optional" or "none"
+    qk_norm: bool = False
 
 
 def normalize(s: dict[str, Any]) -> None:
     """Complete the SSM sizes and the layer pattern; ValueError for a spec llama.cpp would refuse."""
-    arch, n = s["arch"], s["n_layers"]
-    if arch in _DELTA_NET:
-        every = _int(s, "full_attention_interval", 4)
-        default = "".join(ATTENTION if (i + 1) % every == 0 else RECURRENT for i in range(n))
-        if not (s["ssm_state"] and s["ssm_groups"] and s["ssm_dt_rank"]):
-            raise ValueError(f"arch {arch!r} needs ssm_state (linear head dim), ssm_groups (linear key heads) "
-                             "and ssm_dt_rank (linear value heads)")
-        _int(s, "ssm_conv_kernel", 4)
-        _int(s, "ssm_inner", s["ssm_state"] * s["ssm_dt_rank"])
-        if s["ssm_dt_rank"] % s["ssm_groups"]:
-            raise ValueError("ssm_dt_rank (value heads) must be a multiple of ssm_groups (key heads)")
-        _int(s, "rope_dim", s["head_dim"] // 4)
-        if arch != "qwen3next":
-            s["rope_sections"] = list(s["rope_sections"] or [11, 11, 10, 0])
-    elif arch == "mamba2":
-        default = RECURRENT * n
-    else:
-        default = ""
-    if arch in _MAMBA2:
-        _int(s, "ssm_conv_kernel", 4)
-        _int(s, "ssm_state", 128)
-        _int(s, "ssm_groups", 1)
-        _int(s, "ssm_inner", 2 * s["n_embd"])
-        _int(s, "ssm_dt_rank", s["ssm_inner"] // 64)   # the converter's default SSM head dim is 64
-        if s["ssm_inner"] % s["ssm_groups"] or s["ssm_inner"] % s["ssm_dt_rank"]:
-            raise ValueError("ssm_inner must be a multiple of ssm_groups and of ssm_dt_rank")
-        if arch == "granitehybrid" and s["ssm_inner"] != 2 * s["n_embd"]:
-            raise ValueError("granitehybrid: llama.cpp supports only ssm_inner = 2 x n_embd (granite-hybrid.cpp)")
-    if arch == "lfm2":
-        _int(s, "ssm_conv_kernel", 3)
-        if s["n_head"] * s["head_dim"] != s["n_embd"]:
-            raise ValueError("lfm2: n_head x head_dim must equal n_embd (attn_q is n_embd x n_embd)")
+    arch, fam = s["arch"], _FAMILIES[s["arch"]]
+    default = fam.complete(s)
     pattern = s["layer_pattern"] or default
-    allowed = RECURRENT + ATTENTION + (FFN_ONLY if arch == "nemotron_h" else "")
-    if len(pattern) != n or set(pattern) - set(allowed):
-        raise ValueError(f"layer_pattern must have one of {allowed!r} per layer ({n}), got {pattern!r}")
+    if len(pattern) != s["n_layers"] or set(pattern) - set(fam.kinds):
+        raise ValueError(f"layer_pattern must have one of {fam.kinds!r} per layer ({s['n_layers']}), got {pattern!r}")
     s["layer_pattern"] = pattern
-    if arch in _MOE or (arch == "granitehybrid" and s["n_expert"]):
+    if fam.experts == "required" or (fam.experts == "optional" and s["n_expert"]):
         if not (s["n_expert"] and s["expert_ff"] and 0 < s["n_expert_used"] <= s["n_expert"]):
             raise ValueError(f"arch {arch!r} with experts needs n_expert, expert_ff and 0 < n_expert_used <= n_expert")
-        if arch in _MOE:
-            _int(s, "shared_expert_ff", s["n_ff"])
     elif s["n_expert"]:
-        raise ValueError(f"arch {arch!r} is dense here: give no n_expert")
+        raise ValueError(f"arch {arch!r} has no experts: give no n_expert")
     elif arch != "mamba2" and not s["n_ff"]:
         raise ValueError(f"arch {arch!r} needs n_ff")
-    s["qkv_bias"] = False
-    s["qk_norm"] = arch in _DELTA_NET or arch == "lfm2"
+    s["qkv_bias"], s["qk_norm"] = False, fam.qk_norm
 
 
 def head_kv_layers(s: dict[str, Any]) -> list[int]:
     """KV heads of each layer as llama.cpp's hparams hold them: the per-layer array where the arch writes one
     (0 off attention layers), qwen35/qwen3next's scalar on every layer, 0 everywhere for mamba2."""
-    if s["arch"] in _DELTA_NET:
+    if _FAMILIES[s["arch"]].complete is _complete_delta_net:
         return [s["n_head_kv"]] * s["n_layers"]
     return [s["n_head_kv"] if c == ATTENTION else 0 for c in s["layer_pattern"]]
 
 
-# ---- metadata ---------------------------------------------------------------------------------------------
-
-
-def _ssm_keys(s: dict[str, Any]) -> Metadata:
-    return [("ssm.conv_kernel", s["ssm_conv_kernel"], U32), ("ssm.inner_size", s["ssm_inner"], U32),
-            ("ssm.state_size", s["ssm_state"], U32), ("ssm.time_step_rank", s["ssm_dt_rank"], U32),
-            ("ssm.group_count", s["ssm_groups"], U32)]
-
-
-def _replace(meta: Metadata, changes: dict[str, tuple[Any, V] | None]) -> Metadata:
+def _replace(meta: Metadata, changes: Changes) -> Metadata:
     """``meta`` with keys replaced (in place) or dropped (None); new keys appended."""
-    out: Metadata = []
-    for key, value, vtype in meta:
-        if key in changes:
-            if changes[key] is not None:
-                out.append((key, *changes[key]))
-        else:
-            out.append((key, value, vtype))
+    out: Metadata = [(k, *changes[k]) if k in changes else (k, v, t) for k, v, t in meta
+                     if k not in changes or changes[k] is not None]
     seen = {k for k, _, _ in meta}
-    out += [(k, *v) for k, v in changes.items() if v is not None and k not in seen]
-    return out
+    return out + [(k, *v) for k, v in changes.items() if v is not None and k not in seen]
 
 
 def metadata(s: dict[str, Any]) -> Metadata:
-    arch = s["arch"]
-    meta = base_metadata(s)
-    changes: dict[str, tuple[Any, V] | None] = {}
-    if not s["n_ff"]:
-        changes["feed_forward_length"] = None
-    if arch in _DELTA_NET:
-        changes["rope.dimension_count"] = (s["rope_dim"], U32)
-        changes["full_attention_interval"] = (s["full_attention_interval"], U32)
-        changes["attention.recurrent_layers"] = ([c == RECURRENT for c in s["layer_pattern"]], ARR)
-        if s["rope_sections"]:
-            changes["rope.dimension_sections"] = (list(s["rope_sections"]), ARR)
-        if s["shared_expert_ff"]:
-            changes["expert_shared_feed_forward_length"] = (s["shared_expert_ff"], U32)
-    if arch in _PER_LAYER_KV:
-        changes["attention.head_count_kv"] = (head_kv_layers(s), ARR)
-    if arch == "granitehybrid":
-        changes["rope.scaling.finetuned"] = (False, BOOL)          # Granite 4.0-H attention has no RoPE
-        if s["n_expert"]:
-            changes["feed_forward_length"] = (s["expert_ff"], U32)  # granite-hybrid.cpp: experts are n_ff wide
-            changes["expert_feed_forward_length"] = None
-        if s["shared_expert_ff"]:
-            changes["expert_shared_feed_forward_length"] = (s["shared_expert_ff"], U32)
-    if arch == "nemotron_h":
-        changes["feed_forward_length"] = ([s["n_ff"] if c == FFN_ONLY else 0 for c in s["layer_pattern"]], ARR)
-        changes["attention.layer_norm_epsilon"] = (float(s["norm_eps"]), F32)
-    if arch == "lfm2":
-        changes["shortconv.l_cache"] = (s["ssm_conv_kernel"], U32)
-    if arch == "mamba2":
-        for key in ("attention.head_count_kv", "attention.key_length", "attention.value_length",
-                    "rope.dimension_count", "rope.freq_base"):
-            changes[key] = None
-        changes["attention.head_count"] = (0, U32)
-        changes["feed_forward_length"] = (0, U32)
-    if arch in _DELTA_NET or arch in _MAMBA2:
-        changes.update({k: (v, t) for k, v, t in _ssm_keys(s)})
-    return _replace(meta, changes)
+    """attention.base_metadata with the family's keys (and no feed_forward_length where there is no n_ff)."""
+    changes: Changes = {} if s["n_ff"] else {"feed_forward_length": None}
+    return _replace(base_metadata(s), {**changes, **_FAMILIES[s["arch"]].keys(s)})
 
 
 # ---- tensors ----------------------------------------------------------------------------------------------
@@ -267,14 +288,25 @@ def _lfm2_block(s: dict[str, Any], b: str, kind: str) -> Tensors:
     return out + [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))] + attention_tensors(s, b)[1:5]
 
 
-_BLOCKS = {"qwen35": _qwen_block, "qwen35moe": _qwen_block, "qwen3next": _qwen_block,
-           "granitehybrid": _granite_block, "nemotron_h": _nemotron_block, "lfm2": _lfm2_block,
-           "mamba2": lambda s, b, kind: [(b + "attn_norm.weight", (s["n_embd"],))] + _mamba2(s, b)}
+def _mamba2_block(s: dict[str, Any], b: str, kind: str) -> Tensors:
+    return [(b + "attn_norm.weight", (s["n_embd"],))] + _mamba2(s, b)
+
+
+_FAMILIES: dict[str, _Family] = {
+    "qwen35": _Family(_complete_delta_net, _keys_delta_net, _qwen_block, experts="none", qk_norm=True),
+    "qwen35moe": _Family(_complete_delta_net, _keys_delta_net, _qwen_block, experts="required", qk_norm=True),
+    "qwen3next": _Family(_complete_delta_net, _keys_delta_net, _qwen_block, experts="required", qk_norm=True),
+    "granitehybrid": _Family(_complete_mamba2, _keys_granite, _granite_block),
+    "nemotron_h": _Family(_complete_mamba2, _keys_nemotron, _nemotron_block, kinds=RECURRENT + ATTENTION + FFN_ONLY,
+                          experts="none"),
+    "lfm2": _Family(_complete_lfm2, _keys_lfm2, _lfm2_block, experts="none", qk_norm=True),
+    "mamba2": _Family(_complete_mamba2, _keys_mamba2, _mamba2_block, kinds=RECURRENT, experts="none"),
+}
 
 
 def tensors(s: dict[str, Any]) -> Tensors:
     """(name, shape) of every tensor, GGUF order (row length first), in llama.cpp naming."""
-    block = _BLOCKS[s["arch"]]
+    block = _FAMILIES[s["arch"]].block
     out = embeddings(s)
     for il, kind in enumerate(s["layer_pattern"]):
         out += block(s, f"blk.{il}.", kind)
@@ -285,7 +317,7 @@ def tensors(s: dict[str, Any]) -> Tensors:
 
 
 LAYOUT = register(Layout(
-    ("qwen35", "qwen35moe", "qwen3next", "granitehybrid", "nemotron_h", "lfm2", "mamba2"),
+    tuple(_FAMILIES),
     normalize, metadata, tensors, FIELDS, head_kv_layers=head_kv_layers,
     source="src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp, granite-hybrid.cpp, nemotron-h.cpp, lfm2.cpp, "
            "mamba2.cpp; conversion/qwen.py, granite.py, nemotron.py, lfm2.py, mamba.py"))

@@ -21,20 +21,21 @@ from tests.support.llama_dry_run import dry_run
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-_DELTA = dict(n_layers=4, n_embd=128, n_head=4, n_head_kv=2, head_dim=32, ssm_state=16, ssm_groups=2, ssm_dt_rank=4)
-_MAMBA = dict(n_layers=4, n_embd=64, n_head=4, n_head_kv=2, ssm_inner=128, ssm_state=16, ssm_dt_rank=8)
-_MOE = dict(n_expert=4, n_expert_used=2, expert_ff=64, shared_expert_ff=64)
+_DELTA = {"n_layers": 4, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 32,
+          "ssm_state": 16, "ssm_groups": 2, "ssm_dt_rank": 4}
+_MAMBA = {"n_layers": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "ssm_inner": 128, "ssm_state": 16, "ssm_dt_rank": 8}
+_MOE = {"n_expert": 4, "n_expert_used": 2, "expert_ff": 64, "shared_expert_ff": 64}
 
 TINY = {
-    "qwen35": dict(arch="qwen35", n_ff=256, rope_sections=[2, 1, 1, 0], **_DELTA),
-    "qwen35moe": dict(arch="qwen35moe", rope_sections=[2, 1, 1, 0], **_DELTA, **_MOE),
-    "qwen3next": dict(arch="qwen3next", **_DELTA, **_MOE),
-    "granitehybrid": dict(arch="granitehybrid", n_ff=128, layer_pattern="MM*M", **_MAMBA),
-    "granitehybrid-moe": dict(arch="granitehybrid", layer_pattern="M*MM", **_MAMBA, **{**_MOE, "expert_ff": 32}),
-    "nemotron_h": dict(arch="nemotron_h", n_ff=128, layer_pattern="M-*-", ssm_groups=2, **_MAMBA),
-    "lfm2": dict(arch="lfm2", n_layers=4, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, layer_pattern="MM*M",
-                 tied_embeddings=True),
-    "mamba2": dict(arch="mamba2", tied_embeddings=True, **{**_MAMBA, "ssm_dt_rank": 4}),
+    "qwen35": {"arch": "qwen35", "n_ff": 256, "rope_sections": [2, 1, 1, 0], **_DELTA},
+    "qwen35moe": {"arch": "qwen35moe", "rope_sections": [2, 1, 1, 0], **_DELTA, **_MOE},
+    "qwen3next": {"arch": "qwen3next", **_DELTA, **_MOE},
+    "granitehybrid": {"arch": "granitehybrid", "n_ff": 128, "layer_pattern": "MM*M", **_MAMBA},
+    "granitehybrid-moe": {"arch": "granitehybrid", "layer_pattern": "M*MM", **_MAMBA, **_MOE, "expert_ff": 32},
+    "nemotron_h": {"arch": "nemotron_h", "n_ff": 128, "layer_pattern": "M-*-", **_MAMBA, "ssm_groups": 2},
+    "lfm2": {"arch": "lfm2", "n_layers": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_ff": 128,
+             "layer_pattern": "MM*M", "tied_embeddings": True},
+    "mamba2": {"arch": "mamba2", **_MAMBA, "ssm_dt_rank": 4, "tied_embeddings": True},
 }
 # the prefix of KV (attention) and recurrent layers in each tiny spec
 _KV_LAYERS = {"qwen35": 1, "qwen35moe": 1, "qwen3next": 1, "granitehybrid": 1, "granitehybrid-moe": 1,
@@ -143,12 +144,13 @@ def test_n_gqa_is_layer_zeros():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(TINY["granitehybrid"], layer_pattern="MM*"), "one of"),
-    (dict(TINY["nemotron_h"], layer_pattern="MX*-"), "one of"),
-    (dict(TINY["qwen35"], ssm_state=0), "ssm_state"),
-    (dict(TINY["granitehybrid"], ssm_inner=96), "2 x n_embd"),
-    (dict(TINY["lfm2"], head_dim=8), "n_head x head_dim"),
-    (dict(TINY["qwen35moe"], n_expert=0), "n_expert"),
+    ({**TINY["granitehybrid"], "layer_pattern": "MM*"}, "one of"),
+    ({**TINY["nemotron_h"], "layer_pattern": "MX*-"}, "one of"),
+    ({**TINY["qwen35"], "ssm_state": 0}, "ssm_state"),
+    ({**TINY["granitehybrid"], "ssm_inner": 96}, "2 x n_embd"),
+    ({**TINY["lfm2"], "head_dim": 8}, "n_head x head_dim"),
+    ({**TINY["qwen35moe"], "n_expert": 0}, "n_expert"),
+    ({**TINY["nemotron_h"], "n_expert": 4}, "no experts"),
 ])
 def test_bad_specs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):

@@ -19,7 +19,7 @@ from pathlib import Path
 def dry_run(path: str | Path, *, n_ctx: int = 256, n_seq: int = 1, timeout: float = 120) -> dict:
     """{"loaded", "context", "n_params", "kv_mib", "rs_mib", "log"} for the model at ``path``."""
     job = json.dumps({"path": str(path), "n_ctx": n_ctx, "n_seq": n_seq})
-    proc = subprocess.run([sys.executable, __file__, job], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, __file__, job], check=False, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         return {"loaded": False, "context": False, "error": f"exit {proc.returncode}",
