@@ -81,14 +81,30 @@ def test_tiny_model_memory_and_params(tmp_path, name):
     assert bool(got["kv_mib"]) == bool(_KV_LAYERS[name])          # and all but mamba2 a KV cache
 
 
+def _state_and_kv_mib(s: dict, n_ctx: int) -> tuple[float, float]:
+    """One sequence's recurrent state (llama-hparams.cpp n_embd_r + n_embd_s, f32, per recurrent layer) and f16
+    KV cache (attention layers only), in MiB rounded as llama.cpp logs them."""
+    if s["arch"] == "lfm2":
+        conv, state = s["n_embd"] * (s["ssm_conv_kernel"] - 1), 0
+    else:
+        conv = (s["ssm_conv_kernel"] - 1) * (s["ssm_inner"] + 2 * s["ssm_groups"] * s["ssm_state"])
+        state = s["ssm_state"] * s["ssm_inner"]
+    rs = s["layer_pattern"].count("M") * (conv + state) * 4
+    kv = s["layer_pattern"].count("*") * n_ctx * 2 * s["n_head_kv"] * s["head_dim"] * 2
+    return round(rs / 2**20, 2), round(kv / 2**20, 2)
+
+
 @pytest.mark.parametrize("preset", sorted(HYBRID_PRESETS))
 def test_preset_skeleton_passes_the_no_alloc_dry_run(tmp_path, preset):
     path = write_skeleton(preset, tmp_path / f"{preset}.gguf")
     got = dry_run(path, n_ctx=256)
     assert got["loaded"] and got["context"], got.get("log")
-    plan = plan_tensors(resolve_spec(preset))
+    spec = resolve_spec(preset)
+    plan = plan_tensors(spec)
     assert got["n_params"] == sum(math.prod(shape) for _, shape, _, _ in plan)
     assert path.stat().st_size >= sum(nbytes for *_, nbytes in plan)
+    # llama.cpp found the recurrent and the attention layers our layer_pattern says
+    assert (got["rs_mib"][0], got["kv_mib"][0]) == pytest.approx(_state_and_kv_mib(spec, 256), abs=0.011)
 
 
 def _kv(path, key):
