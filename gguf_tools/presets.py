@@ -156,6 +156,17 @@ _LFM2_1_2B: dict[str, Any] = {
     "source": "LiquidAI/LFM2-1.2B config.json",
 }
 
+# Pure Mamba-2 (mamba_ssm defaults: d_state 128, head dim 64, n_groups 1, d_conv 4, expand 2); the converter pads
+# the vocabulary to a multiple of 16 (conversion/mamba.py) and writes head_count 0, so n_head here is a placeholder.
+_MAMBA2_2_7B: dict[str, Any] = {
+    "arch": "mamba2", "name": "mamba2-2.7b",
+    "n_layers": 64, "n_embd": 2560, "n_head": 1, "vocab_size": 50288, "context_length": 1 << 20,
+    "norm_eps": 1e-5, "tied_embeddings": True,
+    "ssm_conv_kernel": 4, "ssm_inner": 5120, "ssm_state": 128, "ssm_groups": 1, "ssm_dt_rank": 80,
+    "type": "q8_0", "types": ["q8_0", "q4_k_m", "bf16"],
+    "source": "state-spaces/mamba2-2.7b config.json (d_model 2560, n_layer 64, vocab 50277 padded to 50288)",
+}
+
 HYBRID_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3.5-9b": _QWEN35_9B,
     "qwen3.5-27b": _QWEN35_27B,
@@ -165,6 +176,7 @@ HYBRID_PRESETS: dict[str, dict[str, Any]] = {
     "granite-4.0-h-tiny": _GRANITE4_H_TINY,
     "nemotron-nano-9b-v2": _NEMOTRON_NANO_9B_V2,
     "lfm2-1.2b": _LFM2_1_2B,
+    "mamba2-2.7b": _MAMBA2_2_7B,
 }
 # ---- end of hybrid presets ------------------------------------------------------------------------------------
 
