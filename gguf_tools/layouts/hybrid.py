@@ -164,9 +164,25 @@ class _Family:
     qk_norm: bool = False
 
 
+# upper bounds far above any real model (like skeleton.SPEC_LIMITS), so a typo cannot plan an exabyte file
+_LIMITS = {"full_attention_interval": 10_000, "ssm_conv_kernel": 64, "ssm_state": 1 << 14, "ssm_groups": 1 << 12,
+           "ssm_dt_rank": 1 << 14, "ssm_inner": 1 << 20, "shared_expert_ff": 1 << 22, "rope_dim": 1 << 14}
+
+
+def _check(s: dict[str, Any]) -> None:
+    for key, limit in _LIMITS.items():
+        if s[key] > limit:
+            raise ValueError(f"spec field {key!r} is {s[key]}, more than any model has (limit {limit:,})")
+    sections = s["rope_sections"]
+    if sections and (len(sections) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                   for x in sections)):
+        raise ValueError(f"rope_sections must be 4 non-negative integers (rope.dimension_sections), got {sections!r}")
+
+
 def normalize(s: dict[str, Any]) -> None:
     """Complete the SSM sizes and the layer pattern; ValueError for a spec llama.cpp would refuse."""
     arch, fam = s["arch"], _FAMILIES[s["arch"]]
+    _check(s)
     default = fam.complete(s)
     pattern = s["layer_pattern"] or default
     if len(pattern) != s["n_layers"] or set(pattern) - set(fam.kinds):

@@ -169,6 +169,8 @@ def test_n_gqa_is_layer_zeros():
     ({**TINY["lfm2"], "head_dim": 8}, "n_head x head_dim"),
     ({**TINY["qwen35moe"], "n_expert": 0}, "n_expert"),
     ({**TINY["nemotron_h"], "n_expert": 4}, "no experts"),
+    ({**TINY["qwen35"], "rope_sections": [2, 1, 1]}, "rope_sections"),
+    ({**TINY["mamba2"], "ssm_inner": 1 << 30}, "more than any model"),
 ])
 def test_bad_specs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
