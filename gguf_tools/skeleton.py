@@ -153,9 +153,10 @@ def plan_tensors(spec: dict[str, Any], type: str | None = None) -> list[tuple[st
     ftype = parse_ftype(type or spec["type"])
     shapes = tensor_shapes(spec)
     layout = layout_for(spec["arch"])
-    # llama-quantize's n_gqa() is layer 0's (llama-hparams.cpp), 0 where layer 0 holds no KV
-    n_head_kv = layout.head_kv_layers(spec)[0] if layout.head_kv_layers else spec["n_head_kv"]
-    shape = ModelShape(spec["n_layers"], spec["n_head"], n_head_kv, spec["n_expert"])
+    # llama-quantize counts n_layer_all layers (MTP blocks included) and reads layer 0's n_gqa() (llama-hparams.cpp),
+    # 0 where layer 0 holds no KV
+    kv = layout.head_kv_layers(spec) if layout.head_kv_layers else [spec["n_head_kv"]] * spec["n_layers"]
+    shape = ModelShape(len(kv), spec["n_head"], kv[0], spec["n_expert"])
     types = choose_types(shapes, ftype, shape, overrides=[tuple(o) for o in spec["overrides"]])
     return [(n, sh, t, tensor_bytes(t, math.prod(sh))) for (n, sh), t in zip(shapes, types, strict=True)]
 
