@@ -44,11 +44,11 @@ FIELDS: Fields = {
     "ssm_conv_kernel": (int, 0, "SSM / short-conv kernel width (default 4; lfm2: shortconv.l_cache, default 3)"),
     "ssm_state": (int, 0, "SSM state size (delta-net: key/value head dim; Mamba-2: d_state, default 128)"),
     "ssm_groups": (int, 0, "SSM group count (delta-net: key heads; Mamba-2: n_groups, default 1)"),
-    "ssm_dt_rank": (int, 0, "SSM time-step rank (delta-net: value heads; Mamba-2: SSM heads, default n_head)"),
+    "ssm_dt_rank": (int, 0, "SSM time-step rank (delta-net: value heads; Mamba-2: SSM heads, default ssm_inner / 64)"),
     "ssm_inner": (int, 0, "SSM inner size (default: delta-net value heads x head dim; Mamba-2 2 x n_embd)"),
     "ssm_conv_bias": (bool, True, "Mamba-2 layers have ssm_conv1d.bias"),
     "shared_expert_ff": (int, 0, "shared expert FFN size (qwen35moe/qwen3next: default n_ff; granitehybrid: none)"),
-    "rope_dim": (int, 0, "rotated dims per head (default head_dim; qwen35/qwen3next: head_dim / 4)"),
+    "rope_dim": (int, 0, "qwen35/qwen3next: rotated dims per head (default head_dim / 4)"),
     "rope_sections": (list, [], "qwen35/qwen35moe rope.dimension_sections (default [11, 11, 10, 0])"),
     "n_nextn": (int, 0, ("qwen35/qwen3next: MTP (nextn) blocks after the n_layers trunk, as the converter writes "
                          "by default (0: converted with --no-mtp, as most published GGUFs are)")),
