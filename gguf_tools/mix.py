@@ -6,6 +6,9 @@ the model's GQA ratio and expert count, and falls back to a 32-value block type
 when a row length is not a multiple of 256.  This module states those rules
 (as of llama.cpp's ``src/llama-quant.cpp``, 2025-2026) for the non-imatrix
 ftypes, so that a skeleton's tensor table matches what llama-quantize writes.
+MLA's ``attn_q_a``/``attn_q_b``/``attn_kv_a_mqa``/``attn_k_b``/``attn_v_b`` and NextN's ``nextn.*`` fall in
+no category (the default type); ``attn_kv_b`` counts as attention V; shared experts (``ffn_*_shexp``) follow
+the FFN rules of their role; ``mxfp4_moe`` puts every 3-D tensor in MXFP4 and the rest in Q8_0.
 
 Source types (before quantizing) follow llama.cpp's converter: 1-D tensors,
 norms and the MoE router (``ffn_gate_inp``) stay F32, and llama-quantize never
@@ -40,12 +43,14 @@ FTYPES: dict[str, tuple[LlamaFileType, T]] = {
     "q5_k_s": (LlamaFileType.MOSTLY_Q5_K_S, T.Q5_K),
     "q5_k_m": (LlamaFileType.MOSTLY_Q5_K_M, T.Q5_K),
     "q6_k": (LlamaFileType.MOSTLY_Q6_K, T.Q6_K),
+    "mxfp4_moe": (LlamaFileType.MOSTLY_MXFP4_MOE, T.MXFP4),
 }
 _FLOAT_FTYPES = {"f32", "f16", "bf16"}
 
 # When a row length is not a multiple of the target's block size.
 _FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
+_ATTN_V = ("attn_v", "attn_qkv", "attn_kv_b")   # llama-quant.cpp category_is_attn_v
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "pos_embd", "token_types", "ssm_conv1d", "rope_freqs")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -96,29 +101,37 @@ def _block(t: T) -> int:
     return GGML_QUANT_SIZES[t][0]
 
 
-def _rule(name: str, shape: tuple[int, ...], ft: str, default: T, m: ModelShape, tied: bool) -> T:
-    """The type llama-quantize's standard mixture picks before shape fallbacks."""
+def _rule(name: str, shape: tuple[int, ...], ft: str, default: T, m: ModelShape, tied: bool,
+          wv: tuple[int, int] = (0, 0)) -> T:
+    """The type llama-quantize's standard mixture picks before shape fallbacks.
+
+    ``wv`` is (index of this attention-V-like tensor among them, their count): llama-quant.cpp's
+    ``i_attention_wv`` / ``n_attention_wv``.
+    """
     cat = _category(name)
     match = _LAYER.match(name)
     il = int(match.group(1)) if match else 0
     n = m.n_layers
     if cat == "output" or (tied and cat == "token_embd"):
-        if shape[0] % _block(default):
+        if ft == "mxfp4_moe" or shape[0] % _block(default):
             return T.Q8_0
         return default if default == T.Q8_0 else T.Q6_K
+    if ft == "mxfp4_moe":                               # MoE tensors (3-D) -> MXFP4, the rest -> Q8_0
+        return T.MXFP4 if len(shape) > 2 and shape[2] > 1 else T.Q8_0
     if cat == "token_embd":
         return default
-    if cat in ("attn_v", "attn_qkv", "attn_kv_b"):
+    if cat in _ATTN_V:
+        i_wv, n_wv = wv
         t = default
         if ft == "q2_k":
             t = T.Q4_K if m.n_gqa >= 4 else T.Q3_K
         elif ft == "q3_k_m":
-            t = T.Q5_K if il < 2 else T.Q4_K
+            t = T.Q5_K if i_wv < 2 else T.Q4_K
         elif ft == "q3_k_l":
             t = T.Q5_K
-        elif ft in ("q4_k_m", "q5_k_m") and _more_bits(il, n):
+        elif ft in ("q4_k_m", "q5_k_m") and _more_bits(i_wv, n_wv):
             t = T.Q6_K
-        elif ft == "q4_k_s" and il < 4:
+        elif ft == "q4_k_s" and i_wv < 4:
             t = T.Q5_K
         return T.Q8_0 if m.n_expert == 8 else t
     if cat == "attn_k":
@@ -162,25 +175,34 @@ def choose_types(
 
     ``overrides`` are (regex, type) pairs applied like llama-quantize's
     ``--tensor-type``: the first pattern found in a quantizable tensor's name
-    replaces the standard rule; shape fallbacks still apply.
+    replaces the standard rule; shape fallbacks still apply.  In a float ftype
+    they say which tensors the checkpoint ships quantized (gpt-oss's MXFP4 experts,
+    which the converter copies as they are).
     """
     ft = parse_ftype(ftype)
     default = FTYPES[ft][1]
     tied = not any(name == "output.weight" for name, _ in tensors)
     compiled = [(re.compile(p), _override_type(p, t)) for p, t in overrides]
+    n_wv = sum(_category(name) in _ATTN_V for name, _ in tensors)
+    i_wv = 0
     out = []
     for name, shape in tensors:
         if name == "rope_freqs.weight":
             out.append(T.F32)
             continue
+        forced = next((t for rx, t in compiled if rx.search(name)), None) if _quantizable(name, shape) else None
         if ft in _FLOAT_FTYPES:
-            out.append(default)  # the checkpoint as published: every tensor in one float type
+            # the checkpoint as published: every tensor in one float type, but what it ships quantized
+            out.append(default if forced is None else _fallback(name, shape[0], forced))
             continue
         if not _quantizable(name, shape):
             out.append(T.F32)
             continue
-        forced = next((t for rx, t in compiled if rx.search(name)), None)
-        t = forced if forced is not None else _rule(name, shape, ft, default, model, tied)
+        if forced is None:
+            t = _rule(name, shape, ft, default, model, tied, (i_wv, n_wv))
+            i_wv += _category(name) in _ATTN_V           # counted only where the standard rule runs
+        else:
+            t = forced
         out.append(_fallback(name, shape[0], t))
     return out
 

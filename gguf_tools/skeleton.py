@@ -31,6 +31,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType, GGUFWriter
 
 from .layouts import all_fields, archs, layout_for
+from .layouts.moe import block_count
 from .mix import FTYPES, ModelShape, choose_types, parse_ftype
 from .presets import get_preset
 from .quants import tensor_bytes
@@ -152,7 +153,7 @@ def plan_tensors(spec: dict[str, Any], type: str | None = None) -> list[tuple[st
     """(name, shape, GGML type, bytes) of every tensor of a normalized spec in file type ``type``."""
     ftype = parse_ftype(type or spec["type"])
     shapes = tensor_shapes(spec)
-    shape = ModelShape(spec["n_layers"], spec["n_head"], spec["n_head_kv"], spec["n_expert"])
+    shape = ModelShape(block_count(spec), spec["n_head"], spec["n_head_kv"], spec["n_expert"])
     types = choose_types(shapes, ftype, shape, overrides=[tuple(o) for o in spec["overrides"]])
     return [(n, sh, t, tensor_bytes(t, math.prod(sh))) for (n, sh), t in zip(shapes, types, strict=True)]
 
