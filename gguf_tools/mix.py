@@ -52,6 +52,7 @@ _FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q
 
 _ATTN_V = ("attn_v", "attn_qkv", "attn_kv_b")   # llama-quant.cpp category_is_attn_v
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "pos_embd", "token_types", "ssm_conv1d", "rope_freqs")
+_F32_ALWAYS = ("rope_freqs.weight", "attn_sinks.weight")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -87,6 +88,12 @@ def _category(name: str) -> str:
         if cat in name:
             return cat.removesuffix(".weight")
     return "other"
+
+
+def _always_f32(name: str) -> bool:
+    """F32 in every file: rope_freqs, attention sinks (ggml_soft_max_ext asserts it) and biases, which the
+    converter never stores in another type (conversion/base.py: names not ending in .weight -> F32)."""
+    return name.endswith(_F32_ALWAYS) or not name.endswith(".weight")
 
 
 def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
@@ -187,7 +194,7 @@ def choose_types(
     i_wv = 0
     out = []
     for name, shape in tensors:
-        if name == "rope_freqs.weight":
+        if _always_f32(name):
             out.append(T.F32)
             continue
         forced = next((t for rx, t in compiled if rx.search(name)), None) if _quantizable(name, shape) else None

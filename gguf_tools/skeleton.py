@@ -14,7 +14,9 @@ a skeleton's header is a few KiB.
 
 Float types (``bf16``, ``f16``, ``f32``) describe the checkpoint as published:
 every tensor in that type, 1-D norms included (llama.cpp's converter would
-store the norms as F32, a few hundred KiB more).
+store the norms as F32, a few hundred KiB more), except biases, attention sinks
+and ``rope_freqs``, which are F32 in every file, and what a preset's overrides
+say the checkpoint ships quantized (gpt-oss's MXFP4 experts).
 """
 
 from __future__ import annotations

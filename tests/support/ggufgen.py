@@ -268,7 +268,7 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     ``spec`` is a skeleton spec dict (``gguf_tools.skeleton.SPEC_FIELDS``) with tiny sizes; ``vocab_size`` is
     replaced by the byte-level vocabulary's (259 tokens), so any text tokenizes.  Metadata and tensor names and
     shapes are the layout's (what llama.cpp's converter writes); 1-D tensors and norms are F32 near 1 (norms) or
-    small (biases, SSM parameters), matrices random in ``qtype`` (F32 where the type's blocks do not divide a row).
+    small (biases, which stay F32 whatever their rank, as the converter writes them; SSM parameters), matrices random in ``qtype`` (F32 where the type's blocks do not divide a row).
     """
     from gguf import GGML_QUANT_SIZES
 
@@ -295,7 +295,7 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     for key, value in (extra_kv or {}).items():
         w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else w.add_string(key, value)
     for name, shape in layout.tensors(s):
-        if len(shape) == 1 or "norm" in name:
+        if len(shape) == 1 or "norm" in name or not name.endswith(".weight"):   # biases stay F32 (converter)
             n = int(np.prod(shape))
             base = 1.0 if "norm" in name else 0.0
             data = (base + 0.1 * rng.standard_normal(n)).astype(np.float32).reshape(shape[::-1])
