@@ -75,7 +75,8 @@ _DEEPSEEK_V3: dict[str, Any] = {
     "expert_gating": "sigmoid", "expert_weights_scale": 2.5, "expert_weights_norm": True, "expert_probs_bias": True,
     "n_expert_groups": 8, "n_group_used": 4,
     "rope_freq_base": 10000.0, "rope_scaling": "yarn", "rope_scaling_factor": 40.0, "rope_scaling_orig_ctx": 4096,
-    "rope_yarn_log_mul": 1.0, "norm_eps": 1e-6, "tied_embeddings": False,
+    "rope_yarn_log_mul": 1.0, "rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0,
+    "norm_eps": 1e-6, "tied_embeddings": False,
     "type": "q4_k_m", "types": ["q2_k", "q4_k_m", "q8_0", "bf16"],
     "source": "deepseek-ai/DeepSeek-V3 config.json (the MTP block, num_nextn_predict_layers = 1, is dropped by the "
               "converter: DeepseekV2Model.skip_mtp)",
@@ -88,7 +89,7 @@ _KIMI_K2: dict[str, Any] = {
     **_DEEPSEEK_V3, "name": "Kimi-K2-Instruct",
     "n_head": 64, "vocab_size": 163840, "context_length": 131072,
     "n_expert": 384, "n_dense_lead": 1, "expert_weights_scale": 2.827, "n_expert_groups": 1, "n_group_used": 1,
-    "rope_freq_base": 50000.0, "rope_scaling_factor": 32.0,
+    "rope_freq_base": 50000.0, "rope_scaling_factor": 32.0, "rope_yarn_beta_fast": 1.0,
     "type": "q4_k_m", "types": ["q2_k", "q4_k_m", "q8_0"],
     "source": "moonshotai/Kimi-K2-Instruct config.json (DeepseekV3ForCausalLM; llama.cpp arch deepseek2)",
 }
@@ -115,7 +116,7 @@ _GPT_OSS_20B: dict[str, Any] = {
     "n_ff": 2880, "n_expert": 32, "n_expert_used": 4, "expert_ff": 2880,
     "vocab_size": 201088, "context_length": 131072, "sliding_window": 128,
     "rope_freq_base": 150000.0, "rope_scaling": "yarn", "rope_scaling_factor": 32.0, "rope_scaling_orig_ctx": 4096,
-    "norm_eps": 1e-5, "tied_embeddings": False,
+    "rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0, "norm_eps": 1e-5, "tied_embeddings": False,
     "overrides": [[r"_exps\.weight$", "mxfp4"]],
     "type": "bf16", "types": ["bf16", "mxfp4_moe"],
     "source": "openai/gpt-oss-20b config.json (experts MXFP4 as shipped)",

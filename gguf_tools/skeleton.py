@@ -102,7 +102,12 @@ def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
 # upper bounds far above any real model, so a typo cannot plan a billion tensors or an exabyte file
 SPEC_LIMITS = {"n_layers": 10_000, "n_embd": 1 << 20, "n_head": 1 << 12, "n_head_kv": 1 << 12, "head_dim": 1 << 14,
                "n_ff": 1 << 22, "vocab_size": 1 << 24, "context_length": 1 << 30, "n_expert": 1 << 14,
-               "n_expert_used": 1 << 14, "expert_ff": 1 << 22}
+               "n_expert_used": 1 << 14, "expert_ff": 1 << 22,
+               # the family fields (gguf_tools.layouts: mla, moe, attention, interleaved)
+               "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 14,
+               "qk_rope_head_dim": 1 << 14, "v_head_dim": 1 << 14, "rope_dim": 1 << 14, "n_dense_lead": 10_000,
+               "n_expert_shared": 1 << 10, "n_expert_groups": 1 << 14, "n_group_used": 1 << 14, "nextn_layers": 16,
+               "sliding_window": 1 << 30, "moe_every": 10_000, "rope_scaling_orig_ctx": 1 << 30}
 
 
 def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:

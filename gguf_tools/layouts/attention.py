@@ -25,6 +25,8 @@ FIELDS: Fields = {
     "rope_scaling": (str, "", f"rope.scaling.type as the converter writes it: {', '.join(ROPE_SCALING)}"),
     "rope_scaling_factor": ((int, float), 0.0, "rope.scaling.factor"),
     "rope_scaling_orig_ctx": (int, 0, "rope.scaling.original_context_length (YaRN)"),
+    "rope_yarn_beta_fast": ((int, float), 0.0, "rope.scaling.yarn_beta_fast (YaRN beta_fast; 0: not written)"),
+    "rope_yarn_beta_slow": ((int, float), 0.0, "rope.scaling.yarn_beta_slow (YaRN beta_slow; 0: not written)"),
 }
 
 
@@ -51,7 +53,10 @@ def check_rope(s: dict[str, Any]) -> None:
 
 
 def core_metadata(s: dict[str, Any]) -> Metadata:
-    """The keys every decoder writes: sizes, RoPE base and scaling, norm epsilon, experts."""
+    """The keys every decoder writes: sizes, RoPE base and scaling, norm epsilon, experts.
+
+    RoPE scaling as ``conversion/base.py`` TextModel.set_gguf_parameters writes it from ``rope_scaling``.
+    """
     out: Metadata = [(key, value, U32) for key, value in (
         ("block_count", moe.block_count(s)), ("context_length", s["context_length"]),
         ("embedding_length", s["n_embd"]), ("feed_forward_length", s["n_ff"]),
@@ -63,6 +68,8 @@ def core_metadata(s: dict[str, Any]) -> Metadata:
                 ("rope.scaling.factor", float(s["rope_scaling_factor"]), F32)]
         if s["rope_scaling_orig_ctx"]:
             out.append(("rope.scaling.original_context_length", s["rope_scaling_orig_ctx"], U32))
+        out += [(f"rope.scaling.yarn_{key}", float(s[f"rope_yarn_{key}"]), F32)
+                for key in ("beta_fast", "beta_slow") if s[f"rope_yarn_{key}"]]
     if s["n_expert"]:
         out += [("expert_count", s["n_expert"], U32), ("expert_used_count", s["n_expert_used"], U32),
                 ("expert_feed_forward_length", s["expert_ff"], U32)]

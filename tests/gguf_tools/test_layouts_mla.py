@@ -193,3 +193,30 @@ def test_mix_rules_for_mla_and_experts():
 def test_sizes_near_published_files(preset, ftype, published_gib, source):
     got = sum(b for *_, b in plan_tensors(resolve_spec(preset), ftype)) / GiB
     assert math.isclose(got, published_gib, rel_tol=0.005), (got, source)
+
+
+def test_rope_scaling_keys_as_the_converter_writes_them(tmp_path):
+    h = read_header(write_skeleton("gpt-oss-20b", tmp_path / "oss.gguf"))
+    a = "gpt-oss."
+    assert h.get(a + "rope.scaling.type") == "yarn" and h.get(a + "rope.scaling.factor") == 32.0
+    assert h.get(a + "rope.scaling.original_context_length") == 4096
+    assert (h.get(a + "rope.scaling.yarn_beta_fast"), h.get(a + "rope.scaling.yarn_beta_slow")) == (32.0, 1.0)
+    assert h.get(a + "attention.sliding_window") == 128
+    assert h.tensor("blk.0.attn_sinks.weight").type == T.F32 and h.tensor("blk.0.ffn_up_exps.bias").type == T.F32
+    ds = read_header(write_skeleton("deepseek-v3", tmp_path / "v3.gguf"))
+    assert math.isclose(ds.get("deepseek2.rope.scaling.yarn_log_multiplier"), 0.1, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({**TINY["deepseek2-mla-q-lora"], "n_expert_shared": 0}, "n_expert_shared"),
+    ({**TINY["deepseek2-mla-q-lora"], "expert_gating": "relu"}, "expert_gating"),
+    ({**TINY["deepseek2-mla-q-lora"], "kv_lora_rank": 0}, "kv_lora_rank"),
+    ({**TINY["gpt-oss"], "sliding_window": 0}, "sliding_window"),
+    ({**TINY["glm4moe"], "n_dense_lead": 9}, "n_dense_lead"),
+    ({**TINY["gemma3"], "n_expert": 4}, "dense"),
+    ({**TINY["llama4"], "rope_scaling": "ntk"}, "rope_scaling"),
+    ({**TINY["deepseek2-nextn"], "nextn_layers": 17}, "more than any model"),
+])
+def test_bad_family_fields_name_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_spec({**bad, "vocab_size": 1000})
