@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from gguf import GGUFValueType as V
@@ -32,25 +34,31 @@ FIELDS: Fields = {
 }
 
 
-def _check_moe(s: dict[str, Any]) -> None:
-    if not (s["n_expert"] and s["expert_ff"] and 0 < s["n_expert_used"] <= s["n_expert"]):
-        raise ValueError(f"{s['arch']} needs n_expert, expert_ff and 0 < n_expert_used <= n_expert")
+@dataclass(frozen=True)
+class _Arch:
+    """What each architecture's loader requires (its load_arch_hparams / load_arch_tensors)."""
+
+    block: Callable[[dict[str, Any], int, str], Tensors]
+    moe: bool            # routed experts in (some) blocks; else a dense FFN everywhere
+    qk_norm: bool        # weighted per-head Q/K norms (llama4's are an unweighted L2 norm)
+    bias: bool           # Q/K/V (and output) biases
+    needs_window: bool   # attention.sliding_window is a required key
 
 
 def normalize(s: dict[str, Any]) -> None:
     arch = s["arch"]
-    if arch in ("llama4", "gpt-oss"):
-        _check_moe(s)
-    elif s["n_expert"] or not s["n_ff"]:
-        raise ValueError("gemma3 is dense: give n_ff and no n_expert")
-    if arch == "gpt-oss" and not s["sliding_window"]:
-        raise ValueError("gpt-oss needs sliding_window (openai-moe.cpp reads attention.sliding_window)")
+    a = _ARCHS[arch]
+    if a.moe and not (s["n_expert"] and s["expert_ff"] and 0 < s["n_expert_used"] <= s["n_expert"]):
+        raise ValueError(f"{arch} needs n_expert, expert_ff and 0 < n_expert_used <= n_expert")
+    if not a.moe and (s["n_expert"] or not s["n_ff"]):
+        raise ValueError(f"{arch} is dense: give n_ff and no n_expert")
+    if a.needs_window and not s["sliding_window"]:
+        raise ValueError(f"{arch} needs sliding_window (its loader reads attention.sliding_window)")
     if arch == "llama4":
         s["moe_every"] = s["moe_every"] or 1
         if s["moe_every"] > 1 and not s["n_ff"]:
             raise ValueError("llama4 with dense blocks between the MoE ones (moe_every > 1) needs n_ff")
-    s["qk_norm"] = arch == "gemma3"                      # llama4's Q/K norm is an unweighted L2 norm
-    s["qkv_bias"] = arch == "gpt-oss"
+    s["qk_norm"], s["qkv_bias"] = a.qk_norm, a.bias
     check_rope(s)
 
 
@@ -89,16 +97,20 @@ def _gemma3_block(s: dict[str, Any], il: int, b: str) -> Tensors:
         + moe.dense_ffn(e, s["n_ff"], b) + [(b + "post_ffw_norm.weight", (e,))]
 
 
-_BLOCKS = {"llama4": _llama4_block, "gpt-oss": _gpt_oss_block, "gemma3": _gemma3_block}
+_ARCHS = {
+    "llama4": _Arch(_llama4_block, moe=True, qk_norm=False, bias=False, needs_window=False),
+    "gpt-oss": _Arch(_gpt_oss_block, moe=True, qk_norm=False, bias=True, needs_window=True),
+    "gemma3": _Arch(_gemma3_block, moe=False, qk_norm=True, bias=False, needs_window=False),
+}
 
 
 def tensors(s: dict[str, Any]) -> Tensors:
-    block = _BLOCKS[s["arch"]]
+    block = _ARCHS[s["arch"]].block
     out = embeddings(s)
     for il in range(s["n_layers"]):
         out += block(s, il, f"blk.{il}.")
     return out + output(s)
 
 
-LAYOUT = register(Layout(tuple(_BLOCKS), normalize, metadata, tensors, FIELDS,
+LAYOUT = register(Layout(tuple(_ARCHS), normalize, metadata, tensors, FIELDS,
                          source="src/models/llama4.cpp, openai-moe.cpp, gemma3.cpp"))

@@ -91,7 +91,8 @@ _DRY_RUN = textwrap.dedent("""
 
 
 def _run(script: str, path) -> dict:
-    r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", script, str(path)], check=False, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-3000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
 
