@@ -94,6 +94,20 @@ _KIMI_K2: dict[str, Any] = {
     "source": "moonshotai/Kimi-K2-Instruct config.json (DeepseekV3ForCausalLM; llama.cpp arch deepseek2)",
 }
 
+_DEEPSEEK_V2_LITE: dict[str, Any] = {
+    **_DEEPSEEK_V3, "name": "DeepSeek-V2-Lite",
+    "n_layers": 27, "n_embd": 2048, "n_head": 16, "n_ff": 10944, "vocab_size": 102400,
+    "q_lora_rank": 0, "n_expert": 64, "n_expert_used": 6, "expert_ff": 1408, "n_expert_shared": 2, "n_dense_lead": 1,
+    "expert_gating": "softmax", "expert_weights_scale": 1.0, "expert_weights_norm": False, "expert_probs_bias": False,
+    "n_expert_groups": 1, "n_group_used": 1, "rope_yarn_log_mul": 0.707,
+    "type": "q4_k_m", "types": ["q4_k_m", "q8_0", "bf16"],
+    "source": "deepseek-ai/DeepSeek-V2-Lite config.json (q_lora_rank null: a plain attn_q; the loader takes "
+              "27 blocks for \"lite\" and reads no q_lora_rank)",
+}
+# mradermacher's static DeepSeek-V2-Lite quants (https://huggingface.co/mradermacher/DeepSeek-V2-Lite-GGUF): Q2_K 6.43,
+# Q3_K_M 8.13, Q4_K_S 9.53, Q4_K_M 10.4, Q5_K_M 11.9, Q6_K 14.1, Q8_0 16.7 GB; this preset (+ ≈ 5 MB of header):
+# 6.44, 8.13, 9.54, 10.37, 11.85, 14.08, 16.70 GB, each within the 3-digit rounding but Q2_K's (+0.1 %).
+
 _QWEN3_30B_A3B: dict[str, Any] = {
     "arch": "qwen3moe", "name": "Qwen3-30B-A3B",
     "n_layers": 48, "n_embd": 2048, "n_head": 32, "n_head_kv": 4, "head_dim": 128,
@@ -173,6 +187,7 @@ MLA_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": _DEEPSEEK_V3,
     "deepseek-r1": {**_DEEPSEEK_V3, "name": "DeepSeek-R1", "source": "deepseek-ai/DeepSeek-R1 config.json (DeepSeek-V3's shape)"},
     "kimi-k2": _KIMI_K2,
+    "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "gpt-oss-20b": _GPT_OSS_20B,
     "gpt-oss-120b": _GPT_OSS_120B,

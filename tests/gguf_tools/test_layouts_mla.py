@@ -221,3 +221,13 @@ def test_rope_scaling_keys_as_the_converter_writes_them(tmp_path):
 def test_bad_family_fields_name_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         resolve_spec({**bad, "vocab_size": 1000})
+
+
+@pytest.mark.parametrize("ftype, published_gb", [
+    ("q2_k", 6.43), ("q3_k_s", 7.49), ("q3_k_m", 8.13), ("q4_k_s", 9.53), ("q4_k_m", 10.4), ("q5_k_m", 11.9),
+    ("q6_k", 14.1), ("q8_0", 16.7), ("f16", 31.4),
+])
+def test_deepseek_v2_lite_mixes_match_published_files(ftype, published_gb):
+    """https://huggingface.co/mradermacher/DeepSeek-V2-Lite-GGUF (static quants; sizes to 3 digits)."""
+    got = (sum(b for *_, b in plan_tensors(resolve_spec("deepseek-v2-lite"), ftype)) + 5_000_000) / 1e9
+    assert math.isclose(got, published_gb, rel_tol=0.005), got
