@@ -182,6 +182,9 @@ _GEMMA3_27B: dict[str, Any] = {
     "source": "google/gemma-3-27b-it config.json text_config (vocab 262208 trimmed to the tokenizer's 262144 by "
               "conversion/gemma.py)",
 }
+# mradermacher's static gemma-3-27b-it quants (https://huggingface.co/mradermacher/gemma-3-27b-it-GGUF): Q2_K 10.5,
+# Q3_K_M 13.4, Q4_K_S 15.7, Q4_K_M 16.5, Q5_K_M 19.3, Q6_K 22.2, Q8_0 28.7 GB; this preset (+ ≈ 6 MB of header):
+# 10.50, 13.44, 15.67, 16.55, 19.27, 22.17, 28.71 GB, each within the 3-digit rounding.
 
 MLA_PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": _DEEPSEEK_V3,

@@ -231,3 +231,13 @@ def test_deepseek_v2_lite_mixes_match_published_files(ftype, published_gb):
     """https://huggingface.co/mradermacher/DeepSeek-V2-Lite-GGUF (static quants; sizes to 3 digits)."""
     got = (sum(b for *_, b in plan_tensors(resolve_spec("deepseek-v2-lite"), ftype)) + 5_000_000) / 1e9
     assert math.isclose(got, published_gb, rel_tol=0.005), got
+
+
+@pytest.mark.parametrize("ftype, published_gb", [
+    ("q2_k", 10.5), ("q3_k_m", 13.4), ("q4_k_s", 15.7), ("q4_k_m", 16.5), ("q5_k_m", 19.3), ("q6_k", 22.2),
+    ("q8_0", 28.7),
+])
+def test_gemma3_27b_mixes_match_published_files(ftype, published_gb):
+    """https://huggingface.co/mradermacher/gemma-3-27b-it-GGUF (static quants; sizes to 3 digits)."""
+    got = (sum(b for *_, b in plan_tensors(resolve_spec("gemma-3-27b"), ftype)) + 6_000_000) / 1e9
+    assert math.isclose(got, published_gb, rel_tol=0.005), got
