@@ -31,10 +31,10 @@ FIELDS: Fields = {
 
 
 def normalize(s: dict[str, Any]) -> None:
-    moe = s["arch"].endswith("moe")
-    if moe and not (s["n_expert"] and s["expert_ff"] and 0 < s["n_expert_used"] <= s["n_expert"]):
+    experts = s["arch"].endswith("moe")
+    if experts and not (s["n_expert"] and s["expert_ff"] and 0 < s["n_expert_used"] <= s["n_expert"]):
         raise ValueError("an MoE spec needs n_expert, expert_ff and 0 < n_expert_used <= n_expert")
-    if not moe and (s["n_expert"] or not s["n_ff"]):
+    if not experts and (s["n_expert"] or not s["n_ff"]):
         raise ValueError(f"arch {s['arch']!r} is dense: give n_ff and no n_expert (use qwen3moe for experts)")
     if s["qk_norm"] is None:
         s["qk_norm"] = s["arch"] in ("qwen3", "qwen3moe")
