@@ -14,6 +14,8 @@ Follows llama.cpp ``src/models/deepseek2.cpp`` (load_arch_hparams, load_arch_ten
 Queries come through a low-rank ``attn_q_a`` → ``attn_q_a_norm`` → ``attn_q_b`` when ``q_lora_rank`` > 0 (V2, V3,
 Kimi-K2), else a plain ``attn_q`` (V2-Lite).  Blocks below ``n_dense_lead`` have a dense FFN, the rest routed
 experts with a shared expert (``gguf_tools.layouts.moe``); NextN/MTP blocks, when present, come last.
+``head_dim`` (qk_nope + qk_rope) and ``n_head_kv`` (1, or n_head in the legacy layout) are derived; values a
+spec gives for them are replaced.
 """
 
 from __future__ import annotations
