@@ -37,8 +37,8 @@ TINY = {
              "layer_pattern": "MM*M", "tied_embeddings": True},
     "mamba2": {"arch": "mamba2", **_MAMBA, "ssm_dt_rank": 4, "tied_embeddings": True},
 }
-TINY["qwen35-mtp"] = {**TINY["qwen35"], "n_nextn": 1}
-TINY["qwen3next-mtp"] = {**TINY["qwen3next"], "n_nextn": 1}
+TINY["qwen35-mtp"] = {**TINY["qwen35"], "nextn_layers": 1}
+TINY["qwen3next-mtp"] = {**TINY["qwen3next"], "nextn_layers": 1}
 # the prefix of KV (attention) and recurrent layers in each tiny spec
 _KV_LAYERS = {"qwen35": 1, "qwen35moe": 1, "qwen3next": 1, "granitehybrid": 1, "granitehybrid-moe": 1,
               "nemotron_h": 1, "lfm2": 1, "mamba2": 0, "qwen35-mtp": 1, "qwen3next-mtp": 1}
@@ -112,7 +112,7 @@ def test_preset_skeleton_passes_the_no_alloc_dry_run(tmp_path, preset):
 
 
 def test_mtp_blocks_follow_the_trunk(tmp_path):
-    spec = {**HYBRID_PRESETS["qwen3.5-35b-a3b"], "n_nextn": 1}
+    spec = {**HYBRID_PRESETS["qwen3.5-35b-a3b"], "nextn_layers": 1}
     path = write_skeleton(spec, tmp_path / "mtp.gguf")
     got = dry_run(path, n_ctx=256)
     assert got["loaded"] and got["context"], got.get("log")
@@ -186,7 +186,7 @@ def test_n_gqa_is_layer_zeros():
     ({**TINY["nemotron_h"], "n_expert": 4}, "no experts"),
     ({**TINY["qwen35"], "rope_sections": [2, 1, 1]}, "rope_sections"),
     ({**TINY["mamba2"], "ssm_inner": 1 << 30}, "more than any model"),
-    ({**TINY["lfm2"], "n_nextn": 1}, "MTP"),
+    ({**TINY["lfm2"], "nextn_layers": 1}, "MTP"),
 ])
 def test_bad_specs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
