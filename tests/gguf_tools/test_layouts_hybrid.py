@@ -21,24 +21,8 @@ from tests.support.llama_dry_run import dry_run
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-_DELTA = {"n_layers": 4, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 32,
-          "ssm_state": 16, "ssm_groups": 2, "ssm_dt_rank": 4}
-_MAMBA = {"n_layers": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "ssm_inner": 128, "ssm_state": 16, "ssm_dt_rank": 8}
-_MOE = {"n_expert": 4, "n_expert_used": 2, "expert_ff": 64, "shared_expert_ff": 64}
+from tests.support.tiny_archs import HYBRID as TINY  # noqa: E402
 
-TINY = {
-    "qwen35": {"arch": "qwen35", "n_ff": 256, "rope_sections": [2, 1, 1, 0], **_DELTA},
-    "qwen35moe": {"arch": "qwen35moe", "rope_sections": [2, 1, 1, 0], **_DELTA, **_MOE},
-    "qwen3next": {"arch": "qwen3next", **_DELTA, **_MOE},
-    "granitehybrid": {"arch": "granitehybrid", "n_ff": 128, "layer_pattern": "MM*M", **_MAMBA},
-    "granitehybrid-moe": {"arch": "granitehybrid", "layer_pattern": "M*MM", **_MAMBA, **_MOE, "expert_ff": 32},
-    "nemotron_h": {"arch": "nemotron_h", "n_ff": 128, "layer_pattern": "M-*-", **_MAMBA, "ssm_groups": 2},
-    "lfm2": {"arch": "lfm2", "n_layers": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_ff": 128,
-             "layer_pattern": "MM*M", "tied_embeddings": True},
-    "mamba2": {"arch": "mamba2", **_MAMBA, "ssm_dt_rank": 4, "tied_embeddings": True},
-}
-TINY["qwen35-mtp"] = {**TINY["qwen35"], "nextn_layers": 1}
-TINY["qwen3next-mtp"] = {**TINY["qwen3next"], "nextn_layers": 1}
 # the prefix of KV (attention) and recurrent layers in each tiny spec
 _KV_LAYERS = {"qwen35": 1, "qwen35moe": 1, "qwen3next": 1, "granitehybrid": 1, "granitehybrid-moe": 1,
               "nemotron_h": 1, "lfm2": 1, "mamba2": 0, "qwen35-mtp": 1, "qwen3next-mtp": 1}

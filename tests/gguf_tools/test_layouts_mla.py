@@ -22,33 +22,7 @@ from tests.support.ggufgen import write_tiny_arch
 
 pytest.importorskip("llama_cpp")
 
-_MLA = {"arch": "deepseek2", "n_embd": 128, "n_head": 4, "n_ff": 256, "n_expert": 4, "n_expert_used": 2,
-        "expert_ff": 64, "n_expert_shared": 1, "n_dense_lead": 1, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 32, "v_head_dim": 32, "expert_gating": "sigmoid", "expert_weights_norm": True,
-        "expert_weights_scale": 2.5, "expert_probs_bias": True}
-_MOE = {"n_expert": 4, "n_expert_used": 2, "expert_ff": 64}
-
-TINY = {
-    "deepseek2-mla-q-lora": {**_MLA, "n_layers": 3, "q_lora_rank": 64, "n_expert_groups": 2, "n_group_used": 1,
-                             "rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_scaling_orig_ctx": 128,
-                             "rope_yarn_log_mul": 1.0},
-    "deepseek2-mla-lite": {**_MLA, "n_layers": 2, "expert_gating": "softmax", "expert_probs_bias": False},
-    "deepseek2-legacy-kv-b": {**_MLA, "n_layers": 3, "q_lora_rank": 64, "mla_legacy": True},
-    "deepseek2-nextn": {**_MLA, "n_layers": 2, "q_lora_rank": 64, "nextn_layers": 1},
-    "glm4moe": {"arch": "glm4moe", "n_layers": 3, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 32,
-                "n_ff": 256, **_MOE, "n_expert_shared": 1, "n_dense_lead": 1, "nextn_layers": 1,
-                "expert_gating": "sigmoid", "expert_weights_norm": True, "expert_weights_scale": 1.0,
-                "n_expert_groups": 1, "n_group_used": 1},
-    "llama4": {"arch": "llama4", "n_layers": 4, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "n_ff": 256, **_MOE,
-               "n_expert_used": 1, "moe_every": 2, "rope_freqs": True},
-    "gpt-oss": {"arch": "gpt-oss", "n_layers": 2, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 32,
-                "n_ff": 64, **_MOE, "sliding_window": 16, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
-                "rope_scaling_orig_ctx": 64},
-    "gemma3": {"arch": "gemma3", "n_layers": 3, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 32,
-               "n_ff": 256, "sliding_window": 16, "rope_freq_base_swa": 10000.0, "tied_embeddings": True,
-               "rope_scaling": "linear", "rope_scaling_factor": 8.0},
-    "qwen3moe": {"arch": "qwen3moe", "n_layers": 2, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "n_ff": 256, **_MOE},
-}
+from tests.support.tiny_archs import ATTENTION as TINY  # noqa: E402
 
 _DECODE = textwrap.dedent("""
     import json, sys
