@@ -154,15 +154,7 @@ def glm4moe_metadata(s: dict[str, Any]) -> Metadata:
 
 def glm4moe_tensors(s: dict[str, Any]) -> Tensors:
     """GLM-4.5: blocks 0..n_dense_lead-1 dense, the rest MoE; the NextN blocks (full MoE blocks + nextn.*) last."""
-    e = s["n_embd"]
-    out = embeddings(s)
-    for il in range(moe.block_count(s)):
-        b = f"blk.{il}."
-        out += attention_tensors(s, b) + [(b + "post_attention_norm.weight", (e,))]
-        out += moe.dense_ffn(e, s["n_ff"], b) if il < s["n_dense_lead"] else moe.expert_ffn(s, b)
-        if il >= s["n_layers"]:
-            out += moe.nextn_tensors(s, b)
-    return out + output(s)
+    return embeddings(s) + moe.decoder_blocks(s, attention_tensors, "post_attention_norm") + output(s)
 
 
 LAYOUT = register(Layout(("llama", "qwen2", "qwen3", "qwen3moe"), normalize, base_metadata, tensors, FIELDS,

@@ -103,15 +103,7 @@ def attention_tensors(s: dict[str, Any], b: str) -> Tensors:
 
 
 def tensors(s: dict[str, Any]) -> Tensors:
-    e = s["n_embd"]
-    out = embeddings(s)
-    for il in range(moe.block_count(s)):
-        b = f"blk.{il}."
-        out += attention_tensors(s, b) + [(b + "ffn_norm.weight", (e,))]
-        out += moe.dense_ffn(e, s["n_ff"], b) if il < s["n_dense_lead"] else moe.expert_ffn(s, b)
-        if il >= s["n_layers"]:
-            out += moe.nextn_tensors(s, b)
-    return out + output(s)
+    return embeddings(s) + moe.decoder_blocks(s, attention_tensors) + output(s)
 
 
 LAYOUT = register(Layout(("deepseek2",), normalize, metadata, tensors, FIELDS,

@@ -98,3 +98,16 @@ def expert_ffn(s: dict[str, Any], b: str, n_shared: int | None = None) -> Tensor
 
 def nextn_tensors(s: dict[str, Any], b: str) -> Tensors:
     return [(b + name, shape(s["n_embd"], s["vocab_size"])) for name, shape in NEXTN.items()]
+
+
+def decoder_blocks(s: dict[str, Any], attention, ffn_norm: str = "ffn_norm") -> Tensors:
+    """Every block of a MoE decoder (deepseek2, glm4moe): ``attention(s, prefix)``, the FFN norm, a dense FFN in
+    blocks 0..n_dense_lead-1 and the experts in the rest, and the NextN blocks last with their ``nextn.*``."""
+    e, out = s["n_embd"], []
+    for il in range(block_count(s)):
+        b = f"blk.{il}."
+        out += attention(s, b) + [(b + f"{ffn_norm}.weight", (e,))]
+        out += dense_ffn(e, s["n_ff"], b) if il < s["n_dense_lead"] else expert_ffn(s, b)
+        if il >= s["n_layers"]:
+            out += nextn_tensors(s, b)
+    return out
