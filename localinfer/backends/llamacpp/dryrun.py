@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from localinfer.backends.memory import MemoryBreakdown, Term
 from localinfer.errors import BackendUnavailableError, DryRunError, UsageError
 
 MiB = 1 << 20
@@ -207,11 +208,11 @@ def run_jobs(jobs: list[DryRunJob], timeout: float = DEFAULT_TIMEOUT) -> list[li
     answers = {(x["job"], x["request"]): x for x in lines if "request" in x}
     tail = [x for x in stderr.strip().splitlines() if x.strip()][-4:]
     if timed_out:
-        gone = DryRunError(f"llama.cpp's dry run ran past {timeout:g} s", reason="timeout", log=tuple(tail),
+        gone = DryRunError(f"llama.cpp's dry run ran past {timeout:g} s", reason="timeout", log=tuple(tail), refusal="",
                            hint="a larger timeout, or a smaller model")
     else:
         gone = DryRunError(f"llama.cpp's dry run exited with status {proc.returncode}"
-                           + (f": {tail[-1].strip()}" if tail else ""), reason="crashed", log=tuple(tail),
+                           + (f": {tail[-1].strip()}" if tail else ""), reason="crashed", log=tuple(tail), refusal="",
                            returncode=proc.returncode, hint="LOCALINFER_DEBUG=1 shows more; llama.cpp aborted")
     out: list[list] = []
     for i, job in enumerate(jobs):
@@ -220,19 +221,55 @@ def run_jobs(jobs: list[DryRunJob], timeout: float = DEFAULT_TIMEOUT) -> list[li
         for j, req in enumerate(job.requests):
             ans = answers.get((i, j))
             if load is not None and not load["loaded"]:
-                row.append(DryRunError(f"llama.cpp cannot load {Path(job.path).name}: {_refusal(load['error'])}",
+                why = _refusal(load["error"])
+                row.append(DryRunError(f"llama.cpp cannot load {Path(job.path).name}: {why}", refusal=why,
                                        reason="refused", path=str(job.path), log=tuple(load["error"]),
                                        hint="llama.cpp does not know this file's architecture or tensors"))
             elif ans is None:
                 row.append(gone)
             elif not ans["ok"]:
-                row.append(DryRunError(f"llama.cpp cannot create the context: {_refusal(ans['error'])}",
-                                       reason="context", path=str(job.path), log=tuple(ans["error"]),
-                                       request=req))
+                why = _refusal(ans["error"])
+                row.append(DryRunError(f"llama.cpp cannot create the context: {why}", refusal=why,
+                                       reason="context", path=str(job.path), log=tuple(ans["error"]), request=req))
             else:
                 row.append(parse_result(req, ans["buffers"], ans["log"]))
         out.append(row)
     return out
+
+
+def _host_buffer(name: str) -> bool:
+    return name.startswith("CPU") or name.endswith("_Host")
+
+
+def to_breakdown(result: DryRunResult, device, *, mmap: bool = False) -> MemoryBreakdown:
+    """A MemoryBreakdown of llama.cpp's own plan, one term per buffer type and kind, for ``device`` (this machine):
+    host buffers (CPU*, *_Host) go to the host pool of a discrete device, the rest to the device."""
+    unified = device.unified or device.kind == "cpu"
+
+    def pool(name: str) -> str:
+        return "device" if unified or not _host_buffer(name) else "host"
+
+    src = "llama.cpp dry run, llama_get_memory_breakdown"
+    terms = []
+    for b in result.buffers:
+        for key, label, nbytes, how in (
+                ("weights", f"weights ({b.name})", b.weights, "model column"),
+                ("kv", "KV cache", b.kv, "context column" + ("" if result.exact_split else " less the RS buffer")),
+                ("state", "recurrent state", b.state, "RS buffer" + ("" if result.exact_split else
+                                                                      " (log, MiB with two decimals)")),
+                ("compute", "compute buffer", b.compute, "compute column")):
+            if nbytes:
+                suffix = {"weights": "model", "kv": "KV", "state": "RS", "compute": "compute"}[key]
+                terms.append(Term(key, label, nbytes, pool(b.name), f"{src}: {how}", f"{b.name} {suffix}"))
+    if result.output:
+        name = result.output_buffer or "CPU"
+        terms.append(Term("output", "output buffer (logits)", result.output, pool(name),
+                          "llama.cpp's log: output buffer size (MiB, two decimals)", f"{name} output"))
+    notes = []
+    if mmap:
+        notes.append("llama.cpp's dry run reads no weights, so it plans them as loaded without mmap (-lm none); "
+                     "with mmap the CPU model buffer is the file mapping instead")
+    return MemoryBreakdown(tuple(terms), unified, tuple(notes))
 
 
 def dry_run(path: str | os.PathLike, requests, *, timeout: float = DEFAULT_TIMEOUT, n_gpu_layers: int = -1,
