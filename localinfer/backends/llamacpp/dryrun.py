@@ -181,6 +181,10 @@ def _refusal(errors: list[str]) -> str:
     return reason or (lines[-1] if lines else "no message")
 
 
+def _child_argv() -> list[str]:
+    return [sys.executable, "-m", CHILD]
+
+
 def _child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH")) if p)
@@ -194,7 +198,7 @@ def run_jobs(jobs: list[DryRunJob], timeout: float = DEFAULT_TIMEOUT) -> list[li
                                       hint="pip install llama-cpp-python, or drop --dry-run")
     payload = json.dumps([{"path": str(j.path), "n_gpu_layers": j.n_gpu_layers, "repack": j.repack,
                            "mmap": j.mmap, "requests": [r.payload() for r in j.requests]} for j in jobs])
-    proc = subprocess.Popen([sys.executable, "-m", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_child_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_child_env())
     timed_out = False
     try:
