@@ -80,6 +80,21 @@ def test_a_skeleton_dry_runs_with_fits_weights(tmp_path):
 
 
 @needs_llama
+def test_a_recurrent_models_state_is_exact_and_equals_fits(tmp_path):
+    """Mamba2: no KV, the RS buffer alone in the context column (exact), one r and s row per sequence."""
+    from tests.support.ggufgen import write_tiny_mamba2
+
+    path = write_tiny_mamba2(tmp_path / "m2.gguf")
+    reqs = [FitRequest(n_ctx=512, n_seq=n, mmap=False) for n in (1, 4)]
+    results = dry_run(path, reqs)
+    for req, got in zip(reqs, results):
+        want = predicted(path, req)
+        assert got.exact_split and got.kv == 0 and got.state == want.state > 0
+        assert got.weights == want.weights
+    assert results[1].state == 4 * results[0].state
+
+
+@needs_llama
 def test_a_file_llama_cpp_refuses_is_a_typed_error_with_its_message(refused):
     with pytest.raises(DryRunError) as info:
         dry_run(refused, [DryRunRequest(512)])

@@ -310,3 +310,55 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_mamba2(path: str | Path, *, n_layers: int = 2, n_embd: int = 128, d_inner: int = 256,
+                      d_state: int = 16, n_group: int = 1, dt_rank: int = 8, d_conv: int = 4, seed: int = 0) -> Path:
+    """A random-weight Mamba2 (recurrent only: no KV cache, an r and s state row per sequence) with the tensors
+    llama.cpp's src/models/mamba2.cpp asks for, and the byte-level vocabulary."""
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    tokens, types, merges = byte_level_vocab()
+    w = GGUFWriter(str(path), "mamba2")
+    w.add_name("tiny-mamba2")
+    w.add_block_count(n_layers)
+    w.add_context_length(1 << 20)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_head_count_kv(0)
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+    w.add_ssm_group_count(n_group)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+
+    def add(name: str, *ne: int) -> None:          # ne: llama.cpp's order, ne0 first
+        w.add_tensor(name, (0.05 * rng.standard_normal(ne[::-1])).astype(np.float32))
+
+    conv = d_inner + 2 * n_group * d_state
+    add("token_embd.weight", n_embd, len(tokens))
+    add("output_norm.weight", n_embd)
+    for il in range(n_layers):
+        p = f"blk.{il}."
+        add(p + "attn_norm.weight", n_embd)
+        add(p + "ssm_in.weight", n_embd, d_inner + conv + dt_rank)
+        add(p + "ssm_conv1d.weight", d_conv, conv)
+        add(p + "ssm_conv1d.bias", conv)
+        add(p + "ssm_dt.bias", dt_rank)
+        add(p + "ssm_a", 1, dt_rank)
+        add(p + "ssm_d", 1, dt_rank)
+        add(p + "ssm_norm.weight", d_inner // n_group, n_group)
+        add(p + "ssm_out.weight", d_inner, n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
