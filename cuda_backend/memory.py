@@ -162,6 +162,17 @@ class TorchMemory(OwnTensorsMemory):
     blocks = f"{TORCH_BLOCK_TOKENS}-token blocks"
     default_dtype = staticmethod(default_dtype)
 
+    def refuses(self, spec: ModelSpec) -> str | None:
+        """Why the torch engine cannot run ``spec`` (cuda_backend.support's checks), or None."""
+        from cuda_backend.support import check_model
+        from localinfer.errors import UnsupportedModelError
+
+        try:
+            check_model(spec)
+        except UnsupportedModelError as exc:
+            return exc.message + (f"; {exc.hint}" if exc.hint else "")
+        return None
+
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """CUDA or the CPU: there is no Metal (mps) path, so on a Mac it runs on the CPU (same unified memory)."""
         if kind == "metal":

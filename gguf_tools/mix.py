@@ -46,7 +46,10 @@ _FLOAT_FTYPES = {"f32", "f16", "bf16"}
 # When a row length is not a multiple of the target's block size.
 _FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
-_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "pos_embd", "token_types", "ssm_conv1d", "rope_freqs")
+# llama-quant.cpp tensor_allows_quantization: besides these, only 2-D+ tensors whose name ends in "weight" are
+# quantized, so ssm_a, ssm_d and ssm_dt.bias (no .weight suffix) stay F32 as well
+_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "pos_embd", "token_types", "ssm_conv1d", "rope_freqs",
+                  "shortconv.conv.weight")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -96,12 +99,33 @@ def _block(t: T) -> int:
     return GGML_QUANT_SIZES[t][0]
 
 
-def _rule(name: str, shape: tuple[int, ...], ft: str, default: T, m: ModelShape, tied: bool) -> T:
-    """The type llama-quantize's standard mixture picks before shape fallbacks."""
-    cat = _category(name)
+def _layer(name: str) -> int:
     match = _LAYER.match(name)
-    il = int(match.group(1)) if match else 0
-    n = m.n_layers
+    return int(match.group(1)) if match else -1
+
+
+def _positions(tensors: list[tuple[str, tuple[int, ...]]], m: ModelShape) -> dict[str, tuple[int, int]]:
+    """(i, n) that llama-quantize's counters give the attn_v-like tensors and, without experts, ffn_down.
+
+    llama-quant.cpp counts attn_v/attn_qkv/attn_kv_b tensors (i_attention_wv of n_attention_wv) and, unless
+    the model has experts, ffn_down tensors (i_ffn_down of n_layer) in the loader's order, sorted by layer
+    then name (llama-model-loader.h weight_name_comparer).  In a hybrid only some layers hold them, so the
+    counter is not the layer index.
+    """
+    ordered = sorted((n for n, _ in tensors), key=lambda n: (_layer(n), n))
+    attn_v = [n for n in ordered if _category(n) in ("attn_v", "attn_qkv", "attn_kv_b")]
+    out = {n: (i, len(attn_v)) for i, n in enumerate(attn_v)}
+    if m.n_expert <= 1:
+        down = [n for n in ordered if _category(n) == "ffn_down"]
+        out.update({n: (i, m.n_layers) for i, n in enumerate(down)})
+    return out
+
+
+def _rule(name: str, shape: tuple[int, ...], ft: str, default: T, m: ModelShape, tied: bool,
+          at: tuple[int, int] | None = None) -> T:
+    """The type llama-quantize's standard mixture picks before shape fallbacks (``at``: see _positions)."""
+    cat = _category(name)
+    il, n = at or (max(_layer(name), 0), m.n_layers)
     if cat == "output" or (tied and cat == "token_embd"):
         if shape[0] % _block(default):
             return T.Q8_0
@@ -168,6 +192,7 @@ def choose_types(
     default = FTYPES[ft][1]
     tied = not any(name == "output.weight" for name, _ in tensors)
     compiled = [(re.compile(p), _override_type(p, t)) for p, t in overrides]
+    at = _positions(tensors, model)
     out = []
     for name, shape in tensors:
         if name == "rope_freqs.weight":
@@ -180,7 +205,7 @@ def choose_types(
             out.append(T.F32)
             continue
         forced = next((t for rx, t in compiled if rx.search(name)), None)
-        t = forced if forced is not None else _rule(name, shape, ft, default, model, tied)
+        t = forced if forced is not None else _rule(name, shape, ft, default, model, tied, at.get(name))
         out.append(_fallback(name, shape[0], t))
     return out
 

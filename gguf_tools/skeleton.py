@@ -152,7 +152,11 @@ def plan_tensors(spec: dict[str, Any], type: str | None = None) -> list[tuple[st
     """(name, shape, GGML type, bytes) of every tensor of a normalized spec in file type ``type``."""
     ftype = parse_ftype(type or spec["type"])
     shapes = tensor_shapes(spec)
-    shape = ModelShape(spec["n_layers"], spec["n_head"], spec["n_head_kv"], spec["n_expert"])
+    layout = layout_for(spec["arch"])
+    # llama-quantize counts n_layer_all layers (MTP blocks included) and reads layer 0's n_gqa() (llama-hparams.cpp),
+    # 0 where layer 0 holds no KV
+    kv = layout.head_kv_layers(spec) if layout.head_kv_layers else [spec["n_head_kv"]] * spec["n_layers"]
+    shape = ModelShape(len(kv), spec["n_head"], kv[0], spec["n_expert"])
     types = choose_types(shapes, ftype, shape, overrides=[tuple(o) for o in spec["overrides"]])
     return [(n, sh, t, tensor_bytes(t, math.prod(sh))) for (n, sh), t in zip(shapes, types, strict=True)]
 

@@ -30,6 +30,8 @@ class Layout:
     tensors: Callable[[dict[str, Any]], Tensors]
     fields: Fields = field(default_factory=dict)   # spec fields the family adds
     source: str = ""                               # the llama.cpp sources it follows
+    # KV heads per layer where they vary (hybrids: 0 on recurrent layers); None: n_head_kv on every layer
+    head_kv_layers: Callable[[dict[str, Any]], list[int]] | None = None
 
 
 _LAYOUTS: dict[str, Layout] = {}

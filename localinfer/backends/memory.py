@@ -227,6 +227,8 @@ class BackendMemory(Protocol):
 
     def runs_on(self, kind: str) -> tuple[str, str | None]: ...
 
+    def refuses(self, spec: ModelSpec) -> str | None: ...     # why it cannot run this model (None: it can)
+
     def breakdown(self, spec: ModelSpec, device: Any, req: FitRequest) -> tuple[MemoryBreakdown, Any]: ...
 
     def kv_bytes(self, spec: ModelSpec, n_tokens: int, type_k: str = "f16", type_v: str = "f16", *,
@@ -274,6 +276,10 @@ class OwnTensorsMemory:
     splits = False
     speed_modelled = False
     blocks = ""
+
+    def refuses(self, spec: ModelSpec) -> str | None:
+        """Why the engine cannot run ``spec``; the default: it runs what it loads (torch and mlx say more)."""
+        return None
 
     def slot_cells(self, n_tokens: int) -> int:
         return n_tokens

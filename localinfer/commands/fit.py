@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layers on the accelerator, the output layer counted as one and offloaded first, as llama.cpp "
                              "(-1: all, the default)")
     parser.add_argument("-ub", "--ubatch", type=int, default=512, metavar="N", help="llama.cpp -ub (default 512)")
+    parser.add_argument("--swa-full", action="store_true",
+                        help="full-size caches for sliding-window layers, as llama.cpp's --swa-full (llama-cpp-python's "
+                             "Llama() defaults to it; llama-server does not)")
     from localinfer.backends.registry import DEFAULT_BACKEND, names
 
     parser.add_argument("--backend", default=DEFAULT_BACKEND, metavar="NAME",
@@ -107,7 +110,7 @@ def _request(args, spec):
                          flag="--dtype", hint="add --backend torch or --backend mlx, or drop --dtype")
     return FitRequest(n_ctx=ctx, n_seq=args.parallel, type_k=type_k, type_v=type_v, flash_attn=fa,
                       n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend, dtype=args.dtype,
-                      **load_mode(args))
+                      swa_full=args.swa_full, **load_mode(args))
 
 
 def load_mode(args) -> dict:

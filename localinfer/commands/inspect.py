@@ -69,6 +69,17 @@ def _model_json(spec) -> dict:
     for k in ("n_head", "n_head_kv", "n_ff"):
         v = getattr(spec, k)
         d[k] = v[0] if len(set(v)) == 1 else list(v)
+    from localinfer.model.kv import attention_layers, kv_bytes_per_token, recurrent_state_bytes
+
+    d["rules"] = spec.rules
+    d["kv_layers"] = attention_layers(spec)
+    d["kv_bytes_per_token_f16"] = kv_bytes_per_token(spec)
+    d["recurrent_layers"] = list(spec.recurrent_layers)
+    d["recurrent_state_bytes_per_sequence"] = recurrent_state_bytes(spec, 1)
+    d["mla"] = None if spec.mla is None else dict(spec.mla.__dict__)
+    d["swa_kind"] = spec.swa_kind
+    d["swa_layers"] = [il for il in range(spec.n_layers) if spec.swa_layers[il]] if spec.has_swa else []
+    d["nextn_layers"] = spec.n_layer_nextn
     d["missing"] = list(spec.missing)
     return d
 
@@ -88,6 +99,30 @@ def _as_json(header, spec, acc, active, tensors: bool) -> dict:
         out["tensors"] = [{"name": t.name, "type": t.type.name, "shape": list(t.shape), "n_bytes": t.n_bytes,
                            "offset": t.file_offset} for t in header.tensors]
     return out
+
+
+def cache_text(spec) -> str:
+    """What one token and one sequence cost in llama.cpp's caches, by the family's rule (f16 KV)."""
+    from localinfer.model.kv import attention_layers, kv_bytes_per_token, recurrent_state_bytes
+    from localinfer.units import fmt_bytes
+
+    attn = attention_layers(spec)
+    parts = [f"{spec.rules} rules ({spec.rules_source or 'generic'})",
+             f"KV in {len(attn)} of {spec.n_layers} layers, {kv_bytes_per_token(spec):,} B per token (f16)"]
+    if spec.mla is not None and spec.rules == "mla":
+        parts.append(f"MLA latent {spec.mla.kv_lora_rank} + rope {spec.mla.n_rot} per token, no V; "
+                     f"q_lora_rank {spec.mla.q_lora_rank or 'none'}")
+    if spec.has_recurrent:
+        r, s = spec.rs_dims
+        parts.append(f"recurrent state in {len(spec.recurrent_layers)} layers: r {r:,} + s {s:,} values (F32), "
+                     f"{fmt_bytes(recurrent_state_bytes(spec, 1))} per sequence")
+    if spec.sliding_window and spec.has_swa:
+        n = sum(1 for il in attn if spec.swa_layers[il])
+        parts.append(f"{spec.swa_kind or 'sliding'} window {spec.sliding_window} in {n} layers, "
+                     f"full attention in {len(attn) - n}")
+    if spec.n_layer_nextn:
+        parts.append(f"{spec.n_layer_nextn} NextN/MTP layer(s) skipped ({fmt_bytes(spec.skipped_bytes)}, not loaded)")
+    return "; ".join(parts)
 
 
 def _heads(v: tuple[int, ...]) -> str:
@@ -124,13 +159,18 @@ def _model_lines(add, spec, ftype, acc, active, header) -> None:
 
     add(f"model       {safe_text(spec.name, 80)}  (arch {safe_text(spec.arch, 40)}"
         + (f", file type {_ftype_name(ftype)}" if isinstance(ftype, int) else "") + ")")
-    arch = (f"layers {spec.n_layers}, embd {spec.n_embd}, heads {_heads(spec.n_head)}/{_heads(spec.n_head_kv)} "
-            f"(head dim {spec.head_dim_k}), ffn {_heads(spec.n_ff)}")
+    if spec.mla is not None and spec.rules == "mla":
+        heads = (f"heads {_heads(spec.n_head)} (q/k head {spec.mla.head_dim_k}, v head {spec.mla.head_dim_v}; "
+                 f"MLA: one latent KV head)")
+    else:
+        heads = (f"heads {_heads(spec.n_head)}/{_heads(spec.n_head_kv)} (head dim {spec.head_dim_k}"
+                 + (f", v {spec.head_dim_v}" if spec.head_dim_v != spec.head_dim_k else "") + ")")
+    arch = f"layers {spec.n_layers}, embd {spec.n_embd}, {heads}, ffn {_heads(spec.n_ff)}"
     if spec.n_expert:
         arch += f", experts {spec.n_expert} ({spec.n_expert_used} used, ffn {spec.expert_ff})"
     add(f"shape       {arch}")
-    add(f"context     {spec.n_ctx_train:,} (training), vocab {spec.vocab_size:,}"
-        + (f", sliding window {spec.sliding_window}" if spec.sliding_window else ""))
+    add(f"context     {spec.n_ctx_train:,} (training), vocab {spec.vocab_size:,}")
+    add(f"cache       {cache_text(spec)}")
     params = f"{acc.n_params:,} ({acc.n_params / 1e9:.2f} B)"
     if active is not None:
         params += f"; {active / 1e9:.2f} B active per token"

@@ -153,11 +153,11 @@ def _build_cost(spec: ModelSpec) -> ModelCost:
         dense += embd.n_bytes               # tied embeddings: the head reads the whole table
     pair_flops, windows, elems = [], [], []
     for il in range(spec.n_layers):
-        hq = spec.n_head[il]
+        hq = spec.n_head[il] if spec.kv_dims[il] != (0, 0) else 0     # recurrent layers attend to nothing
         pair_flops.append(2 * hq * (spec.head_dim_k + spec.head_dim_v) if hq else 0)
         swa = spec.has_swa and spec.swa_layers[il]
         windows.append(spec.sliding_window if swa else None)
-        ek, ev = spec.kv_elements_per_token(il) if spec.n_head_kv[il] else (0, 0)
+        ek, ev = spec.kv_elements_per_token(il)
         elems.append((ek, ev))
     return ModelCost(
         name=spec.name,

@@ -290,7 +290,7 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
         fits = False
         reason = (f"the device part fits but the host needs {fmt_bytes(bd.host_bytes)} of "
                   f"{fmt_bytes(device.host_memory_bytes)}")
-    why = unsupported(device, req)
+    why = model.refuses(spec) or unsupported(device, req)
     if why:
         fits, reason = False, why
     result = FitResult(spec.name, device, req, bd, cells, usable, fits, reason,

@@ -22,8 +22,11 @@ def fit_json(spec, req, results) -> dict:
                   "nextn_layers_skipped": spec.n_layer_nextn, "skipped_bytes": spec.skipped_bytes,
                   "weight_bytes": spec.weight_bytes, "file_size": spec.file_size, "n_ctx_train": spec.n_ctx_train,
                   "kv_bytes_per_token": kv_bytes_per_token(spec, req.type_k, req.type_v),
-                  "kv_bytes_per_token_formula": "Σ cache layers row_bytes(type_k, K values per cell) + "
-                                                "row_bytes(type_v, V values per cell)",
+                  "kv_bytes_per_token_formula": (
+                      "Σ layers row_bytes(type_k, n_head_kv·head_dim_k) + row_bytes(type_v, n_head_kv·head_dim_v)"
+                      if spec.rules in ("attention", "generic") else
+                      f"Σ cache layers row_bytes(type_k, K values per cell) + row_bytes(type_v, V values per cell) "
+                      f"({spec.rules} rules: {spec.rules_source})"),
                   "recurrent_state_bytes_per_sequence": recurrent_state_bytes(spec, 1),
                   "missing": list(spec.missing)},
         "request": dict(req.__dict__),
@@ -50,7 +53,10 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
     fa = {True: "on", False: "off", None: "auto"}[req.flash_attn]
     head = (f"{safe_text(spec.name, None)}  ({spec.arch}, {layers_text(spec)}, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
             f"request: {req.n_ctx} tokens × {req.n_seq} sequence(s), KV {req.type_k}/{req.type_v}, "
-            f"flash attention {fa}, backend {req.backend}")
+            f"flash attention {fa}, backend {req.backend}"
+            + (f", {spec.swa_kind} window {spec.sliding_window} "
+               + ("at full size (--swa-full)" if req.swa_full else "cached for window + ubatch (--swa-full: full size)")
+               if spec.has_swa else ""))
     kv_head = "KV+state" if spec.has_recurrent else "KV"
     cols = f"{'device':<22}{'usable':>10}{'weights':>11}{kv_head:>10}{'compute':>10}{'left':>11}  {'fits':<5}{'max ctx':>8}{'max par':>8}"
     lines = [head, "", cols, "-" * len(cols)]

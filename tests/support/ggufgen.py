@@ -261,6 +261,14 @@ def write_not_a_model(path: str | Path, kind: str) -> Path:
     return path
 
 
+# SSM parameters whose sign or scale matters for a stable recurrence (the converter stores A = -exp(A_log))
+_SSM_INIT = {
+    "ssm_a": lambda noise: -(0.5 + np.abs(noise)),   # negative decay
+    "ssm_d": lambda noise: 1.0 + noise,               # skip connection near 1
+}
+_KEPT_F32 = ("ssm_conv1d", "shortconv.conv")          # llama-quantize never quantizes the small conv kernels
+
+
 def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
                     seed: int = 0, extra_kv: dict | None = None) -> Path:
     """A random-weight model of any architecture ``gguf_tools.layouts`` knows, that llama.cpp loads and decodes.
@@ -268,7 +276,8 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     ``spec`` is a skeleton spec dict (``gguf_tools.skeleton.SPEC_FIELDS``) with tiny sizes; ``vocab_size`` is
     replaced by the byte-level vocabulary's (259 tokens), so any text tokenizes.  Metadata and tensor names and
     shapes are the layout's (what llama.cpp's converter writes); 1-D tensors and norms are F32 near 1 (norms) or
-    small (biases, SSM parameters), matrices random in ``qtype`` (F32 where the type's blocks do not divide a row).
+    small (biases), SSM A negative and D near 1, conv kernels F32, the other matrices random in ``qtype`` (F32
+    where the type's blocks do not divide a row).
     """
     from gguf import GGML_QUANT_SIZES
 
@@ -295,13 +304,15 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     for key, value in (extra_kv or {}).items():
         w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else w.add_string(key, value)
     for name, shape in layout.tensors(s):
-        if len(shape) == 1 or "norm" in name:
-            n = int(np.prod(shape))
-            base = 1.0 if "norm" in name else 0.0
-            data = (base + 0.1 * rng.standard_normal(n)).astype(np.float32).reshape(shape[::-1])
-            w.add_tensor(name, data)
+        n = int(np.prod(shape))
+        init = next((f for suffix, f in _SSM_INIT.items() if name.endswith(suffix)), None)
+        if init is not None or len(shape) == 1 or "norm" in name:
+            noise = 0.1 * rng.standard_normal(n)
+            data = init(noise) if init is not None else (1.0 if "norm" in name else 0.0) + noise
+            w.add_tensor(name, data.astype(np.float32).reshape(shape[::-1]))
             continue
-        qt = qtype if shape[0] % GGML_QUANT_SIZES[qtype][0] == 0 else GGMLQuantizationType.F32
+        small = shape[0] % GGML_QUANT_SIZES[qtype][0] or any(k in name for k in _KEPT_F32)
+        qt = GGMLQuantizationType.F32 if small else qtype
         std = 1.0 if name.startswith("token_embd") else 0.05
         data, raw = random_tensor(rng, shape, qt, std)
         w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)

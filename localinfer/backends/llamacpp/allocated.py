@@ -15,10 +15,10 @@ import re
 from localinfer.backends.memory import MemoryBreakdown
 from localinfer.backends.split import SplitBreakdown
 
-KINDS = ("weights", "kv", "compute")
+KINDS = ("weights", "kv", "state", "compute")     # state: a hybrid's recurrent state ("RS buffer")
 HOST = "CPU"
-_BUF = re.compile(r"(\S+) (model|KV|compute) buffer size\s*=\s*([0-9]+(?:\.[0-9]+)?) MiB")
-_KIND = {"model": "weights", "KV": "kv", "compute": "compute"}
+_BUF = re.compile(r"(\S+) (model|KV|RS|compute) buffer size\s*=\s*([0-9]+(?:\.[0-9]+)?) MiB")
+_KIND = {"model": "weights", "KV": "kv", "RS": "state", "compute": "compute"}
 
 
 def buffer_device(name: str) -> str:
@@ -45,9 +45,9 @@ def reported_by_buffer(lines) -> dict[str, dict[str, int]]:
 def predicted_split(sb: SplitBreakdown) -> list[dict]:
     """A row per device of the split, then the host's (input layer, layers left on the CPU, its compute buffer)."""
     rows = [{"device": d.name, "layers": list(d.layers), "output": d.output,
-             "predicted": {"weights": d.weights, "kv": d.kv, "compute": d.compute}} for d in sb.devices]
+             "predicted": {"weights": d.weights, "kv": d.kv, "state": 0, "compute": d.compute}} for d in sb.devices]
     rows.append({"device": HOST, "predicted": {"weights": sum(sb.host_weights.values()), "kv": sb.host_kv,
-                                               "compute": sb.host_compute}})
+                                               "state": 0, "compute": sb.host_compute}})
     return rows
 
 

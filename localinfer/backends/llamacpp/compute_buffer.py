@@ -28,6 +28,10 @@ _INPLACE = {"SCALE", "ADD", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX
 _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
 VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+# other families' graph builders: module (in this package) -> the architectures whose graph it builds
+_FAMILY_GRAPHS = {"graph_mla": ("deepseek2",), "graph_hybrid": ("qwen35", "qwen35moe", "qwen3next", "granitehybrid",
+                                                                "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe",
+                                                                "mamba", "mamba2")}
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,25 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     return g
 
 
+def graph_builder(spec: ModelSpec):
+    """(build, layers, verified): the function that builds ``spec``'s graph (``_llama_graph``'s signature), the
+    layers it is built over, and whether it was checked against llama.cpp.  A family module registers its
+    builder as ``GRAPH`` (with ``VERIFIED``) and the architectures it covers in ``_FAMILY_GRAPHS``."""
+    import importlib
+
+    for module, archs in _FAMILY_GRAPHS.items():
+        if spec.arch in archs:
+            try:
+                mod = importlib.import_module(f"{__package__}.{module}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{__package__}.{module}":
+                    raise
+                break
+            return mod.GRAPH, tuple(range(spec.n_layers)), spec.arch in getattr(mod, "VERIFIED", ())
+    layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
+    return _llama_graph, _replay_layers(spec, layers), spec.arch in VERIFIED_ARCHS
+
+
 def _replay(g: _Graph, align: int, sizes: list[int]) -> int:
     """ggml_gallocr over the graph on one backend: the arena's high-water mark in bytes."""
     return replay([align], g.leafs, g.nodes, [0] * len(sizes), g.flags, g.src, g.view_src, sizes, g.layout,
@@ -279,9 +302,10 @@ def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs
     key = ("graph", layers, n_ubatch, n_outputs, flash_attn, type_k, type_v)
     if key not in memo:
         args = (n_ubatch, n_outputs, flash_attn)
-        g0 = _llama_graph(spec, list(layers), _BIG, *args, _BIG, type_k, type_v)
-        g1 = _llama_graph(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v)
-        g2 = _llama_graph(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v)
+        build = graph_builder(spec)[0]
+        g0 = build(spec, list(layers), _BIG, *args, _BIG, type_k, type_v)
+        g1 = build(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v)
+        g2 = build(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v)
         coef = [(s0 - (s1 - s0) * _BIG - (s2 - s0) * _BIG, s1 - s0, s2 - s0)
                 for s0, s1, s2 in zip(g0.size, g1.size, g2.size)]
         memo[key] = (g0, coef)
@@ -322,15 +346,15 @@ def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: in
     lookup; partial offload adds one CPU layer's weights copied up per step
     (an estimate: not verified on a GPU here).
     """
-    layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
+    _, layers, verified = graph_builder(spec)
     align = ALIGN.get(kind, 32)
     swa = n_kv if n_kv_swa is None else n_kv_swa
     formula = (f"ggml graph allocator replayed over the {spec.arch} graph: ubatch {n_ubatch} tokens, "
                f"{n_outputs} logit rows, {n_kv} KV cells, flash attention {'on' if flash_attn else 'off'}")
-    if spec.arch not in VERIFIED_ARCHS:
-        formula += f" (approximate: a llama-style graph stands in for {spec.arch!r})"
+    if not verified:
+        formula += f" (approximate: the graph is not checked against llama.cpp's for {spec.arch!r})"
     try:
-        dev = _pp_compute(spec, _replay_layers(spec, layers), n_kv, n_ubatch, n_outputs, flash_attn, swa, align,
+        dev = _pp_compute(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, swa, align,
                           type_k, type_v)
     except (ValueError, TypeError, ZeroDivisionError, IndexError):   # metadata the graph cannot be built from
         E, T, F = spec.n_embd, n_ubatch, max(spec.n_ff, default=0) or 4 * spec.n_embd

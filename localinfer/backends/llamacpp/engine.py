@@ -268,11 +268,13 @@ class LlamaCppEngine(Engine):
 
     # ---- resources ---------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        """Bytes by kind: weights (exact tensor bytes), kv, compute, output (as llama.cpp logged them)."""
+        """Bytes by kind: weights (exact tensor bytes), kv, compute, output (as llama.cpp logged them), and the
+        recurrent state of a hybrid or recurrent model."""
         self._alive()
         r = self._reported
-        return {"weights": int(_L.llama_model_size(self._model)), "kv": r["kv"],
-                "compute": r["compute"], "output": r["output"]}
+        out = {"weights": int(_L.llama_model_size(self._model)), "kv": r["kv"],
+               "compute": r["compute"], "output": r["output"]}
+        return out | ({"state": r["state"]} if r["state"] else {})
 
     def load_log(self) -> list[str]:
         """llama.cpp's log lines about buffers and errors, as captured during load."""

@@ -310,6 +310,9 @@ class LlamaCppMemory:
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         return kind, None
 
+    def refuses(self, spec) -> str | None:
+        return None             # llama.cpp runs every architecture its loader knows
+
     def breakdown(self, spec, device, req):
         return breakdown(spec, device, req)
 

@@ -85,6 +85,7 @@ def init_backend() -> None:
 
 _MIB = r"([0-9]+(?:\.[0-9]+)?) MiB"
 _RE_KV_BUF = re.compile(r"KV buffer size\s*=\s*" + _MIB)
+_RE_RS_BUF = re.compile(r"RS buffer size\s*=\s*" + _MIB)
 _RE_COMPUTE = re.compile(r"compute buffer size\s*=\s*" + _MIB)
 _RE_OUTPUT = re.compile(r"output buffer size\s*=\s*" + _MIB)
 _RE_MODEL_BUF = re.compile(r"model buffer size\s*=\s*" + _MIB)
@@ -96,16 +97,19 @@ def _mib(text: str) -> int:
 
 
 def parse_memory_log(lines: Sequence[str]) -> dict[str, int]:
-    """Buffer sizes llama.cpp logged while loading: bytes by kind, plus ``kv_cells``.
+    """Buffer sizes llama.cpp logged while loading: bytes by kind (``state``: a hybrid's recurrent state, its
+    "RS buffer"), plus ``kv_cells``.
 
     A compute buffer is logged again each time the scheduler re-reserves; the
     last figure per buffer name is the one in use.
     """
-    kv = compute = output = mapped = cells = 0
+    kv = state = compute = output = mapped = cells = 0
     computes: dict[str, int] = {}
     for line in lines:
         if m := _RE_KV_BUF.search(line):
             kv += _mib(m.group(1))
+        elif m := _RE_RS_BUF.search(line):
+            state += _mib(m.group(1))
         elif m := _RE_COMPUTE.search(line):
             computes[line.split("compute buffer")[0].split(":", 1)[-1].strip()] = _mib(m.group(1))
         elif m := _RE_OUTPUT.search(line):
@@ -115,7 +119,8 @@ def parse_memory_log(lines: Sequence[str]) -> dict[str, int]:
         elif m := _RE_KV_SIZE.search(line):
             cells += int(m.group(2))
     compute = sum(computes.values())
-    return {"kv": kv, "compute": compute, "output": output, "model_buffers": mapped, "kv_cells": cells}
+    return {"kv": kv, "state": state, "compute": compute, "output": output, "model_buffers": mapped,
+            "kv_cells": cells}
 
 
 def ggml_type(name: str, flag: str) -> int:

@@ -28,6 +28,7 @@ from localinfer.backends.llamacpp.split_compute import split_compute
 from localinfer.backends.memory import FitRequest
 from localinfer.backends.split import HOST, DeviceShare, SplitBreakdown
 from localinfer.errors import UsageError
+from localinfer.model.kv import recurrent_state_bytes
 from localinfer.model.spec import ModelSpec
 
 
@@ -107,9 +108,12 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
                               type_k=req.type_k, type_v=req.type_v, pipeline=pipeline, pin_norms=full)
                 for tokens, rows in graphs]
         computes = [max(sizes) for sizes in zip(*each)]          # each backend's buffer keeps the largest
-    kv = [0] * (len(devices) + 1)
+    kv = [0] * (len(devices) + 1)      # KV and, for hybrids, the recurrent state of each device's layers
     for il in range(n):
-        kv[backend(il)] += sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
+        b = backend(il)
+        align = 128 if b < len(devices) and devices[b].kind == "cuda" else 32
+        kv[b] += (sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
+                  + recurrent_state_bytes(spec, req.n_seq, layers=(il,), align=align))
     shares_out = []
     for i, d in enumerate(devices):
         ub = _unit_bytes(spec, d.kind)
@@ -135,7 +139,8 @@ def _greedy_counts(spec: ModelSpec, devices, req: FitRequest, reserve: list[int]
     n = spec.n_layers
     order = [u if u < n else "out" for u in offloaded_units(n, req.n_gpu_layers)]
     cells, _ = llama_geometry(spec, req)
-    kv = {il: sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v)) for il in range(n)}
+    kv = {il: sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
+          + recurrent_state_bytes(spec, req.n_seq, layers=(il,), align=32) for il in range(n)}
     counts, pos = [], 0
     for i, d in enumerate(devices):
         ub = _unit_bytes(spec, d.kind)

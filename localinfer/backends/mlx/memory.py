@@ -131,6 +131,17 @@ class MLXMemory(OwnTensorsMemory):
     blocks = "256-token steps (mlx-lm)"
     default_dtype = staticmethod(default_dtype)
 
+    def refuses(self, spec: ModelSpec) -> str | None:
+        """Why the mlx engine cannot run ``spec`` (backends/mlx/support.py), or None."""
+        from localinfer.backends.mlx.support import check_supported
+        from localinfer.errors import UnsupportedModelError
+
+        try:
+            check_supported(spec)
+        except UnsupportedModelError as exc:
+            return exc.message + (f"; {exc.hint}" if exc.hint else "")
+        return None
+
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """Metal or the CPU: MLX's CUDA build is not supported by this backend, which then runs on the host CPU."""
         if kind == "cuda":
