@@ -6,7 +6,9 @@ parallel requests at this context, the most faithful KV type that fits, the
 layers to keep on the accelerator when the weights do not fit, a one-line
 reason, and the llama.cpp command line that realises the plan.  ``--json``
 carries every term and the formula behind it.  Never changes the request: a
-smaller setting that would fit is only suggested.
+smaller setting that would fit is only suggested.  For an architecture localinfer
+has no rules for (or with ``--dry-run``) this machine's row is llama.cpp's own dry
+run (:mod:`localinfer.commands._dry_run`, a subprocess; imported only then).
 """
 
 from __future__ import annotations
