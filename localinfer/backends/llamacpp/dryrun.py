@@ -212,12 +212,13 @@ def run_jobs(jobs: list[DryRunJob], timeout: float = DEFAULT_TIMEOUT) -> list[li
     answers = {(x["job"], x["request"]): x for x in lines if "request" in x}
     tail = [x for x in stderr.strip().splitlines() if x.strip()][-4:]
     if timed_out:
-        gone = DryRunError(f"llama.cpp's dry run ran past {timeout:g} s", reason="timeout", log=tuple(tail), refusal="",
-                           hint="a larger timeout, or a smaller model")
+        gone = DryRunError(f"llama.cpp's dry run ran past {timeout:g} s", reason="timeout", refusal="",
+                           log=tuple(tail), hint="a larger timeout, or a smaller model")
     else:
-        gone = DryRunError(f"llama.cpp's dry run exited with status {proc.returncode}"
-                           + (f": {tail[-1].strip()}" if tail else ""), reason="crashed", log=tuple(tail), refusal="",
-                           returncode=proc.returncode, hint="LOCALINFER_DEBUG=1 shows more; llama.cpp aborted")
+        last = f": {tail[-1].strip()}" if tail else ""
+        gone = DryRunError(f"llama.cpp's dry run exited with status {proc.returncode}{last}", reason="crashed",
+                           refusal="", log=tuple(tail), returncode=proc.returncode,
+                           hint="llama.cpp aborted or was killed while planning; the error's log holds its last lines")
     out: list[list] = []
     for i, job in enumerate(jobs):
         row: list = []
