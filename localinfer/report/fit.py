@@ -79,7 +79,8 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
         if note:
             lines.extend(_wrap(note, "  "))
         if len({(o.needed, o.mapped) for o in r.load_options}) > 1:     # only when the load mode matters
-            lines.extend(_wrap("load options: " + options_text(r.load_options), "  "))
+            est = " (localinfer's estimate)" if r.source != ESTIMATE else ""
+            lines.extend(_wrap(f"load options{est}: " + options_text(r.load_options), "  "))
         if not r.fits:
             if r.suggestions:
                 lines.extend(_wrap("would fit with: " + "; ".join(r.suggestions), "  "))
