@@ -180,15 +180,152 @@ HYBRID_PRESETS: dict[str, dict[str, Any]] = {
 }
 # ---- end of hybrid presets ------------------------------------------------------------------------------------
 
+# ---- MLA and attention-family architectures (arch-mla branch) ---------------------------------------------
+
+_DEEPSEEK_V3: dict[str, Any] = {
+    "arch": "deepseek2", "name": "DeepSeek-V3",
+    "n_layers": 61, "n_embd": 7168, "n_head": 128, "n_ff": 18432, "vocab_size": 129280, "context_length": 163840,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_expert": 256, "n_expert_used": 8, "expert_ff": 2048, "n_expert_shared": 1, "n_dense_lead": 3,
+    "expert_gating": "sigmoid", "expert_weights_scale": 2.5, "expert_weights_norm": True, "expert_probs_bias": True,
+    "n_expert_groups": 8, "n_group_used": 4,
+    "rope_freq_base": 10000.0, "rope_scaling": "yarn", "rope_scaling_factor": 40.0, "rope_scaling_orig_ctx": 4096,
+    "rope_yarn_log_mul": 1.0, "rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0,
+    "norm_eps": 1e-6, "tied_embeddings": False,
+    "type": "q4_k_m", "types": ["q2_k", "q4_k_m", "q8_0", "bf16"],
+    "source": "deepseek-ai/DeepSeek-V3 config.json (the MTP block, num_nextn_predict_layers = 1, is dropped by the "
+              "converter: DeepseekV2Model.skip_mtp)",
+}
+# bartowski's DeepSeek-V3-0324-Q4_K_M.gguf is 404.43 GB (https://huggingface.co/bartowski/deepseek-ai_DeepSeek-V3-0324-GGUF,
+# llama.cpp b4944: the legacy attn_kv_b layout, imatrix); this preset at q4_k_m: 404.55 GB with mla_legacy,
+# 404.49 GB in the split MLA layout (tensor bytes; the real header adds ≈ 10 MB of tokenizer).
+
+_KIMI_K2: dict[str, Any] = {
+    **_DEEPSEEK_V3, "name": "Kimi-K2-Instruct",
+    "n_head": 64, "vocab_size": 163840, "context_length": 131072,
+    "n_expert": 384, "n_dense_lead": 1, "expert_weights_scale": 2.827, "n_expert_groups": 1, "n_group_used": 1,
+    "rope_freq_base": 50000.0, "rope_scaling_factor": 32.0, "rope_yarn_beta_fast": 1.0,
+    "type": "q4_k_m", "types": ["q2_k", "q4_k_m", "q8_0"],
+    "source": "moonshotai/Kimi-K2-Instruct config.json (DeepseekV3ForCausalLM; llama.cpp arch deepseek2)",
+}
+
+_DEEPSEEK_V2_LITE: dict[str, Any] = {
+    **_DEEPSEEK_V3, "name": "DeepSeek-V2-Lite",
+    "n_layers": 27, "n_embd": 2048, "n_head": 16, "n_ff": 10944, "vocab_size": 102400,
+    "q_lora_rank": 0, "n_expert": 64, "n_expert_used": 6, "expert_ff": 1408, "n_expert_shared": 2, "n_dense_lead": 1,
+    "expert_gating": "softmax", "expert_weights_scale": 1.0, "expert_weights_norm": False, "expert_probs_bias": False,
+    "n_expert_groups": 1, "n_group_used": 1, "rope_yarn_log_mul": 0.707,
+    "type": "q4_k_m", "types": ["q4_k_m", "q8_0", "bf16"],
+    "source": "deepseek-ai/DeepSeek-V2-Lite config.json (q_lora_rank null: a plain attn_q; the loader takes "
+              "27 blocks for \"lite\" and reads no q_lora_rank)",
+}
+# mradermacher's static DeepSeek-V2-Lite quants (https://huggingface.co/mradermacher/DeepSeek-V2-Lite-GGUF): Q2_K 6.43,
+# Q3_K_M 8.13, Q4_K_S 9.53, Q4_K_M 10.4, Q5_K_M 11.9, Q6_K 14.1, Q8_0 16.7 GB; this preset (+ ≈ 5 MB of header):
+# 6.44, 8.13, 9.54, 10.37, 11.85, 14.08, 16.70 GB, each within the 3-digit rounding but Q2_K's (+0.1 %).
+
+_QWEN3_30B_A3B: dict[str, Any] = {
+    "arch": "qwen3moe", "name": "Qwen3-30B-A3B",
+    "n_layers": 48, "n_embd": 2048, "n_head": 32, "n_head_kv": 4, "head_dim": 128,
+    "n_ff": 6144, "n_expert": 128, "n_expert_used": 8, "expert_ff": 768,
+    "vocab_size": 151936, "context_length": 40960,
+    "rope_freq_base": 1_000_000.0, "norm_eps": 1e-6, "tied_embeddings": False,
+    "type": "q4_k_m", "types": ["q4_k_m", "q8_0", "bf16"],
+    "source": "Qwen/Qwen3-30B-A3B config.json",
+}
+# a Q4_K_M of the same shape (Qwen3-Coder-30B-A3B) is 18.6 GB
+# (https://huggingface.co/prithivMLmods/Qwen3-Coder-30B-A3B-Instruct-GGUF/blob/main/qwen3-coder-30b-a3b-instruct-q4_k_m.gguf);
+# this preset at q4_k_m: 18.55 GB.
+
+# OpenAI ships the expert stacks in MXFP4 and the rest in BF16; convert_hf_to_gguf copies the MXFP4 blocks as they
+# are (conversion/gpt_oss.py repack_mxfp4), so the default "bf16" file is the checkpoint as shipped.  "mxfp4_moe" is
+# llama-quantize's MXFP4_MOE (experts MXFP4, the rest Q8_0), the mix of ggml-org's gpt-oss-*-mxfp4.gguf.
+_GPT_OSS_20B: dict[str, Any] = {
+    "arch": "gpt-oss", "name": "gpt-oss-20b",
+    "n_layers": 24, "n_embd": 2880, "n_head": 64, "n_head_kv": 8, "head_dim": 64,
+    "n_ff": 2880, "n_expert": 32, "n_expert_used": 4, "expert_ff": 2880,
+    "vocab_size": 201088, "context_length": 131072, "sliding_window": 128,
+    "rope_freq_base": 150000.0, "rope_scaling": "yarn", "rope_scaling_factor": 32.0, "rope_scaling_orig_ctx": 4096,
+    "rope_yarn_beta_fast": 32.0, "rope_yarn_beta_slow": 1.0, "norm_eps": 1e-5, "tied_embeddings": False,
+    "overrides": [[r"_exps\.weight$", "mxfp4"]],
+    "type": "bf16", "types": ["bf16", "mxfp4_moe"],
+    "source": "openai/gpt-oss-20b config.json (experts MXFP4 as shipped)",
+}
+# unsloth's gpt-oss-20b-F16.gguf (MXFP4 experts + F16) is 13.8 GB (https://huggingface.co/unsloth/gpt-oss-20b-GGUF);
+# this preset: 13.77 GB at bf16 (+ ≈ 4 MB of tokenizer header).  An MXFP4_MOE file of the same shape is 12.1 GB
+# (https://huggingface.co/benhaotang/gpt-oss-coder-20B-GGUF/blob/main/gpt-oss-coder-MXFP4_MOE.gguf); this preset: 12.10 GB.
+
+_GPT_OSS_120B: dict[str, Any] = {
+    **_GPT_OSS_20B, "name": "gpt-oss-120b", "n_layers": 36, "n_expert": 128,
+    "source": "openai/gpt-oss-120b config.json (experts MXFP4 as shipped)",
+}
+# OpenAI's model card gives 60.8 GiB for the MXFP4 + BF16 checkpoint; this preset at bf16: 60.84 GiB (its biases
+# are F32, as the converter writes them).
+
+_GLM45_AIR: dict[str, Any] = {
+    "arch": "glm4moe", "name": "GLM-4.5-Air",
+    "n_layers": 46, "n_embd": 4096, "n_head": 96, "n_head_kv": 8, "head_dim": 128,
+    "n_ff": 10944, "n_expert": 128, "n_expert_used": 8, "expert_ff": 1408, "n_expert_shared": 1, "n_dense_lead": 1,
+    "expert_gating": "sigmoid", "expert_weights_scale": 1.0, "expert_weights_norm": True,
+    "n_expert_groups": 1, "n_group_used": 1, "nextn_layers": 1, "rope_dim": 64,
+    "vocab_size": 151552, "context_length": 131072,
+    "rope_freq_base": 1_000_000.0, "norm_eps": 1e-5, "tied_embeddings": False,
+    "type": "q4_k_m", "types": ["q4_k_m", "q8_0", "bf16"],
+    "source": "zai-org/GLM-4.5-Air config.json (partial_rotary_factor 0.5; the converter appends the NextN block)",
+}
+# ubergarm's GLM-4.5-Air Q8_0 is 109.381 GiB and BF16 205.811 GiB (https://huggingface.co/ubergarm/GLM-4.5-Air-GGUF;
+# 803 tensors, as a GLM-4.5-Air GGUF's loader log lists); this preset: 109.38 GiB at q8_0, 205.77 GiB at bf16
+# (norms and router in BF16 here, F32 there).
+
+_LLAMA4_SCOUT: dict[str, Any] = {
+    "arch": "llama4", "name": "Llama-4-Scout-17B-16E",
+    "n_layers": 48, "n_embd": 5120, "n_head": 40, "n_head_kv": 8, "head_dim": 128,
+    "n_ff": 16384, "n_expert": 16, "n_expert_used": 1, "expert_ff": 8192, "moe_every": 1,
+    "vocab_size": 202048, "context_length": 10485760,
+    "rope_freq_base": 500_000.0, "norm_eps": 1e-5, "tied_embeddings": False, "rope_freqs": True,
+    "type": "q4_k_m", "types": ["q4_k_m", "q8_0", "bf16"],
+    "source": "meta-llama/Llama-4-Scout-17B-16E config.json text_config (intermediate_size_mlp -> n_ff, "
+              "intermediate_size -> expert_ff; llama3 rope scaling -> rope_freqs tensor)",
+}
+
+_GEMMA3_27B: dict[str, Any] = {
+    "arch": "gemma3", "name": "Gemma-3-27B",
+    "n_layers": 62, "n_embd": 5376, "n_head": 32, "n_head_kv": 16, "head_dim": 128,
+    "n_ff": 21504, "vocab_size": 262144, "context_length": 131072, "sliding_window": 1024,
+    "rope_freq_base": 1_000_000.0, "rope_freq_base_swa": 10000.0, "rope_scaling": "linear", "rope_scaling_factor": 8.0,
+    "norm_eps": 1e-6, "tied_embeddings": True,
+    "type": "q4_k_m", "types": ["q4_k_m", "q8_0", "bf16"],
+    "source": "google/gemma-3-27b-it config.json text_config (vocab 262208 trimmed to the tokenizer's 262144 by "
+              "conversion/gemma.py)",
+}
+# mradermacher's static gemma-3-27b-it quants (https://huggingface.co/mradermacher/gemma-3-27b-it-GGUF): Q2_K 10.5,
+# Q3_K_M 13.4, Q4_K_S 15.7, Q4_K_M 16.5, Q5_K_M 19.3, Q6_K 22.2, Q8_0 28.7 GB; this preset (+ ≈ 6 MB of header):
+# 10.50, 13.44, 15.67, 16.55, 19.27, 22.17, 28.71 GB, each within the 3-digit rounding.
+
+MLA_PRESETS: dict[str, dict[str, Any]] = {
+    "deepseek-v3": _DEEPSEEK_V3,
+    "deepseek-r1": {**_DEEPSEEK_V3, "name": "DeepSeek-R1", "source": "deepseek-ai/DeepSeek-R1 config.json (DeepSeek-V3's shape)"},
+    "kimi-k2": _KIMI_K2,
+    "deepseek-v2-lite": _DEEPSEEK_V2_LITE,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "gpt-oss-20b": _GPT_OSS_20B,
+    "gpt-oss-120b": _GPT_OSS_120B,
+    "glm-4.5-air": _GLM45_AIR,
+    "llama-4-scout-17b-16e": _LLAMA4_SCOUT,
+    "gemma-3-27b": _GEMMA3_27B,
+}
+# ---- end of the arch-mla block ---------------------------------------------------------------------------------
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": _QWEN3_8B,
     "qwen3-235b-a22b": _QWEN3_235B,
     "qwen3-235b-a22b-ud-q2_k_xl": _QWEN3_235B_UD,
     "llama-3.1-8b": _LLAMA31_8B,
     "smollm2-135m": _SMOLLM2_135M,
-    # ---- hybrid recurrent + attention ----
+    # ---- hybrid recurrent + attention (gguf_tools/layouts/hybrid.py) ----
     **HYBRID_PRESETS,
-    # ---- end of hybrid ----
+    # ---- MLA and the attention-family architectures (layouts/mla.py, attention.py, interleaved.py) ----
+    **MLA_PRESETS,
 }
 
 

@@ -14,7 +14,9 @@ a skeleton's header is a few KiB.
 
 Float types (``bf16``, ``f16``, ``f32``) describe the checkpoint as published:
 every tensor in that type, 1-D norms included (llama.cpp's converter would
-store the norms as F32, a few hundred KiB more).
+store the norms as F32, a few hundred KiB more), except biases, attention sinks
+and ``rope_freqs``, which are F32 in every file, and what a preset's overrides
+say the checkpoint ships quantized (gpt-oss's MXFP4 experts).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType, GGUFWriter
 
 from .layouts import all_fields, archs, layout_for
+from .layouts.moe import block_count
 from .mix import FTYPES, ModelShape, choose_types, parse_ftype
 from .presets import get_preset
 from .quants import tensor_bytes
@@ -99,7 +102,12 @@ def load_spec_file(path: str | os.PathLike) -> dict[str, Any]:
 # upper bounds far above any real model, so a typo cannot plan a billion tensors or an exabyte file
 SPEC_LIMITS = {"n_layers": 10_000, "n_embd": 1 << 20, "n_head": 1 << 12, "n_head_kv": 1 << 12, "head_dim": 1 << 14,
                "n_ff": 1 << 22, "vocab_size": 1 << 24, "context_length": 1 << 30, "n_expert": 1 << 14,
-               "n_expert_used": 1 << 14, "expert_ff": 1 << 22}
+               "n_expert_used": 1 << 14, "expert_ff": 1 << 22,
+               # the family fields (gguf_tools.layouts: mla, moe, attention, interleaved)
+               "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 14,
+               "qk_rope_head_dim": 1 << 14, "v_head_dim": 1 << 14, "rope_dim": 1 << 14, "n_dense_lead": 10_000,
+               "n_expert_shared": 1 << 10, "n_expert_groups": 1 << 14, "n_group_used": 1 << 14, "nextn_layers": 16,
+               "sliding_window": 1 << 30, "moe_every": 10_000, "rope_scaling_orig_ctx": 1 << 30}
 
 
 def normalize_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -153,10 +161,10 @@ def plan_tensors(spec: dict[str, Any], type: str | None = None) -> list[tuple[st
     ftype = parse_ftype(type or spec["type"])
     shapes = tensor_shapes(spec)
     layout = layout_for(spec["arch"])
-    # llama-quantize counts n_layer_all layers (MTP blocks included) and reads layer 0's n_gqa() (llama-hparams.cpp),
-    # 0 where layer 0 holds no KV
-    kv = layout.head_kv_layers(spec) if layout.head_kv_layers else [spec["n_head_kv"]] * spec["n_layers"]
-    shape = ModelShape(len(kv), spec["n_head"], kv[0], spec["n_expert"])
+    # llama-quantize counts n_layer_all layers (NextN/MTP blocks included) and reads layer 0's n_gqa()
+    # (llama-hparams.cpp), 0 where layer 0 holds no KV
+    kv = layout.head_kv_layers(spec) if layout.head_kv_layers else [spec["n_head_kv"]] * block_count(spec)
+    shape = ModelShape(block_count(spec), spec["n_head"], kv[0], spec["n_expert"])
     types = choose_types(shapes, ftype, shape, overrides=[tuple(o) for o in spec["overrides"]])
     return [(n, sh, t, tensor_bytes(t, math.prod(sh))) for (n, sh), t in zip(shapes, types, strict=True)]
 

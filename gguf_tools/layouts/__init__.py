@@ -1,6 +1,6 @@
 """Per-architecture GGUF layouts: the metadata and tensors llama.cpp's converter writes for each architecture.
 
-One module per architecture family (``attention``: llama-style decoders; others register beside it), each
+One module per architecture family (``attention``: llama-style decoders; ``mla``, ``interleaved`` and others register beside it), each
 naming the llama.cpp sources it follows (``src/models/<arch>.cpp``: ``load_arch_hparams`` for the keys,
 ``load_arch_tensors`` for the names and shapes).  A layout turns a normalized spec dict (``gguf_tools.skeleton``)
 into GGUF metadata and a tensor table; ``skeleton`` writes them header-only, the tests' tiny-model writer
@@ -46,7 +46,7 @@ def register(layout: Layout) -> Layout:
 def _load() -> None:
     if not _LAYOUTS:
         from . import attention  # noqa: F401  (registers itself)
-        for name in ("mla", "hybrid"):
+        for name in ("mla", "interleaved", "hybrid"):
             try:
                 __import__(f"{__name__}.{name}")
             except ModuleNotFoundError as exc:       # a family not written yet

@@ -18,7 +18,7 @@ SSM sizes use llama.cpp's meaning of the ``ssm.*`` keys (``conversion/qwen.py``,
 for the delta-net, ``state_size`` is the key/value head dim, ``group_count`` the key heads, ``time_step_rank``
 the value heads and ``inner_size`` value heads × head dim; for Mamba-2, ``inner_size`` is d_inner,
 ``time_step_rank`` the SSM heads and ``group_count`` n_groups.  Qwen3.5/Qwen3-Next MTP (``nextn``) blocks, which
-the converter appends by default, are the ``n_nextn`` field (0 by default: ``--no-mtp``, as most published GGUFs).
+the converter appends by default, are the ``nextn_layers`` field (0 by default: ``--no-mtp``, as most published GGUFs).
 Not written: Granite's logit/residual/embedding scales, Nemotron-H's MTP head, nemotron_h_moe and lfm2moe.
 """
 
@@ -50,7 +50,7 @@ FIELDS: Fields = {
     "shared_expert_ff": (int, 0, "shared expert FFN size (qwen35moe/qwen3next: default n_ff; granitehybrid: none)"),
     "rope_dim": (int, 0, "qwen35/qwen3next: rotated dims per head (default head_dim / 4)"),
     "rope_sections": (list, [], "qwen35/qwen35moe rope.dimension_sections (default [11, 11, 10, 0])"),
-    "n_nextn": (int, 0, ("qwen35/qwen3next: MTP (nextn) blocks after the n_layers trunk, as the converter writes "
+    "nextn_layers": (int, 0, ("qwen35/qwen3next: MTP (nextn) blocks after the n_layers trunk, as the converter writes "
                          "by default (0: converted with --no-mtp, as most published GGUFs are)")),
 }
 
@@ -119,12 +119,12 @@ def _kv_array(s: dict[str, Any]) -> Changes:
 
 
 def _keys_delta_net(s: dict[str, Any]) -> Changes:
-    recurrent = [c == RECURRENT for c in s["layer_pattern"]] + [False] * s["n_nextn"]   # MTP blocks: attention
+    recurrent = [c == RECURRENT for c in s["layer_pattern"]] + [False] * s["nextn_layers"]   # MTP blocks: attention
     out: Changes = {"rope.dimension_count": (s["rope_dim"], U32),
                     "full_attention_interval": (s["full_attention_interval"], U32),
                     "attention.recurrent_layers": (recurrent, ARR), **_ssm_keys(s)}
-    if s["n_nextn"]:        # llama-model.cpp: block_count counts the MTP blocks, nextn_predict_layers says how many
-        out.update({"block_count": (s["n_layers"] + s["n_nextn"], U32), "nextn_predict_layers": (s["n_nextn"], U32)})
+    if s["nextn_layers"]:        # llama-model.cpp: block_count counts the MTP blocks, nextn_predict_layers says how many
+        out.update({"block_count": (s["n_layers"] + s["nextn_layers"], U32), "nextn_predict_layers": (s["nextn_layers"], U32)})
     if s["rope_sections"]:
         out["rope.dimension_sections"] = (list(s["rope_sections"]), ARR)
     if s["shared_expert_ff"]:
@@ -172,7 +172,7 @@ class _Family:
 # upper bounds far above any real model (like skeleton.SPEC_LIMITS), so a typo cannot plan an exabyte file
 _LIMITS = {"full_attention_interval": 10_000, "ssm_conv_kernel": 64, "ssm_state": 1 << 14, "ssm_groups": 1 << 12,
            "ssm_dt_rank": 1 << 14, "ssm_inner": 1 << 20, "shared_expert_ff": 1 << 22, "rope_dim": 1 << 14,
-           "n_nextn": 16}
+           "nextn_layers": 16}
 
 
 def _check(s: dict[str, Any]) -> None:
@@ -201,8 +201,8 @@ def normalize(s: dict[str, Any]) -> None:
         raise ValueError(f"arch {arch!r} has no experts: give no n_expert")
     elif arch != "mamba2" and not s["n_ff"]:
         raise ValueError(f"arch {arch!r} needs n_ff")
-    if s["n_nextn"] and fam.complete is not _complete_delta_net:
-        raise ValueError(f"arch {arch!r}: n_nextn (MTP blocks) is written here only for qwen35/qwen35moe/qwen3next")
+    if s["nextn_layers"] and fam.complete is not _complete_delta_net:
+        raise ValueError(f"arch {arch!r}: nextn_layers (MTP blocks) is written here only for qwen35/qwen35moe/qwen3next")
     s["qkv_bias"], s["qk_norm"] = False, fam.qk_norm
 
 
@@ -210,7 +210,7 @@ def head_kv_layers(s: dict[str, Any]) -> list[int]:
     """KV heads of each of llama.cpp's n_layer_all layers (MTP blocks included): the per-layer array where the arch
     writes one (0 off attention layers), qwen35/qwen3next's scalar on every layer, 0 everywhere for mamba2."""
     if _FAMILIES[s["arch"]].complete is _complete_delta_net:
-        return [s["n_head_kv"]] * (s["n_layers"] + s["n_nextn"])
+        return [s["n_head_kv"]] * (s["n_layers"] + s["nextn_layers"])
     return [s["n_head_kv"] if c == ATTENTION else 0 for c in s["layer_pattern"]]
 
 
@@ -341,7 +341,7 @@ def tensors(s: dict[str, Any]) -> Tensors:
     out = embeddings(s)
     for il, kind in enumerate(s["layer_pattern"]):
         out += block(s, f"blk.{il}.", kind)
-    for il in range(s["n_layers"], s["n_layers"] + s["n_nextn"]):
+    for il in range(s["n_layers"], s["n_layers"] + s["nextn_layers"]):
         out += _qwen_block(s, f"blk.{il}.", ATTENTION) + _nextn(s, f"blk.{il}.")
     tail = output(s)
     if s["arch"] == "lfm2":                        # lfm2.cpp reads the final norm as "token_embd_norm"

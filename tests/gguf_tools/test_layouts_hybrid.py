@@ -21,24 +21,8 @@ from tests.support.llama_dry_run import dry_run
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-_DELTA = {"n_layers": 4, "n_embd": 128, "n_head": 4, "n_head_kv": 2, "head_dim": 32,
-          "ssm_state": 16, "ssm_groups": 2, "ssm_dt_rank": 4}
-_MAMBA = {"n_layers": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "ssm_inner": 128, "ssm_state": 16, "ssm_dt_rank": 8}
-_MOE = {"n_expert": 4, "n_expert_used": 2, "expert_ff": 64, "shared_expert_ff": 64}
+from tests.support.tiny_archs import HYBRID as TINY  # noqa: E402
 
-TINY = {
-    "qwen35": {"arch": "qwen35", "n_ff": 256, "rope_sections": [2, 1, 1, 0], **_DELTA},
-    "qwen35moe": {"arch": "qwen35moe", "rope_sections": [2, 1, 1, 0], **_DELTA, **_MOE},
-    "qwen3next": {"arch": "qwen3next", **_DELTA, **_MOE},
-    "granitehybrid": {"arch": "granitehybrid", "n_ff": 128, "layer_pattern": "MM*M", **_MAMBA},
-    "granitehybrid-moe": {"arch": "granitehybrid", "layer_pattern": "M*MM", **_MAMBA, **_MOE, "expert_ff": 32},
-    "nemotron_h": {"arch": "nemotron_h", "n_ff": 128, "layer_pattern": "M-*-", **_MAMBA, "ssm_groups": 2},
-    "lfm2": {"arch": "lfm2", "n_layers": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_ff": 128,
-             "layer_pattern": "MM*M", "tied_embeddings": True},
-    "mamba2": {"arch": "mamba2", **_MAMBA, "ssm_dt_rank": 4, "tied_embeddings": True},
-}
-TINY["qwen35-mtp"] = {**TINY["qwen35"], "n_nextn": 1}
-TINY["qwen3next-mtp"] = {**TINY["qwen3next"], "n_nextn": 1}
 # the prefix of KV (attention) and recurrent layers in each tiny spec
 _KV_LAYERS = {"qwen35": 1, "qwen35moe": 1, "qwen3next": 1, "granitehybrid": 1, "granitehybrid-moe": 1,
               "nemotron_h": 1, "lfm2": 1, "mamba2": 0, "qwen35-mtp": 1, "qwen3next-mtp": 1}
@@ -112,7 +96,7 @@ def test_preset_skeleton_passes_the_no_alloc_dry_run(tmp_path, preset):
 
 
 def test_mtp_blocks_follow_the_trunk(tmp_path):
-    spec = {**HYBRID_PRESETS["qwen3.5-35b-a3b"], "n_nextn": 1}
+    spec = {**HYBRID_PRESETS["qwen3.5-35b-a3b"], "nextn_layers": 1}
     path = write_skeleton(spec, tmp_path / "mtp.gguf")
     got = dry_run(path, n_ctx=256)
     assert got["loaded"] and got["context"], got.get("log")
@@ -186,7 +170,7 @@ def test_n_gqa_is_layer_zeros():
     ({**TINY["nemotron_h"], "n_expert": 4}, "no experts"),
     ({**TINY["qwen35"], "rope_sections": [2, 1, 1]}, "rope_sections"),
     ({**TINY["mamba2"], "ssm_inner": 1 << 30}, "more than any model"),
-    ({**TINY["lfm2"], "n_nextn": 1}, "MTP"),
+    ({**TINY["lfm2"], "nextn_layers": 1}, "MTP"),
 ])
 def test_bad_specs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):

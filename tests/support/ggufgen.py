@@ -276,8 +276,8 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     ``spec`` is a skeleton spec dict (``gguf_tools.skeleton.SPEC_FIELDS``) with tiny sizes; ``vocab_size`` is
     replaced by the byte-level vocabulary's (259 tokens), so any text tokenizes.  Metadata and tensor names and
     shapes are the layout's (what llama.cpp's converter writes); 1-D tensors and norms are F32 near 1 (norms) or
-    small (biases), SSM A negative and D near 1, conv kernels F32, the other matrices random in ``qtype`` (F32
-    where the type's blocks do not divide a row).
+    small (biases, which stay F32 whatever their rank, as the converter writes them), SSM A negative and D near 1,
+    conv kernels F32, the other matrices random in ``qtype`` (F32 where the type's blocks do not divide a row).
     """
     from gguf import GGML_QUANT_SIZES
 
@@ -306,7 +306,7 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     for name, shape in layout.tensors(s):
         n = int(np.prod(shape))
         init = next((f for suffix, f in _SSM_INIT.items() if name.endswith(suffix)), None)
-        if init is not None or len(shape) == 1 or "norm" in name:
+        if init is not None or len(shape) == 1 or "norm" in name or not name.endswith(".weight"):   # biases: F32
             noise = 0.1 * rng.standard_normal(n)
             data = init(noise) if init is not None else (1.0 if "norm" in name else 0.0) + noise
             w.add_tensor(name, data.astype(np.float32).reshape(shape[::-1]))
