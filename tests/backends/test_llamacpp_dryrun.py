@@ -19,6 +19,7 @@ from localinfer.backends.llamacpp.dryrun import DryRunRequest, dry_run, parse_re
 from localinfer.backends.memory import FitRequest
 from localinfer.cli import main
 from localinfer.errors import BackendUnavailableError, DryRunError
+from tests.support.tiny_archs import HYBRID
 
 needs_llama = pytest.mark.skipif(not dryrun.available(), reason="llama-cpp-python is not installed")
 UNCLAIMED = "xverse"      # a llama-style architecture llama.cpp loads and localinfer's rules do not claim
@@ -79,20 +80,14 @@ def test_a_skeleton_dry_runs_with_fits_weights(tmp_path):
     assert got.weights > 4 << 30            # planned, never read: the file is a header
 
 
-_MAMBA = {"n_layers": 4, "n_embd": 64, "n_head": 4, "n_head_kv": 2, "ssm_inner": 128, "ssm_state": 16, "ssm_dt_rank": 4}
-RECURRENT = {"mamba2": {"arch": "mamba2", **_MAMBA, "tied_embeddings": True, "vocab_size": 1},
-             "granitehybrid": {"arch": "granitehybrid", "n_ff": 128, "layer_pattern": "MM*M", **_MAMBA,
-                               "vocab_size": 1}}
-
-
 @needs_llama
-@pytest.mark.parametrize("name", sorted(RECURRENT))
+@pytest.mark.parametrize("name", sorted(HYBRID))
 def test_recurrent_state_beside_kv_equals_fits(tmp_path, name):
-    """Mamba2: no KV, the RS buffer alone in the context column (exact).  Granite-4.0-H: KV and RS share the CPU
+    """Mamba2: no KV, the RS buffer alone in the context column (exact).  The hybrids: KV and RS share the CPU
     buffer type, so the state is the log's MiB (±5 KiB) and KV the rest; their sum is exact."""
     from tests.support.ggufgen import write_tiny_arch
 
-    path = write_tiny_arch(tmp_path / f"{name}.gguf", RECURRENT[name])
+    path = write_tiny_arch(tmp_path / f"{name}.gguf", {**HYBRID[name], "vocab_size": 1})
     reqs = [FitRequest(n_ctx=512, n_seq=n, mmap=False) for n in (1, 4)]
     results = dry_run(path, reqs)
     for req, got in zip(reqs, results):
