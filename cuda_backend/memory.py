@@ -28,6 +28,7 @@ from localinfer.backends.memory import (
     WEIGHT_DTYPE_BYTES,
     OwnTensorsMemory,
     ResidentWeights,
+    refusal,
     Term,
     check_tokens,
     check_weight_dtype,
@@ -165,13 +166,8 @@ class TorchMemory(OwnTensorsMemory):
     def refuses(self, spec: ModelSpec) -> str | None:
         """Why the torch engine cannot run ``spec`` (cuda_backend.support's checks), or None."""
         from cuda_backend.support import check_model
-        from localinfer.errors import UnsupportedModelError
 
-        try:
-            check_model(spec)
-        except UnsupportedModelError as exc:
-            return exc.message + (f"; {exc.hint}" if exc.hint else "")
-        return None
+        return refusal(check_model, spec)
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """CUDA or the CPU: there is no Metal (mps) path, so on a Mac it runs on the CPU (same unified memory)."""

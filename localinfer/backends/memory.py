@@ -267,6 +267,18 @@ def resident_breakdown(rw: ResidentWeights, kv: int, device: Any, backend: str, 
     return MemoryBreakdown(terms, device.unified or device.kind == "cpu", tuple(notes))
 
 
+def refusal(check, spec: ModelSpec) -> str | None:
+    """What ``check(spec)`` refuses, as one line with its hint (an UnsupportedModelError), or None: how a memory
+    model answers ``refuses`` from its engine's own support check."""
+    from localinfer.errors import UnsupportedModelError
+
+    try:
+        check(spec)
+    except UnsupportedModelError as exc:
+        return exc.message + (f"; {exc.hint}" if exc.hint else "")
+    return None
+
+
 class OwnTensorsMemory:
     """Shared rules of engines that load the weights into their own tensors (torch, mlx): two terms, weights
     as held and the KV cache; no layer offload, no command line.  Subclasses give ``name``, ``blocks`` (how

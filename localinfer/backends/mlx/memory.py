@@ -15,6 +15,7 @@ from localinfer.backends.memory import (
     WEIGHT_DTYPE_BYTES,
     OwnTensorsMemory,
     ResidentWeights,
+    refusal,
     check_tokens,
     check_weight_dtype,
 )
@@ -134,13 +135,8 @@ class MLXMemory(OwnTensorsMemory):
     def refuses(self, spec: ModelSpec) -> str | None:
         """Why the mlx engine cannot run ``spec`` (backends/mlx/support.py), or None."""
         from localinfer.backends.mlx.support import check_supported
-        from localinfer.errors import UnsupportedModelError
 
-        try:
-            check_supported(spec)
-        except UnsupportedModelError as exc:
-            return exc.message + (f"; {exc.hint}" if exc.hint else "")
-        return None
+        return refusal(check_supported, spec)
 
     def runs_on(self, kind: str) -> tuple[str, str | None]:
         """Metal or the CPU: MLX's CUDA build is not supported by this backend, which then runs on the host CPU."""
