@@ -24,17 +24,11 @@ Targets: weights and KV exact to the byte, compute within 5 %, total within 2 %.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30, "iq4_nl": 20}
-
 
 @dataclass
 class Case:
@@ -88,100 +82,31 @@ def model_path(model: str, workdir: Path) -> str:
     return str(path)
 
 
-# ---- the llama.cpp side (runs in a subprocess) -----------------------------------
+# ---- the llama.cpp side: localinfer.backends.llamacpp.dryrun, in one subprocess ----------
 
-def _probe_main(spec_json: str) -> None:
-    """Subprocess entry: for each model and case, load, create the context, print one JSON line."""
-    import llama_cpp as L
+def _request(case: Case):
+    from localinfer.backends.llamacpp.dryrun import DryRunRequest
 
-    jobs = json.loads(spec_json)
-    logs: list[str] = []
-
-    @L.llama_log_callback
-    def on_log(level, text, user):
-        logs.append(text.decode(errors="replace"))
-
-    L.llama_log_set(on_log, None)
-    L.llama_backend_init()
-    libdir = Path(L.__file__).parent / "lib"
-    llama = ctypes.CDLL(str(libdir / "libllama.so"))
-    base = ctypes.CDLL(str(libdir / "libggml-base.so"))
-    base.ggml_backend_buft_name.restype = ctypes.c_char_p
-    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
-    breakdown = getattr(llama, "_Z26llama_get_memory_breakdownPK13llama_context", None)
-    for path, case in ((job["path"], case) for job in jobs for case in job["cases"]):
-        logs.clear()
-        mp = L.llama_model_default_params()
-        if case["mmap"]:
-            mp.load_mode = L.LLAMA_LOAD_MODE_MMAP
-        else:
-            mp.no_alloc, mp.load_mode, mp.use_extra_bufts = True, L.LLAMA_LOAD_MODE_NONE, True
-        model = L.llama_model_load_from_file(path.encode(), mp)
-        if not model:
-            print(json.dumps({"error": "load failed", "log": logs[-3:]}), flush=True)
-            continue
-        cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_seq_max, cp.n_ubatch = case["n_ctx"] * case["n_seq"], case["n_seq"], case["n_ubatch"]
-        cp.type_k, cp.type_v = GGML_TYPES[case["type_k"]], GGML_TYPES[case["type_v"]]
-        cp.flash_attn_type = 1 if case["flash_attn"] else 0
-        cp.swa_full = case["swa_full"]
-        ctx = L.llama_init_from_model(model, cp)
-        out = {"buffers": {}, "log": {}}
-        if ctx and breakdown is not None:
-            breakdown.restype, breakdown.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
-            raw = (ctypes.c_uint64 * 8)()
-            breakdown(ctypes.addressof(raw), ctx)   # std::map returned through a hidden pointer (x86-64 ABI)
-            out["buffers"] = _walk_map(raw[2], base)
-        text = "".join(logs)
-        for key, pat in (("output_mib", r"(\S+)\s+output buffer size =\s+([\d.]+) MiB"),
-                         ("kv_mib", r"llama_kv_cache: size =\s+([\d.]+) MiB"),
-                         ("compute_mib", r"(\S+) compute buffer size =\s+([\d.]+) MiB")):
-            found = re.findall(pat, text)
-            out["log"][key] = [f[-1] if isinstance(f, tuple) else f for f in found]
-        out["log"]["model_mib"] = re.findall(r"(\S+) model buffer size =\s+([\d.]+) MiB", text)
-        out["log"]["n_ctx"] = re.findall(r"llama_context: n_ctx\s+= (\d+)", text)
-        out["ok"] = bool(ctx)
-        if ctx:
-            L.llama_free(ctx)
-        L.llama_model_free(model)
-        print(json.dumps(out), flush=True)
+    return DryRunRequest(n_ctx=case.n_ctx, n_seq=case.n_seq, type_k=case.type_k, type_v=case.type_v,
+                         flash_attn=case.flash_attn, n_ubatch=case.n_ubatch, swa_full=case.swa_full)
 
 
-def _walk_map(root: int, base) -> dict:
-    """In-order walk of a libstdc++ red-black tree map<buft, {model, context, compute}>."""
+def probe(jobs: list[tuple[str, list[Case]]], timeout: float = 900) -> list[list]:
+    """llama.cpp's accounting (DryRunResult, or DryRunError) for each (model path, cases) job, in one subprocess:
+    the dry-run cases of a model share one load, its mmap cases another (a real mmap load)."""
+    from localinfer.backends.llamacpp.dryrun import DryRunJob, run_jobs
 
-    class Node(ctypes.Structure):
-        _fields_ = [("color", ctypes.c_int), ("parent", ctypes.c_void_p), ("left", ctypes.c_void_p),
-                    ("right", ctypes.c_void_p), ("key", ctypes.c_void_p), ("model", ctypes.c_size_t),
-                    ("context", ctypes.c_size_t), ("compute", ctypes.c_size_t)]
-
-    out: dict = {}
-
-    def walk(p):
-        if not p:
-            return
-        node = Node.from_address(p)
-        walk(node.left)
-        out[base.ggml_backend_buft_name(node.key).decode()] = [node.model, node.context, node.compute]
-        walk(node.right)
-
-    walk(root)
-    return out
-
-
-def probe(jobs: list[tuple[str, list[Case]]], timeout: float = 900) -> list[list[dict]]:
-    """llama.cpp's accounting for each (model path, cases) job, in one subprocess (a crash cannot take us down)."""
-    payload = json.dumps([{"path": path, "cases": [c.__dict__ for c in cases]} for path, cases in jobs])
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", payload],
-                          capture_output=True, text=True, timeout=timeout, check=False)
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    n = sum(len(cases) for _, cases in jobs)
-    if len(lines) < n:
-        lines += [{"error": f"llama.cpp exited {proc.returncode}: {proc.stderr.strip()[-200:]}"}] * (n - len(lines))
-    out, i = [], 0
-    for _, cases in jobs:
-        out.append(lines[i:i + len(cases)])
-        i += len(cases)
+    runs, where = [], []
+    for gi, (path, cases) in enumerate(jobs):
+        for mmap in (False, True):
+            picked = [ci for ci, c in enumerate(cases) if c.mmap == mmap]
+            if picked:
+                runs.append(DryRunJob(path, tuple(_request(cases[ci]) for ci in picked), mmap=mmap))
+                where.append((gi, picked))
+    out = [[None] * len(cases) for _, cases in jobs]
+    for (gi, picked), results in zip(where, run_jobs(runs, timeout)):
+        for ci, res in zip(picked, results):
+            out[gi][ci] = res
     return out
 
 
@@ -207,21 +132,17 @@ def predict(path: str, case: Case) -> dict:
             "resident_mmap": mapped.resident_bytes, "mapped_mmap": mapped.mapped_bytes}
 
 
-def measured(result: dict) -> dict | None:
-    if not result.get("buffers"):
+def measured(result) -> dict | None:
+    """llama.cpp's terms from a DryRunResult (the context column is KV and recurrent state together)."""
+    if isinstance(result, Exception) or result is None or not result.buffers:
         return None
-    b = result["buffers"]
-    model = sum(v[0] for v in b.values())
-    kv = sum(v[1] for v in b.values())
-    compute = sum(v[2] for v in b.values())
-    out_mib = sum(float(x) for x in result["log"].get("output_mib", []))
-    output = round(out_mib * MIB)
-    return {"weights": model, "kv": kv, "output": output, "compute": compute, "total": model + kv + compute + output,
-            "output_exact": False, "buffers": b}
+    b = {x.name: [x.weights, x.kv + x.state, x.compute] for x in result.buffers}
+    return {"weights": result.weights, "kv": result.kv + result.state, "output": result.output,
+            "compute": result.compute, "total": result.total, "output_exact": result.output_exact, "buffers": b}
 
 
-def compare(case: Case, path: str, result: dict) -> dict:
-    row = {"case": case.name, "error": result.get("error")}
+def compare(case: Case, path: str, result) -> dict:
+    row = {"case": case.name, "error": str(result) if isinstance(result, Exception) else None}
     meas = measured(result)
     if meas is None:
         row["error"] = row["error"] or "no breakdown"
@@ -275,11 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the embedded model")
     ap.add_argument("--json", metavar="OUT", help="write the rows as JSON")
     ap.add_argument("--workdir", default=None, help="where skeletons are written (default: a temp dir)")
-    ap.add_argument("--probe", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.probe:
-        _probe_main(args.probe)
-        return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fit-accuracy-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rows = run(issue_cases(args.quick), workdir)

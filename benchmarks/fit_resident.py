@@ -91,7 +91,7 @@ def _probe_main(job: dict, progress=lambda stage: None) -> dict:
     import llama_cpp as L
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.fit_accuracy import _walk_map
+    from localinfer.backends.llamacpp.dryrun_child import walk_map
 
     cb = L.llama_log_callback(lambda level, text, user: None)
     L.llama_log_set(cb, None)
@@ -143,7 +143,7 @@ def _probe_main(job: dict, progress=lambda stage: None) -> dict:
     bd.restype, bd.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
     raw = (ctypes.c_uint64 * 8)()
     bd(ctypes.addressof(raw), ctx)
-    buffers = _walk_map(raw[2], base)
+    buffers = walk_map(raw[2], base.ggml_backend_buft_name)
     return {"anon_load": loaded["Anonymous"] - before["Anonymous"], "rss_load": loaded["Rss"] - before["Rss"],
             # VmHWM over the RSS before loading, less the file pages the load mapped (library code, the mapping)
             "peak_load": hwm - max(before["Rss"], before_hwm)
@@ -192,7 +192,7 @@ def _limited_main(job: dict) -> dict:
     memlimit.drop_cache(job["path"])        # a cached page stays charged to whoever read it first
     import llama_cpp  # noqa: F401  (the libraries the probe loads belong to the baseline)
 
-    from benchmarks.fit_accuracy import _walk_map  # noqa: F401
+    from localinfer.backends.llamacpp.dryrun_child import walk_map  # noqa: F401
     baseline = cg.usage()
     cg.set_limit(baseline + job["budget"])
 

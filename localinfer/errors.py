@@ -25,6 +25,7 @@ __all__ = [
     "OutputError",
     "RemoteServerError",
     "WorkerError",
+    "DryRunError",
     "exit_code",
 ]
 
@@ -106,6 +107,12 @@ class WorkerError(LocalinferError):
     """A llama.cpp RPC worker cannot be reached, is busy, speaks another protocol version, or went away."""
 
     exit_code = 4
+
+
+class DryRunError(LocalinferError):
+    """llama.cpp's own dry run of a model did not answer: it refused the file (``reason="refused"``), could not
+    create a context for a request ("context"), crashed or aborted ("crashed"), or ran past its time ("timeout").
+    ``log`` holds the last error lines of llama.cpp's log (its refusal message), ``path`` the model file."""
 
 
 def exit_code(exc: BaseException) -> int:

@@ -18,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "llama_cpp", "mlx", "mlx_lm", "triton")
-RUNTIMES = ("localinfer.backends.llamacpp.engine", "localinfer.backends.llamacpp.native", "localinfer.backends.vocab",
+RUNTIMES = ("localinfer.backends.llamacpp.engine", "localinfer.backends.llamacpp.native",
+            "localinfer.backends.llamacpp.dryrun_child", "localinfer.backends.vocab",
             "localinfer.backends.mlx.engine", "localinfer.backends.mlx.kv", "localinfer.backends.mlx.model",
             "localinfer.backends.mlx.weights", "localinfer.backends.mlx.reference", "cuda_backend")
 MEMORY_MODULES = ("localinfer/backends/memory.py", "localinfer/backends/llamacpp/memory.py",

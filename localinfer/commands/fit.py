@@ -6,7 +6,9 @@ parallel requests at this context, the most faithful KV type that fits, the
 layers to keep on the accelerator when the weights do not fit, a one-line
 reason, and the llama.cpp command line that realises the plan.  ``--json``
 carries every term and the formula behind it.  Never changes the request: a
-smaller setting that would fit is only suggested.
+smaller setting that would fit is only suggested.  For an architecture localinfer
+has no rules for (or with ``--dry-run``) this machine's row is llama.cpp's own dry
+run (:mod:`localinfer.commands._dry_run`, a subprocess; imported only then).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mlock", action="store_true", help="lock the weights in memory (with mmap: the whole mapping)")
     g.add_argument("--no-repack", action="store_true", help="llama.cpp's --no-repack: no CPU_REPACK copy")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="this machine's row from llama.cpp's own dry run (it plans every buffer without reading "
+                             "the weights); automatic for architectures localinfer has no rules for")
     g = parser.add_argument_group("across devices and hosts (llama.cpp RPC, -sm layer)")
     g.add_argument("--rpc", default=None, metavar="HOST:PORT,...",
                    help="plan for these running workers (`localinfer worker`): asks them for devices and memory")
@@ -172,13 +177,22 @@ def run(args: argparse.Namespace) -> int:
 
     spec = open_model(args.model).spec
     req = _request(args, spec)
-    if args.rpc or args.split_devices:
-        return run_split(args, spec, req)
-    if args.tensor_split or args.link:
+    if args.dry_run and (args.rpc or args.split_devices):
         from localinfer.errors import UsageError
 
+        raise UsageError("--dry-run plans this machine alone, not a split", flag="--dry-run",
+                         hint="drop --rpc/--devices, or drop --dry-run")
+    if args.rpc or args.split_devices:
+        return run_split(args, spec, req)
+    from localinfer.errors import UsageError
+
+    if args.tensor_split or args.link:
         raise UsageError("--tensor-split and --link plan a split: add --rpc or --devices", flag="--tensor-split")
     results = [fit_device(spec, dev, req) for dev in _devices(args)]
+    if args.dry_run or (spec.rules_generic and req.backend == "llama.cpp"):
+        from localinfer.commands._dry_run import local_dry_run
+
+        results = local_dry_run(spec, req, results, forced=args.dry_run)
     speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}
     if args.json:
         doc = fit_json(spec, req, results)

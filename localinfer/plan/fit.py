@@ -21,11 +21,13 @@ from localinfer.devices.profiles import DeviceProfile
 from localinfer.model.spec import ModelSpec
 from localinfer.units import fmt_bytes
 
-__all__ = ["MAX_PARALLEL", "FitRequest", "FitResult", "LoadOption", "Offload", "backend_memory", "breakdown",
-           "check_load", "fit_device", "mapped_note", "max_context", "max_parallel"]
+__all__ = ["MAX_PARALLEL", "ESTIMATE", "FitRequest", "FitResult", "LoadOption", "Offload", "backend_memory",
+           "breakdown", "check_load", "fit_device", "mapped_note", "max_context", "max_parallel", "with_breakdown"]
 
 KV_PREFERENCE = ("f16", "q8_0", "q4_0")   # most faithful first
 CTX_STEP = 256
+ESTIMATE = "estimate"          # FitResult.source of the backend memory model's own terms
+GENERIC_TERMS = ("kv", "compute")   # what follows generic rules when no family claims the architecture
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class FitResult:
     warnings: tuple[str, ...] = field(default=())
     supported: bool = True              # False: the backend cannot use this device (see BackendMemory.runs_on)
     load_options: tuple[LoadOption, ...] = ()   # other load modes compared (memory the CPU shares only)
+    source: str = ESTIMATE              # where the breakdown comes from ("llama.cpp dry run": measured here)
+    generic_terms: tuple[str, ...] = ()  # terms of the estimate that follow generic rules (an unknown arch)
+    estimate: MemoryBreakdown | None = None   # the estimate, when the breakdown comes from elsewhere
+    measured: dict | None = None        # the source's own record as JSON (llama.cpp: its dry run's buffers)
 
     @property
     def free_bytes(self) -> int:
@@ -105,6 +111,9 @@ class FitResult:
             "resident_bytes": self.breakdown.resident_bytes, "mapped_bytes": self.breakdown.mapped_bytes,
             "load_peak_bytes": self.breakdown.load_peak,
             "load_options": [dict(o.__dict__) for o in self.load_options],
+            "source": self.source, "generic_terms": list(self.generic_terms),
+            "estimate": None if self.estimate is None else self.estimate.to_dict(),
+            "measured": self.measured,
         }
 
 
@@ -286,7 +295,8 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
         fits, reason = False, why
     result = FitResult(spec.name, device, req, bd, cells, usable, fits, reason,
                        command=model.command(spec, req, cells, device),
-                       warnings=tuple(warnings), supported=why is None)
+                       warnings=tuple(warnings), supported=why is None,
+                       generic_terms=GENERIC_TERMS if spec.rules_generic else ())
     if not search or why:
         return result
     mctx = max_context(spec, device, req)
@@ -315,6 +325,26 @@ def fit_device(spec: ModelSpec, device: DeviceProfile, request: FitRequest | Non
         command = model.command(spec, req, cells, device, off.gpu_layers)
     return replace(result, max_ctx=mctx, max_parallel=mpar, kv_type=kvt, offload=off, ubatch=ub,
                    suggestions=tuple(suggestions), command=command, load_options=options)
+
+
+def with_breakdown(spec: ModelSpec, result: FitResult, bd: MemoryBreakdown, source: str, *,
+                   measured: dict | None = None, warnings: tuple[str, ...] | None = None) -> FitResult:
+    """The same request judged on another breakdown of the same device (llama.cpp's own dry run of this
+    machine): the verdict, reason and command follow it; the searches (largest context, most sequences, KV
+    type, load options) stay the estimate's, and the estimate is kept beside it for comparison."""
+    dev, usable = result.device, result.usable_bytes
+    fits = bd.device_bytes <= usable and (dev.host_memory_bytes is None or bd.host_bytes <= dev.host_memory_bytes)
+    if not result.supported:
+        fits = False
+    changes: dict = {}
+    if fits:
+        model = backend_memory(result.request.backend)[0]
+        changes = {"suggestions": (), "offload": None, "ubatch": None,
+                   "command": model.command(spec, result.request, result.cells, dev)}
+    reason = _reason(bd, usable, dev) if result.supported else result.reason
+    return replace(result, breakdown=bd, fits=fits, reason=reason, source=source, generic_terms=(),
+                   estimate=result.breakdown, measured=measured,
+                   warnings=result.warnings if warnings is None else warnings, **changes)
 
 
 def _cpu_view(dev: DeviceProfile) -> DeviceProfile:

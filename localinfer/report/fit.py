@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from gguf_tools.text import safe_text
+from localinfer.plan.fit import ESTIMATE
 from localinfer.units import GiB, MiB, fmt_duration
 
 WIDTH = 100
@@ -62,14 +63,15 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
     for r in results:
         bd = r.breakdown
         pool = None if bd.unified else "device"
-        name = safe_text(r.device.name, None)[:21]
+        name = safe_text(r.device.name, None)[:21 - len(_mark(r))] + _mark(r)
         w, kv, cb, left = (bd.sum("weights", pool, resident=True), bd.sum("kv", pool) + bd.sum("state", pool),
                            bd.sum("compute", pool) + bd.sum("output", pool), r.free_bytes) if r.supported else (None,) * 4
         lines.append(f"{name:<22}{_g(r.usable_bytes):>10}{_g(w):>11}{_g(kv):>10}{_g(cb):>10}{_g(left):>11}  "
                      f"{'yes' if r.fits else 'NO':<5}{_ctx(r.max_ctx):>8}{(str(r.max_parallel) if r.max_parallel else '—'):>8}")
     lines.append("")
     for r in results:
-        lines.append(f"{safe_text(r.device.name, None)}: {safe_text(r.device.display_name, None)}")
+        lines.append(f"{safe_text(r.device.name, None)}: {safe_text(r.device.display_name, None)}"
+                     + (f" — {r.source}" if r.source != ESTIMATE else ""))
         lines.extend(_wrap(r.reason, "  "))
         from localinfer.plan.fit import mapped_note
 
@@ -77,7 +79,8 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
         if note:
             lines.extend(_wrap(note, "  "))
         if len({(o.needed, o.mapped) for o in r.load_options}) > 1:     # only when the load mode matters
-            lines.extend(_wrap("load options: " + options_text(r.load_options), "  "))
+            est = " (localinfer's estimate)" if r.source != ESTIMATE else ""
+            lines.extend(_wrap(f"load options{est}: " + options_text(r.load_options), "  "))
         if not r.fits:
             if r.suggestions:
                 lines.extend(_wrap("would fit with: " + "; ".join(r.suggestions), "  "))
@@ -108,6 +111,11 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
             lines.extend(_wrap(r.command, "  $ ", "      "))
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _mark(r) -> str:
+    """The table's mark on a row whose numbers are not the estimate's (llama.cpp's dry run)."""
+    return " (dry run)" if r.source != ESTIMATE else ""
 
 
 def _attn(spec) -> list[int]:

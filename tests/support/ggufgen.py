@@ -321,3 +321,4 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     w.write_tensors_to_file()
     w.close()
     return path
+

@@ -69,9 +69,9 @@ def workers(n: int, threads: int = 1, mem=None):
 
 def _probe_main(payload: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from benchmarks.fit_accuracy import _walk_map
     from localinfer.backends.engine import LoadPlan
     from localinfer.backends.llamacpp import native
+    from localinfer.backends.llamacpp.dryrun_child import walk_map
 
     job = json.loads(payload)
     native.init_backend()
@@ -97,7 +97,7 @@ def _probe_main(payload: str) -> None:
         ctx = native.new_context(model, plan)
         raw = (ctypes.c_uint64 * 8)()
         fn(ctypes.addressof(raw), ctx)
-        out = {"buffers": _walk_map(raw[2], base), "log": list(native.log_lines)}
+        out = {"buffers": walk_map(raw[2], base.ggml_backend_buft_name), "log": list(native.log_lines)}
         L.llama_free(ctx)
         L.llama_model_free(model)
         print(json.dumps(out), flush=True)
