@@ -37,12 +37,12 @@ def _served_devices(*flags) -> tuple[dict, list[dict]]:
 def _check(samples: dict, rows: list[dict], devices: list[str]) -> None:
     assert [r["device"] for r in rows] == devices
     for r in rows:
-        for kind in ("weights", "kv", "compute"):
+        for kind in ("weights", "kv", "state", "compute"):
             predicted, reported = r["predicted"][kind], r["reported"][kind]
             assert f"{predicted / MIB:.2f}" == f"{reported / MIB:.2f}", (r["device"], kind, predicted, reported)
             assert samples[(r["device"], kind, "predicted")] == predicted
             assert samples[(r["device"], kind, "reported")] == reported
-    assert len(samples) == 6 * len(rows)
+    assert len(samples) == 8 * len(rows)          # 4 kinds (the recurrent state among them) × predicted/reported
 
 
 def test_metrics_per_device_over_two_workers():
