@@ -19,6 +19,7 @@ from localinfer.backends.memory import MAX_PARALLEL, BackendMemory, FitRequest, 
 from localinfer.backends.registry import DEFAULT_BACKEND, canonical, memory_model
 from localinfer.devices.profiles import DeviceProfile
 from localinfer.model.spec import ModelSpec
+from localinfer.errors import UsageError
 from localinfer.units import fmt_bytes
 
 __all__ = ["MAX_PARALLEL", "ESTIMATE", "FitRequest", "FitResult", "LoadOption", "Offload", "backend_memory",
@@ -196,8 +197,11 @@ def max_parallel(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> int
 def best_kv_type(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> str | None:
     """The most faithful KV type (f16, then q8_0, then q4_0, K = V) that fits this request."""
     for t in KV_PREFERENCE:
-        if _fits(spec, device, replace(req, type_k=t, type_v=t, flash_attn=True if t != "f16" else req.flash_attn)):
-            return t
+        try:
+            if _fits(spec, device, replace(req, type_k=t, type_v=t, flash_attn=True if t != "f16" else req.flash_attn)):
+                return t
+        except UsageError:          # a type this model cannot cache (its head size), as llama.cpp refuses it
+            continue
     return None
 
 

@@ -141,8 +141,8 @@ def test_ctx_beyond_training_needs_declared_rope_scaling(tmp_path, capsys):
 
     from tests.support.ggufgen import write_tiny_model
 
-    plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=64, n_ff=128, ctx=512)
-    linear = write_tiny_model(tmp_path / "linear.gguf", n_embd=64, n_ff=128, ctx=512,
+    plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=128, n_ff=128, ctx=512)     # heads of 32: q8_0 K fits
+    linear = write_tiny_model(tmp_path / "linear.gguf", n_embd=128, n_ff=128, ctx=512,
                               extra_kv={"llama.rope.scale_linear": (4.0, V.FLOAT32)})
     code, _, err = run_cli(capsys, "fit", str(plain), "--ctx", "2048", "--device", "local")
     assert code != 0 and "--ctx 2048" in err and "RoPE scaling" in err and "Traceback" not in err
@@ -157,8 +157,8 @@ def test_fit_and_plan_share_the_trained_context_rule_and_the_kv_check(tmp_path, 
     from localinfer.model.kv import check_kv_type
     from tests.support.ggufgen import write_tiny_model
 
-    plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=64, n_ff=128, ctx=512)
-    linear = write_tiny_model(tmp_path / "linear.gguf", n_embd=64, n_ff=128, ctx=512,
+    plain = write_tiny_model(tmp_path / "plain.gguf", n_embd=128, n_ff=128, ctx=512)     # heads of 32: q8_0 K fits
+    linear = write_tiny_model(tmp_path / "linear.gguf", n_embd=128, n_ff=128, ctx=512,
                               extra_kv={"llama.rope.scale_linear": (4.0, V.FLOAT32)})
     assert ModelSpec.from_gguf(plain).context_limit == 512 and ModelSpec.from_gguf(linear).context_limit is None
     for argv, ok in ((["fit", str(plain), "--ctx", "512"], True), (["fit", str(plain), "--ctx", "513"], False),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from gguf_tools.quants import layout, parse_type
 from localinfer.backends.llamacpp.compute_buffer import compute_estimate
 from localinfer.backends.llamacpp.placement import gpu_layer_start, weight_placement
 from localinfer.backends.memory import FitRequest, MemoryBreakdown, Term, check_tokens
@@ -148,6 +149,22 @@ def llama_geometry(spec: ModelSpec, req: FitRequest) -> tuple[LlamaCells, tuple[
     return cells, graphs + (((req.n_seq, req.n_seq),) if req.n_seq > n_outputs else ())
 
 
+def check_cache_types(spec: ModelSpec, type_k: str, type_v: str, flash_attn: bool) -> None:
+    """UsageError where llama.cpp refuses the cache types for this model (llama-context.cpp,
+    llama_init_from_model): an MLA cache (K only) needs K and V of one type; with flash attention a quantized
+    K (V) type's blocks must divide the K (V) head size."""
+    if spec.mla is not None and spec.rules == "mla" and type_k != type_v:
+        raise UsageError(f"this MLA model caches one latent as K, so llama.cpp needs one cache type: -ctk {type_k} "
+                         f"and -ctv {type_v} differ", flag="-ctv", hint=f"use -ctk {type_k} -ctv {type_k}")
+    if not flash_attn:
+        return
+    for flag, name, head in (("-ctk", type_k, spec.head_dim_k), ("-ctv", type_v, spec.head_dim_v)):
+        block = layout(parse_type(name)).block_values
+        if block > 1 and head % block:
+            raise UsageError(f"a {name} {flag[-1].upper()} cache with flash attention needs heads of a multiple of "
+                             f"{block} values; this model's have {head}", flag=flag, hint=f"use {flag} f16")
+
+
 def _pool(kind: str, on_device: bool) -> str:
     return "device" if kind == "cpu" or on_device else "host"
 
@@ -155,6 +172,7 @@ def _pool(kind: str, on_device: bool) -> str:
 def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown, LlamaCells]:
     """Every memory term of ``req`` on ``device`` as llama.cpp allocates it, with its formula."""
     kind = device.kind
+    check_cache_types(spec, req.type_k, req.type_v, req.flash_attn_on)
     ngl = 0 if kind == "cpu" else req.n_gpu_layers
     cells, graphs = llama_geometry(spec, req)
     terms: list[Term] = []
