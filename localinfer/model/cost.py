@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from localinfer.errors import UsageError
-from localinfer.model.kv import KV_TYPES, check_kv_type, row_bytes
+from localinfer.model.kv import KV_TYPES, check_kv_type, recurrent_state_bytes, row_bytes
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
@@ -61,6 +61,7 @@ class ModelCost:
     layer_pair_flops: tuple[int, ...] = field(repr=False)   # FLOPs per (query, key) pair, per layer
     layer_windows: tuple[int | None, ...] = field(repr=False)
     layer_kv_elems: tuple[tuple[int, int], ...] = field(repr=False)  # (K, V) values per token per layer
+    state_bytes: int = 0         # a hybrid's recurrent state per sequence (F32 r and s rows, all its layers)
 
     def decode_read_bytes(self, batch: int = 1) -> int:
         """D_w: weight bytes one decode step reads for ``batch`` tokens.
@@ -101,8 +102,9 @@ class ModelCost:
         return 2 * self.matmul_params * new + self.attention_flops(new, cached) + 2 * self.head_params
 
     def step_bytes(self, batch: int, context: int, kv: str | tuple[str, str] = "f16") -> int:
-        """D(b, L) = D_w + b·L·k: bytes one decode step reads for ``batch`` requests at ``context``."""
-        return self.decode_read_bytes(batch) + batch * self.kv_read_bytes(context, kv)
+        """D(b, L) = D_w + b·L·k (+ b·2·S for a recurrent state S, read and written each step): bytes one decode
+        step moves for ``batch`` requests at ``context``."""
+        return self.decode_read_bytes(batch) + batch * (self.kv_read_bytes(context, kv) + 2 * self.state_bytes)
 
     def per_token_read_bytes(self, batch: int, context: int, kv: str | tuple[str, str] = "f16") -> float:
         """d(b, L) = D_w/b + L·k: bytes read per output token."""
@@ -171,6 +173,7 @@ def _build_cost(spec: ModelSpec) -> ModelCost:
         layer_pair_flops=tuple(pair_flops),
         layer_windows=tuple(windows),
         layer_kv_elems=tuple(elems),
+        state_bytes=recurrent_state_bytes(spec, 1),
     )
 
 

@@ -94,7 +94,8 @@ class Plan:
 
 def kv_memory(speed: SpeedModel, w: Workload, kv: str, share_prefix: bool,
               block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
-    """KV bytes the batch holds once every output is generated (blocks of ``block_tokens``).
+    """KV bytes the batch holds once every output is generated (blocks of ``block_tokens``), with a hybrid's
+    recurrent state per request (it does not grow with the context and is never shared).
 
     Each request holds L + G − 1 tokens (the last output is never written).
     With sharing, the prefix's full blocks are held once.
@@ -102,7 +103,8 @@ def kv_memory(speed: SpeedModel, w: Workload, kv: str, share_prefix: bool,
     held = tokens_held(w.input_tokens, w.output_tokens)
     shared = (w.shared_prefix // block_tokens) * block_tokens if share_prefix else 0
     private = ceil_div(held - shared, block_tokens) * block_tokens
-    return (speed.cost.kv_read_bytes(shared, kv) if shared else 0) + w.requests * speed.cost.kv_read_bytes(private, kv)
+    return ((speed.cost.kv_read_bytes(shared, kv) if shared else 0)
+            + w.requests * (speed.cost.kv_read_bytes(private, kv) + speed.cost.state_bytes))
 
 
 def evaluate(speed: SpeedModel, workload: Workload, config: Config, budget_bytes: int, *, spec=None,
@@ -231,7 +233,8 @@ def lookup_draft_length(speed: SpeedModel, workload: Workload, acceptance: float
 
 
 def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
-    """What the device leaves for KV: usable memory minus weights, compute and output buffers.
+    """What the device leaves for KV (and a hybrid's recurrent state): usable memory minus weights, compute and
+    output buffers.
 
     The non-KV terms are `localinfer fit`'s breakdown for one ``n_ctx`` sequence.
     """
@@ -239,7 +242,7 @@ def default_kv_budget(spec, device, n_ctx: int = 4096) -> int:
     from localinfer.plan.fit import fit_device
 
     bd = fit_device(spec, device, FitRequest(n_ctx=n_ctx), search=False).breakdown
-    return device.usable_bytes - (bd.device_bytes - bd.sum("kv", "device"))
+    return device.usable_bytes - (bd.device_bytes - bd.sum("kv", "device") - bd.sum("state", "device"))
 
 
 def outcome_dict(o: Outcome) -> dict:
