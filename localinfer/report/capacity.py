@@ -117,7 +117,8 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
 
     Memory comes from ``localinfer.plan.fit`` (weights placed as llama.cpp places them,
     KV cells, compute and output buffers) at each context and KV type; requests
-    and the largest context extend its KV term linearly.
+    and the largest context extend its KV term linearly (a hybrid's recurrent state is per request, so it
+    counts in the requests, not in the largest context).
     """
     from localinfer.backends.memory import MAX_PARALLEL, FitRequest
     from localinfer.model.kv import kv_bytes_per_token
@@ -130,7 +131,7 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     for kv in kv_types:
         for ctx in contexts:
             bd = fit_device(spec, device, FitRequest(n_ctx=ctx, type_k=kv, type_v=kv), search=False).breakdown
-            kv_dev = bd.sum("kv", "device")
+            kv_dev = bd.sum("kv", "device") + bd.sum("state", "device")   # per request: KV and recurrent state
             fixed = bd.device_bytes - kv_dev                 # weights on the device, compute, output
             fixed0 = fixed if fixed0 is None else min(fixed0, fixed)
             n = min(max(0, usable - fixed) // kv_dev, MAX_PARALLEL) if kv_dev else 0
