@@ -81,8 +81,9 @@ def _group_limit(g, sel: int, ne: int, R: int, routing: Routing) -> int:
     filled with -inf (a FILL the kept rows are SET_ROWS into)."""
     G, per = routing.n_groups, ne // routing.n_groups
     groups = g.view(sel, (per, G, R))
+    groups_4d = g.view(groups, (1, per, G, R))
     best2 = g.view(g.op_("ARGSORT", (per, G, R), I32, groups), (2, G, R), contiguous=False)
-    scores = g.op_("GET_ROWS", (1, 2, G, R), F32, g.view(groups, (1, per, G, R)), best2)
+    scores = g.op_("GET_ROWS", (1, 2, G, R), F32, groups_4d, best2)
     scores = g.op_("SUM_ROWS", (1, G, R), F32, g.view(scores, (2, G, R)))
     kept = g.view(g.op_("ARGSORT", (G, R), I32, g.view(scores, (G, R))), (routing.n_group_used, R),
                   contiguous=False)
