@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localinfer.backends.llamacpp.gallocr import replay
+from localinfer.backends.llamacpp.graph_ffn import SIGMOID, SOFTMAX, dense_ffn, moe_ffn
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
@@ -140,6 +141,9 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         return kv_inputs[is_swa]
 
     gemma = spec.arch.startswith("gemma")
+    llama4 = spec.arch == "llama4"
+    moe_args = _moe_args(spec)
+    attn_scale: list[int] = []      # llama4's temperature input, a leaf where first used (no-rope layers)
     post_norms = "post_attention_norm.weight" in has and "post_ffw_norm.weight" in has
     out_ids = None
     w = g.weight
@@ -161,9 +165,12 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
         return g.view(t, shape)
 
-    def keys(x, heads):
+    def keys(x, heads, rope):
         t = proj(x, heads * hd, "k", heads, hd, True)
-        t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
+        if rope:
+            t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
+            if llama4 and spec.n_expert != 128:          # Llama4TextL2Norm (use_kq_norm)
+                t = g.op_("RMS_NORM", (hd, heads, T), F32, t)
         return rotate(t, k_rot, rot_k, (hd, heads, T)) if rot_k else t
 
     def values(x, heads):
@@ -183,18 +190,26 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         x = g.op_("RMS_NORM", (E, T), F32, inp)
         x = g.op_("MUL", (E, T), F32, x, w())
 
+        rope = not llama4 or (il + 1) % (4 if swa else spec.n_layers) != 0   # llama4: n_no_rope_layer_step
         q = proj(x, nq, "q", H, hd, True)
-        q = g.op_("ROPE", (hd, H, T), F32, q, pos, *((w(),) if rope_freqs else ()))
+        if rope:
+            q = g.op_("ROPE", (hd, H, T), F32, q, pos, *((w(),) if rope_freqs else ()))
+            if llama4 and spec.n_expert != 128:
+                q = g.op_("RMS_NORM", (hd, H, T), F32, q)
+        elif llama4:
+            if not attn_scale:
+                attn_scale.append(g.leaf(T * F32, (1, 1, T), 1))
+            q = g.op_("MUL", (hd, H, T), F32, q, attn_scale[0])
         if gemma:
             q = g.op_("SCALE", (hd, H, T), F32, q)
         if rot_k:
             q = rotate(q, k_rot, rot_k, (hd, H, T))
-        if gemma:                    # llama.cpp's graph visits K first for gemma, V first for the others
-            k = keys(x, Hkv)
+        if swa:                      # build_attn expands Q, K, V with sliding-window caches (iswa), Q, V, K without
+            k = keys(x, Hkv, rope)
             v = values(x, Hkv)
         else:
             v = values(x, Hkv)
-            k = keys(x, Hkv)
+            k = keys(x, Hkv, rope)
         k_idx, v_idx, m = kv_input(is_swa)
         kc, vc = g.weight("kv"), g.weight("kv")
         g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
@@ -229,34 +244,14 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         res = g.op_("ADD", (E, R), F32, a, inp)
         x = g.op_("RMS_NORM", (E, R), F32, res)
         x = g.op_("MUL", (E, R), F32, x, w())
-        if moe:
-            ne, nu, ff = spec.n_expert, spec.n_expert_used, spec.expert_ff or spec.n_ff[il]
-            lg = g.op_("MUL_MAT", (ne, R), F32, w(), x)
-            pr = g.op_("SOFT_MAX", (ne, R), F32, lg)
-            prr = g.view(pr, (1, ne, R))
-            srt = g.op_("ARGSORT", (ne, R), I32, pr)
-            top = g.view(srt, (nu, R), contiguous=False)
-            wt = g.op_("GET_ROWS", (1, nu, R), F32, prr, top)
-            wtr = g.view(wt, (nu, R))
-            sm = g.op_("SUM_ROWS", (1, R), F32, wtr)
-            sm = g.op_("CLAMP", (1, R), F32, sm)
-            wn = g.view(g.op_("DIV", (nu, R), F32, wtr, sm), (1, nu, R))
-            xr = g.view(x, (E, 1, R))
-            gt = g.op_("MUL_MAT_ID", (ff, nu, R), F32, w(), xr, top)
-            up = g.op_("MUL_MAT_ID", (ff, nu, R), F32, w(), xr, top)
-            gl = g.op_("GLU", (ff, nu, R), F32, gt, up)
-            dn = g.op_("MUL_MAT_ID", (E, nu, R), F32, w(), gl, top)
-            wd = g.op_("MUL", (E, nu, R), F32, dn, wn)
-            views = [g.view(wd, (E, R), voff=i * E * F32, contiguous=False) for i in range(nu)]
-            f = g.op_("ADD", (E, R), F32, views[0], views[1]) if nu > 1 else g.op_("CONT", (E, R), F32, views[0])
-            for vw in views[2:]:
-                f = g.op_("ADD", (E, R), F32, f, vw)
+        if moe and il >= spec.routing.n_dense_lead and spec.tensor(f"blk.{il}.ffn_gate_inp.weight") is not None:
+            ff = spec.expert_ff or spec.n_ff[il]
+            f = moe_ffn(g, x, n_embd=E, rows=R, n_expert=spec.n_expert, n_used=spec.n_expert_used, n_ff=ff,
+                        probs_bias=spec.tensor(f"blk.{il}.exp_probs_b.bias") is not None, **moe_args)
+            if spec.n_expert_shared or spec.tensor(f"blk.{il}.ffn_up_shexp.weight") is not None:
+                f = g.op_("ADD", (E, R), F32, f, dense_ffn(g, x, ff * max(spec.n_expert_shared, 1), E, R))
         else:
-            ff = spec.n_ff[il]
-            gt = g.op_("MUL_MAT", (ff, R), F32, w(), x)
-            up = g.op_("MUL_MAT", (ff, R), F32, w(), x)
-            gl = g.op_("GLU", (ff, R), F32, gt, up)
-            f = g.op_("MUL_MAT", (E, R), F32, w(), gl)
+            f = dense_ffn(g, x, spec.n_ff[il], E, R)
         if post_norms:
             f = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, f), w())
         cur = g.op_("ADD", (E, R), F32, f, res)
@@ -272,6 +267,20 @@ def _streamless(build):
     def run(*args, n_stream: int = 1):
         return build(*args)
     return run
+
+
+def _moe_args(spec: ModelSpec) -> dict:
+    """build_moe_ffn's routing for the llama-graph families: the gating, normalisation and ordering each
+    family's graph passes (src/models/*.cpp), most of them softmax with the chosen weights normalised."""
+    from dataclasses import replace
+
+    r = spec.routing
+    if spec.arch == "glm4moe":      # glm4-moe.cpp: the file's keys, sigmoid when none is written
+        return {"routing": r, "gating": r.gating or SIGMOID}
+    if spec.arch == "llama4":       # llama4.cpp: sigmoid, no normalisation, chosen on the logits, weighted first
+        return {"routing": replace(r, weights_norm=False), "gating": SIGMOID, "select_on_logits": True,
+                "weight_before_ffn": True}
+    return {"routing": replace(r, weights_norm=True), "gating": SOFTMAX}
 
 
 def graph_builder(spec: ModelSpec):
