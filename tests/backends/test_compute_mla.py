@@ -19,16 +19,16 @@ from tests.support.ggufgen import write_tiny_arch
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf_tools.layouts.mla", reason="the MLA layout (gguf_tools.layouts.mla) is not in this tree")
 
-_BASE = dict(arch="deepseek2", n_layers=3, n_embd=128, n_head=4, n_ff=256, n_expert=4, n_expert_used=2,
-             expert_ff=64, n_dense_lead=1, n_expert_shared=1, kv_lora_rank=64, qk_nope_head_dim=32,
-             qk_rope_head_dim=16, v_head_dim=32, vocab_size=1)
+_BASE = {"arch": "deepseek2", "n_layers": 3, "n_embd": 128, "n_head": 4, "n_ff": 256, "n_expert": 4,
+         "n_expert_used": 2, "expert_ff": 64, "n_dense_lead": 1, "n_expert_shared": 1, "kv_lora_rank": 64,
+         "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 1}
 SPECS = {
     "lite": _BASE,
-    "v3": dict(_BASE, q_lora_rank=96, expert_probs_bias=True, expert_gating="sigmoid"),
-    "legacy": dict(_BASE, mla_legacy=True),
-    "groups": dict(_BASE, q_lora_rank=96, n_expert=16, n_expert_used=3, n_expert_shared=2, expert_probs_bias=True,
-                   expert_gating="sigmoid", expert_weights_norm=True, expert_weights_scale=2.5,
-                   n_expert_groups=4, n_group_used=2),
+    "v3": {**_BASE, "q_lora_rank": 96, "expert_probs_bias": True, "expert_gating": "sigmoid"},
+    "legacy": {**_BASE, "mla_legacy": True},
+    "groups": {**_BASE, "q_lora_rank": 96, "n_expert": 16, "n_expert_used": 3, "n_expert_shared": 2,
+               "expert_probs_bias": True, "expert_gating": "sigmoid", "expert_weights_norm": True,
+               "expert_weights_scale": 2.5, "n_expert_groups": 4, "n_group_used": 2},
 }
 CASES = {
     "lite": [Case("2048 fa", "x", 2048), Case("4096 np4 no-fa", "x", 4096, n_seq=4, flash_attn=False)],
