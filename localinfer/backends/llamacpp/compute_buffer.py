@@ -127,8 +127,12 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     tokens = g.leaf(T * I32, (T,), 1)
     g.leaf(E * T * F32, (E, T), 1)                 # inp_embd: created, never used, never freed
     pos = g.leaf(T * I32, (T,), 1)
-    k_rot = g.leaf(rot_k * rot_k * F32, (rot_k, rot_k), 1) if rot_k else None
-    v_rot = g.leaf(rot_v * rot_v * F32, (rot_v, rot_v), 1) if rot_v else None
+    rot_leaves: dict[tuple[int, bool], int] = {}   # (size, sliding cache?) -> the rotation input of that cache
+
+    def rot_leaf(r: int, is_swa: bool) -> int:
+        if (r, is_swa) not in rot_leaves:  # each cache of an iswa pair has its own, created where first used
+            rot_leaves[r, is_swa] = g.leaf(r * r * F32, (r, r), 1)
+        return rot_leaves[r, is_swa]
     mesize = F16 if flash_attn else F32
     kv_inputs: dict[bool, tuple[int, int, int]] = {}   # per cache (full / sliding): k idx, v idx, mask
 
@@ -158,24 +162,25 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             t = g.op_("MUL", (dim, heads, T), F32, t, w())
         return t
 
-    def rotate(t, rot, r, shape):
+    def rotate(t, r, is_swa, shape):
+        rot = rot_leaf(r, is_swa)
         n = 1
         for d in shape:
             n *= d
         t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
         return g.view(t, shape)
 
-    def keys(x, heads, rope):
+    def keys(x, heads, rope, is_swa):
         t = proj(x, heads * hd, "k", heads, hd, True)
         if rope:
             t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
             if llama4 and spec.n_expert != 128:          # Llama4TextL2Norm (use_kq_norm)
                 t = g.op_("RMS_NORM", (hd, heads, T), F32, t)
-        return rotate(t, k_rot, rot_k, (hd, heads, T)) if rot_k else t
+        return rotate(t, rot_k, is_swa, (hd, heads, T)) if rot_k else t
 
-    def values(x, heads):
+    def values(x, heads, is_swa):
         t = proj(x, heads * hdv, "v", heads, hdv, False)
-        return rotate(t, v_rot, rot_v, (hdv, heads, T)) if rot_v else t
+        return rotate(t, rot_v, is_swa, (hdv, heads, T)) if rot_v else t
 
     cur = g.op_("GET_ROWS", (E, T), F32, w(), tokens)
     if gemma:
@@ -203,13 +208,13 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         if gemma:
             q = g.op_("SCALE", (hd, H, T), F32, q)
         if rot_k:
-            q = rotate(q, k_rot, rot_k, (hd, H, T))
+            q = rotate(q, rot_k, is_swa, (hd, H, T))
         if swa:                      # build_attn expands Q, K, V with sliding-window caches (iswa), Q, V, K without
-            k = keys(x, Hkv, rope)
-            v = values(x, Hkv)
+            k = keys(x, Hkv, rope, is_swa)
+            v = values(x, Hkv, is_swa)
         else:
-            v = values(x, Hkv)
-            k = keys(x, Hkv, rope)
+            v = values(x, Hkv, is_swa)
+            k = keys(x, Hkv, rope, is_swa)
         k_idx, v_idx, m = kv_input(is_swa)
         kc, vc = g.weight("kv"), g.weight("kv")
         g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
@@ -226,7 +231,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             a = g.op_("FLASH_ATTN_EXT", (hdv, H, T), F32, qp, kp, vp, m)
             a = g.view(a, (hdv * H, T))
             if rot_v:
-                a = rotate(a, v_rot, rot_v, (hdv * H, T))
+                a = rotate(a, rot_v, is_swa, (hdv * H, T))
         else:
             kq = g.op_("MUL_MAT", (kv_len, T, H), F32, kp, qp)
             kq = g.op_("SOFT_MAX", (kv_len, T, H), F32, kq, m)
