@@ -28,7 +28,7 @@ ALIGN = {"cpu": 32, "metal": 32, "cuda": 128}
 _INPLACE = {"SCALE", "ADD", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY", "SQRT", "FILL"}
 _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
-VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4")
 # other families' graph builders: module (in this package) -> the architectures whose graph it builds
 _FAMILY_GRAPHS = {"graph_mla": ("deepseek2",), "graph_hybrid": ("qwen35", "qwen35moe", "qwen3next", "granitehybrid",
                                                                 "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe",
@@ -352,10 +352,18 @@ def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: i
 
 
 def _replay_layers(spec: ModelSpec, layers: list[int]) -> tuple[int, ...]:
-    """Layers to replay: all of them, or the first and last few when the middle repeats exactly."""
+    """Layers to replay: all of them, or the first and last few when the middle repeats exactly (the same
+    tensors from the fourth layer on: up to three leading dense layers fold, interleaved MoE does not)."""
     uniform = (len({spec.n_head[il] for il in layers}) == 1 and len({spec.n_head_kv[il] for il in layers}) == 1
                and len({spec.n_ff[il] for il in layers}) == 1 and not spec.has_swa)
     if len(layers) <= _FULL_LAYERS or not uniform:
+        return tuple(layers)
+    kinds: dict[int, set[str]] = {il: set() for il in layers[3:]}
+    for t in spec.tensors:
+        parts = t.name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) in kinds:
+            kinds[int(parts[1])].add(parts[2])
+    if len({frozenset(v) for v in kinds.values()}) > 1:
         return tuple(layers)
     return tuple(layers[:3] + layers[-3:])
 
