@@ -127,12 +127,13 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     tokens = g.leaf(T * I32, (T,), 1)
     g.leaf(E * T * F32, (E, T), 1)                 # inp_embd: created, never used, never freed
     pos = g.leaf(T * I32, (T,), 1)
-    rot_leaves: dict[tuple[int, bool], int] = {}   # (size, sliding cache?) -> the rotation input of that cache
+    rot_leaves: dict[tuple[str, bool], int] = {}   # ("k" | "v", sliding cache?) -> that cache's rotation input
 
-    def rot_leaf(r: int, is_swa: bool) -> int:
-        if (r, is_swa) not in rot_leaves:  # each cache of an iswa pair has its own, created where first used
-            rot_leaves[r, is_swa] = g.leaf(r * r * F32, (r, r), 1)
-        return rot_leaves[r, is_swa]
+    def rot_leaf(kind: str, is_swa: bool) -> int:
+        if (kind, is_swa) not in rot_leaves:  # each cache of an iswa pair has its own, created where first used
+            r = rot_k if kind == "k" else rot_v
+            rot_leaves[kind, is_swa] = g.leaf(r * r * F32, (r, r), 1)
+        return rot_leaves[kind, is_swa]
     mesize = F16 if flash_attn else F32
     kv_inputs: dict[bool, tuple[int, int, int]] = {}   # per cache (full / sliding): k idx, v idx, mask
 
@@ -162,8 +163,9 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             t = g.op_("MUL", (dim, heads, T), F32, t, w())
         return t
 
-    def rotate(t, r, is_swa, shape):
-        rot = rot_leaf(r, is_swa)
+    def rotate(t, kind, is_swa, shape):
+        rot = rot_leaf(kind, is_swa)
+        r = rot_k if kind == "k" else rot_v
         n = 1
         for d in shape:
             n *= d
@@ -176,11 +178,11 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
             if llama4 and spec.n_expert != 128:          # Llama4TextL2Norm (use_kq_norm)
                 t = g.op_("RMS_NORM", (hd, heads, T), F32, t)
-        return rotate(t, rot_k, is_swa, (hd, heads, T)) if rot_k else t
+        return rotate(t, "k", is_swa, (hd, heads, T)) if rot_k else t
 
     def values(x, heads, is_swa):
         t = proj(x, heads * hdv, "v", heads, hdv, False)
-        return rotate(t, rot_v, is_swa, (hdv, heads, T)) if rot_v else t
+        return rotate(t, "v", is_swa, (hdv, heads, T)) if rot_v else t
 
     cur = g.op_("GET_ROWS", (E, T), F32, w(), tokens)
     if gemma:
@@ -208,7 +210,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         if gemma:
             q = g.op_("SCALE", (hd, H, T), F32, q)
         if rot_k:
-            q = rotate(q, rot_k, is_swa, (hd, H, T))
+            q = rotate(q, "k", is_swa, (hd, H, T))
         if swa:                      # build_attn expands Q, K, V with sliding-window caches (iswa), Q, V, K without
             k = keys(x, Hkv, rope, is_swa)
             v = values(x, Hkv, is_swa)
@@ -231,7 +233,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             a = g.op_("FLASH_ATTN_EXT", (hdv, H, T), F32, qp, kp, vp, m)
             a = g.view(a, (hdv * H, T))
             if rot_v:
-                a = rotate(a, rot_v, is_swa, (hdv * H, T))
+                a = rotate(a, "v", is_swa, (hdv * H, T))
         else:
             kq = g.op_("MUL_MAT", (kv_len, T, H), F32, kp, qp)
             kq = g.op_("SOFT_MAX", (kv_len, T, H), F32, kq, m)
