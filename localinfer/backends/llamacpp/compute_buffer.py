@@ -110,8 +110,9 @@ def attn_rotation(head_dim: int, type_name: str) -> int:
 
 
 def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_outputs: int,
-                 flash_attn: bool, n_kv_swa: int, type_k: str = "f16", type_v: str = "f16") -> _Graph:
-    """The node sequence llama.cpp builds for one ubatch of a llama-style decoder."""
+                 flash_attn: bool, n_kv_swa: int, type_k: str = "f16", type_v: str = "f16",
+                 n_stream: int = 1) -> _Graph:
+    """The node sequence llama.cpp builds for one ubatch of a llama-style decoder (``n_stream`` KV streams)."""
     g = _Graph()
     E, T, O = spec.n_embd, n_tokens, n_outputs
     hd, hdv = spec.head_dim_k, spec.head_dim_v
@@ -162,6 +163,14 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             t = g.op_("RMS_NORM", (dim, heads, T), F32, t)
             t = g.op_("MUL", (dim, heads, T), F32, t, w())
         return t
+
+    def f16_views(kp, vp, k_shape, v_shape):
+        """build_attn_mha: flash attention reads an f32 cache through f16 copies (one per stream)."""
+        if type_k == "f32":
+            kp = g.op_("CPY", k_shape + (n_stream,), F16, kp)
+        if type_v == "f32":
+            vp = g.op_("CPY", v_shape + (n_stream,), F16, vp)
+        return kp, vp
 
     def rotate(t, kind, is_swa, shape):
         rot = rot_leaf(kind, is_swa)
@@ -230,6 +239,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         kp = g.view(g.view(kc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
         vp = g.view(g.view(vc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
         if flash_attn:
+            kp, vp = f16_views(kp, vp, (hd, kv_len, Hkv), (hdv, kv_len, Hkv))
             a = g.op_("FLASH_ATTN_EXT", (hdv, H, T), F32, qp, kp, vp, m)
             a = g.view(a, (hdv * H, T))
             if rot_v:
@@ -309,7 +319,7 @@ def graph_builder(spec: ModelSpec):
             build = mod.GRAPH if getattr(mod, "STREAMS", False) else _streamless(mod.GRAPH)
             return build, tuple(range(spec.n_layers)), spec.arch in getattr(mod, "VERIFIED", ())
     layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
-    return _streamless(_llama_graph), _replay_layers(spec, layers), spec.arch in VERIFIED_ARCHS
+    return _llama_graph, _replay_layers(spec, layers), spec.arch in VERIFIED_ARCHS
 
 
 def _replay(g: _Graph, align: int, sizes: list[int]) -> int:
@@ -343,10 +353,10 @@ def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: i
                 n_stream: int = 1) -> int:
     memo = spec_cache(spec)
     rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
-    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, rot, n_stream)
+    tk = type_k if rot[0] or type_k == "f32" else "f16"    # the graph sees the type only through these
+    tv = type_v if rot[1] or type_v == "f32" else "f16"
+    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, tk, tv, n_stream)
     if key not in memo:
-        tk = type_k if rot[0] else "f16"
-        tv = type_v if rot[1] else "f16"
         g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn, tk, tv, n_stream)
         sizes = [c + a * n_kv + b * n_kv_swa for c, a, b in coef]
         memo[key] = _replay(g, align, sizes)

@@ -65,9 +65,9 @@ def GRAPH(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_output
         inp = cur
         x = g.op_("MUL", (E, T), F32, g.op_("RMS_NORM", (E, T), F32, inp), w())
         if is_mla:
-            a = _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream)
+            a = _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream, type_k)
         else:
-            a = _legacy_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, k_rot, v_rot)
+            a = _legacy_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, k_rot, v_rot, n_stream, type_k, type_v)
         R = T
         if il == last:
             out_ids = g.leaf(O * I32, (O,), 1)
@@ -118,7 +118,7 @@ def _set_rows(g: _Graph, src: int, idx: int, cache: int) -> None:
     g.nodes.append(g._new(0, (), "SET_ROWS", (src, idx, cache), cache, 0, 4))
 
 
-def _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream) -> int:
+def _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream, type_k) -> int:
     m, w = spec.mla, g.weight
     r, rot = m.kv_lora_rank, m.n_rot
     nope = m.head_dim_k - rot
@@ -140,6 +140,9 @@ def _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream) ->
         qp = g.view(g.view(qcur), (r + rot, T, H), contiguous=False)
         kp = g.view(k4, (r + rot, n_kv, 1), contiguous=False)
         vp = g.view(g.view(k4, (r, 1, n_kv), contiguous=False), (r, n_kv, 1), contiguous=False)
+        if type_k == "f32":           # build_attn_mha: flash attention reads an f32 cache through f16 copies
+            kp = g.op_("CPY", (r + rot, n_kv, 1, n_stream), F16, kp)
+            vp = g.op_("CPY", (r, n_kv, 1, n_stream), F16, vp)
         a = g.op_("FLASH_ATTN_EXT", (r, H, T), F32, qp, kp, vp, mask)
         a = g.op_("MUL_MAT", (m.head_dim_v, T, H), F32, w(), g.view(a, (r, T, H), contiguous=False))
         a = g.op_("CONT", (m.head_dim_v, H, T), F32, g.view(a, (m.head_dim_v, H, T), contiguous=False))
@@ -147,8 +150,8 @@ def _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream) ->
     else:
         vv = g.view(g.view(g.view(k4, (r, 1, n_kv), contiguous=False), (r, n_kv, 1), contiguous=False),
                     (n_kv, r, 1), contiguous=False)
-        v = g.op_("CONT", (n_kv, r, 1, n_stream), F16, vv)   # V transposed, one copy per stream (an f16 cache:
-                                                            # a quantized one needs flash attention)
+        esize = F32 if type_k == "f32" else F16   # the cache's type (a quantized one needs flash attention)
+        v = g.op_("CONT", (n_kv, r, 1, n_stream), esize, vv)   # V transposed, one copy per stream
         kp = g.view(k4, (r + rot, n_kv, 1), contiguous=False)
         qp = g.view(g.view(qcur), (r + rot, T, H), contiguous=False)
         kq = g.op_("SOFT_MAX", (n_kv, T, H), F32, g.op_("MUL_MAT", (n_kv, T, H), F32, kp, qp), mask)
@@ -167,7 +170,8 @@ def _hadamard(g: _Graph, t: int, rot: int, shape: tuple) -> int:
     return g.view(g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r))), shape)
 
 
-def _legacy_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, k_rot, v_rot) -> int:
+def _legacy_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, k_rot, v_rot, n_stream, type_k,
+                      type_v) -> int:
     m, w = spec.mla, g.weight
     r, rot = m.kv_lora_rank, m.n_rot
     hk, hv = m.head_dim_k, m.head_dim_v
@@ -197,6 +201,10 @@ def _legacy_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, k_rot, v_
     kp = g.view(g.view(kc, (hk, H, n_kv), contiguous=False), (hk, n_kv, H), contiguous=False)
     vp = g.view(g.view(vc, (hv, H, n_kv), contiguous=False), (hv, n_kv, H), contiguous=False)
     if flash_attn:
+        if type_k == "f32":
+            kp = g.op_("CPY", (hk, n_kv, H, n_stream), F16, kp)
+        if type_v == "f32":
+            vp = g.op_("CPY", (hv, n_kv, H, n_stream), F16, vp)
         a = g.view(g.op_("FLASH_ATTN_EXT", (hv, H, T), F32, qp, kp, vp, mask), (hv * H, T))
     else:
         kq = g.op_("SOFT_MAX", (n_kv, T, H), F32, g.op_("MUL_MAT", (n_kv, T, H), F32, kp, qp), mask)
