@@ -12,6 +12,7 @@ It follows ``src/models/deepseek2.cpp`` (``graph::graph``) and ``src/llama-graph
 * legacy layout (an unsplit ``attn_kv_b``): plain multi-head attention over ``kv_b``'s split (a contiguous
   V, K = nope ‖ the shared roped ``k_pe`` repeated per head), through ``build_attn(llm_graph_input_attn_kv)``,
   with the Hadamard rotations of a quantized cache as any attention layer;
+* ``attention.temperature_scale`` (Mistral-Large): the query times a per-token input before the attention;
 * FFN: the first ``leading_dense_block_count`` layers dense, the others ``build_moe_ffn`` (softmax unless
   ``expert_gating_func`` says otherwise, ``exp_probs_b`` when present, ``expert_weights_norm`` /
   ``expert_weights_scale`` as written) plus the shared experts' dense FFN, added.
@@ -37,7 +38,7 @@ def GRAPH(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_output
         raise ValueError("deepseek2 graph without MLA sizes")
     g = _Graph()
     E, T, O = spec.n_embd, n_tokens, n_outputs
-    is_mla = spec.tensor("blk.0.attn_k_b.weight") is not None or spec.kv_dims[0][1] == 0
+    is_mla = spec.kv_dims[0][1] == 0          # hparams.is_mla(): key/value_length_mla set, one latent, no V cache
     legacy_rot = (attn_rotation(spec.head_dim_k, type_k), 64 if attn_rotation(spec.head_dim_v, type_v) else 0)
     rot_k, rot_v = legacy_rot if not is_mla else (0, 0)
     tokens = g.leaf(T * I32, (T,), 1)
@@ -46,6 +47,14 @@ def GRAPH(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_output
     k_rot = g.leaf(rot_k * rot_k * F32, (rot_k, rot_k), 1) if rot_k else None
     v_rot = g.leaf(rot_v * rot_v * F32, (rot_v, rot_v), 1) if rot_v else None
     inputs: list[int] = []
+    temp: list[int] = []           # inp_attn_scale (attention.temperature_scale): a leaf where first used
+
+    def temperature(q: int, shape: tuple) -> int:
+        if not spec.mla.temperature:
+            return q
+        if not temp:
+            temp.append(g.leaf(T * F32, (1, 1, T), 1))
+        return g.op_("MUL", shape, F32, q, temp[0])
 
     def kv_inputs() -> list[int]:
         if not inputs:               # k idxs [, v idxs], mask: created where first used (the leaf order)
@@ -65,9 +74,10 @@ def GRAPH(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_output
         inp = cur
         x = g.op_("MUL", (E, T), F32, g.op_("RMS_NORM", (E, T), F32, inp), w())
         if is_mla:
-            a = _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream, type_k)
+            a = _mla_attention(g, spec, x, pos, kv_inputs, temperature, n_kv, T, flash_attn, n_stream, type_k)
         else:
-            a = _legacy_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, k_rot, v_rot, n_stream, type_k, type_v)
+            a = _legacy_attention(g, spec, x, pos, kv_inputs, temperature, n_kv, T, flash_attn, k_rot, v_rot, n_stream,
+                                  type_k, type_v)
         R = T
         if il == last:
             out_ids = g.leaf(O * I32, (O,), 1)
@@ -96,7 +106,7 @@ def _query(g: _Graph, spec: ModelSpec, x: int, T: int) -> tuple[int, int]:
     """The query matmul(s), reshaped to (head_dim_k, n_head, tokens), and n_head."""
     m, w = spec.mla, g.weight
     H = spec.n_head[0]
-    if m.q_lora_rank:
+    if m.q_lora_rank and spec.tensor("blk.0.attn_q.weight") is None:    # is_lite: a plain attn_q
         q = g.op_("MUL_MAT", (m.q_lora_rank, T), F32, w(), x)
         q = g.op_("MUL", (m.q_lora_rank, T), F32, g.op_("RMS_NORM", (m.q_lora_rank, T), F32, q), w())
         q = g.op_("MUL_MAT", (H * m.head_dim_k, T), F32, w(), q)
@@ -118,7 +128,7 @@ def _set_rows(g: _Graph, src: int, idx: int, cache: int) -> None:
     g.nodes.append(g._new(0, (), "SET_ROWS", (src, idx, cache), cache, 0, 4))
 
 
-def _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream, type_k) -> int:
+def _mla_attention(g, spec, x, pos, kv_inputs, temperature, n_kv, T, flash_attn, n_stream, type_k) -> int:
     m, w = spec.mla, g.weight
     r, rot = m.kv_lora_rank, m.n_rot
     nope = m.head_dim_k - rot
@@ -126,7 +136,7 @@ def _mla_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, n_stream, ty
     q_nope = g.view(g.view(q, (nope, H, T), contiguous=False), (nope, T, H), contiguous=False)
     absorbed = g.view(g.op_("MUL_MAT", (r, T, H), F32, w(), q_nope), (r, H, T), contiguous=False)
     q_pe = g.op_("ROPE", (rot, H, T), F32, g.view(q, (rot, H, T), voff=nope * F32, contiguous=False), pos)
-    qcur = g.op_("CONCAT", (r + rot, H, T), F32, absorbed, q_pe)
+    qcur = temperature(g.op_("CONCAT", (r + rot, H, T), F32, absorbed, q_pe), (r + rot, H, T))
     pe, kv = _compress(g, spec, x, T)
     vcur = g.view(kv, (r, 1, T))
     k_pe = g.op_("ROPE", (rot, 1, T), F32, g.view(pe, (rot, 1, T), voff=r * F32, contiguous=False), pos)
@@ -170,14 +180,14 @@ def _hadamard(g: _Graph, t: int, rot: int, shape: tuple) -> int:
     return g.view(g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r))), shape)
 
 
-def _legacy_attention(g, spec, x, pos, kv_inputs, n_kv, T, flash_attn, k_rot, v_rot, n_stream, type_k,
-                      type_v) -> int:
+def _legacy_attention(g, spec, x, pos, kv_inputs, temperature, n_kv, T, flash_attn, k_rot, v_rot, n_stream,
+                      type_k, type_v) -> int:
     m, w = spec.mla, g.weight
     r, rot = m.kv_lora_rank, m.n_rot
     hk, hv = m.head_dim_k, m.head_dim_v
     nope = hk - rot
     q, H = _query(g, spec, x, T)
-    qcur = g.op_("ROPE", (hk, H, T), F32, q, pos)
+    qcur = temperature(g.op_("ROPE", (hk, H, T), F32, q, pos), (hk, H, T))
     if k_rot is not None:
         qcur = _hadamard(g, qcur, k_rot, (hk, H, T))
     pe, kv = _compress(g, spec, x, T)

@@ -44,6 +44,7 @@ class MLA:
     head_dim_k: int               # the real query/key head (nope + rope), key_length_mla
     head_dim_v: int               # the real value head, value_length_mla
     n_rot: int
+    temperature: bool = False     # attention.temperature_scale set (Mistral-Large): queries scaled per position
 
 
 @dataclass(frozen=True)

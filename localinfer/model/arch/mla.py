@@ -51,4 +51,5 @@ def derive(h: GGUFHeader, b: Base, err: Err) -> ArchFacts:
         dims = kv_dims(b)
     return ArchFacts("mla" if is_mla else "mla (legacy kv_b layout)", dims, (False,) * b.n_layers,
                      swa_kind="standard" if b.sliding_window else None, sliding_window=b.sliding_window,
-                     mla=MLA(kv_rank, q_rank, head_k, head_v, n_rot), source=SOURCE)
+                     mla=MLA(kv_rank, q_rank, head_k, head_v, n_rot, bool(h.kv.get(b.key("attention.temperature_scale")))),
+                     source=SOURCE)
