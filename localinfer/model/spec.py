@@ -16,7 +16,7 @@ from typing import Any
 
 from gguf_tools import GGUFFormatError, GGUFHeader, TensorInfo
 from gguf_tools.split import read_model_header
-from localinfer.model.arch import MLA, Base
+from localinfer.model.arch import MLA, Base, Routing
 from localinfer.model.arch import derive as derive_arch
 
 # Fallbacks for facts older files leave out.  Pattern n: layer il uses the
@@ -77,6 +77,7 @@ class ModelSpec:
     rs_dims: tuple[int, int] = (0, 0)      # (n_embd_r, n_embd_s) of one sequence in one recurrent layer
     swa_kind: str | None = None            # "standard" | "chunked" for the swa_layers
     mla: MLA | None = None                 # latent attention sizes (deepseek2)
+    routing: Routing = field(default_factory=Routing)   # how MoE layers weigh their experts (gating, norm, scale, groups)
     n_layer_nextn: int = 0                 # NextN/MTP layers after the trunk: in the file, not loaded
     skipped_bytes: int = 0                 # bytes of the tensors llama.cpp skips (the NextN layers')
     rules_source: str = ""
@@ -373,6 +374,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
         raise _err(h, a + "expert_used_count", f"expert_used_count {n_expert_used} with {n_expert} experts")
     n_expert_shared = _int(h, a + "expert_shared_count", default=0, allow_zero=True)
     expert_ff = _int(h, a + "expert_feed_forward_length")
+    routing = _routing(h, a)
 
     rope_base = h.kv.get(a + "rope.freq_base")
     rope_scaling = h.kv.get(a + "rope.scaling.type")
@@ -425,7 +427,19 @@ def _build(h: GGUFHeader) -> ModelSpec:
         rs_dims=facts.rs_dims,
         swa_kind=facts.swa_kind if sliding else None,
         mla=facts.mla,
+        routing=routing,
         n_layer_nextn=n_nextn,
         skipped_bytes=skipped,
         rules_source=facts.source,
     )
+
+
+def _routing(h: GGUFHeader, a: str) -> Routing:
+    """The MoE routing keys (llama-model.cpp load_hparams and the arch loaders; absent keys: llama.cpp's defaults)."""
+    scale = h.kv.get(a + "expert_weights_scale", 0.0)
+    return Routing(gating=_int(h, a + "expert_gating_func", default=0, allow_zero=True),
+                   weights_norm=bool(h.kv.get(a + "expert_weights_norm", False)),
+                   weights_scale=float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else 0.0,
+                   n_groups=_int(h, a + "expert_group_count", default=0, allow_zero=True),
+                   n_group_used=_int(h, a + "expert_group_used_count", default=0, allow_zero=True),
+                   n_dense_lead=_int(h, a + "leading_dense_block_count", default=0, allow_zero=True))

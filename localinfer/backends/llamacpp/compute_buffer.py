@@ -19,15 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localinfer.backends.llamacpp.gallocr import replay
+from localinfer.backends.llamacpp.graph_ffn import SIGMOID, SOFTMAX, dense_ffn, moe_ffn
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
 F32, F16, I32, I64 = 4, 2, 4, 8
 ALIGN = {"cpu": 32, "metal": 32, "cuda": 128}
-_INPLACE = {"SCALE", "ADD", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY"}
+_INPLACE = {"SCALE", "ADD", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY", "SQRT", "FILL"}
 _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
-VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4")
 # other families' graph builders: module (in this package) -> the architectures whose graph it builds
 _FAMILY_GRAPHS = {"graph_mla": ("deepseek2",), "graph_hybrid": ("qwen35", "qwen35moe", "qwen3next", "granitehybrid",
                                                                 "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe",
@@ -109,8 +110,9 @@ def attn_rotation(head_dim: int, type_name: str) -> int:
 
 
 def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_outputs: int,
-                 flash_attn: bool, n_kv_swa: int, type_k: str = "f16", type_v: str = "f16") -> _Graph:
-    """The node sequence llama.cpp builds for one ubatch of a llama-style decoder."""
+                 flash_attn: bool, n_kv_swa: int, type_k: str = "f16", type_v: str = "f16",
+                 n_stream: int = 1) -> _Graph:
+    """The node sequence llama.cpp builds for one ubatch of a llama-style decoder (``n_stream`` KV streams)."""
     g = _Graph()
     E, T, O = spec.n_embd, n_tokens, n_outputs
     hd, hdv = spec.head_dim_k, spec.head_dim_v
@@ -126,8 +128,13 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     tokens = g.leaf(T * I32, (T,), 1)
     g.leaf(E * T * F32, (E, T), 1)                 # inp_embd: created, never used, never freed
     pos = g.leaf(T * I32, (T,), 1)
-    k_rot = g.leaf(rot_k * rot_k * F32, (rot_k, rot_k), 1) if rot_k else None
-    v_rot = g.leaf(rot_v * rot_v * F32, (rot_v, rot_v), 1) if rot_v else None
+    rot_leaves: dict[tuple[str, bool], int] = {}   # ("k" | "v", sliding cache?) -> that cache's rotation input
+
+    def rot_leaf(kind: str, is_swa: bool) -> int:
+        if (kind, is_swa) not in rot_leaves:  # each cache of an iswa pair has its own, created where first used
+            r = rot_k if kind == "k" else rot_v
+            rot_leaves[kind, is_swa] = g.leaf(r * r * F32, (r, r), 1)
+        return rot_leaves[kind, is_swa]
     mesize = F16 if flash_attn else F32
     kv_inputs: dict[bool, tuple[int, int, int]] = {}   # per cache (full / sliding): k idx, v idx, mask
 
@@ -140,6 +147,9 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         return kv_inputs[is_swa]
 
     gemma = spec.arch.startswith("gemma")
+    llama4 = spec.arch == "llama4"
+    moe_args = _moe_args(spec)
+    attn_scale: list[int] = []      # llama4's temperature input, a leaf where first used (no-rope layers)
     post_norms = "post_attention_norm.weight" in has and "post_ffw_norm.weight" in has
     out_ids = None
     w = g.weight
@@ -154,21 +164,34 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             t = g.op_("MUL", (dim, heads, T), F32, t, w())
         return t
 
-    def rotate(t, rot, r, shape):
+    def f16_views(kp, vp, k_shape, v_shape):
+        """build_attn_mha: flash attention reads an f32 cache through f16 copies (one per stream)."""
+        if type_k == "f32":
+            kp = g.op_("CPY", k_shape + (n_stream,), F16, kp)
+        if type_v == "f32":
+            vp = g.op_("CPY", v_shape + (n_stream,), F16, vp)
+        return kp, vp
+
+    def rotate(t, kind, is_swa, shape):
+        rot = rot_leaf(kind, is_swa)
+        r = rot_k if kind == "k" else rot_v
         n = 1
         for d in shape:
             n *= d
         t = g.op_("MUL_MAT", (r, n // r), F32, rot, g.view(t, (r, n // r)))
         return g.view(t, shape)
 
-    def keys(x, heads):
+    def keys(x, heads, rope, is_swa):
         t = proj(x, heads * hd, "k", heads, hd, True)
-        t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
-        return rotate(t, k_rot, rot_k, (hd, heads, T)) if rot_k else t
+        if rope:
+            t = g.op_("ROPE", (hd, heads, T), F32, t, pos, *((w(),) if rope_freqs else ()))
+            if llama4 and spec.n_expert != 128:          # Llama4TextL2Norm (use_kq_norm)
+                t = g.op_("RMS_NORM", (hd, heads, T), F32, t)
+        return rotate(t, "k", is_swa, (hd, heads, T)) if rot_k else t
 
-    def values(x, heads):
+    def values(x, heads, is_swa):
         t = proj(x, heads * hdv, "v", heads, hdv, False)
-        return rotate(t, v_rot, rot_v, (hdv, heads, T)) if rot_v else t
+        return rotate(t, "v", is_swa, (hdv, heads, T)) if rot_v else t
 
     cur = g.op_("GET_ROWS", (E, T), F32, w(), tokens)
     if gemma:
@@ -183,18 +206,26 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         x = g.op_("RMS_NORM", (E, T), F32, inp)
         x = g.op_("MUL", (E, T), F32, x, w())
 
+        rope = not llama4 or (il + 1) % (4 if swa else spec.n_layers) != 0   # llama4: n_no_rope_layer_step
         q = proj(x, nq, "q", H, hd, True)
-        q = g.op_("ROPE", (hd, H, T), F32, q, pos, *((w(),) if rope_freqs else ()))
+        if rope:
+            q = g.op_("ROPE", (hd, H, T), F32, q, pos, *((w(),) if rope_freqs else ()))
+            if llama4 and spec.n_expert != 128:
+                q = g.op_("RMS_NORM", (hd, H, T), F32, q)
+        elif llama4:
+            if not attn_scale:
+                attn_scale.append(g.leaf(T * F32, (1, 1, T), 1))
+            q = g.op_("MUL", (hd, H, T), F32, q, attn_scale[0])
         if gemma:
             q = g.op_("SCALE", (hd, H, T), F32, q)
         if rot_k:
-            q = rotate(q, k_rot, rot_k, (hd, H, T))
-        if gemma:                    # llama.cpp's graph visits K first for gemma, V first for the others
-            k = keys(x, Hkv)
-            v = values(x, Hkv)
+            q = rotate(q, "k", is_swa, (hd, H, T))
+        if swa:                      # build_attn expands Q, K, V with sliding-window caches (iswa), Q, V, K without
+            k = keys(x, Hkv, rope, is_swa)
+            v = values(x, Hkv, is_swa)
         else:
-            v = values(x, Hkv)
-            k = keys(x, Hkv)
+            v = values(x, Hkv, is_swa)
+            k = keys(x, Hkv, rope, is_swa)
         k_idx, v_idx, m = kv_input(is_swa)
         kc, vc = g.weight("kv"), g.weight("kv")
         g.nodes.append(g._new(0, (), "SET_ROWS", (g.view(k, (nk, T)), k_idx, kc), kc, 0, 4))
@@ -208,10 +239,11 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         kp = g.view(g.view(kc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
         vp = g.view(g.view(vc, (hd, Hkv, kv_len), contiguous=False), (hd, kv_len, Hkv), contiguous=False)
         if flash_attn:
+            kp, vp = f16_views(kp, vp, (hd, kv_len, Hkv), (hdv, kv_len, Hkv))
             a = g.op_("FLASH_ATTN_EXT", (hdv, H, T), F32, qp, kp, vp, m)
             a = g.view(a, (hdv * H, T))
             if rot_v:
-                a = rotate(a, v_rot, rot_v, (hdv * H, T))
+                a = rotate(a, "v", is_swa, (hdv * H, T))
         else:
             kq = g.op_("MUL_MAT", (kv_len, T, H), F32, kp, qp)
             kq = g.op_("SOFT_MAX", (kv_len, T, H), F32, kq, m)
@@ -229,34 +261,14 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         res = g.op_("ADD", (E, R), F32, a, inp)
         x = g.op_("RMS_NORM", (E, R), F32, res)
         x = g.op_("MUL", (E, R), F32, x, w())
-        if moe:
-            ne, nu, ff = spec.n_expert, spec.n_expert_used, spec.expert_ff or spec.n_ff[il]
-            lg = g.op_("MUL_MAT", (ne, R), F32, w(), x)
-            pr = g.op_("SOFT_MAX", (ne, R), F32, lg)
-            prr = g.view(pr, (1, ne, R))
-            srt = g.op_("ARGSORT", (ne, R), I32, pr)
-            top = g.view(srt, (nu, R), contiguous=False)
-            wt = g.op_("GET_ROWS", (1, nu, R), F32, prr, top)
-            wtr = g.view(wt, (nu, R))
-            sm = g.op_("SUM_ROWS", (1, R), F32, wtr)
-            sm = g.op_("CLAMP", (1, R), F32, sm)
-            wn = g.view(g.op_("DIV", (nu, R), F32, wtr, sm), (1, nu, R))
-            xr = g.view(x, (E, 1, R))
-            gt = g.op_("MUL_MAT_ID", (ff, nu, R), F32, w(), xr, top)
-            up = g.op_("MUL_MAT_ID", (ff, nu, R), F32, w(), xr, top)
-            gl = g.op_("GLU", (ff, nu, R), F32, gt, up)
-            dn = g.op_("MUL_MAT_ID", (E, nu, R), F32, w(), gl, top)
-            wd = g.op_("MUL", (E, nu, R), F32, dn, wn)
-            views = [g.view(wd, (E, R), voff=i * E * F32, contiguous=False) for i in range(nu)]
-            f = g.op_("ADD", (E, R), F32, views[0], views[1]) if nu > 1 else g.op_("CONT", (E, R), F32, views[0])
-            for vw in views[2:]:
-                f = g.op_("ADD", (E, R), F32, f, vw)
+        if moe and il >= spec.routing.n_dense_lead and spec.tensor(f"blk.{il}.ffn_gate_inp.weight") is not None:
+            ff = spec.expert_ff or spec.n_ff[il]
+            f = moe_ffn(g, x, n_embd=E, rows=R, n_expert=spec.n_expert, n_used=spec.n_expert_used, n_ff=ff,
+                        probs_bias=spec.tensor(f"blk.{il}.exp_probs_b.bias") is not None, **moe_args)
+            if spec.n_expert_shared or spec.tensor(f"blk.{il}.ffn_up_shexp.weight") is not None:
+                f = g.op_("ADD", (E, R), F32, f, dense_ffn(g, x, ff * max(spec.n_expert_shared, 1), E, R))
         else:
-            ff = spec.n_ff[il]
-            gt = g.op_("MUL_MAT", (ff, R), F32, w(), x)
-            up = g.op_("MUL_MAT", (ff, R), F32, w(), x)
-            gl = g.op_("GLU", (ff, R), F32, gt, up)
-            f = g.op_("MUL_MAT", (E, R), F32, w(), gl)
+            f = dense_ffn(g, x, spec.n_ff[il], E, R)
         if post_norms:
             f = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, f), w())
         cur = g.op_("ADD", (E, R), F32, f, res)
@@ -267,10 +279,33 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     return g
 
 
+def _streamless(build):
+    """A builder whose sizes do not depend on the KV streams, given the ``n_stream`` keyword all builders take."""
+    def run(*args, n_stream: int = 1):
+        return build(*args)
+    return run
+
+
+def _moe_args(spec: ModelSpec) -> dict:
+    """build_moe_ffn's routing for the llama-graph families: the gating, normalisation and ordering each
+    family's graph passes (src/models/*.cpp), most of them softmax with the chosen weights normalised."""
+    from dataclasses import replace
+
+    r = spec.routing
+    if spec.arch == "glm4moe":      # glm4-moe.cpp: the file's keys, sigmoid when none is written
+        return {"routing": r, "gating": r.gating or SIGMOID}
+    if spec.arch == "llama4":       # llama4.cpp: sigmoid, no normalisation, chosen on the logits, weighted first
+        return {"routing": replace(r, weights_norm=False), "gating": SIGMOID, "select_on_logits": True,
+                "weight_before_ffn": True}
+    return {"routing": replace(r, weights_norm=True), "gating": SOFTMAX}
+
+
 def graph_builder(spec: ModelSpec):
-    """(build, layers, verified): the function that builds ``spec``'s graph (``_llama_graph``'s signature), the
-    layers it is built over, and whether it was checked against llama.cpp.  A family module registers its
-    builder as ``GRAPH`` (with ``VERIFIED``) and the architectures it covers in ``_FAMILY_GRAPHS``."""
+    """(build, layers, verified): the function that builds ``spec``'s graph (``_llama_graph``'s signature, plus
+    the ``n_stream`` keyword: the KV streams, n_seq unless unified), the layers it is built over, and whether it
+    was checked against llama.cpp.  A family module registers its builder as ``GRAPH`` (with ``VERIFIED``, and
+    ``STREAMS = True`` when ``GRAPH`` takes ``n_stream`` itself) and the architectures it covers in
+    ``_FAMILY_GRAPHS``."""
     import importlib
 
     for module, archs in _FAMILY_GRAPHS.items():
@@ -281,7 +316,8 @@ def graph_builder(spec: ModelSpec):
                 if exc.name != f"{__package__}.{module}":
                     raise
                 break
-            return mod.GRAPH, tuple(range(spec.n_layers)), spec.arch in getattr(mod, "VERIFIED", ())
+            build = mod.GRAPH if getattr(mod, "STREAMS", False) else _streamless(mod.GRAPH)
+            return build, tuple(range(spec.n_layers)), spec.arch in getattr(mod, "VERIFIED", ())
     layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
     return _llama_graph, _replay_layers(spec, layers), spec.arch in VERIFIED_ARCHS
 
@@ -296,16 +332,16 @@ _BIG = 1_000_003   # a prime no model dimension equals: shapes built with it nev
 
 
 def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs: int, flash_attn: bool,
-              type_k: str, type_v: str):
+              type_k: str, type_v: str, n_stream: int = 1):
     """The graph once, with every tensor size as base + a·n_kv + b·n_kv_swa (sizes are linear in both)."""
     memo = spec_cache(spec)
-    key = ("graph", layers, n_ubatch, n_outputs, flash_attn, type_k, type_v)
+    key = ("graph", layers, n_ubatch, n_outputs, flash_attn, type_k, type_v, n_stream)
     if key not in memo:
         args = (n_ubatch, n_outputs, flash_attn)
         build = graph_builder(spec)[0]
-        g0 = build(spec, list(layers), _BIG, *args, _BIG, type_k, type_v)
-        g1 = build(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v)
-        g2 = build(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v)
+        g0 = build(spec, list(layers), _BIG, *args, _BIG, type_k, type_v, n_stream=n_stream)
+        g1 = build(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v, n_stream=n_stream)
+        g2 = build(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v, n_stream=n_stream)
         coef = [(s0 - (s1 - s0) * _BIG - (s2 - s0) * _BIG, s1 - s0, s2 - s0)
                 for s0, s1, s2 in zip(g0.size, g1.size, g2.size)]
         memo[key] = (g0, coef)
@@ -313,34 +349,43 @@ def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs
 
 
 def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: int, n_outputs: int,
-                flash_attn: bool, n_kv_swa: int, align: int, type_k: str = "f16", type_v: str = "f16") -> int:
+                flash_attn: bool, n_kv_swa: int, align: int, type_k: str = "f16", type_v: str = "f16",
+                n_stream: int = 1) -> int:
     memo = spec_cache(spec)
     rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
-    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, rot)
+    tk = type_k if rot[0] or type_k == "f32" else "f16"    # the graph sees the type only through these
+    tv = type_v if rot[1] or type_v == "f32" else "f16"
+    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, tk, tv, n_stream)
     if key not in memo:
-        tk = type_k if rot[0] else "f16"
-        tv = type_v if rot[1] else "f16"
-        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn, tk, tv)
+        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn, tk, tv, n_stream)
         sizes = [c + a * n_kv + b * n_kv_swa for c, a, b in coef]
         memo[key] = _replay(g, align, sizes)
     return memo[key]
 
 
 def _replay_layers(spec: ModelSpec, layers: list[int]) -> tuple[int, ...]:
-    """Layers to replay: all of them, or the first and last few when the middle repeats exactly."""
+    """Layers to replay: all of them, or the first and last few when the middle repeats exactly (the same
+    tensors from the fourth layer on: up to three leading dense layers fold, interleaved MoE does not)."""
     uniform = (len({spec.n_head[il] for il in layers}) == 1 and len({spec.n_head_kv[il] for il in layers}) == 1
                and len({spec.n_ff[il] for il in layers}) == 1 and not spec.has_swa)
     if len(layers) <= _FULL_LAYERS or not uniform:
+        return tuple(layers)
+    kinds: dict[int, set[str]] = {il: set() for il in layers[3:]}
+    for t in spec.tensors:
+        parts = t.name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) in kinds:
+            kinds[int(parts[1])].add(parts[2])
+    if len({frozenset(v) for v in kinds.values()}) > 1:
         return tuple(layers)
     return tuple(layers[:3] + layers[-3:])
 
 
 def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: int, flash_attn: bool,
                      kind: str, gpu_layers: int, type_k: str = "f16", type_v: str = "f16",
-                     n_kv_swa: int | None = None) -> ComputeEstimate:
+                     n_kv_swa: int | None = None, n_stream: int = 1) -> ComputeEstimate:
     """The compute buffer(s) llama.cpp reserves for this context.
 
-    ``n_kv`` is the cells of one KV stream, ``n_outputs`` the logit rows of the
+    ``n_kv`` is the cells of one KV stream (of ``n_stream``), ``n_outputs`` the logit rows of the
     worst-case ubatch (min(n_ubatch, n_outputs_max)).  For an accelerator the
     layers run on the device and the host keeps the inputs and the embedding
     lookup; partial offload adds one CPU layer's weights copied up per step
@@ -355,7 +400,7 @@ def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: in
         formula += f" (approximate: the graph is not checked against llama.cpp's for {spec.arch!r})"
     try:
         dev = _pp_compute(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, swa, align,
-                          type_k, type_v)
+                          type_k, type_v, n_stream)
     except (ValueError, TypeError, ZeroDivisionError, IndexError):   # metadata the graph cannot be built from
         E, T, F = spec.n_embd, n_ubatch, max(spec.n_ff, default=0) or 4 * spec.n_embd
         dev = (spec.vocab_size * n_outputs + 4 * E * T + 3 * F * T) * F32

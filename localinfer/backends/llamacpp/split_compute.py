@@ -17,7 +17,7 @@ backend's high-water mark, the figure llama.cpp logs as
 
 from __future__ import annotations
 
-from localinfer.backends.llamacpp.compute_buffer import ALIGN, _INPLACE, _Graph, _llama_graph, attn_rotation
+from localinfer.backends.llamacpp.compute_buffer import ALIGN, _INPLACE, _Graph, attn_rotation, graph_builder
 from localinfer.backends.llamacpp.gallocr import replay
 from localinfer.model.spec import ModelSpec
 
@@ -141,8 +141,9 @@ def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int,
     index and "out" (``len(kinds)`` for the host)."""
     layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
     rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
-    g = _llama_graph(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv if n_kv_swa is None else n_kv_swa,
-                     type_k if rot[0] else "f16", type_v if rot[1] else "f16")
+    build = graph_builder(spec)[0]       # the family's graph (deepseek2's MLA), the llama graph otherwise
+    g = build(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv if n_kv_swa is None else n_kv_swa,
+              type_k if rot[0] else "f16", type_v if rot[1] else "f16")
     cpu = len(kinds)
     bid = assign(g, unit_backend, cpu, pin_norms or n_ubatch < 32)
     leafs, nodes, bid, flags, src, view_src, size, layout, dep = schedule(g, bid, N_COPIES if pipeline else 1)

@@ -44,6 +44,23 @@ class MLA:
     head_dim_k: int               # the real query/key head (nope + rope), key_length_mla
     head_dim_v: int               # the real value head, value_length_mla
     n_rot: int
+    temperature: bool = False     # attention.temperature_scale set (Mistral-Large): queries scaled per position
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer weighs its experts (llama-hparams.h; read in llama-model.cpp and the arch's loader).
+
+    ``gating`` is llama.cpp's expert_gating_func (0: none written, the graph's arch default; 1 softmax,
+    2 sigmoid, 3 softmax over the chosen weights, 4 sqrt-softplus); ``weights_scale`` 0 or 1 scales nothing;
+    ``n_groups`` > 1 turns on group-limited routing (``n_group_used`` groups kept)."""
+
+    gating: int = 0
+    weights_norm: bool = False
+    weights_scale: float = 0.0
+    n_groups: int = 0
+    n_group_used: int = 0
+    n_dense_lead: int = 0         # leading_dense_block_count: the first layers run a dense FFN
 
 
 @dataclass(frozen=True)

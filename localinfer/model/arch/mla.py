@@ -31,6 +31,7 @@ def derive(h: GGUFHeader, b: Base, err: Err) -> ArchFacts:
     q_rank = get_int(h, b.key("attention.q_lora_rank"), err, 0)
     n_rot = get_int(h, b.key("rope.dimension_count"), err, b.head_dim_k)
     is_mla = bool(k_mla and v_mla)
+    temperature = bool(h.kv.get(b.key("attention.temperature_scale")))   # deepseek2.cpp build_inp_attn_scale
     head_k = k_mla if is_mla else b.head_dim_k
     head_v = v_mla if is_mla else b.head_dim_v
     key = b.key("attention.key_length_mla" if is_mla else "attention.key_length")
@@ -51,4 +52,4 @@ def derive(h: GGUFHeader, b: Base, err: Err) -> ArchFacts:
         dims = kv_dims(b)
     return ArchFacts("mla" if is_mla else "mla (legacy kv_b layout)", dims, (False,) * b.n_layers,
                      swa_kind="standard" if b.sliding_window else None, sliding_window=b.sliding_window,
-                     mla=MLA(kv_rank, q_rank, head_k, head_v, n_rot), source=SOURCE)
+                     mla=MLA(kv_rank, q_rank, head_k, head_v, n_rot, temperature), source=SOURCE)
