@@ -43,15 +43,19 @@ def register(layout: Layout) -> Layout:
     return layout
 
 
+_FAMILIES = ("attention", "mla", "interleaved", "hybrid")
+_loaded = False
+
+
 def _load() -> None:
-    if not _LAYOUTS:
-        from . import attention  # noqa: F401  (registers itself)
-        for name in ("mla", "interleaved", "hybrid"):
-            try:
-                __import__(f"{__name__}.{name}")
-            except ModuleNotFoundError as exc:       # a family not written yet
-                if exc.name != f"{__name__}.{name}":
-                    raise
+    """Import every family module once (each registers its layouts), whichever was imported first."""
+    global _loaded
+    if not _loaded:
+        import importlib
+
+        for name in _FAMILIES:
+            importlib.import_module(f"{__name__}.{name}")
+        _loaded = True
 
 
 def archs() -> tuple[str, ...]:

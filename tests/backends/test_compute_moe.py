@@ -14,6 +14,7 @@ from localinfer.backends.llamacpp.compute_buffer import graph_builder
 from localinfer.backends.llamacpp.memory import breakdown
 from localinfer.backends.memory import FitRequest
 from localinfer.devices.profiles import local_device
+from localinfer.errors import DryRunError
 from localinfer.model.spec import ModelSpec
 from tests.support.ggufgen import write_tiny_arch
 
@@ -48,8 +49,8 @@ def measured(tmp_path_factory):
     out = {}
     for name, rows in zip(names, probe([(paths[a], CASES) for a in names], timeout=300)):
         for case, row in zip(CASES, rows):
-            assert row.get("buffers"), f"{name} {case.name}: llama.cpp gave no breakdown ({row.get('error')})"
-            out[name, case.name] = (paths[name], case, sum(b[2] for b in row["buffers"].values()))
+            assert not isinstance(row, DryRunError), f"{name} {case.name}: llama.cpp gave no breakdown ({row})"
+            out[name, case.name] = (paths[name], case, sum(b.compute for b in row.buffers))
     return out
 
 
