@@ -18,9 +18,10 @@ from localinfer.backends.llamacpp.hybrid_blocks import Ubatch
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
-_FAMILIES = {"graph_deltanet": ("qwen35", "qwen35moe", "qwen3next")}
+_FAMILIES = {"graph_deltanet": ("qwen35", "qwen35moe", "qwen3next"),
+             "graph_mamba2": ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe")}
 # checked byte for byte against llama.cpp's CPU dry run (tests/backends/test_compute_hybrid.py)
-VERIFIED: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next")
+VERIFIED: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next", "mamba2", "granitehybrid", "nemotron_h")
 
 
 def _header(spec: ModelSpec) -> dict:
