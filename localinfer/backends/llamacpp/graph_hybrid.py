@@ -19,9 +19,10 @@ from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
 _FAMILIES = {"graph_deltanet": ("qwen35", "qwen35moe", "qwen3next"),
-             "graph_mamba2": ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe")}
+             "graph_mamba2": ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe"),
+             "graph_shortconv": ("lfm2", "lfm2moe")}
 # checked byte for byte against llama.cpp's CPU dry run (tests/backends/test_compute_hybrid.py)
-VERIFIED: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next", "mamba2", "granitehybrid", "nemotron_h")
+VERIFIED: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next", "mamba2", "granitehybrid", "nemotron_h", "lfm2")
 
 
 def _header(spec: ModelSpec) -> dict:
