@@ -3,7 +3,7 @@ compute_buffer's ``graph_builder``.
 
 Each family module records its graph on a :class:`~.ggml_dag.Dag` in the order llama.cpp's builder expands it
 (:mod:`.graph_deltanet`: src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp; :mod:`.graph_mamba2`:
-mamba2.cpp, granite-hybrid.cpp, nemotron-h.cpp; :mod:`.graph_shortconv`: lfm2.cpp); the SSM sizes come from
+mamba.cpp, mamba2.cpp, granite-hybrid.cpp, nemotron-h.cpp; :mod:`.graph_shortconv`: lfm2.cpp); the SSM sizes come from
 the header's ``{arch}.ssm.*`` / ``{arch}.shortconv.*`` keys.  The worst-case ubatch has n_seq_max sequences
 (llama-context.cpp ``graph_reserve``), which the recurrent ops' shapes depend on.
 """
@@ -19,10 +19,11 @@ from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
 _FAMILIES = {"graph_deltanet": ("qwen35", "qwen35moe", "qwen3next"),
-             "graph_mamba2": ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe"),
+             "graph_mamba2": ("mamba", "mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe"),
              "graph_shortconv": ("lfm2", "lfm2moe")}
 # checked byte for byte against llama.cpp's CPU dry run (tests/backends/test_compute_hybrid.py)
-VERIFIED: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next", "mamba2", "granitehybrid", "nemotron_h", "lfm2")
+VERIFIED: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next", "mamba", "mamba2", "granitehybrid", "nemotron_h",
+                             "lfm2")
 
 
 def _header(spec: ModelSpec) -> dict:

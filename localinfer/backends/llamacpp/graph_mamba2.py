@@ -1,6 +1,6 @@
-"""Mamba-2 graphs: mamba2 (every layer), granitehybrid and nemotron_h (Mamba-2 layers beside attention).
+"""Mamba graphs: mamba, mamba2 (every layer), granitehybrid and nemotron_h (Mamba-2 layers beside attention).
 
-Follows src/models/mamba-base.cpp ``build_mamba2_layer``, mamba.cpp, granite-hybrid.cpp and nemotron-h.cpp.
+Follows src/models/mamba-base.cpp ``build_mamba2_layer`` and ``build_mamba_layer``, mamba.cpp, granite-hybrid.cpp and nemotron-h.cpp.
 A Mamba-2 layer: the conv rows gathered (``build_rs``); ssm_in gives z | xBC | dt; xBC transposed after the
 conv rows (CONCAT), the last d_conv-1 columns copied back; ``ssm_conv`` + bias + silu; dt + bias; the
 SSM_SCAN runs inside ``build_rs`` on the gathered states (its result: y, then the new states, copied back);
@@ -57,6 +57,46 @@ def mamba2_layer(u: Ubatch, il: int, x: int) -> int:
     if u.has(il, "ssm_norm.weight"):
         y = hb.rms_norm(u, d.view(y, (d_inner // ng, ng, tq, ns)))
     return hb.matmul(u, d.view(y, (d_inner, T)), u.spec.n_embd)
+
+
+def mamba_layer(u: Ubatch, il: int, x: int) -> int:
+    """build_mamba_layer (Mamba-1): one head per channel, dt | B | C from ssm_x, dt through ssm_dt."""
+    d, T, ns, tq = u.dag, u.n_tokens, u.n_seqs, u.n_seq_tokens
+    d_conv, d_inner = _kv(u, "ssm.conv_kernel"), _kv(u, "ssm.inner_size")
+    d_state, dt_rank = _kv(u, "ssm.state_size"), _kv(u, "ssm.time_step_rank")
+    n_r, n_s = u.spec.rs_dims
+    r_cache, s_cache = d.cache(), d.cache()
+    conv = d.view(hb.build_rs(u, r_cache, n_r), (d_conv - 1, d_inner, ns))
+    xz = hb.matmul(u, d.view(x, (u.spec.n_embd, tq, ns)), 2 * d_inner)
+    xs = d.view(xz, (d_inner, tq, ns), contiguous=False)
+    z = d.view(xz, (d_inner, tq, ns), contiguous=False)
+    conv_x = d.f32("CONCAT", (d_conv - 1 + tq, d_inner, ns), conv, d.view(xs, (tq, d_inner, ns), contiguous=False))
+    last = d.view(conv_x, (d_conv - 1, d_inner, ns), contiguous=False)
+    d.expand(d.into("CPY", r_cache, last, d.view(r_cache, (n_r * ns,))))
+    xs = d.f32("SSM_CONV", (d_inner, tq, ns), conv_x, d.weight())
+    xs = d.f32("UNARY", (d_inner, tq, ns), d.f32("ADD", (d_inner, tq, ns), xs, d.weight()))
+    x_db = hb.matmul(u, xs, dt_rank + 2 * d_state)
+    dt = d.view(x_db, (dt_rank, tq, ns), contiguous=False)
+    B = d.view(x_db, (d_state, 1, tq, ns), contiguous=False)
+    C = d.view(x_db, (d_state, 1, tq, ns), contiguous=False)
+    if _kv(u, "ssm.dt_b_c_rms") or u.has(il, "ssm_dt_norm.weight"):
+        dt, B, C = hb.rms_norm(u, dt), hb.rms_norm(u, B), hb.rms_norm(u, C)
+    else:
+        dt = d.f32("CONT", (dt_rank, tq, ns), dt)
+    dt = d.f32("ADD", (d_inner, tq, ns), hb.matmul(u, dt, d_inner), d.weight())
+    x4 = d.view(xs, (1, d_inner, tq, ns))
+    A = d.weight()
+
+    def scan(states, ids):
+        ssm = d.view(states, (d_state, 1, d_inner, ns))
+        return d.f32("SSM_SCAN", (d_inner * T + d_state * d_inner * ns,), ssm, x4, dt, A, B, C, ids)
+
+    y_ssm = hb.build_rs(u, s_cache, n_s, scan)
+    d.expand(d.into("CPY", s_cache, d.view(y_ssm, (n_s * ns,), contiguous=False), d.view(s_cache, (n_s * ns,))))
+    y = d.view(y_ssm, (d_inner, tq, ns), contiguous=False)
+    y = d.f32("ADD", (d_inner, tq, ns), y, d.f32("MUL", (d_inner, tq, ns), xs, d.weight()))
+    y = d.f32("GLU", (d_inner, tq, ns), d.f32("CONT", (d_inner, tq, ns), z), y)
+    return d.view(hb.matmul(u, y, u.spec.n_embd), (u.spec.n_embd, T))
 
 
 def _qkv(u: Ubatch, il: int, x: int) -> tuple[int, int, int]:
@@ -141,7 +181,8 @@ def _mamba2(u: Ubatch) -> None:
     for il in range(spec.n_layers):
         d.g.unit = il
         inp = cur
-        cur = mamba2_layer(u, il, hb.rms_norm(u, cur))
+        layer = mamba2_layer if spec.arch == "mamba2" else mamba_layer
+        cur = layer(u, il, hb.rms_norm(u, cur))
         if il == last:
             cur, inp = hb.out_rows(u, cur), hb.out_rows(u, inp)
         cur = d.f32("ADD", (E, O if il == last else T), cur, inp)
@@ -174,4 +215,4 @@ def _nemotron(u: Ubatch) -> None:
 
 
 def graph(u: Ubatch) -> None:
-    {"mamba2": _mamba2, "granitehybrid": _granite}.get(u.spec.arch, _nemotron)(u)
+    {"mamba": _mamba2, "mamba2": _mamba2, "granitehybrid": _granite}.get(u.spec.arch, _nemotron)(u)
