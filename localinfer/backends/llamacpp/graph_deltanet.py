@@ -15,7 +15,7 @@ norm is an output tensor of its own (the NextN head reads it); the logit rows ar
 from __future__ import annotations
 
 from localinfer.backends.llamacpp import hybrid_blocks as hb
-from localinfer.backends.llamacpp.hybrid_blocks import F32, Ubatch
+from localinfer.backends.llamacpp.hybrid_blocks import Ubatch
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 

@@ -23,7 +23,7 @@ _FAMILIES = {"graph_deltanet": ("qwen35", "qwen35moe", "qwen3next"),
              "graph_shortconv": ("lfm2", "lfm2moe")}
 # checked byte for byte against llama.cpp's CPU dry run (tests/backends/test_compute_hybrid.py)
 VERIFIED: tuple[str, ...] = ("qwen35", "qwen35moe", "qwen3next", "mamba", "mamba2", "granitehybrid", "nemotron_h",
-                             "lfm2")
+                             "nemotron_h_moe", "lfm2", "lfm2moe")
 
 
 def _header(spec: ModelSpec) -> dict:
@@ -40,7 +40,7 @@ def _header(spec: ModelSpec) -> dict:
 
 
 def GRAPH(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_outputs: int, flash_attn: bool,
-          n_kv_swa: int, type_k: str = "f16", type_v: str = "f16", n_seqs: int = 1) -> _Graph:  # noqa: N802
+          n_kv_swa: int, type_k: str = "f16", type_v: str = "f16", n_seqs: int = 1) -> _Graph:
     """The node sequence llama.cpp builds for the worst-case ubatch of a hybrid model (all layers)."""
     for module, archs in _FAMILIES.items():
         if spec.arch in archs:

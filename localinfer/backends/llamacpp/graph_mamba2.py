@@ -8,7 +8,8 @@ y + x·D, SwiGLU with z, a grouped RMS norm, ssm_out.  The ubatch's n_seqs sizes
 Granite layers: the residual (× ``residual_scale``) then ``ffn_norm`` and a dense or MoE FFN (softmax
 gating, plus a shared expert); RoPE only with ``rope.scaling.finetuned`` (its default true); the logit rows are
 taken in the last layer; the LM head scaled by 1/``logit_scale``.  Nemotron-H layers are Mamba-2, attention or a
-ReLU² FFN; the output norm is an output tensor (the NextN head's), the logit rows are taken after it.
+ReLU² FFN (nemotron_h_moe: sigmoid-gated ReLU² experts, on a latent projection when the file has one, plus a
+shared expert); the output norm is an output tensor (the NextN head's), the logit rows are taken after it.
 """
 
 from __future__ import annotations
@@ -128,11 +129,38 @@ def attention_layer(u: Ubatch, il: int, x: int, rope: bool) -> int:
     return a
 
 
-def _relu2_ffn(u: Ubatch, x: int, n_ff: int) -> int:
+def _relu2_ffn(u: Ubatch, il: int, x: int, n_ff: int) -> int:
+    """build_ffn(LLM_FFN_RELU_SQR): up (+ bias), ReLU, square, down (+ bias)."""
     d = u.dag
     h = hb.matmul(u, x, n_ff)
+    if u.has(il, "ffn_up.bias"):
+        h = d.f32("ADD", d.shape[h], h, d.weight())
     h = d.f32("SQR", d.shape[h], d.f32("UNARY", d.shape[h], h))
-    return hb.matmul(u, h, u.spec.n_embd)
+    out = hb.matmul(u, h, u.spec.n_embd)
+    if u.has(il, "ffn_down.bias"):
+        out = d.f32("ADD", d.shape[out], out, d.weight())
+    return out
+
+
+def _latent_moe(u: Ubatch, il: int, x: int) -> int:
+    """nemotron-h.cpp ``build_ffn_layer`` with experts: router logits from x, sigmoid gating through
+    ``exp_probs_b``, the experts (ReLU², no gate) on the latent projection when there is one, plus the
+    ReLU² shared expert."""
+    d, spec = u.dag, u.spec
+    E, R = spec.n_embd, d.shape[x][1]
+    latent = x
+    if u.has(il, "ffn_latent_down.weight"):
+        latent = hb.matmul(u, x, spec.tensor(f"blk.{il}.ffn_latent_down.weight").shape[1])
+    logits = hb.matmul(u, x, spec.n_expert)
+    ff = spec.tensor(f"blk.{il}.ffn_up_exps.weight").shape[1]
+    out = hb.moe(u, latent, spec.n_expert, spec.n_expert_used, ff, gating="SIGMOID",
+                 norm_w=bool(_kv(u, "expert_weights_norm", False)),
+                 w_scale=float(_kv(u, "expert_weights_scale", 0.0) or 0.0), probs_bias=True, logits=logits,
+                 gated=False)
+    if u.has(il, "ffn_latent_up.weight"):
+        out = hb.matmul(u, out, E)
+    shared = _relu2_ffn(u, il, x, spec.tensor(f"blk.{il}.ffn_up_shexp.weight").shape[1])
+    return d.f32("ADD", (E, R), out, shared)
 
 
 def _granite(u: Ubatch) -> None:
@@ -204,9 +232,9 @@ def _nemotron(u: Ubatch) -> None:
         elif spec.n_ff[il] == 0:
             cur = attention_layer(u, il, x, rope=False)
         elif u.has(il, "ffn_gate_inp.weight"):
-            raise ValueError("nemotron_h_moe's latent MoE layers are not modelled")
+            cur = _latent_moe(u, il, x)
         else:
-            cur = _relu2_ffn(u, x, spec.n_ff[il])
+            cur = _relu2_ffn(u, il, x, spec.n_ff[il])
         cur = d.f32("ADD", (E, T), cur, inp)
     d.g.unit = "out"
     x = hb.rms_norm(u, cur)

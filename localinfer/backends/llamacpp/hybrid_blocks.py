@@ -167,12 +167,15 @@ def ffn(u: Ubatch, x: int, n_ff: int, gated: bool = True, act: str = "GLU") -> i
 
 
 def moe(u: Ubatch, x: int, n_expert: int, n_used: int, ff: int, gating: str = "SOFT_MAX",
-        norm_w: bool = True, w_scale: float = 0.0, probs_bias: bool = False) -> int:
-    """build_moe_ffn: router logits, softmax (or sigmoid) probabilities, top-k by argsort, the chosen weights
-    (normalised to sum 1), gate/up/down through MUL_MAT_ID, weighted and summed over the experts."""
-    d, E = u.dag, u.spec.n_embd
-    R = d.shape[x][1]
-    lg = matmul(u, x, n_expert)
+        norm_w: bool = True, w_scale: float = 0.0, probs_bias: bool = False, logits: int | None = None,
+        gated: bool = True) -> int:
+    """build_moe_ffn: router logits (or ``logits`` computed by the caller), softmax or sigmoid probabilities
+    (selected through ``exp_probs_b`` when ``probs_bias``), top-k by argsort, the chosen weights (normalised to
+    sum 1 when ``norm_w``, scaled by ``w_scale``), up (and gate: SwiGLU; else ReLU²) and down through MUL_MAT_ID,
+    weighted and summed over the experts.  The weights, the experts and each partial sum are expanded early."""
+    d = u.dag
+    E, R = d.shape[x][0], d.shape[x][1]
+    lg = matmul(u, x, n_expert) if logits is None else logits
     pr = d.f32("SOFT_MAX" if gating == "SOFT_MAX" else "UNARY", (n_expert, R), lg)
     sel = d.f32("ADD", (n_expert, R), pr, d.weight()) if probs_bias else pr
     prr = d.view(pr, (1, n_expert, R))
@@ -188,10 +191,13 @@ def moe(u: Ubatch, x: int, n_expert: int, n_used: int, ff: int, gating: str = "S
         wt = d.f32("SCALE", (1, n_used, R), wt)
     d.expand(wt)                          # "call early so that topk-moe can be used"
     xr = d.view(x, (E, 1, R))
-    gt = d.f32("MUL_MAT_ID", (ff, n_used, R), d.weight(), xr, top)
     up = d.f32("MUL_MAT_ID", (ff, n_used, R), d.weight(), xr, top)
-    gl = d.f32("GLU", (ff, n_used, R), gt, up)
-    dn = d.f32("MUL_MAT_ID", (E, n_used, R), d.weight(), gl, top)
+    if gated:
+        gt = d.f32("MUL_MAT_ID", (ff, n_used, R), d.weight(), xr, top)
+        h = d.f32("GLU", (ff, n_used, R), gt, up)
+    else:
+        h = d.f32("SQR", (ff, n_used, R), d.f32("UNARY", (ff, n_used, R), up))
+    dn = d.f32("MUL_MAT_ID", (E, n_used, R), d.weight(), h, top)
     wd = d.f32("MUL", (E, n_used, R), dn, wt)
     d.expand(wd)
     views = [d.view(wd, (E, R), contiguous=False) for _ in range(n_used)]
