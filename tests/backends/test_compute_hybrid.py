@@ -1,7 +1,7 @@
 """The hybrid recurrent graphs' compute buffer (graph_hybrid) against llama.cpp's CPU dry run, to the byte.
 
-Tiny random-weight files of each hybrid family are written here (the layouts tests' TINY specs, and a
-Mamba-1 file the layouts do not write); one subprocess runs llama.cpp's no-alloc dry run over all of them (``benchmarks.fit_accuracy.probe``) and the
+Tiny random-weight files of each hybrid family are written here (the layouts tests' TINY specs, and mamba,
+lfm2moe and nemotron_h_moe files, which the layouts do not write); one subprocess runs llama.cpp's no-alloc dry run over all of them (``benchmarks.fit_accuracy.probe``) and the
 predicted compute buffer must equal llama.cpp's for flash attention on and off, one and four sequences,
 f16 and q8_0 keys.
 """
@@ -26,6 +26,7 @@ def _tiny_specs() -> dict:
     """The layouts tests' TINY specs, or none where this branch lacks the hybrid layouts."""
     try:
         import gguf_tools.layouts.hybrid  # noqa: F401
+
         from tests.gguf_tools.test_layouts_hybrid import TINY
     except ImportError:
         return {}
@@ -36,21 +37,22 @@ TINY = _tiny_specs()
 NO_LAYOUTS = "gguf_tools.layouts.hybrid (and its TINY specs) is not in this branch: it comes with the hybrid layouts"
 
 
-def _write_mamba(path, E=64, L=3, d_inner=128, d_state=16, dt_rank=4, d_conv=4):
-    """A Mamba-1 file (the layouts write none), tensors as llama-model.cpp's LLM_ARCH_MAMBA loads them."""
+def _write(path, arch: str, kv: dict, tensors: dict):
+    """A small random-weight GGUF: ``kv`` under ``{arch}.``, ``tensors`` name -> ne (GGUF order), a byte-level
+    vocabulary (for the architectures the layouts do not write)."""
     from gguf import GGUFWriter
 
     tokens, types, merges = byte_level_vocab()
-    w = GGUFWriter(str(path), "mamba")
-    w.add_context_length(4096)
-    w.add_embedding_length(E)
-    w.add_block_count(L)
-    w.add_feed_forward_length(0)
-    w.add_head_count(0)
-    w.add_layer_norm_rms_eps(1e-5)
-    for key, value in (("conv_kernel", d_conv), ("inner_size", d_inner), ("state_size", d_state),
-                       ("time_step_rank", dt_rank)):
-        w.add_uint32(f"mamba.ssm.{key}", value)
+    w = GGUFWriter(str(path), arch)
+    for key, value in kv.items():
+        if isinstance(value, bool):
+            w.add_bool(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        elif isinstance(value, list):
+            w.add_array(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_types(types)
@@ -58,21 +60,9 @@ def _write_mamba(path, E=64, L=3, d_inner=128, d_state=16, dt_rank=4, d_conv=4):
     w.add_bos_token_id(len(tokens) - 2)
     w.add_eos_token_id(len(tokens) - 1)
     rng = np.random.default_rng(0)
-
-    def tensor(name, *ne):
+    tensors = {"token_embd.weight": (64, len(tokens)), **tensors}
+    for name, ne in tensors.items():
         w.add_tensor(name, (rng.standard_normal(tuple(reversed(ne))) * 0.02).astype(np.float32))
-
-    tensor("token_embd.weight", E, len(tokens))
-    tensor("output_norm.weight", E)
-    tensor("output.weight", E, len(tokens))
-    for il in range(L):
-        p = f"blk.{il}."
-        for name, *ne in (("attn_norm.weight", E), ("ssm_in.weight", E, 2 * d_inner),
-                          ("ssm_conv1d.weight", d_conv, d_inner), ("ssm_conv1d.bias", d_inner),
-                          ("ssm_x.weight", d_inner, dt_rank + 2 * d_state), ("ssm_dt.weight", dt_rank, d_inner),
-                          ("ssm_dt.bias", d_inner), ("ssm_a", d_state, d_inner), ("ssm_d", d_inner),
-                          ("ssm_out.weight", d_inner, E)):
-            tensor(p + name, *ne)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -80,8 +70,71 @@ def _write_mamba(path, E=64, L=3, d_inner=128, d_state=16, dt_rank=4, d_conv=4):
     return path
 
 
+E = 64
+_BASE = {"context_length": 4096, "embedding_length": E, "block_count": 4, "attention.layer_norm_rms_epsilon": 1e-5}
+_ATTN = {"attn_norm.weight": (E,), "attn_q.weight": (E, 64), "attn_k.weight": (E, 32), "attn_v.weight": (E, 32),
+         "attn_output.weight": (64, E)}
+
+
+def _mamba(path):
+    """Mamba-1 (llama-model.cpp LLM_ARCH_MAMBA's tensors): d_inner 128, d_state 16, dt_rank 4."""
+    layer = {"attn_norm.weight": (E,), "ssm_in.weight": (E, 256), "ssm_conv1d.weight": (4, 128),
+             "ssm_conv1d.bias": (128,), "ssm_x.weight": (128, 36), "ssm_dt.weight": (4, 128), "ssm_dt.bias": (128,),
+             "ssm_a": (16, 128), "ssm_d": (128,), "ssm_out.weight": (128, E)}
+    kv = {**_BASE, "feed_forward_length": 0, "attention.head_count": 0, "ssm.conv_kernel": 4, "ssm.inner_size": 128,
+          "ssm.state_size": 16, "ssm.time_step_rank": 4}
+    return _write(path, "mamba", kv, {"output_norm.weight": (E,), "output.weight": (E, 259),
+                                      **{f"blk.{il}.{k}": ne for il in range(4) for k, ne in layer.items()}})
+
+
+def _moe(ff_in: int, gated: bool) -> dict:
+    t = {"ffn_gate_inp.weight": (E, 4), "exp_probs_b.bias": (4,), "ffn_up_exps.weight": (ff_in, 32, 4),
+         "ffn_down_exps.weight": (32, ff_in, 4)}
+    return {**t, "ffn_gate_exps.weight": (ff_in, 32, 4)} if gated else t
+
+
+def _lfm2moe(path):
+    """lfm2moe (lfm2moe.cpp): conv, conv, attention, conv; layer 0 dense, then sigmoid-gated experts."""
+    conv = {"attn_norm.weight": (E,), "shortconv.conv.weight": (3, E), "shortconv.in_proj.weight": (E, 3 * E),
+            "shortconv.out_proj.weight": (E, E)}
+    attn = {**_ATTN, "attn_q.weight": (E, E), "attn_output.weight": (E, E), "attn_q_norm.weight": (16,),
+            "attn_k_norm.weight": (16,)}
+    dense = {"ffn_gate.weight": (E, 128), "ffn_up.weight": (E, 128), "ffn_down.weight": (128, E)}
+    tensors = {"token_embd_norm.weight": (E,)}
+    for il in range(4):
+        block = {**(attn if il == 2 else conv), "ffn_norm.weight": (E,), **(dense if il == 0 else _moe(E, True))}
+        tensors.update({f"blk.{il}.{k}": ne for k, ne in block.items()})
+    kv = {**_BASE, "feed_forward_length": 128, "attention.head_count": 4, "attention.head_count_kv": [0, 0, 2, 0],
+          "attention.key_length": 16, "attention.value_length": 16, "rope.dimension_count": 16,
+          "rope.freq_base": 10000.0, "shortconv.l_cache": 3, "expert_count": 4, "expert_used_count": 2,
+          "expert_feed_forward_length": 32, "leading_dense_block_count": 1, "expert_gating_func": 2}
+    return _write(path, "lfm2moe", kv, tensors)
+
+
+def _nemotron_h_moe(path):
+    """nemotron_h_moe (nemotron-h.cpp): Mamba-2, latent MoE, attention, latent MoE."""
+    mamba = {"attn_norm.weight": (E,), "ssm_in.weight": (E, 328), "ssm_conv1d.weight": (4, 192),
+             "ssm_conv1d.bias": (192,), "ssm_dt.bias": (8,), "ssm_a": (1, 8), "ssm_d": (1, 8),
+             "ssm_norm.weight": (64, 2), "ssm_out.weight": (128, E)}
+    moe = {"attn_norm.weight": (E,), **_moe(32, False), "ffn_latent_down.weight": (E, 32),
+           "ffn_latent_up.weight": (32, E), "ffn_up_shexp.weight": (E, 64), "ffn_down_shexp.weight": (64, E)}
+    tensors = {"output_norm.weight": (E,), "output.weight": (E, 259)}
+    for il, block in enumerate((mamba, moe, _ATTN, moe)):
+        tensors.update({f"blk.{il}.{k}": ne for k, ne in block.items()})
+    kv = {**_BASE, "feed_forward_length": [0, 128, 0, 128], "attention.head_count": 4,
+          "attention.head_count_kv": [0, 0, 2, 0], "attention.key_length": 16, "attention.value_length": 16,
+          "attention.layer_norm_epsilon": 1e-5, "ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16,
+          "ssm.time_step_rank": 8, "ssm.group_count": 2, "expert_count": 4, "expert_used_count": 2,
+          "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 64, "expert_weights_norm": True,
+          "expert_weights_scale": 2.5, "moe_latent_size": 32}
+    return _write(path, "nemotron_h_moe", kv, tensors)
+
+
+HANDMADE = {"mamba": _mamba, "lfm2moe": _lfm2moe, "nemotron_h_moe": _nemotron_h_moe}
+
+
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "granitehybrid", "granitehybrid-moe", "nemotron_h", "lfm2", "mamba2",
-         "mamba")
+         *HANDMADE)
 CASES = [Case("512 fa", "tiny", 512, flash_attn=True),
          Case("2048 np=4 fa", "tiny", 2048, n_seq=4, flash_attn=True),
          Case("1024 np=4 no-fa", "tiny", 1024, n_seq=4, flash_attn=False),
@@ -93,7 +146,7 @@ Q8_CASES = [Case("2048 q8_0 fa", "tiny", 2048, type_k="q8_0", type_v="q8_0", fla
 def measured(tmp_path_factory):
     """{(arch, case name): (llama.cpp's compute buffer, predicted)} from one dry-run subprocess."""
     root = tmp_path_factory.mktemp("hybrid")
-    paths = {"mamba": str(_write_mamba(root / "mamba.gguf"))}
+    paths = {name: str(write(root / f"{name}.gguf")) for name, write in HANDMADE.items()}
     if TINY:
         from tests.support.ggufgen import write_tiny_arch
 
@@ -127,8 +180,8 @@ def test_hybrid_compute_buffer_matches_llama_cpp(measured, name):
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_hybrid_graph_is_verified(tmp_path, name):
-    if name == "mamba":
-        path = _write_mamba(tmp_path / "x.gguf")
+    if name in HANDMADE:
+        path = HANDMADE[name](tmp_path / "x.gguf")
     elif name in TINY:
         from tests.support.ggufgen import write_tiny_arch
 
@@ -136,5 +189,5 @@ def test_hybrid_graph_is_verified(tmp_path, name):
     else:
         pytest.skip(NO_LAYOUTS if not TINY else f"no TINY spec for {name}")
     spec = ModelSpec.from_gguf(str(path))
-    build, layers, verified = graph_builder(spec)
+    _, layers, verified = graph_builder(spec)
     assert verified and layers == tuple(range(spec.n_layers))
