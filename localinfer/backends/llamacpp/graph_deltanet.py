@@ -1,7 +1,8 @@
 """The gated delta-net hybrids' graph: qwen35, qwen35moe, qwen3next (three linear layers per attention layer).
 
 Follows src/models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp and delta-net-base.cpp.  A linear layer:
-qkv and the z gate projected from the normed input; beta = sigmoid, gate = softplus(alpha + dt) · a;
+qkv and the z gate projected from the normed input (legacy qwen3next files: one ``ssm_in`` split per key head,
+copied and concatenated); beta = sigmoid, gate = softplus(alpha + dt) · a;
 ``build_conv_state`` (the conv rows gathered by ``build_rs``, concatenated before the transposed qkv, the
 last K-1 columns copied back to the cache); ``ssm_conv`` + silu; q and k L2-normed (RMS_NORM + SCALE) and,
 for qwen3next, repeated to the value heads; one fused GATED_DELTA_NET (the CPU backend has it, so
@@ -35,8 +36,16 @@ def _linear(u: Ubatch, il: int, x: int) -> int:
     hk, Hk, Hv, d_inner = s["hk"], s["Hk"], s["Hv"], s["d_inner"]
     hv = d_inner // Hv
     ch = d_inner + 2 * Hk * hk
-    qkv = d.view(hb.matmul(u, x, ch), (ch, tq, ns))
-    z = hb.matmul(u, x, d_inner)
+    if u.has(il, "ssm_in.weight"):                     # legacy qwen3next files: q | k | v | z per key head
+        per = 2 * hk + 2 * hv * (Hv // Hk)
+        mixed = d.view(hb.matmul(u, x, per * Hk), (per, Hk, tq, ns))
+        q, k, v, zv = (d.view(mixed, (n, Hk, tq, ns), contiguous=False) for n in (hk, hk, hv * Hv // Hk, hv * Hv // Hk))
+        z = d.f32("CONT", (hv * Hv // Hk, Hk, tq, ns), zv)
+        flat = [d.f32("CONT", (n, tq, ns), t) for n, t in ((hk * Hk, q), (hk * Hk, k), (d_inner, v))]
+        qkv = d.f32("CONCAT", (ch, tq, ns), d.f32("CONCAT", (2 * hk * Hk, tq, ns), flat[0], flat[1]), flat[2])
+    else:
+        qkv = d.view(hb.matmul(u, x, ch), (ch, tq, ns))
+        z = hb.matmul(u, x, d_inner)
     if u.has(il, "ssm_ba.weight"):                     # qwen3next: beta and alpha in one projection
         ba = d.view(hb.matmul(u, x, 2 * Hv), (2 * Hv // Hk, Hk, tq, ns))
         b = d.view(ba, (Hv // Hk, Hk, tq, ns), contiguous=False)
