@@ -130,11 +130,40 @@ def _nemotron_h_moe(path):
     return _write(path, "nemotron_h_moe", kv, tensors)
 
 
+def _legacy_qwen3next(src, dst):
+    """``src`` (qwen3next) rewritten as the legacy files were: one ssm_in per linear layer for attn_qkv and
+    attn_gate (q | k | v | z per key head)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), "qwen3next")
+    adders = {GGUFValueType.FLOAT32: w.add_float32, GGUFValueType.STRING: w.add_string,
+              GGUFValueType.BOOL: w.add_bool, GGUFValueType.INT32: w.add_int32, GGUFValueType.ARRAY: w.add_array}
+    for f in r.fields.values():
+        if not f.name.startswith("GGUF.") and f.name != "general.architecture":
+            adders.get(f.types[0], lambda k, v: w.add_uint32(k, int(v)))(f.name, f.contents())
+    for t in r.tensors:
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+        if kind == "attn_gate":
+            continue
+        data = np.array(t.data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
+        if kind == "attn_qkv":
+            gate = r.get_tensor([x.name for x in r.tensors].index(t.name.replace("attn_qkv", "attn_gate")))
+            data = np.concatenate([data, np.array(gate.data, dtype=np.float32)], axis=0)
+        w.add_tensor(t.name.replace("attn_qkv", "ssm_in"), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 HANDMADE = {"mamba": _mamba, "lfm2moe": _lfm2moe, "nemotron_h_moe": _nemotron_h_moe}
 
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "granitehybrid", "granitehybrid-moe", "nemotron_h", "lfm2", "mamba2",
          *HANDMADE)
+CHECKED = (*ARCHS, "qwen3next-legacy")
 CASES = [Case("512 fa", "tiny", 512, flash_attn=True),
          Case("2048 np=4 fa", "tiny", 2048, n_seq=4, flash_attn=True),
          Case("1024 np=4 no-fa", "tiny", 1024, n_seq=4, flash_attn=False),
@@ -153,6 +182,8 @@ def measured(tmp_path_factory):
         for name in ARCHS:
             if name in TINY:
                 paths[name] = str(write_tiny_arch(root / f"{name}.gguf", TINY[name]))
+        if "qwen3next" in paths:
+            paths["qwen3next-legacy"] = str(_legacy_qwen3next(paths["qwen3next"], root / "legacy.gguf"))
     jobs = [(p, CASES + (Q8_CASES if name.startswith("qwen3") else [])) for name, p in paths.items()]
     out = {}
     for (name, path), (_, cases), rows in zip(paths.items(), jobs, probe(jobs, timeout=300)):
@@ -168,7 +199,7 @@ def measured(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", CHECKED)
 def test_hybrid_compute_buffer_matches_llama_cpp(measured, name):
     rows = {case: v for (arch, case), v in measured.items() if arch == name}
     if not rows:
