@@ -162,7 +162,7 @@ HANDMADE = {"mamba": _mamba, "lfm2moe": _lfm2moe, "nemotron_h_moe": _nemotron_h_
 
 
 ARCHS = ("qwen35", "qwen35moe", "qwen3next", "granitehybrid", "granitehybrid-moe", "nemotron_h", "lfm2", "mamba2",
-         *HANDMADE)
+         "qwen35-mtp", "qwen3next-mtp", *HANDMADE)
 CHECKED = (*ARCHS, "qwen3next-legacy")
 CASES = [Case("512 fa", "tiny", 512, flash_attn=True),
          Case("2048 np=4 fa", "tiny", 2048, n_seq=4, flash_attn=True),
