@@ -71,8 +71,10 @@ class Dag:
         shape = self.shape[parent] if shape is None else _shape(shape)
         es = self.esize[parent]
         lay = (es,) + shape if contiguous else ("strided", es) + shape
-        return self._add(self.g.size[parent], shape, es, "VIEW", (parent,), self.base(parent),
-                         self.g.flags[parent] & 4, layout=lay)
+        # its bytes matter only when the scheduler copies it to another device: a strided view spans about
+        # its parent; 0 elements are 0 bytes
+        size = prod(shape) * es if contiguous or not prod(shape) else self.g.size[parent]
+        return self._add(size, shape, es, "VIEW", (parent,), self.base(parent), self.g.flags[parent] & 4, layout=lay)
 
     def into(self, op: str, dst: int, *src: int) -> int:
         """An op writing into existing memory (ggml_cpy, ggml_set_rows, an *_inplace op): a view of ``dst``."""
@@ -86,7 +88,8 @@ class Dag:
             x, done = stack.pop()
             if done:
                 if g.op[x] == "NONE":
-                    g.leafs.append(x)
+                    if not g.flags[x] & 4:        # weights and caches: never allocated, never graph inputs
+                        g.leafs.append(x)
                 else:
                     g.nodes.append(x)
                 continue
