@@ -3,7 +3,7 @@
 Tiny random-weight files of each hybrid family are written here (the layouts tests' TINY specs, and mamba,
 lfm2moe and nemotron_h_moe files, which the layouts do not write); one subprocess runs llama.cpp's no-alloc dry run over all of them (``benchmarks.fit_accuracy.probe``) and the
 predicted compute buffer must equal llama.cpp's for flash attention on and off, one and four sequences,
-f16 and q8_0 keys.
+f16 and q8_0 keys; split across two loopback RPC workers, every device's bytes must too.
 """
 
 from __future__ import annotations
@@ -232,3 +232,35 @@ def test_hybrid_graph_is_verified(tmp_path, name):
     spec = ModelSpec.from_gguf(str(path))
     _, layers, verified = graph_builder(spec)
     assert verified and layers == tuple(range(spec.n_layers))
+
+
+SPLIT_CASES = [{"n_ctx": 512}, {"n_ctx": 1024, "n_seq": 2, "flash_attn": False, "tensor_split": [1, 3]}]
+
+
+@pytest.mark.parametrize("name", ["lfm2moe", "nemotron_h_moe"])
+def test_split_across_rpc_workers_equals_llama_cpp(tmp_path, name):
+    """Two loopback RPC workers: each device's weights, KV + recurrent state and compute buffer (the scheduler
+    replayed over the hybrid graph) equal llama.cpp's."""
+    from localinfer.backends.engine import LoadPlan
+    from localinfer.backends.llamacpp.rpc_probe import probe as probe_worker
+    from localinfer.backends.llamacpp.split import split_breakdown
+    from localinfer.commands._common import plan_request
+    from localinfer.plan.split_devices import from_workers
+    from tests.support.rpc_workers import reported, workers
+
+    path = str(HANDMADE[name](tmp_path / f"{name}.gguf"))
+    spec = ModelSpec.from_gguf(path)
+    with workers(2) as ws:
+        endpoints = [ep for _, ep in ws]
+        rows = reported(path, endpoints, SPLIT_CASES)
+        setup = from_workers([probe_worker(ep) for ep in endpoints])
+        for case, row in zip(SPLIT_CASES, rows):
+            plan = LoadPlan(path, n_ctx=case["n_ctx"], n_seq=case.get("n_seq", 1),
+                            flash_attn=case.get("flash_attn"))
+            sb = split_breakdown(spec, setup.devices, plan_request(spec, plan), case.get("tensor_split"),
+                                 cpu_features=setup.host.cpu_features)
+            got = row["buffers"]
+            for d in sb.devices:
+                assert (d.weights, d.kv, d.compute) == tuple(got.get(d.name, [0, 0, 0])), (name, case, d.name)
+            host = [v for k, v in got.items() if not k.startswith("RPC")]
+            assert (sb.host_kv, sb.host_compute) == (sum(v[1] for v in host), sum(v[2] for v in host)), (name, case)
