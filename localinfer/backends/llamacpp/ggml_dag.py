@@ -63,17 +63,25 @@ class Dag:
     def f32(self, op: str, shape, *src: int) -> int:
         return self.op(op, shape, 4, *src)
 
+    def dim(self, t: int, i: int) -> int:
+        """ne[i] of ``t`` (1 past its stored dimensions: trailing ones are dropped)."""
+        return self.shape[t][i] if i < len(self.shape[t]) else 1
+
     def base(self, t: int) -> int:
         return self.g.view_src[t] if self.g.view_src[t] is not None else t
 
-    def view(self, parent: int, shape=None, contiguous: bool = True) -> int:
-        """A view, reshape, permute or transpose of ``parent`` (ggml_view_*, ggml_reshape_*, ...)."""
+    def view(self, parent: int, shape=None, contiguous: bool = True, strides=None) -> int:
+        """A view, reshape, permute or transpose of ``parent`` (ggml_view_*, ggml_reshape_*, ...); ``strides``
+        (nb[1:], bytes) of a strided view give its extent, ggml_nbytes."""
         shape = self.shape[parent] if shape is None else _shape(shape)
         es = self.esize[parent]
-        lay = (es,) + shape if contiguous else ("strided", es) + shape
-        # its bytes matter only when the scheduler copies it to another device: a strided view spans about
-        # its parent; 0 elements are 0 bytes
-        size = prod(shape) * es if contiguous or not prod(shape) else self.g.size[parent]
+        lay = (es,) + shape if contiguous and strides is None else ("strided", es) + shape
+        # its bytes matter only when the scheduler copies it to another device: a strided view without strides
+        # spans about its parent; 0 elements are 0 bytes
+        if strides is not None and prod(shape):
+            size = es * shape[0] + sum((n - 1) * nb for n, nb in zip(shape[1:], strides))
+        else:
+            size = prod(shape) * es if contiguous or not prod(shape) else self.g.size[parent]
         return self._add(size, shape, es, "VIEW", (parent,), self.base(parent), self.g.flags[parent] & 4, layout=lay)
 
     def into(self, op: str, dst: int, *src: int) -> int:

@@ -33,7 +33,8 @@ def mamba2_layer(u: Ubatch, il: int, x: int) -> int:
     conv = d.view(hb.build_rs(u, r_cache, n_r), (d_conv - 1, ch, ns))
     zx = d.view(hb.matmul(u, x, 2 * d_inner + 2 * ng * d_state + nh), (2 * d_inner + 2 * ng * d_state + nh, tq, ns))
     z = d.view(zx, (hd, nh, tq, ns), contiguous=False)
-    xbc = d.view(zx, (ch, tq, ns), contiguous=False)
+    n_in = 2 * d_inner + 2 * ng * d_state + nh
+    xbc = d.view(zx, (ch, tq, ns), strides=(4 * n_in, 4 * n_in * tq))
     dt = d.view(zx, (nh, tq, ns), contiguous=False)
     conv_x = d.f32("CONCAT", (d_conv - 1 + tq, ch, ns), conv, d.view(xbc, (tq, ch, ns), contiguous=False))
     last = d.view(conv_x, (d_conv - 1, ch, ns), contiguous=False)
@@ -69,7 +70,7 @@ def mamba_layer(u: Ubatch, il: int, x: int) -> int:
     r_cache, s_cache = d.cache(), d.cache()
     conv = d.view(hb.build_rs(u, r_cache, n_r), (d_conv - 1, d_inner, ns))
     xz = hb.matmul(u, d.view(x, (u.spec.n_embd, tq, ns)), 2 * d_inner)
-    xs = d.view(xz, (d_inner, tq, ns), contiguous=False)
+    xs = d.view(xz, (d_inner, tq, ns), strides=(8 * d_inner, 8 * d_inner * tq))
     z = d.view(xz, (d_inner, tq, ns), contiguous=False)
     conv_x = d.f32("CONCAT", (d_conv - 1 + tq, d_inner, ns), conv, d.view(xs, (tq, d_inner, ns), contiguous=False))
     last = d.view(conv_x, (d_conv - 1, d_inner, ns), contiguous=False)
@@ -147,7 +148,7 @@ def _latent_moe(u: Ubatch, il: int, x: int) -> int:
     ``exp_probs_b``, the experts (ReLU², no gate) on the latent projection when there is one, plus the
     ReLU² shared expert."""
     d, spec = u.dag, u.spec
-    E, R = spec.n_embd, d.shape[x][1]
+    E, R = spec.n_embd, d.dim(x, 1)
     latent = x
     if u.has(il, "ffn_latent_down.weight"):
         latent = hb.matmul(u, x, spec.tensor(f"blk.{il}.ffn_latent_down.weight").shape[1])

@@ -108,8 +108,8 @@ def attention(u: Ubatch, il: int, q: int, k: int, v: int, *, swa: bool = False) 
     """build_attn (KV cache) + build_attn_mha: q [hd, H, T], k [hd, Hkv, T], v [hdv, Hkv, T] -> [hdv·H, T]
     before the output projection."""
     d, spec, T, ns = u.dag, u.spec, u.n_tokens, u.n_seqs
-    hd, H = d.shape[q][0], d.shape[q][1]
-    hdv, Hkv = d.shape[v][0], d.shape[v][1]
+    hd, H = d.dim(q, 0), d.dim(q, 1)
+    hdv, Hkv = d.dim(v, 0), d.dim(v, 1)
     n_kv = u.n_kv_swa if swa else u.n_kv
     rot_k = attn_rotation(hd, u.type_k)
     rot_v = 64 if attn_rotation(hdv, u.type_v) else 0
@@ -174,7 +174,7 @@ def moe(u: Ubatch, x: int, n_expert: int, n_used: int, ff: int, gating: str = "S
     sum 1 when ``norm_w``, scaled by ``w_scale``), up (and gate: SwiGLU; else ReLU²) and down through MUL_MAT_ID,
     weighted and summed over the experts.  The weights, the experts and each partial sum are expanded early."""
     d = u.dag
-    E, R = d.shape[x][0], d.shape[x][1]
+    E, R = d.dim(x, 0), d.dim(x, 1)
     lg = matmul(u, x, n_expert) if logits is None else logits
     pr = d.f32("SOFT_MAX" if gating == "SOFT_MAX" else "UNARY", (n_expert, R), lg)
     sel = d.f32("ADD", (n_expert, R), pr, d.weight()) if probs_bias else pr
@@ -228,6 +228,6 @@ def head(u: Ubatch, x: int, *, norm_is_output: bool = False) -> int:
 def logits(u: Ubatch, x: int) -> int:
     d = u.dag
     d.g.flags[x] |= 2
-    out = d.op("MUL_MAT", (u.spec.vocab_size, d.shape[x][1]), F32, d.weight(), x, output=True)
+    out = d.op("MUL_MAT", (u.spec.vocab_size, d.dim(x, 1)), F32, d.weight(), x, output=True)
     d.expand(out)
     return out
