@@ -237,7 +237,7 @@ def test_hybrid_graph_is_verified(tmp_path, name):
 SPLIT_CASES = [{"n_ctx": 512}, {"n_ctx": 1024, "n_seq": 2, "flash_attn": False, "tensor_split": [1, 3]}]
 
 
-@pytest.mark.parametrize("name", ["lfm2moe", "nemotron_h_moe"])
+@pytest.mark.parametrize("name", ["mamba", "lfm2moe", "nemotron_h_moe"])
 def test_split_across_rpc_workers_equals_llama_cpp(tmp_path, name):
     """Two loopback RPC workers: each device's weights, KV + recurrent state and compute buffer (the scheduler
     replayed over the hybrid graph) equal llama.cpp's."""
