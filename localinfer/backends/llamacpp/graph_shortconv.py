@@ -1,4 +1,4 @@
-"""The short-convolution hybrids' graph: lfm2, lfm2moe (src/models/lfm2.cpp).
+"""The short-convolution hybrids' graph: lfm2, lfm2moe (src/models/lfm2.cpp; lfm2moe.cpp loads the experts).
 
 A conv layer: in_proj gives b | c | x; b·x transposed after the conv rows gathered by ``build_rs`` (CONCAT),
 the last ``l_cache - 1`` columns copied back; ``ssm_conv``; c times the result; out_proj.  An attention layer:

@@ -11,6 +11,7 @@ T / n_seqs tokens, every KV cell visible and n_rs = n_seqs state rows, so no ext
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 from localinfer.backends.llamacpp.compute_buffer import attn_rotation
 from localinfer.backends.llamacpp.ggml_dag import Dag
@@ -94,12 +95,11 @@ def build_rs(u: Ubatch, cache: int, state_size: int, rows=None) -> int:
 
 
 def _hadamard(u: Ubatch, x: int, rot: int, n: int) -> int:
-    """llama_mul_mat_hadamard (llama-impl.h): x as rows of ``n`` (copied when not contiguous) times the rotation."""
+    """llama_mul_mat_hadamard (llama-impl.h): x reshaped to rows of ``n`` times the rotation (llama.cpp copies a
+    non-contiguous x first; every x rotated here is contiguous: a rope result, a projection, the attention)."""
     d = u.dag
     shape = d.shape[x]
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = prod(shape)
     rows = d.view(x, (n, numel // n))
     return d.view(d.f32("MUL_MAT", (n, numel // n), rot, rows), shape)
 
