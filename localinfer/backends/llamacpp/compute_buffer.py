@@ -25,7 +25,10 @@ from localinfer.util.memo import spec_cache
 
 F32, F16, I32, I64 = 4, 2, 4, 8
 ALIGN = {"cpu": 32, "metal": 32, "cuda": 128}
-_INPLACE = {"SCALE", "ADD", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY", "SQRT", "FILL"}
+# ggml-alloc.c ggml_op_can_inplace
+_INPLACE = {"FILL", "SCALE", "DIAG_MASK_ZERO", "DIAG_MASK_INF", "ADD", "ADD_ID", "ADD1", "SUB", "MUL", "DIV", "SQR",
+            "SQRT", "LOG", "UNARY", "ROPE", "ROPE_BACK", "SILU_BACK", "RMS_NORM", "RMS_NORM_BACK", "CLAMP",
+            "SOFT_MAX", "SOFT_MAX_BACK"}
 _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
 VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4")
@@ -111,8 +114,9 @@ def attn_rotation(head_dim: int, type_name: str) -> int:
 
 def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_outputs: int,
                  flash_attn: bool, n_kv_swa: int, type_k: str = "f16", type_v: str = "f16",
-                 n_stream: int = 1) -> _Graph:
-    """The node sequence llama.cpp builds for one ubatch of a llama-style decoder (``n_stream`` KV streams)."""
+                 n_stream: int = 1, n_seqs: int = 1) -> _Graph:
+    """The node sequence llama.cpp builds for one ubatch of a llama-style decoder (``n_stream`` KV streams;
+    ``n_seqs``, the ubatch's sequences, changes no size here: the KV streams split the tokens, not the bytes)."""
     g = _Graph()
     E, T, O = spec.n_embd, n_tokens, n_outputs
     hd, hdv = spec.head_dim_k, spec.head_dim_v
@@ -279,13 +283,6 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     return g
 
 
-def _streamless(build):
-    """A builder whose sizes do not depend on the KV streams, given the ``n_stream`` keyword all builders take."""
-    def run(*args, n_stream: int = 1):
-        return build(*args)
-    return run
-
-
 def _moe_args(spec: ModelSpec) -> dict:
     """build_moe_ffn's routing for the llama-graph families: the gating, normalisation and ordering each
     family's graph passes (src/models/*.cpp), most of them softmax with the chosen weights normalised."""
@@ -301,10 +298,10 @@ def _moe_args(spec: ModelSpec) -> dict:
 
 
 def graph_builder(spec: ModelSpec):
-    """(build, layers, verified): the function that builds ``spec``'s graph (``_llama_graph``'s signature, plus
-    the ``n_stream`` keyword: the KV streams, n_seq unless unified), the layers it is built over, and whether it
-    was checked against llama.cpp.  A family module registers its builder as ``GRAPH`` (with ``VERIFIED``, and
-    ``STREAMS = True`` when ``GRAPH`` takes ``n_stream`` itself) and the architectures it covers in
+    """(build, layers, verified): the function that builds ``spec``'s graph (``_llama_graph``'s signature, with
+    the keywords ``n_stream``, the KV streams (n_seq unless unified), and ``n_seqs``, the worst-case ubatch's
+    sequences), the layers it is built over, and whether it was checked against llama.cpp.  A family module
+    registers its builder as ``GRAPH`` (with ``VERIFIED``) and the architectures it covers in
     ``_FAMILY_GRAPHS``."""
     import importlib
 
@@ -316,8 +313,7 @@ def graph_builder(spec: ModelSpec):
                 if exc.name != f"{__package__}.{module}":
                     raise
                 break
-            build = mod.GRAPH if getattr(mod, "STREAMS", False) else _streamless(mod.GRAPH)
-            return build, tuple(range(spec.n_layers)), spec.arch in getattr(mod, "VERIFIED", ())
+            return mod.GRAPH, tuple(range(spec.n_layers)), spec.arch in getattr(mod, "VERIFIED", ())
     layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
     return _llama_graph, _replay_layers(spec, layers), spec.arch in VERIFIED_ARCHS
 
@@ -332,16 +328,17 @@ _BIG = 1_000_003   # a prime no model dimension equals: shapes built with it nev
 
 
 def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs: int, flash_attn: bool,
-              type_k: str, type_v: str, n_stream: int = 1):
+              type_k: str, type_v: str, n_stream: int = 1, n_seqs: int = 1):
     """The graph once, with every tensor size as base + a·n_kv + b·n_kv_swa (sizes are linear in both)."""
     memo = spec_cache(spec)
-    key = ("graph", layers, n_ubatch, n_outputs, flash_attn, type_k, type_v, n_stream)
+    key = ("graph", layers, n_ubatch, n_outputs, flash_attn, type_k, type_v, n_stream, n_seqs)
     if key not in memo:
         args = (n_ubatch, n_outputs, flash_attn)
         build = graph_builder(spec)[0]
-        g0 = build(spec, list(layers), _BIG, *args, _BIG, type_k, type_v, n_stream=n_stream)
-        g1 = build(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v, n_stream=n_stream)
-        g2 = build(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v, n_stream=n_stream)
+        streams = {"n_stream": n_stream, "n_seqs": n_seqs}
+        g0 = build(spec, list(layers), _BIG, *args, _BIG, type_k, type_v, **streams)
+        g1 = build(spec, list(layers), _BIG + 1, *args, _BIG, type_k, type_v, **streams)
+        g2 = build(spec, list(layers), _BIG, *args, _BIG + 1, type_k, type_v, **streams)
         coef = [(s0 - (s1 - s0) * _BIG - (s2 - s0) * _BIG, s1 - s0, s2 - s0)
                 for s0, s1, s2 in zip(g0.size, g1.size, g2.size)]
         memo[key] = (g0, coef)
@@ -350,14 +347,14 @@ def _template(spec: ModelSpec, layers: tuple[int, ...], n_ubatch: int, n_outputs
 
 def _pp_compute(spec: ModelSpec, layers: tuple[int, ...], n_kv: int, n_ubatch: int, n_outputs: int,
                 flash_attn: bool, n_kv_swa: int, align: int, type_k: str = "f16", type_v: str = "f16",
-                n_stream: int = 1) -> int:
+                n_stream: int = 1, n_seqs: int = 1) -> int:
     memo = spec_cache(spec)
     rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
     tk = type_k if rot[0] or type_k == "f32" else "f16"    # the graph sees the type only through these
     tv = type_v if rot[1] or type_v == "f32" else "f16"
-    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, tk, tv, n_stream)
+    key = ("compute", layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv_swa, align, tk, tv, n_stream, n_seqs)
     if key not in memo:
-        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn, tk, tv, n_stream)
+        g, coef = _template(spec, layers, n_ubatch, n_outputs, flash_attn, tk, tv, n_stream, n_seqs)
         sizes = [c + a * n_kv + b * n_kv_swa for c, a, b in coef]
         memo[key] = _replay(g, align, sizes)
     return memo[key]
@@ -382,11 +379,12 @@ def _replay_layers(spec: ModelSpec, layers: list[int]) -> tuple[int, ...]:
 
 def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: int, flash_attn: bool,
                      kind: str, gpu_layers: int, type_k: str = "f16", type_v: str = "f16",
-                     n_kv_swa: int | None = None, n_stream: int = 1) -> ComputeEstimate:
+                     n_kv_swa: int | None = None, n_stream: int = 1, n_seqs: int = 1) -> ComputeEstimate:
     """The compute buffer(s) llama.cpp reserves for this context.
 
     ``n_kv`` is the cells of one KV stream (of ``n_stream``), ``n_outputs`` the logit rows of the
-    worst-case ubatch (min(n_ubatch, n_outputs_max)).  For an accelerator the
+    worst-case ubatch (min(n_ubatch, n_outputs_max)), ``n_seqs`` its sequences (n_seq_max: recurrent
+    layers' shapes depend on it).  For an accelerator the
     layers run on the device and the host keeps the inputs and the embedding
     lookup; partial offload adds one CPU layer's weights copied up per step
     (an estimate: not verified on a GPU here).
@@ -400,7 +398,7 @@ def compute_estimate(spec: ModelSpec, *, n_kv: int, n_ubatch: int, n_outputs: in
         formula += f" (approximate: the graph is not checked against llama.cpp's for {spec.arch!r})"
     try:
         dev = _pp_compute(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, swa, align,
-                          type_k, type_v, n_stream)
+                          type_k, type_v, n_stream, n_seqs)
     except (ValueError, TypeError, ZeroDivisionError, IndexError):   # metadata the graph cannot be built from
         E, T, F = spec.n_embd, n_ubatch, max(spec.n_ff, default=0) or 4 * spec.n_embd
         dev = (spec.vocab_size * n_outputs + 4 * E * T + 3 * F * T) * F32

@@ -27,11 +27,10 @@ from localinfer.backends.llamacpp.graph_ffn import SOFTMAX, dense_ffn, moe_ffn
 from localinfer.model.spec import ModelSpec
 
 VERIFIED = ("deepseek2",)
-STREAMS = True      # GRAPH takes n_stream: without flash attention each stream's V view is copied
 
 
 def GRAPH(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n_outputs: int, flash_attn: bool,
-          n_kv_swa: int, type_k: str = "f16", type_v: str = "f16", n_stream: int = 1) -> _Graph:
+          n_kv_swa: int, type_k: str = "f16", type_v: str = "f16", n_stream: int = 1, n_seqs: int = 1) -> _Graph:
     """The node sequence llama.cpp builds for one ubatch of a deepseek2 model (``_llama_graph``'s signature,
     ``n_stream`` the KV streams)."""
     if spec.mla is None:

@@ -232,7 +232,8 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
     gpu_layers = 0 if start >= spec.n_layers else spec.n_layers - start
     ces = [compute_estimate(spec, n_kv=cells.cells_base, n_ubatch=tokens, n_outputs=rows,
                             flash_attn=req.flash_attn_on, kind=kind, gpu_layers=gpu_layers,
-                            type_k=req.type_k, type_v=req.type_v, n_kv_swa=cells.cells_swa, n_stream=cells.n_stream)
+                            type_k=req.type_k, type_v=req.type_v, n_kv_swa=cells.cells_swa, n_stream=cells.n_stream,
+                            n_seqs=req.n_seq)
            for tokens, rows in graphs]
     ce = ces[0]
     if len(ces) > 1:

@@ -39,6 +39,15 @@ CUDA_ALIGN = 128
 CUDA_ROW_PADDING = 512      # MATRIX_ROW_PADDING in ggml-cuda
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 _INPUT_PREFIXES = ("token_embd", "pos_embd", "token_types")
+_OUTPUT_NORM_AS_EMBD_NORM = ("lfm2", "lfm2moe")   # LLM_TENSOR_OUTPUT_NORM_LFM2 is named "token_embd_norm"
+
+
+def _input_tensor(spec: ModelSpec, name: str) -> bool:
+    """A tensor of the input layer (kept on the host): the embeddings, except LFM2's output norm, which
+    llama-arch.cpp names ``token_embd_norm`` and lfm2.cpp loads as the output layer's."""
+    if name.startswith("token_embd_norm") and spec.arch in _OUTPUT_NORM_AS_EMBD_NORM:
+        return False
+    return name.startswith(_INPUT_PREFIXES)
 
 # CPU feature → {GGML type: required multiple of ne[1]}; a tensor is repacked when any rule matches.
 REPACK_RULES: dict[str, dict[str, int]] = {
@@ -132,7 +141,7 @@ def place_tensors(spec: ModelSpec, n_gpu_layers: int) -> list[Placed]:
         m = _LAYER_RE.match(t.name)
         if m:
             gpu = int(m.group(1)) >= start
-        elif t.name.startswith(_INPUT_PREFIXES):
+        elif _input_tensor(spec, t.name):
             gpu = False
         elif t.name.startswith("rope_freqs"):
             gpu = start == 0
@@ -252,7 +261,7 @@ def _groups(spec: ModelSpec, feats: tuple[str, ...]) -> dict:
             unit = int(m.group(1))
         elif p.name.startswith("rope_freqs"):
             unit = int(p.name.split("blk.")[1].rstrip(")")) if "blk." in p.name else 0
-        elif p.name.startswith(_INPUT_PREFIXES):
+        elif _input_tensor(spec, p.name):
             unit = "in"
         else:
             unit = "out"

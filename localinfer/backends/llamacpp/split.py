@@ -22,6 +22,7 @@ from itertools import combinations
 
 import numpy as np
 
+from localinfer.backends.llamacpp.compute_buffer import ALIGN
 from localinfer.backends.llamacpp.memory import llama_geometry, llama_kv_layer_bytes, output_bytes
 from localinfer.backends.llamacpp.placement import _groups, offloaded_units, rope_once
 from localinfer.backends.llamacpp.split_compute import split_compute
@@ -105,15 +106,16 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
     if compute:
         each = [split_compute(spec, backend, [d.kind for d in devices], n_kv=cells.cells_base, n_ubatch=tokens,
                               n_outputs=rows, flash_attn=req.flash_attn_on, n_kv_swa=cells.cells_swa,
-                              type_k=req.type_k, type_v=req.type_v, pipeline=pipeline, pin_norms=full)
+                              type_k=req.type_k, type_v=req.type_v, pipeline=pipeline, pin_norms=full,
+                              n_seqs=req.n_seq)
                 for tokens, rows in graphs]
         computes = [max(sizes) for sizes in zip(*each)]          # each backend's buffer keeps the largest
     kv = [0] * (len(devices) + 1)      # KV and, for hybrids, the recurrent state of each device's layers
     for il in range(n):
-        b = backend(il)
-        align = 128 if b < len(devices) and devices[b].kind == "cuda" else 32
-        kv[b] += (sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
-                  + recurrent_state_bytes(spec, req.n_seq, layers=(il,), align=align))
+        kv[backend(il)] += sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
+        if spec.has_recurrent:                  # the recurrent state lives beside the KV of its layer
+            kind = devices[backend(il)].kind if backend(il) < len(devices) else "cpu"
+            kv[backend(il)] += recurrent_state_bytes(spec, req.n_seq, layers=(il,), align=ALIGN.get(kind, 32))
     shares_out = []
     for i, d in enumerate(devices):
         ub = _unit_bytes(spec, d.kind)

@@ -17,7 +17,14 @@ backend's high-water mark, the figure llama.cpp logs as
 
 from __future__ import annotations
 
-from localinfer.backends.llamacpp.compute_buffer import ALIGN, _INPLACE, _Graph, attn_rotation, graph_builder
+from localinfer.backends.llamacpp.compute_buffer import (
+    _INPLACE,
+    ALIGN,
+    _Graph,
+    _llama_graph,
+    attn_rotation,
+    graph_builder,
+)
 from localinfer.backends.llamacpp.gallocr import replay
 from localinfer.model.spec import ModelSpec
 
@@ -135,15 +142,16 @@ def schedule(g: _Graph, bid: list[int], n_copies: int):
 
 def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int, n_ubatch: int, n_outputs: int,
                   flash_attn: bool, n_kv_swa: int | None = None, type_k: str = "f16", type_v: str = "f16",
-                  pipeline: bool = False, pin_norms: bool = False) -> list[int]:
+                  pipeline: bool = False, pin_norms: bool = False, n_seqs: int = 1) -> list[int]:
     """Compute buffer bytes per backend: ``kinds`` lists the devices ("cpu" for an RPC worker's CPU, "cuda",
     "metal"), the host CPU is appended last; ``unit_backend(unit)`` gives the backend index of "in", each layer
     index and "out" (``len(kinds)`` for the host)."""
-    layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
+    build, layers, _ = graph_builder(spec)
+    if build is _llama_graph:
+        layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
     rot = (attn_rotation(spec.head_dim_k, type_k), attn_rotation(spec.head_dim_v, type_v))
-    build = graph_builder(spec)[0]       # the family's graph (deepseek2's MLA), the llama graph otherwise
-    g = build(spec, layers, n_kv, n_ubatch, n_outputs, flash_attn, n_kv if n_kv_swa is None else n_kv_swa,
-              type_k if rot[0] else "f16", type_v if rot[1] else "f16")
+    g = build(spec, list(layers), n_kv, n_ubatch, n_outputs, flash_attn, n_kv if n_kv_swa is None else n_kv_swa,
+              type_k if rot[0] else "f16", type_v if rot[1] else "f16", n_seqs=n_seqs)
     cpu = len(kinds)
     bid = assign(g, unit_backend, cpu, pin_norms or n_ubatch < 32)
     leafs, nodes, bid, flags, src, view_src, size, layout, dep = schedule(g, bid, N_COPIES if pipeline else 1)
