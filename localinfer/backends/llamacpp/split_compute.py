@@ -98,6 +98,24 @@ def batch_size(g: _Graph, t: int) -> int:
     return ne[1] * ne[2] * ne[3]
 
 
+def copy_bytes(g: _Graph, s: int, nbytes: int) -> int:
+    """Bytes of the copy another backend makes of tensor ``s`` (``ggml_dup_tensor_layout``: same ne and nb, so
+    ``ggml_nbytes`` = type size + Σ (ne[i] − 1)·nb[i]).  A view of the first ne[0] values of each row of a
+    contiguous parent (the top-k expert ids, ``ggml_view_2d`` of the argsort) spans its parent's rows but the
+    last: (ne[0] − ne0)·esize bytes fewer than the parent."""
+    lay, par = g.layout[s], g.src[s][0] if g.op[s] == "VIEW" and g.src[s] else None
+    if par is None or not lay or lay[0] != "strided" or not g.layout[par] or not isinstance(g.layout[par][0], int):
+        return nbytes
+    esize, pshape, shape = g.layout[par][0], g.layout[par][1:], lay[1:]
+    if len(shape) != len(pshape) or shape[1:] != pshape[1:] or shape[0] > pshape[0]:
+        return nbytes
+    stride, out = esize, esize
+    for i, n in enumerate(shape):
+        out += (n - 1) * stride
+        stride *= pshape[i]
+    return out
+
+
 def offload_rule(kinds: list[str]):
     """``offloads(op, batch)`` for the devices of ``kinds``: the first that asks for the op (None: none).
 
@@ -168,7 +186,7 @@ def schedule(g: _Graph, bid: list[int], n_copies: int, weight_splits: bool = Fal
             key = (s, backend)
             if key not in copies:
                 fl = (1 | 2) if n_copies > 1 else 0
-                copies[key] = [new(size[s], layout[s], backend, fl) for _ in range(n_copies)]
+                copies[key] = [new(copy_bytes(g, s, size[s]), layout[s], backend, fl) for _ in range(n_copies)]
                 inputs.append(s)
             src[t][j] = copies[key][0]
     leafs: list[int] = []
