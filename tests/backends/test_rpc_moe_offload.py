@@ -151,3 +151,22 @@ def test_bad_override_is_one_line_before_loading(tiny, flags, message):
 def test_cpu_moe_on_a_dense_model_is_refused():
     r = _run(["run", "-p", "hi", "-n", "1", "--cpu-moe"])
     assert r.returncode == 2 and r.stderr.startswith("error: --cpu-moe: this model has no expert tensors"), r.stderr
+
+
+def test_serve_reports_each_device_with_experts_on_the_host(tiny):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from tests.serve.test_http_support import start_cli
+
+    with workers(1) as ws:
+        ep = ws[0][1]
+        p, url = start_cli(tiny["f32"], "-t", "1", "--ctx", "512", "--rpc", ep, "--n-cpu-moe", "3")
+        try:
+            rows = httpx.get(url + "/v1/engine/state", timeout=30).json()["devices"]
+        finally:
+            p.terminate()
+            assert p.wait(30) == 0
+    assert [r["device"] for r in rows] == [f"RPC0[{ep}]", "CPU"]
+    for r in rows:
+        for kind in ("weights", "kv", "compute"):
+            assert f"{r['predicted'][kind] / (1 << 20):.2f}" == f"{r['reported'][kind] / (1 << 20):.2f}", (r, kind)
