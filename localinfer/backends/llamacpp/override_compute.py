@@ -41,8 +41,14 @@ def overridden_compute(spec: ModelSpec, kind: str, req, overrides, cells, graphs
              for tokens, rows in graphs]
     dev, host = (max(s[i] for s in sizes) for i in (0, 1))
     moved = sum(1 for h in homes if h.backend == HOST and "_exps." in h.tensor.name)
-    copied = ("; the device copies each host-buffer expert matrix up for its split (ubatch >= 32 tokens)"
-              if kind in ("cuda", "metal") and graphs[0][0] >= 32 else "")
+    copies = kind in ("cuda", "metal") and graphs[0][0] >= 32
+    copied = "; the device copies each host-buffer expert matrix up for its split" if copies else ""
     formula = (f"ggml scheduler and graph allocator replayed over the {spec.arch} graph with {moved} expert "
                f"tensors in host memory: ubatch {graphs[0][0]} tokens, {cells.cells_base} KV cells{copied}")
+    others = [h.tensor.nbytes for h in homes if copies and h.backend == HOST and not h.repacked and h.tensor.matmul
+              and "_exps." not in h.tensor.name and not h.tensor.name.startswith("token_embd")]
+    if others:          # the replay names only the expert matrices: a host layer's other weights are copied too
+        dev += max(others)
+        formula += (f" + the largest other host-layer weight ({max(others)} B) copied up for batched matmuls "
+                    "(an estimate: the replay does not name it)")
     return dev, host, formula
