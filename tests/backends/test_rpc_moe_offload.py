@@ -170,3 +170,20 @@ def test_serve_reports_each_device_with_experts_on_the_host(tiny):
     for r in rows:
         for kind in ("weights", "kv", "compute"):
             assert f"{r['predicted'][kind] / (1 << 20):.2f}" == f"{r['reported'][kind] / (1 << 20):.2f}", (r, kind)
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "qwen3next", "deepseek2-mla-lite", "llama4", "granitehybrid-moe"])
+def test_other_moe_families_weights_and_kv_per_device(two_workers, tmp_path, arch):
+    """Expert biases (gpt-oss), shared experts, leading dense layers and hybrids: each device's weights and KV and
+    the host's buffers equal llama.cpp's (their compute in a split is the llama graph's replay, not checked)."""
+    for qtype in (Q.F32, Q.Q4_0):
+        path = str(write_tiny_arch(tmp_path / f"{arch}-{qtype.name}.gguf", TINY[arch], qtype=qtype))
+        cases = [{"n_ctx": 512, "cpu_moe": True}, {"n_ctx": 512, "n_cpu_moe": 1},
+                 {"n_ctx": 512, "override_tensor": [["ffn_down_exps", "CPU"]], "tensor_split": [1, 2]}]
+        for case, row in zip(cases, reported(path, two_workers, cases)):
+            sb = _predict(path, two_workers, case)
+            got = row["buffers"]
+            for d in sb.devices:
+                assert (d.weights, d.kv) == tuple(got.get(d.name, [0, 0, 0])[:2]), (arch, qtype, case, d.name)
+            host = {k: v[0] for k, v in got.items() if not k.startswith("RPC") and v[0]}
+            assert {k.split()[0]: v for k, v in sb.host_weights.items()} == host, (arch, qtype, case)
