@@ -27,7 +27,7 @@ from localinfer.backends.llamacpp.placement import _groups, offloaded_units, rop
 from localinfer.backends.llamacpp.overrides import CPU, check_overrides, request_overrides
 from localinfer.backends.llamacpp.split_compute import split_compute
 from localinfer.backends.llamacpp.tensor_homes import (device_weight_bytes, expert_home, host_weight_buffers,
-                                                       tensor_homes)
+                                                       tensor_homes, unit_bytes_kept)
 from localinfer.backends.memory import FitRequest
 from localinfer.backends.split import HOST, DeviceShare, SplitBreakdown
 from localinfer.errors import UsageError
@@ -158,8 +158,9 @@ def _greedy_counts(spec: ModelSpec, devices, req: FitRequest, reserve: list[int]
     kv = {il: sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
           + recurrent_state_bytes(spec, req.n_seq, layers=(il,), align=32) for il in range(n)}
     counts, pos = [], 0
+    overrides = request_overrides(req)
     for i, d in enumerate(devices):
-        ub = _unit_bytes(spec, d.kind)
+        ub = _unit_bytes(spec, d.kind) if not overrides else unit_bytes_kept(spec, d.kind, overrides)
         room, c = d.usable - reserve[i], 0
         while pos + c < len(order):
             u = order[pos + c]

@@ -97,3 +97,21 @@ def expert_home(homes, host: int):
                              h.tensor.nbytes)
              for h in homes if "_exps." in h.tensor.name and not h.tensor.duplicate}
     return table.get
+
+
+def unit_bytes_kept(spec: ModelSpec, kind: str, overrides) -> dict:
+    """Weight bytes each unit ("in", layer index, "out") keeps on a device of ``kind`` when the overrides send
+    some of its tensors to the CPU (a split search's per-layer cost; an override to another device counts as kept)."""
+    out: dict = {}
+    for h in tensor_homes(spec, lambda u: 0, overrides, _AnyDevice()):
+        unit = unit_of(h.tensor.name)
+        p = h.tensor
+        kept = 0 if h.backend == HOST else (pad_to(cuda_alloc_size(p.type_name, p.shape, p.nbytes), CUDA_ALIGN)
+                                            if kind == "cuda" else pad_to(p.nbytes, CPU_ALIGN))
+        out[unit] = out.get(unit, 0) + kept
+    return out
+
+
+class _AnyDevice(dict):
+    def __missing__(self, key):
+        return 0
