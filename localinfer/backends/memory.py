@@ -171,6 +171,11 @@ class FitRequest:
     n_ctx_total: int | None = None      # exact llama.cpp -c when it is not n_ctx × n_seq (check_load)
     dtype: str | None = None            # torch/mlx weight dtype; None: the engine's default where it runs
     packed: bool = False                # torch: q8_0/q4_0 matrices kept as GGUF blocks
+    # llama.cpp's tensor buffer overrides (backends/llamacpp/overrides.py): -ot (pattern, buffer) pairs in order,
+    # --cpu-moe (every layer's experts on the CPU), --n-cpu-moe N (the experts of layers 0..N-1)
+    override_tensor: tuple[tuple[str, str], ...] = ()
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
 
     def __post_init__(self):
         if not isinstance(self.n_ctx, int) or isinstance(self.n_ctx, bool) or self.n_ctx <= 0:
@@ -192,6 +197,14 @@ class FitRequest:
         if self.n_batch <= 0 or self.n_ubatch <= 0:
             raise UsageError("batch sizes must be positive", flag="--batch")
         check_weight_dtype(self.dtype)
+        if not isinstance(self.n_cpu_moe, int) or isinstance(self.n_cpu_moe, bool) or self.n_cpu_moe < 0:
+            raise UsageError(f"--n-cpu-moe must be a layer count >= 0, got {self.n_cpu_moe!r}", flag="--n-cpu-moe")
+        object.__setattr__(self, "override_tensor", tuple(tuple(p) for p in self.override_tensor))
+
+    @property
+    def overridden(self) -> bool:
+        """Whether any tensor buffer override is asked for (-ot, --cpu-moe, --n-cpu-moe)."""
+        return bool(self.override_tensor or self.cpu_moe or self.n_cpu_moe)
 
     @property
     def llama_n_ctx(self) -> int:

@@ -50,6 +50,9 @@ def add_model_args(p: argparse.ArgumentParser, *, kv_choices: bool = True) -> No
                    help="split the layers across these llama.cpp RPC workers (`localinfer worker` on each host)")
     g.add_argument("-ts", "--tensor-split", default=None, metavar="A,B,...",
                    help="layer shares per device, RPC workers first (default: by free memory, as llama.cpp)")
+    from localinfer.commands._overrides import add_override_args
+
+    add_override_args(g)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -137,7 +140,9 @@ def plan_from(args: argparse.Namespace, path, spec, **overrides) -> LoadPlan:
               file=sys.stderr)
     names = ("type_k", "type_v", "n_gpu_layers", "n_threads", "n_batch", "n_ubatch", "flash_attn")
     options = {k: getattr(args, k, None) for k in names}
-    load = {**load_options(args), **split_options(args)}
+    from localinfer.commands._overrides import override_fields
+
+    load = {**load_options(args), **split_options(args), **override_fields(args)}
     if load:
         options["options"] = {**load, **overrides.pop("options", {})}
     options.update(overrides)

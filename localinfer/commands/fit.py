@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mmap", action="store_true", help="the same as --load-mode none")
     g.add_argument("--mlock", action="store_true", help="lock the weights in memory (with mmap: the whole mapping)")
     g.add_argument("--no-repack", action="store_true", help="llama.cpp's --no-repack: no CPU_REPACK copy")
+    from localinfer.commands._overrides import add_override_args
+
+    add_override_args(parser.add_argument_group("llama.cpp tensor placement (MoE experts in host memory)"))
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
     parser.add_argument("--dry-run", action="store_true",
                         help="this machine's row from llama.cpp's own dry run (it plans every buffer without reading "
@@ -76,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _request(args, spec):
     from localinfer.backends.memory import FitRequest
+    from localinfer.commands._overrides import override_fields
     from localinfer.errors import UsageError
 
     if args.kv_type and (args.type_k or args.type_v):
@@ -112,7 +116,7 @@ def _request(args, spec):
                          flag="--dtype", hint="add --backend torch or --backend mlx, or drop --dtype")
     return FitRequest(n_ctx=ctx, n_seq=args.parallel, type_k=type_k, type_v=type_v, flash_attn=fa,
                       n_gpu_layers=args.gpu_layers, n_ubatch=args.ubatch, backend=args.backend, dtype=args.dtype,
-                      swa_full=args.swa_full, **load_mode(args))
+                      swa_full=args.swa_full, **load_mode(args), **override_fields(args))
 
 
 def load_mode(args) -> dict:

@@ -89,11 +89,22 @@ def _probe_main(payload: str) -> None:
         opts = {"rpc": job["endpoints"]}
         if case.get("tensor_split"):
             opts["tensor_split"] = case["tensor_split"]
+        opts.update({k: case[k] for k in ("override_tensor", "cpu_moe", "n_cpu_moe", "mmap", "repack") if k in case})
         plan = LoadPlan(job["model"], n_ctx=case["n_ctx"], n_seq=case.get("n_seq", 1), n_threads=1,
                         n_batch=case.get("n_batch", 512), n_ubatch=case.get("n_ubatch", 512),
                         n_gpu_layers=case.get("n_gpu_layers", -1), type_k=case.get("type_k", "f16"),
                         type_v=case.get("type_v", "f16"), flash_attn=case.get("flash_attn"), options=opts)
-        model = native.load_model(job["model"], plan)
+        defaults = L.llama_model_default_params
+        if case.get("no_alloc"):        # a dry run: sizes without memory (a header-only skeleton loads)
+            def dry():
+                mp = defaults()
+                mp.no_alloc = True
+                return mp
+            L.llama_model_default_params = dry
+        try:
+            model = native.load_model(job["model"], plan)
+        finally:
+            L.llama_model_default_params = defaults
         ctx = native.new_context(model, plan)
         raw = (ctypes.c_uint64 * 8)()
         fn(ctypes.addressof(raw), ctx)
@@ -104,7 +115,8 @@ def _probe_main(payload: str) -> None:
 
 
 def reported(model: str, endpoints: list[str], cases: list[dict], timeout: float = 300) -> list[dict]:
-    """llama.cpp's buffers per case (dict: n_ctx, n_seq, n_ubatch, tensor_split, n_gpu_layers)."""
+    """llama.cpp's buffers per case (dict: n_ctx, n_seq, n_ubatch, tensor_split, n_gpu_layers, and the buffer
+    overrides override_tensor, cpu_moe, n_cpu_moe; no_alloc: llama.cpp's dry run, nothing allocated)."""
     payload = json.dumps({"model": model, "endpoints": endpoints, "cases": cases})
     proc = subprocess.run([sys.executable, __file__, payload], capture_output=True, text=True, timeout=timeout,
                           env=_env(), check=False)

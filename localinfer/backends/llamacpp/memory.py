@@ -13,7 +13,9 @@ from dataclasses import dataclass, replace
 
 from gguf_tools.quants import layout, parse_type
 from localinfer.backends.llamacpp.compute_buffer import compute_estimate
-from localinfer.backends.llamacpp.placement import gpu_layer_start, weight_placement
+from localinfer.backends.llamacpp.override_compute import overridden_compute
+from localinfer.backends.llamacpp.overrides import CPU, check_overrides, override_flags, request_overrides
+from localinfer.backends.llamacpp.placement import device_buffer, gpu_layer_start, weight_placement
 from localinfer.backends.memory import FitRequest, MemoryBreakdown, Term, check_tokens
 from localinfer.errors import UsageError
 from localinfer.model.kv import attention_layers, check_kv_type, kv_rows, recurrent_rows, recurrent_state_bytes
@@ -177,8 +179,12 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
     cells, graphs = llama_geometry(spec, req)
     terms: list[Term] = []
     unified = device.unified or kind == "cpu"
+    overrides = request_overrides(req)
+    if overrides:
+        check_overrides((t.name for t in spec.tensors), overrides, (CPU,) + ((device_buffer(kind),)
+                                                                           if kind != "cpu" else ()))
     wp = weight_placement(spec, kind, ngl, mmap=req.mmap, cpu_features=device.cpu_features, repack=req.repack,
-                          mlock=req.mlock)
+                          mlock=req.mlock, overrides=overrides)
     for name, nbytes in wp.buffers.items():
         on_dev = name in wp.device_buffers
         formula = ("file range from the first to the last byte of the mapped tensors" if "Mapped" in name else
@@ -239,6 +245,9 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
     if len(ces) > 1:
         ce = replace(ce, device=max(c.device for c in ces), host=max(c.host for c in ces),
                      formula=ce.formula + f"; or the decode graph ({req.n_seq} tokens and logit rows), if larger")
+    if overrides and kind != "cpu":
+        dev_b, host_b, formula = overridden_compute(spec, kind, req, overrides, cells, graphs, device.cpu_features)
+        ce = replace(ce, device=dev_b, host=host_b, formula=formula, host_formula="the same replay: the host's splits")
     terms.append(Term("compute", "compute buffer", ce.device, "device", ce.formula, f"{dev} compute"))
     if ce.host:
         terms.append(Term("compute", "compute buffer (host)", ce.host, "host", ce.host_formula, "CPU compute"))
@@ -317,6 +326,7 @@ def llama_command(spec: ModelSpec, req: FitRequest, cells: LlamaCells | None, de
     if req.swa_full and spec.has_swa:
         parts.append("--swa-full")
     parts += load_flags(req)
+    parts += override_flags(req.override_tensor, req.cpu_moe, req.n_cpu_moe)
     return " ".join(parts)
 
 
@@ -344,11 +354,13 @@ class LlamaCppMemory:
 
     def load_request(self, plan) -> dict:
         """FitRequest fields a LoadPlan implies: logit rows per decode, load mode, repacking, llama-cpp-python's
-        swa_full, one KV stream for all sequences (serve's unified cache)."""
+        swa_full, one KV stream for all sequences (serve's unified cache), tensor buffer overrides."""
         o = plan.options
         return {"n_outputs_max": outputs_cap(plan), "mmap": bool(o.get("mmap", True)), "mlock": bool(o.get("mlock")),
                 "repack": bool(o.get("repack", True)), "swa_full": bool(o.get("swa_full", True)),
-                "kv_unified": bool(o.get("kv_unified"))}
+                "kv_unified": bool(o.get("kv_unified")),
+                "override_tensor": tuple(tuple(x) for x in o.get("override_tensor", ())),
+                "cpu_moe": bool(o.get("cpu_moe")), "n_cpu_moe": int(o.get("n_cpu_moe") or 0)}
 
     def load_variants(self, spec, device, req) -> tuple[tuple[str, dict], ...]:
         """On a CPU device: the four load modes, and repacking switched, where llama.cpp repacks."""

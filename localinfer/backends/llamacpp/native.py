@@ -187,6 +187,9 @@ def load_model(path: str, plan: LoadPlan):
     if not o.get("repack", True):
         mp.use_extra_bufts = False
     keep = split_params(mp, plan)   # --rpc / --tensor-split: the arrays live until the load returns
+    from localinfer.backends.llamacpp.buft import override_params
+
+    keep_ot = override_params(mp, plan.options, [d.handle for d in keep[1]] if keep else ())
     stop = threading.Event()
     progress = _L.llama_progress_callback(lambda _fraction, _user: not stop.is_set() and signals.pending() is None)
     mp.progress_callback = progress
@@ -197,7 +200,7 @@ def load_model(path: str, plan: LoadPlan):
             if model:
                 _L.llama_model_free(model)
             raise KeyboardInterrupt
-    del keep
+    del keep, keep_ot
     if not model:
         raise UnsupportedModelError(f"llama.cpp could not load {os.path.basename(path)}: {last_error()}",
                                     hint="check that llama.cpp supports this architecture and quant type, "
@@ -221,7 +224,8 @@ def local_accelerator() -> bool:
 
 
 def split_params(mp, plan: LoadPlan):
-    """Devices and split for ``plan.options`` "rpc" (endpoints) and "tensor_split" (weights); None when neither."""
+    """Devices and split for ``plan.options`` "rpc" (endpoints) and "tensor_split" (weights): what must stay
+    alive (the device array, the devices, the shares), or None when neither."""
     endpoints, weights = plan.options.get("rpc"), plan.options.get("tensor_split")
     if not endpoints and not weights:
         return None
@@ -229,7 +233,7 @@ def split_params(mp, plan: LoadPlan):
 
     devices = rpc.add_servers(endpoints) if endpoints else []
     devices += rpc.local_accelerators()             # llama.cpp's order: RPC devices first, then local GPUs
-    keep = [rpc.device_array(devices)]
+    keep = [rpc.device_array(devices), devices]
     mp.devices = ctypes.cast(keep[0], ctypes.c_void_p)
     mp.split_mode = _L.LLAMA_SPLIT_MODE_LAYER
     if weights:

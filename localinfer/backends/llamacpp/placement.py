@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from gguf_tools.quants import layout, row_bytes
+from localinfer.backends.llamacpp.overrides import CPU, override_of
 from localinfer.model.spec import ModelSpec
 from localinfer.units import pad_to
 from localinfer.util.memo import spec_cache
@@ -201,21 +202,68 @@ def _union(ranges: list[tuple[int, int]]) -> int:
 
 
 def weight_placement(spec: ModelSpec, kind: str, n_gpu_layers: int = -1, *, mmap: bool = True,
-                     cpu_features: tuple[str, ...] = (), repack: bool = True, mlock: bool = False) -> WeightPlacement:
+                     cpu_features: tuple[str, ...] = (), repack: bool = True, mlock: bool = False,
+                     overrides: tuple = ()) -> WeightPlacement:
     """llama.cpp's model buffers on a device of ``kind`` ("cuda", "metal", "cpu").
 
     ``cpu_features`` is the host CPU's SIMD level (it decides CPU_REPACK);
     ``repack=False`` is llama.cpp's ``--no-repack``; ``mlock`` locks the mapped range.
     A CPU device has no accelerator: every layer is on the CPU whatever ``n_gpu_layers`` says.
+    ``overrides``: llama.cpp's tensor buffer overrides (:mod:`.overrides`), placed per tensor.
     """
     ngl = 0 if kind == "cpu" else n_gpu_layers
     if ngl >= 0 and ngl > spec.n_layers:
         ngl = -1
     memo = spec_cache(spec)
-    key = ("placement", kind, ngl, mmap, tuple(cpu_features), repack, mlock)
+    overrides = tuple(overrides) if kind != "cpu" else ()   # on a CPU alone every buffer is the CPU's already
+    key = ("placement", kind, ngl, mmap, tuple(cpu_features), repack, mlock, overrides)
     if key not in memo:
-        memo[key] = _weight_placement(spec, kind, ngl, mmap, tuple(cpu_features) if repack else (), mlock)
+        feats = tuple(cpu_features) if repack else ()
+        memo[key] = (_overridden_placement(spec, kind, ngl, mmap, feats, mlock, overrides) if overrides else
+                     _weight_placement(spec, kind, ngl, mmap, feats, mlock))
     return memo[key]
+
+
+def source_name(placed_name: str) -> str:
+    """The name the loader matches overrides against: a duplicate is created under its original's name."""
+    if placed_name.startswith("output.weight (tied)"):
+        return "token_embd.weight"
+    return placed_name.split(" (", 1)[0]
+
+
+def device_buffer(kind: str) -> str:
+    """The default buffer type of the first device of ``kind`` (``ggml_backend_buft_name``), as -ot names it."""
+    return {"cuda": "CUDA0", "metal": "MTL0"}.get(kind, "CPU")
+
+
+def tensor_on_device(p: Placed, kind: str, overrides) -> bool:
+    """Whether tensor ``p`` lands in the device's buffer: its layer's place, unless an override names a buffer
+    (CPU: the host; the device's own: the device)."""
+    buft = override_of(source_name(p.name), overrides) if overrides else None
+    if kind == "cpu":
+        return False
+    return p.on_gpu if buft is None else buft != CPU
+
+
+def _overridden_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: tuple[str, ...], mlock: bool,
+                          overrides) -> WeightPlacement:
+    """The placement tensor by tensor when overrides apply: each tensor on the device or the host; a host tensor
+    in CPU_REPACK where this CPU repacks it (the CPU list's extra buffer, select_weight_buft), else CPU."""
+    n = spec.n_layers
+    gpu, plain, rep = _Group(), _Group(), _Group()
+    rope_here = 0
+    for p in place_tensors(spec, ngl):
+        if tensor_on_device(p, kind, overrides):
+            gpu.add(p)
+            rope_here += p.name.startswith("rope_freqs")
+        elif p.matmul and repackable(p.type_name, p.shape, feats):
+            rep.add(p)
+        else:
+            plain.add(p)
+    start = gpu_layer_start(n, ngl)
+    return _assemble(spec, kind, [g for g in (gpu,) if g.names], [g for g in (plain,) if g.names],
+                     [g for g in (rep,) if g.names], rope_here, mmap, mlock, n - start,
+                     output_on_gpu(n, ngl))
 
 
 @dataclass
@@ -289,6 +337,12 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
     gpu = [units[u][0] for u in units if on_gpu(u)]
     plain = [units[u][1] for u in units if not on_gpu(u) and units[u][1].names]
     rep = [units[u][2] for u in units if not on_gpu(u) and units[u][2].names]
+    return _assemble(spec, kind, gpu, plain, rep, n - start, mmap, mlock, n - start, out_gpu)
+
+
+def _assemble(spec: ModelSpec, kind: str, gpu: list[_Group], plain: list[_Group], rep: list[_Group], rope_here: int,
+              mmap: bool, mlock: bool, n_dev_layers: int, out_gpu: bool) -> WeightPlacement:
+    """The buffers of the device, CPU (mapped or not) and CPU_REPACK from the groups each holds."""
     buffers: dict[str, int] = {}
     held: dict[str, int] = {}
     resident: dict[str, int] = {}
@@ -309,14 +363,14 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
     if gpu:
         if kind == "cuda":
             name = "CUDA0 model"
-            buffers[name] = sum(g.cuda_alloc for g in gpu) - rope_once(spec, kind, n - start)
+            buffers[name] = sum(g.cuda_alloc for g in gpu) - rope_once(spec, kind, rope_here)
             allocated += buffers[name]
         elif mmap:
             name = "Metal_Mapped model"
             mapped(name, gpu, whole=True)
         else:
             name = "Metal model"
-            buffers[name] = sum(g.cpu_alloc + g.dup_alloc for g in gpu) - rope_once(spec, kind, n - start)
+            buffers[name] = sum(g.cpu_alloc + g.dup_alloc for g in gpu) - rope_once(spec, kind, rope_here)
             allocated += buffers[name]
         device.append(name)
     if plain:
@@ -331,7 +385,7 @@ def _weight_placement(spec: ModelSpec, kind: str, ngl: int, mmap: bool, feats: t
         allocated += buffers["CPU_REPACK model"]
     if kind == "cpu":
         device = list(buffers)
-    return WeightPlacement(buffers, tuple(device), 0 if kind == "cpu" else n - start, out_gpu,
+    return WeightPlacement(buffers, tuple(device), 0 if kind == "cpu" else n_dev_layers, out_gpu,
                            _union(ranges) + allocated, repacked, {k: held.get(k, v) for k, v in buffers.items()},
                            {k: resident.get(k, v) for k, v in buffers.items()}, max((g.largest for g in rep), default=0))
 

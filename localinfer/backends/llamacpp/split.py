@@ -25,7 +25,10 @@ import numpy as np
 from localinfer.backends.llamacpp.compute_buffer import ALIGN
 from localinfer.backends.llamacpp.memory import llama_geometry, llama_kv_layer_bytes, output_bytes
 from localinfer.backends.llamacpp.placement import _groups, offloaded_units, rope_once
+from localinfer.backends.llamacpp.overrides import CPU, check_overrides, request_overrides
 from localinfer.backends.llamacpp.split_compute import split_compute
+from localinfer.backends.llamacpp.tensor_homes import (device_weight_bytes, expert_home, host_weight_buffers,
+                                                       tensor_homes, unit_bytes_kept)
 from localinfer.backends.memory import FitRequest
 from localinfer.backends.split import HOST, DeviceShare, SplitBreakdown
 from localinfer.errors import UsageError
@@ -96,18 +99,27 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
     units = unit_devices(n, req.n_gpu_layers, used)
     cells, graphs = llama_geometry(spec, req)
     full = len(offloaded_units(n, req.n_gpu_layers)) > n
-    pipeline = len(devices) > 1 and full and all(d.async_events for d in devices)
+    overrides = request_overrides(req)
+    # llama-context.cpp: no pipeline parallelism with tensor overrides (model.has_tensor_overrides())
+    pipeline = len(devices) > 1 and full and all(d.async_events for d in devices) and not overrides
 
     def backend(unit) -> int:
         d = HOST if unit == "in" else units[n if unit == "out" else unit]
         return len(devices) if d == HOST else d
+
+    homes = None
+    if overrides:
+        names = {d.name: i for i, d in enumerate(devices)}
+        check_overrides((t.name for t in spec.tensors), overrides, (CPU, *names))
+        homes = tensor_homes(spec, lambda u: units[n if u == "out" else u], overrides, names, cpu_features)
 
     computes = [0] * (len(devices) + 1)
     if compute:
         each = [split_compute(spec, backend, [d.kind for d in devices], n_kv=cells.cells_base, n_ubatch=tokens,
                               n_outputs=rows, flash_attn=req.flash_attn_on, n_kv_swa=cells.cells_swa,
                               type_k=req.type_k, type_v=req.type_v, pipeline=pipeline, pin_norms=full,
-                              n_seqs=req.n_seq)
+                              n_seqs=req.n_seq,
+                              tensor_home=None if homes is None else expert_home(homes, len(devices)))
                 for tokens, rows in graphs]
         computes = [max(sizes) for sizes in zip(*each)]          # each backend's buffer keeps the largest
     kv = [0] * (len(devices) + 1)      # KV and, for hybrids, the recurrent state of each device's layers
@@ -122,13 +134,17 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
         mine = [u for u in ub if u != "in" and backend(u) == i]
         layers = tuple(sorted(u for u in mine if u != "out"))
         weights = sum(ub[u] for u in mine) - rope_once(spec, d.kind, len(layers))
+        if homes is not None:
+            weights = device_weight_bytes(spec, homes, i, d.kind)
         shares_out.append(DeviceShare(d.name, d.kind, layers, "out" in mine, weights, kv[i], computes[i], d.usable))
     host_units = {"in"} | {il for il in range(n) if units[il] == HOST} | ({"out"} if units[n] == HOST else set())
     notes = []
     if pipeline:
         notes.append("pipeline parallelism: llama.cpp keeps 4 copies of every graph input and every tensor "
                      "passed between devices")
-    return SplitBreakdown(tuple(shares_out), _host_weights(spec, host_units, req.mmap, cpu_features),
+    host_weights = (_host_weights(spec, host_units, req.mmap, cpu_features) if homes is None else
+                    host_weight_buffers(homes, req.mmap))
+    return SplitBreakdown(tuple(shares_out), host_weights,
                           kv[len(devices)], output_bytes(spec, req.n_seq), computes[len(devices)], units, used,
                           pipeline, cells.n_ctx, tuple(notes))
 
@@ -144,8 +160,9 @@ def _greedy_counts(spec: ModelSpec, devices, req: FitRequest, reserve: list[int]
     kv = {il: sum(llama_kv_layer_bytes(spec, il, cells, req.type_k, req.type_v))
           + recurrent_state_bytes(spec, req.n_seq, layers=(il,), align=32) for il in range(n)}
     counts, pos = [], 0
+    overrides = request_overrides(req)
     for i, d in enumerate(devices):
-        ub = _unit_bytes(spec, d.kind)
+        ub = _unit_bytes(spec, d.kind) if not overrides else unit_bytes_kept(spec, d.kind, overrides)
         room, c = d.usable - reserve[i], 0
         while pos + c < len(order):
             u = order[pos + c]

@@ -29,6 +29,7 @@ from localinfer.backends.llamacpp.gallocr import replay
 from localinfer.model.spec import ModelSpec
 
 N_COPIES = 4          # GGML_SCHED_MAX_COPIES
+OFFLOAD_MIN_BATCH = 32   # ggml-cuda / ggml-metal op_offload_min_batch_size (GGML_OP_OFFLOAD_MIN_BATCH)
 _UNWEIGHTED = ("ROPE", "FLASH_ATTN_EXT")   # ops the weight rule skips (their small tensors must not decide)
 
 
@@ -36,14 +37,18 @@ def _is_view(g: _Graph, t: int) -> bool:
     return g.op[t] == "VIEW"
 
 
-def assign(g: _Graph, unit_backend, cpu: int, pin_norms: bool) -> list[int]:
+def assign(g: _Graph, unit_backend, cpu: int, pin_norms: bool, homes=None, offloads=None) -> list[int]:
     """Backend of every tensor after the scheduler's passes 1-4 (``unit_backend(unit)`` places weights/KV).
 
     ``pin_norms``: llama.cpp pins each layer's norms ("norm" tensors) to the layer's device when every layer
-    is offloaded or a ubatch has fewer than 32 tokens (llama-context.cpp, graph_get_cb)."""
+    is offloaded or a ubatch has fewer than 32 tokens (llama-context.cpp, graph_get_cb).  ``homes``: weight →
+    (backend, in a host buffer) where a buffer override moved it; ``offloads(op, batch)``: the first device
+    that asks for an op whose weight sits in a host buffer of the CPU (ggml-backend.cpp "1.off")."""
     bid = [-1] * len(g.size)
     for t, (unit, _) in g.home.items():
         bid[t] = unit_backend(unit)
+    for t, (backend, _) in (homes or {}).items():
+        bid[t] = backend
     for t in g.leafs:
         bid[t] = cpu
     if pin_norms:
@@ -62,7 +67,11 @@ def assign(g: _Graph, unit_backend, cpu: int, pin_norms: bool) -> list[int]:
         elif g.op[t] not in _UNWEIGHTED:
             for s in g.src[t]:
                 if is_weight(s):
-                    bid[t] = bid[g.view_src[s] if g.view_src[s] is not None else s]
+                    w = g.view_src[s] if g.view_src[s] is not None else s
+                    bid[t] = bid[w]
+                    if offloads and bid[w] == cpu and (homes or {}).get(w, (cpu, False))[1]:
+                        b = offloads(g.op[t], batch_size(g, t))
+                        bid[t] = bid[t] if b is None else b
                     break
     order = [t for t in g.nodes if not _is_view(g, t)]
     for seq, skip_cpu in ((order, True), (order[::-1], True), (order, False), (order[::-1], False)):
@@ -83,8 +92,73 @@ def assign(g: _Graph, unit_backend, cpu: int, pin_norms: bool) -> list[int]:
     return bid
 
 
-def schedule(g: _Graph, bid: list[int], n_copies: int):
-    """Pass 5 and the graph copy: (leafs, nodes, backend, flags, srcs, view_src, counted-as-view) for the replay."""
+def batch_size(g: _Graph, t: int) -> int:
+    """ggml-cuda/ggml-metal ``get_op_batch_size``: ne[1] of a MUL_MAT, ne[2] of a MUL_MAT_ID, else the rows
+    (GET_ROWS: 0, never offloaded)."""
+    ne = [d for d in g.layout[t][1:]] + [1, 1, 1]
+    if g.op[t] == "GET_ROWS":
+        return 0
+    if g.op[t] == "MUL_MAT":
+        return ne[1]
+    if g.op[t] == "MUL_MAT_ID":
+        return ne[2]
+    return ne[1] * ne[2] * ne[3]
+
+
+def copy_bytes(g: _Graph, s: int, nbytes: int) -> int:
+    """Bytes of the copy another backend makes of tensor ``s`` (``ggml_dup_tensor_layout``: same ne and nb, so
+    ``ggml_nbytes`` = type size + Σ (ne[i] − 1)·nb[i]).  A view of the first ne[0] values of each row of a
+    contiguous parent (the top-k expert ids, ``ggml_view_2d`` of the argsort) spans its parent's rows but the
+    last: (ne[0] − ne0)·esize bytes fewer than the parent."""
+    lay, par = g.layout[s], g.src[s][0] if g.op[s] == "VIEW" and g.src[s] else None
+    if par is None or not lay or lay[0] != "strided" or not g.layout[par] or not isinstance(g.layout[par][0], int):
+        return nbytes
+    esize, pshape, shape = g.layout[par][0], g.layout[par][1:], lay[1:]
+    if len(shape) != len(pshape) or shape[1:] != pshape[1:] or shape[0] > pshape[0]:
+        return nbytes
+    stride, out = esize, esize
+    for i, n in enumerate(shape):
+        out += (n - 1) * stride
+        stride *= pshape[i]
+    return out
+
+
+def offload_rule(kinds: list[str]):
+    """``offloads(op, batch)`` for the devices of ``kinds``: the first that asks for the op (None: none).
+
+    ggml-cuda ``ggml_backend_cuda_device_offload_op``: every op with a batch of at least 32 (the env
+    GGML_OP_OFFLOAD_MIN_BATCH changes it); ggml-metal: MUL_MAT and MUL_MAT_ID with a batch of at least 32;
+    RPC devices have no ``offload_op`` (ggml-rpc.cpp: NULL) and CPU devices none either."""
+    def offloads(op: str, batch: int):
+        for b, kind in enumerate(kinds):
+            if kind == "cuda" and batch >= OFFLOAD_MIN_BATCH:
+                return b
+            if kind == "metal" and op in ("MUL_MAT", "MUL_MAT_ID") and batch >= OFFLOAD_MIN_BATCH:
+                return b
+        return None
+    return offloads
+
+
+def expert_weights(g: _Graph) -> dict[int, str]:
+    """The graph's expert matrices by tensor name: the weights of each layer's MUL_MAT_IDs, gate, up, down."""
+    out: dict[int, str] = {}
+    seen: dict[object, int] = {}
+    for t in g.nodes:
+        if g.op[t] == "MUL_MAT_ID" and g.src[t] and g.src[t][0] in g.home:
+            w = g.src[t][0]
+            unit = g.home[w][0]
+            i = seen.get(unit, 0)
+            seen[unit] = i + 1
+            if i < 3:
+                out[w] = f"blk.{unit}.ffn_{('gate', 'up', 'down')[i]}_exps.weight"
+    return out
+
+
+def schedule(g: _Graph, bid: list[int], n_copies: int, weight_splits: bool = False):
+    """Pass 5 and the graph copy: (leafs, nodes, backend, flags, srcs, view_src, counted-as-view) for the replay.
+
+    ``weight_splits``: a node reading a weight of another backend starts a new split even on the same backend
+    ("by starting a new split, the memory of the previously offloaded weights can be reused")."""
     size, layout = list(g.size), list(g.layout)
     flags, src, view_src = list(g.flags), [list(s) for s in g.src], list(g.view_src)
     bid = list(bid)
@@ -100,8 +174,12 @@ def schedule(g: _Graph, bid: list[int], n_copies: int):
 
     splits: list[tuple[int, list[int], list[int]]] = []     # backend, inputs, nodes
     copies: dict[tuple[int, int], list[int]] = {}
+    def foreign_weight(t: int) -> bool:
+        return any(s in g.home and g.home[s][1] == "weight" and bid[s] != bid[t] for s in src[t])
+
     for t in g.nodes:
-        if not _is_view(g, t) and (not splits or bid[t] != splits[-1][0]):
+        if not _is_view(g, t) and (not splits or bid[t] != splits[-1][0] or
+                                   (weight_splits and splits[-1][1] and foreign_weight(t))):
             splits.append((bid[t], [], []))
         if not splits:
             splits.append((bid[t], [], []))
@@ -115,7 +193,7 @@ def schedule(g: _Graph, bid: list[int], n_copies: int):
             key = (s, backend)
             if key not in copies:
                 fl = (1 | 2) if n_copies > 1 else 0
-                copies[key] = [new(size[s], layout[s], backend, fl) for _ in range(n_copies)]
+                copies[key] = [new(copy_bytes(g, s, size[s]), layout[s], backend, fl) for _ in range(n_copies)]
                 inputs.append(s)
             src[t][j] = copies[key][0]
     leafs: list[int] = []
@@ -142,10 +220,16 @@ def schedule(g: _Graph, bid: list[int], n_copies: int):
 
 def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int, n_ubatch: int, n_outputs: int,
                   flash_attn: bool, n_kv_swa: int | None = None, type_k: str = "f16", type_v: str = "f16",
-                  pipeline: bool = False, pin_norms: bool = False, n_seqs: int = 1) -> list[int]:
+                  pipeline: bool = False, pin_norms: bool = False, n_seqs: int = 1, tensor_home=None) -> list[int]:
     """Compute buffer bytes per backend: ``kinds`` lists the devices ("cpu" for an RPC worker's CPU, "cuda",
     "metal"), the host CPU is appended last; ``unit_backend(unit)`` gives the backend index of "in", each layer
-    index and "out" (``len(kinds)`` for the host)."""
+    index and "out" (``len(kinds)`` for the host); the family's graph (:func:`graph_builder`) over ``n_seqs``
+    sequences.
+
+    ``tensor_home(name)``: (backend, host buffer, bytes) of an expert tensor a buffer override moved, else None.
+    The scheduler then runs a MUL_MAT_ID on its weight's backend, or, for a weight in a host buffer (not
+    CPU_REPACK: ggml-cpu repack.cpp's buffer is not host) and a batch of 32 or more, on the device that asks
+    for it (:func:`offload_rule`), which copies the weight into its compute buffer for that split."""
     build, layers, _ = graph_builder(spec)
     if build is _llama_graph:
         layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
@@ -153,8 +237,16 @@ def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int,
     g = build(spec, list(layers), n_kv, n_ubatch, n_outputs, flash_attn, n_kv if n_kv_swa is None else n_kv_swa,
               type_k if rot[0] else "f16", type_v if rot[1] else "f16", n_seqs=n_seqs)
     cpu = len(kinds)
-    bid = assign(g, unit_backend, cpu, pin_norms or n_ubatch < 32)
-    leafs, nodes, bid, flags, src, view_src, size, layout, dep = schedule(g, bid, N_COPIES if pipeline else 1)
+    homes = {}
+    if tensor_home is not None:
+        for w, name in expert_weights(g).items():
+            home = tensor_home(name)
+            if home is not None:
+                homes[w] = home[:2]
+                g.size[w] = home[2]          # the size of the copy a device makes of it
+    bid = assign(g, unit_backend, cpu, pin_norms or n_ubatch < 32, homes, offload_rule(kinds) if homes else None)
+    leafs, nodes, bid, flags, src, view_src, size, layout, dep = schedule(g, bid, N_COPIES if pipeline else 1,
+                                                                          weight_splits=bool(homes))
     ops = g.op + ["NONE"] * (len(size) - len(g.op))
     aligns = [ALIGN.get(k, 32) for k in kinds] + [ALIGN["cpu"]]
     return replay(aligns, leafs, nodes, bid, flags, src, view_src, size, layout, lambda t: ops[t] in _INPLACE,
