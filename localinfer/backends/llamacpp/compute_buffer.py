@@ -30,6 +30,10 @@ _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
 VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4")
 # other families' graph builders: module (in this package) -> the architectures whose graph it builds
+# graphs that keep every row through the last layer, mark that layer's output as a graph output (res->t_h_nextn,
+# llama-graph.cpp set_outputs) and only then take the output rows: src/models/openai-moe.cpp (embeddings_nextn_masked
+# off by default); the others drop the unused rows inside the last layer (ggml_get_rows on the attention output)
+_ROWS_AFTER_TRUNK = ("gpt-oss",)
 _FAMILY_GRAPHS = {"graph_mla": ("deepseek2",), "graph_hybrid": ("qwen35", "qwen35moe", "qwen3next", "granitehybrid",
                                                                 "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe",
                                                                 "mamba", "mamba2")}
@@ -152,6 +156,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     attn_scale: list[int] = []      # llama4's temperature input, a leaf where first used (no-rope layers)
     post_norms = "post_attention_norm.weight" in has and "post_ffw_norm.weight" in has
     out_ids = None
+    rows_late = spec.arch in _ROWS_AFTER_TRUNK
     w = g.weight
 
     def proj(x, n, key, heads, dim, norm):
@@ -250,13 +255,14 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             kqv = g.op_("MUL_MAT", (hdv, T, H), F32, vp, kq)
             a = g.op_("CONT", (hdv * H, T), F32, g.view(kqv, (hdv, H, T), contiguous=False))
         a = g.op_("MUL_MAT", (E, T), F32, w(), a)
-        R = O if il == last else T
-        if il == last:
+        trim = il == last and not rows_late
+        R = O if trim else T
+        if trim:
             out_ids = g.leaf(O * I32, (O,), 1)
             a = g.op_("GET_ROWS", (E, O), F32, a, out_ids)
         if post_norms:
             a = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, a), w())
-        if il == last:
+        if trim:
             inp = g.op_("GET_ROWS", (E, O), F32, inp, out_ids)
         res = g.op_("ADD", (E, R), F32, a, inp)
         x = g.op_("RMS_NORM", (E, R), F32, res)
@@ -271,8 +277,11 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             f = dense_ffn(g, x, spec.n_ff[il], E, R)
         if post_norms:
             f = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, f), w())
-        cur = g.op_("ADD", (E, R), F32, f, res)
+        cur = g.op_("ADD", (E, R), F32, f, res, flags=2 if il == last and rows_late else 0)
     g.unit = "out"
+    if rows_late:
+        out_ids = g.leaf(O * I32, (O,), 1)
+        cur = g.op_("GET_ROWS", (E, O), F32, cur, out_ids)
     x = g.op_("RMS_NORM", (E, O), F32, cur)
     x = g.op_("MUL", (E, O), F32, x, w(), flags=2)
     g.op_("MUL_MAT", (spec.vocab_size, O), F32, w(), x, flags=2)
