@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localinfer.backends.llamacpp.gallocr import replay
-from localinfer.backends.llamacpp.graph_ffn import SIGMOID, SOFTMAX, dense_ffn, moe_ffn
+from localinfer.backends.llamacpp.graph_ffn import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, dense_ffn, moe_ffn
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
 F32, F16, I32, I64 = 4, 2, 4, 8
 ALIGN = {"cpu": 32, "metal": 32, "cuda": 128}
-_INPLACE = {"SCALE", "ADD", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY", "SQRT", "FILL"}
+_INPLACE = {"SCALE", "ADD", "ADD_ID", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY", "SQRT", "FILL"}
 _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
 VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4")
@@ -122,6 +122,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     hd, hdv = spec.head_dim_k, spec.head_dim_v
     has = {t.name.split(".", 2)[-1] for t in spec.tensors if t.name.startswith("blk.0.")}
     bias = {k: f"attn_{k}.bias" in has for k in "qkv"}
+    o_bias = "attn_output.bias" in has          # build_attn: ggml_add(cur, wo_b) after the output projection
     qk_norm = "attn_q_norm.weight" in has
     rope_freqs = spec.tensor("rope_freqs.weight") is not None
     moe = spec.n_expert > 0
@@ -255,6 +256,8 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             kqv = g.op_("MUL_MAT", (hdv, T, H), F32, vp, kq)
             a = g.op_("CONT", (hdv * H, T), F32, g.view(kqv, (hdv, H, T), contiguous=False))
         a = g.op_("MUL_MAT", (E, T), F32, w(), a)
+        if o_bias:
+            a = g.op_("ADD", (E, T), F32, a, w())
         trim = il == last and not rows_late
         R = O if trim else T
         if trim:
@@ -270,7 +273,9 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         if moe and il >= spec.routing.n_dense_lead and spec.tensor(f"blk.{il}.ffn_gate_inp.weight") is not None:
             ff = spec.expert_ff or spec.n_ff[il]
             f = moe_ffn(g, x, n_embd=E, rows=R, n_expert=spec.n_expert, n_used=spec.n_expert_used, n_ff=ff,
-                        probs_bias=spec.tensor(f"blk.{il}.exp_probs_b.bias") is not None, **moe_args)
+                        probs_bias=spec.tensor(f"blk.{il}.exp_probs_b.bias") is not None,
+                        logits_bias=spec.tensor(f"blk.{il}.ffn_gate_inp.bias") is not None,
+                        expert_bias=spec.tensor(f"blk.{il}.ffn_up_exps.bias") is not None, **moe_args)
             if spec.n_expert_shared or spec.tensor(f"blk.{il}.ffn_up_shexp.weight") is not None:
                 f = g.op_("ADD", (E, R), F32, f, dense_ffn(g, x, ff * max(spec.n_expert_shared, 1), E, R))
         else:
@@ -303,6 +308,8 @@ def _moe_args(spec: ModelSpec) -> dict:
     r = spec.routing
     if spec.arch == "glm4moe":      # glm4-moe.cpp: the file's keys, sigmoid when none is written
         return {"routing": r, "gating": r.gating or SIGMOID}
+    if spec.arch == "gpt-oss":      # openai-moe.cpp: softmax over the chosen experts' logits, not normalised
+        return {"routing": replace(r, weights_norm=False), "gating": SOFTMAX_WEIGHT}
     if spec.arch == "llama4":       # llama4.cpp: sigmoid, no normalisation, chosen on the logits, weighted first
         return {"routing": replace(r, weights_norm=False), "gating": SIGMOID, "select_on_logits": True,
                 "weight_before_ffn": True}
