@@ -9,8 +9,8 @@ has no other consumer (:mod:`.gallocr`).  The buffer is the arena's high-water m
 included — which is why no closed formula gets it right.
 
 This module builds the same node sequence for llama-style decoders (llama,
-qwen2, qwen3, qwen3moe and relatives) from a :class:`ModelSpec` and replays the
-allocator in pure Python.  On this machine it reproduces llama.cpp's CPU
+qwen2, qwen3, qwen3moe, gemma3, glm4moe, llama4, gpt-oss and relatives) from a
+:class:`ModelSpec` and replays the allocator in pure Python.  On this machine it reproduces llama.cpp's CPU
 compute buffer to the byte (see tests/test_fit_llamacpp.py).
 """
 
@@ -28,7 +28,7 @@ ALIGN = {"cpu": 32, "metal": 32, "cuda": 128}
 _INPLACE = {"SCALE", "ADD", "ADD_ID", "MUL", "DIV", "ROPE", "RMS_NORM", "CLAMP", "SOFT_MAX", "UNARY", "SQRT", "FILL"}
 _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
-VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4")
+VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4", "gpt-oss")
 # other families' graph builders: module (in this package) -> the architectures whose graph it builds
 # graphs that keep every row through the last layer, mark that layer's output as a graph output (res->t_h_nextn,
 # llama-graph.cpp set_outputs) and only then take the output rows: src/models/openai-moe.cpp (embeddings_nextn_masked
