@@ -9,8 +9,8 @@ has no other consumer (:mod:`.gallocr`).  The buffer is the arena's high-water m
 included — which is why no closed formula gets it right.
 
 This module builds the same node sequence for llama-style decoders (llama,
-qwen2, qwen3, qwen3moe and relatives) from a :class:`ModelSpec` and replays the
-allocator in pure Python.  On this machine it reproduces llama.cpp's CPU
+qwen2, qwen3, qwen3moe, gemma3, glm4moe, llama4, gpt-oss and relatives) from a
+:class:`ModelSpec` and replays the allocator in pure Python.  On this machine it reproduces llama.cpp's CPU
 compute buffer to the byte (see tests/test_fit_llamacpp.py).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localinfer.backends.llamacpp.gallocr import replay
-from localinfer.backends.llamacpp.graph_ffn import SIGMOID, SOFTMAX, dense_ffn, moe_ffn
+from localinfer.backends.llamacpp.graph_ffn import SIGMOID, SOFTMAX, SOFTMAX_WEIGHT, dense_ffn, moe_ffn
 from localinfer.model.spec import ModelSpec
 from localinfer.util.memo import spec_cache
 
@@ -31,8 +31,12 @@ _INPLACE = {"FILL", "SCALE", "DIAG_MASK_ZERO", "DIAG_MASK_INF", "ADD", "ADD_ID",
             "SOFT_MAX", "SOFT_MAX_BACK"}
 _FULL_LAYERS = 6   # graphs deeper than this are replayed with the middle layers folded (identical state)
 # graphs checked byte for byte against llama.cpp (tests/test_fit_llamacpp.py); others reuse the llama graph
-VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4")
+VERIFIED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "glm4moe", "llama4", "gpt-oss")
 # other families' graph builders: module (in this package) -> the architectures whose graph it builds
+# graphs that keep every row through the last layer, mark that layer's output as a graph output (res->t_h_nextn,
+# llama-graph.cpp set_outputs) and only then take the output rows: src/models/openai-moe.cpp (embeddings_nextn_masked
+# off by default); the others drop the unused rows inside the last layer (ggml_get_rows on the attention output)
+_ROWS_AFTER_TRUNK = ("gpt-oss",)
 _FAMILY_GRAPHS = {"graph_mla": ("deepseek2",), "graph_hybrid": ("qwen35", "qwen35moe", "qwen3next", "granitehybrid",
                                                                 "nemotron_h", "nemotron_h_moe", "lfm2", "lfm2moe",
                                                                 "mamba", "mamba2")}
@@ -122,6 +126,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     hd, hdv = spec.head_dim_k, spec.head_dim_v
     has = {t.name.split(".", 2)[-1] for t in spec.tensors if t.name.startswith("blk.0.")}
     bias = {k: f"attn_{k}.bias" in has for k in "qkv"}
+    o_bias = "attn_output.bias" in has          # build_attn: ggml_add(cur, wo_b) after the output projection
     qk_norm = "attn_q_norm.weight" in has
     rope_freqs = spec.tensor("rope_freqs.weight") is not None
     moe = spec.n_expert > 0
@@ -156,6 +161,7 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
     attn_scale: list[int] = []      # llama4's temperature input, a leaf where first used (no-rope layers)
     post_norms = "post_attention_norm.weight" in has and "post_ffw_norm.weight" in has
     out_ids = None
+    rows_late = spec.arch in _ROWS_AFTER_TRUNK
     w = g.weight
 
     def proj(x, n, key, heads, dim, norm):
@@ -254,13 +260,16 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
             kqv = g.op_("MUL_MAT", (hdv, T, H), F32, vp, kq)
             a = g.op_("CONT", (hdv * H, T), F32, g.view(kqv, (hdv, H, T), contiguous=False))
         a = g.op_("MUL_MAT", (E, T), F32, w(), a)
-        R = O if il == last else T
-        if il == last:
+        if o_bias:
+            a = g.op_("ADD", (E, T), F32, a, w())
+        trim = il == last and not rows_late
+        R = O if trim else T
+        if trim:
             out_ids = g.leaf(O * I32, (O,), 1)
             a = g.op_("GET_ROWS", (E, O), F32, a, out_ids)
         if post_norms:
             a = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, a), w())
-        if il == last:
+        if trim:
             inp = g.op_("GET_ROWS", (E, O), F32, inp, out_ids)
         res = g.op_("ADD", (E, R), F32, a, inp)
         x = g.op_("RMS_NORM", (E, R), F32, res)
@@ -268,15 +277,20 @@ def _llama_graph(spec: ModelSpec, layers: list[int], n_kv: int, n_tokens: int, n
         if moe and il >= spec.routing.n_dense_lead and spec.tensor(f"blk.{il}.ffn_gate_inp.weight") is not None:
             ff = spec.expert_ff or spec.n_ff[il]
             f = moe_ffn(g, x, n_embd=E, rows=R, n_expert=spec.n_expert, n_used=spec.n_expert_used, n_ff=ff,
-                        probs_bias=spec.tensor(f"blk.{il}.exp_probs_b.bias") is not None, **moe_args)
+                        probs_bias=spec.tensor(f"blk.{il}.exp_probs_b.bias") is not None,
+                        logits_bias=spec.tensor(f"blk.{il}.ffn_gate_inp.bias") is not None,
+                        expert_bias=spec.tensor(f"blk.{il}.ffn_up_exps.bias") is not None, **moe_args)
             if spec.n_expert_shared or spec.tensor(f"blk.{il}.ffn_up_shexp.weight") is not None:
                 f = g.op_("ADD", (E, R), F32, f, dense_ffn(g, x, ff * max(spec.n_expert_shared, 1), E, R))
         else:
             f = dense_ffn(g, x, spec.n_ff[il], E, R)
         if post_norms:
             f = g.op_("MUL", (E, R), F32, g.op_("RMS_NORM", (E, R), F32, f), w())
-        cur = g.op_("ADD", (E, R), F32, f, res)
+        cur = g.op_("ADD", (E, R), F32, f, res, flags=2 if il == last and rows_late else 0)
     g.unit = "out"
+    if rows_late:
+        out_ids = g.leaf(O * I32, (O,), 1)
+        cur = g.op_("GET_ROWS", (E, O), F32, cur, out_ids)
     x = g.op_("RMS_NORM", (E, O), F32, cur)
     x = g.op_("MUL", (E, O), F32, x, w(), flags=2)
     g.op_("MUL_MAT", (spec.vocab_size, O), F32, w(), x, flags=2)
@@ -291,6 +305,8 @@ def _moe_args(spec: ModelSpec) -> dict:
     r = spec.routing
     if spec.arch == "glm4moe":      # glm4-moe.cpp: the file's keys, sigmoid when none is written
         return {"routing": r, "gating": r.gating or SIGMOID}
+    if spec.arch == "gpt-oss":      # openai-moe.cpp: softmax over the chosen experts' logits, not normalised
+        return {"routing": replace(r, weights_norm=False), "gating": SOFTMAX_WEIGHT}
     if spec.arch == "llama4":       # llama4.cpp: sigmoid, no normalisation, chosen on the logits, weighted first
         return {"routing": replace(r, weights_norm=False), "gating": SIGMOID, "select_on_logits": True,
                 "weight_before_ffn": True}

@@ -26,14 +26,19 @@ def dense_ffn(g, x: int, n_ff: int, n_embd: int, rows: int) -> int:
 
 
 def moe_ffn(g, x: int, *, n_embd: int, rows: int, n_expert: int, n_used: int, n_ff: int, routing: Routing,
-            gating: int, probs_bias: bool, select_on_logits: bool = False, weight_before_ffn: bool = False) -> int:
+            gating: int, probs_bias: bool, select_on_logits: bool = False, weight_before_ffn: bool = False,
+            logits_bias: bool = False, expert_bias: bool = False) -> int:
     """build_moe_ffn over ``x`` (n_embd × rows); ``gating`` already resolved from the arch's default.
 
     ``select_on_logits`` and ``weight_before_ffn`` are llama4's: experts chosen on the raw logits, and the
-    input scaled by the (sigmoid) weight before the expert matmuls instead of their output after."""
+    input scaled by the (sigmoid) weight before the expert matmuls instead of their output after.
+    ``logits_bias`` adds the router's bias (gate_inp_b) to the logits, ``expert_bias`` each chosen expert's
+    bias to its gate, up and down outputs (``ggml_add_id``): gpt-oss's (openai-moe.cpp)."""
     w = g.weight
     E, R, ne, nu = n_embd, rows, n_expert, n_used
     logits = g.op_("MUL_MAT", (ne, R), F32, w(), x)
+    if logits_bias:
+        logits = g.op_("ADD", (ne, R), F32, logits, w())
     if gating == SOFTMAX:
         probs = g.op_("SOFT_MAX", (ne, R), F32, logits)
     elif gating == SIGMOID:
@@ -61,10 +66,15 @@ def moe_ffn(g, x: int, *, n_embd: int, rows: int, n_expert: int, n_used: int, n_
     xr = g.view(x, (E, 1, R))
     if weight_before_ffn:
         xr = g.op_("MUL", (E, nu, R), F32, g.op_("REPEAT", (E, nu, R), F32, xr), weights)
-    gate = g.op_("MUL_MAT_ID", (n_ff, nu, R), F32, w(), xr, top)
-    up = g.op_("MUL_MAT_ID", (n_ff, nu, R), F32, w(), xr, top)
+
+    def expert_mm(n, inp):
+        t = g.op_("MUL_MAT_ID", (n, nu, R), F32, w(), inp, top)
+        return g.op_("ADD_ID", (n, nu, R), F32, t, w(), top) if expert_bias else t
+
+    gate = expert_mm(n_ff, xr)
+    up = expert_mm(n_ff, xr)
     act = g.op_("GLU", (n_ff, nu, R), F32, gate, up)
-    experts = g.op_("MUL_MAT_ID", (E, nu, R), F32, w(), act, top)
+    experts = expert_mm(E, act)
     if not weight_before_ffn:
         experts = g.op_("MUL", (E, nu, R), F32, experts, weights)
     views = [g.view(experts, (E, R), voff=i * E * F32, contiguous=False) for i in range(nu)]
