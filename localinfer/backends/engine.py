@@ -87,6 +87,9 @@ class Engine(ABC):
     spec: ModelSpec | None = None   # the GGUF header's facts, where the backend read one
     #: ``embedder(n_ctx, n_seq)`` gives an embeddings context (``serve``'s /v1/embeddings)
     embeds: bool = False
+    #: ``trim(n)`` with 0 < n < kv_len can cut a sequence's tail (False: a recurrent or hybrid model, whose state
+    #: cannot go back a token; only ``trim(0)`` clears it)
+    trims_tail: bool = True
 
     # ---- tokenizer ---------------------------------------------------------
     @abstractmethod

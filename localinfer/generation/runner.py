@@ -121,6 +121,8 @@ class Runner:
         while n < limit and cached[n] == prompt[n]:
             n += 1
         if self.engine.kv_len(seq) > n:
+            if n and not self.engine.trims_tail:     # a recurrent state cannot go back: recompute the prompt
+                n = 0
             self.engine.trim(n, seq)
         self._cached[seq] = context = list(prompt[:n])
         return context

@@ -131,3 +131,29 @@ def test_serve_answers_a_hybrid_and_an_mla_model(models):
             assert texts[0].usage.completion_tokens >= 1
         finally:
             srv.stop()
+
+
+@pytest.mark.parametrize("name", ["qwen3next", "granitehybrid", "mamba2"])
+def test_a_second_turn_on_a_recurrent_model_recomputes_and_equals_a_cold_run(name, models):
+    """A recurrent state cannot be cut back to the shared prefix (the engine declares it: trims_tail), so the
+    runner clears the sequence and prefills the whole prompt again; the reply equals a fresh engine's."""
+    import localinfer
+    from localinfer.generation.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0, greedy=True)
+    first, second = list(PROMPT), list(PROMPT[:6]) + [11, 22, 33, 44]        # shares 6 tokens, then differs
+    engine = localinfer.load(models[name], ctx=512, threads=1)
+    try:
+        assert engine.trims_tail is False
+        runner = localinfer.Runner(engine)
+        list(runner.stream(first, greedy, max_tokens=4))
+        warm = [c.token for c in runner.stream(second, greedy, max_tokens=N) if c.token is not None]
+    finally:
+        engine.close()
+    cold_engine = localinfer.load(models[name], ctx=512, threads=1)
+    try:
+        cold = [c.token for c in localinfer.Runner(cold_engine).stream(second, greedy, max_tokens=N)
+                if c.token is not None]
+    finally:
+        cold_engine.close()
+    assert warm == cold and warm

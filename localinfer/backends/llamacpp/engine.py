@@ -61,6 +61,7 @@ class LlamaCppEngine(Engine):
                 raise
             self._log = list(native.log_lines)
         self._mem = _L.llama_get_memory(self._ctx)
+        self.trims_tail = not (_L.llama_model_is_recurrent(self._model) or _L.llama_model_is_hybrid(self._model))
         self.vocab = LlamaVocab(_L.llama_model_get_vocab(self._model))
         self.n_vocab = self.vocab.n_vocab
         if not self.vocab.has_vocab:
