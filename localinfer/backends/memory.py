@@ -256,6 +256,9 @@ class BackendMemory(Protocol):
 
     def probes_cuda(self, plan: Any) -> bool: ...
 
+    def host_tensors(self, spec: ModelSpec, device: Any, req: FitRequest) -> frozenset[str]:
+        """Weights ``req`` keeps in host RAM on ``device`` (asked only where ``offload`` and ``speed_modelled``)."""
+
     def computes_on_cpu(self, plan: Any, kind: str) -> bool: ...
 
     def slot_cells(self, n_tokens: int) -> int:
