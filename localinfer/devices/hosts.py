@@ -18,8 +18,6 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 from types import MappingProxyType
 
 from localinfer.errors import UsageError
@@ -107,9 +105,9 @@ def _parse(data: dict, origin: str) -> HostProfile:
 @lru_cache(maxsize=1)
 def builtin_hosts() -> dict[str, HostProfile]:
     """The host profiles shipped in ``localinfer.profiles/hosts``, by name."""
-    folder = resources.files("localinfer.profiles").joinpath("hosts")
-    if not folder.is_dir():   # a source checkout beside another editable install
-        folder = Path(__file__).resolve().parents[2] / "profiles" / "hosts"
+    from localinfer.devices.profiles import builtin_dir
+
+    folder = builtin_dir().joinpath("hosts")
     out = {}
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".toml"):

@@ -284,11 +284,21 @@ def load_profile_file(path: str | os.PathLike) -> DeviceProfile:
     return profile_from_dict(data, str(path))
 
 
+def builtin_dir():
+    """Where the built-in profiles are: the ``profiles/`` of the checkout this package was imported from, when
+    there is one (a worktree beside another editable install maps ``localinfer.profiles`` elsewhere), else the
+    installed ``localinfer.profiles``."""
+    checkout = Path(__file__).resolve().parents[2] / "profiles"
+    if (checkout / "__init__.py").is_file():
+        return checkout
+    return resources.files("localinfer.profiles")
+
+
 @lru_cache(maxsize=1)
 def builtin_profiles() -> tuple[DeviceProfile, ...]:
     """The profiles shipped in ``localinfer.profiles``, in file-name order."""
     out = []
-    for entry in sorted(resources.files("localinfer.profiles").iterdir(), key=lambda e: e.name):
+    for entry in sorted(builtin_dir().iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".toml"):
             data = tomllib.loads(entry.read_text(encoding="utf-8"))
             out.append(profile_from_dict(data, f"built-in:{entry.name}"))
