@@ -312,6 +312,10 @@ class OwnTensorsMemory:
     def slot_cells(self, n_tokens: int) -> int:
         return n_tokens
 
+    def host_tensors(self, spec: ModelSpec, device: Any, req: FitRequest) -> frozenset[str]:
+        """No layer offload: nothing in host RAM beside the device's own tensors."""
+        return frozenset()
+
     def placement(self, spec, kind: str, dtype: str | None) -> tuple[str, str | None, str, int]:
         """(where it computes, why not on the device, weight dtype, bytes per value) on a device of ``kind``."""
         runs_on, note = self.runs_on(kind)
