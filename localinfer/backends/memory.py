@@ -256,6 +256,9 @@ class BackendMemory(Protocol):
 
     def probes_cuda(self, plan: Any) -> bool: ...
 
+    def host_tensors(self, spec: ModelSpec, device: Any, req: FitRequest) -> frozenset[str]:
+        """Weights ``req`` keeps in host RAM on ``device`` (asked only where ``offload`` and ``speed_modelled``)."""
+
     def computes_on_cpu(self, plan: Any, kind: str) -> bool: ...
 
     def slot_cells(self, n_tokens: int) -> int:
@@ -308,6 +311,10 @@ class OwnTensorsMemory:
 
     def slot_cells(self, n_tokens: int) -> int:
         return n_tokens
+
+    def host_tensors(self, spec: ModelSpec, device: Any, req: FitRequest) -> frozenset[str]:
+        """No layer offload: nothing in host RAM beside the device's own tensors."""
+        return frozenset()
 
     def placement(self, spec, kind: str, dtype: str | None) -> tuple[str, str | None, str, int]:
         """(where it computes, why not on the device, weight dtype, bytes per value) on a device of ``kind``."""

@@ -21,10 +21,24 @@ def _row(p) -> dict:
         "usable_bytes": p.usable_bytes, "working_set_cap_bytes": p.working_set_cap_bytes,
         "bandwidth_bytes_per_s": p.bandwidth_bytes_per_s, "bf16_flops": p.bf16_flops,
         "link_name": p.link_name, "link_bytes_per_s": p.link_bytes_per_s, "power_w": p.power_w,
-        "host_memory_bytes": p.host_memory_bytes, "cpu_features": list(p.cpu_features),
+        "host_memory_bytes": p.host_memory_bytes, "cpu_features": list(p.cpu_features), "host": p.host,
         "decode_mbu": dict(p.decode_mbu), "prefill_mfu": dict(p.prefill_mfu),
         "sources": dict(p.sources), "origin": p.origin,
     }
+
+
+def _host_text(p) -> str:
+    """The host a split's RAM side is judged and timed on (profiles/hosts/, localinfer.devices.hosts)."""
+    from localinfer.devices.hosts import host_for
+    from localinfer.units import fmt_bytes
+
+    h = host_for(p)
+    if h is None:
+        return "—"
+    if h.unified:
+        return "the device's own memory (unified)"
+    return (f"{h.name}: {fmt_bytes(h.memory_bytes)} RAM, {h.bandwidth_bytes_per_s / 1e9:,.1f} GB/s, {h.cores} cores"
+            + (" (bandwidth not probed: a conservative default)" if h.origin == "detected" else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +93,7 @@ def _detail(p) -> str:
             ("power", f"{p.power_w:.0f} W" if p.power_w else "—"),
             ("host memory", fmt_bytes(p.host_memory_bytes) if p.host_memory_bytes else "—"),
             ("CPU features", ", ".join(p.cpu_features) or "—"),
+            ("host profile", _host_text(p)),
             ("decode MBU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.decode_mbu) or "—"),
             ("prefill MFU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.prefill_mfu) or "—"),
             ("from", p.origin)]

@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from localinfer.commands._overrides import add_override_args
 
     add_override_args(parser.add_argument_group("llama.cpp tensor placement (MoE experts in host memory)"))
+    parser.add_argument("--host", default=None, metavar="NAME",
+                        help="host RAM for the part of a split in system memory: a host profile (ddr5-5600-2ch, "
+                             "ddr4-3200-2ch, threadripper-pro-8ch, epyc-9004-12ch, grace-lpddr5x) or local "
+                             "(default: the device profile's host; this machine's for local)")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
     parser.add_argument("--dry-run", action="store_true",
                         help="this machine's row from llama.cpp's own dry run (it plans every buffer without reading "
@@ -192,18 +196,51 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tensor_split or args.link:
         raise UsageError("--tensor-split and --link plan a split: add --rpc or --devices", flag="--tensor-split")
-    results = [fit_device(spec, dev, req) for dev in _devices(args)]
+    from localinfer.devices.hosts import host_for, with_host
+
+    devices = _devices(args)
+    hosts = {d.name: host_for(d, args.host) for d in devices}
+    # the verdict and its searches judge the host part against the host's RAM when the host is named or the
+    # request puts weights on it; otherwise the host is shown (and the MoE search judges it) but the -ngl
+    # suggestion stays the one fit made before hosts existed (its --json may not change)
+    judged = bool(args.host) or req.overridden or req.n_gpu_layers >= 0
+    results = [fit_device(spec, with_host(dev, hosts[dev.name]) if judged else dev, req) for dev in devices]
     if args.dry_run or (spec.rules_generic and req.backend == "llama.cpp"):
         from localinfer.commands._dry_run import local_dry_run
 
         results = local_dry_run(spec, req, results, forced=args.dry_run)
     speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}
+    plans = {r.device.name: recommended(spec, r, hosts.get(r.device.name), req) for r in results}
     if args.json:
         doc = fit_json(spec, req, results)
         for d, r in zip(doc["devices"], results):
             d["speed"] = speeds[r.device.name]
+            d.update(plans[r.device.name].to_dict())
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
-        print(render_text(spec, req, results, speeds))
+        print(render_text(spec, req, results, speeds, {n: p for n, p in plans.items()}))
     return 0
+
+
+def recommended(spec, result, host, req):
+    """The plan ``fit`` recommends on one device (the request, a MoE placement or a lower -ngl), its speed and
+    the host part judged against the host's RAM."""
+    from dataclasses import replace
+
+    from localinfer.plan.host_speed import plan_speed
+    from localinfer.plan.moe_fit import moe_plan
+    from localinfer.report.fit import Recommended
+
+    moe = None
+    plan_req = req
+    if not result.fits and result.supported and result.source == "estimate":
+        moe = moe_plan(spec, result.device, host, req)
+        if moe is not None:
+            plan_req = moe.request
+        elif result.offload is not None:
+            plan_req = replace(req, n_gpu_layers=result.offload.gpu_layers)
+    speed = moe.speed if moe is not None else (plan_speed(spec, result.device, host, plan_req)
+                                               if result.fits or result.offload is not None else None)
+    return Recommended(host, result.breakdown.host_bytes, moe, speed, plan_req is not req,
+                       judged=result.device.host_memory_bytes is not None)

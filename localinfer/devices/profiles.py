@@ -67,6 +67,7 @@ class DeviceProfile:
     prefill_mfu: tuple[tuple[int, float], ...] = ()
     host_memory_bytes: int | None = None    # host RAM for offloaded layers, when known
     cpu_features: tuple[str, ...] = ()      # host CPU SIMD level ("avx2", "avx512", "neon", ...)
+    host: str | None = None                 # default host profile (profiles/hosts/), localinfer.devices.hosts
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     origin: str = "built-in"                # file path, "built-in:<file>" or "detected"
 
@@ -231,10 +232,13 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
         raise _bad(origin, "cpu_features", "must be a list of strings such as [\"avx2\"]")
     known = {"name", "display_name", "kind", "unified", "memory", "reserve", "working_set_cap", "bandwidth",
-             "bf16_flops", "link", "power_w", "efficiency", "host_memory", "cpu_features", "sources"}
+             "bf16_flops", "link", "power_w", "efficiency", "host_memory", "cpu_features", "host", "sources"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise _bad(origin, unknown[0], f"unknown key; known keys: {', '.join(sorted(known))}")
+    host = data.get("host")
+    if host is not None and (not isinstance(host, str) or not _NAME_RE.match(host)):
+        raise _bad(origin, "host", "must name a host profile, e.g. \"ddr5-5600-2ch\"")
     return DeviceProfile(
         name=name,
         display_name=str(data.get("display_name") or name),
@@ -252,6 +256,7 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
         prefill_mfu=_table(eff.get("prefill_mfu"), "efficiency.prefill_mfu", origin),
         host_memory_bytes=_size(data, "host_memory", origin),
         cpu_features=tuple(features),
+        host=host,
         sources=MappingProxyType(dict(sources)),
         origin=origin,
     )
@@ -279,11 +284,21 @@ def load_profile_file(path: str | os.PathLike) -> DeviceProfile:
     return profile_from_dict(data, str(path))
 
 
+def builtin_dir():
+    """Where the built-in profiles are: the ``profiles/`` of the checkout this package was imported from, when
+    there is one (a worktree beside another editable install maps ``localinfer.profiles`` elsewhere), else the
+    installed ``localinfer.profiles``."""
+    checkout = Path(__file__).resolve().parents[2] / "profiles"
+    if (checkout / "__init__.py").is_file():
+        return checkout
+    return resources.files("localinfer.profiles")
+
+
 @lru_cache(maxsize=1)
 def builtin_profiles() -> tuple[DeviceProfile, ...]:
     """The profiles shipped in ``localinfer.profiles``, in file-name order."""
     out = []
-    for entry in sorted(resources.files("localinfer.profiles").iterdir(), key=lambda e: e.name):
+    for entry in sorted(builtin_dir().iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".toml"):
             data = tomllib.loads(entry.read_text(encoding="utf-8"))
             out.append(profile_from_dict(data, f"built-in:{entry.name}"))

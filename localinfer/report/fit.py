@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 
 from gguf_tools.text import safe_text
 from localinfer.plan.fit import ESTIMATE
-from localinfer.units import GiB, MiB, fmt_duration
+from localinfer.units import GiB, MiB, fmt_bytes, fmt_duration
 
 WIDTH = 100
 
@@ -48,7 +49,34 @@ def _ctx(n: int | None) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def render_text(spec, req, results, speeds: dict | None = None) -> str:
+@dataclass(frozen=True)
+class Recommended:
+    """What ``fit`` recommends on one device beside the verdict: the host, a MoE placement, the plan's speed."""
+
+    host: object | None            # localinfer.devices.hosts.HostProfile
+    host_bytes: int                # the request's host part
+    moe: object | None             # localinfer.plan.moe_fit.MoePlan
+    speed: dict | None             # of the recommended plan
+    changed: bool                  # the plan is not the request as given
+    judged: bool = True            # the verdict and the -ngl search checked the host part against its RAM
+
+    def to_dict(self) -> dict:
+        h = self.host
+        host = None if h is None else {**h.to_dict(), "host_bytes": self.host_bytes,
+                                        "fits": h.unified or self.host_bytes <= h.usable_bytes, "judged": self.judged}
+        return {"host": host, "moe_plan": None if self.moe is None else self.moe.to_dict(), "plan_speed": self.speed}
+
+
+def _host_line(rec: Recommended, device) -> str | None:
+    h = rec.host
+    if h is None or h.unified or device.kind == "cpu":
+        return None
+    return (f"host {h.name}: {fmt_bytes(rec.host_bytes)} of {fmt_bytes(h.usable_bytes)} usable RAM, "
+            f"{h.bandwidth_bytes_per_s / 1e9:.1f} GB/s, {h.cores} cores" + (f" ({h.source('bandwidth')})"
+                                                                            if h.origin == "detected" else ""))
+
+
+def render_text(spec, req, results, speeds: dict | None = None, plans: dict | None = None) -> str:
     """The fit report as text that reads at 100 columns."""
     fa = {True: "on", False: "off", None: "auto"}[req.flash_attn]
     head = (f"{safe_text(spec.name, None)}  ({spec.arch}, {layers_text(spec)}, {spec.weight_bytes / GiB:.2f} GiB of weights)\n"
@@ -73,6 +101,9 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
         lines.append(f"{safe_text(r.device.name, None)}: {safe_text(r.device.display_name, None)}"
                      + (f" — {r.source}" if r.source != ESTIMATE else ""))
         lines.extend(_wrap(r.reason, "  "))
+        rec = (plans or {}).get(r.device.name)
+        if rec is not None and _host_line(rec, r.device):
+            lines.extend(_wrap(_host_line(rec, r.device), "  "))
         from localinfer.plan.fit import mapped_note
 
         note = mapped_note(r.breakdown) if r.supported else None
@@ -97,17 +128,24 @@ def render_text(spec, req, results, speeds: dict | None = None) -> str:
                                f"{_g(r.breakdown.kv)} in {len(_attn(spec))} attention layers", "  "))
         if r.kv_type and r.kv_type != req.type_k:
             lines.append(f"  KV type that fits at this context: {r.kv_type}")
-        sp = (speeds or {}).get(r.device.name)
-        if sp and (r.fits or r.offload is not None):
+        moe = rec.moe if rec is not None else None
+        if moe is not None:
+            lines.extend(_wrap(f"experts in host RAM: {moe.flags()} — {moe.why}", "  "))
+        sp = rec.speed if rec is not None else (speeds or {}).get(r.device.name)
+        if sp and (r.fits or r.offload is not None or moe is not None):
             lines.extend(_wrap(f"speed (predicted, 1 request, {_ctx(req.n_ctx)} context): prefill "
                                f"{sp['prefill_tok_s']:,.0f} tok/s (TTFT {fmt_duration(sp['ttft_s'])}), decode "
                                f"{sp['decode_tok_s']:,.0f} tok/s ({sp['decode_bound']}-bound; roofline × the "
                                "profile's efficiencies, no per-kernel overheads, so small models run slower)"
-                               + ("; if all weights were on the accelerator" if r.offload is not None else ""),
+                               + ("; if all weights were on the accelerator" if r.offload is not None and rec is None
+                                  else "; of the plan above" if rec is not None and rec.changed else ""),
                                "  "))
         for note in r.breakdown.notes + r.warnings:
             lines.extend(_wrap("note: " + note, "  "))
-        if r.command and (r.fits or r.offload is not None):
+        if moe is not None:
+            lines.extend(_wrap(f"llama-server -m {safe_text(spec.path, None)} -c {req.llama_n_ctx} "
+                               f"-np {req.n_seq} {moe.flags()}", "  $ ", "      "))
+        elif r.command and (r.fits or r.offload is not None):
             lines.extend(_wrap(r.command, "  $ ", "      "))
         lines.append("")
     return "\n".join(lines).rstrip()

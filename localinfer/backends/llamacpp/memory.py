@@ -371,6 +371,18 @@ class LlamaCppMemory:
             out.append({"mmap": req.mmap, "mlock": req.mlock, "repack": not req.repack})
         return tuple((variant_label(c, req.repack), c) for c in out)
 
+    def host_tensors(self, spec, device, req) -> frozenset[str]:
+        """Names of the weights ``req`` keeps in host memory on ``device`` (the layers -ngl leaves and the tensors
+        the overrides send to CPU), for the speed of a split; empty on a CPU or unified device."""
+        if device.kind == "cpu" or device.unified:
+            return frozenset()
+        from localinfer.backends.llamacpp.placement import place_tensors, source_name, tensor_on_device
+
+        overrides = request_overrides(req)
+        ngl = -1 if req.n_gpu_layers > spec.n_layers else req.n_gpu_layers
+        return frozenset(source_name(p.name) for p in place_tensors(spec, ngl)
+                         if not tensor_on_device(p, device.kind, overrides))
+
     def probes_cuda(self, plan) -> bool:
         return False
 

@@ -1,0 +1,180 @@
+"""Host profiles: the system RAM, its bandwidth and the CPU cores on the host side of a split.
+
+When experts (``--n-cpu-moe``) or whole layers (``-ngl``) live in system RAM, the verdict needs the
+host's usable memory and the speed model its bandwidth.  Facts live in ``profiles/hosts/*.toml``
+(``name``, ``memory``, ``reserve``, ``bandwidth``, ``cores``, ``fp32_flops``, ``decode_mbu`` and a
+``[sources]`` table citing each one), shipped as ``localinfer.profiles/hosts``.  A device profile
+names its default host with ``host = "NAME"``; ``fit --host NAME`` picks another.
+
+``local_host()`` describes this machine: RAM and cores through psutil; its bandwidth is not
+probed, so a conservative default (:data:`LOCAL_BANDWIDTH`) stands in and its source says so.
+On unified memory (Apple silicon) the host is the device itself: :func:`unified_host`.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import MappingProxyType
+
+from localinfer.errors import UsageError
+
+LOCAL_NAME = "local"
+LOCAL_BANDWIDTH = 40e9      # bytes/s: below a DDR4-3200 dual-channel desktop's 51.2 GB/s theoretical
+LOCAL_RESERVE = "10%"
+FALLBACK_MBU = 0.6
+FALLBACK_EFFICIENCY = 0.5   # of fp32_flops, for host compute when it binds
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """A host's RAM and CPU.  Bytes are integers; rates per second."""
+
+    name: str
+    display_name: str
+    memory_bytes: int
+    reserve: str
+    bandwidth_bytes_per_s: float
+    cores: int
+    fp32_flops: float | None = None
+    decode_mbu: float = FALLBACK_MBU
+    unified: bool = False                  # the host is the accelerator's own memory
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    origin: str = "built-in"
+
+    @property
+    def reserve_bytes(self) -> int:
+        from localinfer.devices.profiles import reserve_bytes
+
+        return reserve_bytes(self.reserve, self.memory_bytes)
+
+    @property
+    def usable_bytes(self) -> int:
+        return max(0, self.memory_bytes - self.reserve_bytes)
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """β_host · MBU: what reading weights from RAM achieves."""
+        return self.bandwidth_bytes_per_s * self.decode_mbu
+
+    @property
+    def effective_flops(self) -> float | None:
+        return self.fp32_flops * FALLBACK_EFFICIENCY if self.fp32_flops else None
+
+    def source(self, key: str) -> str:
+        return self.sources.get(key, "")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "display_name": self.display_name, "memory_bytes": self.memory_bytes,
+                "reserve": self.reserve, "usable_bytes": self.usable_bytes,
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "cores": self.cores,
+                "fp32_flops": self.fp32_flops, "decode_mbu": self.decode_mbu, "unified": self.unified,
+                "sources": dict(self.sources), "origin": self.origin}
+
+
+def _parse(data: dict, origin: str) -> HostProfile:
+    from localinfer.devices.profiles import _bad, _rate, _size
+
+    known = {"name", "display_name", "memory", "reserve", "bandwidth", "cores", "fp32_flops", "decode_mbu",
+             "sources"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise _bad(origin, unknown[0], f"unknown key; known keys: {', '.join(sorted(known))}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise _bad(origin, "name", "required")
+    cores = data.get("cores")
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        raise _bad(origin, "cores", "required: a whole number of CPU cores")
+    bandwidth = _rate(data, "bandwidth", origin)
+    if bandwidth is None:
+        raise _bad(origin, "bandwidth", "required: e.g. \"89.6GB/s\"")
+    mbu = data.get("decode_mbu", FALLBACK_MBU)
+    if isinstance(mbu, bool) or not isinstance(mbu, (int, float)) or not 0 < mbu <= 1:
+        raise _bad(origin, "decode_mbu", "must be a fraction in (0, 1]")
+    return HostProfile(name=name, display_name=str(data.get("display_name") or name),
+                       memory_bytes=_size(data, "memory", origin, required=True),
+                       reserve=str(data.get("reserve", "0")), bandwidth_bytes_per_s=bandwidth, cores=cores,
+                       fp32_flops=_rate(data, "fp32_flops", origin), decode_mbu=float(mbu),
+                       sources=MappingProxyType(dict(data.get("sources") or {})), origin=origin)
+
+
+@lru_cache(maxsize=1)
+def builtin_hosts() -> dict[str, HostProfile]:
+    """The host profiles shipped in ``localinfer.profiles/hosts``, by name."""
+    from localinfer.devices.profiles import builtin_dir
+
+    folder = builtin_dir().joinpath("hosts")
+    out = {}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".toml"):
+            host = _parse(tomllib.loads(entry.read_text(encoding="utf-8")), f"built-in:hosts/{entry.name}")
+            out[host.name] = host
+    return out
+
+
+def local_host() -> HostProfile:
+    """This machine's RAM and cores (psutil); the bandwidth is a conservative default, said as such."""
+    import psutil
+
+    ram = int(psutil.virtual_memory().total)
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return HostProfile(
+        name=LOCAL_NAME, display_name=f"this machine ({cores} cores)", memory_bytes=ram, reserve=LOCAL_RESERVE,
+        bandwidth_bytes_per_s=LOCAL_BANDWIDTH, cores=cores,
+        sources=MappingProxyType({
+            "memory": "psutil.virtual_memory().total", "cores": "psutil.cpu_count(logical=False)",
+            "bandwidth": "not probed: a conservative default of 40 GB/s (below DDR4-3200 dual channel, 51.2 GB/s); "
+                         "give a host profile with --host for a better figure"}),
+        origin="detected")
+
+
+def unified_host(device) -> HostProfile:
+    """The host of a unified-memory device (Apple silicon): its own memory and bandwidth."""
+    return HostProfile(
+        name=device.name, display_name=f"{device.display_name} (unified memory)", memory_bytes=device.memory_bytes,
+        reserve=device.reserve, bandwidth_bytes_per_s=device.bandwidth_bytes_per_s or LOCAL_BANDWIDTH,
+        cores=(os.cpu_count() or 1) if device.origin == "detected" else 0, unified=True,
+        sources=MappingProxyType({"memory": "the device's own memory: host = device on unified memory"}),
+        origin=device.origin)
+
+
+def get_host(name: str) -> HostProfile:
+    """A host profile by name (``"local"`` is this machine); UsageError naming --host otherwise."""
+    key = str(name).strip().lower()
+    if key == LOCAL_NAME:
+        return local_host()
+    hosts = builtin_hosts()
+    if key not in hosts:
+        raise UsageError(f"--host: unknown host {name!r}", flag="--host",
+                         hint="use one of: " + ", ".join([LOCAL_NAME, *hosts]))
+    return hosts[key]
+
+
+def host_for(device, name: str | None = None) -> HostProfile | None:
+    """The host of ``device``: ``name`` if given, else the profile's own ``host``, this machine's for
+    ``local``, the device itself on unified memory; None when nothing says which host it has."""
+    if name:
+        return get_host(name)
+    if device.unified or device.kind == "cpu":
+        return unified_host(device) if device.origin != "detected" else local_host()
+    if device.host:
+        return get_host(device.host)
+    if device.origin == "detected":
+        return local_host()
+    return None
+
+
+def with_host(device, host: HostProfile | None):
+    """The device profile with its host's usable RAM as ``host_memory_bytes`` (what the verdict judges)."""
+    from dataclasses import replace
+
+    if host is None or host.unified or device.unified or device.kind == "cpu":
+        return device
+    return replace(device, host_memory_bytes=host.usable_bytes)
+
+
+__all__ = ["HostProfile", "builtin_hosts", "get_host", "host_for", "local_host", "unified_host", "with_host"]

@@ -1,0 +1,104 @@
+"""Speed of a plan whose weights are partly in host RAM: experts (``--n-cpu-moe``) or layers (``-ngl``).
+
+Decode, one token at batch 1, is the GPU part and the host part one after the other (a layer's host
+experts run on the CPU between its GPU attention and the next layer)::
+
+    T_step = max(F_gpu / (P·MFU), (D − D_host) / (β·MBU))            the GPU: all it keeps, KV included
+           + max(D_host / (β_host·MBU_host), F_host / (P_host·eff))  the host: what it keeps, at RAM speed
+
+with ``D`` and ``F`` the all-GPU step's bytes and FLOPs (:meth:`SpeedModel.decode_step`),
+``D_host`` the host tensors' bytes one token reads (routed experts: the ``k/n`` share a token
+touches; other weights whole; the KV of host layers) and ``F_host`` their FLOPs.  With nothing on
+the host this is the all-GPU figure exactly.  The speed model has no per-layer fixed time (kernel
+launches, the device↔host hop per layer), so none is added; a split therefore reads as an upper bound.
+
+Prefill, one prompt of ``n_ctx`` tokens in micro-batches of ``-ub``: for ``-ub ≥ 32`` llama.cpp's CUDA
+and Metal backends copy host weights to the device and compute there (the ``offload_op`` rule,
+docs/memory.md "MoE experts in host memory"), so the all-GPU prefill plus ``⌈n_ctx/ub⌉ · W_host / link``;
+below 32 the host computes its share ``F_host`` at its own rate.
+"""
+
+from __future__ import annotations
+
+import math
+
+from localinfer.model.cost import model_cost
+from localinfer.plan.speed import SpeedModel, predict_speed
+from localinfer.units import ceil_div
+
+OFFLOAD_MIN_BATCH = 32      # ggml-cuda / ggml-metal: ops on host weights move to the device from this batch on
+FORMULA = ("decode step = GPU max(F_gpu/(P·MFU), (D − D_host)/(β·MBU)) + host max(D_host/(β_host·MBU_host), "
+           "F_host/(P_host·eff)); D_host = host experts × k/n + other host weights + host layers' KV; "
+           "prefill = all-GPU prefill + ⌈n_ctx/ub⌉ × host weights / link (ub ≥ 32), else the host computes its "
+           "share; no per-layer fixed time (the speed model has none)")
+
+
+def _host_terms(spec, host_names: frozenset[str]) -> tuple[int, int, int, int]:
+    """(bytes a token reads, FLOPs a token needs, bytes held, host layers) of the host tensors."""
+    read = flops = held = 0
+    layers = set()
+    share = (spec.n_expert_used / spec.n_expert) if spec.n_expert else 1.0
+    for t in spec.tensors:
+        if t.name not in host_names or t.name == "token_embd.weight":
+            continue                       # the embeddings are a row lookup, never read whole
+        held += t.n_bytes
+        expert = "_exps." in t.name
+        f = share if expert and spec.n_expert else 1.0
+        read += round(t.n_bytes * f)
+        if len(t.shape) >= 2:
+            flops += round(2 * t.n_elements * f)
+        if not expert and t.name.startswith("blk.") and "attn" in t.name:
+            layers.add(int(t.name.split(".")[1]))
+    return read, flops, held, len(layers)
+
+
+def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | None:
+    """Batch-1 prefill and decode of ``req`` with ``host_names`` in the RAM of ``host`` (see the module)."""
+    if not device.bandwidth_bytes_per_s or not device.bf16_flops or host is None:
+        return None
+    cost = model_cost(spec)
+    model = SpeedModel(cost, device, ubatch=req.n_ubatch)
+    kv = req.type_k if req.type_k == req.type_v else "f16"
+    step = model.decode_step(1, req.n_ctx, kv)
+    pre = model.prefill(1, req.n_ctx)
+    w_read, w_flops, held, host_layers = _host_terms(spec, host_names)
+    kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
+    d_host = w_read + kv_host
+    gpu_mem = (step.bytes - d_host) / model.effective_bandwidth(1)
+    gpu_comp = step.compute_s * (1 - w_flops / step.flops) if step.flops else 0.0
+    host_mem = d_host / host.effective_bandwidth
+    host_comp = w_flops / host.effective_flops if host.effective_flops else 0.0
+    gpu_s, host_s = max(gpu_mem, gpu_comp), max(host_mem, host_comp)
+    decode_s = gpu_s + host_s
+    if req.n_ubatch >= OFFLOAD_MIN_BATCH and device.link_bytes_per_s:
+        extra = ceil_div(req.n_ctx, req.n_ubatch) * held / device.link_bytes_per_s
+        prefill_s, how = pre.seconds + extra, "host weights copied over the link once per micro-batch"
+    else:
+        share = w_flops / cost.token_flops(req.n_ctx) if cost.token_flops(req.n_ctx) else 0.0
+        host_rate = host.effective_flops or math.nan
+        prefill_s = pre.seconds * (1 - share) + req.n_ctx * w_flops / host_rate
+        how = "the host computes its share (micro-batch below 32)"
+    if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
+        return None
+    return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
+            "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
+            "decode_bound": "host memory" if host_s >= gpu_s and host_mem >= host_comp else
+                            "host compute" if host_s >= gpu_s else
+                            ("compute" if gpu_comp > gpu_mem else "memory"),
+            "gpu_s": gpu_s, "host_s": host_s, "host_read_bytes": d_host, "host_weight_bytes": held,
+            "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s, "prefill_rule": how,
+            "formula": FORMULA}
+
+
+def plan_speed(spec, device, host, req) -> dict | None:
+    """The speed of the plan ``req`` describes: :func:`predict_speed` when every weight is on the device,
+    else :func:`split_speed` over the tensors the backend keeps on the host."""
+    from localinfer.backends.registry import memory_model
+
+    backend = memory_model(req.backend)
+    if not (backend.speed_modelled and backend.offload):
+        return predict_speed(spec, device, req)
+    on_host = {n for n in backend.host_tensors(spec, device, req) if n != "token_embd.weight"}
+    if not on_host:
+        return predict_speed(spec, device, req)
+    return split_speed(spec, device, host, req, frozenset(on_host))
