@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx import nn
 
 from localinfer.backends.mlx.weights import LoadedWeights
-from localinfer.backends.mlx.support import SUPPORTED_ARCHS, check_supported  # noqa: F401
+from localinfer.backends.mlx.support import SUPPORTED_ARCHS, _refuse, check_supported  # noqa: F401
 from localinfer.model.spec import ModelSpec
 
 def model_args(spec: ModelSpec, weights: LoadedWeights):
