@@ -210,7 +210,10 @@ def run(args: argparse.Namespace) -> int:
 
         results = local_dry_run(spec, req, results, forced=args.dry_run)
     speeds = {r.device.name: predict_speed(spec, r.device, req) for r in results}
-    plans = {r.device.name: recommended(spec, r, hosts.get(r.device.name), req) for r in results}
+    # the expert-placement search replays a split graph per candidate: for the devices asked for by name, not for
+    # the whole table of profiles (fit answers that in well under a second)
+    search = bool(args.device) or bool(args.host)
+    plans = {r.device.name: recommended(spec, r, hosts.get(r.device.name), req, search=search) for r in results}
     if args.json:
         doc = fit_json(spec, req, results)
         for d, r in zip(doc["devices"], results):
@@ -220,12 +223,15 @@ def run(args: argparse.Namespace) -> int:
         print()
     else:
         print(render_text(spec, req, results, speeds, {n: p for n, p in plans.items()}))
+        if not search and spec.is_moe and any(not r.fits and r.supported for r in results):
+            print("\nnote: for a plan with experts in host memory (--n-cpu-moe) on a device it does not fit, "
+                  "name it: localinfer fit MODEL --device NAME")
     return 0
 
 
-def recommended(spec, result, host, req):
-    """The plan ``fit`` recommends on one device (the request, a MoE placement or a lower -ngl), its speed and
-    the host part judged against the host's RAM."""
+def recommended(spec, result, host, req, *, search: bool = True):
+    """The plan ``fit`` recommends on one device (the request, a MoE placement when ``search``, or a lower -ngl),
+    its speed and the host part judged against the host's RAM."""
     from dataclasses import replace
 
     from localinfer.plan.host_speed import plan_speed
@@ -234,7 +240,7 @@ def recommended(spec, result, host, req):
 
     moe = None
     plan_req = req
-    if not result.fits and result.supported and result.source == "estimate":
+    if search and not result.fits and result.supported and result.source == "estimate":
         moe = moe_plan(spec, result.device, host, req)
         if moe is not None:
             plan_req = moe.request
