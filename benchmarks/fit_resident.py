@@ -91,7 +91,7 @@ def _probe_main(job: dict, progress=lambda stage: None) -> dict:
     import llama_cpp as L
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from localinfer.backends.llamacpp.dryrun_child import walk_map
+    from localinfer.backends.llamacpp.dryrun_child import breakdown_reader
 
     cb = L.llama_log_callback(lambda level, text, user: None)
     L.llama_log_set(cb, None)
@@ -136,14 +136,7 @@ def _probe_main(job: dict, progress=lambda stage: None) -> dict:
         for i in range(job["decode"]):
             decode([(13 * i + 9) % n_vocab])
         working = sum(m["rss"] for m in file_mappings(job["path"]))
-    fn = ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libllama.so"))
-    base = ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml-base.so"))
-    base.ggml_backend_buft_name.restype, base.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    bd = fn._Z26llama_get_memory_breakdownPK13llama_context
-    bd.restype, bd.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
-    raw = (ctypes.c_uint64 * 8)()
-    bd(ctypes.addressof(raw), ctx)
-    buffers = walk_map(raw[2], base.ggml_backend_buft_name)
+    buffers = breakdown_reader(L)(ctx)
     return {"anon_load": loaded["Anonymous"] - before["Anonymous"], "rss_load": loaded["Rss"] - before["Rss"],
             # VmHWM over the RSS before loading, less the file pages the load mapped (library code, the mapping)
             "peak_load": hwm - max(before["Rss"], before_hwm)
@@ -192,7 +185,7 @@ def _limited_main(job: dict) -> dict:
     memlimit.drop_cache(job["path"])        # a cached page stays charged to whoever read it first
     import llama_cpp  # noqa: F401  (the libraries the probe loads belong to the baseline)
 
-    from localinfer.backends.llamacpp.dryrun_child import walk_map  # noqa: F401
+    from localinfer.backends.llamacpp.dryrun_child import breakdown_reader  # noqa: F401
     baseline = cg.usage()
     cg.set_limit(baseline + job["budget"])
 

@@ -18,7 +18,7 @@ from localinfer.backends.llamacpp.memory import breakdown
 from localinfer.backends.memory import FitRequest
 from localinfer.devices.profiles import local_device
 from localinfer.model.spec import ModelSpec
-from tests.support.ggufgen import byte_level_vocab
+from tests.support.ggufgen import add_byte_level_vocab
 
 pytest.importorskip("llama_cpp")
 
@@ -43,7 +43,6 @@ def _write(path, arch: str, kv: dict, tensors: dict):
     vocabulary (for the architectures the layouts do not write)."""
     from gguf import GGUFWriter
 
-    tokens, types, merges = byte_level_vocab()
     w = GGUFWriter(str(path), arch)
     for key, value in kv.items():
         if isinstance(value, bool):
@@ -54,14 +53,9 @@ def _write(path, arch: str, kv: dict, tensors: dict):
             w.add_array(f"{arch}.{key}", value)
         else:
             w.add_uint32(f"{arch}.{key}", value)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
+    n_vocab = add_byte_level_vocab(w, add_bos=None)
     rng = np.random.default_rng(0)
-    tensors = {"token_embd.weight": (64, len(tokens)), **tensors}
+    tensors = {"token_embd.weight": (64, n_vocab), **tensors}
     for name, ne in tensors.items():
         w.add_tensor(name, (rng.standard_normal(tuple(reversed(ne))) * 0.02).astype(np.float32))
     w.write_header_to_file()

@@ -100,6 +100,21 @@ def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, ["Ġ t"]
 
 
+def add_byte_level_vocab(w: GGUFWriter, *, add_bos: bool | None = False) -> int:
+    """Write byte_level_vocab() (BPE "gpt2" tokenizer, BOS and EOS its last two tokens) into ``w``; ``add_bos``
+    None leaves the key out.  Returns the vocabulary size."""
+    tokens, types, merges = byte_level_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    return len(tokens)
+
+
 def random_tensor(rng: np.random.Generator, shape: tuple[int, ...], qtype: GGMLQuantizationType,
                   std: float = 0.05) -> tuple[np.ndarray, GGMLQuantizationType | None]:
     """Data for GGUFWriter.add_tensor (GGUF shape, ne0 first) in qtype, values of about std.
@@ -294,13 +309,7 @@ def write_tiny_arch(path: str | Path, spec: dict, *, qtype: GGMLQuantizationType
     a = s["arch"] + "."
     for key, value, vtype in layout.metadata(s):
         w.add_key_value(key if key.startswith("general.") else a + key, value, vtype)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
-    w.add_add_bos_token(False)
+    add_byte_level_vocab(w)
     for key, value in (extra_kv or {}).items():
         w.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else w.add_string(key, value)
     for name, shape in layout.tensors(s):

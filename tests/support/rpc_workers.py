@@ -10,7 +10,6 @@ type (``llama_get_memory_breakdown``: model, context (KV), compute), keyed by bu
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import subprocess
@@ -71,19 +70,13 @@ def _probe_main(payload: str) -> None:
     sys.path.insert(0, str(ROOT))
     from localinfer.backends.engine import LoadPlan
     from localinfer.backends.llamacpp import native
-    from localinfer.backends.llamacpp.dryrun_child import walk_map
+    from localinfer.backends.llamacpp.dryrun_child import breakdown_reader
 
     job = json.loads(payload)
     native.init_backend()
     import llama_cpp as L
 
-    d = Path(L.__file__).parent / "lib"
-    llama = ctypes.CDLL(str(d / "libllama.so.0"))
-    base = ctypes.CDLL(str(d / "libggml-base.so.0"))
-    base.ggml_backend_buft_name.restype = ctypes.c_char_p
-    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
-    fn = llama._Z26llama_get_memory_breakdownPK13llama_context
-    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
+    read_breakdown = breakdown_reader(L)
     for case in job["cases"]:
         native.log_lines.clear()
         opts = {"rpc": job["endpoints"]}
@@ -106,9 +99,7 @@ def _probe_main(payload: str) -> None:
         finally:
             L.llama_model_default_params = defaults
         ctx = native.new_context(model, plan)
-        raw = (ctypes.c_uint64 * 8)()
-        fn(ctypes.addressof(raw), ctx)
-        out = {"buffers": walk_map(raw[2], base.ggml_backend_buft_name), "log": list(native.log_lines)}
+        out = {"buffers": read_breakdown(ctx), "log": list(native.log_lines)}
         L.llama_free(ctx)
         L.llama_model_free(model)
         print(json.dumps(out), flush=True)

@@ -49,6 +49,27 @@ class _Log:
         return [t.strip() for lvl, t in self.lines if lvl == LOG_ERROR and t.strip()][-n:]
 
 
+def breakdown_reader(L):
+    """``read(ctx) -> {buffer type: [model, context, compute]}`` over llama.cpp's ``llama_get_memory_breakdown``
+    (a std::map returned through a hidden pointer, x86-64 ABI), or None when libllama lacks the symbol."""
+    libdir = Path(L.__file__).parent / "lib"
+    llama = ctypes.CDLL(str(libdir / "libllama.so"))
+    base = ctypes.CDLL(str(libdir / "libggml-base.so"))
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    fn = getattr(llama, BREAKDOWN_SYMBOL, None)
+    if fn is None:
+        return None
+    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
+
+    def read(ctx) -> dict:
+        raw = (ctypes.c_uint64 * 8)()
+        fn(ctypes.addressof(raw), ctx)
+        return walk_map(raw[2], base.ggml_backend_buft_name)
+
+    return read
+
+
 def walk_map(root: int, buft_name) -> dict:
     """In-order walk of a libstdc++ red-black tree ``map<buft, {model, context, compute}>`` from its root."""
 
@@ -88,14 +109,7 @@ def main() -> int:
 
     L.llama_log_set(on_log, None)
     L.llama_backend_init()
-    libdir = Path(L.__file__).parent / "lib"
-    llama = ctypes.CDLL(str(libdir / "libllama.so"))
-    base = ctypes.CDLL(str(libdir / "libggml-base.so"))
-    base.ggml_backend_buft_name.restype = ctypes.c_char_p
-    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
-    breakdown = getattr(llama, BREAKDOWN_SYMBOL, None)
-    if breakdown is not None:
-        breakdown.restype, breakdown.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
+    breakdown = breakdown_reader(L)
     for i, job in enumerate(jobs):
         log.clear()
         mp = L.llama_model_default_params()
@@ -121,9 +135,7 @@ def main() -> int:
             ctx = L.llama_init_from_model(model, cp)
             buffers = {}
             if ctx and breakdown is not None:
-                raw = (ctypes.c_uint64 * 8)()
-                breakdown(ctypes.addressof(raw), ctx)   # std::map returned through a hidden pointer (x86-64 ABI)
-                buffers = walk_map(raw[2], base.ggml_backend_buft_name)
+                buffers = breakdown(ctx)
             _emit({"job": i, "request": j, "ok": bool(ctx) and breakdown is not None, "buffers": buffers,
                    "log": log.text(), "error": log.errors() if not ctx else
                    ([] if breakdown is not None else [f"libllama has no {BREAKDOWN_SYMBOL}"])})
