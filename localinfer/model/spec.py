@@ -98,10 +98,13 @@ class ModelSpec:
         return sum(t.n_elements for t in self.tensors)
 
     def tensor(self, name: str) -> TensorInfo | None:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        return None
+        """The tensor of that name (a dict built once per spec: the compute graphs ask per layer)."""
+        from localinfer.util.memo import spec_cache
+
+        memo = spec_cache(self)
+        if "tensors_by_name" not in memo:
+            memo["tensors_by_name"] = {t.name: t for t in self.tensors}
+        return memo["tensors_by_name"].get(name)
 
     def layer_tensors(self, il: int) -> list[TensorInfo]:
         prefix = f"blk.{il}."
