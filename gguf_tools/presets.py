@@ -316,6 +316,55 @@ MLA_PRESETS: dict[str, dict[str, Any]] = {
 # ---- end of the arch-mla block ---------------------------------------------------------------------------------
 
 
+# ---- dense decoders people run (and that published llama-bench tables use: benchmarks/speed_published.py) ----
+def _dense(arch: str, name: str, n_layers: int, n_embd: int, n_head: int, n_head_kv: int, n_ff: int, vocab: int,
+           tied: bool, rope: float, source: str, head_dim: int | None = None, eps: float = 1e-5, ctx: int = 32768,
+           **extra: Any) -> dict[str, Any]:
+    return {"arch": arch, "name": name, "n_layers": n_layers, "n_embd": n_embd, "n_head": n_head,
+            "n_head_kv": n_head_kv, "head_dim": head_dim or n_embd // n_head, "n_ff": n_ff, "vocab_size": vocab,
+            "context_length": ctx, "rope_freq_base": rope, "norm_eps": eps, "tied_embeddings": tied,
+            "type": "q4_k_m", "types": ["q4_0", "q4_k_m", "q8_0", "f16"], "source": source, **extra}
+
+
+DENSE_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-2-7b": _dense("llama", "Llama-2-7B", 32, 4096, 32, 32, 11008, 32000, False, 10000.0,
+                         "meta-llama/Llama-2-7b-hf config.json (llama-bench's \"llama 7B\": 6.74 B params)", ctx=4096),
+    "llama-3.2-1b": _dense("llama", "Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256, True, 500000.0,
+                           "meta-llama/Llama-3.2-1B config.json", head_dim=64, ctx=131072, rope_freqs=True),
+    "llama-3.2-3b": _dense("llama", "Llama-3.2-3B", 28, 3072, 24, 8, 8192, 128256, True, 500000.0,
+                           "meta-llama/Llama-3.2-3B config.json", head_dim=128, ctx=131072, rope_freqs=True),
+    "llama-3.1-70b": _dense("llama", "Llama-3.1-70B", 80, 8192, 64, 8, 28672, 128256, False, 500000.0,
+                            "meta-llama/Llama-3.1-70B config.json", ctx=131072, rope_freqs=True),
+    "llama-3.1-405b": _dense("llama", "Llama-3.1-405B", 126, 16384, 128, 8, 53248, 128256, False, 500000.0,
+                             "meta-llama/Llama-3.1-405B config.json", ctx=131072, rope_freqs=True),
+    "mistral-7b": _dense("llama", "Mistral-7B-v0.1", 32, 4096, 32, 8, 14336, 32000, False, 10000.0,
+                         "mistralai/Mistral-7B-v0.1 config.json"),
+    "qwen2.5-0.5b": _dense("qwen2", "Qwen2.5-0.5B", 24, 896, 14, 2, 4864, 151936, True, 1000000.0,
+                           "Qwen/Qwen2.5-0.5B config.json", eps=1e-6),
+    "qwen2.5-1.5b": _dense("qwen2", "Qwen2.5-1.5B", 28, 1536, 12, 2, 8960, 151936, True, 1000000.0,
+                           "Qwen/Qwen2.5-1.5B config.json", eps=1e-6),
+    "qwen2.5-3b": _dense("qwen2", "Qwen2.5-3B", 36, 2048, 16, 2, 11008, 151936, True, 1000000.0,
+                         "Qwen/Qwen2.5-3B config.json", eps=1e-6),
+    "qwen2.5-7b": _dense("qwen2", "Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, False, 1000000.0,
+                         "Qwen/Qwen2.5-7B config.json", eps=1e-6),
+    "qwen2.5-14b": _dense("qwen2", "Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064, False, 1000000.0,
+                          "Qwen/Qwen2.5-14B config.json", eps=1e-5),
+    "qwen2.5-32b": _dense("qwen2", "Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064, False, 1000000.0,
+                          "Qwen/Qwen2.5-32B config.json", eps=1e-5),
+    "qwen2.5-72b": _dense("qwen2", "Qwen2.5-72B", 80, 8192, 64, 8, 29568, 152064, False, 1000000.0,
+                          "Qwen/Qwen2.5-72B config.json", eps=1e-5),
+    "qwen3-0.6b": _dense("qwen3", "Qwen3-0.6B", 28, 1024, 16, 8, 3072, 151936, True, 1000000.0,
+                         "Qwen/Qwen3-0.6B config.json", head_dim=128, eps=1e-6, ctx=40960),
+    "qwen3-1.7b": _dense("qwen3", "Qwen3-1.7B", 28, 2048, 16, 8, 6144, 151936, True, 1000000.0,
+                         "Qwen/Qwen3-1.7B config.json", head_dim=128, eps=1e-6, ctx=40960),
+    "qwen3-4b": _dense("qwen3", "Qwen3-4B", 36, 2560, 32, 8, 9728, 151936, True, 1000000.0,
+                       "Qwen/Qwen3-4B config.json", head_dim=128, eps=1e-6, ctx=40960),
+    "qwen3-14b": _dense("qwen3", "Qwen3-14B", 40, 5120, 40, 8, 17408, 151936, False, 1000000.0,
+                        "Qwen/Qwen3-14B config.json", head_dim=128, eps=1e-6, ctx=40960),
+    "qwen3-32b": _dense("qwen3", "Qwen3-32B", 64, 5120, 64, 8, 25600, 151936, False, 1000000.0,
+                        "Qwen/Qwen3-32B config.json", head_dim=128, eps=1e-6, ctx=40960),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": _QWEN3_8B,
     "qwen3-235b-a22b": _QWEN3_235B,
@@ -326,6 +375,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     **HYBRID_PRESETS,
     # ---- MLA and the attention-family architectures (layouts/mla.py, attention.py, interleaved.py) ----
     **MLA_PRESETS,
+    **DENSE_PRESETS,
 }
 
 
