@@ -23,8 +23,23 @@ def _row(p) -> dict:
         "link_name": p.link_name, "link_bytes_per_s": p.link_bytes_per_s, "power_w": p.power_w,
         "host_memory_bytes": p.host_memory_bytes, "cpu_features": list(p.cpu_features), "host": p.host,
         "decode_mbu": dict(p.decode_mbu), "prefill_mfu": dict(p.prefill_mfu),
+        "fp16_flops": p.fp16_flops, "int8_ops": p.int8_ops, "llamacpp_speed": _kernels(p),
         "sources": dict(p.sources), "origin": p.origin,
     }
+
+
+def _kernels(p) -> dict | None:
+    """llama.cpp's speed-model coefficients on this device and what calibrated them (devices/kernels.py)."""
+    from localinfer.devices.kernels import coefficients
+
+    c = coefficients(p)
+    if c is None:
+        return None
+    return {"backend": c.backend, "coefficients": c.origin, "token_us": c.token_s * 1e6, "layer_us": c.layer_s * 1e6,
+            "ubatch_layer_us": c.ubatch_layer_s * 1e6, "act_passes": c.act_passes, "decode_bw": dict(c.decode_bw),
+            "prefill": dict(c.prefill), "peaks": dict(c.peaks),
+            "error": {t: dict(v) for t, v in c.error.items()}, "calibrated_on": list(c.calibrated_on),
+            "this_device_calibrated": p.name in c.calibrated_on, "sources": dict(c.sources)}
 
 
 def _host_text(p) -> str:
@@ -94,10 +109,21 @@ def _detail(p) -> str:
             ("host memory", fmt_bytes(p.host_memory_bytes) if p.host_memory_bytes else "—"),
             ("CPU features", ", ".join(p.cpu_features) or "—"),
             ("host profile", _host_text(p)),
+            ("dense FP16 peak", f"{p.fp16_flops / 1e12:,.1f} TFLOP/s" if p.fp16_flops else "—"),
+            ("dense INT8 peak", f"{p.int8_ops / 1e12:,.1f} TOP/s" if p.int8_ops else "—"),
             ("decode MBU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.decode_mbu) or "—"),
             ("prefill MFU", ", ".join(f"b={b}: {v:.0%}" for b, v in p.prefill_mfu) or "—"),
             ("from", p.origin)]
     out = [f"{k:<17}{safe_text(v, None)}" for k, v in rows]
+    k = _kernels(p)
+    if k:
+        bands = "; ".join(f"{t} " + ", ".join(f"{c} ±{v:.0%}" for c, v in b.items()) for t, b in k["error"].items())
+        out.append(f"{'llama.cpp speed':<17}{k['backend']} kernels ({k['coefficients']}): {k['token_us']:.0f} µs a "
+                   f"token + {k['layer_us']:.1f} µs a layer; bandwidth shares "
+                   + ", ".join(f"{t} {v:.0%}" for t, v in sorted(k["decode_bw"].items())))
+        out.append(f"{'':<17}calibrated on {', '.join(k['calibrated_on']) or 'nothing'}"
+                   f" ({'this device among them' if k['this_device_calibrated'] else 'not this device'})"
+                   + (f"; 90th-percentile error by size class: {bands}" if bands else ""))
     if p.sources:
         out.append("sources:")
         out += [f"  {k:<15}{safe_text(v, None)}" for k, v in p.sources.items()]

@@ -94,7 +94,7 @@ def build(args: argparse.Namespace):
     from localinfer.plan.bench_import import load_bench
     from localinfer.plan.planner import candidate_configs, default_kv_budget, lookup_draft_length, plan
     from localinfer.plan.speculation import Drafting, model_drafting
-    from localinfer.plan.speed import SpeedModel
+    from localinfer.plan.speed import llamacpp_speed_model
     from localinfer.units import fmt_bytes, parse_size
 
     _check(args.acceptance, "--acceptance", 0.0, 1.0)
@@ -111,7 +111,7 @@ def build(args: argparse.Namespace):
             raise UsageError("--link sets the network of a --split", flag="--link", hint="add --split HOSTS")
         device = get_device(args.device)
         calibration = load_bench(args.bench) if args.bench else None
-        speed = SpeedModel(model_cost(spec), device, calibration)
+        speed = llamacpp_speed_model(spec, device, calibration)
         room = default_kv_budget(spec, device, n_ctx)  # what the device leaves for KV after weights and buffers
     if room < 0:
         raise UsageError(f"{device.name} cannot hold this model with a {n_ctx}-token request: weights and buffers "

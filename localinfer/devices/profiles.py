@@ -27,6 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from localinfer.devices.kernels import check_table
 from localinfer.errors import ProfileError, UsageError
 from localinfer.units import GB, GiB, parse_size
 from localinfer.util.files import MISSING, NOT_REGULAR, TOO_LARGE, read_capped
@@ -60,6 +61,9 @@ class DeviceProfile:
     working_set_cap_bytes: int | None = None
     bandwidth_bytes_per_s: float | None = None
     bf16_flops: float | None = None         # dense peak, FLOP/s
+    fp16_flops: float | None = None         # dense FP16 tensor peak (FP16 accumulate where the chip has it), FLOP/s
+    int8_ops: float | None = None           # dense INT8 tensor peak, op/s (llama.cpp's MMQ kernels on CUDA)
+    llamacpp: Mapping[str, Any] = field(default_factory=dict, compare=False)   # devices/kernels.py overrides
     link_name: str | None = None
     link_bytes_per_s: float | None = None   # host link, per direction
     power_w: float | None = None
@@ -232,7 +236,7 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
         raise _bad(origin, "cpu_features", "must be a list of strings such as [\"avx2\"]")
     known = {"name", "display_name", "kind", "unified", "memory", "reserve", "working_set_cap", "bandwidth",
-             "bf16_flops", "link", "power_w", "efficiency", "host_memory", "cpu_features", "host", "sources"}
+             "bf16_flops", "fp16_flops", "int8_ops", "link", "power_w", "efficiency", "host_memory", "cpu_features", "host", "sources", "llamacpp"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise _bad(origin, unknown[0], f"unknown key; known keys: {', '.join(sorted(known))}")
@@ -249,6 +253,9 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
         working_set_cap_bytes=_size(data, "working_set_cap", origin),
         bandwidth_bytes_per_s=_rate(data, "bandwidth", origin),
         bf16_flops=_rate(data, "bf16_flops", origin),
+        fp16_flops=_rate(data, "fp16_flops", origin),
+        int8_ops=_rate(data, "int8_ops", origin),
+        llamacpp=MappingProxyType(check_table(data.get("llamacpp") or {}, origin)),
         link_name=link.get("name"),
         link_bytes_per_s=_rate(link, "per_direction", origin),
         power_w=float(power) if power is not None else None,

@@ -52,10 +52,22 @@ def _host_terms(spec, host_names: frozenset[str]) -> tuple[int, int, int, int]:
     return read, flops, held, len(layers)
 
 
+KERNEL_FORMULA = ("decode step = GPU part (llama.cpp's kernel model over the weights on the device: t_token + "
+                  "n_layer·t_layer + Σ D_type/(β·e_type) + KV) + host max(D_host/(β_host·MBU_host), "
+                  "F_host/(P_host·eff)); D_host = host experts × k/n + other host weights + host layers' KV; "
+                  "prefill = all-GPU prefill + ⌈n_ctx/ub⌉ × host weights / link (ub ≥ 32), else the host "
+                  "computes its share")
+
+
 def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | None:
     """Batch-1 prefill and decode of ``req`` with ``host_names`` in the RAM of ``host`` (see the module)."""
     if not device.bandwidth_bytes_per_s or not device.bf16_flops or host is None:
         return None
+    from localinfer.plan.kernel_speed import kernel_speed
+
+    ks = kernel_speed(spec, device, ubatch=req.n_ubatch, exclude=host_names)
+    if ks is not None:
+        return _kernel_split(spec, ks, host, req, host_names)
     cost = model_cost(spec)
     model = SpeedModel(cost, device, ubatch=req.n_ubatch)
     kv = req.type_k if req.type_k == req.type_v else "f16"
@@ -102,3 +114,38 @@ def plan_speed(spec, device, host, req) -> dict | None:
     if not on_host:
         return predict_speed(spec, device, req)
     return split_speed(spec, device, host, req, frozenset(on_host))
+
+
+def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | None:
+    """:func:`split_speed` with the device part from llama.cpp's kernel model (fixed times included)."""
+    from localinfer.plan.speed import speed_band
+
+    cost, device = ks.cost, ks.device
+    kv = req.type_k if req.type_k == req.type_v else "f16"
+    w_read, w_flops, held, host_layers = _host_terms(spec, host_names)
+    kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
+    step = ks.decode(1, req.n_ctx, kv)
+    kv_e = ks.coeff.decode_bw.get("kv", ks.coeff.bandwidth_fraction(kv.split(",")[0] if isinstance(kv, str) else "f16"))
+    gpu_s = step.seconds - kv_host / (device.bandwidth_bytes_per_s * kv_e)
+    host_mem = (w_read + kv_host) / host.effective_bandwidth
+    host_comp = w_flops / host.effective_flops if host.effective_flops else 0.0
+    host_s = max(host_mem, host_comp)
+    decode_s = gpu_s + host_s
+    pre = ks.prefill(1, req.n_ctx)
+    if req.n_ubatch >= OFFLOAD_MIN_BATCH and device.link_bytes_per_s:
+        prefill_s = pre.seconds + ceil_div(req.n_ctx, req.n_ubatch) * held / device.link_bytes_per_s
+        how = "host weights copied over the link once per micro-batch"
+    else:
+        share = w_flops / cost.token_flops(req.n_ctx) if cost.token_flops(req.n_ctx) else 0.0
+        host_rate = host.effective_flops or math.nan
+        prefill_s = pre.seconds * (1 - share) + req.n_ctx * w_flops / host_rate
+        how = "the host computes its share (micro-batch below 32)"
+    if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
+        return None
+    return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
+            "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
+            "decode_bound": "host memory" if host_s >= gpu_s and host_mem >= host_comp else
+                            "host compute" if host_s >= gpu_s else "memory",
+            "gpu_s": gpu_s, "host_s": host_s, "decode_fixed_s": step.fixed_s, "host_read_bytes": w_read + kv_host,
+            "host_weight_bytes": held, "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s,
+            "prefill_rule": how, **speed_band(ks), "formula": KERNEL_FORMULA}

@@ -36,7 +36,7 @@ class Estimate:
     memory_s: float
     flops: int
     bytes: int
-    source: str            # "measured", "calibrated", "profile" or "unknown"
+    source: str            # "measured", "calibrated", "profile", "kernels" (llama.cpp's model) or "unknown"
 
     @property
     def bound(self) -> str:
@@ -158,10 +158,11 @@ class SpeedModel:
     """Predicts prefill and decode times of one model (``ModelCost``) on one device profile."""
 
     def __init__(self, cost: ModelCost, device, calibration: Calibration | None = None,
-                 ubatch: int = DEFAULT_UBATCH):
+                 ubatch: int = DEFAULT_UBATCH, kernels=None):
         self.cost = cost
         self.device = device
         self.ubatch = ubatch
+        self.kernels = kernels        # llama.cpp's kernel model (plan/kernel_speed.py): replaces the roofline
         self.peak_flops = float(getattr(device, "bf16_flops", None) or 0) or None
         self.bandwidth = float(getattr(device, "bandwidth_bytes_per_s", None) or 0) or None
         self.calibration = calibration.bind(cost) if calibration else None
@@ -191,6 +192,10 @@ class SpeedModel:
     def decode_step(self, batch: int = 1, context: int = 1, kv="f16", rows: int = 1,
                     shared_prefix: int = 0) -> Estimate:
         """One decode round: ``batch`` requests at ``context``, each verifying ``rows`` positions."""
+        cal = self.calibration
+        if self.kernels is not None and not (cal is not None and cal.has_decode):
+            t = self.kernels.decode(batch * rows, context, kv)
+            return Estimate(t.seconds, t.compute_s, t.memory_s, t.flops, t.bytes, "kernels")
         nbytes = self.cost.step_bytes(batch, context, kv)
         flops = batch * rows * self.cost.token_flops(context)
         rate, csrc = self._compute_rate(batch, rows, context)
@@ -209,6 +214,10 @@ class SpeedModel:
 
     def prefill(self, batch: int, new: int, cached: int = 0) -> Estimate:
         """Prefill of ``batch`` sequences, each ``new`` tokens after ``cached`` ones already in KV."""
+        cal = self.calibration
+        if self.kernels is not None and not (cal is not None and cal.has_prefill):
+            t = self.kernels.prefill(batch, new, cached)
+            return Estimate(t.seconds, t.compute_s, t.memory_s, t.flops, t.bytes, "kernels")
         flops = batch * self.cost.prefill_flops(new, cached)
         calls = ceil_div(batch * new, self.ubatch)
         nbytes = calls * self.cost.decode_read_bytes(min(self.ubatch, batch * new))
@@ -250,22 +259,52 @@ def _scaled(e: Estimate, factor: float) -> Estimate:
                     round(e.flops * factor), e.bytes, e.source)
 
 
+LLAMACPP_FORMULA = ("decode step = t_token + n_layer·t_layer + Σ_type D_type/(β·e_type) + L·k/(β·e_kv); prefill = "
+                    "Σ per micro-batch max(2·N·u/(P_path·m_path), D/(β·e)) + attention/(P_attn·m_attn) + "
+                    "n_layer·t_ubatch; batch 1; coefficients per device kind fitted to published llama-bench "
+                    "results (docs/speed.md)")
+
+
+def llamacpp_speed_model(spec, device, calibration: Calibration | None = None,
+                         ubatch: int = DEFAULT_UBATCH) -> SpeedModel:
+    """The speed model ``plan`` and ``report`` use for ``spec`` on ``device``: measurements (``calibration``) first;
+    then a profile's own measured efficiency table (the chapter's RTX PRO 6000 and M2 Max, SPEC §8.6: the
+    serving roofline its worked numbers come from); else llama.cpp's kernel model where the device's kind has
+    coefficients; else the roofline with fallback efficiencies."""
+    from localinfer.model.cost import model_cost
+    from localinfer.plan.kernel_speed import kernel_speed
+
+    measured = bool(getattr(device, "decode_mbu", ()))
+    kernels = None if measured else kernel_speed(spec, device, ubatch)
+    return SpeedModel(model_cost(spec), device, calibration, ubatch, kernels=kernels)
+
+
 def predict_speed(spec, device, req) -> dict | None:
     """Batch-1 prefill and decode tok/s at the requested context, from the device profile.
 
-    ``None`` where the profile lacks the bandwidth or peak FLOP/s the speed model needs
-    (e.g. this machine's CPU: measure it with ``localinfer bench``), or where the backend's kernels
+    For llama.cpp, its kernels' model (:mod:`localinfer.plan.kernel_speed`: fixed times, per-type bandwidth
+    fractions, per-path peaks) with the error band its calibration supports; elsewhere the roofline with the
+    profile's efficiencies.  ``None`` where the profile lacks the bandwidth or peak FLOP/s the speed model
+    needs (e.g. this machine's CPU: measure it with ``localinfer bench``), or where the backend's kernels
     are not what the profile's efficiencies describe (only llama.cpp's are).
     """
     from localinfer.backends.registry import memory_model
     from localinfer.model.cost import model_cost
+    from localinfer.plan.kernel_speed import kernel_speed
 
     backend = memory_model(req.backend)
     if not getattr(backend, "speed_modelled", False) or not device.bandwidth_bytes_per_s or not device.bf16_flops:
         return None
-
-    model = SpeedModel(model_cost(spec), device, ubatch=req.n_ubatch)
     kv = req.type_k if req.type_k == req.type_v else "f16"
+    ks = kernel_speed(spec, device, ubatch=req.n_ubatch)
+    if ks is not None:
+        pre, step = ks.prefill(1, req.n_ctx), ks.decode(1, req.n_ctx, kv)
+        out = {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / pre.seconds, "ttft_s": pre.seconds,
+               "decode_tok_s": 1.0 / step.seconds, "decode_step_s": step.seconds,
+               "decode_bound": "compute" if step.compute_s > step.memory_s else "memory",
+               "decode_fixed_s": step.fixed_s, **speed_band(ks), "formula": LLAMACPP_FORMULA}
+        return out
+    model = SpeedModel(model_cost(spec), device, ubatch=req.n_ubatch)
     prefill = model.prefill(1, req.n_ctx)
     step = model.decode_step(1, req.n_ctx, kv)
     if not prefill.seconds or not step.seconds or math.isnan(prefill.seconds) or math.isnan(step.seconds):
@@ -275,3 +314,14 @@ def predict_speed(spec, device, req) -> dict | None:
             "decode_bound": "compute" if step.compute_s > step.memory_s else "memory",
             "formula": "decode step = max(F/(P·MFU), (D_w + L·k)/(β·MBU)); prefill = FLOPs (incl. attention "
                        "pairs c(c+1)/2) / (P·MFU); batch 1, profile efficiencies"}
+
+
+def speed_band(ks) -> dict:
+    """How sure the kernel model is for this device and model: the calibration's 90th-percentile error for
+    the model's size class, and what set the coefficients."""
+    c = ks.coeff
+    n = sum(t.n_elements for t in ks.spec.tensors)
+    return {"decode_error": c.error_band("decode", n), "prefill_error": c.error_band("prefill", n),
+            "speed_calibration": {"backend": c.backend, "coefficients": c.origin,
+                                  "calibrated_on": list(c.calibrated_on),
+                                  "this_device_calibrated": ks.device.name in c.calibrated_on}}

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from gguf_tools.text import safe_text
 from localinfer.model.cost import model_cost
 from localinfer.plan.calibration import Calibration
-from localinfer.plan.speed import SpeedModel
+from localinfer.plan.speed import SpeedModel, llamacpp_speed_model
 from localinfer.units import fmt_bytes, fmt_duration
 
 SCHEMA, VERSION = "localinfer.report", 1
@@ -125,7 +125,7 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     from localinfer.plan.fit import fit_device
 
     cost = model_cost(spec)
-    speed = SpeedModel(cost, device, calibration)
+    speed = llamacpp_speed_model(spec, device, calibration)
     usable = device.usable_bytes
     cells, largest, cheapest, fixed0 = [], {}, {}, None
     for kv in kv_types:
@@ -187,13 +187,14 @@ def _measured(speed: SpeedModel, cal: Calibration) -> tuple[Measured, ...]:
     out = []
     for s in cal.decode:
         rest = Calibration(tuple(x for x in cal.decode if x is not s), cal.prefill)
-        pred = SpeedModel(speed.cost, speed.device, rest if rest.decode else None).decode_step(s.batch, s.context, s.kv)
+        pred = SpeedModel(speed.cost, speed.device, rest if rest.decode else None,
+                          kernels=speed.kernels).decode_step(s.batch, s.context, s.kv)
         if math.isfinite(pred.seconds):
             kv = s.kv if isinstance(s.kv, str) else s.kv[0]
             out.append(Measured("decode", s.context, kv, 1 / s.seconds, 1 / pred.seconds))
     for s in cal.prefill:
         rest = Calibration(cal.decode, tuple(x for x in cal.prefill if x is not s))
-        pred = SpeedModel(speed.cost, speed.device, rest if rest.prefill else None).prefill(
+        pred = SpeedModel(speed.cost, speed.device, rest if rest.prefill else None, kernels=speed.kernels).prefill(
             s.batch, s.new_tokens, s.cached_tokens)
         if math.isfinite(pred.seconds):
             out.append(Measured("prefill", s.new_tokens, "-", s.new_tokens / s.seconds, s.new_tokens / pred.seconds))

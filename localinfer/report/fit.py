@@ -134,9 +134,9 @@ def render_text(spec, req, results, speeds: dict | None = None, plans: dict | No
         sp = rec.speed if rec is not None else (speeds or {}).get(r.device.name)
         if sp and (r.fits or r.offload is not None or moe is not None):
             lines.extend(_wrap(f"speed (predicted, 1 request, {_ctx(req.n_ctx)} context): prefill "
-                               f"{sp['prefill_tok_s']:,.0f} tok/s (TTFT {fmt_duration(sp['ttft_s'])}), decode "
-                               f"{sp['decode_tok_s']:,.0f} tok/s ({sp['decode_bound']}-bound; roofline × the "
-                               "profile's efficiencies, no per-kernel overheads, so small models run slower)"
+                               f"{sp['prefill_tok_s']:,.0f} tok/s{_band(sp, 'prefill_error')} (TTFT "
+                               f"{fmt_duration(sp['ttft_s'])}), decode {sp['decode_tok_s']:,.0f} tok/s"
+                               f"{_band(sp, 'decode_error')} ({sp['decode_bound']}-bound; {_speed_basis(sp)})"
                                + ("; if all weights were on the accelerator" if r.offload is not None and rec is None
                                   else "; of the plan above" if rec is not None and rec.changed else ""),
                                "  "))
@@ -149,6 +149,23 @@ def render_text(spec, req, results, speeds: dict | None = None, plans: dict | No
             lines.extend(_wrap(r.command, "  $ ", "      "))
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _band(sp: dict, key: str) -> str:
+    e = sp.get(key)
+    return f" ±{e:.0%}" if e else ""
+
+
+def _speed_basis(sp: dict) -> str:
+    """What the speed figure stands on: llama.cpp's kernel model and its calibration, or the roofline."""
+    cal = sp.get("speed_calibration")
+    if not cal:
+        return "roofline × the profile's efficiencies, no per-kernel overheads, so small models run slower"
+    fixed = sp.get("decode_fixed_s")
+    share = f"fixed time {fmt_duration(fixed)} a token; " if fixed else ""
+    where = ("this device's published llama-bench figures" if cal["this_device_calibrated"]
+             else f"{cal['backend']} devices' published llama-bench figures, not this one's")
+    return f"{share}llama.cpp {cal['backend']} kernels fitted to {where}; ± the 90th-percentile error there"
 
 
 def _mark(r) -> str:

@@ -14,7 +14,7 @@ import math
 
 from localinfer.model.cost import model_cost
 from localinfer.plan.planner import candidate_configs, plan
-from localinfer.plan.speed import SpeedModel, Workload
+from localinfer.plan.speed import Workload, llamacpp_speed_model
 
 BATCHES = tuple(2 ** i for i in range(9))            # 1 … 256
 
@@ -41,7 +41,7 @@ def feasibility(spec, devices, workload: Workload, kv_types) -> list[dict]:
         budget = dev.usable_bytes - cost.weight_bytes
         if budget <= 0:
             continue
-        speed = SpeedModel(cost, dev)
+        speed = llamacpp_speed_model(spec, dev)
         p = plan(speed, workload, budget, candidate_configs(workload, kv_types=kv_types))
         pts = [{"name": o.name, "label": o.config.label, "memory": o.memory_bytes, "seconds": o.total_s,
                 "verdict": o.verdict} for o in p.outcomes if math.isfinite(o.total_s)]

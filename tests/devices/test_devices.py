@@ -31,8 +31,11 @@ def test_builtins_present_with_sources():
     for p in profiles.values():
         assert p.kind in ("cuda", "metal", "cpu")
         assert 0 < p.usable_bytes < p.memory_bytes
-        for f in ("memory", "bandwidth", "bf16_flops", "decode_mbu", "prefill_mfu"):
+        for f in ("memory", "bandwidth", "bf16_flops"):
             assert p.source(f), f"{p.name}: no source for {f}"
+        for f, given in (("decode_mbu", p.decode_mbu), ("prefill_mfu", p.prefill_mfu), ("fp16_flops", p.fp16_flops),
+                         ("int8_ops", p.int8_ops), ("llamacpp", p.llamacpp)):
+            assert not given or p.source(f), f"{p.name}: {f} without a source"
 
 
 def test_m2_max_budget_is_96gb_minus_8gib():

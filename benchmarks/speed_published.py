@@ -1,0 +1,434 @@
+"""localinfer's llama.cpp speed model against published llama-bench results.
+
+    python -m benchmarks.speed_published                 # every row: predicted / published, errors by group
+    python -m benchmarks.speed_published --fit           # refit the per-kind coefficients, print them
+    python -m benchmarks.speed_published --fit --write   # ... and write them to profiles/kinds/*.toml
+    python -m benchmarks.speed_published --json out.json
+
+The table: ``benchmarks/data/published_cuda.csv`` and ``published_unified.csv`` (device, model, quant,
+test, t/s, flags, build, URL and the row as printed, collected with the search tool).  Each row's model
+is a header-only skeleton of its preset and quant (``gguf_tools.skeleton``); its device is the built-in
+profile of that name, else a datasheet-only profile from ``benchmarks/data/published_devices.toml``.
+Devices of the second kind are **held out**: no coefficient is fitted on them, they run on their kind's
+defaults only.  Left out (and counted): rows marked multi-GPU, partial offload or doubtful, CPU-only
+runs, models without a preset, quants the skeleton writer does not make.
+
+A test ``ppN[@dD]`` is a prefill of N tokens after D cached ones (tok/s = N / time); ``tgN[@dD]`` is
+N decode steps after D tokens, timed at the mean context D + N/2.  "before" is the previous model: a
+roofline with the profiles' efficiencies (every CUDA profile borrowing the RTX PRO 6000's vLLM
+figures, 33% bandwidth / 62% of BF16 peak; Metal 75% / 75%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import re
+import sys
+import tempfile
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gguf_tools.skeleton import write_skeleton                       # noqa: E402
+from localinfer.devices.kernels import BACKENDS, MAX_FRACTION, size_class         # noqa: E402
+from localinfer.devices.profiles import load_profiles, profile_from_dict   # noqa: E402
+from localinfer.model.cost import model_cost                        # noqa: E402
+from localinfer.model.spec import ModelSpec                         # noqa: E402
+from localinfer.plan.kernel_speed import KernelSpeed, kernel_speed  # noqa: E402
+from localinfer.plan.speed import SpeedModel                        # noqa: E402
+
+DATA = ROOT / "benchmarks" / "data"
+TABLES = ("published_cuda.csv", "published_unified.csv")
+KINDS = ROOT / "profiles" / "kinds"
+
+MODELS = {
+    "llama2-7b": "llama-2-7b", "llama3-8b": "llama-3.1-8b", "llama3-70b": "llama-3.1-70b",
+    "llama3-405b": "llama-3.1-405b", "llama3.2-1b": "llama-3.2-1b", "llama3.2-3b": "llama-3.2-3b",
+    "mistral-7b": "mistral-7b", "qwen3-30b-a3b": "qwen3-30b-a3b", "qwen3-235b-a22b": "qwen3-235b-a22b",
+    "gpt-oss-20b": "gpt-oss-20b", "gpt-oss-120b": "gpt-oss-120b", "qwen3-8b": "qwen3-8b",
+    **{f"qwen2.5-{s}": f"qwen2.5-{s}" for s in ("0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b")},
+    **{f"qwen3-{s}": f"qwen3-{s}" for s in ("0.6b", "1.7b", "4b", "14b", "32b")},
+}
+QUANTS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q8_0": "q8_0", "F16": "f16", "BF16": "bf16",
+          "Q4_K_M": "q4_k_m", "Q4_K_S": "q4_k_s", "Q5_K_M": "q5_k_m", "Q6_K": "q6_k", "Q2_K": "q2_k",
+          "Q3_K_M": "q3_k_m", "UD-Q4_K_XL": "q4_k_m", "MXFP4": "mxfp4_moe"}
+BACKEND_OF = {"CUDA": "cuda", "Metal": "metal", "Vulkan": "vulkan", "ROCm": "rocm"}
+SKIP_MARKS = ("multi-gpu", "partial", "doubtful")
+TEST_RE = re.compile(r"^(pp|tg)(\d+)(?:@d(\d+))?$")
+# the decode_bw coefficients the fit sets: each group of types shares one
+DECODE_GROUPS = {"default": ("default",), "q4_0": ("q4_0", "q4_1", "q5_0", "q5_1"), "q8_0": ("q8_0",),
+                 "f16": ("f16", "bf16", "f32"), "mxfp4": ("mxfp4",)}
+OLD = {"cuda": ({1: 0.33}, {1: 0.62}), "metal": ({1: 0.75}, {1: 0.75})}
+
+
+@dataclasses.dataclass
+class Row:
+    raw: dict
+    device: object
+    backend: str
+    held_out: bool
+    spec: ModelSpec
+    kind: str            # "pp" | "tg"
+    tokens: int
+    depth: int
+    ubatch: int
+    published: float
+
+    @property
+    def n_params(self) -> float:
+        return sum(t.n_elements for t in self.spec.tensors)
+
+    @property
+    def label(self) -> str:
+        r = self.raw
+        return f"{r['device_key']:<18} {r['backend']:<6} {r['model_key']:<14} {r['quant']:<8} {r['test']:<14}"
+
+
+def held_out_profiles() -> dict:
+    data = tomllib.loads((DATA / "published_devices.toml").read_text(encoding="utf-8"))
+    out = {}
+    for d in data["device"]:
+        d = dict(d)
+        out[d["name"]] = profile_from_dict(d, f"benchmarks/data/published_devices.toml:{d['name']}")
+    return out
+
+
+def load_rows(workdir: Path) -> tuple[list[Row], dict[str, int]]:
+    builtin = load_profiles()
+    held = held_out_profiles()
+    specs: dict[tuple[str, str], ModelSpec] = {}
+    rows, skipped = [], defaultdict(int)
+    for table in TABLES:
+        with open(DATA / table, newline="", encoding="utf-8") as fh:
+            for r in csv.DictReader(fh):
+                why = _skip(r, builtin, held)
+                if why:
+                    skipped[why] += 1
+                    continue
+                key = (MODELS[r["model_key"]], QUANTS[r["quant"]])
+                if key not in specs:
+                    path = write_skeleton(key[0], workdir / f"{key[0]}-{key[1]}.gguf", type=key[1])
+                    specs[key] = ModelSpec.from_gguf(path)
+                backend = BACKEND_OF[r["backend"]]
+                dev = builtin.get(r["device_key"]) or held[r["device_key"]]
+                if backend != dev.kind or dev.llamacpp.get("backend", dev.kind) != backend:
+                    dev = dataclasses.replace(dev, llamacpp={**dev.llamacpp, "backend": backend})
+                m = TEST_RE.match(r["test"])
+                rows.append(Row(r, dev, backend, r["device_key"] not in builtin, specs[key], m.group(1),
+                                int(m.group(2)), int(m.group(3) or 0), int(r["n_ubatch"] or 512),
+                                float(r["tok_s"])))
+    return rows, dict(skipped)
+
+
+def _skip(r: dict, builtin, held) -> str | None:
+    text = r["row_text"].lower()
+    if any(mark in text for mark in SKIP_MARKS):
+        return "marked multi-gpu, partial or doubtful"
+    if r["backend"] not in BACKEND_OF:
+        return f"backend {r['backend']} (CPU-only runs: the CPU path is calibrated by `localinfer bench`)"
+    if r["model_key"] not in MODELS:
+        return "model without a preset"
+    if r["quant"] not in QUANTS:
+        return f"quant {r['quant']}"
+    if r["device_key"] not in builtin and r["device_key"] not in held:
+        return "device without a profile or datasheet"
+    if not TEST_RE.match(r["test"]):
+        return "test name"
+    return None
+
+
+# ---- predictions -----------------------------------------------------------------------------------------
+
+def predict(row: Row, coeff=None) -> float | None:
+    ks = kernel_speed(row.spec, row.device, ubatch=row.ubatch)
+    if ks is None:
+        return None
+    if coeff is not None:
+        ks = KernelSpeed(row.spec, row.device, coeff, row.ubatch)
+    if row.kind == "pp":
+        return row.tokens / ks.prefill(1, row.tokens, row.depth).seconds
+    return 1.0 / ks.decode(1, row.depth + row.tokens // 2).seconds
+
+
+def predict_before(row: Row) -> float | None:
+    dev = row.device
+    if not dev.bandwidth_bytes_per_s or not dev.bf16_flops:
+        return None
+    mbu, mfu = OLD.get(dev.kind, ({1: 0.6}, {1: 0.5}))
+    dev = dataclasses.replace(dev, decode_mbu=tuple(mbu.items()), prefill_mfu=tuple(mfu.items()))
+    sm = SpeedModel(model_cost(row.spec), dev, ubatch=row.ubatch)
+    if row.kind == "pp":
+        return row.tokens / sm.prefill(1, row.tokens, row.depth).seconds
+    return 1.0 / sm.decode_step(1, row.depth + row.tokens // 2).seconds
+
+
+# ---- the fit ---------------------------------------------------------------------------------------------
+#
+# Per backend, one least-squares fit on log(predicted / published) over the calibration devices' rows:
+# shared by every build: the mat-vec bandwidth fractions per type, the F16 GEMM and attention fractions and
+# the MoE factor; per build era (llama.cpp before b4000, mid-2024, dequantized quantized weights to FP16 for
+# cuBLAS and had no CUDA graphs; later builds run MMQ on INT8 tensor cores): the fixed times and the quantized
+# path's fraction; per device: a decode and a prefill scale (its departure from the kind: HBM parts reach a
+# smaller share of their bandwidth than GDDR ones, Hopper's MMQ runs Ampere's mma), pulled towards 1.
+# The product uses the current era's values.
+
+ERAS = ("current", "2024")
+SHARED = [*[(f"decode_bw.{g}", 0.05, MAX_FRACTION) for g in DECODE_GROUPS],
+          ("prefill.f16", 0.02, MAX_FRACTION), ("prefill.attn", 0.02, MAX_FRACTION), ("prefill.moe", 0.05, 1.0)]
+PER_ERA = [("token_us", 0.0, 3000.0), ("layer_us", 0.0, 400.0), ("ubatch_layer_us", 0.0, 400.0),
+           ("prefill.quant", 0.02, MAX_FRACTION), ("act_passes", 0.0, 400.0)]
+SCALE_PULL = 0.5          # residual weight of log(scale): a device departs from its kind only where its rows say so
+
+
+def era(r: dict) -> str:
+    m = re.search(r"\((\d+)\)|\bb?(\d{4,5})\b", r["build"])
+    if m:
+        return "2024" if int(m.group(1) or m.group(2)) < 4000 else "current"
+    return "2024" if r["date"][:4] in ("2023", "2024") else "current"
+
+
+class Fit:
+    """The parameter vector of one backend's fit and the coefficients it stands for."""
+
+    def __init__(self, base, eras: list[str], devices: list[str]):
+        self.base, self.eras, self.devices = base, eras, devices
+        self.names = [n for n, _, _ in SHARED] + [f"{e}:{n}" for e in eras for n, _, _ in PER_ERA]
+        self.names += [f"{d}:{k}" for d in devices for k in ("decode", "prefill")]
+        self.lo = [lo for _, lo, _ in SHARED] + [lo for _ in eras for _, lo, _ in PER_ERA] + [-1.5] * 2 * len(devices)
+        self.hi = [hi for _, _, hi in SHARED] + [hi for _ in eras for _, _, hi in PER_ERA] + [1.5] * 2 * len(devices)
+
+    def x0(self) -> list[float]:
+        b = self.base
+        v = [b.decode_bw.get(t[0], b.decode_bw["default"]) for t in DECODE_GROUPS.values()]
+        v += [b.prefill.get("f16", 0.5), b.prefill.get("attn", 0.3), b.prefill.get("moe", 0.5)]
+        for _ in self.eras:
+            v += [b.token_s * 1e6, b.layer_s * 1e6, min(b.ubatch_layer_s * 1e6, 100.0), b.prefill.get("quant", 0.3),
+                  b.act_passes or 20.0]
+        v += [0.0] * 2 * len(self.devices)
+        return [min(max(a, lo), hi) for a, lo, hi in zip(v, self.lo, self.hi)]
+
+    def coeff(self, x, era_name: str, device: str | None = None):
+        from types import MappingProxyType
+        val = dict(zip(self.names, x))
+        ds = math.exp(val.get(f"{device}:decode", 0.0))
+        ps = math.exp(val.get(f"{device}:prefill", 0.0))
+        bw = dict(self.base.decode_bw)
+        for g, types in DECODE_GROUPS.items():
+            for t in types:
+                bw[t] = min(MAX_FRACTION, val[f"decode_bw.{g}"] * ds)
+        q = val[f"{era_name}:prefill.quant"]
+        pre = {"quant": q, "f16": val["prefill.f16"], "bf16": val["prefill.f16"], "f32": val["prefill.f16"],
+               "attn": val["prefill.attn"]}
+        pre = {k: min(MAX_FRACTION, v * ps) for k, v in pre.items()}
+        pre["moe"] = val["prefill.moe"]
+        peaks = dict(self.base.peaks)
+        if era_name == "2024" and self.base.backend == "cuda":
+            peaks["quant"] = "fp16_flops"          # dequantize to FP16, cuBLAS
+        return dataclasses.replace(self.base, token_s=val[f"{era_name}:token_us"] * 1e-6,
+                                   layer_s=val[f"{era_name}:layer_us"] * 1e-6,
+                                   ubatch_layer_s=val[f"{era_name}:ubatch_layer_us"] * 1e-6,
+                                   act_passes=val[f"{era_name}:act_passes"],
+                                   decode_bw=MappingProxyType(bw), prefill=MappingProxyType(pre),
+                                   peaks=MappingProxyType(peaks))
+
+    def scales(self, x) -> dict[str, dict[str, float]]:
+        val = dict(zip(self.names, x))
+        return {d: {"decode_scale": math.exp(val[f"{d}:decode"]), "prefill_scale": math.exp(val[f"{d}:prefill"])}
+                for d in self.devices}
+
+
+def fit_backend(rows: list[Row]):
+    """One backend's fit over ``rows`` (its calibration devices); returns (Fit, x)."""
+    from scipy.optimize import least_squares
+
+    from localinfer.devices.kernels import coefficients
+
+    base = coefficients(dataclasses.replace(rows[0].device, llamacpp={"backend": rows[0].backend}))
+    eras = sorted({era(r.raw) for r in rows}, key=ERAS.index)
+    devices = sorted({r.raw["device_key"] for r in rows})
+    fit = Fit(base, eras, devices)
+    n_dev = 2 * len(devices)
+
+    def residuals(x):
+        out = [math.log(predict(r, fit.coeff(x, era(r.raw), r.raw["device_key"])) / r.published) for r in rows]
+        return out + [SCALE_PULL * v for v in x[-n_dev:]]
+
+    res = least_squares(residuals, fit.x0(), bounds=(fit.lo, fit.hi), max_nfev=2000)
+    return fit, res.x
+
+
+def write_profile_scales(name: str, scales: dict[str, float], n_rows: int) -> Path | None:
+    """Set the device's ``[llamacpp]`` scales in its built-in profile (replacing an earlier table)."""
+    path = ROOT / "profiles" / f"{name}.toml"
+    if not path.is_file():
+        return None
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out, skip = [], False
+    for line in lines:
+        if line.startswith("["):
+            skip = line.strip() == "[llamacpp]"
+        if skip or line.startswith("llamacpp = "):
+            continue
+        out.append(line)
+    block = ["[llamacpp]"] + [f"{k} = {v:.3f}" for k, v in sorted(scales.items())] + [""]
+    at = out.index("[sources]") if "[sources]" in out else len(out)
+    src = (f'llamacpp = "fitted by benchmarks/speed_published.py --fit on this device\'s {n_rows} published '
+           f'llama-bench rows (benchmarks/data/published_*.csv): its departure from profiles/kinds/"')
+    out = out[:at] + block + out[at:]
+    at = out.index("[sources]")
+    out.insert(at + 1, src)
+    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    return path
+
+
+def error_bands(rows: list[Row], preds: list[float]) -> dict[str, dict[str, float]]:
+    """90th percentile of |predicted/published − 1| per test and size class."""
+    acc = defaultdict(list)
+    for r, p in zip(rows, preds):
+        acc[("decode" if r.kind == "tg" else "prefill", size_class(r.n_params))].append(abs(p / r.published - 1))
+    return {t: {c: round(_pct(v, 90), 3) for (tt, c), v in acc.items() if tt == t and v}
+            for t in ("decode", "prefill")}
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return math.nan
+    k = (len(v) - 1) * q / 100
+    f = math.floor(k)
+    return v[f] + (v[min(f + 1, len(v) - 1)] - v[f]) * (k - f)
+
+
+def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int) -> Path:
+    path = KINDS / f"{backend}.toml"
+    old = tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    src = (f"fitted by benchmarks/speed_published.py --fit on {n_rows} published llama-bench rows of "
+           f"{', '.join(devices)} (benchmarks/data/published_*.csv, each row's URL there); the current build "
+           f"era's fixed times and quantized-path fraction")
+    lines = [f"# llama.cpp's {backend} kernels: defaults for every profile of this kind (localinfer/devices/kernels.py).",
+             "# Written by `python -m benchmarks.speed_published --fit --write`; change the fit, not this file.",
+             f'backend = "{backend}"',
+             f"token_us = {coeff.token_s * 1e6:.1f}",
+             f"layer_us = {coeff.layer_s * 1e6:.2f}",
+             f"ubatch_layer_us = {coeff.ubatch_layer_s * 1e6:.1f}",
+             f"act_passes = {coeff.act_passes:.1f}",
+             "calibrated_on = [" + ", ".join(f'"{d}"' for d in devices) + "]", "", "[decode_bw]"]
+    lines += [f"{t} = {v:.3f}" for t, v in sorted(coeff.decode_bw.items())]
+    lines += ["", "[prefill]"] + [f"{p} = {v:.3f}" for p, v in sorted(coeff.prefill.items())]
+    lines += ["", "[peaks]"] + [f'{p} = "{v}"' for p, v in sorted((old.get("peaks") or coeff.peaks).items())]
+    lines += ["", "[error]"] + [f"{t} = {{ " + ", ".join(f"{c} = {v}" for c, v in sorted(b.items())) + " }"
+                                for t, b in bands.items() if b]
+    lines += ["", "[sources]", f'fit = "{src}"']
+    for k, v in sorted((old.get("sources") or {}).items()):
+        if k != "fit":
+            lines.append(f'{k} = "{v}"')
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# ---- the report ------------------------------------------------------------------------------------------
+
+def summarise(rows: list[Row], preds: list[float | None], label: str) -> list[str]:
+    groups = defaultdict(list)
+    for r, p in zip(rows, preds):
+        if p is None:
+            continue
+        ratio = p / r.published
+        test = "decode" if r.kind == "tg" else "prefill"
+        part = "held out" if r.held_out else "calibration"
+        e = era(r.raw)
+        groups[(e, test, "all", "all")].append(ratio)
+        groups[(e, test, r.backend, "all")].append(ratio)
+        groups[(e, test, r.backend, size_class(r.n_params))].append(ratio)
+        groups[(e, test, "all", size_class(r.n_params))].append(ratio)
+        groups[(e, test, "all", part)].append(ratio)
+    out = [f"{label}: |predicted/published - 1| by build era, test, backend, size class or part "
+           "(n, median, 90th percentile, share within 35%, worst ratio)"]
+    for key in sorted(groups, key=lambda k: (ERAS.index(k[0]), k[1:])):
+        v = groups[key]
+        errs = [abs(x - 1) for x in v]
+        worst = max(v, key=lambda x: max(x, 1 / x))
+        within = sum(e <= 0.35 for e in errs) / len(errs)
+        out.append(f"  {key[0]:<8} {key[1]:<8} {key[2]:<7} {key[3]:<12} n={len(v):<4} median {_pct(errs, 50):6.1%}  "
+                   f"90th {_pct(errs, 90):6.1%}  within 35% {within:5.0%}  worst x{worst:.2f}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fit", action="store_true", help="refit the per-kind coefficients on the calibration rows")
+    ap.add_argument("--write", action="store_true", help="with --fit: write them to profiles/kinds/*.toml")
+    ap.add_argument("--json", help="write every row's figures here")
+    ap.add_argument("--rows", action="store_true", help="print every row")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, skipped = load_rows(Path(tmp))
+    print(f"{len(rows)} published rows used ({sum(r.held_out for r in rows)} on held-out devices); left out: "
+          + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
+    eras_of = {}
+    if args.fit:
+        for backend in BACKENDS:
+            cal = [r for r in rows if r.backend == backend and not r.held_out]
+            if len(cal) < 4:
+                continue
+            fit, x = fit_backend(cal)
+            coeff = fit.coeff(x, "current")
+            eras_of[backend] = (fit, x)
+            mine = [r for r in rows if r.backend == backend]
+            preds = [predict(r, fit.coeff(x, era(r.raw), r.raw["device_key"])) for r in mine]
+            bands = error_bands(mine, preds)
+            print(f"\n[{backend}] fitted on {len(cal)} rows of {', '.join(fit.devices)}")
+            for e in fit.eras:
+                c = fit.coeff(x, e)
+                print(f"  era {e:<8} token {c.token_s * 1e6:6.0f} us  layer {c.layer_s * 1e6:6.1f} us  "
+                      f"ubatch layer {c.ubatch_layer_s * 1e6:6.0f} us  act passes {c.act_passes:5.1f}  quant prefill {c.prefill['quant']:.2f} "
+                      f"of {c.peaks['quant']}")
+            print("  decode_bw " + ", ".join(f"{g} {coeff.decode_bw[t[0]]:.2f}" for g, t in DECODE_GROUPS.items())
+                  + f"; prefill f16 {coeff.prefill['f16']:.2f} attn {coeff.prefill['attn']:.2f} "
+                    f"moe {coeff.prefill['moe']:.2f}")
+            print("  device scales " + ", ".join(f"{d} {v['decode_scale']:.2f}/{v['prefill_scale']:.2f}"
+                                                 for d, v in fit.scales(x).items()))
+            print(f"  error bands (90th pct, every row of this backend) {bands}")
+            if args.write:
+                print(f"  wrote {write_kind(backend, coeff, bands, fit.devices, len(cal))}")
+                for d, sc in fit.scales(x).items():
+                    n = [r for r in cal if r.raw["device_key"] == d]
+                    keep = {k: v for k, v in sc.items()
+                            if any((r.kind == "tg") == (k == "decode_scale") for r in n)}
+                    if keep and d != "ryzen-ai-max-395":
+                        write_profile_scales(d, keep, len(n))
+        if args.write:
+            from localinfer.devices import kernels, profiles
+            kernels.kind_defaults.cache_clear()
+            profiles.builtin_profiles.cache_clear()
+            with tempfile.TemporaryDirectory() as tmp:
+                rows, skipped = load_rows(Path(tmp))
+    before = [predict_before(r) for r in rows]
+    after = [predict(r) for r in rows]
+    if args.rows:
+        print("\nrow                                                               published   before  after  ratio")
+        for r, b, a in zip(rows, before, after):
+            tag = " (held out)" if r.held_out else ""
+            print(f"  {r.label} {r.published:9.1f} {b or math.nan:8.1f} {a or math.nan:8.1f}  "
+                  f"x{(a or math.nan) / r.published:5.2f}{tag}")
+    print()
+    print("\n".join(summarise(rows, before, "before")))
+    print()
+    print("\n".join(summarise(rows, after, "after")))
+    if args.json:
+        doc = [{**{k: r.raw[k] for k in ("device_key", "backend", "model_key", "quant", "test", "url")},
+                "published": r.published, "before": b, "after": a, "held_out": r.held_out,
+                "size_class": size_class(r.n_params)} for r, b, a in zip(rows, before, after)]
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
