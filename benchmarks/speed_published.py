@@ -181,6 +181,7 @@ def predict_before(row: Row) -> float | None:
 
 ERAS = ("current", "2024")
 SHARED = [*[(f"decode_bw.{g}", 0.05, MAX_FRACTION) for g in DECODE_GROUPS],
+          ("decode_bw.moe", 0.2, 1.0),
           ("prefill.f16", 0.02, MAX_FRACTION), ("prefill.attn", 0.02, MAX_FRACTION), ("prefill.moe", 0.05, 1.0)]
 PER_ERA = [("token_us", 0.0, 3000.0), ("layer_us", 0.0, 400.0), ("ubatch_layer_us", 0.0, 400.0),
            ("prefill.quant", 0.02, MAX_FRACTION), ("act_passes", 0.0, 400.0)]
@@ -207,6 +208,7 @@ class Fit:
     def x0(self) -> list[float]:
         b = self.base
         v = [b.decode_bw.get(t[0], b.decode_bw["default"]) for t in DECODE_GROUPS.values()]
+        v += [b.decode_bw.get("moe", 0.8)]
         v += [b.prefill.get("f16", 0.5), b.prefill.get("attn", 0.3), b.prefill.get("moe", 0.5)]
         for _ in self.eras:
             v += [b.token_s * 1e6, b.layer_s * 1e6, min(b.ubatch_layer_s * 1e6, 100.0), b.prefill.get("quant", 0.3),
@@ -223,6 +225,7 @@ class Fit:
         for g, types in DECODE_GROUPS.items():
             for t in types:
                 bw[t] = min(MAX_FRACTION, val[f"decode_bw.{g}"] * ds)
+        bw["moe"] = val["decode_bw.moe"]
         q = val[f"{era_name}:prefill.quant"]
         pre = {"quant": q, "f16": val["prefill.f16"], "bf16": val["prefill.f16"], "f32": val["prefill.f16"],
                "attn": val["prefill.attn"]}
@@ -264,7 +267,11 @@ def fit_backend(rows: list[Row]):
     return fit, res.x
 
 
-def write_profile_scales(name: str, scales: dict[str, float], n_rows: int) -> Path | None:
+# devices without published rows that take a calibrated sibling's scales (same SM and memory technology)
+SIBLINGS = {"h100-sxm": "h100-pcie", "h200": "h100-pcie", "gh200": "h100-pcie"}
+
+
+def write_profile_scales(name: str, scales: dict[str, float], n_rows: int, sibling: str | None = None) -> Path | None:
     """Set the device's ``[llamacpp]`` scales in its built-in profile (replacing an earlier table)."""
     path = ROOT / "profiles" / f"{name}.toml"
     if not path.is_file():
@@ -281,6 +288,10 @@ def write_profile_scales(name: str, scales: dict[str, float], n_rows: int) -> Pa
     at = out.index("[sources]") if "[sources]" in out else len(out)
     src = (f'llamacpp = "fitted by benchmarks/speed_published.py --fit on this device\'s {n_rows} published '
            f'llama-bench rows (benchmarks/data/published_*.csv): its departure from profiles/kinds/"')
+    if sibling:
+        src = (f'llamacpp = "the {sibling} profile\'s fitted scales (benchmarks/speed_published.py --fit, from its '
+               f'{n_rows} published llama-bench rows): the same SM and memory technology; no published rows of '
+               f'this device"')
     out = out[:at] + block + out[at:]
     at = out.index("[sources]")
     out.insert(at + 1, src)
@@ -289,11 +300,14 @@ def write_profile_scales(name: str, scales: dict[str, float], n_rows: int) -> Pa
 
 
 def error_bands(rows: list[Row], preds: list[float]) -> dict[str, dict[str, float]]:
-    """90th percentile of |predicted/published − 1| per test and size class."""
+    """90th percentile of |predicted/published − 1| per test and size class (a class needs 3 rows; ``all``
+    stands in for the others)."""
     acc = defaultdict(list)
     for r, p in zip(rows, preds):
-        acc[("decode" if r.kind == "tg" else "prefill", size_class(r.n_params))].append(abs(p / r.published - 1))
-    return {t: {c: round(_pct(v, 90), 3) for (tt, c), v in acc.items() if tt == t and v}
+        test = "decode" if r.kind == "tg" else "prefill"
+        acc[(test, size_class(r.n_params))].append(abs(p / r.published - 1))
+        acc[(test, "all")].append(abs(p / r.published - 1))
+    return {t: {c: round(float(_pct(v, 90)), 3) for (tt, c), v in acc.items() if tt == t and len(v) >= 3}
             for t in ("decode", "prefill")}
 
 
@@ -404,6 +418,8 @@ def main(argv=None) -> int:
                             if any((r.kind == "tg") == (k == "decode_scale") for r in n)}
                     if keep and d != "ryzen-ai-max-395":
                         write_profile_scales(d, keep, len(n))
+                        for sib in (k for k, v in SIBLINGS.items() if v == d):
+                            write_profile_scales(sib, keep, len(n), sibling=d)
         if args.write:
             from localinfer.devices import kernels, profiles
             kernels.kind_defaults.cache_clear()

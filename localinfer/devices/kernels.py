@@ -12,7 +12,8 @@ that device (and ``backend = "vulkan"`` there picks another kind's defaults than
   element-wise ops, quantizing activations for the mat-mats: ``act_passes · 4 · n_embd`` bytes at the
   bandwidth);
 - ``[decode_bw]``: the fraction of the memory bandwidth the mat-vec kernels reach, by weight type
-  (``q4_0``, ``q4_k``, ``f16``, ...; ``default`` for the rest; ``kv`` for the KV cache reads);
+  (``q4_0``, ``q4_k``, ``f16``, ...; ``default`` for the rest; ``kv`` for the KV cache reads; ``moe``
+  multiplies the share for routed experts, whose many small matrices stream less well);
 - ``[prefill]``: the fraction of peak the mat-mat kernels reach, by path: ``quant`` (quantized
   weights), ``f16``, ``bf16``, ``f32`` and ``attn`` (attention);
   (``moe``: the routed experts' mat-mat, as a fraction of their type's path);
@@ -76,10 +77,7 @@ class KernelCoefficients:
     def error_band(self, test: str, n_params: float) -> float | None:
         """Relative error (90th percentile of the calibration) for ``test`` at a model of ``n_params``."""
         by_class = self.error.get(test) or {}
-        for name, below in SIZE_CLASSES:
-            if n_params < below:
-                return by_class.get(name)
-        return None
+        return by_class.get(size_class(n_params), by_class.get("all"))
 
 
 def size_class(n_params: float) -> str:
@@ -139,7 +137,7 @@ def check_table(data, origin: str) -> dict:
     if not isinstance(peaks, dict) or any(k not in PATHS or v not in PEAK_FIELDS for k, v in peaks.items()):
         raise _bad(origin, "peaks", f"must map paths ({', '.join(PATHS)}) to {', '.join(PEAK_FIELDS)}")
     for test, by_class in (data.get("error") or {}).items():
-        _fractions(by_class, f"error.{test}", origin, tuple(n for n, _ in SIZE_CLASSES))
+        _fractions(by_class, f"error.{test}", origin, (*(n for n, _ in SIZE_CLASSES), "all"))
     cal = data.get("calibrated_on", [])
     if not isinstance(cal, list) or not all(isinstance(x, str) for x in cal):
         raise _bad(origin, "calibrated_on", "must be a list of device names")
@@ -188,7 +186,7 @@ def coefficients(device) -> KernelCoefficients | None:
         # a device's own figures are not what the kind's calibration measured: its band does not carry over
         err = {t: dict(v) for t, v in (own.get("error") or {}).items()} or err
     ds, ps = float(own.get("decode_scale", 1.0)), float(own.get("prefill_scale", 1.0))
-    merged["decode_bw"] = {k: min(MAX_FRACTION, v * ds) for k, v in merged["decode_bw"].items()}
+    merged["decode_bw"] = {k: v if k == "moe" else min(MAX_FRACTION, v * ds) for k, v in merged["decode_bw"].items()}
     merged["prefill"] = {k: v if k == "moe" else min(MAX_FRACTION, v * ps) for k, v in merged["prefill"].items()}
     return KernelCoefficients(
         backend=backend,

@@ -7,7 +7,7 @@ A decode step of ``b`` tokens at context ``L``::
 
 where ``D_type`` are the weight bytes of one type the step reads (routed experts as far as ``b``
 tokens touch them), ``e_type`` the fraction of bandwidth llama.cpp's mat-vec kernel for that type
-reaches, and ``P_path`` the peak its mat-mat path runs at (INT8 tensor cores for quantized weights
+reaches (times ``e_moe`` for routed experts), and ``P_path`` the peak its mat-mat path runs at (INT8 tensor cores for quantized weights
 on CUDA, FP16 for F16, ...).  A prefill is cut into micro-batches of ``u`` tokens; each costs::
 
     Σ_group max(2·N_active·u / (P_path·m_path), D_touched(u) / (β·e_type)) + n_layer·t_ubatch
@@ -113,6 +113,11 @@ class KernelSpeed:
             return group.n_elements * self.n_used / self.n_expert
         return float(group.n_elements)
 
+    def _share(self, group: WeightGroup) -> float:
+        """The fraction of the bandwidth reading ``group`` reaches."""
+        e = self.coeff.bandwidth_fraction(group.type_name)
+        return e * self.coeff.decode_bw.get("moe", 1.0) if group.role == "expert" else e
+
     def _rate(self, path: str, group: WeightGroup | None = None) -> float:
         p = peak(self.device, self.coeff, path)
         if not p:
@@ -135,7 +140,7 @@ class KernelSpeed:
         nbytes = flops = 0
         for g in self.groups:
             read = self._touched(g, batch)
-            memory_s += read / (self.bandwidth * c.bandwidth_fraction(g.type_name))
+            memory_s += read / (self.bandwidth * self._share(g))
             nbytes += round(read)
             f = 2 * batch * self._active(g)
             flops += round(f)
@@ -162,7 +167,7 @@ class KernelSpeed:
             f = 2 * self._active(g) * per_call
             read = self._touched(g, math.ceil(per_call))
             t_c = f / self._rate(c.path(g.type_name), g) if f else 0.0
-            t_m = read / (self.bandwidth * c.bandwidth_fraction(g.type_name))
+            t_m = read / (self.bandwidth * self._share(g))
             seconds += calls * max(t_c, t_m)
             compute_s += calls * t_c
             memory_s += calls * t_m
