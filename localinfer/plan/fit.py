@@ -182,15 +182,44 @@ def max_context(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> int 
 
 def max_parallel(spec: ModelSpec, device: DeviceProfile, req: FitRequest) -> int | None:
     """Most sequences of ``req.n_ctx`` tokens each that fit (up to llama.cpp's 256)."""
-    if not _fits(spec, device, replace(req, n_seq=1, n_ctx_total=None)):
+    def at(n: int) -> FitRequest:
+        return replace(req, n_seq=n, n_ctx_total=None)
+
+    if not _fits(spec, device, at(1)):
         return None
-    lo, hi = 1, MAX_PARALLEL
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _fits(spec, device, replace(req, n_seq=mid, n_ctx_total=None)):
+    return _largest(spec, device, at, MAX_PARALLEL)
+
+
+def _largest(spec: ModelSpec, device: DeviceProfile, at, cap: int) -> int:
+    """The largest k in 1..cap whose request ``at(k)`` fits, given that ``at(1)`` does.
+
+    Memory grows almost linearly in k (KV cells, logits rows), so the sizes at 1 and 2 give a guess; a
+    galloping search from it finds what a bisection of 1..cap finds (fits is monotone in k either way) in
+    a few breakdowns instead of log2(cap)."""
+    def fits(k: int) -> bool:
+        return _fits(spec, device, at(k))
+
+    if cap < 2 or not fits(2):
+        return 1
+    b1 = breakdown(spec, device, at(1))[0].device_bytes
+    b2 = breakdown(spec, device, at(2))[0].device_bytes
+    guess = max(2, min(cap, 1 + (device.usable_bytes - b1) // max(b2 - b1, 1)))
+    if fits(guess):                       # gallop up: lo fits, hi does not (or is past the cap)
+        lo, step = guess, 1
+        while lo + step <= cap and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, cap + 1)
+    else:                                 # gallop down
+        hi, step = guess, 1
+        while hi - step > 2 and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(hi - step, 2)
+    while hi - lo > 1:                    # lo fits, hi does not
+        mid = (lo + hi) // 2
+        if fits(mid):
             lo = mid
         else:
-            hi = mid - 1
+            hi = mid
     return lo
 
 

@@ -15,13 +15,13 @@ from dataclasses import replace
 
 from localinfer.backends.memory import FitRequest
 from localinfer.model.cost import model_cost
-from localinfer.plan.speed import Estimate, SpeedModel
+from localinfer.plan.speed import Estimate, SpeedModel, llamacpp_speed_model
 from localinfer.plan.split import RPC_OVERHEAD_S, _token_traffic, fit_split
 from localinfer.units import ceil_div
 
 
 class SplitSpeedModel(SpeedModel):
-    """Stages in turn, each at its own device's roofline for its share of the weights, plus the network."""
+    """Stages in turn, each at its own device's speed model for its share of the weights, plus the network."""
 
     def __init__(self, spec, setup, sb, req: FitRequest, link=None, label: str = "split"):
         used = [i for i, d in enumerate(sb.devices) if d.layers or d.output]
@@ -30,7 +30,9 @@ class SplitSpeedModel(SpeedModel):
         first = setup.profiles[used[0]]
         super().__init__(cost, first, None, req.n_ubatch)
         self.device = replace(first, name=label, display_name=f"split over {label}", power_w=None)
-        self.stages = [(sb.devices[i].weights / total, SpeedModel(cost, setup.profiles[i], None, req.n_ubatch))
+        # each stage at its device's model for the whole model (llama.cpp's kernels, or the roofline), scaled by
+        # its share of the weights
+        self.stages = [(sb.devices[i].weights / total, llamacpp_speed_model(spec, setup.profiles[i], None, req.n_ubatch))
                        for i in used]
         self.spec, self.sb, self.req, self.link, self.remote = spec, sb, req, link, list(setup.remote)
         self.remote_used = any(self.remote[i] for i in used)

@@ -318,7 +318,14 @@ def graph_builder(spec: ModelSpec):
     the keywords ``n_stream``, the KV streams (n_seq unless unified), and ``n_seqs``, the worst-case ubatch's
     sequences), the layers it is built over, and whether it was checked against llama.cpp.  A family module
     registers its builder as ``GRAPH`` (with ``VERIFIED``) and the architectures it covers in
-    ``_FAMILY_GRAPHS``."""
+    ``_FAMILY_GRAPHS``.  Memoised per spec (the layer scan reads every tensor name)."""
+    memo = spec_cache(spec)
+    if "graph_builder" not in memo:
+        memo["graph_builder"] = _graph_builder(spec)
+    return memo["graph_builder"]
+
+
+def _graph_builder(spec: ModelSpec):
     import importlib
 
     for module, archs in _FAMILY_GRAPHS.items():
