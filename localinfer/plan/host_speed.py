@@ -59,6 +59,18 @@ KERNEL_FORMULA = ("decode step = GPU part (llama.cpp's kernel model over the wei
                   "computes its share")
 
 
+def _split_prefill(all_gpu_s: float, cost, device, host, req, w_flops: int, held: int) -> tuple[float, str]:
+    """(seconds, rule) of a split's prefill: the all-GPU prefill plus the host weights copied over the link per
+    micro-batch (ub ≥ 32), else the host computing its share."""
+    if req.n_ubatch >= OFFLOAD_MIN_BATCH and device.link_bytes_per_s:
+        return (all_gpu_s + ceil_div(req.n_ctx, req.n_ubatch) * held / device.link_bytes_per_s,
+                "host weights copied over the link once per micro-batch")
+    share = w_flops / cost.token_flops(req.n_ctx) if cost.token_flops(req.n_ctx) else 0.0
+    host_rate = host.effective_flops or math.nan
+    return (all_gpu_s * (1 - share) + req.n_ctx * w_flops / host_rate,
+            "the host computes its share (micro-batch below 32)")
+
+
 def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | None:
     """Batch-1 prefill and decode of ``req`` with ``host_names`` in the RAM of ``host`` (see the module)."""
     if not device.bandwidth_bytes_per_s or not device.bf16_flops or host is None:
@@ -82,14 +94,7 @@ def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | N
     host_comp = w_flops / host.effective_flops if host.effective_flops else 0.0
     gpu_s, host_s = max(gpu_mem, gpu_comp), max(host_mem, host_comp)
     decode_s = gpu_s + host_s
-    if req.n_ubatch >= OFFLOAD_MIN_BATCH and device.link_bytes_per_s:
-        extra = ceil_div(req.n_ctx, req.n_ubatch) * held / device.link_bytes_per_s
-        prefill_s, how = pre.seconds + extra, "host weights copied over the link once per micro-batch"
-    else:
-        share = w_flops / cost.token_flops(req.n_ctx) if cost.token_flops(req.n_ctx) else 0.0
-        host_rate = host.effective_flops or math.nan
-        prefill_s = pre.seconds * (1 - share) + req.n_ctx * w_flops / host_rate
-        how = "the host computes its share (micro-batch below 32)"
+    prefill_s, how = _split_prefill(pre.seconds, cost, device, host, req, w_flops, held)
     if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
@@ -132,14 +137,7 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
     host_s = max(host_mem, host_comp)
     decode_s = gpu_s + host_s
     pre = ks.prefill(1, req.n_ctx)
-    if req.n_ubatch >= OFFLOAD_MIN_BATCH and device.link_bytes_per_s:
-        prefill_s = pre.seconds + ceil_div(req.n_ctx, req.n_ubatch) * held / device.link_bytes_per_s
-        how = "host weights copied over the link once per micro-batch"
-    else:
-        share = w_flops / cost.token_flops(req.n_ctx) if cost.token_flops(req.n_ctx) else 0.0
-        host_rate = host.effective_flops or math.nan
-        prefill_s = pre.seconds * (1 - share) + req.n_ctx * w_flops / host_rate
-        how = "the host computes its share (micro-batch below 32)"
+    prefill_s, how = _split_prefill(pre.seconds, cost, device, host, req, w_flops, held)
     if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
