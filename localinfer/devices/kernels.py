@@ -7,6 +7,7 @@ that device (and ``backend = "vulkan"`` there picks another kind's defaults than
 
 - ``token_us``: fixed time per decode step (graph build and launch, synchronisation, logits copy);
 - ``layer_us``: fixed time per layer per decode step (kernel launches that move no weights);
+- ``moe_layer_us``: extra fixed time per MoE layer per decode step (router, top-k, the expert kernels);
 - ``ubatch_layer_us``: fixed time per layer per prefill micro-batch;
 - ``act_passes``: F32 activation passes over memory per layer per prefilled token (norms, RoPE, softmax,
   element-wise ops, quantizing activations for the mat-mats: ``act_passes · 4 · n_embd`` bytes at the
@@ -44,7 +45,7 @@ PATHS = ("quant", "f16", "bf16", "f32", "attn", "moe")
 PEAK_FIELDS = ("int8_ops", "fp16_flops", "bf16_flops")
 MAX_FRACTION = 0.95        # no kernel streams its memory or fills its tensor cores completely; scales stop here
 SIZE_CLASSES = (("small", 3e9), ("mid", 30e9), ("large", math.inf))
-_KNOWN = {"backend", "token_us", "layer_us", "ubatch_layer_us", "act_passes", "decode_bw", "prefill", "peaks", "error",
+_KNOWN = {"backend", "token_us", "layer_us", "moe_layer_us", "ubatch_layer_us", "act_passes", "decode_bw", "prefill", "peaks", "error",
           "calibrated_on", "sources", "decode_scale", "prefill_scale"}
 
 
@@ -60,6 +61,7 @@ class KernelCoefficients:
     prefill: Mapping[str, float]
     peaks: Mapping[str, str]
     act_passes: float = 0.0
+    moe_layer_s: float = 0.0
     error: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     calibrated_on: tuple[str, ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -122,7 +124,7 @@ def check_table(data, origin: str) -> dict:
         raise _bad(origin, unknown[0], f"unknown key; known keys: {', '.join(sorted(_KNOWN))}")
     if "backend" in data and data["backend"] not in BACKENDS:
         raise _bad(origin, "backend", f"must be one of {', '.join(BACKENDS)}")
-    for key in ("token_us", "layer_us", "ubatch_layer_us"):
+    for key in ("token_us", "layer_us", "moe_layer_us", "ubatch_layer_us"):
         _micros(data, key, origin)
     v = data.get("act_passes")
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1000):
@@ -194,6 +196,7 @@ def coefficients(device) -> KernelCoefficients | None:
         layer_s=merged["layer_us"] * 1e-6,
         ubatch_layer_s=merged.get("ubatch_layer_us", 0.0) * 1e-6,
         act_passes=float(merged.get("act_passes", 0.0)),
+        moe_layer_s=merged.get("moe_layer_us", 0.0) * 1e-6,
         decode_bw=MappingProxyType({k.lower(): float(v) for k, v in merged["decode_bw"].items()}),
         prefill=MappingProxyType({k: float(v) for k, v in merged["prefill"].items()}),
         peaks=MappingProxyType(dict(merged["peaks"])),

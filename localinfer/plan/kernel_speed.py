@@ -2,7 +2,7 @@
 
 A decode step of ``b`` tokens at context ``L``::
 
-    T = t_token + n_layer·t_layer + max(Σ_type D_type(b) / (β·e_type) + b·L·k / (β·e_kv),
+    T = t_token + n_layer·t_layer + n_moe·t_moe + max(Σ_type D_type(b) / (β·e_type) + b·L·k / (β·e_kv),
                                          Σ_path F_path(b) / (P_path·m_path))
 
 where ``D_type`` are the weight bytes of one type the step reads (routed experts as far as ``b``
@@ -63,6 +63,15 @@ def weight_groups(spec, exclude: frozenset[str] = frozenset()) -> tuple[WeightGr
     return out
 
 
+def moe_layers(spec) -> int:
+    """Layers with routed experts (memoised per spec)."""
+    memo = spec_cache(spec)
+    if "moe_layers" not in memo:
+        memo["moe_layers"] = len({t.name.split(".")[1] for t in spec.tensors
+                                  if "_exps." in t.name and t.name.startswith("blk.")})
+    return memo["moe_layers"]
+
+
 def peak(device, coeff: KernelCoefficients, path: str) -> float | None:
     """The rate ``path`` runs at on ``device``: the profile field its kind names, else the next one it has."""
     wanted = coeff.peaks.get(path, "bf16_flops")
@@ -100,6 +109,7 @@ class KernelSpeed:
         self.n_layers = spec.n_layers
         self.n_expert = spec.n_expert or 0
         self.n_used = spec.n_expert_used or 0
+        self.moe_layers = moe_layers(spec)
 
     def _touched(self, group: WeightGroup, tokens: int) -> float:
         """Bytes of ``group`` that ``tokens`` routed tokens read (uniform routing)."""
@@ -150,7 +160,7 @@ class KernelSpeed:
         nbytes += kv_bytes
         attn = batch * self.cost.attention_flops(1, max(context - 1, 0))
         compute_s += attn / self._rate("attn") if attn else 0.0
-        fixed = c.token_s + self.n_layers * c.layer_s
+        fixed = c.token_s + self.n_layers * c.layer_s + self.moe_layers * c.moe_layer_s
         return Timing(fixed + max(memory_s, compute_s), compute_s, memory_s, fixed, flops + attn, nbytes)
 
     def prefill(self, batch: int, new: int, cached: int = 0) -> Timing:

@@ -259,7 +259,7 @@ def _scaled(e: Estimate, factor: float) -> Estimate:
                     round(e.flops * factor), e.bytes, e.source)
 
 
-LLAMACPP_FORMULA = ("decode step = t_token + n_layer·t_layer + Σ_type D_type/(β·e_type) + L·k/(β·e_kv); prefill = "
+LLAMACPP_FORMULA = ("decode step = t_token + n_layer·t_layer + n_moe·t_moe + Σ_type D_type/(β·e_type) + L·k/(β·e_kv); prefill = "
                     "Σ per micro-batch max(2·N·u/(P_path·m_path), D/(β·e)) + attention/(P_attn·m_attn) + "
                     "n_layer·t_ubatch; batch 1; coefficients per device kind fitted to published llama-bench "
                     "results (docs/speed.md)")
