@@ -1,10 +1,16 @@
 """Fixtures every test folder shares: tiny generated GGUFs and the embedded model."""
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from tests.support.ggufgen import write_tiny_llama, write_tiny_model
+
+# Tests that send SIGINT to themselves expect Python's KeyboardInterrupt; a runner started with SIGINT ignored
+# (nohup, some CI shells) passes SIG_IGN on, and they would wait for an interrupt that never comes.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

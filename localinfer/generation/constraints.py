@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from localinfer.errors import GrammarError, UsageError
+from localinfer.generation.grammar_guard import check_size, guarded
 
 # Compact JSON with a space after ':' and ',' (what chat models write); a schema's own "x-guidance" overrides it.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -59,7 +60,15 @@ def _llg():
 
 
 def grammar_from(kind: str, value, field: str) -> str:
-    """An llguidance grammar for ``value`` of ``kind`` (one of KINDS); GrammarError naming ``field``."""
+    """An llguidance grammar for ``value`` of ``kind`` (one of KINDS); GrammarError naming ``field``.
+
+    Bounded (:mod:`localinfer.generation.grammar_guard`): sizes and depth checked first, the compile in a
+    large-stack thread of its own under a time limit."""
+    check_size(kind, value, field)
+    return guarded(lambda: _compile(kind, value, field), field)
+
+
+def _compile(kind: str, value, field: str) -> str:
     llg = _llg()
     try:
         if kind == "json_schema":
@@ -213,7 +222,8 @@ class Constraint:
 
     def __init__(self, tokenizer, grammar: str, field: str = "grammar"):
         llg = _llg()
-        self.matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        # building the matcher compiles the grammar again, against the tokenizer: bounded like grammar_from
+        self.matcher = guarded(lambda: llg.LLMatcher(tokenizer, grammar, log_level=0), field)
         if self.matcher.is_error():
             raise GrammarError(f"{field} does not compile: {_one_line(self.matcher.get_error())}", field=field)
         self.n_vocab = tokenizer.vocab_size

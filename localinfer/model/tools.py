@@ -112,8 +112,11 @@ def tool_grammar(fmt: ToolFormat, tools: list[dict], *, required: bool, parallel
 
 
 def _generic_grammar(tools: list[dict], *, required: bool, parallel: bool) -> str:
-    calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": args_schema(t, False)},
-                        "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+    defs: dict = {}
+    calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                                        "arguments": hoisted(args_schema(t, False), f"tool{i}", defs)},
+                        "required": ["name", "arguments"], "additionalProperties": False}
+                       for i, t in enumerate(tools)]}
     listed = {"type": "array", "items": calls, "minItems": 1}
     if not parallel:
         listed["maxItems"] = 1
@@ -122,7 +125,56 @@ def _generic_grammar(tools: list[dict], *, required: bool, parallel: bool) -> st
     reply = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
              "additionalProperties": False}
     schema = {"x-guidance": JSON_STYLE, **(call if required else {"anyOf": [call, reply]})}
+    if defs:
+        schema["$defs"] = defs
     return "%llguidance {}\nstart: %json " + json.dumps(schema, ensure_ascii=False) + "\n"
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def hoisted(schema: dict, tag: str, defs: dict) -> dict:
+    """``schema`` (a tool's arguments) made fit to sit inside another schema: its ``$defs`` / ``definitions`` move
+    into ``defs`` under ``tag``-prefixed names and its ``$ref`` pointers (``#/$defs/x``, ``#/definitions/x``, ``#``)
+    are rewritten to them, so they resolve against the enclosing schema's root.  The schema's depth is bounded
+    (generation/grammar_guard.py) before this runs."""
+    def esc(name: str) -> str:
+        return name.replace("~", "~0").replace("/", "~1")
+
+    def unesc(name: str) -> str:
+        return name.replace("~1", "/").replace("~0", "~")
+
+    def new_name(key: str, name: str) -> str:
+        return f"{tag}_{name}" if key == "$defs" else f"{tag}_definitions_{name}"
+
+    roots = []
+
+    def ref(r: str) -> str:
+        if r == "#":
+            roots.append(True)
+            return f"#/$defs/{tag}"
+        for key in _DEF_KEYS:
+            head = f"#/{key}/"
+            if r.startswith(head):
+                name, sep, tail = r[len(head):].partition("/")
+                return f"#/$defs/{esc(new_name(key, unesc(name)))}" + (sep + tail if sep else "")
+        return r
+
+    def rewrite(v):
+        if isinstance(v, dict):
+            return {k: (ref(x) if k == "$ref" and isinstance(x, str) else rewrite(x)) for k, x in v.items()}
+        if isinstance(v, list):
+            return [rewrite(x) for x in v]
+        return v
+
+    own = {k: v for k, v in schema.items() if k not in _DEF_KEYS}
+    for key in _DEF_KEYS:
+        for name, sub in (schema.get(key) or {}).items():
+            defs[new_name(key, name)] = rewrite(sub)
+    body = rewrite(own)
+    if roots:
+        defs[tag] = body
+    return body
 
 
 def generic_messages(messages: list[dict], tools: list[dict], required: bool, describe: bool = True) -> list[dict]:

@@ -13,6 +13,8 @@ The access guard (Host, Origin/CORS, API key, body size) is :mod:`.guard`.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -138,7 +140,11 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
         return Response(m.exposition(), media_type=CONTENT_TYPE)
 
     async def generate(request: Request, chat: bool) -> Response:
-        spec = parse(await srv.body(request), chat=chat, deadline_header=request.headers.get(DEADLINE_HEADER))
+        body = await srv.body(request)
+        # off the event loop: a schema or grammar compiles here (bounded: generation/grammar_guard.py), and
+        # /health and the other clients go on meanwhile
+        spec = await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(parse, body, chat=chat, deadline_header=request.headers.get(DEADLINE_HEADER)))
         srv.check_model(spec.model)
         prompts = await srv.tokens(spec)
         echo = None

@@ -30,6 +30,7 @@ log = logging.getLogger("localinfer.serve")
 MAX_INPUTS = 2048                 # OpenAI's limit of inputs per request
 EMBED_CTX = 4096                  # tokens per embeddings decode (and so per input), at most the model's context
 EMBED_SEQS = 8
+MAX_REQUEST_TOKENS = 8192         # tokens one request may embed: the thread is shared, one request must not hold it
 
 
 class Embeddings:
@@ -125,7 +126,7 @@ def _inputs(v, param: str = "input") -> list:
 def _tokens(srv, items: list, param: str) -> list[tuple[int, ...]]:
     """Token ids per input (a worker thread), each within the embeddings context."""
     tok, ctx = srv.runtime.tokenizer, srv.embeddings.context
-    out = []
+    out, total = [], 0
     for i, x in enumerate(items):
         if isinstance(x, str):
             check_bytes(tok, len(x.encode("utf-8", "replace")), ctx + 1, f"{param}[{i}]", param)
@@ -137,6 +138,11 @@ def _tokens(srv, items: list, param: str) -> list[tuple[int, ...]]:
         if len(ids) > ctx:
             raise bad(param, f"{param}[{i}] is {len(ids)} tokens; an embedded input may have at most {ctx}",
                       code="context_length_exceeded")
+        total += len(ids)
+        if total > MAX_REQUEST_TOKENS:
+            raise APIError(413, f"{param} is over {MAX_REQUEST_TOKENS} tokens by its item {i}; one embeddings "
+                                f"request may hold at most {MAX_REQUEST_TOKENS}: send the rest in further requests",
+                           param=param, code="too_many_tokens")
         out.append(ids)
     return out
 

@@ -51,17 +51,24 @@ async def read_json(request, cap: int, timeout_s: float | None = None):
 
 def loads(body: bytes):
     """json.loads with every failure a 400 naming what is wrong."""
+    return loads_field(body, None)
+
+
+def loads_field(text: bytes | str, field: str | None):
+    """json.loads of the request body (``field`` None) or of a JSON string inside it (``field`` names it), every
+    failure a 400: not UTF-8, not JSON, nested past the parser's depth, a number with too many digits."""
+    what = "the request body" if field is None else field
     try:
-        return json.loads(body)
+        return json.loads(text)
     except UnicodeDecodeError:
-        raise bad(None, "the request body is not UTF-8", code="invalid_json") from None
+        raise bad(field, f"{what} is not UTF-8", code="invalid_json") from None
     except json.JSONDecodeError as exc:
-        raise bad(None, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+        raise bad(field, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                   code="invalid_json") from None
     except RecursionError:
-        raise bad(None, "the request body is nested too deeply to parse", code="invalid_json") from None
+        raise bad(field, f"{what} is nested too deeply to parse", code="invalid_json") from None
     except ValueError as exc:           # an integer over sys.get_int_max_str_digits() digits
-        raise bad(None, f"the request body holds a number that cannot be read: {str(exc)[:80]}",
+        raise bad(field, f"{what} holds a number that cannot be read: {str(exc)[:80]}",
                   code="invalid_json") from None
 
 

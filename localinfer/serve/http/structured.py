@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 from localinfer.errors import GrammarError
 from localinfer.generation.constraints import grammar_from
-from localinfer.serve.http.errors import bad
+from localinfer.generation.grammar_guard import MAX_JSON_DEPTH, json_depth
+from localinfer.serve.http.errors import APIError, bad
+from localinfer.serve.http.intake import loads_field
 
 MAX_TOOLS = 128
+MAX_ARGUMENT_BYTES = 1 << 20        # one tool call's arguments in the history
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z][\w-]*\s*::=")     # a line "name ::= ...": llama.cpp's GBNF, not Lark
 
@@ -93,6 +96,8 @@ def _compile(kind: str, value, field: str) -> str:
     try:
         return grammar_from(kind, value, field)
     except GrammarError as exc:
+        if exc.facts.get("busy"):
+            raise APIError(503, str(exc), param=field, code="grammar_busy", headers={"Retry-After": "1"}) from None
         raise bad(field, str(exc), code="invalid_grammar") from None
 
 
@@ -172,12 +177,13 @@ def _call(c, where: str) -> dict:
     if not isinstance(f.get("name"), str) or not f["name"]:
         raise bad(f"{where}.function.name", f"{where}.function.name must be a non-empty string")
     args = f.get("arguments", "{}")
+    field = f"{where}.function.arguments"
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as exc:
-            raise bad(f"{where}.function.arguments", f"{where}.function.arguments is not valid JSON: {exc.msg} at "
-                                                     f"column {exc.colno}") from None
+        if len(args) > MAX_ARGUMENT_BYTES:
+            raise bad(field, f"{field} is {len(args):,} characters; the limit is {MAX_ARGUMENT_BYTES:,}")
+        args = loads_field(args, field) if args.strip() else {}
+    if json_depth(args) > MAX_JSON_DEPTH:
+        raise bad(field, f"{field} nests deeper than {MAX_JSON_DEPTH} levels; flatten it")
     if not isinstance(args, dict):
         raise bad(f"{where}.function.arguments", f"{where}.function.arguments must be a JSON object")
     cid = c.get("id")
