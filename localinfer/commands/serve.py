@@ -149,6 +149,9 @@ def _check(args) -> str | None:
     key = _api_key(args)
     if key is not None and (not key.strip() or any(c.isspace() for c in key)):
         raise UsageError("the API key must be non-empty and contain no spaces", flag="--api-key")
+    if key is not None and not (key.isascii() and key.isprintable()):
+        raise UsageError("--api-key: the API key must be printable ASCII: an HTTP Authorization header cannot "
+                         "carry other characters, so no client could send it", flag="--api-key")
     if not _loopback(args.host):
         if key is None and not args.insecure:
             raise UsageError(f"--host {args.host} is reachable from other machines and no API key is set",

@@ -70,6 +70,9 @@ def _check(args) -> str:
             raise UsageError(f"--mem: {exc}", flag="--mem", hint="e.g. --mem 16GiB") from None
         if args.mem <= 0:
             raise UsageError("--mem must be positive", flag="--mem", hint="e.g. --mem 16GiB")
+    if ":" in args.host or "[" in args.host:
+        raise UsageError(f"--host {args.host}: llama.cpp's RPC server listens on an IPv4 address or a host name",
+                         flag="--host", hint="use 127.0.0.1 (or localhost)")
     return parse_endpoint(f"{args.host}:{args.port or 1}").rpartition(":")[0]
 
 

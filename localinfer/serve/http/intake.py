@@ -31,7 +31,8 @@ async def read_json(request, cap: int, timeout_s: float | None = None):
     from starlette.requests import ClientDisconnect
 
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if ctype not in ("application/json", ""):
+    # curl -d sends application/x-www-form-urlencoded (Ollama's and OpenAI's curl examples do): the body is JSON
+    if ctype not in ("application/json", "", "application/x-www-form-urlencoded", "text/plain"):
         raise APIError(415, f"Content-Type must be application/json, got {ctype[:60]!r}", code="unsupported_media")
     body = bytearray()
     try:

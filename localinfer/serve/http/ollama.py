@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from datetime import UTC, datetime
 
@@ -40,6 +41,19 @@ NDJSON = "application/x-ndjson"
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+_DURATION = re.compile(r"^-?\d+(\.\d+)?(ns|us|µs|ms|s|m|h)?$")
+
+
+def _keep_alive(v) -> None:
+    """Ollama's keep_alive: seconds (a number) or a Go duration ("5m", "1h", "-1"); the model stays loaded
+    here whatever it says, but a value Ollama would refuse is a 400 naming it."""
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        return
+    if not isinstance(v, str) or not _DURATION.match(v.strip()):
+        raise bad("keep_alive", f"keep_alive must be a number of seconds or a duration such as \"5m\", got "
+                                f"{_kind(v)}")
 
 
 def _refuse(body: dict) -> None:
@@ -111,10 +125,13 @@ def routes(srv) -> list:
         body = await srv.body(request)
         if not isinstance(body, dict):
             raise bad(None, f"the request body must be a JSON object, got {_kind(body)}")
+        if body.get("model") is None and body.get("name") is not None:
+            body = {**body, "model": body["name"]}       # Ollama's older field (/api/show, /api/pull, ...)
         name = body.get("model")
         if not isinstance(name, str) or not name:
             raise bad("model", f"model must be a non-empty string, got {_kind(name)}")
         srv.check_model(name)
+        _keep_alive(body.get("keep_alive"))
         return body
 
     async def generate(request: Request, chat: bool) -> Response:
