@@ -9,7 +9,8 @@ scans into OpenAI deltas — content, then per call ``index``, ``id``, ``type`` 
 final ``content`` and ``tool_calls`` are the same scan of the whole text, so the
 non-streamed answer is exactly what a client reassembles from the stream.  Text
 before the trigger is content (a partial trigger at the end is held back); a call
-whose arguments never closed (the reply was cut) is not a call.
+whose arguments never closed is not a call, unless the reply was cut by its token
+limit: then it is kept with what it has (``finish_reason: length``), as streamed.
 """
 
 from __future__ import annotations
@@ -137,10 +138,11 @@ class ToolStream:
     def finish(self) -> list[dict]:
         return self.feed("", final=True)
 
-    def result(self) -> tuple[str | None, list[dict]]:
-        """(content or None, tool_calls in OpenAI's message shape) of the whole reply."""
+    def result(self, cut: bool = False) -> tuple[str | None, list[dict]]:
+        """(content or None, tool_calls in OpenAI's message shape) of the whole reply.  ``cut`` (finish_reason
+        length): a call whose arguments never closed is kept with the arguments it has, as the stream sent them."""
         content, calls = scan(self.fmt, self.text, True)
-        calls = [c for c in calls if _valid(c)]
+        calls = [c for c in calls if _valid(c) or (cut and not c.complete)]
         if not calls and self.fmt is not GENERIC and self.fmt.trigger in self.text:
             content = self.text
         while len(self.ids) < len(calls):

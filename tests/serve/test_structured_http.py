@@ -185,6 +185,28 @@ def test_generic_tool_history_and_stream(client):
            [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
 
 
+def test_a_tool_call_cut_by_max_tokens_is_returned_as_far_as_it_got_as_the_stream_delivers_it(client):
+    # issue 44: the non-streamed reply had no content and no call (smolagents then failed confusingly)
+    kw = {"model": MODEL_ID, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 24,
+          "temperature": 0}
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "length"
+    assert whole.message.tool_calls, whole
+    call = whole.message.tool_calls[0]
+    assert call.function.name in {"get_weather", "search"} and call.id
+    calls, finish = {}, None          # the stream reassembled by hand (the SDK's helper refuses a length end)
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or ():
+                got = calls.setdefault(d.index, ["", ""])
+                got[0] += d.function.name or "" if d.function else ""
+                got[1] += d.function.arguments or "" if d.function else ""
+    assert finish == "length"
+    assert [tuple(calls[i]) for i in sorted(calls)] == \
+           [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),

@@ -180,7 +180,8 @@ class Reply:
         out["choices"] = [R.choice(self.spec.chat, i, self._echo(i) + "".join(parts[i]), self.reasons[i],
                                    None if self.spec.logprobs is None else
                                    R.logprobs_for(self.spec.chat, self.texts[i], lps[i]))
-                          if self.tools is None else R.tool_choice(i, *self.tools[i].result(), self.reasons[i])
+                          if self.tools is None else
+                          R.tool_choice(i, *self.tools[i].result(cut=self.reasons[i] == "length"), self.reasons[i])
                           for i in range(len(self.handles))]
         out["usage"] = self.usage()
         return out
