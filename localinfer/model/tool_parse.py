@@ -55,8 +55,9 @@ def _object_end(text: str, start: int) -> int | None:
     return None
 
 
-def scan(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[Call]]:
-    """(content so far, calls so far) of a reply's text in format ``fmt``."""
+def scan(fmt: ToolFormat, text: str, final: bool, answer_json: bool = False) -> tuple[str, list[Call]]:
+    """(content so far, calls so far) of a reply's text in format ``fmt``; ``answer_json``: a reply without
+    calls is response_format's JSON, its content whole (not the generic format's ``{"content": ...}``)."""
     if fmt is GENERIC:
         start, content = 0, ""
     else:
@@ -75,7 +76,9 @@ def scan(fmt: ToolFormat, text: str, final: bool) -> tuple[str, list[Call]]:
         if end is None:
             break
         pos = end
-    if fmt is GENERIC and final and not calls:
+    if fmt is GENERIC and final and not calls and answer_json:
+        content = text
+    elif fmt is GENERIC and final and not calls:
         try:
             obj = json.loads(text)
             content = obj["content"] if isinstance(obj, dict) and isinstance(obj.get("content"), str) else text
@@ -103,8 +106,9 @@ def _valid(call: Call) -> bool:
 class ToolStream:
     """One choice's reply in a tool format: ``feed`` text as it comes, get OpenAI deltas; ``result`` at the end."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, answer_json: bool = False):
         self.fmt = fmt
+        self.answer_json = answer_json
         self.text = ""
         self.ids: list[str] = []          # one per call announced
         self._content = ""                # content sent so far
@@ -113,7 +117,7 @@ class ToolStream:
     def feed(self, text: str, final: bool = False) -> list[dict]:
         """Append ``text``; the deltas it makes (``{"content": ...}`` or ``{"tool_calls": [...]}``)."""
         self.text += text
-        content, calls = scan(self.fmt, self.text, final)
+        content, calls = scan(self.fmt, self.text, final, self.answer_json)
         if final:
             calls = [c for c in calls if _valid(c)]
             if not calls and self.fmt is not GENERIC:
@@ -141,7 +145,7 @@ class ToolStream:
     def result(self, cut: bool = False) -> tuple[str | None, list[dict]]:
         """(content or None, tool_calls in OpenAI's message shape) of the whole reply.  ``cut`` (finish_reason
         length): a call whose arguments never closed is kept with the arguments it has, as the stream sent them."""
-        content, calls = scan(self.fmt, self.text, True)
+        content, calls = scan(self.fmt, self.text, True, self.answer_json)
         calls = [c for c in calls if _valid(c) or (cut and not c.complete)]
         if not calls and self.fmt is not GENERIC and self.fmt.trigger in self.text:
             content = self.text

@@ -72,14 +72,15 @@ def _lit(text: str) -> str:
 
 
 def tool_grammar(fmt: ToolFormat, tools: list[dict], *, required: bool, parallel: bool,
-                 trigger_token: int | None = None) -> str:
+                 trigger_token: int | None = None, answer: dict | None = None) -> str:
     """A Lark grammar for the reply: calls only (``required``), or text that may turn into calls (``auto``).
 
     ``tools``: ``{"name", "parameters"}`` each (named tool_choice: just that one).  ``trigger_token``: the
     trigger's id when it is one special token of the vocabulary (``<[id]>`` in the grammar), else its text.
+    ``answer``: a JSON schema (response_format) the reply follows when it calls no tool, in place of free text.
     """
     if fmt is GENERIC:
-        return _generic_grammar(tools, required=required, parallel=parallel)
+        return _generic_grammar(tools, required=required, parallel=parallel, answer=answer)
     parallel = parallel and fmt.parallel
     lines = ["%llguidance {}"]
     calls, rests = [], []
@@ -104,6 +105,9 @@ def tool_grammar(fmt: ToolFormat, tools: list[dict], *, required: bool, parallel
     lines.append(f"after: {after}")
     if required:
         lines.append(f"start: {trig} after")
+    elif answer is not None:
+        schema = json.dumps(args_schema({"parameters": answer}), ensure_ascii=False)
+        lines += [f"answer: %json {schema}", f"start: answer | {trig} after"]
     elif trigger_token is not None:
         lines += ["start: TEXT | TEXT " + trig + " after", r"TEXT: /(.|\n)*/"]
     else:
@@ -111,7 +115,7 @@ def tool_grammar(fmt: ToolFormat, tools: list[dict], *, required: bool, parallel
     return "\n".join(lines) + "\n"
 
 
-def _generic_grammar(tools: list[dict], *, required: bool, parallel: bool) -> str:
+def _generic_grammar(tools: list[dict], *, required: bool, parallel: bool, answer: dict | None = None) -> str:
     defs: dict = {}
     calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["name"]},
                                                         "arguments": hoisted(args_schema(t, False), f"tool{i}", defs)},
@@ -124,6 +128,8 @@ def _generic_grammar(tools: list[dict], *, required: bool, parallel: bool) -> st
             "additionalProperties": False}
     reply = {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
              "additionalProperties": False}
+    if answer is not None:
+        reply = hoisted(answer, "answer", defs)
     schema = {"x-guidance": JSON_STYLE, **(call if required else {"anyOf": [call, reply]})}
     if defs:
         schema["$defs"] = defs

@@ -185,6 +185,38 @@ def test_generic_tool_history_and_stream(client):
            [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
 
 
+def test_tools_with_response_format_on_the_generic_format_and_the_sdks_parse(client):
+    pydantic = pytest.importorskip("pydantic")
+
+    class Weather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=20)
+        celsius: int = pydantic.Field(ge=-60, le=60)
+
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=20)
+
+    import openai
+
+    tools = [openai.pydantic_function_tool(GetWeather, name="get_weather")]
+    seen = set()
+    for seed in range(4):
+        ch = client.chat.completions.parse(model=MODEL_ID, messages=ASK, tools=tools, response_format=Weather,
+                                           max_tokens=80, seed=seed).choices[0]
+        if ch.message.tool_calls:
+            seen.add("call")
+            call = ch.message.tool_calls[0]
+            assert call.function.name == "get_weather"
+            assert isinstance(call.function.parsed_arguments, GetWeather)
+        else:
+            seen.add("answer")
+            assert ch.finish_reason == "stop" and isinstance(ch.message.parsed, Weather), ch
+    assert seen
+    # tool_choice required still means calls only; a regex beside tools still cannot hold
+    ch = client.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, tool_choice="required",
+                                        response_format={"type": "json_object"}, max_tokens=80).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+
+
 def test_a_tool_call_cut_by_max_tokens_is_returned_as_far_as_it_got_as_the_stream_delivers_it(client):
     # issue 44: the non-streamed reply had no content and no call (smolagents then failed confusingly)
     kw = {"model": MODEL_ID, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 24,

@@ -119,3 +119,25 @@ def test_malformed_call_in_history_is_a_400(fmt_client):
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model=MODEL_ID, messages=bad, tools=TOOLS, max_tokens=4)
     assert err.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "celsius": {"type": "integer", "minimum": -60, "maximum": 60}},
+          "required": ["city", "celsius"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_tools_with_response_format_reply_with_calls_or_the_schemas_json(fmt_client, seed):
+    # issue 44: what openai-agents (output_type + tools), pydantic-ai and the ai SDK send; a 400 before
+    _, c, _ = fmt_client
+    ch = c.chat.completions.create(model=MODEL_ID, messages=ASK, tools=TOOLS, max_tokens=120, seed=seed,
+                                   response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "answer", "schema": ANSWER}}).choices[0]
+    if ch.message.tool_calls:           # cut by max_tokens, the last call is as far as it got
+        calls = ch.message.tool_calls if ch.finish_reason != "length" else ch.message.tool_calls[:-1]
+        if calls:
+            _check_calls(calls)
+    elif ch.finish_reason == "stop":
+        jsonschema.validate(json.loads(ch.message.content), ANSWER)
+    else:
+        assert ch.finish_reason == "length" and ch.message.content.lstrip().startswith("{")

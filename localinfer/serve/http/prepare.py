@@ -29,6 +29,7 @@ class Prepared:
     constraint: Constraint | None = None
     tools: ToolFormat | None = None           # read the reply's tool calls in this format
     trigger_token: int | None = None          # the format's trigger when it is one special token
+    answer_json: bool = False                 # a reply without calls is response_format's JSON, kept whole
 
     def constraints(self, n: int) -> list[Constraint | None]:
         """One matcher per choice."""
@@ -62,7 +63,7 @@ def prepare(runtime, config, spec: GenerationSpec, vocab=None) -> Prepared:
             trigger = _special(tok, fmt.trigger)
             tools = [t for t in st.tools if st.named in (None, t["name"])]
             grammar, field = tool_grammar(fmt, tools, required=st.tool_choice == "required", parallel=st.parallel,
-                                          trigger_token=trigger), "tools"
+                                          trigger_token=trigger, answer=st.answer), "tools"
         else:
             fmt, grammar, field = None, st.grammar, st.field    # tool_choice none: any response_format holds
     elif st is not None:
@@ -71,7 +72,8 @@ def prepare(runtime, config, spec: GenerationSpec, vocab=None) -> Prepared:
         prompt = tuple(template.tokens(vocab or tok, messages, **extra))
     except TemplateError as exc:
         raise bad("messages", f"the chat template refused these messages: {exc}", code="template_error") from None
-    return Prepared(prompt, _constraint(tok, grammar, field), fmt, trigger)
+    answer_json = fmt is not None and st is not None and st.answer is not None
+    return Prepared(prompt, _constraint(tok, grammar, field), fmt, trigger, answer_json)
 
 
 def _constraint(tok, grammar: str | None, field: str | None) -> Constraint | None:

@@ -54,7 +54,8 @@ class Reply:
         every = [p for p in self.prompts for _ in range(spec.n)]
         self.handles, self.queue = runtime.submit(every, make, asyncio.get_running_loop())
         self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in self.handles]
-        self.tools = [ToolStream(self.ready.tools) for _ in self.handles] if self.ready.tools is not None else None
+        self.tools = ([ToolStream(self.ready.tools, self.ready.answer_json) for _ in self.handles]
+                      if self.ready.tools is not None else None)
         self.reasons: list[str | None] = [None] * len(self.handles)
         self.client_gone = False
         self._first: Event | None = None

@@ -36,6 +36,7 @@ class Structure:
     tool_choice: str = "auto"           # none | auto | required
     named: str | None = None            # tool_choice naming one function
     parallel: bool = True
+    answer: dict | None = None          # with tools: the JSON schema a reply that calls no tool follows
 
     @property
     def calls_tools(self) -> bool:
@@ -45,7 +46,7 @@ class Structure:
 def parse_structure(body: dict) -> Structure | None:
     """The request's structure, or None when nothing constrains it."""
     kinds = []
-    grammar = field = None
+    grammar = field = answer = None
     rf = body.get("response_format")
     if rf is not None:
         if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
@@ -54,6 +55,7 @@ def parse_structure(body: dict) -> Structure | None:
         kind = rf["type"]
         if kind == "json_object":
             grammar, field = _compile("json_object", None, "response_format"), "response_format"
+            answer = {"type": "object"}
             kinds.append("response_format")
         elif kind == "json_schema":
             js = rf.get("json_schema")
@@ -66,6 +68,7 @@ def parse_structure(body: dict) -> Structure | None:
             if not isinstance(js.get("schema"), dict):
                 raise bad(field, f"{field} must be a JSON schema object")
             grammar = _compile("json_schema", js["schema"], field)
+            answer = js["schema"]
             kinds.append("response_format")
         elif kind != "text":
             raise bad("response_format.type", "response_format.type must be text, json_object or json_schema, got "
@@ -85,11 +88,14 @@ def parse_structure(body: dict) -> Structure | None:
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", "parallel_tool_calls must be true or false")
-    if tools and choice != "none" and grammar is not None:
-        raise bad(kinds[0], f"{kinds[0]} and tools cannot constrain one reply: drop one, or send tool_choice: none")
+    if tools and choice != "none" and grammar is not None and answer is None:
+        raise bad(kinds[0], f"{kinds[0]} and tools cannot constrain one reply (response_format can): drop one, or "
+                            "send tool_choice: none")
     if grammar is None and not tools:
         return None
-    return Structure(grammar, field, tools, choice, named, parallel)
+    # tools with response_format: a reply is tool calls, or (tool_choice auto) JSON that follows the schema, as
+    # OpenAI serves what agent frameworks send (openai-agents output_type, pydantic-ai NativeOutput, ai SDK)
+    return Structure(grammar, field, tools, choice, named, parallel, answer if tools else None)
 
 
 def _compile(kind: str, value, field: str) -> str:
