@@ -3,7 +3,11 @@ bounded store (issue 32 item 13)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+
+from tests.serve.test_http_support import MODEL_ID
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -68,10 +72,67 @@ def test_the_store_is_bounded():
     assert list(s.items) == ["big"] and s.chars == 95
 
 
-def test_tools_and_other_items_are_refused(srv):
+def test_built_in_tools_and_unknown_items_are_refused_naming_them(srv):
     with httpx.Client(base_url=srv.base_url, timeout=30) as c:
-        for body, param in (({"tools": [{"type": "function", "name": "f"}]}, "tools"),
-                            ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
-                            ({"input": 5}, "input"), ({"text": {"format": {"type": "json_object"}}}, "text.format")):
+        for body, param in (({"tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
+                            ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
+                            ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+                            ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+                            ({"input": 5}, "input"), ({"text": {"format": {"type": "yaml"}}}, "text.format"),
+                            ({"tool_choice": {"type": "file_search"}}, "tool_choice")):
             r = c.post("/responses", json={"model": "m", "input": "hi", **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+           "required": ["city"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER}
+
+
+def test_function_tools_round_trip_with_the_openai_client(client):
+    # issue 44: the Agents SDK's default path — a call, its output fed back by previous_response_id, an answer
+    r = client.responses.create(model=MODEL_ID, input="Weather in Oslo?", tools=[TOOL], tool_choice="required",
+                                max_output_tokens=40, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id
+    assert isinstance(json.loads(calls[0].arguments), dict)
+    follow = client.responses.create(model=MODEL_ID, previous_response_id=r.id, tools=[TOOL], tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "12 degrees"}], max_output_tokens=8, temperature=0)
+    assert follow.output_text and not [o for o in follow.output if o.type == "function_call"]
+    # the same turn written out by hand (no store): function_call then function_call_output items
+    again = client.responses.create(model=MODEL_ID, store=False, tools=[TOOL], max_output_tokens=8, temperature=0,
+                                    input=[{"role": "user", "content": "Weather in Oslo?"},
+                                           {"type": "function_call", "call_id": calls[0].call_id,
+                                            "name": "get_weather", "arguments": calls[0].arguments},
+                                           {"type": "function_call_output", "call_id": calls[0].call_id,
+                                            "output": "12 degrees"}])
+    assert again.status in ("completed", "incomplete")
+
+
+def test_streamed_function_calls_send_openais_events_and_reassemble(client):
+    kw = {"model": MODEL_ID, "input": "Weather in Oslo?", "tools": [TOOL], "tool_choice": "required",
+          "max_output_tokens": 40, "temperature": 0}
+    whole = client.responses.create(**kw)
+    kinds, args = [], ""
+    with client.responses.stream(**kw) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.function_call_arguments.delta":
+                args += event.delta
+        final = stream.get_final_response()
+    assert "response.output_item.added" in kinds and "response.function_call_arguments.done" in kinds
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.delta" in kinds
+    got = [(o.name, o.arguments) for o in final.output if o.type == "function_call"]
+    assert got == [(o.name, o.arguments) for o in whole.output if o.type == "function_call"]
+    assert args == got[0][1]
+
+
+def test_text_format_json_schema_gives_json_that_follows_it(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.responses.create(model=MODEL_ID, input="Name a city.", max_output_tokens=40, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    assert r.text.format.type == "json_schema"
+    if r.status == "completed":
+        assert set(json.loads(r.output_text)) == {"city"}

@@ -8,12 +8,15 @@ message.  The reply is a ``response`` object with one ``message`` output item;
 (``store``, default true) keeps its conversation so a later request's
 ``previous_response_id`` continues it; at most ``MAX_STORED`` responses and
 ``MAX_STORED_CHARS`` characters are kept, the oldest dropped first.  ``GET`` and
-``DELETE /v1/responses/{id}`` read and drop one.  Tools and structured output
-are refused (400) until the server has them: they share the chat path.
+``DELETE /v1/responses/{id}`` read and drop one.  Function tools, ``tool_choice``,
+``parallel_tool_calls``, ``text.format`` and the ``function_call`` / ``function_call_output`` input items go
+through the chat path (:mod:`.responses_tools`): a reply's calls are ``function_call`` output items, streamed
+as OpenAI streams them, and a stored response keeps them for the next turn's ``previous_response_id``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -24,13 +27,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localinfer.serve.http.errors import APIError, bad
+from localinfer.serve.http.responses_tools import (ToolEvents, chat_fields, history_message, input_messages,
+                                                   output_items)
 from localinfer.serve.http.schemas import _kind, parse
 from localinfer.serve.http.sse import EventStream
 
 MAX_STORED = 1000
 MAX_STORED_CHARS = 64 << 20
-REFUSED = ("tools", "tool_choice", "reasoning", "prompt", "include", "background", "conversation")
-TEXT_PARTS = ("input_text", "output_text", "text")
+REFUSED = ("reasoning", "prompt", "include", "background", "conversation")
 
 
 class Store:
@@ -41,7 +45,7 @@ class Store:
         self.max_items, self.max_chars, self.chars = max_items, max_chars, 0
 
     def put(self, response: dict, messages: list[dict]) -> None:
-        size = sum(len(m["content"]) for m in messages)
+        size = sum(len(m["content"] or "") + len(str(m.get("tool_calls") or "")) for m in messages)
         self.items[response["id"]] = (response, messages, size)
         self.chars += size
         while self.items and (len(self.items) > self.max_items or self.chars > self.max_chars):
@@ -74,41 +78,25 @@ def _messages(body: dict) -> list[dict]:
         return out + [{"role": "user", "content": v}]
     if not isinstance(v, list) or not v:
         raise bad("input", f"input must be a string or a non-empty array of messages, got {_kind(v)}")
-    for i, item in enumerate(v):
-        where = f"input[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else _kind(item)
-            raise bad(where, f"{where} must be a message (tool calls are not supported yet), got {kind!r}")
-        content = item.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") not in TEXT_PARTS or not isinstance(p.get("text"), str):
-                    raise bad(f"{where}.content[{j}]", f"{where}.content[{j}] must be a text part "
-                                                      "{type: input_text, text}")
-                texts.append(p["text"])
-            content = "".join(texts)
-        out.append({"role": item.get("role"), "content": content})
-    return out
+    return out + input_messages(v)
 
 
 def routes(srv) -> list:
     store = Store()
     srv.responses_store = store
 
-    def envelope(rid: str, body: dict, status: str, text: str | None, usage: dict | None, reason: str | None,
+    def envelope(rid: str, body: dict, status: str, output: list[dict], usage: dict | None, reason: str | None,
                  prev: str | None, created: int) -> dict:
-        output = []
-        if text is not None:
-            output = [{"type": "message", "id": "msg_" + rid[5:], "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+        text = body.get("text") if isinstance(body.get("text"), dict) else {}
         return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
                 "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-                "model": srv.config.model_id, "output": output, "parallel_tool_calls": True,
+                "model": srv.config.model_id, "output": output,
+                "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
                 "previous_response_id": prev, "reasoning": {"effort": None, "summary": None},
                 "store": body.get("store", True) is not False, "temperature": body.get("temperature"),
-                "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+                "text": {"format": text.get("format") or {"type": "text"}},
+                "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
                 "top_p": body.get("top_p"), "truncation": "disabled", "usage": usage, "user": body.get("user"),
                 "metadata": body.get("metadata") or {}}
 
@@ -119,10 +107,6 @@ def routes(srv) -> list:
         for name in REFUSED:
             if body.get(name) not in (None, [], {}, "", "auto", "none"):
                 raise bad(name, f"{name} is not supported by this server yet", code="unsupported_parameter")
-        fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-        if fmt not in (None, {"type": "text"}):
-            raise bad("text.format", "only text output is supported by this server yet",
-                      code="unsupported_parameter")
         prev = body.get("previous_response_id")
         history: list[dict] = []
         if prev is not None:
@@ -133,8 +117,8 @@ def routes(srv) -> list:
         k = 1 if body.get("instructions") is not None else 0     # this request's instructions lead
         messages = new[:k] + history + new[k:]
         ob = {"model": body.get("model"), "messages": messages, "max_completion_tokens": body.get("max_output_tokens"),
-              "temperature": body.get("temperature"), "top_p": body.get("top_p")}
-        spec = parse(ob, chat=True)
+              "temperature": body.get("temperature"), "top_p": body.get("top_p"), **chat_fields(body)}
+        spec = await asyncio.get_running_loop().run_in_executor(None, lambda: parse(ob, chat=True))
         srv.check_model(spec.model)
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
@@ -143,16 +127,16 @@ def routes(srv) -> list:
         gen = srv.generation(request, spec, prompts)
         rid, created = "resp_" + uuid.uuid4().hex, int(time.time())
 
-        def finish(text: str, reason: str | None) -> dict:
+        def finish(content: str | None, calls: list[dict], reason: str | None) -> dict:
             u = gen.usage()
             usage = {"input_tokens": u["prompt_tokens"],
                      "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
                      "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": u["total_tokens"]}
-            out = envelope(rid, body, "incomplete" if reason == "length" else "completed", text, usage, reason,
-                           prev, created)
+            status = "incomplete" if reason == "length" else "completed"
+            out = envelope(rid, body, status, output_items(rid, content, calls), usage, reason, prev, created)
             if out["store"]:
-                store.put(out, [*messages, {"role": "assistant", "content": text}])
+                store.put(out, [*messages, history_message(content, calls)])
             return out
 
         handed_off = False
@@ -163,9 +147,12 @@ def routes(srv) -> list:
                 async for _, text, why in gen.pieces():
                     parts.append(text)
                     reason = why or reason
-                return JSONResponse(finish("".join(parts), reason))
+                if gen.tools is not None:
+                    return JSONResponse(finish(*gen.tools[0].result(cut=reason == "length"), reason))
+                return JSONResponse(finish("".join(parts), [], reason))
             handed_off = True
-            return EventStream(events(gen, rid, created, body, prev, envelope, finish),
+            make = tool_events if gen.tools is not None else events
+            return EventStream(make(gen, rid, created, body, prev, envelope, finish),
                                lambda completed: gen.close())
         finally:
             if not handed_off:
@@ -189,6 +176,40 @@ def routes(srv) -> list:
     return out
 
 
+def _writer():
+    seq = 0
+
+    def ev(kind: str, **fields) -> bytes:
+        nonlocal seq
+        data = json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False)
+        seq += 1
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    return ev
+
+
+async def tool_events(gen, rid: str, created: int, body: dict, prev, envelope, finish):
+    """The stream of a reply that may call tools: output items as the chat deltas open them (responses_tools)."""
+    ev = _writer()
+    start = envelope(rid, body, "in_progress", [], None, None, prev, created)
+    yield ev("response.created", response=start)
+    yield ev("response.in_progress", response=start)
+    te = ToolEvents(rid, ev)
+    reason = None
+    try:
+        async for _, deltas, why in gen.pieces():
+            reason = why or reason
+            for frame in te.feed(deltas or []):
+                yield frame
+    except APIError as err:
+        yield ev("error", code=err.code, message=err.message, param=err.param)
+        return
+    done = finish(*gen.tools[0].result(cut=reason == "length"), reason)
+    for frame in te.done(done):
+        yield frame
+    yield ev("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)
+
+
 async def events(gen, rid: str, created: int, body: dict, prev, envelope, finish):
     """The Responses API's stream: created, in_progress, the output item and text part, deltas, done, completed."""
     seq = 0
@@ -200,7 +221,7 @@ async def events(gen, rid: str, created: int, body: dict, prev, envelope, finish
         seq += 1
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
-    start = envelope(rid, body, "in_progress", None, None, None, prev, created)
+    start = envelope(rid, body, "in_progress", [], None, None, prev, created)
     yield ev("response.created", response=start)
     yield ev("response.in_progress", response=start)
     item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
@@ -222,7 +243,8 @@ async def events(gen, rid: str, created: int, body: dict, prev, envelope, finish
     part = {"type": "output_text", "text": text, "annotations": []}
     yield ev("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=text, logprobs=[])
     yield ev("response.content_part.done", item_id=item_id, output_index=0, content_index=0, part=part)
-    done = finish(text, reason)
-    yield ev("response.output_item.done", output_index=0, item=done["output"][0])
+    done = finish(text, [], reason)
+    yield ev("response.output_item.done", output_index=0, item=done["output"][0] if done["output"] else
+             {"type": "message", "id": item_id, "status": "completed", "role": "assistant", "content": [part]})
     yield ev("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)
 
