@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.serve.test_http_support import MODEL_ID
@@ -59,12 +61,59 @@ def test_list_show_ps_version_and_embed(oc, srv):
 
 
 def test_what_the_server_cannot_do_is_a_400_in_ollamas_shape(oc, srv):
-    for kw, words in (({"format": "json"}, "format"), ({"options": {"mirostat": 2}}, "mirostat"),
-                      ({"options": {"temperature": 5}}, "temperature")):
+    for kw, words in (({"options": {"mirostat": 2}}, "mirostat"), ({"options": {"temperature": 5}}, "temperature")):
         with pytest.raises(ollama.ResponseError) as e:
             oc.chat(model="m", messages=MSG, **kw)
         assert e.value.status_code == 400 and words in e.value.error
     r = httpx.post(srv.url + "/api/chat", json={"model": "m", "messages": "hi"})
     assert r.status_code == 400 and set(r.json()) == {"error"}
+    r = httpx.post(srv.url + "/api/chat", json={"model": "m", "messages": MSG, "format": "yaml"})
+    assert r.status_code == 400 and "format" in r.json()["error"]
     r = httpx.post(srv.url + "/api/generate", json={"model": "m", "prompt": "x", "images": ["aGk="]})
     assert r.status_code == 400 and "images" in r.json()["error"]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_format_json_and_a_schema_on_chat_and_generate(oc, stream):
+    # issue 44: litellm's ollama/ and ollama_chat/ and ollama-js send these; a 400 before
+    def whole(parts):
+        parts = list(parts) if stream else [parts]
+        return parts[-1], "".join((p.message.content if hasattr(p, "message") and p.message else p.response) or ""
+                                  for p in parts)
+
+    last, text = whole(oc.chat(model="m", messages=MSG, format="json", stream=stream,
+                               options={"num_predict": 40, "temperature": 0}))
+    assert text.lstrip().startswith("{")
+    if last.done_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    last, text = whole(oc.generate(model="m", prompt="Name a city.", format=WEATHER, stream=stream,
+                                   options={"num_predict": 40, "temperature": 0}))
+    if last.done_reason == "stop":
+        assert set(json.loads(text)) == {"city"}
+    else:
+        assert text.lstrip().startswith('{"city": ')
+
+
+def test_tools_on_chat_in_ollamas_shapes(oc):
+    r = oc.chat(model="m", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[TOOL],
+                options={"num_predict": 60, "temperature": 0})
+    calls = r.message.tool_calls or []
+    for c in calls:
+        assert c.function.name == "get_weather" and isinstance(c.function.arguments, dict)
+    if not calls:
+        assert r.message.content
+    # a turn with the call and its result, as Ollama's clients send it (no ids: the tool answers the call)
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "content": "12 degrees", "tool_name": "get_weather"}]
+    r = oc.chat(model="m", messages=history, tools=[TOOL], options={"num_predict": 20, "temperature": 0})
+    assert r.done and (r.message.content or r.message.tool_calls)
+    streamed = list(oc.chat(model="m", messages=history, tools=[TOOL], stream=True,
+                            options={"num_predict": 20, "temperature": 0}))
+    assert streamed[-1].done

@@ -35,7 +35,7 @@ OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "mi
            "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
            "frequency_penalty": "frequency_penalty", "typical_p": "typical_p", "mirostat": "mirostat",
            "repeat_last_n": "repeat_last_n", "tfs_z": "tfs_z", "num_keep": "n_keep"}
-REFUSED = ("tools", "images", "suffix", "template", "context", "logprobs")
+REFUSED = ("images", "suffix", "template", "context", "logprobs")
 NDJSON = "application/x-ndjson"
 
 
@@ -61,9 +61,6 @@ def _refuse(body: dict) -> None:
         v = body.get(name)
         if v not in (None, "", [], {}, False):
             raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
-    fmt = body.get("format")
-    if fmt not in (None, ""):
-        raise bad("format", "format (JSON output) is not supported by this server yet", code="unsupported_parameter")
     for i, m in enumerate(body.get("messages") or []):
         if isinstance(m, dict) and m.get("images"):
             raise bad(f"messages[{i}].images", "images are not supported by this server", code="unsupported_parameter")
@@ -84,9 +81,53 @@ def _openai_body(body: dict, *, chat: bool) -> dict:
             raise bad("options.num_predict", f"options.num_predict must be an integer, got {_kind(n)}")
         if n > 0:
             out["max_tokens"] = n
+    fmt = body.get("format")
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise bad("format", f"format must be \"json\" or a JSON schema object, got {_kind(fmt)}")
+    if body.get("tools") not in (None, []):
+        if not chat:
+            raise bad("tools", "tools are for /api/chat")
+        out["tools"] = body["tools"]
     if chat:
-        out["messages"] = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m
-                           for m in body.get("messages") or []] or None
+        out["messages"] = _messages(body.get("messages") or []) or None
+    return out
+
+
+def _messages(messages: list) -> list:
+    """Ollama's messages as OpenAI's: an assistant's ``tool_calls`` (no ids, arguments an object) get ids, and each
+    ``tool`` message answers the earliest call not yet answered (Ollama's messages name no call)."""
+    out, pending, k = [], [], 0
+    for m in messages if isinstance(messages, list) else [messages]:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        o = {"role": m.get("role"), "content": m.get("content")}
+        calls = m.get("tool_calls")
+        if o["role"] == "assistant" and isinstance(calls, list) and calls:
+            o["tool_calls"] = []
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                cid = (c.get("id") if isinstance(c, dict) else None) or f"call_{k}"
+                k += 1
+                o["tool_calls"].append({"id": cid, "type": "function", "function": fn})
+                pending.append(cid)
+        if o["role"] == "tool":
+            o["tool_call_id"] = m.get("tool_call_id") or (pending.pop(0) if pending else f"call_{k}")
+            if isinstance(m.get("tool_name") or m.get("name"), str):
+                o["name"] = m.get("tool_name") or m.get("name")
+        out.append(o)
+    return out
+
+
+def _ollama_calls(calls: list[dict]) -> list[dict]:
+    """OpenAI's tool calls in Ollama's shape: ``{function: {name, arguments: {...}}}`` (an object, not a string)."""
+    out = []
+    for c in calls:
+        out.append({"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}})
     return out
 
 
@@ -162,17 +203,27 @@ def routes(srv) -> list:
         gen = srv.generation(request, spec, prompts)
         key = "message" if chat else "response"
 
-        def line(text: str, **more) -> bytes:
+        def line(text: str, calls: list[dict] | None = None, **more) -> bytes:
             obj = {"model": body["model"], "created_at": _now()}
             obj[key] = {"role": "assistant", "content": text} if chat else text
+            if calls:
+                obj[key]["tool_calls"] = _ollama_calls(calls)
             return json.dumps({**obj, **more}, ensure_ascii=False).encode() + b"\n"
 
-        def final(reason: str | None, t_first: int | None, text: str = "") -> bytes:
+        def final(reason: str | None, t_first: int | None, text: str = "", calls: list[dict] | None = None) -> bytes:
             t1 = time.perf_counter_ns()
             t_first = t_first or t1
-            return line(text, done=True, done_reason=reason or "stop", total_duration=t1 - t0, load_duration=0,
-                        prompt_eval_count=len(prompts[0].prompt), prompt_eval_duration=t_first - t0,
-                        eval_count=gen.completion_tokens(), eval_duration=t1 - t_first)
+            return line(text, calls, done=True, done_reason="stop" if reason in (None, "tool_calls") else reason,
+                        total_duration=t1 - t0, load_duration=0, prompt_eval_count=len(prompts[0].prompt),
+                        prompt_eval_duration=t_first - t0, eval_count=gen.completion_tokens(),
+                        eval_duration=t1 - t_first)
+
+        def tool_reply(reason: str | None) -> tuple[str, list[dict]]:
+            # complete calls only (Ollama's arguments are an object); a reply cut inside its call is its text
+            content, calls = gen.tools[0].result()
+            if not calls and not content and reason == "length":
+                content = gen.tools[0].text
+            return content or "", calls
 
         handed_off = False
         try:
@@ -183,6 +234,8 @@ def routes(srv) -> list:
                     t_first = t_first or time.perf_counter_ns()
                     parts.append(text)
                     reason = why or reason
+                if gen.tools is not None:
+                    return Response(final(reason, t_first, *tool_reply(reason)), media_type="application/json")
                 return Response(final(reason, t_first, "".join(parts)), media_type="application/json")
 
             async def lines():
@@ -190,6 +243,10 @@ def routes(srv) -> list:
                 try:
                     async for _, text, why in gen.pieces():
                         t_first = t_first or time.perf_counter_ns()
+                        if gen.tools is not None:     # the reply whole at its end: Ollama sends a call whole too
+                            if why is not None:
+                                yield final(why, t_first, *tool_reply(why))
+                            continue
                         if why is not None:
                             if text:
                                 yield line(text, done=False)
