@@ -16,6 +16,8 @@ them (``response.output_item.added`` with the function_call item, ``response.fun
 
 from __future__ import annotations
 
+import json
+
 from localinfer.serve.http.errors import bad
 from localinfer.serve.http.schemas import _kind
 
@@ -115,14 +117,24 @@ def _text(content, where: str) -> str:
 
 
 def output_items(rid: str, content: str | None, calls: list[dict], status: str = "completed") -> list[dict]:
-    """The response's output: a message (when there is text) and a function_call item per call."""
+    """The response's output: a message (when there is text) and a function_call item per call (``incomplete``
+    when max_output_tokens cut its arguments)."""
     items = []
     if content or (content is not None and not calls):
         items.append({"type": "message", "id": "msg_" + rid[5:], "status": status, "role": "assistant",
                       "content": [{"type": "output_text", "text": content, "annotations": []}]})
     for c in calls:
-        items.append(function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"], status))
+        items.append(function_call_item(c["id"], c["function"]["name"], c["function"]["arguments"],
+                                        status if complete(c) else "incomplete"))
     return items
+
+
+def complete(call: dict) -> bool:
+    """Whether a call's arguments are a whole JSON object (not cut by the token limit)."""
+    try:
+        return isinstance(json.loads(call["function"]["arguments"]), dict)
+    except ValueError:
+        return False
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -131,8 +143,10 @@ def function_call_item(call_id: str, name: str, arguments: str, status: str = "c
 
 
 def history_message(content: str | None, calls: list[dict]) -> dict:
-    """The assistant turn as the chat path reads it back (``previous_response_id``)."""
+    """The assistant turn as the chat path reads it back (``previous_response_id``): a call cut by the token
+    limit is left out (its arguments are not JSON, and no output can answer it)."""
     m: dict = {"role": "assistant", "content": content}
+    calls = [c for c in calls if complete(c)]
     if calls:
         m["tool_calls"] = [{"id": c["id"], "type": "function",
                             "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
