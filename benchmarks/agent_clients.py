@@ -12,8 +12,9 @@ replies in the shapes the client parses), then runs each case and prints a pass/
   an ``output_type``;
 - pydantic-ai (chat model): an Agent with a tool and ``NativeOutput``;
 - the ``ollama`` client: chat with tools, ``format`` with a schema;
-- the ``ai`` SDK with ``@ai-sdk/openai-compatible`` under node, when ``node_modules`` has them (not installed here
-  by this script).
+- the ``ai`` SDK with ``@ai-sdk/openai-compatible`` under node, when ``--node-dir DIR`` (default: the checkout)
+  has them in its ``node_modules`` (``npm install ai @ai-sdk/openai-compatible zod`` there; this script installs
+  nothing).
 
 A framework whose package is missing is reported as skipped.  A case passes when the client got a reply it
 accepted; an agent run that ends in the framework's own "the model did not produce valid output" / turn-limit
@@ -210,7 +211,7 @@ AI_SDK = r"""
 const { createOpenAICompatible } = require('@ai-sdk/openai-compatible');
 const { generateText, Output, tool } = require('ai');
 const { z } = require('zod');
-const p = createOpenAICompatible({ name: 'local', baseURL: process.argv[2], apiKey: 'unused' });
+const p = createOpenAICompatible({ name: 'local', baseURL: process.argv[1], apiKey: 'unused' });
 (async () => {
   const r = await generateText({ model: p('m'), prompt: 'What is the weather in Oslo?', maxOutputTokens: 80,
     tools: { get_weather: tool({ description: 'Weather now', inputSchema: z.object({ city: z.string() }),
@@ -221,13 +222,13 @@ const p = createOpenAICompatible({ name: 'local', baseURL: process.argv[2], apiK
 """
 
 
-def ai_sdk_cases(base: str):
-    mods = ROOT / "node_modules"
+def ai_sdk_cases(base: str, where: Path = ROOT):
+    mods = where / "node_modules"
     if not ((mods / "ai").is_dir() and (mods / "@ai-sdk" / "openai-compatible").is_dir() and (mods / "zod").is_dir()):
         raise ImportError("node_modules lacks ai, @ai-sdk/openai-compatible or zod")
 
     def run():
-        out = subprocess.run(["node", "-e", AI_SDK, base], capture_output=True, text=True, timeout=180, cwd=ROOT)
+        out = subprocess.run(["node", "-e", AI_SDK, base], capture_output=True, text=True, timeout=180, cwd=where)
         doc = json.loads(out.stdout.strip().splitlines()[-1])
         if not doc["ok"] and "NoObjectGenerated" in doc.get("error", ""):
             return "served"
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--node-dir", type=Path, default=ROOT, help="a folder whose node_modules has the ai SDK")
     args = ap.parse_args(argv)
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
         for build, arg in ((openai_cases, base), (agents_cases, base), (pydantic_ai_cases, base),
                            (ollama_cases, url), (ai_sdk_cases, base)):
             try:
-                cases = build(arg)
+                cases = build(arg, args.node_dir) if build is ai_sdk_cases else build(arg)
             except ImportError as exc:
                 rows.append((build.__name__.removesuffix("_cases"), "(all)", "skipped", str(exc)[:80], 0.0))
                 continue
