@@ -150,7 +150,11 @@ def test_sigterm_during_a_prefill_stops_accepting_and_finishes_it():
 
         t = threading.Thread(target=send)
         t.start()
-        time.sleep(0.3)                       # 400 prompt tokens on 1 thread: well over a second of prefill
+        end = time.monotonic() + 30           # until it holds a slot (400 prompt tokens on 1 thread: well over a
+        while time.monotonic() < end:         # second of prefill), not a fixed sleep a loaded machine overruns
+            if "localinfer_requests_running 1.0" in httpx.get(url + "/metrics", timeout=10).text:
+                break
+            time.sleep(0.02)
         signalled = time.monotonic()
         p.send_signal(signal.SIGTERM)
         time.sleep(0.2)
