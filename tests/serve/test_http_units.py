@@ -246,3 +246,19 @@ def test_a_few_stalled_steps_do_not_move_the_fitted_step_model():
     for tokens, truth in ((1, 0.042), (30, 0.100)):     # a decode, a decode step with a 29-token chunk
         assert abs(robust.seconds([(tokens, 0)]) - truth) < 0.05 * truth
     assert plain.seconds([(30, 0)]) > 1.5 * 0.100
+
+
+def test_a_low_descriptor_limit_is_raised_or_shared_not_a_cap_of_one():
+    # issue 44: at RLIMIT_NOFILE 64 the connection cap was 1 (64 - a 64-descriptor reserve)
+    import subprocess
+    import sys
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+            "from localinfer.serve.http.limits import connection_cap; "
+            "print(connection_cap(512), *resource.getrlimit(resource.RLIMIT_NOFILE))")
+    out = subprocess.run([sys.executable, "-c", code.format(soft=64, hard=64)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert int(out[0]) == 32                          # half the limit kept for the process, half for clients
+    out = subprocess.run([sys.executable, "-c", code.format(soft=64, hard=4096)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["512", "4096", "4096"]             # the soft limit raised to the hard one: the cap asked for

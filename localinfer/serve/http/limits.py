@@ -36,11 +36,23 @@ FD_RESERVE = 64               # descriptors kept for the model files, logs and t
 
 
 def connection_cap(wanted: int) -> int:
-    """``wanted``, lowered so that the open connections stay below the descriptor limit (RLIMIT_NOFILE)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """``wanted``, lowered so that the open connections stay below the descriptor limit (RLIMIT_NOFILE).
+
+    The soft limit is first raised to the hard one (as most servers do: a shell's default of 1024, or 64 under
+    some supervisors, is far below what the kernel allows the process); what is left after the reserve (half the
+    limit at most, so a low limit still serves many) bounds the connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        target = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+            except (ValueError, OSError):
+                pass
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return max(1, min(wanted, soft - FD_RESERVE))
+    return max(1, min(wanted, soft - min(FD_RESERVE, soft // 2)))
 
 
 def raw_error(err: APIError) -> bytes:
