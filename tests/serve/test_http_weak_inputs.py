@@ -20,10 +20,13 @@ def http(srv):
         yield c
 
 
-def test_api_show_takes_the_older_name_field(http):
+def test_api_show_takes_the_older_name_field_and_404s_a_model_it_does_not_have(http):
     r = http.post("/api/show", json={"name": MODEL_ID})
     assert r.status_code == 200, r.text
     assert r.json()["model_info"]["general.architecture"] == "llama"
+    assert http.post("/api/show", json={"model": f"{MODEL_ID}:latest"}).status_code == 200
+    r = http.post("/api/show", json={"model": "llama3:70b"})
+    assert r.status_code == 404 and "not found" in r.json()["error"], r.text
 
 
 @pytest.mark.parametrize("value, ok", [("5m", True), ("1h", True), (-1, True), (0, True), ("-1", True),

@@ -276,7 +276,13 @@ def routes(srv) -> list:
         return JSONResponse({"models": [c]})
 
     async def show(request: Request) -> Response:
-        await body_of(request)
+        body = await body_of(request)
+        # chat and generate serve any name (one model is loaded); show answers what /api/tags lists, as Ollama does:
+        # clients ask it whether a model exists
+        name = body["model"].removesuffix(":latest")
+        if name not in (config.model_id, *config.aliases):
+            raise APIError(404, f"model '{body['model'][:80]}' not found; this server has "
+                                f"'{config.model_id}:latest'", param="model", code="model_not_found")
         spec = model_spec()
         tpl = srv.prep.template() if runtime.state == "ready" else None
         info = {}
