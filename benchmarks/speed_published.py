@@ -191,10 +191,15 @@ SCALE_PULL = 0.5          # residual weight of log(scale): a device departs from
 
 
 def era(r: dict) -> str:
+    """The build era of a row: its build number, else its date, else the llama.cpp PR or issue it is from
+    (numbers below 10000 are mid-2024 and earlier, before b4000)."""
     m = re.search(r"\((\d+)\)|\bb?(\d{4,5})\b", r["build"])
     if m:
         return "2024" if int(m.group(1) or m.group(2)) < 4000 else "current"
-    return "2024" if r["date"][:4] in ("2023", "2024") else "current"
+    if r["date"]:
+        return "2024" if r["date"][:4] in ("2023", "2024") else "current"
+    pr = re.search(r"ggml-org/llama\.cpp/(?:pull|issues)/(\d+)", r["url"])
+    return "2024" if pr and int(pr.group(1)) < 10000 else "current"
 
 
 class Fit:

@@ -74,6 +74,11 @@ def guarded(fn, field: str):
         raise GrammarError(f"{field}: {MAX_COMPILES} grammars are compiling already; retry shortly", field=field,
                            busy=True, limit="compiles")
     box: dict = {}
+    released = threading.Lock()          # the slot goes back once, whichever path lets it go
+
+    def release():
+        if released.acquire(blocking=False):
+            _slots.release()
 
     def run():
         try:
@@ -81,7 +86,7 @@ def guarded(fn, field: str):
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = exc
         finally:
-            _slots.release()
+            release()
 
     try:
         with _stack_lock:               # threading.stack_size is process-wide: set it for this thread alone
@@ -91,8 +96,12 @@ def guarded(fn, field: str):
                 t.start()
             finally:
                 threading.stack_size(old)
+    except RuntimeError as exc:         # no room for the stack (RLIMIT_AS, strict overcommit): say so by field
+        release()
+        raise GrammarError(f"{field}: no thread could be started to compile it ({exc}); retry shortly",
+                           field=field, busy=True, limit="threads") from None
     except BaseException:
-        _slots.release()
+        release()
         raise
     t.join(COMPILE_TIMEOUT_S)
     if t.is_alive():

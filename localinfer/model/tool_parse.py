@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from localinfer.model.tools import GENERIC, ToolFormat
 
 _CALL = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "(?:arguments|parameters)": ')
+_TOOL_CALLS = re.compile(r'\s*\{"tool_calls": \[')              # the generic format's calls object
+_TOOL_CALLS_LEN = len('{"tool_calls": [')
 
 
 @dataclass
@@ -60,6 +62,8 @@ def scan(fmt: ToolFormat, text: str, final: bool, answer_json: bool = False) -> 
     calls is response_format's JSON, its content whole (not the generic format's ``{"content": ...}``)."""
     if fmt is GENERIC:
         start, content = 0, ""
+        if answer_json and not _TOOL_CALLS.match(text) and (final or len(text.lstrip()) >= _TOOL_CALLS_LEN):
+            return (text if final else ""), []          # response_format's JSON, not calls (whatever it holds)
     else:
         start = text.find(fmt.trigger)
         if start < 0:
@@ -114,12 +118,13 @@ class ToolStream:
         self._content = ""                # content sent so far
         self._args: list[int] = []        # argument characters sent per call
 
-    def feed(self, text: str, final: bool = False) -> list[dict]:
-        """Append ``text``; the deltas it makes (``{"content": ...}`` or ``{"tool_calls": [...]}``)."""
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> list[dict]:
+        """Append ``text``; the deltas it makes (``{"content": ...}`` or ``{"tool_calls": [...]}``).  ``cut`` (the
+        reply's last feed, ended by the token limit): an unclosed call stays a call, as in :meth:`result`."""
         self.text += text
         content, calls = scan(self.fmt, self.text, final, self.answer_json)
         if final:
-            calls = [c for c in calls if _valid(c)]
+            calls = [c for c in calls if _valid(c) or (cut and not c.complete)]
             if not calls and self.fmt is not GENERIC:
                 content = self.text if self.fmt.trigger in self.text else content
         out = []
@@ -134,13 +139,13 @@ class ToolStream:
                 out.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",
                                             "function": {"name": call.name, "arguments": ""}}]})
             frag = call.arguments[self._args[i]:]
-            if frag and (call.complete or not final):
+            if frag and (call.complete or not final or cut):
                 out.append({"tool_calls": [{"index": i, "function": {"arguments": frag}}]})
                 self._args[i] = len(call.arguments)
         return out
 
-    def finish(self) -> list[dict]:
-        return self.feed("", final=True)
+    def finish(self, cut: bool = False) -> list[dict]:
+        return self.feed("", final=True, cut=cut)
 
     def result(self, cut: bool = False) -> tuple[str | None, list[dict]]:
         """(content or None, tool_calls in OpenAI's message shape) of the whole reply.  ``cut`` (finish_reason

@@ -141,29 +141,30 @@ _DEF_KEYS = ("$defs", "definitions")
 
 def hoisted(schema: dict, tag: str, defs: dict) -> dict:
     """``schema`` (a tool's arguments) made fit to sit inside another schema: its ``$defs`` / ``definitions`` move
-    into ``defs`` under ``tag``-prefixed names and its ``$ref`` pointers (``#/$defs/x``, ``#/definitions/x``, ``#``)
-    are rewritten to them, so they resolve against the enclosing schema's root.  The schema's depth is bounded
-    (generation/grammar_guard.py) before this runs."""
+    into ``defs`` under ``tag``-prefixed names and every local ``$ref`` is rewritten to resolve against the
+    enclosing root: ``#/$defs/x`` and ``#/definitions/x`` to the moved entries, ``#`` and any other ``#/...``
+    pointer (``#/properties/a``) into the schema itself, kept whole at ``#/$defs/{tag}``.  The schema's depth is
+    bounded (generation/grammar_guard.py) before this runs."""
     def esc(name: str) -> str:
         return name.replace("~", "~0").replace("/", "~1")
 
     def unesc(name: str) -> str:
         return name.replace("~1", "/").replace("~0", "~")
 
-    def new_name(key: str, name: str) -> str:
-        return f"{tag}_{name}" if key == "$defs" else f"{tag}_definitions_{name}"
+    def new_name(key: str, name: str) -> str:        # "/" cannot collide: names from one table differ
+        return f"{tag}/{key.lstrip('$')}/{name}"
 
     roots = []
 
     def ref(r: str) -> str:
-        if r == "#":
-            roots.append(True)
-            return f"#/$defs/{tag}"
         for key in _DEF_KEYS:
             head = f"#/{key}/"
             if r.startswith(head):
                 name, sep, tail = r[len(head):].partition("/")
                 return f"#/$defs/{esc(new_name(key, unesc(name)))}" + (sep + tail if sep else "")
+        if r == "#" or r.startswith("#/"):
+            roots.append(True)
+            return f"#/$defs/{esc(tag)}" + r[1:]
         return r
 
     def rewrite(v):

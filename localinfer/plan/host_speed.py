@@ -131,7 +131,8 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
     kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
     step = ks.decode(1, req.n_ctx, kv)
     kv_e = ks.coeff.decode_bw.get("kv", ks.coeff.bandwidth_fraction(kv.split(",")[0] if isinstance(kv, str) else "f16"))
-    gpu_s = step.seconds - kv_host / (device.bandwidth_bytes_per_s * kv_e)
+    # the host layers' KV is read on the host: out of the device's memory term (not out of its fixed or compute time)
+    gpu_s = step.fixed_s + max(step.memory_s - kv_host / (device.bandwidth_bytes_per_s * kv_e), step.compute_s)
     host_mem = (w_read + kv_host) / host.effective_bandwidth
     host_comp = w_flops / host.effective_flops if host.effective_flops else 0.0
     host_s = max(host_mem, host_comp)

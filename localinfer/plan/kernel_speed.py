@@ -143,22 +143,24 @@ class KernelSpeed:
         e = self.coeff.decode_bw.get("kv", self.coeff.bandwidth_fraction(tk))
         return kv_bytes / (self.bandwidth * e), kv_bytes
 
-    def decode(self, batch: int = 1, context: int = 1, kv="f16") -> Timing:
-        """One decode step: ``batch`` sequences, one token each, at ``context``."""
+    def decode(self, batch: int = 1, context: int = 1, kv="f16", rows: int = 1) -> Timing:
+        """One decode step: ``batch`` sequences at ``context``, each verifying ``rows`` positions (drafts): the
+        weights see ``batch·rows`` tokens, the KV is read once per sequence."""
         c = self.coeff
         memory_s = compute_s = 0.0
         nbytes = flops = 0
+        tokens = batch * max(1, rows)
         for g in self.groups:
-            read = self._touched(g, batch)
+            read = self._touched(g, tokens)
             memory_s += read / (self.bandwidth * self._share(g))
             nbytes += round(read)
-            f = 2 * batch * self._active(g)
+            f = 2 * tokens * self._active(g)
             flops += round(f)
             compute_s += f / self._rate(c.path(g.type_name)) if f else 0.0
         kv_s, kv_bytes = self._kv_seconds(batch, context, kv)
         memory_s += kv_s
         nbytes += kv_bytes
-        attn = batch * self.cost.attention_flops(1, max(context - 1, 0))
+        attn = tokens * self.cost.attention_flops(1, max(context - 1, 0))
         compute_s += attn / self._rate("attn") if attn else 0.0
         fixed = c.token_s + self.n_layers * c.layer_s + self.moe_layers * c.moe_layer_s
         return Timing(fixed + max(memory_s, compute_s), compute_s, memory_s, fixed, flops + attn, nbytes)

@@ -194,7 +194,7 @@ class SpeedModel:
         """One decode round: ``batch`` requests at ``context``, each verifying ``rows`` positions."""
         cal = self.calibration
         if self.kernels is not None and not (cal is not None and cal.has_decode):
-            t = self.kernels.decode(batch * rows, context, kv)
+            t = self.kernels.decode(batch, context, kv, rows)
             return Estimate(t.seconds, t.compute_s, t.memory_s, t.flops, t.bytes, "kernels")
         nbytes = self.cost.step_bytes(batch, context, kv)
         flops = batch * rows * self.cost.token_flops(context)

@@ -15,6 +15,7 @@ this server cannot do (``format``, ``tools``, ``images``, ``suffix``,
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -116,7 +117,10 @@ def _messages(messages: list) -> list:
                 o["tool_calls"].append({"id": cid, "type": "function", "function": fn})
                 pending.append(cid)
         if o["role"] == "tool":
-            o["tool_call_id"] = m.get("tool_call_id") or (pending.pop(0) if pending else f"call_{k}")
+            given = m.get("tool_call_id")
+            if given in pending:
+                pending.remove(given)
+            o["tool_call_id"] = given or (pending.pop(0) if pending else f"call_{k}")
             if isinstance(m.get("tool_name") or m.get("name"), str):
                 o["name"] = m.get("tool_name") or m.get("name")
         out.append(o)
@@ -198,7 +202,8 @@ def routes(srv) -> list:
                 system = body.get("system")
                 ob["messages"] = ([{"role": "system", "content": system}] if system else []) + \
                     [{"role": "user", "content": prompt}]
-        spec = parse(ob, chat=chat or not raw)
+        # off the event loop: format and tools compile a grammar here (bounded: generation/grammar_guard.py)
+        spec = await asyncio.get_running_loop().run_in_executor(None, lambda: parse(ob, chat=chat or not raw))
         prompts = await srv.tokens(spec)
         gen = srv.generation(request, spec, prompts)
         key = "message" if chat else "response"

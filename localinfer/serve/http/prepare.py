@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from localinfer.errors import GrammarError, TemplateError
 from localinfer.generation.constraints import Constraint, grammar_tokenizer
 from localinfer.model.tools import GENERIC, ToolFormat, detect, generic_messages, tool_grammar
-from localinfer.serve.http.errors import bad
+from localinfer.serve.http.errors import APIError, bad
 from localinfer.serve.http.schemas import GenerationSpec
 
 
@@ -82,6 +82,8 @@ def _constraint(tok, grammar: str | None, field: str | None) -> Constraint | Non
     try:
         return Constraint(grammar_tokenizer(tok), grammar, field or "grammar")
     except GrammarError as exc:
+        if exc.facts.get("busy"):
+            raise APIError(503, str(exc), param=field, code="grammar_busy", headers={"Retry-After": "1"}) from None
         raise bad(field, str(exc), code="invalid_grammar") from None
 
 

@@ -139,7 +139,7 @@ class Reply:
         if self.tools is None:
             return tail
         stream = self.tools[ev.index]
-        deltas = stream.feed(tail) + stream.finish()
+        deltas = stream.feed(tail) + stream.finish(cut=self.reasons[ev.index] == "length")
         if stream.result()[1] and self.reasons[ev.index] == "stop":
             self.reasons[ev.index] = "tool_calls"
         return deltas
