@@ -30,7 +30,8 @@ def test_api_show_takes_the_older_name_field_and_404s_a_model_it_does_not_have(h
 
 
 @pytest.mark.parametrize("value, ok", [("5m", True), ("1h", True), (-1, True), (0, True), ("-1", True),
-                                       ("banana", False), ("5 minutes", False), (True, False), ({}, False)])
+                                       ("1h30m", True), (".5h", True), ("banana", False), ("5 minutes", False),
+                                       ("1h30", False), (True, False), ({}, False)])
 def test_keep_alive_is_validated(http, value, ok):
     r = http.post("/api/chat", json={"model": MODEL_ID, "messages": CHAT, "stream": False, "keep_alive": value,
                                      "options": {"num_predict": 1, "temperature": 0}})

@@ -44,7 +44,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-_DURATION = re.compile(r"^-?\d+(\.\d+)?(ns|us|µs|ms|s|m|h)?$")
+_DURATION = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)$|^-?((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))+$")   # Go's durations
 
 
 def _keep_alive(v) -> None:
@@ -175,7 +175,7 @@ def routes(srv) -> list:
         name = body.get("model")
         if not isinstance(name, str) or not name:
             raise bad("model", f"model must be a non-empty string, got {_kind(name)}")
-        srv.check_model(name)
+        srv.check_model(name.removesuffix(":latest"))      # the name /api/tags lists is the model's with :latest
         _keep_alive(body.get("keep_alive"))
         return body
 
