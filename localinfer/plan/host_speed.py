@@ -71,6 +71,13 @@ def _split_prefill(all_gpu_s: float, cost, device, host, req, w_flops: int, held
             "the host computes its share (micro-batch below 32)")
 
 
+def _bound(gpu_s: float, host_s: float, host_mem: float, host_comp: float, gpu_bound: str) -> str:
+    """What a split's decode step waits on: the host's memory or compute, else the device's ``gpu_bound``."""
+    if host_s >= gpu_s:
+        return "host memory" if host_mem >= host_comp else "host compute"
+    return gpu_bound
+
+
 def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | None:
     """Batch-1 prefill and decode of ``req`` with ``host_names`` in the RAM of ``host`` (see the module)."""
     if not device.bandwidth_bytes_per_s or not device.bf16_flops or host is None:
@@ -99,9 +106,7 @@ def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | N
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
             "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
-            "decode_bound": "host memory" if host_s >= gpu_s and host_mem >= host_comp else
-                            "host compute" if host_s >= gpu_s else
-                            ("compute" if gpu_comp > gpu_mem else "memory"),
+            "decode_bound": _bound(gpu_s, host_s, host_mem, host_comp, "compute" if gpu_comp > gpu_mem else "memory"),
             "gpu_s": gpu_s, "host_s": host_s, "host_read_bytes": d_host, "host_weight_bytes": held,
             "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s, "prefill_rule": how,
             "formula": FORMULA}
@@ -130,9 +135,9 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
     w_read, w_flops, held, host_layers = _host_terms(spec, host_names)
     kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
     step = ks.decode(1, req.n_ctx, kv)
-    kv_e = ks.coeff.decode_bw.get("kv", ks.coeff.bandwidth_fraction(kv.split(",")[0] if isinstance(kv, str) else "f16"))
     # the host layers' KV is read on the host: out of the device's memory term (not out of its fixed or compute time)
-    gpu_s = step.fixed_s + max(step.memory_s - kv_host / (device.bandwidth_bytes_per_s * kv_e), step.compute_s)
+    gpu_s = step.fixed_s + max(step.memory_s - kv_host / (device.bandwidth_bytes_per_s * ks.kv_share(kv)),
+                               step.compute_s)
     host_mem = (w_read + kv_host) / host.effective_bandwidth
     host_comp = w_flops / host.effective_flops if host.effective_flops else 0.0
     host_s = max(host_mem, host_comp)
@@ -143,8 +148,7 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
             "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
-            "decode_bound": "host memory" if host_s >= gpu_s and host_mem >= host_comp else
-                            "host compute" if host_s >= gpu_s else "memory",
+            "decode_bound": _bound(gpu_s, host_s, host_mem, host_comp, "memory"),
             "gpu_s": gpu_s, "host_s": host_s, "decode_fixed_s": step.fixed_s, "host_read_bytes": w_read + kv_host,
             "host_weight_bytes": held, "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s,
             "prefill_rule": how, **speed_band(ks), "formula": KERNEL_FORMULA}

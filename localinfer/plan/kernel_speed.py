@@ -137,11 +137,13 @@ class KernelSpeed:
             rate *= self.coeff.prefill.get("moe", 1.0)
         return rate
 
+    def kv_share(self, kv) -> float:
+        """The fraction of the bandwidth reading the KV cache (of type ``kv``) reaches."""
+        return self.coeff.decode_bw.get("kv", self.coeff.bandwidth_fraction(kv_pair(kv)[0]))
+
     def _kv_seconds(self, batch: int, context: int, kv) -> tuple[float, int]:
-        tk, tv = kv_pair(kv)
         kv_bytes = batch * (self.cost.kv_read_bytes(context, kv) + 2 * self.cost.state_bytes)
-        e = self.coeff.decode_bw.get("kv", self.coeff.bandwidth_fraction(tk))
-        return kv_bytes / (self.bandwidth * e), kv_bytes
+        return kv_bytes / (self.bandwidth * self.kv_share(kv)), kv_bytes
 
     def decode(self, batch: int = 1, context: int = 1, kv="f16", rows: int = 1) -> Timing:
         """One decode step: ``batch`` sequences at ``context``, each verifying ``rows`` positions (drafts): the

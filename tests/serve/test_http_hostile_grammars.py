@@ -20,6 +20,8 @@ from tests.serve.test_http_support import MODEL_ID, LiveServer
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("llguidance")
 
+from benchmarks.serve_hostile_grammars import defs_chain, gbnf_chain, lark_chain  # noqa: E402 (imports httpx)
+
 CHAT = "/v1/chat/completions"
 EMBED = "/v1/embeddings"
 BASE = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
@@ -43,27 +45,17 @@ def _alive(http) -> None:
     assert r.status_code == 200, r.text
 
 
-def _lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "x"\n'
-
-
-def _defs_chain(n: int) -> dict:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
-    defs[f"d{n}"] = {"type": "string", "maxLength": 4}
-    return {"type": "object", "properties": {"a": {"$ref": "#/$defs/d0"}}, "required": ["a"], "$defs": defs}
-
-
 @pytest.mark.parametrize("case", ["lark chain 4000", "gbnf chain 4000", "defs chain 4000", "tool defs chain 4000"])
 def test_a_grammar_that_overflowed_the_compilers_stack_is_answered_and_the_server_lives(http, case):
     body = dict(BASE)
     if case.startswith("lark"):
-        body["grammar"] = _lark_chain(4000)
+        body["grammar"] = lark_chain(4000)
     elif case.startswith("gbnf"):
-        body["grammar"] = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(4000)) + 'r4000 ::= "x"\n'
+        body["grammar"] = gbnf_chain(4000)
     elif case.startswith("defs"):
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": _defs_chain(4000)}}
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": defs_chain(4000)}}
     else:
-        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": _defs_chain(4000)}}]
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": defs_chain(4000)}}]
     r = http.post(CHAT, json=body)
     # it compiles (in a large stack) and is served, or is refused naming the field (the tool's schema, printed
     # into the prompt for a template without tools, may overflow the context instead)
