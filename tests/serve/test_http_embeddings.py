@@ -44,3 +44,32 @@ def test_embedding_requests_bad_input_is_a_400(srv):
             r = c.post("/embeddings", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert c.post("/embeddings", json={"model": "m", "input": "fine"}).status_code == 200
+
+
+def test_a_small_request_is_not_held_behind_a_large_one(srv):
+    """The engine thread embeds one turn (the step's token budget) at a time, requests in turn: a one-input
+    request sent while a 4-input one runs is answered first (before, the large request's whole batch ran first)."""
+    import threading
+    import time
+
+    big = [[100 + k] * 300 for k in range(4)]          # 4 turns of one 300-token input (the 512-token budget)
+    done: dict[str, float] = {}
+
+    def post(name, body):
+        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+            r = c.post("/embeddings", json=body)
+        assert r.status_code == 200, r.text
+        done[name] = time.monotonic()
+        if name == "big":
+            vectors = [d["embedding"] for d in r.json()["data"]]
+            assert len(vectors) == 4 and len({round(v[0], 5) for v in vectors}) > 1   # in order, each its own
+
+    t = threading.Thread(target=post, args=("big", {"model": "m", "input": big}))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not srv.app.state.server.embeddings.pending() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert srv.app.state.server.embeddings.pending(), "the large request never reached the engine"
+    post("small", {"model": "m", "input": "A dog barked."})
+    t.join(120)
+    assert done["small"] < done["big"], done

@@ -2,9 +2,10 @@
 
 The loaded model's weights get a second, small context with embeddings on
 (the engine's ``embedder``: llama.cpp's, :mod:`localinfer.backends.llamacpp.embeddings`), made on the
-first request, so generation's KV cells are never touched.  One thread runs it:
-the inputs of every request waiting when it is free go into the same decodes
-(batched across requests, ``EMBED_SEQS`` sequences at a time).  ``input`` is a
+first request, so generation's KV cells are never touched.  The engine thread runs it between its steps,
+one turn of at most the step's token budget at a time, the waiting requests' inputs taken in turn
+(batched across requests, ``EMBED_SEQS`` sequences a decode), so one large request holds neither the
+other embeddings requests nor generation; one request holds at most ``MAX_REQUEST_TOKENS`` tokens (413).  ``input`` is a
 string, an array of strings, an array of token ids or an array of those;
 ``encoding_format`` is ``float`` (default) or ``base64`` (little-endian float32,
 as OpenAI sends it); ``dimensions`` may only name the model's own width.
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import logging
-import queue
 import threading
+
+import numpy as np
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -30,69 +33,129 @@ log = logging.getLogger("localinfer.serve")
 MAX_INPUTS = 2048                 # OpenAI's limit of inputs per request
 EMBED_CTX = 4096                  # tokens per embeddings decode (and so per input), at most the model's context
 EMBED_SEQS = 8
-MAX_REQUEST_TOKENS = 8192         # tokens one request may embed: the thread is shared, one request must not hold it
+MAX_REQUEST_TOKENS = 8192         # tokens one request may embed (413 over it): the whole request is held in memory
+
+
+class _Job:
+    """One request's inputs, their vectors as they come, and the future its handler awaits."""
+
+    def __init__(self, inputs: list[tuple[int, ...]], fut: asyncio.Future, loop: asyncio.AbstractEventLoop):
+        self.inputs, self.fut, self.loop = inputs, fut, loop
+        self.vectors: list = [None] * len(inputs)
+        self.next = 0
 
 
 class Embeddings:
-    """The embeddings context and its thread; requests wait on futures resolved from it."""
+    """The embeddings context, stepped by the engine thread between its steps (``Runtime.attach``).
+
+    Each turn embeds at most the engine's per-step token budget (``--token-budget``, else ``--chunk``; at least one
+    input, at most ``EMBED_SEQS`` of them), taking the waiting requests' inputs in turn, one each per round: a small
+    request waits one turn behind a large one, not all of it, and generation goes on between turns.
+    """
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._jobs: collections.deque[_Job] = collections.deque()
         self._lock = threading.Lock()
+        self._closed: str | None = None   # why new requests are refused (the server is stopping)
         self.embedder = None
-        self.error: str | None = None
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._main, name="localinfer-embed", daemon=True)
-                self._thread.start()
+        runtime.attach(self)
 
     async def embed(self, inputs: list[tuple[int, ...]]):
-        self._start()
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.put((inputs, fut, loop))
-        return await fut
+        job = _Job(inputs, loop.create_future(), loop)
+        with self._lock:
+            if self._closed:
+                raise APIError(503, self._closed, code="shutting_down")
+            self._jobs.append(job)
+        self.runtime.wake()
+        return await job.fut
 
     def _open(self):
         """The engine's embeddings context (``embedder``: the llama.cpp engine has one)."""
-        return self.runtime.tokenizer.embedder(min(EMBED_CTX, self.context), EMBED_SEQS)
+        return self.runtime.tokenizer.embedder(self.context, EMBED_SEQS)
 
     @property
     def context(self) -> int:
         return min(EMBED_CTX, max(16, self.runtime.context_tokens))
 
-    def _main(self) -> None:
-        while True:
-            jobs = [self._queue.get()]
-            while not self._queue.empty():
-                jobs.append(self._queue.get())
-            if any(j is None for j in jobs):
-                return
-            try:
-                if self.embedder is None:
-                    self.embedder = self._open()
-                flat = [t for inputs, _, _ in jobs for t in inputs]
-                vectors = self.embedder.embed(flat)
-                at = 0
-                for inputs, fut, loop in jobs:
-                    loop.call_soon_threadsafe(_resolve, fut, vectors[at:at + len(inputs)], None)
-                    at += len(inputs)
-            except Exception as exc:  # noqa: BLE001 - each waiting request gets the error
-                log.error("embeddings failed: %s: %s", type(exc).__name__, exc)
-                for _, fut, loop in jobs:
-                    loop.call_soon_threadsafe(_resolve, fut, None, exc)
+    # ---- the engine thread (Runtime's side work) -----------------------------
+    def pending(self) -> bool:
+        return bool(self._jobs)
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(30)
-        if self.embedder is not None and (self._thread is None or not self._thread.is_alive()):
+    def _turn(self, budget: int) -> list[tuple[_Job, int]]:
+        """The inputs of this turn: the jobs' next inputs round-robin, within ``budget`` tokens (one at least)."""
+        picked: list[tuple[_Job, int]] = []
+        used = 0
+        with self._lock:
+            jobs = list(self._jobs)
+            self._jobs.rotate(-1)                    # the next turn starts with the next request
+        taken = {id(j): j.next for j in jobs}
+        while len(picked) < EMBED_SEQS:
+            grew = False
+            for j in jobs:
+                i = taken[id(j)]
+                if i >= len(j.inputs) or len(picked) >= EMBED_SEQS:
+                    continue
+                n = len(j.inputs[i])
+                if picked and used + n > budget:
+                    continue
+                picked.append((j, i))
+                taken[id(j)], used, grew = i + 1, used + n, True
+            if not grew:
+                break
+        for j in jobs:
+            j.next = taken[id(j)]
+        return picked
+
+    def work(self, budget: int) -> None:
+        """Embed one turn's inputs; the requests they complete are answered."""
+        picked = self._turn(min(budget, self.context))
+        if not picked:
+            return
+        try:
+            if self.embedder is None:
+                self.embedder = self._open()
+            vectors = self.embedder.embed([j.inputs[i] for j, i in picked])
+        except Exception as exc:  # noqa: BLE001 - each request in the turn gets the error
+            log.error("embeddings failed: %s: %s", type(exc).__name__, exc)
+            self._drop({id(j): j for j, _ in picked}.values(), exc)
+            return
+        done = []
+        for (j, i), v in zip(picked, vectors):
+            j.vectors[i] = v
+            if j.next >= len(j.inputs) and all(x is not None for x in j.vectors):
+                done.append(j)
+        with self._lock:
+            for j in done:
+                if j in self._jobs:
+                    self._jobs.remove(j)
+        for j in done:
+            j.loop.call_soon_threadsafe(_resolve, j.fut, np.stack(j.vectors), None)
+
+    def _drop(self, jobs, exc: Exception) -> None:
+        with self._lock:
+            for j in jobs:
+                if j in self._jobs:
+                    self._jobs.remove(j)
+        for j in jobs:
+            if not j.loop.is_closed():
+                j.loop.call_soon_threadsafe(_resolve, j.fut, None, exc)
+
+    def finish(self) -> None:
+        """The engine thread ends: the requests still waiting get a 503, the context is freed."""
+        self.close()
+        if self.embedder is not None:
             self.embedder.close()
             self.embedder = None
+
+    # ---- the loop thread ------------------------------------------------------
+    def close(self) -> None:
+        """Refuse further requests and answer the waiting ones 503 (the server is stopping)."""
+        with self._lock:
+            self._closed = self._closed or "the server is shutting down"
+            jobs = list(self._jobs)
+        self._drop(jobs, APIError(503, self._closed, code="shutting_down"))
 
 
 def _resolve(fut, value, exc) -> None:

@@ -98,6 +98,7 @@ class Runtime:
         self.ready = threading.Event()
         self._relay_queue: queue.SimpleQueue = queue.SimpleQueue()   # each step's events; None: the engine ended
         self._relay = threading.Thread(target=self._relay_main, name="localinfer-relay", daemon=True)
+        self._side: list = []               # work run here between steps (the embeddings face): attach()
 
     # ---- lifecycle (loop thread) ----------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -136,6 +137,23 @@ class Runtime:
             executor, self._closing = self._closing, None
         if executor is not None:
             executor.close()
+
+    def attach(self, worker) -> None:
+        """Run ``worker`` in the engine thread between steps: ``worker.work(budget)`` whenever
+        ``worker.pending()``, with the step's token budget; ``worker.finish()`` when the thread ends.
+        The worker calls :meth:`wake` when it has work."""
+        self._side.append(worker)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _side_work(self) -> None:
+        cfg = self.engine.scheduler.config
+        budget = cfg.token_budget or cfg.chunk_tokens
+        for w in self._side:
+            if w.pending():
+                w.work(budget)
 
     # ---- requests (loop thread) -----------------------------------------------
     def submit(self, prompts: list[tuple[int, ...]], make: Callable[..., ServeRequest],
@@ -219,6 +237,8 @@ class Runtime:
             finally:
                 self.state = RuntimeState.STOPPED
                 self._end_relay()
+                for w in self._side:
+                    w.finish()
             self._closing = self.executor      # closed by stop()
             if self._step_log is not None:
                 self._step_log.close()
@@ -249,7 +269,8 @@ class Runtime:
         """Apply the inbox, step once, deliver; True when a stop has drained everything."""
         engine = self.engine
         with self._cond:
-            if not self._inbox and not engine.unfinished and self._stop_at is None:
+            if (not self._inbox and not engine.unfinished and self._stop_at is None
+                    and not any(w.pending() for w in self._side)):
                 self._cond.wait(IDLE_WAIT_S)
             items, self._inbox = self._inbox, []
         out: list[tuple[Handle, Event]] = []
@@ -268,12 +289,14 @@ class Runtime:
                 log.error("engine step failed: %s: %s", type(exc).__name__, exc)
                 events = []
             out += self._events(events)
-            if not events and not engine.scheduler.running:
+            if not events and not engine.scheduler.running and not any(w.pending() for w in self._side):
                 with self._cond:
                     self._cond.wait(0.005)
         self._dispatch(out)
+        self._side_work()
         self._publish(idle=not engine.unfinished)
-        if self._stop_at is not None and not engine.unfinished and not self._active:
+        if (self._stop_at is not None and not engine.unfinished and not self._active
+                and (self._now() >= self._stop_at or not any(w.pending() for w in self._side))):
             with self._cond:
                 if not self._inbox:
                     self.state = RuntimeState.STOPPED
