@@ -297,6 +297,10 @@ def _run(args: argparse.Namespace) -> int:
     metrics = Metrics()
     runtime = Runtime(_executor_factory(backend, plan, args.parallel, devices=_reporter(metrics, predicted)), config,
                       metrics)
+    if plan.options.get("rpc"):
+        from localinfer.backends.llamacpp import rpc
+
+        rpc.on_worker_lost(runtime.fail_all)   # open replies end with the error before the process exits
     return _serve(args, runtime, app_config, plan)
 
 

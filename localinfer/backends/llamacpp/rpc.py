@@ -205,6 +205,13 @@ def device_array(devs: list[Device]):
 _ABORT_T = C.CFUNCTYPE(None, C.c_char_p)
 _hook = None
 _endpoints: set[str] = set()
+_last_words: list = []     # called with the error before the process exits (serve ends its open replies)
+
+
+def on_worker_lost(fn) -> None:
+    """Call ``fn(message)`` when llama.cpp aborts with RPC workers in use, before this process exits (``fn`` may
+    block a few seconds: the server ends its open replies with the message)."""
+    _last_words.append(fn)
 
 
 def install_abort_hook(endpoints) -> None:
@@ -233,6 +240,11 @@ def on_abort(message: bytes | None) -> None:
         line = f"error: llama.cpp aborted: {text}"
         hint = f"hint: the RPC workers in use were {', '.join(sorted(_endpoints))}"
     try:
+        for fn in list(_last_words):
+            try:
+                fn(line.removeprefix("error: "))
+            except BaseException:  # noqa: BLE001 - the process ends either way
+                pass
         sys.stderr.write(f"\n{line}\n{hint}\n")
         sys.stderr.flush()
     finally:

@@ -202,6 +202,26 @@ class Runtime:
         if self.state is not RuntimeState.READY:
             raise APIError(503, "the server is shutting down", code="shutting_down")
 
+    def fail_all(self, error: str, wait_s: float = 3.0) -> None:
+        """The process is about to end (an RPC worker went away; any thread): every open request ends with
+        ``error`` (a stream with its error event and ``[DONE]``, a whole reply with a 500), waiting up to ``wait_s``
+        for the replies to take it."""
+        with self._cond:
+            handles = [h for h in self._active.values() if not h.finished]
+            handles += [h for kind, h in self._inbox if kind == "add" and not h.finished]
+        loop = self._loop
+        if not handles or loop is None or loop.is_closed():
+            return
+        out = [(h, Event(h.index, None, FinishReason.ERROR, error)) for h in handles]
+        try:
+            loop.call_soon_threadsafe(_deliver, out)
+        except RuntimeError:       # the loop closed meanwhile
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(not h.queue.empty() or not h.finished for h in handles):
+            time.sleep(0.02)
+        time.sleep(min(0.3, max(0.0, deadline - time.monotonic())))   # the replies' last frames reach the socket
+
     @property
     def outstanding(self) -> int:
         return self._outstanding
