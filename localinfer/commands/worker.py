@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                         help="CPU threads for the CPU device (default: the usable cores)")
     parser.add_argument("--mem", default=None, metavar="SIZE",
-                        help="memory to offer per device, e.g. 16GiB (default: what the device reports; a CPU "
+                        help="memory to offer per device, e.g. 16GiB, and the most its buffers may hold: a "
+                             "client's allocation past it is refused (default: what the device reports; a CPU "
                              "reports all of its RAM)")
     parser.add_argument("--cache", default=None, metavar="DIR",
                         help="keep uploaded weights in DIR, keyed by hash, so a reload skips the network")

@@ -188,3 +188,39 @@ def test_serve_exits_naming_a_worker_that_dies_mid_request():
     assert data[-1] == "[DONE]", frames[-5:]
     error = json.loads(data[-2])["error"]
     assert f"RPC worker {ep} went away" in error["message"] and error["code"] == "engine_error", error
+
+
+def _alloc(sock, size: int) -> int:
+    ptr, _ = struct.unpack("<QQ", rpc_probe._call(sock, 0, struct.pack("<IQ", 0, size), 16))   # RPC_CMD_ALLOC_BUFFER
+    return ptr
+
+
+def test_worker_holds_to_its_mem():
+    """`worker --mem`: buffers past it are refused (the client is told, as when a device is full) and come back when
+    freed; the device's free memory says what is left; a message claiming more than the worker may hold is dropped
+    with its client, not read into memory; the worker goes on serving."""
+    mib = 1 << 20
+    with workers(1, mem=[64 * mib]) as [(proc, ep)]:
+        host, port = rpc_probe._split(ep)
+        rss = psutil.Process(proc.pid)
+        kids = rss.children(recursive=True)
+        rss = kids[0] if kids else rss                       # the server's own process
+        with socket.create_connection((host, port), timeout=30) as s:
+            rpc_probe._call(s, rpc_probe.CMD_HELLO, bytes(rpc_probe.CAPS), 4 + rpc_probe.CAPS)
+            assert _alloc(s, 1 << 30) == 0                                       # 1 GiB claimed: refused
+            first = _alloc(s, 40 * mib)
+            assert first != 0
+            free, total = struct.unpack("<QQ", rpc_probe._call(s, rpc_probe.CMD_GET_DEVICE_MEMORY,
+                                                               struct.pack("<I", 0), 16))
+            assert total == 64 * mib and free == 24 * mib
+            assert _alloc(s, 40 * mib) == 0                                      # 40 + 40 > 64
+            s.sendall(struct.pack("<BQQ", 4, 8, first))                          # RPC_CMD_FREE_BUFFER: no answer
+            assert _alloc(s, 40 * mib) != 0                                      # its bytes came back
+        before = rss.memory_info().rss
+        with socket.create_connection((host, port), timeout=30) as s:
+            rpc_probe._call(s, rpc_probe.CMD_HELLO, bytes(rpc_probe.CAPS), 4 + rpc_probe.CAPS)
+            s.sendall(struct.pack("<BQ", 6, 4 << 30))                            # RPC_CMD_SET_TENSOR of 4 GiB
+            s.settimeout(30)
+            assert s.recv(1) == b""                                              # dropped, nothing read into memory
+        assert rss.memory_info().rss - before < 32 * mib
+        assert rpc_probe.probe(ep).devices[0].total == 64 * mib                  # and still serving

@@ -202,9 +202,12 @@ def load_model(path: str, plan: LoadPlan):
             raise KeyboardInterrupt
     del keep, keep_ot
     if not model:
-        raise UnsupportedModelError(f"llama.cpp could not load {os.path.basename(path)}: {last_error()}",
-                                    hint="check that llama.cpp supports this architecture and quant type, "
-                                         "or try another --backend", path=path)
+        why = last_error()
+        hint = ("an RPC worker refused the memory (its --mem, or its device is full): "
+                "`localinfer fit --rpc ...` says what fits" if "allocate RPC" in why else
+                "check that llama.cpp supports this architecture and quant type, or try another --backend")
+        raise UnsupportedModelError(f"llama.cpp could not load {os.path.basename(path)}: {why}", hint=hint,
+                                    path=path)
     return model
 
 

@@ -56,6 +56,12 @@ _SIGNATURES = {
         "ggml_backend_dev_memory": (None, [C.c_void_p, C.POINTER(C.c_size_t), C.POINTER(C.c_size_t)]),
         "ggml_backend_dev_type": (C.c_int, [C.c_void_p]),
         "ggml_set_abort_callback": (C.c_void_p, [C.c_void_p]),
+        "ggml_backend_dev_buffer_type": (C.c_void_p, [C.c_void_p]),
+        "ggml_backend_buft_name": (C.c_char_p, [C.c_void_p]),
+        "ggml_backend_buft_alloc_buffer": (C.c_void_p, [C.c_void_p, C.c_size_t]),
+        "ggml_backend_buffer_get_size": (C.c_size_t, [C.c_void_p]),
+        "ggml_backend_buffer_get_type": (C.c_void_p, [C.c_void_p]),
+        "ggml_backend_buffer_free": (None, [C.c_void_p]),
     },
     "ggml-rpc": {
         "ggml_backend_rpc_add_server": (C.c_void_p, [C.c_char_p]),
@@ -260,26 +266,47 @@ def worker_devices() -> list[Device]:
     return accel or local_devices(DEVICE_CPU)
 
 
-_DEV_SLOTS, _GET_MEMORY, _INIT_BACKEND = 17, 2, 5   # struct ggml_backend_device: 15-entry iface, reg, context
+_DEV_SLOTS, _GET_MEMORY, _INIT_BACKEND, _BUFFER_TYPE = 17, 2, 5, 6   # struct ggml_backend_device: 15-entry
+                                                                    # iface, reg, context
 _BACKEND_SLOTS, _BACKEND_DEVICE = 19, 17             # struct ggml_backend: guid, 16-entry iface, device, context
+_BUFT_SLOTS, _BUFT_ALLOC = 8, 1                      # struct ggml_backend_buffer_type: 6-entry iface, device, context
+_BUF_SLOTS, _BUF_FREE, _BUF_TYPE, _BUF_SIZE = 14, 0, 11, 13   # struct ggml_backend_buffer: 11-entry iface, buft,
+                                                              # context, size
 _GET_MEMORY_T = C.CFUNCTYPE(None, C.c_void_p, C.POINTER(C.c_size_t), C.POINTER(C.c_size_t))
 _INIT_T = C.CFUNCTYPE(C.c_void_p, C.c_void_p, C.c_char_p)
+_BUFT_T = C.CFUNCTYPE(C.c_void_p, C.c_void_p)
+_ALLOC_T = C.CFUNCTYPE(C.c_void_p, C.c_void_p, C.c_size_t)
+_FREE_T = C.CFUNCTYPE(None, C.c_void_p)
 _keep: list = []     # capped devices and their callbacks live as long as the process
 
 
-def capped_device(handle: int, mem: int) -> int:
-    """A copy of device ``handle`` that reports ``mem`` bytes, free and total (what rpc-server's ``-m`` did).
+class _Budget:
+    """What a capped device's buffers hold, within ``mem`` bytes (the RPC server's allocations go through it)."""
 
-    The RPC server answers a client's memory query from its backend's device, so the copy's ``init_backend``
-    points the backend it creates at the copy; the copy hands every other call to the real device's functions.
+    def __init__(self, mem: int, name: str):
+        self.mem, self.name, self.used = mem, name, 0
+        self.frees: dict[int, tuple[int, int]] = {}      # buffer -> (its own free_buffer, its size)
+        self.lock = threading.Lock()
+
+
+def capped_device(handle: int, mem: int) -> int:
+    """A copy of device ``handle`` that offers ``mem`` bytes (what rpc-server's ``-m`` did) and holds to them.
+
+    The RPC server answers a client's memory query from its backend's device and allocates from that device's
+    buffer type, so the copy's ``init_backend`` points the backend it creates at the copy, its memory is ``mem``
+    less what its buffers hold, and its buffer type refuses an allocation past ``mem`` (the client is told the
+    allocation failed, as when a device is full); the copy hands every other call to the real device's functions.
     """
     real = (C.c_void_p * _DEV_SLOTS).from_address(handle)
     check_device_layout(handle, real)
+    budget = _Budget(mem, device(handle).name)
     copy = (C.c_void_p * _DEV_SLOTS)(*real)
     real_init = _INIT_T(real[_INIT_BACKEND])
+    buft = capped_buffer_type(library().base.ggml_backend_dev_buffer_type(handle), budget)
 
     def get_memory(_dev, free, total) -> None:
-        free[0] = total[0] = mem
+        total[0] = mem
+        free[0] = max(0, mem - budget.used)
 
     def init_backend(_dev, params):
         backend = real_init(handle, params)
@@ -289,11 +316,71 @@ def capped_device(handle: int, mem: int) -> int:
                 slots[_BACKEND_DEVICE] = C.addressof(copy)
         return backend
 
-    callbacks = (_GET_MEMORY_T(get_memory), _INIT_T(init_backend))
+    callbacks = (_GET_MEMORY_T(get_memory), _INIT_T(init_backend), _BUFT_T(lambda _dev: buft))
     copy[_GET_MEMORY] = C.cast(callbacks[0], C.c_void_p)
     copy[_INIT_BACKEND] = C.cast(callbacks[1], C.c_void_p)
-    _keep.extend((copy, real_init, *callbacks))
+    copy[_BUFFER_TYPE] = C.cast(callbacks[2], C.c_void_p)
+    _keep.extend((copy, real_init, budget, *callbacks))
     return C.addressof(copy)
+
+
+def capped_buffer_type(real_buft: int, budget: _Budget) -> int:
+    """A copy of buffer type ``real_buft`` whose ``alloc_buffer`` keeps the buffers' bytes within ``budget``: each
+    buffer it makes has its ``free_buffer`` wrapped to give its bytes back."""
+    check_buffer_layout(real_buft)
+    real = (C.c_void_p * _BUFT_SLOTS).from_address(real_buft)
+    copy = (C.c_void_p * _BUFT_SLOTS)(*real)
+    real_alloc = _ALLOC_T(real[_BUFT_ALLOC])
+
+    def free(buf) -> None:
+        with budget.lock:
+            own, n = budget.frees.pop(buf, (0, 0))
+            budget.used -= n
+        if own:
+            _FREE_T(own)(buf)
+
+    free_cb = _FREE_T(free)
+
+    def alloc(_buft, size):
+        with budget.lock:
+            if budget.used + size > budget.mem:
+                sys.stderr.write(f"worker: refused a buffer of {size:,} B on {budget.name}: {budget.used:,} of the "
+                                 f"{budget.mem:,} B offered (--mem) are in use\n")
+                sys.stderr.flush()
+                return None
+            buf = real_alloc(real_buft, size)
+            if not buf:
+                return None
+            slots = (C.c_void_p * _BUF_SLOTS).from_address(buf)
+            n = slots[_BUF_SIZE] or 0
+            budget.frees[buf] = (slots[_BUF_FREE] or 0, n)
+            budget.used += n
+            slots[_BUF_FREE] = C.cast(free_cb, C.c_void_p)
+            return buf
+
+    alloc_cb = _ALLOC_T(alloc)
+    copy[_BUFT_ALLOC] = C.cast(alloc_cb, C.c_void_p)
+    _keep.extend((copy, real_alloc, free_cb, alloc_cb))
+    return C.addressof(copy)
+
+
+def check_buffer_layout(buft: int) -> None:
+    """The buffer type and its buffers are laid out as :func:`capped_buffer_type` assumes: the type's first slot
+    names it, a buffer it makes holds the type and its size where ggml's accessors find them."""
+    base = library().base
+    slots = (C.c_void_p * _BUFT_SLOTS).from_address(buft)
+    name = C.CFUNCTYPE(C.c_char_p, C.c_void_p)(slots[0])(buft)
+    ok = (name or b"") == (base.ggml_backend_buft_name(buft) or b"")
+    if ok:
+        buf = base.ggml_backend_buft_alloc_buffer(buft, 4096)
+        if buf:
+            b = (C.c_void_p * _BUF_SLOTS).from_address(buf)
+            ok = b[_BUF_TYPE] == base.ggml_backend_buffer_get_type(buf) and \
+                b[_BUF_SIZE] == base.ggml_backend_buffer_get_size(buf)
+            base.ggml_backend_buffer_free(buf)
+    if not ok:
+        raise BackendUnavailableError("--mem: this llama.cpp's buffer structures are not the ones localinfer "
+                                      "patches", hint="drop --mem, or reinstall with ./install.sh")
 
 
 def check_device_layout(handle: int, slots) -> None:
@@ -314,9 +401,32 @@ def start_server(endpoint: str, threads: int, cache_dir: str | None = None, mem:
     lib = library()
     devs = worker_devices()
     handles = [capped_device(d.handle, mem) if mem else d.handle for d in devs]
+    if mem and all(lib.base.ggml_backend_dev_type(d.handle) == DEVICE_CPU for d in devs):
+        limit_messages(mem)
     arr = (C.c_void_p * len(devs))(*handles)
     lib.rpc.ggml_backend_rpc_start_server(endpoint.encode(), cache_dir.encode() if cache_dir else None,
                                           threads, len(devs), arr)
+
+
+MESSAGE_SLACK = 256 << 20
+
+
+def limit_messages(mem: int) -> None:
+    """Bound this process's heap (RLIMIT_DATA) to what it holds now, ``mem`` for the buffers and ``mem`` more for
+    one message in flight: the server makes room for whatever size a message claims, and a claim past that is now
+    refused (llama.cpp logs it and drops that client) instead of taking the machine's memory.  CPU workers only: an
+    accelerator's driver maps more than it uses."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            now = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    cap = now + 2 * mem + MESSAGE_SLACK
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard == resource.RLIM_INFINITY or cap <= hard:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
 
 
 def _die_with_parent() -> None:
