@@ -131,3 +131,39 @@ def test_one_embeddings_request_may_hold_a_bounded_number_of_tokens(http):
     assert str(MAX_REQUEST_TOKENS) in r.json()["error"]["message"]
     r = http.post(EMBED, json={"model": MODEL_ID, "input": ["hello"]})
     assert r.status_code == 200, r.text
+
+
+def test_grammar_requests_waiting_for_a_compile_slot_do_not_hold_plain_ones(srv):
+    """Both compile slots busy (held here, as two long compiles would): the grammar requests wait for one in
+    threads of their own, and a plain request is answered meanwhile (before, they waited in the threads plain
+    requests are parsed and tokenised in, and enough of them held those up for their 10 s)."""
+    from localinfer.generation import grammar_guard
+
+    small = 'start: "yes" | "no"\n'
+    done: dict[str, float] = {}
+
+    def post(name, body):
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            r = c.post(CHAT, json=body)
+        done[name] = (time.monotonic(), r.status_code)
+
+    for _ in range(grammar_guard.MAX_COMPILES):
+        assert grammar_guard._slots.acquire(timeout=30)
+    try:
+        waiting = [threading.Thread(target=post, args=(f"grammar{i}", dict(BASE, grammar=small))) for i in range(8)]
+        for t in waiting:
+            t.start()
+        pool = srv.app.state.prep.constrained
+        deadline = time.monotonic() + 30
+        while pool._work_queue.qsize() + len(pool._threads) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)          # two waiting for a slot, six queued behind them (more than the loop's executor has)
+        time.sleep(0.2)
+        post("plain", BASE)
+        assert not any(k.startswith("grammar") for k in done), done     # the grammar requests are still waiting
+    finally:
+        for _ in range(grammar_guard.MAX_COMPILES):
+            grammar_guard._slots.release()
+    for t in waiting:
+        t.join(60)
+    assert done["plain"][1] == 200
+    assert all(done[f"grammar{i}"][1] in (200, 503) for i in range(8)), done

@@ -143,8 +143,8 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
         body = await srv.body(request)
         # off the event loop: a schema or grammar compiles here (bounded: generation/grammar_guard.py), and
         # /health and the other clients go on meanwhile
-        spec = await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(parse, body, chat=chat, deadline_header=request.headers.get(DEADLINE_HEADER)))
+        spec = await srv.prep.parse(body, functools.partial(parse, body, chat=chat,
+                                                            deadline_header=request.headers.get(DEADLINE_HEADER)))
         srv.check_model(spec.model)
         prompts = await srv.tokens(spec)
         echo = None

@@ -103,6 +103,9 @@ class Prep:
     def __init__(self, runtime, config, workers: int = PREP_WORKERS):
         self.runtime, self.config = runtime, config
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="localinfer-prep")
+        # requests with a grammar, schema or tools: their compiles wait for a slot (generation/grammar_guard.py)
+        # in threads of their own, so a plain request's tokens are never queued behind them
+        self.constrained = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="localinfer-prep-grammar")
         self._lock = threading.Lock()
         self._template = None
         self.preparing = 0
@@ -118,13 +121,24 @@ class Prep:
                                 f"is {limit}; retry later", code="queue_full", headers={"Retry-After": str(wait)})
 
     async def run(self, fn, *args, n: int = 1):
-        """``fn(*args)`` in a worker thread, counted against the queue limit while it runs."""
+        """``fn(*args)`` in a worker thread (of the constrained pool when an argument is a spec with a
+        ``structure``), counted against the queue limit while it runs."""
         self.admit(n)
         self.preparing += n
+        pool = self.constrained if any(getattr(a, "structure", None) is not None for a in args) else self.pool
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         finally:
             self.preparing -= n
+
+    async def parse(self, body, fn):
+        """``fn()``, a body's parse (which compiles its grammar or schema), off the event loop: in the constrained
+        pool when the body asks for structure, else the loop's default executor, so that requests waiting for a
+        compile slot never hold up a plain request's parse."""
+        from localinfer.serve.http.structured import constrains
+
+        pool = self.constrained if isinstance(body, dict) and constrains(body) else None
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
     def vocab(self) -> ServerVocab:
         return ServerVocab(self.runtime.tokenizer, self.runtime.context_tokens)
@@ -166,3 +180,4 @@ class Prep:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+        self.constrained.shutdown(wait=False)

@@ -203,7 +203,7 @@ def routes(srv) -> list:
                 ob["messages"] = ([{"role": "system", "content": system}] if system else []) + \
                     [{"role": "user", "content": prompt}]
         # off the event loop: format and tools compile a grammar here (bounded: generation/grammar_guard.py)
-        spec = await asyncio.get_running_loop().run_in_executor(None, lambda: parse(ob, chat=chat or not raw))
+        spec = await srv.prep.parse(ob, lambda: parse(ob, chat=chat or not raw))
         prompts = await srv.tokens(spec)
         gen = srv.generation(request, spec, prompts)
         key = "message" if chat else "response"

@@ -118,7 +118,7 @@ def routes(srv) -> list:
         messages = new[:k] + history + new[k:]
         ob = {"model": body.get("model"), "messages": messages, "max_completion_tokens": body.get("max_output_tokens"),
               "temperature": body.get("temperature"), "top_p": body.get("top_p"), **chat_fields(body)}
-        spec = await asyncio.get_running_loop().run_in_executor(None, lambda: parse(ob, chat=True))
+        spec = await srv.prep.parse(ob, lambda: parse(ob, chat=True))
         srv.check_model(spec.model)
         stream = body.get("stream") or False
         if not isinstance(stream, bool):

@@ -43,6 +43,18 @@ class Structure:
         return bool(self.tools) and self.tool_choice != "none"
 
 
+STRUCTURE_FIELDS = ("response_format", "regex", "choice", "grammar", "json_schema", "tools")
+
+
+def constrains(body: dict) -> bool:
+    """Whether the body names anything :func:`parse_structure` compiles (a ``text`` response_format does not)."""
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "text" and not any(body.get(k) is not None
+                                                                      for k in STRUCTURE_FIELDS[1:]):
+        return False
+    return any(body.get(k) is not None for k in STRUCTURE_FIELDS)
+
+
 def parse_structure(body: dict) -> Structure | None:
     """The request's structure, or None when nothing constrains it."""
     kinds = []
