@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from localinfer.backends.engine import Engine, LoadPlan
-from localinfer.errors import DoesNotFitError, UsageError
+from localinfer.errors import DoesNotFitError, UnsupportedModelError, UsageError
 
 PLAN_DEFAULTS = {f.name: f.default for f in fields(LoadPlan)}
 MAX_CTX = 1 << 24
@@ -105,6 +105,10 @@ def check_fit(spec, plan: LoadPlan, backend: str, force: bool = False):
     if memory_model(backend) is None:
         return None
     result = check_load(spec, plan, device=None, backend=backend)
+    if not result.supported:     # the backend cannot run this model at all: no flag of the plan's would help
+        hint = None if "--backend" in result.reason else "use --backend llama.cpp"
+        raise UnsupportedModelError(result.reason, hint=hint,
+                                    arch=spec.arch, backend=backend)
     if result.fits or force:
         return result
     hint = ("flags that fit: " + "; ".join(result.suggestions) + " (or --force)") if result.suggestions \

@@ -105,6 +105,7 @@ def test_other_backends_refuse_naming_llamacpp(backend, models, capsys):
     _, err = capsys.readouterr()
     assert code != 0 and "Traceback" not in err
     assert "--backend llama.cpp" in err and len([ln for ln in err.splitlines() if ln.startswith("error:")]) == 1
+    assert "--ctx" not in err and "--force" not in err      # no flag of the plan's would make it run
 
 
 def test_fit_says_a_backend_cannot_run_the_architecture(models, capsys):
