@@ -145,6 +145,16 @@ class Engine(ABC):
     def _trim(self, n: int, seq: int) -> None:
         """Drop cached positions >= n of sequence seq."""
 
+    def snapshot(self, seq: int = 0):
+        """Sequence seq's recurrent state at the tokens it holds, saved to host memory (a
+        :class:`~localinfer.backends.executor.SeqState`), for an engine that does not ``trims_tail``."""
+        raise NotImplementedError(f"the {self.name} engine holds no recurrent state to snapshot")
+
+    def rewind(self, state, seq: int = 0) -> None:
+        """Sequence seq back to ``state.n_tokens`` tokens: its recurrent state restored from ``state`` (taken of the
+        same tokens by :meth:`snapshot`), every position from there dropped."""
+        raise NotImplementedError(f"the {self.name} engine holds no recurrent state to rewind")
+
     def trim(self, n: int, seq: int = 0) -> None:
         """Rewind sequence seq to its first n tokens (0 clears it)."""
         cur = self.kv_len(seq)

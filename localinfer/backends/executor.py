@@ -15,6 +15,12 @@ slot's positions from ``start`` on (``llama_memory_seq_rm``).  ``cells_used`` is
 the number of KV cells holding at least one sequence's token, so the block
 manager's count can be checked against the backend's.
 
+A recurrent or hybrid model's state cannot be cut back to an earlier position the way
+attention KV can: an executor that declares ``snapshots`` saves a slot's state at its
+current position to host memory (``snapshot``, a :class:`SeqState`) and takes a slot back
+to one (``rewind``: the state restored, positions past it dropped); a prefix shared by
+``copy`` is then completed with ``rewind`` to the state saved at its end.
+
 ``interrupt`` (any thread) asks the step in flight to stop early: an executor
 that ``interrupts_steps`` then raises :class:`StepInterrupted` from ``step``,
 every slot left as it was before the step (a server stops a long prompt's step
@@ -49,6 +55,16 @@ class Chunk:
     blocks: tuple[int, ...] = ()  # the slot's block table after this step, for paging executors; others ignore it
 
 
+@dataclass(frozen=True, eq=False)
+class SeqState:
+    """What a slot holds that positions cannot be cut back to (recurrent layers' state), saved at ``n_tokens``:
+    ``data`` is the backend's own bytes (host memory), ``nbytes`` their size."""
+
+    n_tokens: int
+    nbytes: int
+    data: object = None
+
+
 @dataclass(frozen=True)
 class ExecutorCaps:
     """What an executor can do beyond the core contract; the defaults are the safe answers."""
@@ -63,6 +79,8 @@ class ExecutorCaps:
     parks_in_host: bool = False           # ``park`` moves a slot's KV to host memory (decided at load)
     interrupts_steps: bool = False        # ``interrupt`` stops the step in flight (StepInterrupted, no slot changed)
     cpu_threads: int = 0                  # CPU cores the forward pass keeps busy (0: it runs on an accelerator)
+    snapshots: bool = False               # ``snapshot``/``rewind`` a state positions cannot be cut back to (recurrent)
+    state_bytes: int = 0                  # bytes of one such state (a snapshot's size; 0 without ``snapshots``)
 
 
 class StepInterrupted(Exception):
@@ -95,6 +113,13 @@ class Executor(Protocol):
 
     def restore(self, slot: int, n_tokens: int) -> None:
         """Bring positions up to ``n_tokens`` of ``slot`` back from the cached pool (``restores_cached_prefix``)."""
+
+    def snapshot(self, slot: int) -> SeqState:
+        """``slot``'s state that positions cannot be cut back to, at the positions it holds now (``snapshots``)."""
+
+    def rewind(self, slot: int, state: SeqState) -> None:
+        """``slot`` back to ``state.n_tokens`` positions: ``state`` restored, every position from there dropped
+        (``snapshots``; the slot holds at least that many positions of the same tokens)."""
 
     def cells_used(self) -> int:
         """KV cells that hold a token of any slot."""
@@ -135,6 +160,8 @@ class ExecutorBase:
     parks_in_host: bool = False
     interrupts_steps: bool = False
     cpu_threads: int = 0
+    snapshots: bool = False
+    state_bytes: int = 0
     decode_seconds: float = 0.0          # seconds inside the backend's forward passes (0: not counted)
     vocab = None                         # the model's tokenizer (tokenize, token_bytes, eos_ids), where it has one
 
@@ -156,6 +183,12 @@ class ExecutorBase:
 
     def restore(self, slot: int, n_tokens: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} keeps KV only in its slots: it restores no cached prefix")
+
+    def snapshot(self, slot: int) -> SeqState:
+        raise NotImplementedError(f"{type(self).__name__} holds no state that needs a snapshot")
+
+    def rewind(self, slot: int, state: SeqState) -> None:
+        raise NotImplementedError(f"{type(self).__name__} holds no state that needs a snapshot")
 
     def cells_used(self) -> int:
         raise NotImplementedError
@@ -218,6 +251,12 @@ class ExecutorWrapper(ExecutorBase):
 
     def restore(self, slot: int, n_tokens: int) -> None:
         self.inner.restore(slot, n_tokens)
+
+    def snapshot(self, slot: int) -> SeqState:
+        return self.inner.snapshot(slot)
+
+    def rewind(self, slot: int, state: SeqState) -> None:
+        self.inner.rewind(slot, state)
 
     def cells_used(self) -> int:
         return self.inner.cells_used()

@@ -52,6 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--block", type=int, default=None, metavar="P",
                    help=f"tokens per KV block (default {DEFAULT_BLOCK_TOKENS})")
     m.add_argument("--prefix-cached", action="store_true", help="named prefixes are in the prefix cache at the start")
+    h = p.add_argument_group("hybrid models (a recurrent state: prefix hits only from a snapshot)")
+    h.add_argument("--state-size", default=None, metavar="SIZE",
+                   help="recurrent state per sequence (e.g. 75.4MiB; default with --model: the model's own), which "
+                        "turns snapshot modelling on")
+    h.add_argument("--snapshot-stride", type=int, default=None, metavar="N",
+                   help="a prompt's state saved every N tokens, and at each prompt's and reply's last whole block "
+                        "(default 1024; 0: at those ends only)")
+    h.add_argument("--state-bandwidth", type=float, default=32.0, metavar="GB/S",
+                   help="a snapshot's save and restore speed (default 32: PCIe Gen4 x16 one way)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as JSON")
     o.add_argument("--html", default=None, metavar="FILE", help="write the timeline as an HTML page")
@@ -120,6 +129,34 @@ def _kv_blocks(args, k, block):
     return blocks_in_budget(budget, k, block)
 
 
+def _snapshots(args):
+    """(recurrent state bytes per sequence, snapshot policy): from --state-size, else the --model's recurrent state;
+    (0, None) for an attention-only model."""
+    from localinfer.serve.snapshots import DEFAULT_STRIDE, SnapshotPolicy
+
+    if not args.state_bandwidth > 0:
+        raise UsageError(f"--state-bandwidth must be positive, got {args.state_bandwidth}", flag="--state-bandwidth")
+    state = 0
+    if args.state_size is not None:
+        from localinfer.units import parse_size
+
+        try:
+            state = parse_size(args.state_size)
+        except ValueError as exc:
+            raise UsageError(f"--state-size: {exc}", flag="--state-size") from None
+    elif args.model is not None:
+        from localinfer.generation.load import open_model
+        from localinfer.model.kv import recurrent_state_bytes
+
+        spec = open_model(args.model).spec
+        state = recurrent_state_bytes(spec) if spec.has_recurrent else 0
+    if args.snapshot_stride is not None and (args.snapshot_stride < 0 or not state):
+        raise UsageError("--snapshot-stride needs a recurrent state: a hybrid --model or --state-size, and N >= 0",
+                         flag="--snapshot-stride", hint="e.g. --state-size 75.4MiB --snapshot-stride 4096")
+    stride = DEFAULT_STRIDE if args.snapshot_stride is None else args.snapshot_stride
+    return state, SnapshotPolicy(stride=stride) if state else None
+
+
 def run(args: argparse.Namespace) -> int:
     from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
     from localinfer.serve.replay import load_trace, replay
@@ -134,8 +171,10 @@ def run(args: argparse.Namespace) -> int:
     block = DEFAULT_BLOCK_TOKENS if args.block is None else args.block
     if block < 1:
         raise UsageError(f"--block must be ≥ 1, got {block}", flag="--block")
+    state, policy = _snapshots(args)
     result = replay(trace, config, model, block_tokens=block, kv_blocks=_kv_blocks(args, k, block),
-                    kv_bytes_per_token=k, prefix_cached=args.prefix_cached)
+                    kv_bytes_per_token=k, prefix_cached=args.prefix_cached, state_bytes=state,
+                    snapshot_policy=policy, state_bandwidth=args.state_bandwidth * 1e9)
     if args.html:
         from localinfer.util.atomic import atomic_write
 
@@ -177,6 +216,11 @@ def render_text(result, config, desc: str) -> str:
          f"{result.blocks.block_tokens} tokens{kv}; {len(result.steps)} steps; {pre} preemptions, "
          f"{redo} tokens recomputed"),
     ]
+    snaps = result.snapshot_summary()
+    if snaps is not None:
+        lines.append(f"snapshots: {snaps['taken']} saved, {snaps['restored']} restored, "
+                     f"{snaps['recomputed_tokens']} matched tokens past the deepest one recomputed, "
+                     f"{snaps['state_ms']:.1f} ms moving states")
     gaps = result.largest_gaps(3)
     if gaps:
         lines.append("largest gaps, and the steps in them:")

@@ -36,6 +36,7 @@ API_KEY_ENV = "LOCALINFER_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from localinfer.serve.http.config import DEFAULT_PARKED_RECURRENT
     from localinfer.serve.http.limits import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS
     from localinfer.serve.speculation import DRAFT_MAX
 
@@ -97,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 32; kept in host memory, all of them in at most 8 GiB or half the free RAM, "
                         "an earlier answer to a prompt sent again, then the least recently used, given up first; "
                         "0: none)")
+    g.add_argument("--snapshot-stride", type=int, default=None, metavar="N",
+                   help="hybrid and recurrent models: save the recurrent state every N prompt tokens (and at each "
+                        "prompt's and reply's last whole block) so prefix hits can restore it (default 1024; 0: at "
+                        f"prompt and reply ends only); parked ids default to {DEFAULT_PARKED_RECURRENT} on such models")
     g.add_argument("--lookup", action="store_true",
                    help="prompt-lookup speculative decoding: verify n-gram drafts inside the batched steps")
     g.add_argument("--draft-max", type=int, default=None, metavar="N",
@@ -114,7 +119,8 @@ def _check(args) -> str | None:
     """Validate the serving flags; the API key to use (None: no key)."""
     for flag, v, lo, hi in (("--port", args.port, 0, 65535), ("--parallel", args.parallel, 1, 256),
                             ("--max-queue", args.max_queue, 0, 1 << 20), ("--max-body", args.max_body, 1024, 1 << 30),
-                            ("--parked", 0 if args.parked is None else args.parked, 0, 256)):
+                            ("--parked", 0 if args.parked is None else args.parked, 0, 256),
+                            ("--snapshot-stride", args.snapshot_stride or 0, 0, 1 << 24)):
         if not lo <= v <= hi:
             raise UsageError(f"{flag} {v} is out of range", flag=flag, hint=f"use {lo}..{hi}")
     for flag, v in (("--token-budget", args.token_budget), ("--chunk", args.chunk)):
@@ -274,7 +280,7 @@ def _run(args: argparse.Namespace) -> int:
         check_writable(args.step_log, inputs=(path,))
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
-    config = serve_config(args, plan.n_batch)
+    config = serve_config(args, plan.n_batch, recurrent=spec.has_recurrent)
     if backend == "llama.cpp":    # llama.cpp reserves a logit row per sequence id, the parked ones' too
         from localinfer.backends.llamacpp.memory import outputs_cap
 
@@ -314,16 +320,19 @@ def _reporter(metrics, predicted: list[dict] | None):
     return lambda executor: metrics.set_devices(with_reported(predicted, executor.vocab.load_log()))
 
 
-def serve_config(args, n_batch: int):
-    """The engine's settings from the serving flags (``--token-budget`` defaults to the plan's ``n_batch``)."""
-    from localinfer.serve.http.config import ServeConfig
+def serve_config(args, n_batch: int, recurrent: bool = False):
+    """The engine's settings from the serving flags (``--token-budget`` defaults to the plan's ``n_batch``;
+    ``recurrent``: the model holds a recurrent state, so fewer parked ids by default)."""
+    from localinfer.serve.http.config import DEFAULT_PARKED_RECURRENT, ServeConfig
     from localinfer.serve.speculation import DRAFT_MAX
 
     budget = args.token_budget if args.token_budget is not None else n_batch
+    park = args.parked if args.parked is not None or not recurrent else DEFAULT_PARKED_RECURRENT
+    stride = {} if args.snapshot_stride is None else {"snapshot_stride": args.snapshot_stride}
     return ServeConfig.build(parallel=args.parallel, max_queue=args.max_queue, token_budget=budget,
                              **({} if args.chunk is None else {"chunk_tokens": args.chunk}),
                              itl_target_s=None if args.itl_target is None else args.itl_target / 1e3,
-                             prefix_cache=args.prefix_cache == "on", park=args.parked,
+                             prefix_cache=args.prefix_cache == "on", park=park, **stride,
                              **_partial_slack(args.partial_slack), **_max_gap(args.max_gap), step_log=args.step_log,
                              draft_max=(args.draft_max or DRAFT_MAX) if args.lookup else 0,
                              **({} if args.decode_share is None else {"decode_share": args.decode_share}))

@@ -19,7 +19,8 @@ A round (``LookupDecoder.step``) has four parts, all through the engine contract
    (p - q)+ / (1 - p(x)), the normalised residual (docs/speculation.md) - so the output
    distribution is plain sampling's, and with a seeded sampler the random
    stream is consumed exactly as plain decoding consumes it.
-3. Roll back.  ``engine.trim`` cuts the rejected drafts out of the KV.
+3. Roll back.  ``engine.trim`` cuts the rejected drafts out of the KV (a recurrent model's engine, which cannot
+   cut, restores the state saved before the verify and evaluates the accepted tokens again).
 4. Adapt.  k is chosen each round from the learnt acceptance a(L) at the
    source's agreement length L (``AcceptanceModel``) and the engine's measured
    cost T(m) of verifying m tokens (``CostModel``), by the marginal rule:
@@ -352,12 +353,18 @@ class LookupDecoder:
                 self.cost = engine_cost(engine, self.draft_max + 1)
         draft = self.propose(context, pending, room=engine.n_ctx - len(context) - 1, is_eos=engine.is_eos)
         t1 = time.perf_counter()
+        # a recurrent state cannot be cut back: saved before the verify, restored if a draft is rejected
+        state = engine.snapshot(seq) if draft.tokens and not engine.trims_tail and context else None
         rows = engine.eval([pending, *draft.tokens], logits_at=range(len(draft.tokens) + 1), seq=seq)
         t2 = time.perf_counter()
         emitted = self._verify(rows, draft.tokens, sampler)
         n_acc = len(emitted) - 1
         if n_acc < len(draft.tokens):
-            engine.trim(len(context) + 1 + n_acc, seq)
+            if state is None:
+                engine.trim(len(context) + 1 + n_acc, seq)
+            else:      # back to before the verify, then the kept tokens again
+                engine.rewind(state, seq)
+                engine.eval([pending, *draft.tokens[:n_acc]], logits_at=[], seq=seq)
         t3 = time.perf_counter()
         self.observe(draft, emitted)
         t4 = time.perf_counter()

@@ -29,6 +29,7 @@ from localinfer.generation.text import ReplyText, check_stops
 from localinfer.util.stats import percentile
 
 DEFAULT_MAX_TOKENS = 512
+MAX_STATES = 4       # saved recurrent states per sequence (prompt ends of the latest turns)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Runner:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._cached: dict[int, list[int]] = {}
+        self._states: dict[int, list] = {}      # seq -> saved recurrent states (engines that cannot trim a tail)
 
     def cached(self, seq: int = 0) -> list[int]:
         """Token ids currently in sequence seq's KV cache."""
@@ -111,6 +113,7 @@ class Runner:
         """Empty sequence seq's KV cache."""
         self.engine.trim(0, seq)
         self._cached[seq] = []
+        self._states.pop(seq, None)
 
     def _reuse(self, prompt: Sequence[int], seq: int) -> list[int]:
         cached = self._cached.get(seq, [])
@@ -121,11 +124,30 @@ class Runner:
         while n < limit and cached[n] == prompt[n]:
             n += 1
         if self.engine.kv_len(seq) > n:
-            if n and not self.engine.trims_tail:     # a recurrent state cannot go back: recompute the prompt
-                n = 0
-            self.engine.trim(n, seq)
+            if n and not self.engine.trims_tail:     # a recurrent state goes back only to where it was saved
+                state = max((s for s in self._states.get(seq, ()) if s.n_tokens <= n), key=lambda s: s.n_tokens,
+                            default=None)
+                if state is not None:
+                    self.engine.rewind(state, seq)
+                    n = state.n_tokens
+                else:
+                    n = 0
+            if self.engine.kv_len(seq) > n:
+                self.engine.trim(n, seq)
+        states = self._states.get(seq)
+        if states:
+            states[:] = [s for s in states if s.n_tokens <= n]    # saved for tokens no longer held
         self._cached[seq] = context = list(prompt[:n])
         return context
+
+    def _save_state(self, seq: int, n_tokens: int) -> None:
+        """Keep the recurrent state at the prompt's end (an engine that cannot trim a tail): a regenerate, an edited
+        last turn or the next turn restores it instead of recomputing the conversation."""
+        if self.engine.trims_tail or not n_tokens:
+            return
+        states = self._states.setdefault(seq, [])
+        states.append(self.engine.snapshot(seq))
+        del states[:-MAX_STATES]
 
     def stream(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                max_tokens: int = DEFAULT_MAX_TOKENS, stop: Sequence[str] = (), decoder: Decoder | None = None,
@@ -158,6 +180,7 @@ class Runner:
         try:
             logits = engine.eval(prompt[len(context):], logits_at=[-1], seq=seq)[0]
             context.extend(prompt[len(context):])
+            self._save_state(seq, len(context))
             decoder.start(prompt)
             first = sampler.sample(logits, context)
             yield from self._decode(context, first, sampler, decoder, max_tokens, stops, seq, tm, t0)
@@ -206,8 +229,10 @@ class Runner:
                 if reason is None and tm.generated >= max_tokens:
                     reason = "length"
                 if reason is not None:
-                    engine.trim(kv_base + i, seq)
-                    del context[kv_base + i:]
+                    if engine.trims_tail or engine.kv_len(seq) <= kv_base + i:
+                        engine.trim(kv_base + i, seq)
+                        del context[kv_base + i:]
+                    # else a recurrent state keeps the accepted drafts past the stop: the KV and context hold them
                     if not engine.is_eos(tok):
                         yield TextChunk(text, tok, timings=tm, stats=decoder.stats)
                     break

@@ -35,6 +35,9 @@ cached block holds its whole chain and one copy seats any hit.
 parked KV in host memory, so more parked requests stay hits than the cells
 hold; ``num_free`` and ``capacity`` count within the cap.
 
+On a recurrent or hybrid model (``snapshots``: :mod:`localinfer.serve.snapshots`) a hit ends at the deepest
+matched block whose end has a saved state; a block leaving the cache takes its snapshot with it.
+
 A block is hashed once per sequence: admission makes one ``match`` and hands
 its hit to ``allocate``, and a ``PrefixHashes`` memo kept by the caller (a
 request keeps its own) carries the hashes from ``match`` to later matches and
@@ -52,6 +55,7 @@ from localinfer.errors import LocalinferError, UsageError
 from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS, blocks_for
 from localinfer.serve.parking import Parking
 from localinfer.serve.prefix_hashes import PrefixHashes, chain_hash
+from localinfer.serve.snapshots import Snapshots
 
 ROOT_HASH = 0
 
@@ -84,7 +88,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, *, prefix_cache: bool = True,
                  pool_hits: bool = True, hash_fn: Callable[[int, tuple[int, ...]], int] = chain_hash,
-                 max_used: int | None = None, parking: Parking | None = None):
+                 max_used: int | None = None, parking: Parking | None = None, snapshots: Snapshots | None = None):
         if num_blocks < 0 or block_tokens <= 0 or not 0 <= (max_used or 0) <= num_blocks:
             raise UsageError(f"need a non-negative block count, a positive block size and at most that many "
                              f"referenced, got {num_blocks} blocks of {block_tokens} ({max_used})", flag="--block")
@@ -110,6 +114,7 @@ class BlockManager:
         self.peak_used = 0
         self.evictions = 0
         self.max_used = max_used      # referenced blocks at most (the KV cells); the rest only cache (host memory)
+        self.snapshots = snapshots    # saved recurrent states: a hit ends at the deepest one (None: attention only)
 
     # ---- counts --------------------------------------------------------------
     @property
@@ -158,6 +163,10 @@ class BlockManager:
         unwritten = bisect_left(table, True, key=lambda b: blocks[b].filled == 0)     # its first unwritten block
         return (unwritten - 1) * self.block_tokens + blocks[table[unwritten - 1]].filled if unwritten else 0
 
+    def has_hash(self, h: int) -> bool:
+        """A block with chain hash ``h`` is in the prefix cache."""
+        return h in self._cache
+
     def is_cached(self, b: int) -> bool:
         """Block ``b`` is the prefix cache's block for its hash."""
         h = self.blocks[b].hash
@@ -168,11 +177,23 @@ class BlockManager:
 
     # ---- the prefix cache ----------------------------------------------------
     def match(self, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> list[int]:
-        """Cached blocks holding the longest run of whole leading blocks of ``tokens``.
+        """Cached blocks holding the longest run of whole leading blocks of ``tokens`` (with ``snapshots``: up to
+        the deepest of them that ends at a snapshot).
 
         At least one token is left to compute, so a hit never covers the whole sequence.
         ``hashes`` (the memo of these tokens) supplies the hashes computed before and keeps new ones.
         """
+        return self.match_cut(tokens, hashes)[0]
+
+    def match_cut(self, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> tuple[list[int], int]:
+        """``match`` and the matched blocks past its end that no snapshot reaches (0 without ``snapshots``)."""
+        found = self._match(tokens, hashes)
+        if self.snapshots is None or not found:
+            return found, 0
+        k = self.snapshots.depth([self.blocks[b].hash for b in found], len(found))
+        return found[:k], len(found) - k
+
+    def _match(self, tokens: Sequence[int], hashes: PrefixHashes | None) -> list[int]:
         if not self.prefix_cache:
             return []
         memo = self._memo(hashes)
@@ -290,13 +311,15 @@ class BlockManager:
                 cached = self._cache.get(h)
                 if (cached is not None and not self.pool_hits and self.blocks[cached].ref == 0
                         and not self._backed(cached)):
-                    self._unhash(cached)    # a live copy serves hits better than one nobody holds
+                    self._unhash(cached, keep_snapshot=True)   # a live copy serves hits better than one nobody holds
                 # parking: a block whose parent in this sequence is not the cached one (both computed at once)
                 # stays out, so that whoever holds a cached block holds its whole chain (one copy seats a hit)
                 own = self.parking is None or i == 0 or self._cache.get(parent) == table[i - 1]
                 if h not in self._cache and own:
                     block.hash, block.parent, block.tokens = h, parent, chunk
                     self._cache[h] = block.id
+                elif self.snapshots is not None and h not in self._cache:
+                    self.snapshots.discard(h)    # kept for a block that did not take the hash over after all
             parent = h
         self._chain[seq] = (max(done, len(tokens) // p), parent)
 
@@ -423,10 +446,11 @@ class BlockManager:
         if self.blocks[b].ref == 0 and b in self._lru:
             self._unhash(b)
 
-    def _unhash(self, b: int) -> None:
-        """Take unreferenced block ``b`` out of the prefix cache (into the free pool, unless a release is pending)."""
+    def _unhash(self, b: int, keep_snapshot: bool = False) -> None:
+        """Take unreferenced block ``b`` out of the prefix cache (into the free pool, unless a release is pending);
+        ``keep_snapshot``: its hash's snapshot stays, for the block that takes the hash over."""
         block = self.blocks[b]
-        del self._cache[block.hash]
+        self._uncache(block.hash, keep_snapshot)
         if b in self._lru:
             del self._lru[b]
             self._reset(block)
@@ -444,7 +468,13 @@ class BlockManager:
         self._ref(b)
         return b
 
+    def _uncache(self, h: int, keep_snapshot: bool = False) -> None:
+        """Hash ``h`` leaves the prefix cache, and its snapshot with it (unless ``keep_snapshot``)."""
+        del self._cache[h]
+        if self.snapshots is not None and not keep_snapshot:
+            self.snapshots.discard(h)
+
     def _reset(self, block: Block) -> None:
         if block.hash is not None and self._cache.get(block.hash) == block.id:
-            del self._cache[block.hash]
+            self._uncache(block.hash)
         block.hash, block.parent, block.tokens, block.filled = None, None, (), 0

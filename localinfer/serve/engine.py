@@ -15,6 +15,10 @@ What the executor can do is read from ``executor.caps``: an executor that
 (``pool_hits``); one that declares ``block_size`` pages KV in the block
 manager's blocks, and every chunk carries its request's block table
 (``Chunk.blocks``); others keep KV their own way and ignore the tables.
+On a recurrent or hybrid model (the block manager's ``snapshots``) the state after a
+prompt chunk that ends at a snapshot position is saved (``executor.snapshot``), and a
+seated prefix is taken back to the deepest saved state it reaches (``executor.rewind``).
+
 Copy-on-write block copies are bookkeeping only here: a backend whose KV cells
 carry several sequence ids (llama.cpp) writes a new cell for the new token and
 never overwrites a shared one; a paging executor sees a table entry change
@@ -118,6 +122,7 @@ class StepEngine:
         self._flight: frozenset[str] = frozenset()   # the requests of the step inside executor.step
         self._leaving: set[str] = set()              # requests whose cancel is on its way (cancelling)
         self.parking = parking
+        self._reply_snapshot: dict[str, int] = {}    # running request -> the key of its reply's latest snapshot
         # grammar masks: filled beside the executor's step where a core is free for them (None: decide so)
         self.masks = StepMasks(spare_core(caps.cpu_threads) if overlap_masks is None else overlap_masks)
         if parking is not None:
@@ -244,6 +249,7 @@ class StepEngine:
         with self._lock:
             self._end_step()
             samples = tuple(c.samples for c in plan.chunks)      # read before complete() moves the requests on
+            saves = self._snapshot_points(plan)
             sampled, before = {}, {}
             self.masks.finish()               # every mask filled before any row is sampled
             for c, ch in zip(plan.chunks, chunks):
@@ -257,6 +263,7 @@ class StepEngine:
             for r, position in plan.trims:     # drafts the step did not keep
                 if r.id in self.slot_of:
                     ex.drop(self.slot_of[r.id], position)
+            self._save_snapshots(saves)        # before the finished leave their slots (parking rewinds to them)
             self._holding.update(c.request.id for c in plan.chunks)
             if self._recording:
                 rec = self._record(plan, samples, tuple(c.request.id in sampled for c in plan.chunks), start, end,
@@ -274,6 +281,45 @@ class StepEngine:
                 self._release(r)
                 events.append(self._emit_finish(r))
             return events
+
+    def _snapshot_points(self, plan: StepBatch) -> list[tuple[Request, int, bool]]:
+        """(request, position, in its reply) for each chunk of ``plan`` that ends where the snapshot policy saves
+        the state: a prompt chunk at one of its boundaries, a reply's decode at a block boundary (``reply_end``)
+        (read before ``complete`` lengthens the requests)."""
+        snaps = self.blocks.snapshots
+        if snaps is None:
+            return []
+        p, policy = self.blocks.block_tokens, snaps.policy
+        out = []
+        for c in plan.chunks:
+            end, r = c.start + c.n_tokens, c.request
+            if c.draft or end % p:
+                continue
+            if r.prefilling:
+                if end in policy.boundaries(r.n_tokens, p):
+                    out.append((r, end, False))
+            elif policy.reply_end:
+                out.append((r, end, True))
+        return out
+
+    def _save_snapshots(self, points: list[tuple[Request, int, bool]]) -> None:
+        """Save each request's state at its point, keyed by the hash of the block it ends (cached blocks only); a
+        reply keeps only its latest one."""
+        snaps, p = self.blocks.snapshots, self.blocks.block_tokens
+        for r, end, reply in points:
+            if r.id not in self.slot_of or r.computed != end:      # cancelled or preempted meanwhile
+                continue
+            hashes = r.prefix_hashes(p).values
+            key = hashes[end // p - 1] if len(hashes) >= end // p else None
+            if key is None or not self.blocks.has_hash(key):
+                continue
+            if key not in snaps:
+                snaps.put(key, self.executor.snapshot(self.slot_of[r.id]))
+            if reply:
+                before = self._reply_snapshot.pop(r.id, None)
+                if before is not None and before != key:
+                    snaps.discard(before)        # the reply moved on: only its last block boundary is kept
+                self._reply_snapshot[r.id] = key
 
     @property
     def _recording(self) -> bool:
@@ -342,11 +388,21 @@ class StepEngine:
             got = self.executor.copy(src, slot, have, append=True) if append else self.executor.copy(src, slot, have)
             if parking is not None and parking.in_host:    # a write-back from host memory that found no cells
                 have = got
-        if have < r.cached:
-            if self.executor.caps.restores_cached_prefix:
-                self.executor.restore(slot, r.cached)
-            else:   # the hit spans blocks of several requests: compute what no single one can give
-                self.executor.step([self._chunk(r, r.view()[have:r.cached], have, False)])
+        if have < r.cached and self.executor.caps.restores_cached_prefix:
+            self.executor.restore(slot, r.cached)
+            have = r.cached
+        snaps = self.blocks.snapshots
+        if snaps is not None and have:    # a recurrent state: back to the deepest one saved within the copy
+            hashes = r.prefix_hashes(p).values
+            k = snaps.depth(hashes, have // p)
+            if k:
+                self.executor.rewind(slot, snaps.get(hashes[k - 1]))
+                snaps.restored += 1
+            else:
+                self.executor.drop(slot)
+            have = k * p
+        if have < r.cached:     # the hit spans blocks of several requests: compute what no single one can give
+            self.executor.step([self._chunk(r, r.view()[have:r.cached], have, False)])
         self._holding.add(r.id)
 
     def _chunk(self, r: Request, tokens, start: int, logits: bool, n_logits: int = 1) -> Chunk:
@@ -356,6 +412,7 @@ class StepEngine:
 
     def _release(self, r: Request) -> None:
         """r leaves its slot: parked (cut to its kept prefix) if it finished without error, else dropped."""
+        self._reply_snapshot.pop(r.id, None)
         slot = self.slot_of.pop(r.id, None)
         self._holding.discard(r.id)
         if self.parking is not None:

@@ -9,6 +9,10 @@ of such a block cuts every parked sequence keeping it from that block on, and
 the slot's positions from there are dropped, so KV cells and blocks agree
 (``BlockManager.tokens_held``).
 
+On a recurrent or hybrid model (the block manager's ``snapshots``) a slot can only be cut back to a position
+where its state was saved: a kept prefix ends at its deepest snapshot, and a cut rewinds the slot to one
+(``executor.rewind``) or drops it whole.
+
 When all ``slots`` are parked, one gives its slot up whole (:meth:`Parking.victim`).
 A preempted request, or one that failed, is not parked.  An executor that
 ``parks_in_host`` moves a parked slot's KV out of its cells (``executor.park``);
@@ -135,6 +139,10 @@ class Parking:
         engine to drop and free when it is not parked (None: parked, or r held none)."""
         park = self.slots and slot is not None and r.state is State.FINISHED and r.finish_reason is not FinishReason.ERROR
         kept = self.unpark(r.id, r.n_tokens if park else 0)
+        state = None
+        if kept and self._blocks.snapshots is not None:    # a recurrent state goes back only to where it was saved
+            k, state = self._snapshot_at(r.id)
+            kept = self.unpark(r.id, k * self._blocks.block_tokens)
         if slot is None:
             return None
         mine = self.kept.get(r.id, [])
@@ -144,7 +152,10 @@ class Parking:
             kept = self.unpark(r.id)
         if not kept:
             return slot
-        self._executor.drop(slot, kept)
+        if state is not None:
+            self._executor.rewind(slot, state)
+        else:
+            self._executor.drop(slot, kept)
         prompt = hash(r.prompt)
         if self.in_host and not self._to_host(slot, prompt):
             self.unpark(r.id)         # no room in host memory: not parked in cells either, where it would widen
@@ -204,8 +215,22 @@ class Parking:
             self.give_up(self.victim(also=prompt))
         return True
 
+    def _snapshot_at(self, seq) -> tuple[int, object]:
+        """(the leading blocks of parked ``seq``'s kept prefix that end at a snapshot, that snapshot or None)."""
+        bm = self._blocks
+        hashes = [bm.blocks[b].hash for b in self.kept.get(seq, ())]
+        k = bm.snapshots.depth(hashes, len(hashes))
+        return k, bm.snapshots.get(hashes[k - 1]) if k else None
+
     def _evicted(self, seq, start: int) -> None:
-        """The block manager cut parked ``seq`` from position ``start`` on: drop that KV."""
+        """The block manager cut parked ``seq`` from position ``start`` on: drop that KV (with snapshots: back to the
+        deepest one at or before it, or all of it)."""
+        state = None
+        if start and self._blocks.snapshots is not None:
+            k, state = self._snapshot_at(seq)
+            if k * self._blocks.block_tokens < start:
+                self._cut(seq, k)
+            start = k * self._blocks.block_tokens
         if self.on_evict is not None:
             self.on_evict(seq, start)
         if self._executor is None:
@@ -213,7 +238,10 @@ class Parking:
         slot = self.slot_of.get(seq, self._live_slots.get(seq))    # live: freed in this schedule, released later
         if slot is None:
             return
-        self._executor.drop(slot, start)
+        if state is not None:
+            self._executor.rewind(slot, state)
+        else:
+            self._executor.drop(slot, start)
         if start == 0 and self.slot_of.get(seq) == slot:
             del self.slot_of[seq]
             self._prompt_of.pop(seq, None)

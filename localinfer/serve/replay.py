@@ -29,6 +29,7 @@ from localinfer.serve.engine import StepRecord
 from localinfer.serve.request import Request
 from localinfer.serve.scheduler import SchedulerConfig
 from localinfer.serve.simulated import SimulatedExecutor
+from localinfer.serve.snapshots import SnapshotPolicy
 from localinfer.serve.step_model import StepModel
 from localinfer.util.stats import percentile
 
@@ -147,6 +148,7 @@ class ReplayResult:
     blocks: BlockManager
     peak_running: int
     kv_bytes_per_token: int | None = None
+    state_seconds: float = 0.0        # clock time spent saving and restoring recurrent-state snapshots
 
     @property
     def total_s(self) -> float:
@@ -190,13 +192,29 @@ class ReplayResult:
                 "preemptions": sum(r.preemptions for r in self.requests),
                 "recomputed_tokens": sum(r.recomputed for r in self.requests),
                 "cached_tokens": sum(r.cached for r in self.requests),
+                "snapshots": self.snapshot_summary(),
                 **self.summary()}
+
+    def snapshot_summary(self) -> dict | None:
+        """Recurrent-state snapshots (a hybrid model's replay): how many were saved and restored, the prompt tokens
+        matched past the deepest snapshot (recomputed), and the clock time moving states took; None without."""
+        snaps = self.blocks.snapshots
+        if snaps is None:
+            return None
+        return {**snaps.as_json(), "state_ms": self.state_seconds * 1e3,
+                "requests": {r.id: {"cached": r.cached, "matched": r.cached + r.past_snapshot,
+                                    "recomputed_past_snapshot": r.past_snapshot}
+                             for r in self.requests if r.cached or r.past_snapshot}}
 
 
 def replay(trace: list[TraceRequest], config: SchedulerConfig, step_model: StepModel, *,
            block_tokens: int = DEFAULT_BLOCK_TOKENS, kv_blocks: int | None = None,
-           kv_bytes_per_token: int | None = None, prefix_cached: bool = False) -> ReplayResult:
-    """Run ``trace`` to the end; ``kv_blocks`` None: room for the ``max_running`` largest requests and the prefixes."""
+           kv_bytes_per_token: int | None = None, prefix_cached: bool = False, state_bytes: int = 0,
+           snapshot_policy: SnapshotPolicy | None = None, state_bandwidth: float = 32e9) -> ReplayResult:
+    """Run ``trace`` to the end; ``kv_blocks`` None: room for the ``max_running`` largest requests and the prefixes.
+
+    ``state_bytes`` > 0 models a hybrid model's recurrent state per sequence: a prefix hit reuses blocks only up to
+    the deepest snapshot (taken where ``snapshot_policy`` says), each saved and restored at ``state_bandwidth``."""
     if block_tokens < 1:
         raise UsageError(f"--block must be ≥ 1, got {block_tokens}", flag="--block")
     named: dict[str, int] = {}
@@ -207,13 +225,16 @@ def replay(trace: list[TraceRequest], config: SchedulerConfig, step_model: StepM
         need = sorted((blocks_for(tokens_held(t.input, t.output), block_tokens) for t in trace), reverse=True)
         kv_blocks = sum(need[:config.max_running]) + sum(blocks_for(n, block_tokens) for n in named.values())
     preload = [prefix_tokens(name, n) for name, n in named.items()] if prefix_cached else ()
-    engine = build_step_engine(SimulatedExecutor(step_model, n_slots=config.max_running), config,
-                               step_model=step_model, block_tokens=block_tokens, num_blocks=kv_blocks,
-                               preload=preload, record=True)
+    executor = SimulatedExecutor(step_model, n_slots=config.max_running, state_bytes=state_bytes,
+                                 state_bandwidth=state_bandwidth)
+    engine = build_step_engine(executor, config, step_model=step_model, block_tokens=block_tokens,
+                               num_blocks=kv_blocks, preload=preload, record=True, snapshot_policy=snapshot_policy,
+                               snapshot_budget=None if not state_bytes else 1 << 62)
     scheduler, blocks = engine.scheduler, engine.blocks
     reqs = [Request(t.id, trace_prompt(t), t.output, arrival_s=t.arrival_ms / 1e3,
                     deadline_s=None if t.deadline_ms is None else t.deadline_ms / 1e3) for t in trace]
     for r in reqs:
         engine.add_request(r)
     engine.run()
-    return ReplayResult(reqs, engine.records, blocks, scheduler.peak_running, kv_bytes_per_token)
+    return ReplayResult(reqs, engine.records, blocks, scheduler.peak_running, kv_bytes_per_token,
+                        executor.state_seconds)

@@ -64,6 +64,7 @@ class Request:
     token_times: list[float] = field(default_factory=list, init=False)
     computed: int = field(default=0, init=False)       # tokens of all_tokens held in KV
     cached: int = field(default=0, init=False)         # of those, found in the prefix cache at admission
+    past_snapshot: int = field(default=0, init=False)  # matched past the deepest snapshot (recurrent: recomputed)
     admitted_s: float | None = field(default=None, init=False)
     finished_s: float | None = field(default=None, init=False)
     preemptions: int = field(default=0, init=False)
@@ -170,9 +171,11 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-    def admit(self, cached: int, seq: int, now: float) -> None:
-        """Admitted at ``now`` as the ``seq``-th, with its first ``cached`` tokens' KV found in the prefix cache."""
+    def admit(self, cached: int, seq: int, now: float, past_snapshot: int = 0) -> None:
+        """Admitted at ``now`` as the ``seq``-th, with its first ``cached`` tokens' KV found in the prefix cache
+        (and ``past_snapshot`` more matched there that a recurrent state cannot reach: computed again)."""
         self.cached = self.computed = cached
+        self.past_snapshot = past_snapshot
         self.recomputed += max(0, self.dropped - cached)    # what the prefix cache did not keep
         self.dropped = 0
         self.state = State.RUNNING

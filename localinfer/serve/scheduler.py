@@ -324,6 +324,11 @@ class Scheduler:
 
     def _prefill_chunk(self, plan: StepBatch, r: Request, budget: list[int]) -> None:
         n = self._chunk_limit(plan, r, budget)
+        snaps = self.blocks.snapshots
+        if n > 0 and snaps is not None:      # a chunk ends where the recurrent state is to be saved
+            b = snaps.policy.next_boundary(r.computed, r.n_tokens, self.blocks.block_tokens)
+            if b is not None and b < r.computed + n:
+                n = b - r.computed
         if n > 0:
             self._add_chunk(plan, r, n, budget)
 
@@ -385,7 +390,7 @@ class Scheduler:
                 plan.refused.append(r)
                 continue
             tokens = r.view()
-            hit = bm.match(tokens, r.prefix_hashes(bm.block_tokens))
+            hit, cut = bm.match_cut(tokens, r.prefix_hashes(bm.block_tokens))
             if waits_for_prefix and self._prefix_in_flight(r, len(hit)):
                 i += 1   # waits: a running request is computing more of r's prefix; r takes it from the cache
                 continue
@@ -402,7 +407,9 @@ class Scheduler:
             if not bm.can_allocate(tokens, held, hit):
                 break
             del self.waiting[i]
-            r.admit(bm.allocate(r.id, tokens, held, hit), self.admissions, now)
+            r.admit(bm.allocate(r.id, tokens, held, hit), self.admissions, now, cut * bm.block_tokens)
+            if cut:
+                bm.snapshots.recomputed += cut * bm.block_tokens
             self.admissions += 1
             self.running.append(r)
             plan.admitted.append(r)

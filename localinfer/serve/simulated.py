@@ -10,6 +10,10 @@ KV cells are modelled as llama.cpp holds them: ``copy`` makes the destination
 slot share the source's cells (a cell may carry several sequences), ``drop``
 forgets them, and ``cells_used`` counts distinct cells.  ``restore`` brings back
 a prefix kept in the cache pool that no slot holds any more (new cells).
+
+With ``state_bytes`` the model has a recurrent state of that size per sequence (``snapshots``): ``snapshot``
+saves it to host memory and ``rewind`` writes one back, each moving ``state_bytes`` over ``state_bandwidth``
+bytes/s on the clock (SPEC.md §8.3's hybrid models: reuse only from a snapshot).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from itertools import count
 
 import numpy as np
 
-from localinfer.backends.executor import Chunk, ExecutorBase
+from localinfer.backends.executor import Chunk, ExecutorBase, SeqState
 from localinfer.serve.step_model import StepModel
 
 
@@ -27,8 +31,15 @@ class SimulatedExecutor(ExecutorBase):
     restores_cached_prefix = True    # the KV pool keeps unreferenced cached blocks readable
     verifies_drafts = True           # honours Chunk.n_logits
 
-    def __init__(self, step_model: StepModel, n_slots: int = 1024, n_vocab: int = 4096, start_s: float = 0.0):
+    def __init__(self, step_model: StepModel, n_slots: int = 1024, n_vocab: int = 4096, start_s: float = 0.0,
+                 state_bytes: int = 0, state_bandwidth: float = 32e9):
+        if state_bytes < 0 or not state_bandwidth > 0:
+            raise ValueError(f"a state of {state_bytes} bytes moved at {state_bandwidth} bytes/s")
         self.step_model = step_model
+        self.state_bytes = int(state_bytes)
+        self.snapshots = self.state_bytes > 0
+        self.state_bandwidth = float(state_bandwidth)
+        self.state_seconds = 0.0     # clock time spent saving and restoring states
         self.n_slots = n_slots
         self.n_vocab = n_vocab
         self.now = float(start_s)
@@ -80,6 +91,26 @@ class SimulatedExecutor(ExecutorBase):
         """Slot positions up to n_tokens come back from the cache pool (cells of their own)."""
         cells = self._cells.setdefault(slot, [])
         cells.extend(next(self._ids) for _ in range(n_tokens - len(cells)))
+
+    def snapshot(self, slot: int) -> SeqState:
+        """The slot's state at the positions it holds: its bytes copied to host memory on the clock."""
+        if not self.snapshots:
+            raise ValueError("this simulated model has no recurrent state (state_bytes 0)")
+        self._move_state()
+        return SeqState(len(self._cells.get(slot, ())), self.state_bytes)
+
+    def rewind(self, slot: int, state: SeqState) -> None:
+        """The slot back to ``state.n_tokens`` positions, the state's bytes written back on the clock."""
+        cells = self._cells.get(slot, [])
+        if not 0 < state.n_tokens <= len(cells):
+            raise ValueError(f"slot {slot} holds {len(cells)} positions; cannot rewind it to {state.n_tokens}")
+        del cells[state.n_tokens:]
+        self._move_state()
+
+    def _move_state(self) -> None:
+        dt = self.state_bytes / self.state_bandwidth
+        self.now += dt
+        self.state_seconds += dt
 
     def drop(self, slot: int, start: int = 0) -> None:
         if slot in self._cells:

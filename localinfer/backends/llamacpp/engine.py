@@ -26,8 +26,8 @@ except ImportError as exc:  # pragma: no cover - the registry turns this into Ba
     raise ImportError(f"llama-cpp-python is not installed ({exc})") from exc
 
 from localinfer.backends.engine import Engine, LoadPlan
-from localinfer.backends.executor import StepInterrupted
-from localinfer.backends.llamacpp import native
+from localinfer.backends.executor import SeqState, StepInterrupted
+from localinfer.backends.llamacpp import native, seq_state
 from localinfer.backends.llamacpp.native import parse_memory_log  # noqa: F401  (re-exported)
 from localinfer.backends.vocab import LlamaVocab
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
@@ -107,6 +107,29 @@ class LlamaCppEngine(Engine):
         self._alive()
         self._check_seq(seq)
         return int(_L.llama_memory_seq_pos_max(self._mem, seq)) + 1
+
+    def snapshot(self, seq: int = 0) -> SeqState:
+        self._alive()
+        self._check_seq(seq)
+        if self.trims_tail:
+            raise LocalinferError("this model has no recurrent state to snapshot", hint="cut its KV with trim")
+        blob = seq_state.read(self._ctx, seq)
+        if blob is None:
+            raise LocalinferError(f"llama.cpp did not save sequence {seq}'s state")
+        return SeqState(self.kv_len(seq), blob.size, blob)
+
+    def rewind(self, state: SeqState, seq: int = 0) -> None:
+        self._alive()
+        self._check_seq(seq)
+        n, cur = state.n_tokens, self.kv_len(seq)
+        if not 0 < n <= cur:
+            raise ValueError(f"sequence {seq} holds {cur} tokens; cannot rewind it to {n}")
+        if not seq_state.write(self._ctx, seq, state.data):
+            _L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            raise LocalinferError(f"llama.cpp refused a saved state for sequence {seq}",
+                                  hint="a snapshot belongs to the model and context it was taken from")
+        if n < cur and not _L.llama_memory_seq_rm(self._mem, seq, n, -1):
+            raise LocalinferError(f"llama.cpp cannot drop positions >= {n} of sequence {seq} after restoring its state")
 
     def _trim(self, n: int, seq: int) -> None:
         self._alive()

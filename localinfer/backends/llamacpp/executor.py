@@ -9,8 +9,14 @@ logit rows, and short rows first in a call of their own: ``split_short``);
 ``drop`` is ``llama_memory_seq_rm``; ``cells_used`` is llama.cpp's own count.
 A step either appends every chunk or leaves every slot as it was.
 
+On a recurrent or hybrid model (``snapshots``) a slot's recurrent state is saved to
+host memory (``snapshot``: llama.cpp's partial sequence state, ``seq_state.py``) and a
+slot taken back to one (``rewind``), so its tail can be cut at a saved position; a
+rejected lookup draft rolls back that way too (the state before the verify restored, the
+accepted tokens computed again).
+
 Ids beyond the running requests park finished requests' KV for prefix hits
-(``drops_tail``: not on recurrent or hybrid models); with ``park_host`` a parked
+(``drops_tail``; on a recurrent or hybrid model cut back to a snapshot); with ``park_host`` a parked
 slot's KV moves to host memory (``llama_state_seq_get_data``) and is written back
 on a hit.  ``interrupt`` stops the step in flight: llama.cpp's abort callback,
 read between graph nodes, ends the ``llama_decode`` (status 2; llama.cpp drops
@@ -32,8 +38,8 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.backends.engine import LoadPlan
-from localinfer.backends.executor import Chunk, ExecutorBase, check_chunks, check_slot
-from localinfer.backends.llamacpp import native
+from localinfer.backends.executor import Chunk, ExecutorBase, SeqState, check_chunks, check_slot
+from localinfer.backends.llamacpp import native, seq_state
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, HEADER, cut_seq_state, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
@@ -69,7 +75,10 @@ class LlamaCppExecutor(ExecutorBase):
         self._ext_bytes = CELL_EXT_BYTES if _L.llama_model_rope_type(self.engine.model_handle) in _MROPE else 0
         model = self.engine.model_handle
         self.drops_tail = not (_L.llama_model_is_recurrent(model) or _L.llama_model_is_hybrid(model))
-        self.verifies_drafts = self.drops_tail     # rejected drafts are cut with a partial seq_rm
+        self.snapshots = not self.drops_tail       # a recurrent state is saved and restored instead of cut
+        # rejected drafts: a partial seq_rm, or (recurrent) the state before the verify restored and the kept replayed
+        self.verifies_drafts = True
+        self._verify: dict[int, tuple[SeqState, tuple[int, ...]]] = {}   # slot -> state before its verify, tokens
         on_cpu = plan.n_gpu_layers == 0 or not (native.local_accelerator() or plan.options.get("rpc"))
         whole = plan.n_gpu_layers < 0 or plan.n_gpu_layers > int(_L.llama_model_n_layer(model))   # output layer too
         self.cpu_threads = 0 if not on_cpu and whole else plan.threads    # a layer on the CPU keeps its threads busy
@@ -103,6 +112,15 @@ class LlamaCppExecutor(ExecutorBase):
                 self.engine.close()
                 raise
             self.steps, self.decode_seconds = 0, 0.0
+        if self.snapshots:     # one state's bytes (its size does not depend on the positions held): a one-token probe
+            try:
+                self.step([Chunk(0, (1,), 0)])
+                self.state_bytes = seq_state.size(self.engine.context, 0)
+                self.drop(0)
+            except BaseException:
+                self.engine.close()
+                raise
+            self.steps, self.decode_seconds = 0, 0.0
 
     @classmethod
     def open(cls, model: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, threads: int | None = None,
@@ -130,6 +148,11 @@ class LlamaCppExecutor(ExecutorBase):
             return {}
         groups = self._groups(chunks)
         got: dict[int, list[np.ndarray]] = {}
+        if self.snapshots:     # a verify's state before it, to roll a rejected draft back to
+            for c in chunks:
+                self._verify.pop(c.slot, None)
+                if c.logits and c.n_logits > 1:
+                    self._verify[c.slot] = (self.snapshot(c.slot), c.tokens)
         with self._flight:
             self._stepping = True
             if self._interrupt_asked:     # asked while the chunks were checked: stop at the first graph node
@@ -270,11 +293,48 @@ class LlamaCppExecutor(ExecutorBase):
                 del self._host[slot], self._saved[slot]
             self._len[slot] = min(self._len[slot], start)
             return
+        verify = self._verify.pop(slot, None)
+        if start and verify is not None and verify[0].n_tokens <= start < self._len[slot]:
+            state, tokens = verify       # a verify's rejected tail: back to before it, the kept tokens again
+            self.rewind(slot, state)
+            if start > state.n_tokens:
+                self.step([Chunk(slot, tokens[:start - state.n_tokens], state.n_tokens)])
+            return
         if start < self._len[slot]:
             if not _L.llama_memory_seq_rm(self._mem, slot, start, -1):
                 raise LocalinferError(f"llama.cpp cannot drop positions >= {start} of slot {slot} for this model",
-                                      hint="recurrent models can only drop whole sequences")
+                                      hint="recurrent models drop whole sequences, or rewind to a snapshot")
             self._len[slot] = start
+
+    def snapshot(self, slot: int) -> SeqState:
+        """``slot``'s recurrent state at the positions it holds, in host memory (llama.cpp's partial state)."""
+        self._alive()
+        self._check_slot(slot)
+        if not self.snapshots:
+            raise LocalinferError("this model has no recurrent state to snapshot", hint="cut its KV with drop")
+        blob = seq_state.read(self.engine.context, slot)
+        if blob is None:
+            raise LocalinferError(f"llama.cpp did not save slot {slot}'s state",
+                                  hint="rerun with LOCALINFER_LLAMA_LOG=1")
+        return SeqState(self._len[slot], blob.size, blob)
+
+    def rewind(self, slot: int, state: SeqState) -> None:
+        """``slot`` back to ``state.n_tokens`` positions: its recurrent state replaced by ``state``, its attention
+        positions from there dropped (the recurrent layers then end where the attention does)."""
+        self._alive()
+        self._check_slot(slot)
+        n = state.n_tokens
+        if not 0 < n <= self._len[slot] or slot in self._host:
+            raise ValueError(f"slot {slot} holds {self._len[slot]} positions; cannot rewind it to {n}")
+        self._verify.pop(slot, None)
+        if not seq_state.write(self.engine.context, slot, state.data):
+            self._len[slot] = 0        # llama.cpp cleared the slot's recurrent part: nothing usable is left
+            _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
+            raise LocalinferError(f"llama.cpp refused a saved state for slot {slot}",
+                                  hint="a snapshot belongs to the model and context it was taken from")
+        if n < self._len[slot] and not _L.llama_memory_seq_rm(self._mem, slot, n, -1):
+            raise LocalinferError(f"llama.cpp cannot drop positions >= {n} of slot {slot} after restoring its state")
+        self._len[slot] = n
 
     def interrupt(self) -> None:
         """Stop the step in flight (any thread): it raises StepInterrupted with every slot as before it; a call
@@ -290,7 +350,10 @@ class LlamaCppExecutor(ExecutorBase):
             self._interrupt_asked = False
 
     def cells_used(self) -> int:
-        """KV cells holding a token of any slot, as llama.cpp counts them (copies the used cells' rows once)."""
+        """KV cells holding a token of any slot, as llama.cpp counts them (copies the used cells' rows once); a
+        pure recurrent model has none."""
+        if _L.llama_model_is_recurrent(self.engine.model_handle):
+            return 0
         return len(self.cells())
 
     def clock(self) -> float:

@@ -15,12 +15,17 @@ from localinfer.serve.assembly import build_step_engine
 from localinfer.serve.engine import StepEngine
 from localinfer.serve.http.step_timing import FittedStepModel, TimedExecutor, calibrate
 from localinfer.serve.scheduler import Admission, Policy, SchedulerConfig
+from localinfer.serve.snapshots import DEFAULT_STRIDE, SnapshotPolicy
 
 MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
 # Parked sequences keep finished requests' KV: each user's next chat turn and a shared system prompt hit it.  32 keep
 # 24 users' 3-turn chats at no cost to fresh prompts (docs/executor.md); their host RAM is capped (HOST_PARK_MAX or half
 # the free RAM; Parking.victim says who goes first), which the fit check does not count.
 DEFAULT_PARKED = 32
+# On a recurrent or hybrid model every sequence id holds a recurrent state on the device (llama.cpp sizes the state
+# for n_seq_max sequences: 75 MiB each on Qwen3-Next-80B), so fewer parked ids by default; their attention KV shares
+# the cells, their state at a chat turn's end is a snapshot in host memory (serve/snapshots.py).
+DEFAULT_PARKED_RECURRENT = 8
 # A prompt's unfinished chunk joins a step that finishes another prompt only if it lengthens it by at most a quarter
 # (scheduler.py, partial_slack): on a CPU, 8 prompts of 302 tokens arriving together then leave one per step.
 DEFAULT_PARTIAL_SLACK = 0.25
@@ -49,6 +54,7 @@ class ServeConfig:
     prefix_cache: bool = True
     block_tokens: int = 16
     park: int | None = None              # parked sequences for finished requests' KV (None: DEFAULT_PARKED)
+    snapshot_stride: int = DEFAULT_STRIDE    # recurrent models: a prompt's state saved every this many tokens (0: none)
 
     @classmethod
     def build(cls, *, parallel: int | None = None, **options) -> ServeConfig:
@@ -83,5 +89,6 @@ def build_engine(inner, config: ServeConfig, on_step=None) -> tuple[TimedExecuto
     model = FittedStepModel(calibrate(inner))
     executor = TimedExecutor(inner, model)
     engine = build_step_engine(executor, config.scheduler, step_model=model, block_tokens=config.block_tokens,
-                               prefix_cache=config.prefix_cache, park_slots=config.park_slots, on_step=on_step)
+                               prefix_cache=config.prefix_cache, park_slots=config.park_slots, on_step=on_step,
+                               snapshot_policy=SnapshotPolicy(stride=config.snapshot_stride))
     return executor, engine, model

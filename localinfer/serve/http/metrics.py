@@ -22,6 +22,8 @@ GAUGES = {
     "kv_blocks_total": "KV blocks requests can hold at once (the cells; parked KV in host memory caches beyond)",
     "kv_cells_used": "llama.cpp KV cells holding a token (sampled when the server is idle)",
     "kv_host_tokens": "parked requests' KV tokens kept in host memory, in no cell (sampled when the server is idle)",
+    "snapshots": "recurrent-state snapshots kept in host memory for prefix hits (hybrid and recurrent models)",
+    "snapshot_bytes": "host memory the recurrent-state snapshots take",
 }
 COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of steps, and of it inside llama_decode
     "engine_step_seconds": "seconds the engine spent in executor steps",
@@ -31,6 +33,9 @@ COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of step
     "spec_accepted_tokens": "of those, accepted",
     "admissions": "requests given a sequence slot (a preempted request again when it is readmitted)",
     "preemptions": "requests preempted (KV dropped, recomputed later)",
+    "snapshots_taken": "recurrent-state snapshots saved",
+    "snapshots_restored": "prefix hits that restored a recurrent-state snapshot",
+    "snapshot_recomputed_tokens": "prompt tokens the prefix cache matched past the deepest snapshot (recomputed)",
 }
 
 

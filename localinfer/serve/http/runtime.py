@@ -423,6 +423,10 @@ class Runtime:
                   "admissions": s.admissions, "preemptions": s.preemptions}
         if s.drafter is not None:
             values.update(spec_draft_tokens=s.drafter.drafted, spec_accepted_tokens=s.drafter.accepted)
+        if b.snapshots is not None:
+            values.update(snapshots=len(b.snapshots), snapshot_bytes=b.snapshots.bytes,
+                          snapshots_taken=b.snapshots.taken, snapshots_restored=b.snapshots.restored,
+                          snapshot_recomputed_tokens=b.snapshots.recomputed)
         if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait
             values["kv_cells_used"] = self.executor.cells_used()
             values["kv_host_tokens"] = self.executor.host_tokens()

@@ -155,6 +155,7 @@ class EngineWatch:
             "running": len(sched.running), "waiting": len(sched.waiting),
             "parked": {"sequences": engine.parked,
                        "blocks": sum(len(v) for v in blocks.parked.values())},
+            "snapshots": None if blocks.snapshots is None else blocks.snapshots.as_json(),
             "steps": list(self._steps),
             "finished": list(self._finished),
             "counts": {"admissions": sched.admissions, "preemptions": sched.preemptions,

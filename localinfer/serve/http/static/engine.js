@@ -73,6 +73,10 @@
     stat(box, "s-waiting", "queued", metric(m, "localinfer_requests_waiting"));
     stat(box, "s-used", "KV blocks in use", metric(m, "localinfer_kv_blocks_used"));
     stat(box, "s-parked", "parked requests", metric(m, "localinfer_kv_sequences_parked"));
+    if (snap.snapshots) {     // a hybrid or recurrent model: its state saved for prefix hits
+      stat(box, "s-snapshots", "state snapshots (host MiB)",
+           snap.snapshots.count + " (" + LI.fmt(snap.snapshots.bytes / 1048576, 1) + ")");
+    }
     stat(box, "s-steps", "steps", metric(m, "localinfer_engine_steps_total"));
     stat(box, "s-admissions", "admissions", snap.counts.admissions);
     stat(box, "s-preemptions", "preemptions", metric(m, "localinfer_preemptions_total"));
