@@ -34,8 +34,6 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 from types import MappingProxyType
 
 from localinfer.errors import ProfileError
@@ -149,19 +147,14 @@ def check_table(data, origin: str) -> dict:
     return data
 
 
-def _kinds_dir():
-    checkout = Path(__file__).resolve().parents[2] / "profiles" / "kinds"
-    if checkout.is_dir():
-        return checkout
-    return resources.files("localinfer.profiles") / "kinds"
-
-
 @lru_cache(maxsize=None)
 def kind_defaults(backend: str) -> Mapping:
     """The ``profiles/kinds/<backend>.toml`` table (validated), or an empty table where none ships."""
     if backend not in BACKENDS:
         return MappingProxyType({})
-    f = _kinds_dir() / f"{backend}.toml"
+    from localinfer.devices.profiles import builtin_dir   # profiles imports this module
+
+    f = builtin_dir() / "kinds" / f"{backend}.toml"
     if not f.is_file():
         return MappingProxyType({})
     origin = f"profiles/kinds/{backend}.toml"
