@@ -175,8 +175,10 @@ def predict_before(row: Row) -> float | None:
 # shared by every build: the mat-vec bandwidth fractions per type, the F16 GEMM and attention fractions and
 # the MoE factor; per build era (llama.cpp before b4000, mid-2024, dequantized quantized weights to FP16 for
 # cuBLAS and had no CUDA graphs; later builds run MMQ on INT8 tensor cores): the fixed times and the quantized
-# path's fraction; per device: a decode and a prefill scale (its departure from the kind: HBM parts reach a
-# smaller share of their bandwidth than GDDR ones, Hopper's MMQ runs Ampere's mma), pulled towards 1.
+# path's fraction; per memory class that two or more calibration devices share, other than the commonest: a
+# factor on the decode fractions (HBM parts reach a smaller share of their datasheet bandwidth than GDDR ones);
+# per device: a decode and a prefill scale (its departure from the kind, e.g. Hopper's MMQ runs Ampere's mma),
+# pulled towards 1.
 # The product uses the current era's values.
 
 ERAS = ("current", "2024")
@@ -205,25 +207,26 @@ def era(r: dict) -> str:
 class Fit:
     """The parameter vector of one backend's fit and the coefficients it stands for."""
 
-    def __init__(self, base, eras: list[str], devices: list[str]):
-        self.base, self.eras, self.devices = base, eras, devices
-        self.names = [n for n, _, _ in SHARED] + [f"{e}:{n}" for e in eras for n, _, _ in PER_ERA]
+    def __init__(self, base, eras: list[str], devices: list[str], memory: list[str] = ()):
+        self.base, self.eras, self.devices, self.memory = base, eras, devices, list(memory)
+        mem = [(f"memory.{c}", 0.3, 1.5) for c in self.memory]
+        self.names = [n for n, _, _ in SHARED + mem] + [f"{e}:{n}" for e in eras for n, _, _ in PER_ERA]
         self.names += [f"{d}:{k}" for d in devices for k in ("decode", "prefill")]
-        self.lo = [lo for _, lo, _ in SHARED] + [lo for _ in eras for _, lo, _ in PER_ERA] + [-0.7] * 2 * len(devices)
-        self.hi = [hi for _, _, hi in SHARED] + [hi for _ in eras for _, _, hi in PER_ERA] + [0.7] * 2 * len(devices)
+        self.lo = [lo for _, lo, _ in SHARED + mem] + [lo for _ in eras for _, lo, _ in PER_ERA] + [-0.7] * 2 * len(devices)
+        self.hi = [hi for _, _, hi in SHARED + mem] + [hi for _ in eras for _, _, hi in PER_ERA] + [0.7] * 2 * len(devices)
 
     def x0(self) -> list[float]:
         """Fixed starting values (not the shipped coefficients: a refit on the same rows gives the same answer)."""
-        v = [0.7] * len(DECODE_GROUPS) + [0.8, 0.5, 0.3, 0.5]
+        v = [0.7] * len(DECODE_GROUPS) + [0.8, 0.5, 0.3, 0.5] + [0.8] * len(self.memory)
         for _ in self.eras:
             v += [300.0, 30.0, 20.0, 100.0, 0.3, 20.0]
         v += [0.0] * 2 * len(self.devices)
         return v
 
-    def coeff(self, x, era_name: str, device: str | None = None):
+    def coeff(self, x, era_name: str, device: str | None = None, memory_class: str | None = None):
         from types import MappingProxyType
         val = dict(zip(self.names, x))
-        ds = math.exp(val.get(f"{device}:decode", 0.0))
+        ds = math.exp(val.get(f"{device}:decode", 0.0)) * val.get(f"memory.{memory_class}", 1.0)
         ps = math.exp(val.get(f"{device}:prefill", 0.0))
         bw = dict(self.base.decode_bw)
         for g, types in DECODE_GROUPS.items():
@@ -246,6 +249,10 @@ class Fit:
                                    decode_bw=MappingProxyType(bw), prefill=MappingProxyType(pre),
                                    peaks=MappingProxyType(peaks))
 
+    def memory_scale(self, x) -> dict[str, float]:
+        val = dict(zip(self.names, x))
+        return {c: val[f"memory.{c}"] for c in self.memory}
+
     def scales(self, x) -> dict[str, dict[str, float]]:
         val = dict(zip(self.names, x))
         return {d: {"decode_scale": math.exp(val[f"{d}:decode"]), "prefill_scale": math.exp(val[f"{d}:prefill"])}
@@ -261,11 +268,18 @@ def fit_backend(rows: list[Row]):
     base = coefficients(dataclasses.replace(rows[0].device, llamacpp={"backend": rows[0].backend}))
     eras = sorted({era(r.raw) for r in rows}, key=ERAS.index)
     devices = sorted({r.raw["device_key"] for r in rows})
-    fit = Fit(base, eras, devices)
+    # a memory class two or more calibration devices share gets its factor (one device's is its own scale); the
+    # commonest class is the reference the kind's fractions describe
+    classes = defaultdict(set)
+    for r in rows:
+        classes[r.device.memory_class].add(r.raw["device_key"])
+    ref = max(classes, key=lambda c: len(classes[c]))
+    fit = Fit(base, eras, devices, sorted(c for c in classes if c and c != ref and len(classes[c]) >= 2))
     n_dev = 2 * len(devices)
 
     def residuals(x):
-        out = [math.log(predict(r, fit.coeff(x, era(r.raw), r.raw["device_key"])) / r.published) for r in rows]
+        out = [math.log(predict(r, fit.coeff(x, era(r.raw), r.raw["device_key"], r.device.memory_class)) / r.published)
+               for r in rows]
         return out + [SCALE_PULL * v for v in x[-n_dev:]]
 
     # soft-L1: a few rows far off (a driver 4× slower than its sibling on the same chip) do not steer the fit
@@ -326,7 +340,7 @@ def _pct(values: list[float], q: float) -> float:
     return v[f] + (v[min(f + 1, len(v) - 1)] - v[f]) * (k - f)
 
 
-def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int) -> Path:
+def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int, memory: dict[str, float]) -> Path:
     path = KINDS / f"{backend}.toml"
     old = tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     src = (f"fitted by benchmarks/speed_published.py --fit on {n_rows} published llama-bench rows of "
@@ -344,6 +358,8 @@ def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int) -> P
     lines += [f"{t} = {v:.3f}" for t, v in sorted(coeff.decode_bw.items())]
     lines += ["", "[prefill]"] + [f"{p} = {v:.3f}" for p, v in sorted(coeff.prefill.items())]
     lines += ["", "[peaks]"] + [f'{p} = "{v}"' for p, v in sorted((old.get("peaks") or coeff.peaks).items())]
+    if memory:
+        lines += ["", "[memory_scale]"] + [f"{c} = {v:.3f}" for c, v in sorted(memory.items())]
     lines += ["", "[error]"] + [f"{t} = {{ " + ", ".join(f"{c} = {v}" for c, v in sorted(b.items())) + " }"
                                 for t, b in bands.items() if b]
     lines += ["", "[sources]", f'fit = "{src}"']
@@ -403,7 +419,7 @@ def main(argv=None) -> int:
             coeff = fit.coeff(x, "current")
             eras_of[backend] = (fit, x)
             mine = [r for r in rows if r.backend == backend]
-            preds = [predict(r, fit.coeff(x, era(r.raw), r.raw["device_key"])) for r in mine]
+            preds = [predict(r, fit.coeff(x, era(r.raw), r.raw["device_key"], r.device.memory_class)) for r in mine]
             bands = error_bands(mine, preds)
             print(f"\n[{backend}] fitted on {len(cal)} rows of {', '.join(fit.devices)}")
             for e in fit.eras:
@@ -415,11 +431,13 @@ def main(argv=None) -> int:
             print("  decode_bw " + ", ".join(f"{g} {coeff.decode_bw[t[0]]:.2f}" for g, t in DECODE_GROUPS.items())
                   + f"; prefill f16 {coeff.prefill['f16']:.2f} attn {coeff.prefill['attn']:.2f} "
                     f"moe {coeff.prefill['moe']:.2f}")
+            if fit.memory:
+                print("  memory class " + ", ".join(f"{c} {v:.2f}" for c, v in fit.memory_scale(x).items()))
             print("  device scales " + ", ".join(f"{d} {v['decode_scale']:.2f}/{v['prefill_scale']:.2f}"
                                                  for d, v in fit.scales(x).items()))
             print(f"  error bands (90th pct, every row of this backend) {bands}")
             if args.write:
-                print(f"  wrote {write_kind(backend, coeff, bands, fit.devices, len(cal))}")
+                print(f"  wrote {write_kind(backend, coeff, bands, fit.devices, len(cal), fit.memory_scale(x))}")
                 for d, sc in fit.scales(x).items():
                     n = [r for r in cal if r.raw["device_key"] == d]
                     keep = {k: v for k, v in sc.items()

@@ -18,6 +18,8 @@ that device (and ``backend = "vulkan"`` there picks another kind's defaults than
 - ``[prefill]``: the fraction of peak the mat-mat kernels reach, by path: ``quant`` (quantized
   weights), ``f16``, ``bf16``, ``f32`` and ``attn`` (attention);
   (``moe``: the routed experts' mat-mat, as a fraction of their type's path);
+- ``[memory_scale]``: a factor on every ``decode_bw`` fraction by the device's memory class (``hbm``,
+  ``gddr``, ``lpddr``, ``ddr``: the profile's ``memory_type``); 1 for a class not listed;
 - ``decode_scale``, ``prefill_scale`` (a device's own table only): its measured departure from its
   kind, multiplying every ``decode_bw`` and ``prefill`` fraction (capped at 0.95);
 - ``[peaks]``: which profile rate each path runs at (``int8_ops``, ``fp16_flops``, ``bf16_flops``);
@@ -34,8 +36,6 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 from types import MappingProxyType
 
 from localinfer.errors import ProfileError
@@ -45,7 +45,8 @@ PATHS = ("quant", "f16", "bf16", "f32", "attn", "moe")
 PEAK_FIELDS = ("int8_ops", "fp16_flops", "bf16_flops")
 MAX_FRACTION = 0.95        # no kernel streams its memory or fills its tensor cores completely; scales stop here
 SIZE_CLASSES = (("small", 3e9), ("mid", 30e9), ("large", math.inf))
-_KNOWN = {"backend", "token_us", "layer_us", "moe_layer_us", "ubatch_layer_us", "act_passes", "decode_bw", "prefill", "peaks", "error",
+MEMORY_CLASSES = ("hbm", "gddr", "lpddr", "ddr")
+_KNOWN = {"backend", "memory_scale", "token_us", "layer_us", "moe_layer_us", "ubatch_layer_us", "act_passes", "decode_bw", "prefill", "peaks", "error",
           "calibrated_on", "sources", "decode_scale", "prefill_scale"}
 
 
@@ -134,6 +135,11 @@ def check_table(data, origin: str) -> dict:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= 10):
             raise _bad(origin, key, f"{v!r} must be a factor from 0.1 to 10")
     _fractions(data.get("decode_bw"), "decode_bw", origin)
+    scales = data.get("memory_scale") or {}
+    if not isinstance(scales, dict) or any(k not in MEMORY_CLASSES or isinstance(v, bool)
+                                           or not isinstance(v, (int, float)) or not 0.1 <= v <= 10
+                                           for k, v in scales.items()):
+        raise _bad(origin, "memory_scale", f"must map memory classes ({', '.join(MEMORY_CLASSES)}) to factors from 0.1 to 10")
     _fractions(data.get("prefill"), "prefill", origin, PATHS)
     peaks = data.get("peaks") or {}
     if not isinstance(peaks, dict) or any(k not in PATHS or v not in PEAK_FIELDS for k, v in peaks.items()):
@@ -149,19 +155,14 @@ def check_table(data, origin: str) -> dict:
     return data
 
 
-def _kinds_dir():
-    checkout = Path(__file__).resolve().parents[2] / "profiles" / "kinds"
-    if checkout.is_dir():
-        return checkout
-    return resources.files("localinfer.profiles") / "kinds"
-
-
 @lru_cache(maxsize=None)
 def kind_defaults(backend: str) -> Mapping:
     """The ``profiles/kinds/<backend>.toml`` table (validated), or an empty table where none ships."""
     if backend not in BACKENDS:
         return MappingProxyType({})
-    f = _kinds_dir() / f"{backend}.toml"
+    from localinfer.devices.profiles import builtin_dir   # profiles imports this module
+
+    f = builtin_dir() / "kinds" / f"{backend}.toml"
     if not f.is_file():
         return MappingProxyType({})
     origin = f"profiles/kinds/{backend}.toml"
@@ -179,7 +180,7 @@ def coefficients(device) -> KernelCoefficients | None:
     if not base and not own:
         return None
     merged = {**base, **own}
-    for key in ("decode_bw", "prefill", "peaks", "sources"):
+    for key in ("decode_bw", "prefill", "peaks", "memory_scale", "sources"):
         merged[key] = {**(base.get(key) or {}), **(own.get(key) or {})}
     if "default" not in merged["decode_bw"] or "token_us" not in merged or "layer_us" not in merged:
         return None
@@ -188,6 +189,7 @@ def coefficients(device) -> KernelCoefficients | None:
         # a device's own figures are not what the kind's calibration measured: its band does not carry over
         err = {t: dict(v) for t, v in (own.get("error") or {}).items()} or err
     ds, ps = float(own.get("decode_scale", 1.0)), float(own.get("prefill_scale", 1.0))
+    ds *= float(merged["memory_scale"].get(getattr(device, "memory_class", None), 1.0))
     merged["decode_bw"] = {k: v if k == "moe" else min(MAX_FRACTION, v * ds) for k, v in merged["decode_bw"].items()}
     merged["prefill"] = {k: v if k == "moe" else min(MAX_FRACTION, v * ps) for k, v in merged["prefill"].items()}
     return KernelCoefficients(

@@ -42,6 +42,7 @@ MAX_SIZE = 1 << 50       # 1 PiB: more memory than any one device or host has
 MAX_RATE = 1e18          # per second: above any device's bandwidth (B/s) or dense FLOP/s
 MAX_POWER_W = 1e6
 MAX_PROFILE_BYTES = 1 << 20
+_MEMORY_RE = re.compile(r"^(HBM|GDDR|LPDDR|DDR)[0-9][A-Za-z0-9]{0,3}$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class DeviceProfile:
     bf16_flops: float | None = None         # dense peak, FLOP/s
     fp16_flops: float | None = None         # dense FP16 tensor peak (FP16 accumulate where the chip has it), FLOP/s
     int8_ops: float | None = None           # dense INT8 tensor peak, op/s (llama.cpp's MMQ kernels on CUDA)
+    memory_type: str | None = None          # "HBM2e", "GDDR6X", "LPDDR5X", ...: its class sets a kernel share (kernels.py)
     llamacpp: Mapping[str, Any] = field(default_factory=dict, compare=False)   # devices/kernels.py overrides
     link_name: str | None = None
     link_bytes_per_s: float | None = None   # host link, per direction
@@ -87,6 +89,12 @@ class DeviceProfile:
         if self.working_set_cap_bytes is not None:
             usable = min(usable, self.working_set_cap_bytes)
         return max(0, usable)
+
+    @property
+    def memory_class(self) -> str | None:
+        """The memory technology's family: ``hbm``, ``gddr``, ``lpddr`` or ``ddr`` (None when not given)."""
+        m = _MEMORY_RE.match(self.memory_type or "")
+        return m.group(1).lower() if m else None
 
     @property
     def is_accelerator(self) -> bool:
@@ -235,7 +243,10 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
     features = data.get("cpu_features", [])
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
         raise _bad(origin, "cpu_features", "must be a list of strings such as [\"avx2\"]")
-    known = {"name", "display_name", "kind", "unified", "memory", "reserve", "working_set_cap", "bandwidth",
+    memory_type = data.get("memory_type")
+    if memory_type is not None and (not isinstance(memory_type, str) or not _MEMORY_RE.match(memory_type)):
+        raise _bad(origin, "memory_type", "must name the memory technology: HBM2e, HBM3, GDDR6X, GDDR7, LPDDR5X, DDR5, ...")
+    known = {"name", "display_name", "kind", "unified", "memory", "memory_type", "reserve", "working_set_cap", "bandwidth",
              "bf16_flops", "fp16_flops", "int8_ops", "link", "power_w", "efficiency", "host_memory", "cpu_features", "host", "sources", "llamacpp"}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -255,6 +266,7 @@ def profile_from_dict(data: dict, origin: str = "<dict>") -> DeviceProfile:
         bf16_flops=_rate(data, "bf16_flops", origin),
         fp16_flops=_rate(data, "fp16_flops", origin),
         int8_ops=_rate(data, "int8_ops", origin),
+        memory_type=memory_type,
         llamacpp=MappingProxyType(check_table(data.get("llamacpp") or {}, origin)),
         link_name=link.get("name"),
         link_bytes_per_s=_rate(link, "per_direction", origin),

@@ -29,7 +29,11 @@ from localinfer.devices.kernels import KernelCoefficients, coefficients
 from localinfer.model.cost import ModelCost, kv_pair, model_cost
 from localinfer.util.memo import spec_cache
 
-_FALLBACK_PEAK = ("int8_ops", "fp16_flops", "bf16_flops")
+# where a device lacks the rate a path wants: INT8 mat-mats fall back to FP16 tensor math (llama.cpp dequantizes to
+# FP16 for cuBLAS where there are no INT8 tensor cores, as on Volta), and BF16 to FP16 and back (a part without one
+# format runs those kernels in the other)
+_FALLBACK_PEAK = {"int8_ops": ("fp16_flops", "bf16_flops"), "fp16_flops": ("bf16_flops",),
+                  "bf16_flops": ("fp16_flops",)}
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def moe_layers(spec) -> int:
 def peak(device, coeff: KernelCoefficients, path: str) -> float | None:
     """The rate ``path`` runs at on ``device``: the profile field its kind names, else the next one it has."""
     wanted = coeff.peaks.get(path, "bf16_flops")
-    order = (wanted,) + tuple(f for f in _FALLBACK_PEAK[_FALLBACK_PEAK.index(wanted) + 1:])
+    order = (wanted,) + _FALLBACK_PEAK[wanted]
     for name in order:
         v = getattr(device, name, None)
         if v:

@@ -46,8 +46,36 @@ def test_a_devices_scales_multiply_its_kinds_fractions_up_to_the_cap():
             assert own.decode_bw[t] == pytest.approx(min(MAX_FRACTION, v * ds))
     assert own.prefill["quant"] == pytest.approx(min(MAX_FRACTION, base.prefill["quant"] * ps))
     assert own.token_s == base.token_s and own.origin == "profile:cuda" and base.origin == "kind:cuda"
-    # a device without a table of its own runs on its kind's defaults
-    assert coefficients(get_device("rtx-pro-6000")).decode_bw == base.decode_bw
+    # a device without a table of its own runs on its kind's defaults (for its memory class)
+    pro = get_device("rtx-pro-6000")
+    assert coefficients(pro).decode_bw == coefficients(dataclasses.replace(dev, llamacpp={}, memory_type=pro.memory_type)).decode_bw
+
+
+def test_the_memory_class_scales_the_kinds_decode_fractions():
+    h100 = dataclasses.replace(get_device("h100-pcie"), llamacpp={})
+    plain = coefficients(dataclasses.replace(h100, memory_type=None))
+    hbm = kind_defaults("cuda")["memory_scale"]["hbm"]
+    assert h100.memory_class == "hbm" and get_device("rtx-4090").memory_class == "gddr"
+    assert coefficients(h100).decode_bw["default"] == pytest.approx(min(MAX_FRACTION, plain.decode_bw["default"] * hbm))
+    assert coefficients(h100).prefill == plain.prefill
+    assert coefficients(dataclasses.replace(h100, memory_type="GDDR6X")).decode_bw == plain.decode_bw
+
+
+@pytest.mark.parametrize("value", ["SRAM", "HBM", 3, "GDDR6X-ECC"])
+def test_a_bad_memory_type_names_the_field(value):
+    with pytest.raises(ProfileError) as e:
+        profile_from_dict({"name": "mine", "kind": "cuda", "memory": "24GB", "memory_type": value}, "mine.toml")
+    assert e.value.field == "memory_type"
+
+
+def test_a_part_without_int8_or_bf16_rates_runs_those_paths_at_its_fp16_rate(tmp_path):
+    volta = profile_from_dict({"name": "volta", "kind": "cuda", "memory": "16GB", "memory_type": "HBM2",
+                               "bandwidth": "900GB/s", "fp16_flops": 112e12}, "volta.toml")
+    spec = ModelSpec.from_gguf(write_skeleton("qwen2.5-0.5b", tmp_path / "q.gguf", type="q4_0"))
+    ks = kernel_speed(spec, volta)
+    assert ks is not None and math.isfinite(ks.prefill(1, 512).seconds) and math.isfinite(ks.decode(1, 600).seconds)
+    fp16 = dataclasses.replace(volta, int8_ops=112e12, bf16_flops=112e12)
+    assert ks.prefill(1, 512).seconds == pytest.approx(kernel_speed(spec, fp16).prefill(1, 512).seconds)
 
 
 @pytest.mark.parametrize("table, field", [
