@@ -9,6 +9,12 @@ run), stream it (``/v1/chat/completions``, greedy, ``--output-tokens`` tokens wi
 reply into that conversation's history.  For turns after the first it reports TTFT p50/p95 and the share
 of prompt tokens the server said came from its cache (``usage.prompt_tokens_details.cached_tokens``).
 
+``--hybrid ARCH`` runs it on a hybrid model (a recurrent state beside attention: qwen35, granitehybrid, lfm2)
+written here with random weights at about SmolLM2-135M's size (``HYBRID_SIZES``), so that a turn's prompt costs
+what such a model's prefill costs: a prefix hit then restores a recurrent-state snapshot (localinfer) or a
+context checkpoint (llama-server, on by default), and the table adds the prompt tokens each server recomputed
+per turn.
+
 Servers: ``localinfer serve --parked N`` for each N of ``--parked`` (finished requests whose KV stays in
 host memory for later prefix hits), and llama-server (``-np 8 --kv-unified``: its slots keep their last
 prompt, and ``--cache-ram``, 8 GiB by default, keeps older prompts' states in host memory).  They take
@@ -38,6 +44,28 @@ from benchmarks.serve_peers import free_port, machine, stop, wait_ready   # noqa
 from localinfer.model.sources import resolve_model                 # noqa: E402
 from localinfer.loadgen.load import KEEPALIVE_S, RESEND_WITHIN_S, WORDS   # noqa: E402
 from localinfer.util.stats import percentile                        # noqa: E402
+
+
+# A hybrid of about 110M parameters (Q8_0), the shape of its architecture's tiny test file scaled up: prompts cost
+# prefill time on a CPU (a tiny file's would not), as on SmolLM2-135M.
+HYBRID_SIZES = {
+    "qwen35": {"arch": "qwen35", "n_layers": 12, "n_embd": 768, "n_head": 12, "n_head_kv": 4, "head_dim": 64,
+               "n_ff": 2048, "ssm_state": 64, "ssm_groups": 4, "ssm_dt_rank": 16, "rope_sections": [16, 8, 8, 0]},
+    "granitehybrid": {"arch": "granitehybrid", "n_layers": 12, "n_embd": 768, "n_head": 12, "n_head_kv": 4,
+                      "n_ff": 2048, "ssm_inner": 1536, "ssm_state": 64, "ssm_dt_rank": 24, "layer_pattern": "MMM*"},
+    "lfm2": {"arch": "lfm2", "n_layers": 12, "n_embd": 768, "n_head": 12, "n_head_kv": 4, "n_ff": 2048},
+}
+
+
+def write_hybrid(arch: str, folder: Path) -> str:
+    """A random-weight ``arch`` hybrid of ``HYBRID_SIZES`` (the tests' writer: what llama.cpp's converter writes)."""
+    from gguf import GGMLQuantizationType
+
+    from tests.support.ggufgen import write_tiny_arch
+    from tests.support.tiny_archs import TINY
+
+    spec = {**TINY[arch], **HYBRID_SIZES[arch]}
+    return str(write_tiny_arch(folder / f"{arch}-hybrid.gguf", spec, qtype=GGMLQuantizationType.Q8_0, seed=1))
 
 
 def conversations(users: int, turns: int, system_words: int, user_words: int, seed: int):
@@ -78,7 +106,8 @@ async def chat_turn(client, model: str, messages: list[dict], output_tokens: int
                 raise
     details = usage.get("prompt_tokens_details") or {}
     return {"ok": ttft is not None, "ttft_s": ttft, "e2e_s": time.perf_counter() - t0, "text": "".join(parts),
-            "prompt_tokens": usage.get("prompt_tokens", 0), "cached_tokens": details.get("cached_tokens", 0) or 0,
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": details.get("cached_tokens", 0) or usage.get("cached_tokens", 0) or 0,
             "completion_tokens": usage.get("completion_tokens", 0)}
 
 
@@ -130,8 +159,20 @@ def summarise(results: list[dict], makespan: float) -> dict:
             "later_ttft_p50_ms": ms(ttft, 0.5), "later_ttft_p95_ms": ms(ttft, 0.95),
             "later_prompt_tokens": prompt, "later_cached_tokens": sum(r["cached_tokens"] for r in later),
             "later_cached_share": round(sum(r["cached_tokens"] for r in later) / prompt, 3) if prompt else None,
+            "recomputed_per_turn": _per_turn(later),
             "turns": [{k: r.get(k) for k in ("user", "turn", "ttft_s", "prompt_tokens", "cached_tokens", "ok")}
                       for r in sorted(results, key=lambda r: (r["turn"], r["user"]))]}
+
+
+def _per_turn(later: list[dict]) -> dict:
+    """Turn -> (median TTFT ms, mean prompt tokens the server computed again: prompt − cached)."""
+    out = {}
+    for turn in sorted({r["turn"] for r in later}):
+        rows = [r for r in later if r["turn"] == turn]
+        out[turn] = {"ttft_p50_ms": round(statistics.median(r["ttft_s"] for r in rows) * 1e3, 1),
+                     "recomputed": round(statistics.mean(r["prompt_tokens"] - r["cached_tokens"] for r in rows), 1),
+                     "prompt": round(statistics.mean(r["prompt_tokens"] for r in rows), 1)}
+    return out
 
 
 def servers(args, model: str) -> dict[str, callable]:
@@ -175,6 +216,19 @@ def table(doc: dict) -> str:
         lines.append(f"  {name:<24} TTFT p50 {med('later_ttft_p50_ms') / 1e3:.2f}s  p95 "
                      f"{med('later_ttft_p95_ms') / 1e3:.2f}s  cached {med('later_cached_share') * 100:.0f}%  "
                      f"tok/s {med('output_tok_s'):.1f}")
+    lines.append("per turn (medians over rounds): TTFT p50 / prompt tokens recomputed of the prompt")
+    names = list(dict.fromkeys(row["server"] for row in doc["rows"]))
+    turns = sorted({t for row in doc["rows"] for t in row["run"].get("recomputed_per_turn", {})}, key=int)
+    for t in turns:
+        cells = []
+        for name in names:
+            got = [row["run"]["recomputed_per_turn"][t] for row in doc["rows"]
+                   if row["server"] == name and t in row["run"].get("recomputed_per_turn", {})]
+            if got:
+                cells.append(f"{name}: {statistics.median(g['ttft_p50_ms'] for g in got) / 1e3:.2f}s / "
+                             f"{statistics.median(g['recomputed'] for g in got):.0f} of "
+                             f"{statistics.median(g['prompt'] for g in got):.0f}")
+        lines.append(f"  turn {t}: " + "; ".join(cells))
     return "\n".join(lines)
 
 
@@ -182,6 +236,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded model)")
     ap.add_argument("--llama-server", default=None, help="path of a llama-server binary")
+    ap.add_argument("--hybrid", default=None, choices=sorted(HYBRID_SIZES),
+                    help="run on a random-weight hybrid model of this architecture written here (not --model)")
     ap.add_argument("--parked", default="1,16", help="localinfer --parked values to run (comma list)")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
@@ -196,16 +252,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write FILE.json and FILE.txt (default: print the table)")
     args = ap.parse_args(argv)
     args.parked = [int(p) for p in args.parked.split(",") if p != ""]
-    model = str(resolve_model(args.model))
     before = machine()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        model = write_hybrid(args.hybrid, Path(tmp)) if args.hybrid else str(resolve_model(args.model))
         for rnd in range(args.rounds):
             convo = conversations(args.users, args.turns, args.system_words, args.user_words, args.seed + rnd)
             for name, command in servers(args, model).items():
                 print(f"round {rnd}: {name}", file=sys.stderr, flush=True)
                 rows.append({"server": name, "round": rnd, "run": measure(name, command, args, convo, Path(tmp))})
-    doc = {"machine": dict(machine(), loadavg_before=before["loadavg_1_5_15"]), "model": model,
+    shown = f"{args.hybrid} hybrid, random weights {HYBRID_SIZES[args.hybrid]}" if args.hybrid else model
+    doc = {"machine": dict(machine(), loadavg_before=before["loadavg_1_5_15"]), "model": shown,
            "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
     text = table(doc)

@@ -107,6 +107,11 @@ class Executor(Protocol):
     def drop(self, slot: int, start: int = 0) -> None:
         """Forget positions >= start of ``slot`` (0: the whole slot)."""
 
+    def rebase(self, dst: int, src: int, n_tokens: int) -> None:
+        """``dst`` computed its first ``n_tokens`` positions itself, the same tokens ``src`` holds there: it takes
+        ``src``'s cells for them and frees its own (a prefix computed twice is held once again).  On a recurrent
+        model ``dst``'s state is ``src``'s after it: ``rewind`` it to its own."""
+
     def park(self, slot: int) -> bool | None:
         """Move ``slot``'s KV to host memory: True when there, False when it does not fit beside the parked
         states, None when it never will (or the executor does not park in host memory)."""
@@ -178,6 +183,9 @@ class ExecutorBase:
     def drop(self, slot: int, start: int = 0) -> None:
         raise NotImplementedError
 
+    def rebase(self, dst: int, src: int, n_tokens: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot share cells a slot computed itself")
+
     def park(self, slot: int) -> bool | None:
         return None
 
@@ -245,6 +253,9 @@ class ExecutorWrapper(ExecutorBase):
 
     def drop(self, slot: int, start: int = 0) -> None:
         self.inner.drop(slot, start)
+
+    def rebase(self, dst: int, src: int, n_tokens: int) -> None:
+        self.inner.rebase(dst, src, n_tokens)
 
     def park(self, slot: int) -> bool | None:
         return self.inner.park(slot)

@@ -109,3 +109,14 @@ def recurrent_state_bytes(spec: ModelSpec, n_seq: int = 1, *, n_rs_seq: int = 0,
     per_layer = -(-r * RS_TYPE_BYTES * rows // align) * align + -(-s * RS_TYPE_BYTES * rows // align) * align
     chosen = range(spec.n_layers) if layers is None else layers
     return per_layer * sum(1 for il in chosen if spec.recurrent[il])
+
+
+def snapshot_bytes(spec: ModelSpec) -> int:
+    """Bytes of one sequence's recurrent state saved to host memory (llama.cpp's partial sequence state, what serve
+    keeps per snapshot): the state (``recurrent_state_bytes`` of one sequence, unpadded) and its framing -- 8 bytes
+    of the context's, the cell count and its one cell's position and sequence count, the s layout flag and layer
+    count (20), and per recurrent layer the r and s rows' type and row size (24)
+    (``llama_memory_recurrent::state_write``)."""
+    if not spec.has_recurrent:
+        return 0
+    return recurrent_state_bytes(spec, 1) + 28 + 24 * len(spec.recurrent_layers)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from gguf_tools.text import safe_text
 from localinfer.plan.fit import ESTIMATE
 from localinfer.units import GiB, MiB, fmt_bytes, fmt_duration
+from localinfer.model.kv import snapshot_bytes
 
 WIDTH = 100
 
@@ -29,6 +30,7 @@ def fit_json(spec, req, results) -> dict:
                       f"Σ cache layers row_bytes(type_k, K values per cell) + row_bytes(type_v, V values per cell) "
                       f"({spec.rules} rules: {spec.rules_source})"),
                   "recurrent_state_bytes_per_sequence": recurrent_state_bytes(spec, 1),
+                  "snapshot_bytes": snapshot_bytes(spec),
                   "missing": list(spec.missing)},
         "request": dict(req.__dict__),
         "devices": [r.to_dict() for r in results],
@@ -125,7 +127,8 @@ def render_text(spec, req, results, speeds: dict | None = None, plans: dict | No
         if spec.has_recurrent and r.supported:
             lines.extend(_wrap(f"recurrent state: {_g(bd_state := r.breakdown.state)} for {req.n_seq} sequence(s) "
                                f"({_g(bd_state // max(req.n_seq, 1))} each, whatever the context), beside KV "
-                               f"{_g(r.breakdown.kv)} in {len(_attn(spec))} attention layers", "  "))
+                               f"{_g(r.breakdown.kv)} in {len(_attn(spec))} attention layers; serve saves it for "
+                               f"prefix hits as snapshots of {_g(snapshot_bytes(spec))} each in host memory", "  "))
         if r.kv_type and r.kv_type != req.type_k:
             lines.append(f"  KV type that fits at this context: {r.kv_type}")
         moe = rec.moe if rec is not None else None

@@ -193,12 +193,42 @@ class BlockManager:
         k = self.snapshots.depth([self.blocks[b].hash for b in found], len(found))
         return found[:k], len(found) - k
 
-    def _match(self, tokens: Sequence[int], hashes: PrefixHashes | None) -> list[int]:
+    def cached_run(self, tokens: Sequence[int], hashes: PrefixHashes | None = None) -> list[int]:
+        """Cached blocks holding the leading whole blocks of ``tokens``, every one of them (none left to compute,
+        no snapshot bound)."""
+        return self._match(tokens, hashes, len(tokens) // self.block_tokens)
+
+    def holders(self, blocks: Sequence[int]) -> list[tuple[object, int]]:
+        """Sequences whose KV holds the leading ``blocks`` (running ones by their tables' written blocks, parked
+        ones by their kept prefixes): (sequence, how many of them), most first."""
+        out, p = [], self.block_tokens
+        runs = [(seq, table, self.written(seq) // p) for seq, table in self.tables.items()]
+        runs += [(seq, kept, len(kept)) for seq, kept in self.parked.items()]
+        for seq, table, limit in runs:
+            k, limit = 0, min(limit, len(table), len(blocks))
+            while k < limit and table[k] == blocks[k]:
+                k += 1
+            if k:
+                out.append((seq, k))
+        return sorted(out, key=lambda x: -x[1])
+
+    def adopt(self, seq, blocks: Sequence[int]) -> None:
+        """``seq`` computed its leading blocks itself, the same tokens as the cached ``blocks`` (a prefix no
+        snapshot reached, computed again): its table takes those (referenced) and its own copies go back to the
+        pool, so its later blocks chain to the cached ones and enter the cache."""
+        table = self.tables[seq]
+        for i, b in enumerate(blocks):
+            if table[i] != b:
+                self._ref(b)
+                old, table[i] = table[i], b
+                self._unref(old)
+
+    def _match(self, tokens: Sequence[int], hashes: PrefixHashes | None, n_blocks: int | None = None) -> list[int]:
         if not self.prefix_cache:
             return []
         memo = self._memo(hashes)
         p, found, parent = self.block_tokens, [], ROOT_HASH
-        for i in range((len(tokens) - 1) // p):
+        for i in range((len(tokens) - 1) // p if n_blocks is None else n_blocks):
             h = self._block_hash(tokens, i, parent, memo)
             b = self._cache.get(h)
             if b is None:

@@ -264,6 +264,7 @@ class StepEngine:
                 if r.id in self.slot_of:
                     ex.drop(self.slot_of[r.id], position)
             self._save_snapshots(saves)        # before the finished leave their slots (parking rewinds to them)
+            self._adopt_matched(saves)
             self._holding.update(c.request.id for c in plan.chunks)
             if self._recording:
                 rec = self._record(plan, samples, tuple(c.request.id in sampled for c in plan.chunks), start, end,
@@ -296,7 +297,7 @@ class StepEngine:
             if c.draft or end % p:
                 continue
             if r.prefilling:
-                if end in policy.boundaries(r.n_tokens, p):
+                if end in policy.request_points(r, p):
                     out.append((r, end, False))
             elif policy.reply_end:
                 out.append((r, end, True))
@@ -320,6 +321,28 @@ class StepEngine:
                 if before is not None and before != key:
                     snaps.discard(before)        # the reply moved on: only its last block boundary is kept
                 self._reply_snapshot[r.id] = key
+
+    def _adopt_matched(self, points: list[tuple[Request, int, bool]]) -> None:
+        """A request that matched cached blocks past the deepest snapshot computed them again; once it reaches the
+        end of the match (its state saved there), it takes the cached blocks' cells from a slot that holds them and
+        frees its own copies (``executor.rebase``, then its own state back), so one copy is held and its later blocks
+        chain to the cached ones: they enter the cache, and the request can be parked."""
+        bm, snaps, p = self.blocks, self.blocks.snapshots, self.blocks.block_tokens
+        for r, end, reply in points:
+            if reply or not r.past_snapshot or end != r.cached + r.past_snapshot or r.id not in self.slot_of:
+                continue
+            hashes = r.prefix_hashes(p)
+            hit = bm.cached_run(r.view(end), hashes)
+            state = snaps.get(hashes.values[end // p - 1]) if len(hit) == end // p else None
+            if state is None or bm.tables[r.id][:len(hit)] == hit:
+                continue
+            holder = next((seq for seq, k in bm.holders(hit) if k == len(hit) and seq != r.id
+                           and (seq in self._holding or seq in self._parked)), None)
+            if holder is None:
+                continue
+            self.executor.rebase(self.slot_of[r.id], self.slot_of.get(holder, self._parked.get(holder)), end)
+            self.executor.rewind(self.slot_of[r.id], state)
+            bm.adopt(r.id, hit)
 
     @property
     def _recording(self) -> bool:

@@ -326,7 +326,7 @@ class Scheduler:
         n = self._chunk_limit(plan, r, budget)
         snaps = self.blocks.snapshots
         if n > 0 and snaps is not None:      # a chunk ends where the recurrent state is to be saved
-            b = snaps.policy.next_boundary(r.computed, r.n_tokens, self.blocks.block_tokens)
+            b = next((x for x in snaps.policy.request_points(r, self.blocks.block_tokens) if x > r.computed), None)
             if b is not None and b < r.computed + n:
                 n = b - r.computed
         if n > 0:

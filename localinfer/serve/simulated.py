@@ -92,6 +92,13 @@ class SimulatedExecutor(ExecutorBase):
         cells = self._cells.setdefault(slot, [])
         cells.extend(next(self._ids) for _ in range(n_tokens - len(cells)))
 
+    def rebase(self, dst: int, src: int, n_tokens: int) -> None:
+        """Slot ``dst``'s first positions become ``src``'s cells (it computed the same tokens itself)."""
+        mine, theirs = self._cells.get(dst, []), self._cells.get(src, [])
+        if not 0 < n_tokens <= min(len(mine), len(theirs)):
+            raise ValueError(f"slots {src} and {dst} cannot share {n_tokens} positions")
+        mine[:n_tokens] = theirs[:n_tokens]
+
     def snapshot(self, slot: int) -> SeqState:
         """The slot's state at the positions it holds: its bytes copied to host memory on the clock."""
         if not self.snapshots:

@@ -64,6 +64,15 @@ class SnapshotPolicy:
         """The first snapshot position past ``start`` of a sequence of ``n_tokens`` (None: none is left)."""
         return next((b for b in self.boundaries(n_tokens, block) if b > start), None)
 
+    def request_points(self, r, block: int) -> list[int]:
+        """A request's snapshot positions: its boundaries, and where its prompt's match in the prefix cache ended
+        past the deepest snapshot (``past_snapshot``): prompts part there (a shared system prompt's end), so the
+        next request sharing it restores that state instead of computing it again."""
+        points = self.boundaries(r.n_tokens, block)
+        if r.past_snapshot:
+            points = sorted({*points, r.cached + r.past_snapshot})
+        return points
+
 
 class Snapshots:
     """Saved states by the hash of the block each ends, least recently used first, at most ``budget`` bytes."""

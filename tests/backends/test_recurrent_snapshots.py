@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from localinfer.backends.executor import Chunk
+from localinfer.model.kv import snapshot_bytes
+from localinfer.model.spec import ModelSpec
 from tests.support.ggufgen import write_tiny_arch
 from tests.support.tiny_archs import TINY
 
@@ -35,6 +37,7 @@ def test_rewind_copy_and_a_rejected_draft_give_the_logits_of_a_straight_run(name
         ex.step([Chunk(0, TOKENS[:32], 0)])
         saved = ex.snapshot(0)
         assert saved.n_tokens == 32 and saved.nbytes == caps.state_bytes
+        assert caps.state_bytes == snapshot_bytes(ModelSpec.from_gguf(models[name]))     # fit's figure, exactly
         straight = ex.step([Chunk(0, TOKENS[32:], 32, logits=True)])[0]
         ex.rewind(0, saved)                       # back to 32: the state restored, positions 32.. dropped
         assert ex.slot_len(0) == 32

@@ -163,3 +163,51 @@ def test_a_soak_of_300_requests_leaks_no_snapshot(models):
         assert ex.cells_used() == 0 and blocks.used == 0 and blocks.num_cached == 0
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_two_users_of_one_system_prompt_both_reuse_their_own_chats(together, models):
+    """Two chats that share a system prompt, their first turns sent at once or one after the other: the second
+    matches the first's blocks past any snapshot, computes them again once (its state saved where the prompts
+    part), then takes the first's cells for them; each user's next turn restores its own first turn's state, and
+    answers as a cold engine does."""
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+    from localinfer.serve.assembly import build_step_engine
+    from localinfer.serve.request import Request
+    from localinfer.serve.scheduler import SchedulerConfig
+    from localinfer.serve.snapshots import SnapshotPolicy
+
+    gen = np.random.default_rng(3)
+    system = [int(t) for t in gen.integers(3, 200, 100)]
+    first = [system + [int(t) for t in gen.integers(3, 200, 50)] for _ in range(2)]
+
+    def engine(ex, prefix_cache=True):
+        return build_step_engine(ex, SchedulerConfig(max_running=2), park_slots=4, prefix_cache=prefix_cache,
+                                 snapshot_policy=SnapshotPolicy(stride=1024))
+
+    ex = LlamaCppExecutor.open(models["qwen35"], n_slots=6, n_ctx=2048, threads=1, quiet=True)
+    try:
+        eng = engine(ex)
+        turn0 = []
+        for u in range(2):
+            turn0.append(eng.add_request(Request(f"u{u}t0", tuple(first[u]), 6)))
+            if not together:
+                eng.run()
+        eng.run()
+        second = [first[u] + turn0[u].output + [int(t) for t in gen.integers(3, 200, 20)] for u in range(2)]
+        turn1 = [eng.add_request(Request(f"u{u}t1", tuple(second[u]), 6)) for u in range(2)]
+        eng.run()
+        assert turn0[1].cached == 0 if together else turn0[1].past_snapshot > 0
+        assert eng.blocks.tables == {} and eng.parked >= 2
+    finally:
+        ex.close()
+    for u in range(2):        # each second turn starts from its own first turn's state at least
+        assert turn1[u].cached >= len(first[u]) // 16 * 16
+    cold_ex = LlamaCppExecutor.open(models["qwen35"], n_slots=2, n_ctx=1024, threads=1, quiet=True)
+    try:
+        cold = engine(cold_ex, prefix_cache=False)
+        alone = [cold.add_request(Request(f"c{u}", tuple(second[u]), 6)) for u in range(2)]
+        cold.run()
+    finally:
+        cold_ex.close()
+    assert [r.output for r in turn1] == [r.output for r in alone]

@@ -306,6 +306,23 @@ class LlamaCppExecutor(ExecutorBase):
                                       hint="recurrent models drop whole sequences, or rewind to a snapshot")
             self._len[slot] = start
 
+    def rebase(self, dst: int, src: int, n_tokens: int) -> None:
+        """``dst``'s first ``n_tokens`` positions (tokens it computed itself, the same as ``src``'s there) become
+        ``src``'s cells: its own are freed (llama_memory_seq_rm from 0), src's gain its id (seq_cp).  A recurrent
+        model's ``dst`` then shares ``src``'s state: rewind it to its own."""
+        self._alive()
+        self._check_slot(src)
+        self._check_slot(dst)
+        if src == dst or not self.unified or src in self._host or dst in self._host:
+            raise ValueError(f"slot {dst} cannot take slot {src}'s cells (one unified cache, both in cells)")
+        if not 0 < n_tokens <= min(self._len[src], self._len[dst]):
+            raise ValueError(f"slots {src} and {dst} hold {self._len[src]} and {self._len[dst]} positions; "
+                             f"cannot share {n_tokens}")
+        if not _L.llama_memory_seq_rm(self._mem, dst, 0, n_tokens):
+            raise LocalinferError(f"llama.cpp cannot free positions < {n_tokens} of slot {dst}")
+        _L.llama_memory_seq_cp(self._mem, src, dst, 0, n_tokens)
+        self._verify.pop(dst, None)
+
     def snapshot(self, slot: int) -> SeqState:
         """``slot``'s recurrent state at the positions it holds, in host memory (llama.cpp's partial state)."""
         self._alive()
