@@ -104,6 +104,7 @@ class Runner:
         self.engine = engine
         self._cached: dict[int, list[int]] = {}
         self._states: dict[int, list] = {}      # seq -> saved recurrent states (engines that cannot trim a tail)
+        self._part: dict[int, int] = {}         # seq -> where the new prompt left the cached one past every state
 
     def cached(self, seq: int = 0) -> list[int]:
         """Token ids currently in sequence seq's KV cache."""
@@ -114,6 +115,7 @@ class Runner:
         self.engine.trim(0, seq)
         self._cached[seq] = []
         self._states.pop(seq, None)
+        self._part.pop(seq, None)
 
     def _reuse(self, prompt: Sequence[int], seq: int) -> list[int]:
         cached = self._cached.get(seq, [])
@@ -127,6 +129,7 @@ class Runner:
             if n and not self.engine.trims_tail:     # a recurrent state goes back only to where it was saved
                 state = max((s for s in self._states.get(seq, ()) if s.n_tokens <= n), key=lambda s: s.n_tokens,
                             default=None)
+                self._part[seq] = n     # the prompts part there: save the state there this time
                 if state is not None:
                     self.engine.rewind(state, seq)
                     n = state.n_tokens
@@ -142,7 +145,9 @@ class Runner:
 
     def _save_state(self, seq: int, n_tokens: int) -> None:
         """Keep the recurrent state at the prompt's end (an engine that cannot trim a tail): a regenerate, an edited
-        last turn or the next turn restores it instead of recomputing the conversation."""
+        last turn or the next turn restores it instead of recomputing the conversation; and where the prompt left
+        the cached tokens past every saved state (a system prompt's end after a context shift, an edited turn's
+        start), since the next prompt tends to leave them there again."""
         if self.engine.trims_tail or not n_tokens:
             return
         states = self._states.setdefault(seq, [])
@@ -178,6 +183,11 @@ class Runner:
         context = self._reuse(prompt, seq)
         tm.cached_tokens = len(context)
         try:
+            part = self._part.pop(seq, 0)
+            if len(context) < part < len(prompt):
+                engine.eval(prompt[len(context):part], logits_at=[], seq=seq)
+                context.extend(prompt[len(context):part])
+                self._save_state(seq, part)
             logits = engine.eval(prompt[len(context):], logits_at=[-1], seq=seq)[0]
             context.extend(prompt[len(context):])
             self._save_state(seq, len(context))

@@ -102,3 +102,33 @@ def test_runner_lookup_on_a_recurrent_model_gives_plain_greedy_tokens(name, mode
         engine.close()
     assert drafted == plain
     assert decoder.stats.drafted > 0
+
+
+def test_prompts_that_part_after_a_system_prompt_save_the_state_there(models):
+    """A chat whose turns leave the cached conversation at one point (a context shift keeps the system prompt and
+    drops the oldest turns; an edited first message): the first time that point is recomputed and its state saved,
+    the next time it is restored."""
+    import localinfer
+    from localinfer.generation.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0, greedy=True)
+    system = list(TOKENS[:30])
+    prompts = [system + [50 + i] * 12 for i in range(3)]
+    engine = localinfer.load(models["granitehybrid"], ctx=512, threads=1)
+    try:
+        runner = localinfer.Runner(engine)
+        cached, outputs = [], []
+        for p in prompts:
+            chunks = list(runner.stream(p, greedy, max_tokens=4))
+            cached.append(chunks[-1].timings.cached_tokens)
+            outputs.append([c.token for c in chunks if c.token is not None])
+    finally:
+        engine.close()
+    assert cached == [0, 0, len(system)]
+    cold_engine = localinfer.load(models["granitehybrid"], ctx=512, threads=1)
+    try:
+        cold = [c.token for c in localinfer.Runner(cold_engine).stream(prompts[2], greedy, max_tokens=4)
+                if c.token is not None]
+    finally:
+        cold_engine.close()
+    assert outputs[2] == cold
