@@ -198,20 +198,6 @@ class BlockManager:
         no snapshot bound)."""
         return self._match(tokens, hashes, len(tokens) // self.block_tokens)
 
-    def holders(self, blocks: Sequence[int]) -> list[tuple[object, int]]:
-        """Sequences whose KV holds the leading ``blocks`` (running ones by their tables' written blocks, parked
-        ones by their kept prefixes): (sequence, how many of them), most first."""
-        out, p = [], self.block_tokens
-        runs = [(seq, table, self.written(seq) // p) for seq, table in self.tables.items()]
-        runs += [(seq, kept, len(kept)) for seq, kept in self.parked.items()]
-        for seq, table, limit in runs:
-            k, limit = 0, min(limit, len(table), len(blocks))
-            while k < limit and table[k] == blocks[k]:
-                k += 1
-            if k:
-                out.append((seq, k))
-        return sorted(out, key=lambda x: -x[1])
-
     def adopt(self, seq, blocks: Sequence[int]) -> None:
         """``seq`` computed its leading blocks itself, the same tokens as the cached ``blocks`` (a prefix no
         snapshot reached, computed again): its table takes those (referenced) and its own copies go back to the

@@ -336,13 +336,19 @@ class StepEngine:
             state = snaps.get(hashes.values[end // p - 1]) if len(hit) == end // p else None
             if state is None or bm.tables[r.id][:len(hit)] == hit:
                 continue
-            holder = next((seq for seq, k in bm.holders(hit) if k == len(hit) and seq != r.id
-                           and (seq in self._holding or seq in self._parked)), None)
+            holder = self._holder(hit, r.id)
             if holder is None:
                 continue
             self.executor.rebase(self.slot_of[r.id], self.slot_of.get(holder, self._parked.get(holder)), end)
             self.executor.rewind(self.slot_of[r.id], state)
             bm.adopt(r.id, hit)
+
+    def _holder(self, blocks: list[int], other_than: str):
+        """A running request (holding its positions) or a parked one whose KV holds all of ``blocks``, or None."""
+        bm, n = self.blocks, len(blocks)
+        running = ((seq, t) for seq, t in bm.tables.items() if seq in self._holding and bm.written(seq) >= n * bm.block_tokens)
+        parked = ((seq, kept) for seq, kept in bm.parked.items() if seq in self._parked)
+        return next((seq for seq, table in (*running, *parked) if seq != other_than and table[:n] == blocks), None)
 
     @property
     def _recording(self) -> bool:

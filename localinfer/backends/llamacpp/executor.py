@@ -99,8 +99,8 @@ class LlamaCppExecutor(ExecutorBase):
         self._flight = threading.Lock()    # step() in flight or not, and the interrupt flag, change together
         self._stepping = False
         self._interrupt_asked = False      # interrupt() before this step reached llama_decode
-        if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
-            try:
+        try:
+            if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
                 self.step([Chunk(0, (1, 1), 0)])
                 two = int(_L.llama_state_seq_get_size(self.engine.context, 0))
                 blob = self._read_state(0, two)
@@ -108,19 +108,14 @@ class LlamaCppExecutor(ExecutorBase):
                 self.drop(0, 1)
                 self.position_bytes = two - int(_L.llama_state_seq_get_size(self.engine.context, 0))
                 self.drop(0)
-            except BaseException:
-                self.engine.close()
-                raise
-            self.steps, self.decode_seconds = 0, 0.0
-        if self.snapshots:     # one state's bytes (its size does not depend on the positions held): a one-token probe
-            try:
+            if self.snapshots:         # one state's bytes (whatever the positions held): a one-token probe
                 self.step([Chunk(0, (1,), 0)])
                 self.state_bytes = seq_state.size(self.engine.context, 0)
                 self.drop(0)
-            except BaseException:
-                self.engine.close()
-                raise
-            self.steps, self.decode_seconds = 0, 0.0
+        except BaseException:
+            self.engine.close()
+            raise
+        self.steps, self.decode_seconds = 0, 0.0
 
     @classmethod
     def open(cls, model: str | os.PathLike, *, n_slots: int = 8, n_ctx: int = 2048, threads: int | None = None,
@@ -307,13 +302,12 @@ class LlamaCppExecutor(ExecutorBase):
             self._len[slot] = start
 
     def rebase(self, dst: int, src: int, n_tokens: int) -> None:
-        """``dst``'s first ``n_tokens`` positions (tokens it computed itself, the same as ``src``'s there) become
-        ``src``'s cells: its own are freed (llama_memory_seq_rm from 0), src's gain its id (seq_cp).  A recurrent
-        model's ``dst`` then shares ``src``'s state: rewind it to its own."""
+        """``dst``'s first ``n_tokens`` positions become ``src``'s cells (seq_rm from 0, seq_cp); a recurrent model's
+        ``dst`` then shares ``src``'s state: rewind it to its own."""
         self._alive()
         self._check_slot(src)
         self._check_slot(dst)
-        if src == dst or not self.unified or src in self._host or dst in self._host:
+        if src == dst or not self.unified or {src, dst} & self._host.keys():
             raise ValueError(f"slot {dst} cannot take slot {src}'s cells (one unified cache, both in cells)")
         if not 0 < n_tokens <= min(self._len[src], self._len[dst]):
             raise ValueError(f"slots {src} and {dst} hold {self._len[src]} and {self._len[dst]} positions; "
@@ -327,12 +321,9 @@ class LlamaCppExecutor(ExecutorBase):
         """``slot``'s recurrent state at the positions it holds, in host memory (llama.cpp's partial state)."""
         self._alive()
         self._check_slot(slot)
-        if not self.snapshots:
-            raise LocalinferError("this model has no recurrent state to snapshot", hint="cut its KV with drop")
-        blob = seq_state.read(self.engine.context, slot)
+        blob = seq_state.read(self.engine.context, slot) if self.snapshots else None
         if blob is None:
-            raise LocalinferError(f"llama.cpp did not save slot {slot}'s state",
-                                  hint="rerun with LOCALINFER_LLAMA_LOG=1")
+            raise LocalinferError(f"no recurrent state of slot {slot} was saved (an attention-only model has none)")
         return SeqState(self._len[slot], blob.size, blob)
 
     def rewind(self, slot: int, state: SeqState) -> None:
