@@ -1,16 +1,12 @@
 """Where a MoE model's experts go when it does not fit whole on one GPU: llama.cpp's ``--fit`` and ours.
 
-:func:`llamacpp_fit` reproduces the decision of llama.cpp's ``common/fit.cpp`` (``common_params_fit_impl``)
-for one device and a context the user set (its step 2, lowering ``n_ctx``, runs only when ``-c`` is 0):
-
-1. every layer on the device as asked: done when it fits the target (free memory − the 1 GiB margin;
-   here the profile's usable bytes, whose reserve is that margin);
-2. a MoE model: all experts in system memory (``ffn_*_exps`` = CPU) and every layer's dense part on the
-   device (``-ngl`` = layers + 1, the output counted);
-3. experts back on the device front to back: the most whole layers that stay under the target (the
-   remaining layers' experts on CPU, pattern ``blk.i.ffn_(up|down|gate_up|gate)_(ch|)exps``);
-4. part of one more layer: its ``up`` (pattern ``blk.i.ffn_(gate|gate_up|down).*`` to CPU), then ``up`` and
-   ``gate`` too (``blk.i.ffn_down.*`` to CPU), each kept when the device stays strictly under the target.
+:func:`llamacpp_fit` is llama.cpp's ``--fit`` decision (``common/fit.cpp``, ported step by step in
+:mod:`localinfer.plan.fit_cpp`) over localinfer's memory model of the device: all layers on the device when
+that fits; else every layer's dense part there with the experts on the CPU, experts back front to back while
+the device stays under its target (free memory − the 1 GiB margin, here the profile's usable bytes), then part
+of the next layer (its ``up``, then ``up`` and ``gate``; or, when ``up`` does not fit, that layer's whole FFN,
+router and shared experts included, on the CPU).  ``benchmarks/moe_fit_vs_llamacpp.py --llama-fit-params``
+checks the port against the real tool over a ``worker --mem`` device.
 
 ``--fit`` maximises what sits on the GPU; it never changes the KV type, never checks host RAM and has no
 speed objective.  :func:`moe_plan` searches ``--n-cpu-moe N`` (whole layers' experts, the fewest that fit)
@@ -25,13 +21,14 @@ from dataclasses import dataclass, field, replace
 
 from localinfer.backends.memory import FitRequest
 from localinfer.errors import UsageError
+from localinfer.plan.fit_cpp import fit_cpp
 from localinfer.plan.host_speed import plan_speed
 from localinfer.units import fmt_bytes
 
-EXPS = r"\.ffn_(up|down|gate_up|gate)_(ch|)exps"
-PARTIAL = {"up": r"\.ffn_(gate|gate_up|down).*", "gate": r"\.ffn_down.*"}   # fit.cpp's LAYER_FRACTION_UP/GATE
-# the same parts, experts only: fit.cpp's ".*" also sends the layer's router and shared experts to the host
+# fit.cpp's LAYER_FRACTION_UP/GATE, experts only: fit.cpp's ".*" also sends the layer's router and shared experts
 OWN_PARTIAL = {"up": r"\.ffn_(gate|gate_up|down)_(ch|)exps", "gate": r"\.ffn_down_(ch|)exps"}
+PARTIAL_WORDS = {"up": "up of one more on the GPU", "gate": "up and gate of one more on the GPU",
+                 "attn": "one of them with its router and shared FFN in RAM too"}
 KV_GAIN = 1.03    # another KV type than asked is recommended only when predicted this much faster
 
 
@@ -42,7 +39,8 @@ class MoePlan:
     by: str                      # "localinfer" or "llama.cpp --fit"
     request: FitRequest
     experts_on_host: int         # layers whose experts are all in host RAM
-    partial: str | None          # "up" / "gate": one more layer keeps these experts on the GPU (--fit)
+    partial: str | None          # "up" / "gate": one more layer keeps these experts on the GPU; "attn" (--fit
+                                 # only): one more layer's router and shared experts in host RAM too
     device_bytes: int
     host_bytes: int
     fits_device: bool
@@ -75,7 +73,7 @@ class MoePlan:
         """A short form: the -ngl and how many layers' experts are in RAM (a long -ot list in words)."""
         ngl = self.flags().split(" -")[0]
         kv = f", KV {self.request.type_k}" if self.request.type_k != "f16" else ""
-        part = f" + {self.partial} of one more on the GPU" if self.partial else ""
+        part = f" + {PARTIAL_WORDS[self.partial]}" if self.partial else ""
         return f"{ngl}, {self.experts_on_host} layers' experts in RAM{part}{kv}"
 
     def to_dict(self) -> dict:
@@ -99,11 +97,14 @@ def _measure(spec, device, host, req, by, on_host, partial=None) -> MoePlan:
                    plan_speed(spec, device, host, req))
 
 
-def _fits_device(spec, device, req, strict=False) -> bool:
+def _device_bytes(spec, device, req) -> int:
     from localinfer.plan.fit import breakdown
 
-    need = breakdown(spec, device, req)[0].device_bytes
-    return need < device.usable_bytes if strict else need <= device.usable_bytes
+    return breakdown(spec, device, req)[0].device_bytes
+
+
+def _fits_device(spec, device, req) -> bool:
+    return _device_bytes(spec, device, req) <= device.usable_bytes
 
 
 def moe_layers(spec) -> list[int]:
@@ -111,45 +112,18 @@ def moe_layers(spec) -> list[int]:
     return sorted({int(t.name.split(".")[1]) for t in spec.tensors if t.name.startswith("blk.") and "_exps." in t.name})
 
 
-def _fit_request(req, n_full: int, layers: list[int], partial: str | None, n_layers: int) -> FitRequest:
-    """--fit's request: all layers + output on the device; experts of the layers after ``n_full`` on CPU."""
-    ot = []
-    rest = [il for il in layers if il >= n_full]
-    if partial and rest:
-        ot.append((f"blk\\.{rest[0]}{PARTIAL[partial]}", "CPU"))
-        rest = rest[1:]
-    if rest:           # one entry for the rest, the same tensors as fit.cpp's one entry per layer
-        ot.append((f"blk\\.({'|'.join(map(str, rest))}){EXPS}", "CPU"))
-    return replace(req, n_gpu_layers=n_layers + 1, override_tensor=tuple(ot), cpu_moe=False, n_cpu_moe=0)
-
-
 def llamacpp_fit(spec, device, host, req: FitRequest) -> MoePlan | None:
-    """llama.cpp ``--fit``'s choice for this request on one device (see the module); None for a dense model
-    or where even the dense part of every layer does not fit (then --fit lowers -ngl, not modelled here)."""
-    whole = replace(req, n_gpu_layers=spec.n_layers + 1, override_tensor=(), cpu_moe=False, n_cpu_moe=0)
-    if _fits_device(spec, device, whole):
-        return _measure(spec, device, host, whole, "llama.cpp --fit", 0)
-    layers = moe_layers(spec)
-    if not layers or not _fits_device(spec, device, _fit_request(req, 0, layers, None, spec.n_layers)):
+    """llama.cpp ``--fit``'s choice for this request on one device (:func:`localinfer.plan.fit_cpp.fit_cpp` over
+    localinfer's memory model of the device, target = its usable bytes: memory − the 1 GiB margin); None for a
+    dense model, or where fit.cpp gives up (-ngl or -ot already set)."""
+    if not moe_layers(spec):
         return None
-    lo, hi = 0, spec.n_layers          # full layers at the front: lo fits, hi + 1 does not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _fits_device(spec, device, _fit_request(req, mid, layers, None, spec.n_layers)):
-            lo = mid
-        else:
-            hi = mid - 1
-    partial = None
-    if any(il >= lo for il in layers):
-        for p in ("up", "gate"):
-            if not _fits_device(spec, device, _fit_request(req, lo, layers, p, spec.n_layers), strict=True):
-                break
-            partial = p
-    on_host = sum(1 for il in layers if il >= lo) - (1 if partial else 0)
-    plan = _measure(spec, device, host, _fit_request(req, lo, layers, partial, spec.n_layers), "llama.cpp --fit", on_host, partial)
-    why = f"{on_host} layers' experts in RAM" + (f", layer {lo}'s {partial}{' and up' if partial == 'gate' else ''} "
-                                                  "experts on the GPU" if partial else "")
-    return replace(plan, why=why + ": the most on the GPU under the 1 GiB margin (--fit has no speed objective)")
+    choice = fit_cpp(spec, req, lambda r: _device_bytes(spec, device, r), device.usable_bytes)
+    if choice is None:
+        return None
+    plan = _measure(spec, device, host, choice.request, "llama.cpp --fit", choice.on_host, choice.partial)
+    return replace(plan, why="; ".join(choice.steps) + " (--fit keeps the most on the GPU under the 1 GiB margin; "
+                                                         "it has no speed objective)")
 
 
 def _fewest_on_host(spec, device, req) -> int | None:
@@ -230,7 +204,7 @@ def _why(best: MoePlan, others, ref: MoePlan | None, req) -> str:
             top = max(kv, key=lambda o: o.decode_tok_s)
             parts.append(f"KV {top.request.type_k} would give {top.decode_tok_s:.1f} tok/s ({top.flags()}): under "
                          f"{KV_GAIN - 1:.0%} faster, so the KV type asked for stays")
-    if best.partial:
+    if best.partial in ("up", "gate"):
         parts.append(f"layer {best.experts_on_host}'s {best.partial}{' and up' if best.partial == 'gate' else ''} "
                      "experts stay on the GPU")
     if ref is not None:
