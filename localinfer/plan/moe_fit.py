@@ -23,13 +23,15 @@ from localinfer.backends.memory import FitRequest
 from localinfer.errors import UsageError
 from localinfer.plan.fit_cpp import fit_cpp
 from localinfer.plan.host_speed import plan_speed
-from localinfer.units import fmt_bytes
+from localinfer.units import fmt_bytes, fmt_duration
 
 # fit.cpp's LAYER_FRACTION_UP/GATE, experts only: fit.cpp's ".*" also sends the layer's router and shared experts
 OWN_PARTIAL = {"up": r"\.ffn_(gate|gate_up|down)_(ch|)exps", "gate": r"\.ffn_down_(ch|)exps"}
 PARTIAL_WORDS = {"up": "up of one more on the GPU", "gate": "up and gate of one more on the GPU",
                  "attn": "one of them with its router and shared FFN in RAM too"}
-KV_GAIN = 1.03    # another KV type than asked is recommended only when predicted this much faster
+KV_GAIN = 1.03    # another KV type or -ub than asked is recommended only when predicted this much better
+OBJECTIVES = ("decode", "ttft")
+UB_CHOICES = (1024, 2048, 4096)   # -ub tried for the TTFT objective, up to the request's -b
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class MoePlan:
             out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
         if r.type_k != "f16" or r.type_v != "f16":
             out.append(f"-ctk {r.type_k} -ctv {r.type_v} -fa on")
+        if r.n_ubatch != FitRequest.n_ubatch:
+            out.append(f"-ub {r.n_ubatch}")
         return " ".join(out)
 
     def summary(self) -> str:
@@ -149,15 +153,40 @@ def _kv_choices(spec, req) -> list[tuple[str, str]]:
     return out
 
 
-def moe_plan(spec, device, host, req: FitRequest) -> MoePlan | None:
-    """The placement with the fastest predicted decode that fits the device and the host (see the module).
+def _ub_choices(req, objective: str) -> list[int]:
+    """Micro-batches to try: the request's; for TTFT also larger ones up to -b (each copies the host experts over
+    the link once, so fewer copies per prompt, for a larger compute buffer)."""
+    if objective != "ttft":
+        return [req.n_ubatch]
+    return [req.n_ubatch] + [u for u in UB_CHOICES if req.n_ubatch < u <= req.n_batch]
+
+
+def _ttft(c: MoePlan) -> float:
+    return (c.speed or {}).get("ttft_s") or float("inf")
+
+
+def score(c: MoePlan, objective: str) -> float:
+    """Higher is better: decode tok/s, or prompts per second (1 / TTFT)."""
+    return c.decode_tok_s if objective == "decode" else 1.0 / _ttft(c)
+
+
+def _asked(c: MoePlan, req) -> bool:
+    r = c.request
+    return (r.type_k, r.type_v, r.n_ubatch) == (req.type_k, req.type_v, req.n_ubatch)
+
+
+def moe_plan(spec, device, host, req: FitRequest, objective: str = "decode") -> MoePlan | None:
+    """The placement with the best predicted ``objective`` (``decode``: tok/s; ``ttft``: the time to the first
+    token of a prompt filling the context) that fits the device and the host (see the module).
 
     None when the model has no experts, the device is a CPU or unified memory, or no placement fits."""
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective takes {' or '.join(OBJECTIVES)}, not {objective!r}", flag="--objective")
     if device.kind == "cpu" or device.unified or not moe_layers(spec):
         return None
     cands: list[MoePlan] = []
-    for tk, tv in _kv_choices(spec, req):
-        r = replace(req, type_k=tk, type_v=tv, flash_attn=True if tk != "f16" else req.flash_attn)
+    for (tk, tv), ub in ((kv, ub) for kv in _kv_choices(spec, req) for ub in _ub_choices(req, objective)):
+        r = replace(req, type_k=tk, type_v=tv, flash_attn=True if tk != "f16" else req.flash_attn, n_ubatch=ub)
         try:
             n = _fewest_on_host(spec, device, r)
         except UsageError:           # a KV type this model cannot cache
@@ -178,36 +207,52 @@ def moe_plan(spec, device, host, req: FitRequest) -> MoePlan | None:
     good = [c for c in cands if c.fits]
     if not good:
         return None
+    other = "ttft" if objective == "decode" else "decode"
+
     def rank(c):
-        asked = (c.request.type_k, c.request.type_v) == (req.type_k, req.type_v)
-        return (c.decode_tok_s * (KV_GAIN if asked else 1.0), (c.speed or {}).get("prefill_tok_s", 0))
+        return (score(c, objective) * (KV_GAIN if _asked(c, req) else 1.0), score(c, other))
 
     best = max(good, key=rank)
     others = tuple(c for c in good if c is not best)
-    return replace(best, why=_why(best, others, ref, req), alternatives=others)
+    return replace(best, why=_why(best, others, ref, req, objective), alternatives=others)
 
 
-def _why(best: MoePlan, others, ref: MoePlan | None, req) -> str:
+def _speeds(c: MoePlan) -> str:
+    return f"{c.decode_tok_s:.1f} tok/s, TTFT {fmt_duration(_ttft(c))}"
+
+
+def _why(best: MoePlan, others, ref: MoePlan | None, req, objective: str = "decode") -> str:
+    goal = "decode" if objective == "decode" else f"TTFT of a {req.n_ctx:,}-token prompt"
     parts = [f"{best.experts_on_host} layers' experts in RAM ({fmt_bytes(best.host_bytes)} of host memory) is the "
-             f"fewest that fits {fmt_bytes(best.device_bytes)} on the GPU"]
-    if (best.request.type_k, best.request.type_v) != (req.type_k, req.type_v):
-        same = [o for o in others if (o.request.type_k, o.request.type_v) == (req.type_k, req.type_v)]
+             f"fewest that fits {fmt_bytes(best.device_bytes)} on the GPU"
+             + (f" at -ub {best.request.n_ubatch}" if best.request.n_ubatch != req.n_ubatch else "")
+             + f": {_speeds(best)} (best predicted {goal})"]
+    if not _asked(best, req):
+        same = [o for o in others if _asked(o, req)]
         if same:
-            top = max(same, key=lambda o: o.decode_tok_s)
+            top = max(same, key=lambda o: score(o, objective))
             more = top.experts_on_host - best.experts_on_host
-            parts.append(f"KV {best.request.type_k} " + (f"keeps {more} more layers' experts on the GPU" if more > 0
-                                                          else "reads fewer bytes per token")
-                         + f": {best.decode_tok_s:.1f} tok/s against {top.decode_tok_s:.1f} with KV {req.type_k}")
+            what = []
+            if (best.request.type_k, best.request.type_v) != (req.type_k, req.type_v):
+                what.append(f"KV {best.request.type_k}")
+            if best.request.n_ubatch != req.n_ubatch:
+                what.append(f"-ub {best.request.n_ubatch} (host experts copied over the link "
+                            f"{-(-req.n_ctx // best.request.n_ubatch)} times a prompt, not "
+                            f"{-(-req.n_ctx // req.n_ubatch)})")
+            parts.append(" and ".join(what) + (f" keeps {more} more layers' experts on the GPU" if more > 0 else
+                                               f" puts {-more} more layers' experts in RAM" if more < 0 else
+                                               " keeps as many layers' experts on the GPU")
+                         + f": against {_speeds(top)} as asked")
     else:
-        kv = [o for o in others if (o.request.type_k, o.request.type_v) != (req.type_k, req.type_v)]
-        if kv:
-            top = max(kv, key=lambda o: o.decode_tok_s)
-            parts.append(f"KV {top.request.type_k} would give {top.decode_tok_s:.1f} tok/s ({top.flags()}): under "
-                         f"{KV_GAIN - 1:.0%} faster, so the KV type asked for stays")
+        alt = [o for o in others if not _asked(o, req)]
+        if alt:
+            top = max(alt, key=lambda o: score(o, objective))
+            parts.append(f"{top.flags()} would give {_speeds(top)}: under {KV_GAIN - 1:.0%} better, so the KV type "
+                         "and -ub asked for stay")
     if best.partial in ("up", "gate"):
         parts.append(f"layer {best.experts_on_host}'s {best.partial}{' and up' if best.partial == 'gate' else ''} "
                      "experts stay on the GPU")
     if ref is not None:
-        parts.append(f"--fit's plan: {ref.summary()}, {ref.decode_tok_s:.1f} tok/s"
+        parts.append(f"--fit's plan: {ref.summary()}, {_speeds(ref)}"
                      + ("" if ref.fits_host else " (its host part does not fit the host's RAM)"))
     return "; ".join(parts)
