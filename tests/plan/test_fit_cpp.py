@@ -103,24 +103,28 @@ def _tool() -> str | None:
 
 
 @pytest.mark.skipif(_tool() is None, reason="llama-fit-params not built (scripts/build_llama_server.sh llama-fit-params)")
-@pytest.mark.parametrize("part", ["moe", "up", "attn"])
-def test_the_real_llama_fit_params_chooses_the_same_flags(model, measure, part):
-    """The device: a worker advertising a size chosen from localinfer's memory model of it, so that the tool
-    lands on a partial layer of each kind; the tool and the port must print the same -ngl and -ot."""
+@pytest.mark.parametrize("case", ["attn", "attn-at-up", "up", "gate", "dense-only"])
+def test_the_real_llama_fit_params_chooses_the_same_flags(model, measure, case):
+    """The device: a worker advertising a size chosen from localinfer's memory model of it (bytes equal to
+    llama.cpp's: tests/backends/test_rpc_moe_offload.py), so that the tool lands on each kind of partial layer,
+    or lowers -ngl; the tool and the port must print the same -ngl and the same -ot list."""
     from benchmarks.moe_fit_params_rpc import parse_fit, start_worker, stop_worker, tool_args
 
-    on_worker = measure
-    k = 4
-    target = {"moe": on_worker(_full(model, k, "up")),           # up does not fit (strict): ATTN
-              "up": on_worker(_full(model, k, "up")) + 1,
-              "attn": on_worker(_full(model, k))}[part]
-    mem = target + MARGIN
-    proc, ep = start_worker(mem)
+    n, k = model.n_layers, 4
+    target = {"attn": measure(_full(model, k)),                  # whole layers meet it exactly
+              "attn-at-up": measure(_full(model, k, "up")),      # up meets it exactly: not strictly under
+              "up": measure(_full(model, k, "up")) + 1,
+              "gate": measure(_full(model, k, "gate")) + 1,
+              "dense-only": measure(state_request(model, REQ, n + 1, n)) - 1}[case]
+    proc, ep = start_worker(target + MARGIN)
     try:
         out = subprocess.run([_tool(), *tool_args(model.path, ep, REQ)], capture_output=True, text=True,
                              timeout=300, check=True).stdout
     finally:
         stop_worker(proc)
-    port = fit_cpp(model, REQ, on_worker, target)
+    port = fit_cpp(model, REQ, measure, target)
     assert parse_fit(out) == (port.n_gpu_layers, port.overrides)
-    assert port.n_full == k and port.partial == ("up" if part == "up" else "attn")
+    if case == "dense-only":
+        assert port.n_gpu_layers < n + 1
+    else:
+        assert port.n_full == k and port.partial == case.split("-")[0]
