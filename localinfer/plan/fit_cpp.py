@@ -36,6 +36,10 @@ MARGIN = 1 << 30                       # fit.cpp's default target of free memory
 # fit.cpp's common_layer_fraction_t: what of a layer stays on the device -> the pattern of what goes to the CPU
 FRACTIONS = {"attn": r"ffn_(gate|up|gate_up|down).*", "up": r"ffn_(gate|gate_up|down).*",
              "gate": r"ffn_down.*", "moe": r"ffn_(up|down|gate_up|gate)_(ch|)exps"}
+STAYS = {"up": "its up experts stay on the device (with gate too it would not be strictly under the target)",
+         "gate": "its up and gate experts stay on the device",
+         "attn": "only its attention stays on the device (its up experts do not fit strictly under the target), "
+                 "its whole FFN, router included, goes to the CPU"}
 ALL_EXPERTS = r"blk\.\d+\.ffn_(up|down|gate_up|gate)_(ch|)exps"
 PATTERN = re.compile(r"^blk\\\.(\d+)\\\.(.*)$")
 
@@ -204,5 +208,5 @@ def fit_cpp(spec, req: FitRequest, device_bytes: Callable[[FitRequest], int], ta
             if m < target:
                 cur, lo = attn, m
         if cur.n_part and cur.overflow != "moe":
-            steps.append(f"layer {layer_overrides(n, cur)[0][0]}: {cur.overflow} stays on the device")
+            steps.append(f"layer {layer_overrides(n, cur)[0][0]}: {STAYS[cur.overflow]}")
     return answer(cur, lo)
