@@ -13,8 +13,9 @@ if [ ! -d "$root/src" ]; then
     python3 -m pip download -q --disable-pip-version-check --no-binary :all: --no-deps -d "$root/dl" \
         "llama-cpp-python==$ver" >&2 \
         || { echo "llama_sources: could not download the llama-cpp-python $ver sdist" >&2; exit 1; }
-    rm -rf "$root/src.tmp" && mkdir -p "$root/src.tmp"
-    tar -xzf "$root"/dl/llama_cpp_python-"$ver".tar.gz -C "$root/src.tmp" --strip-components 1
-    mv "$root/src.tmp" "$root/src"
+    tmp=$(mktemp -d "$root/src.tmp.XXXXXX")
+    tar -xzf "$root"/dl/llama_cpp_python-"$ver".tar.gz -C "$tmp" --strip-components 1
+    # another build may have unpacked it meanwhile: keep that one (a plain mv would nest this copy inside it)
+    mv -T "$tmp" "$root/src" 2>/dev/null || rm -rf "$tmp"
 fi
 echo "$root/src"

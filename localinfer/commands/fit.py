@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host RAM for the part of a split in system memory: a host profile (ddr5-5600-2ch, "
                              "ddr4-3200-2ch, threadripper-pro-8ch, epyc-9004-12ch, grace-lpddr5x) or local "
                              "(default: the device profile's host; this machine's for local)")
+    parser.add_argument("--objective", default="decode", choices=("decode", "ttft"),
+                        help="what the MoE expert-placement search maximises: decode tok/s (default), or ttft: the "
+                             "time to the first token of a prompt filling --ctx (it also tries larger -ub)")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
     parser.add_argument("--dry-run", action="store_true",
                         help="this machine's row from llama.cpp's own dry run (it plans every buffer without reading "
@@ -213,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     # the expert-placement search replays a split graph per candidate: for the devices asked for by name, not for
     # the whole table of profiles (fit answers that in well under a second)
     search = bool(args.device) or bool(args.host)
-    plans = {r.device.name: recommended(spec, r, hosts.get(r.device.name), req, search=search) for r in results}
+    plans = {r.device.name: recommended(spec, r, hosts.get(r.device.name), req, search=search,
+                                        objective=args.objective) for r in results}
     if args.json:
         doc = fit_json(spec, req, results)
         for d, r in zip(doc["devices"], results):
@@ -229,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def recommended(spec, result, host, req, *, search: bool = True):
+def recommended(spec, result, host, req, *, search: bool = True, objective: str = "decode"):
     """The plan ``fit`` recommends on one device (the request, a MoE placement when ``search``, or a lower -ngl),
     its speed and the host part judged against the host's RAM."""
     from dataclasses import replace
@@ -241,7 +245,7 @@ def recommended(spec, result, host, req, *, search: bool = True):
     moe = None
     plan_req = req
     if search and not result.fits and result.supported and result.source == "estimate":
-        moe = moe_plan(spec, result.device, host, req)
+        moe = moe_plan(spec, result.device, host, req, objective)
         if moe is not None:
             plan_req = moe.request
         elif result.offload is not None:

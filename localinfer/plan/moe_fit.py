@@ -1,16 +1,12 @@
 """Where a MoE model's experts go when it does not fit whole on one GPU: llama.cpp's ``--fit`` and ours.
 
-:func:`llamacpp_fit` reproduces the decision of llama.cpp's ``common/fit.cpp`` (``common_params_fit_impl``)
-for one device and a context the user set (its step 2, lowering ``n_ctx``, runs only when ``-c`` is 0):
-
-1. every layer on the device as asked: done when it fits the target (free memory − the 1 GiB margin;
-   here the profile's usable bytes, whose reserve is that margin);
-2. a MoE model: all experts in system memory (``ffn_*_exps`` = CPU) and every layer's dense part on the
-   device (``-ngl`` = layers + 1, the output counted);
-3. experts back on the device front to back: the most whole layers that stay under the target (the
-   remaining layers' experts on CPU, pattern ``blk.i.ffn_(up|down|gate_up|gate)_(ch|)exps``);
-4. part of one more layer: its ``up`` (pattern ``blk.i.ffn_(gate|gate_up|down).*`` to CPU), then ``up`` and
-   ``gate`` too (``blk.i.ffn_down.*`` to CPU), each kept when the device stays strictly under the target.
+:func:`llamacpp_fit` is llama.cpp's ``--fit`` decision (``common/fit.cpp``, ported step by step in
+:mod:`localinfer.plan.fit_cpp`) over localinfer's memory model of the device: all layers on the device when
+that fits; else every layer's dense part there with the experts on the CPU, experts back front to back while
+the device stays under its target (free memory − the 1 GiB margin, here the profile's usable bytes), then part
+of the next layer (its ``up``, then ``up`` and ``gate``; or, when ``up`` does not fit, that layer's whole FFN,
+router and shared experts included, on the CPU).  ``benchmarks/moe_fit_vs_llamacpp.py --llama-fit-params``
+checks the port against the real tool over a ``worker --mem`` device.
 
 ``--fit`` maximises what sits on the GPU; it never changes the KV type, never checks host RAM and has no
 speed objective.  :func:`moe_plan` searches ``--n-cpu-moe N`` (whole layers' experts, the fewest that fit)
@@ -25,14 +21,17 @@ from dataclasses import dataclass, field, replace
 
 from localinfer.backends.memory import FitRequest
 from localinfer.errors import UsageError
+from localinfer.plan.fit_cpp import fit_cpp
 from localinfer.plan.host_speed import plan_speed
-from localinfer.units import fmt_bytes
+from localinfer.units import fmt_bytes, fmt_duration
 
-EXPS = r"\.ffn_(up|down|gate_up|gate)_(ch|)exps"
-PARTIAL = {"up": r"\.ffn_(gate|gate_up|down).*", "gate": r"\.ffn_down.*"}   # fit.cpp's LAYER_FRACTION_UP/GATE
-# the same parts, experts only: fit.cpp's ".*" also sends the layer's router and shared experts to the host
+# fit.cpp's LAYER_FRACTION_UP/GATE, experts only: fit.cpp's ".*" also sends the layer's router and shared experts
 OWN_PARTIAL = {"up": r"\.ffn_(gate|gate_up|down)_(ch|)exps", "gate": r"\.ffn_down_(ch|)exps"}
-KV_GAIN = 1.03    # another KV type than asked is recommended only when predicted this much faster
+PARTIAL_WORDS = {"up": "up of one more on the GPU", "gate": "up and gate of one more on the GPU",
+                 "attn": "one of them with its router and shared FFN in RAM too"}
+KV_GAIN = 1.03    # another KV type or -ub than asked is recommended only when predicted this much better
+OBJECTIVES = ("decode", "ttft")
+UB_CHOICES = (1024, 2048, 4096)   # -ub tried for the TTFT objective, up to the request's -b
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,8 @@ class MoePlan:
     by: str                      # "localinfer" or "llama.cpp --fit"
     request: FitRequest
     experts_on_host: int         # layers whose experts are all in host RAM
-    partial: str | None          # "up" / "gate": one more layer keeps these experts on the GPU (--fit)
+    partial: str | None          # "up" / "gate": one more layer keeps these experts on the GPU; "attn" (--fit
+                                 # only): one more layer's router and shared experts in host RAM too
     device_bytes: int
     host_bytes: int
     fits_device: bool
@@ -69,13 +69,15 @@ class MoePlan:
             out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
         if r.type_k != "f16" or r.type_v != "f16":
             out.append(f"-ctk {r.type_k} -ctv {r.type_v} -fa on")
+        if r.n_ubatch != FitRequest.n_ubatch:
+            out.append(f"-ub {r.n_ubatch}")
         return " ".join(out)
 
     def summary(self) -> str:
         """A short form: the -ngl and how many layers' experts are in RAM (a long -ot list in words)."""
         ngl = self.flags().split(" -")[0]
         kv = f", KV {self.request.type_k}" if self.request.type_k != "f16" else ""
-        part = f" + {self.partial} of one more on the GPU" if self.partial else ""
+        part = f" + {PARTIAL_WORDS[self.partial]}" if self.partial else ""
         return f"{ngl}, {self.experts_on_host} layers' experts in RAM{part}{kv}"
 
     def to_dict(self) -> dict:
@@ -99,11 +101,14 @@ def _measure(spec, device, host, req, by, on_host, partial=None) -> MoePlan:
                    plan_speed(spec, device, host, req))
 
 
-def _fits_device(spec, device, req, strict=False) -> bool:
+def _device_bytes(spec, device, req) -> int:
     from localinfer.plan.fit import breakdown
 
-    need = breakdown(spec, device, req)[0].device_bytes
-    return need < device.usable_bytes if strict else need <= device.usable_bytes
+    return breakdown(spec, device, req)[0].device_bytes
+
+
+def _fits_device(spec, device, req) -> bool:
+    return _device_bytes(spec, device, req) <= device.usable_bytes
 
 
 def moe_layers(spec) -> list[int]:
@@ -111,45 +116,18 @@ def moe_layers(spec) -> list[int]:
     return sorted({int(t.name.split(".")[1]) for t in spec.tensors if t.name.startswith("blk.") and "_exps." in t.name})
 
 
-def _fit_request(req, n_full: int, layers: list[int], partial: str | None, n_layers: int) -> FitRequest:
-    """--fit's request: all layers + output on the device; experts of the layers after ``n_full`` on CPU."""
-    ot = []
-    rest = [il for il in layers if il >= n_full]
-    if partial and rest:
-        ot.append((f"blk\\.{rest[0]}{PARTIAL[partial]}", "CPU"))
-        rest = rest[1:]
-    if rest:           # one entry for the rest, the same tensors as fit.cpp's one entry per layer
-        ot.append((f"blk\\.({'|'.join(map(str, rest))}){EXPS}", "CPU"))
-    return replace(req, n_gpu_layers=n_layers + 1, override_tensor=tuple(ot), cpu_moe=False, n_cpu_moe=0)
-
-
 def llamacpp_fit(spec, device, host, req: FitRequest) -> MoePlan | None:
-    """llama.cpp ``--fit``'s choice for this request on one device (see the module); None for a dense model
-    or where even the dense part of every layer does not fit (then --fit lowers -ngl, not modelled here)."""
-    whole = replace(req, n_gpu_layers=spec.n_layers + 1, override_tensor=(), cpu_moe=False, n_cpu_moe=0)
-    if _fits_device(spec, device, whole):
-        return _measure(spec, device, host, whole, "llama.cpp --fit", 0)
-    layers = moe_layers(spec)
-    if not layers or not _fits_device(spec, device, _fit_request(req, 0, layers, None, spec.n_layers)):
+    """llama.cpp ``--fit``'s choice for this request on one device (:func:`localinfer.plan.fit_cpp.fit_cpp` over
+    localinfer's memory model of the device, target = its usable bytes: memory − the 1 GiB margin); None for a
+    dense model, or where fit.cpp gives up (-ngl or -ot already set)."""
+    if not moe_layers(spec):
         return None
-    lo, hi = 0, spec.n_layers          # full layers at the front: lo fits, hi + 1 does not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _fits_device(spec, device, _fit_request(req, mid, layers, None, spec.n_layers)):
-            lo = mid
-        else:
-            hi = mid - 1
-    partial = None
-    if any(il >= lo for il in layers):
-        for p in ("up", "gate"):
-            if not _fits_device(spec, device, _fit_request(req, lo, layers, p, spec.n_layers), strict=True):
-                break
-            partial = p
-    on_host = sum(1 for il in layers if il >= lo) - (1 if partial else 0)
-    plan = _measure(spec, device, host, _fit_request(req, lo, layers, partial, spec.n_layers), "llama.cpp --fit", on_host, partial)
-    why = f"{on_host} layers' experts in RAM" + (f", layer {lo}'s {partial}{' and up' if partial == 'gate' else ''} "
-                                                  "experts on the GPU" if partial else "")
-    return replace(plan, why=why + ": the most on the GPU under the 1 GiB margin (--fit has no speed objective)")
+    choice = fit_cpp(spec, req, lambda r: _device_bytes(spec, device, r), device.usable_bytes)
+    if choice is None:
+        return None
+    plan = _measure(spec, device, host, choice.request, "llama.cpp --fit", choice.on_host, choice.partial)
+    return replace(plan, why="; ".join(choice.steps) + " (--fit keeps the most on the GPU under the 1 GiB margin; "
+                                                         "it has no speed objective)")
 
 
 def _fewest_on_host(spec, device, req) -> int | None:
@@ -175,15 +153,40 @@ def _kv_choices(spec, req) -> list[tuple[str, str]]:
     return out
 
 
-def moe_plan(spec, device, host, req: FitRequest) -> MoePlan | None:
-    """The placement with the fastest predicted decode that fits the device and the host (see the module).
+def _ub_choices(req, objective: str) -> list[int]:
+    """Micro-batches to try: the request's; for TTFT also larger ones up to -b (each copies the host experts over
+    the link once, so fewer copies per prompt, for a larger compute buffer)."""
+    if objective != "ttft":
+        return [req.n_ubatch]
+    return [req.n_ubatch] + [u for u in UB_CHOICES if req.n_ubatch < u <= req.n_batch]
+
+
+def _ttft(c: MoePlan) -> float:
+    return (c.speed or {}).get("ttft_s") or float("inf")
+
+
+def score(c: MoePlan, objective: str) -> float:
+    """Higher is better: decode tok/s, or prompts per second (1 / TTFT)."""
+    return c.decode_tok_s if objective == "decode" else 1.0 / _ttft(c)
+
+
+def _asked(c: MoePlan, req) -> bool:
+    r = c.request
+    return (r.type_k, r.type_v, r.n_ubatch) == (req.type_k, req.type_v, req.n_ubatch)
+
+
+def moe_plan(spec, device, host, req: FitRequest, objective: str = "decode") -> MoePlan | None:
+    """The placement with the best predicted ``objective`` (``decode``: tok/s; ``ttft``: the time to the first
+    token of a prompt filling the context) that fits the device and the host (see the module).
 
     None when the model has no experts, the device is a CPU or unified memory, or no placement fits."""
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective takes {' or '.join(OBJECTIVES)}, not {objective!r}", flag="--objective")
     if device.kind == "cpu" or device.unified or not moe_layers(spec):
         return None
     cands: list[MoePlan] = []
-    for tk, tv in _kv_choices(spec, req):
-        r = replace(req, type_k=tk, type_v=tv, flash_attn=True if tk != "f16" else req.flash_attn)
+    for (tk, tv), ub in ((kv, ub) for kv in _kv_choices(spec, req) for ub in _ub_choices(req, objective)):
+        r = replace(req, type_k=tk, type_v=tv, flash_attn=True if tk != "f16" else req.flash_attn, n_ubatch=ub)
         try:
             n = _fewest_on_host(spec, device, r)
         except UsageError:           # a KV type this model cannot cache
@@ -204,36 +207,52 @@ def moe_plan(spec, device, host, req: FitRequest) -> MoePlan | None:
     good = [c for c in cands if c.fits]
     if not good:
         return None
+    other = "ttft" if objective == "decode" else "decode"
+
     def rank(c):
-        asked = (c.request.type_k, c.request.type_v) == (req.type_k, req.type_v)
-        return (c.decode_tok_s * (KV_GAIN if asked else 1.0), (c.speed or {}).get("prefill_tok_s", 0))
+        return (score(c, objective) * (KV_GAIN if _asked(c, req) else 1.0), score(c, other))
 
     best = max(good, key=rank)
     others = tuple(c for c in good if c is not best)
-    return replace(best, why=_why(best, others, ref, req), alternatives=others)
+    return replace(best, why=_why(best, others, ref, req, objective), alternatives=others)
 
 
-def _why(best: MoePlan, others, ref: MoePlan | None, req) -> str:
+def _speeds(c: MoePlan) -> str:
+    return f"{c.decode_tok_s:.1f} tok/s, TTFT {fmt_duration(_ttft(c))}"
+
+
+def _why(best: MoePlan, others, ref: MoePlan | None, req, objective: str = "decode") -> str:
+    goal = "decode" if objective == "decode" else f"TTFT of a {req.n_ctx:,}-token prompt"
     parts = [f"{best.experts_on_host} layers' experts in RAM ({fmt_bytes(best.host_bytes)} of host memory) is the "
-             f"fewest that fits {fmt_bytes(best.device_bytes)} on the GPU"]
-    if (best.request.type_k, best.request.type_v) != (req.type_k, req.type_v):
-        same = [o for o in others if (o.request.type_k, o.request.type_v) == (req.type_k, req.type_v)]
+             f"fewest that fits {fmt_bytes(best.device_bytes)} on the GPU"
+             + (f" at -ub {best.request.n_ubatch}" if best.request.n_ubatch != req.n_ubatch else "")
+             + f": {_speeds(best)} (best predicted {goal})"]
+    if not _asked(best, req):
+        same = [o for o in others if _asked(o, req)]
         if same:
-            top = max(same, key=lambda o: o.decode_tok_s)
+            top = max(same, key=lambda o: score(o, objective))
             more = top.experts_on_host - best.experts_on_host
-            parts.append(f"KV {best.request.type_k} " + (f"keeps {more} more layers' experts on the GPU" if more > 0
-                                                          else "reads fewer bytes per token")
-                         + f": {best.decode_tok_s:.1f} tok/s against {top.decode_tok_s:.1f} with KV {req.type_k}")
+            what = []
+            if (best.request.type_k, best.request.type_v) != (req.type_k, req.type_v):
+                what.append(f"KV {best.request.type_k}")
+            if best.request.n_ubatch != req.n_ubatch:
+                what.append(f"-ub {best.request.n_ubatch} (host experts copied over the link "
+                            f"{-(-req.n_ctx // best.request.n_ubatch)} times a prompt, not "
+                            f"{-(-req.n_ctx // req.n_ubatch)})")
+            parts.append(" and ".join(what) + (f" keeps {more} more layers' experts on the GPU" if more > 0 else
+                                               f" puts {-more} more layers' experts in RAM" if more < 0 else
+                                               " keeps as many layers' experts on the GPU")
+                         + f": against {_speeds(top)} as asked")
     else:
-        kv = [o for o in others if (o.request.type_k, o.request.type_v) != (req.type_k, req.type_v)]
-        if kv:
-            top = max(kv, key=lambda o: o.decode_tok_s)
-            parts.append(f"KV {top.request.type_k} would give {top.decode_tok_s:.1f} tok/s ({top.flags()}): under "
-                         f"{KV_GAIN - 1:.0%} faster, so the KV type asked for stays")
-    if best.partial:
+        alt = [o for o in others if not _asked(o, req)]
+        if alt:
+            top = max(alt, key=lambda o: score(o, objective))
+            parts.append(f"{top.flags()} would give {_speeds(top)}: under {KV_GAIN - 1:.0%} better, so the KV type "
+                         "and -ub asked for stay")
+    if best.partial in ("up", "gate"):
         parts.append(f"layer {best.experts_on_host}'s {best.partial}{' and up' if best.partial == 'gate' else ''} "
                      "experts stay on the GPU")
     if ref is not None:
-        parts.append(f"--fit's plan: {ref.summary()}, {ref.decode_tok_s:.1f} tok/s"
+        parts.append(f"--fit's plan: {ref.summary()}, {_speeds(ref)}"
                      + ("" if ref.fits_host else " (its host part does not fit the host's RAM)"))
     return "; ".join(parts)

@@ -187,3 +187,16 @@ def test_other_moe_families_weights_and_kv_per_device(two_workers, tmp_path, arc
                 assert (d.weights, d.kv) == tuple(got.get(d.name, [0, 0, 0])[:2]), (arch, qtype, case, d.name)
             host = {k: v[0] for k, v in got.items() if not k.startswith("RPC") and v[0]}
             assert {k.split()[0]: v for k, v in sb.host_weights.items()} == host, (arch, qtype, case)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q4_0])
+def test_gpt_oss_compute_with_expert_biases_and_router_on_the_host(tmp_path, qtype):
+    """gpt-oss's expert biases (ADD_ID) and router (ffn_gate_inp, with its bias) run where the overrides put
+    them, as llama.cpp's scheduler does: every buffer, compute included, equals llama.cpp's, for --cpu-moe,
+    --n-cpu-moe and the partial-layer patterns of --fit (common/fit.cpp's ATTN, UP and GATE)."""
+    path = str(write_tiny_arch(tmp_path / f"gpt-oss-{qtype.name}.gguf", TINY["gpt-oss"], qtype=qtype))
+    cases = [{"n_ctx": 512, "cpu_moe": True}, {"n_ctx": 512, "n_cpu_moe": 1}] + [
+        {"n_ctx": 512, "override_tensor": [[rf"blk\.1\.{frac}", "CPU"]]}
+        for frac in (r"ffn_(gate|up|gate_up|down).*", r"ffn_(gate|gate_up|down).*", r"ffn_down.*")]
+    with workers(1) as ws:
+        _check(path, [ws[0][1]], cases)

@@ -125,3 +125,32 @@ def test_fit_cli_shows_the_host_and_the_plan(model, tmp_path):
     text = subprocess.run(cmd + ["--host", "ddr4-3200-2ch"], capture_output=True, text=True, env=env, check=True).stdout
     text = " ".join(text.split())                  # the report wraps at 100 columns
     assert "host ddr4-3200-2ch" in text and "llama-server" in text and "of the plan above" in text
+
+
+def test_the_ttft_objective_trades_decode_for_the_first_token(model, gpu):
+    """--objective ttft: the plan with the shortest predicted time to the first token of a prompt filling the
+    context (larger -ub tried: fewer copies of the host experts over the link), never slower to it than the
+    decode plan or --fit's; the decode plan is never slower to decode; both say both speeds."""
+    host = host_for(gpu)
+    req = _req()
+    dec, ttft, ref = (moe_plan(model, gpu, host, req), moe_plan(model, gpu, host, req, "ttft"),
+                      llamacpp_fit(model, gpu, host, req))
+    assert ttft.fits and ttft.speed["ttft_s"] <= min(dec.speed["ttft_s"], ref.speed["ttft_s"])
+    assert dec.decode_tok_s >= ttft.decode_tok_s
+    assert "TTFT" in dec.why and "TTFT" in ttft.why
+    if ttft.request.n_ubatch != req.n_ubatch:
+        assert f"-ub {ttft.request.n_ubatch}" in ttft.flags() and req.n_ubatch < ttft.request.n_ubatch <= req.n_batch
+    with pytest.raises(UsageError, match="--objective"):
+        moe_plan(model, gpu, host, req, "throughput")
+
+
+def test_fit_cli_takes_the_objective(model, tmp_path):
+    prof = tmp_path / "tiny.toml"
+    prof.write_text('name = "tiny-gpu"\nkind = "cuda"\nmemory = "500MiB"\nbandwidth = "1000GB/s"\n'
+                    'bf16_flops = 100e12\nlink = { name = "PCIe", per_direction = "32GB/s" }\nhost = "ddr5-5600-2ch"\n')
+    env = {"LOCALINFER_PROFILES": str(prof), "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, "-m", "localinfer", "fit", model.path, "--device", "tiny-gpu", "-c", "2048", "--json"]
+    plans = {o: json.loads(subprocess.run(cmd + ["--objective", o], capture_output=True, text=True, env=env,
+                                          check=True).stdout)["devices"][0]["moe_plan"] for o in ("decode", "ttft")}
+    assert plans["ttft"]["speed"]["ttft_s"] <= plans["decode"]["speed"]["ttft_s"]
+    assert plans["decode"]["speed"]["decode_tok_s"] >= plans["ttft"]["speed"]["decode_tok_s"]

@@ -66,6 +66,7 @@ class _Graph:
         self.unit: object = "in"         # the layer being built ("in", an index, "out"): where weights live
         self.home: dict[int, tuple] = {}  # external tensor -> (unit, "weight" | "kv"), for the layer split
         self.at: list[object] = []         # the unit each tensor was built in
+        self.names: dict[int, str] = {}    # weight -> its name in its layer ("ffn_gate_inp.weight"), where known
 
     def _new(self, size, layout, op, src, view_src, voff, flags) -> int:
         self.size.append(size)
@@ -83,9 +84,11 @@ class _Graph:
         self.leafs.append(t)
         return t
 
-    def weight(self, kind: str = "weight") -> int:
+    def weight(self, kind: str = "weight", name: str | None = None) -> int:
         t = self._new(0, (), "NONE", (), None, 0, 4)
         self.home[t] = (self.unit, kind)
+        if name:
+            self.names[t] = name
         return t
 
     def op_(self, op: str, shape: tuple, esize: int, *src: int, flags: int = 0) -> int:

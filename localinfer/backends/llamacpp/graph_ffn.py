@@ -36,9 +36,9 @@ def moe_ffn(g, x: int, *, n_embd: int, rows: int, n_expert: int, n_used: int, n_
     bias to its gate, up and down outputs (``ggml_add_id``): gpt-oss's (openai-moe.cpp)."""
     w = g.weight
     E, R, ne, nu = n_embd, rows, n_expert, n_used
-    logits = g.op_("MUL_MAT", (ne, R), F32, w(), x)
+    logits = g.op_("MUL_MAT", (ne, R), F32, w(name="ffn_gate_inp.weight"), x)
     if logits_bias:
-        logits = g.op_("ADD", (ne, R), F32, logits, w())
+        logits = g.op_("ADD", (ne, R), F32, logits, w(name="ffn_gate_inp.bias"))
     if gating == SOFTMAX:
         probs = g.op_("SOFT_MAX", (ne, R), F32, logits)
     elif gating == SIGMOID:

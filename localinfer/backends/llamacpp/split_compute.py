@@ -140,9 +140,13 @@ def offload_rule(kinds: list[str]):
 
 
 def expert_weights(g: _Graph) -> dict[int, str]:
-    """The graph's expert matrices by tensor name: the weights of each layer's MUL_MAT_IDs, gate, up, down."""
-    out: dict[int, str] = {}
+    """The graph's expert tensors by name: the weights of each layer's MUL_MAT_IDs, gate, up, down, the
+    per-expert biases an ADD_ID adds to their outputs (gpt-oss's ``ffn_*_exps.bias``), and the router's weight
+    and bias (``ffn_gate_inp``), which fit.cpp's partial-layer patterns move with the experts."""
+    out: dict[int, str] = {w: f"blk.{g.home[w][0]}.{name}" for w, name in g.names.items()
+                           if isinstance(g.home[w][0], int)}
     seen: dict[object, int] = {}
+    kind: dict[int, str] = {}                   # MUL_MAT_ID node -> its tensor's name stem
     for t in g.nodes:
         if g.op[t] == "MUL_MAT_ID" and g.src[t] and g.src[t][0] in g.home:
             w = g.src[t][0]
@@ -150,7 +154,10 @@ def expert_weights(g: _Graph) -> dict[int, str]:
             i = seen.get(unit, 0)
             seen[unit] = i + 1
             if i < 3:
-                out[w] = f"blk.{unit}.ffn_{('gate', 'up', 'down')[i]}_exps.weight"
+                kind[t] = f"blk.{unit}.ffn_{('gate', 'up', 'down')[i]}_exps"
+                out[w] = kind[t] + ".weight"
+        elif g.op[t] == "ADD_ID" and len(g.src[t]) > 1 and g.src[t][0] in kind and g.src[t][1] in g.home:
+            out[g.src[t][1]] = kind[g.src[t][0]] + ".bias"
     return out
 
 

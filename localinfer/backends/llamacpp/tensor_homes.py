@@ -92,10 +92,11 @@ def host_weight_buffers(homes, mmap: bool) -> dict[str, int]:
 
 def expert_home(homes, host: int):
     """``tensor_home(name)`` for :func:`.split_compute.split_compute`: (backend, in a host buffer, bytes) of each
-    expert matrix (``host``: the host's backend index there), None for other tensors."""
+    expert tensor and router (``host``: the host's backend index there), None for other tensors."""
     table = {h.tensor.name: (host if h.backend == HOST else h.backend, h.backend == HOST and not h.repacked,
                              h.tensor.nbytes)
-             for h in homes if "_exps." in h.tensor.name and not h.tensor.duplicate}
+             for h in homes if ("_exps." in h.tensor.name or ".ffn_gate_inp." in h.tensor.name)
+             and not h.tensor.duplicate}
     return table.get
 
 
