@@ -82,7 +82,7 @@ def _config(args):
 
 
 def _step_model_and_kv(args):
-    """(step model, its one-line description, KV bytes per token or None)."""
+    """(step model, its one-line description, KV bytes per token or None, the --model's spec or None)."""
     from localinfer.serve.step_model import LinearStepModel, SpeedStepModel
 
     if args.step_model is not None and args.device is not None:
@@ -106,11 +106,11 @@ def _step_model_and_kv(args):
         from localinfer.model.cost import model_cost
         from localinfer.plan.speed import SpeedModel
 
-        return SpeedStepModel(SpeedModel(model_cost(spec), get_device(args.device))), f"device {args.device}", k
+        return SpeedStepModel(SpeedModel(model_cost(spec), get_device(args.device))), f"device {args.device}", k, spec
     text = args.step_model or DEFAULT_STEP_MODEL
     lin = LinearStepModel.parse(text)
     desc = f"{lin.fixed_s * 1e3:g} ms + {lin.per_token_s * 1e6:g} µs/token + {lin.per_pair_s * 1e9:g} ns/pair"
-    return lin, desc, k
+    return lin, desc, k, spec
 
 
 def _kv_blocks(args, k, block):
@@ -129,9 +129,9 @@ def _kv_blocks(args, k, block):
     return blocks_in_budget(budget, k, block)
 
 
-def _snapshots(args):
-    """(recurrent state bytes per sequence, snapshot policy): from --state-size, else the --model's recurrent state;
-    (0, None) for an attention-only model."""
+def _snapshots(args, spec):
+    """(recurrent state bytes per sequence, snapshot policy): from --state-size, else the --model's (``spec``)
+    recurrent state; (0, None) for an attention-only model."""
     from localinfer.serve.snapshots import DEFAULT_STRIDE, SnapshotPolicy
 
     if not args.state_bandwidth > 0:
@@ -144,11 +144,9 @@ def _snapshots(args):
             state = parse_size(args.state_size)
         except ValueError as exc:
             raise UsageError(f"--state-size: {exc}", flag="--state-size") from None
-    elif args.model is not None:
-        from localinfer.generation.load import open_model
+    elif spec is not None:
         from localinfer.model.kv import recurrent_state_bytes
 
-        spec = open_model(args.model).spec
         state = recurrent_state_bytes(spec) if spec.has_recurrent else 0
     if args.snapshot_stride is not None and (args.snapshot_stride < 0 or not state):
         raise UsageError("--snapshot-stride needs a recurrent state: a hybrid --model or --state-size, and N >= 0",
@@ -167,11 +165,11 @@ def run(args: argparse.Namespace) -> int:
         check_writable(args.html)
     trace = load_trace(args.trace)
     config = _config(args)
-    model, desc, k = _step_model_and_kv(args)
+    model, desc, k, spec = _step_model_and_kv(args)
     block = DEFAULT_BLOCK_TOKENS if args.block is None else args.block
     if block < 1:
         raise UsageError(f"--block must be ≥ 1, got {block}", flag="--block")
-    state, policy = _snapshots(args)
+    state, policy = _snapshots(args, spec)
     result = replay(trace, config, model, block_tokens=block, kv_blocks=_kv_blocks(args, k, block),
                     kv_bytes_per_token=k, prefix_cached=args.prefix_cached, state_bytes=state,
                     snapshot_policy=policy, state_bandwidth=args.state_bandwidth * 1e9)
