@@ -10,7 +10,8 @@ test, t/s, flags, build, URL and the row as printed, collected with the search t
 is a header-only skeleton of its preset and quant (``gguf_tools.skeleton``); its device is the built-in
 profile of that name, else a datasheet-only profile from ``benchmarks/data/published_devices.toml``.
 Devices of the second kind are **held out**: no coefficient is fitted on them, they run on their kind's
-defaults only.  Left out (and counted): rows marked multi-GPU, partial offload or doubtful, CPU-only
+defaults only; so are built-in profiles that borrow a sibling's scales (``SIBLINGS``: H100 SXM, H200, GH200).
+Left out (and counted): rows marked multi-GPU, partial offload, doubtful or superseded, CPU-only
 runs, models without a preset, quants the skeleton writer does not make.
 
 A test ``ppN[@dD]`` is a prefill of N tokens after D cached ones (tok/s = N / time); ``tgN[@dD]`` is
@@ -60,7 +61,9 @@ QUANTS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q8_0": "q8_0", "F16":
           "Q4_K_M": "q4_k_m", "Q4_K_S": "q4_k_s", "Q5_K_M": "q5_k_m", "Q6_K": "q6_k", "Q2_K": "q2_k",
           "Q3_K_M": "q3_k_m", "UD-Q4_K_XL": "q4_k_m", "MXFP4": "mxfp4_moe"}
 BACKEND_OF = {"CUDA": "cuda", "Metal": "metal", "Vulkan": "vulkan", "ROCm": "rocm"}
-SKIP_MARKS = ("multi-gpu", "partial", "doubtful")
+# left out, each with its reason in the row: several GPUs, partial offload, a doubtful setup, or a kernel path
+# the current build no longer takes for that case ("superseded", with the llama.cpp PR that replaced it)
+SKIP_MARKS = ("multi-gpu", "partial", "doubtful", "superseded")
 TEST_RE = re.compile(r"^(pp|tg)(\d+)(?:@d(\d+))?$")
 # the decode_bw coefficients the fit sets: each group of types shares one
 DECODE_GROUPS = {"default": ("default", "q4_0", "q4_1", "q5_0", "q5_1"), "q8_0": ("q8_0",),
@@ -121,7 +124,8 @@ def load_rows(workdir: Path) -> tuple[list[Row], dict[str, int]]:
                 if backend != dev.kind or dev.llamacpp.get("backend", dev.kind) != backend:
                     dev = dataclasses.replace(dev, llamacpp={**dev.llamacpp, "backend": backend})
                 m = TEST_RE.match(r["test"])
-                rows.append(Row(r, dev, backend, r["device_key"] not in builtin, specs[key], m.group(1),
+                held_out = r["device_key"] not in builtin or r["device_key"] in SIBLINGS
+                rows.append(Row(r, dev, backend, held_out, specs[key], m.group(1),
                                 int(m.group(2)), int(m.group(3) or 0), int(r["n_ubatch"] or 512),
                                 float(r["tok_s"])))
     return rows, dict(skipped)
@@ -130,7 +134,7 @@ def load_rows(workdir: Path) -> tuple[list[Row], dict[str, int]]:
 def _skip(r: dict, builtin, held) -> str | None:
     text = r["row_text"].lower()
     if any(mark in text for mark in SKIP_MARKS):
-        return "marked multi-gpu, partial or doubtful"
+        return "marked multi-gpu, partial, doubtful or superseded"
     if r["backend"] not in BACKEND_OF:
         return f"backend {r['backend']} (CPU-only runs: the CPU path is calibrated by `localinfer bench`)"
     if r["model_key"] not in MODELS:
@@ -147,7 +151,8 @@ def _skip(r: dict, builtin, held) -> str | None:
 # ---- predictions -----------------------------------------------------------------------------------------
 
 def predict(row: Row, coeff=None) -> float | None:
-    ks = kernel_speed(row.spec, row.device, ubatch=row.ubatch)
+    """The model's tok/s for ``row``: with ``coeff``, else the shipped coefficients of the row's build era."""
+    ks = kernel_speed(row.spec, row.device, ubatch=row.ubatch, era=era(row.raw))
     if ks is None:
         return None
     if coeff is not None:
@@ -181,27 +186,40 @@ def predict_before(row: Row) -> float | None:
 # pulled towards 1.
 # The product uses the current era's values.
 
-ERAS = ("current", "2024")
+ERAS = ("current", "2025", "2024")
 SHARED = [*[(f"decode_bw.{g}", 0.05, MAX_FRACTION) for g in DECODE_GROUPS],
           ("decode_bw.moe", 0.2, 1.0),
           ("prefill.f16", 0.02, MAX_FRACTION), ("prefill.attn", 0.02, MAX_FRACTION), ("prefill.moe", 0.05, 1.0)]
 PER_ERA = [("token_us", 0.0, 3000.0), ("layer_us", 0.0, 400.0), ("moe_layer_us", 0.0, 400.0),
            ("ubatch_layer_us", 0.0, 400.0),
            ("prefill.quant", 0.02, MAX_FRACTION), ("act_passes", 0.0, 40.0)]   # ≈ 10-30 F32 passes a layer
+# an era that differs from the current one in these parameters only (the rest are the current era's)
+ERA_OWN = {"2025": ("token_us", "layer_us", "moe_layer_us")}
+# CUDA builds before the end of the October 2025 series of batch-1 decode fusions (gate+up+GLU in one mat-vec,
+# PR 16630; top-k MoE routing for gpt-oss, PR 16649; ... PR 16884, 2025-10-31, whose master rows are in the table):
+# more kernels per token.  b6918 (2025-11-02, benches/dgx-spark.md) is the first build in the table after it.
+CUDA_FUSED = {"build": 6918, "date": "2025-11-01", "pr": 16884}
 SCALE_PULL = 0.5          # residual weight of log(scale): a device departs from its kind only where its rows say so
 # (and by a factor 2 at most: further than that is a kind of its own)
 
 
 def era(r: dict) -> str:
     """The build era of a row: its build number, else its date, else the llama.cpp PR or issue it is from
-    (numbers below 10000 are mid-2024 and earlier, before b4000)."""
+    (numbers below 10000 are mid-2024 and earlier, before b4000); CUDA rows of the current era measured before
+    the October 2025 decode fusions (:data:`CUDA_FUSED`) are "2025"."""
     m = re.search(r"\((\d+)\)|\bb?(\d{4,5})\b", r["build"])
-    if m:
-        return "2024" if int(m.group(1) or m.group(2)) < 4000 else "current"
-    if r["date"]:
-        return "2024" if r["date"][:4] in ("2023", "2024") else "current"
+    build = int(m.group(1) or m.group(2)) if m else None
     pr = re.search(r"ggml-org/llama\.cpp/(?:pull|issues)/(\d+)", r["url"])
-    return "2024" if pr and int(pr.group(1)) < 10000 else "current"
+    pr = int(pr.group(1)) if pr else None
+    if build is not None:
+        old, before_fused = build < 4000, build < CUDA_FUSED["build"]
+    elif r["date"]:
+        old, before_fused = r["date"][:4] in ("2023", "2024"), r["date"] < CUDA_FUSED["date"]
+    else:
+        old, before_fused = pr is not None and pr < 10000, pr is not None and pr <= CUDA_FUSED["pr"]
+    if old:
+        return "2024"
+    return "2025" if r["backend"] == "CUDA" and before_fused else "current"
 
 
 class Fit:
@@ -210,22 +228,27 @@ class Fit:
     def __init__(self, base, eras: list[str], devices: list[str], memory: list[str] = ()):
         self.base, self.eras, self.devices, self.memory = base, eras, devices, list(memory)
         mem = [(f"memory.{c}", 0.3, 1.5) for c in self.memory]
-        self.names = [n for n, _, _ in SHARED + mem] + [f"{e}:{n}" for e in eras for n, _, _ in PER_ERA]
-        self.names += [f"{d}:{k}" for d in devices for k in ("decode", "prefill")]
-        self.lo = [lo for _, lo, _ in SHARED + mem] + [lo for _ in eras for _, lo, _ in PER_ERA] + [-0.7] * 2 * len(devices)
-        self.hi = [hi for _, _, hi in SHARED + mem] + [hi for _ in eras for _, _, hi in PER_ERA] + [0.7] * 2 * len(devices)
+        if any(e in ERA_OWN for e in eras) and "current" not in eras:
+            self.eras = eras = ["current", *eras]          # an era with a few own parameters takes the rest from here
+        own = [(f"{e}:{n}", lo, hi) for e in eras for n, lo, hi in PER_ERA if n in ERA_OWN.get(e, (n,))]
+        self.names = [n for n, _, _ in SHARED + mem + own] + [f"{d}:{k}" for d in devices for k in ("decode", "prefill")]
+        self.lo = [lo for _, lo, _ in SHARED + mem + own] + [-0.7] * 2 * len(devices)
+        self.hi = [hi for _, _, hi in SHARED + mem + own] + [0.7] * 2 * len(devices)
 
     def x0(self) -> list[float]:
         """Fixed starting values (not the shipped coefficients: a refit on the same rows gives the same answer)."""
         v = [0.7] * len(DECODE_GROUPS) + [0.8, 0.5, 0.3, 0.5] + [0.8] * len(self.memory)
-        for _ in self.eras:
-            v += [300.0, 30.0, 20.0, 100.0, 0.3, 20.0]
+        start = dict(zip((n for n, _, _ in PER_ERA), (300.0, 30.0, 20.0, 100.0, 0.3, 20.0)))
+        for e in self.eras:
+            v += [start[n] for n, _, _ in PER_ERA if n in ERA_OWN.get(e, (n,))]
         v += [0.0] * 2 * len(self.devices)
         return v
 
     def coeff(self, x, era_name: str, device: str | None = None, memory_class: str | None = None):
         from types import MappingProxyType
         val = dict(zip(self.names, x))
+        for n, _, _ in PER_ERA:                            # an era's own value, else the current era's
+            val.setdefault(f"{era_name}:{n}", val.get(f"current:{n}"))
         ds = math.exp(val.get(f"{device}:decode", 0.0)) * val.get(f"memory.{memory_class}", 1.0)
         ps = math.exp(val.get(f"{device}:prefill", 0.0))
         bw = dict(self.base.decode_bw)
@@ -340,12 +363,28 @@ def _pct(values: list[float], q: float) -> float:
     return v[f] + (v[min(f + 1, len(v) - 1)] - v[f]) * (k - f)
 
 
-def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int, memory: dict[str, float]) -> Path:
+def era_table(coeff, current) -> list[str]:
+    """The TOML lines of an older era's coefficients: those that differ from the current era's."""
+    out = [f"{k} = {getattr(coeff, a) * m:.{d}f}" for k, a, m, d in
+           (("token_us", "token_s", 1e6, 1), ("layer_us", "layer_s", 1e6, 2), ("moe_layer_us", "moe_layer_s", 1e6, 2),
+            ("ubatch_layer_us", "ubatch_layer_s", 1e6, 1), ("act_passes", "act_passes", 1, 1))
+           if abs(getattr(coeff, a) - getattr(current, a)) > 1e-9]
+    dequant = coeff.dequant_fallback and coeff.peaks["quant"] != "int8_ops"
+    if not dequant and abs(coeff.prefill["quant"] - current.prefill["quant"]) > 1e-9:
+        out.append(f"prefill = {{ quant = {coeff.prefill['quant']:.3f} }}")
+    if coeff.peaks["quant"] != current.peaks["quant"]:
+        out.append(f'peaks = {{ quant = "{coeff.peaks["quant"]}" }}')
+    return out
+
+
+def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int, memory: dict[str, float],
+               eras: dict | None = None) -> Path:
     path = KINDS / f"{backend}.toml"
     old = tomllib.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     src = (f"fitted by benchmarks/speed_published.py --fit on {n_rows} published llama-bench rows of "
            f"{', '.join(devices)} (benchmarks/data/published_*.csv, each row's URL there); the current build "
-           f"era's fixed times and quantized-path fraction")
+           f"era's fixed times and quantized-path fraction; [eras] those of older builds "
+           f"(benchmarks/speed_published.py ERAS, era())")
     lines = [f"# llama.cpp's {backend} kernels: defaults for every profile of this kind (localinfer/devices/kernels.py).",
              "# Written by `python -m benchmarks.speed_published --fit --write`; change the fit, not this file.",
              f'backend = "{backend}"',
@@ -354,6 +393,7 @@ def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int, memo
              f"moe_layer_us = {coeff.moe_layer_s * 1e6:.2f}",
              f"ubatch_layer_us = {coeff.ubatch_layer_s * 1e6:.1f}",
              f"act_passes = {coeff.act_passes:.1f}",
+             *(["dequant_fallback = true"] if coeff.dequant_fallback else []),
              "calibrated_on = [" + ", ".join(f'"{d}"' for d in devices) + "]", "", "[decode_bw]"]
     lines += [f"{t} = {v:.3f}" for t, v in sorted(coeff.decode_bw.items())]
     lines += ["", "[prefill]"] + [f"{p} = {v:.3f}" for p, v in sorted(coeff.prefill.items())]
@@ -362,6 +402,8 @@ def write_kind(backend: str, coeff, bands, devices: list[str], n_rows: int, memo
         lines += ["", "[memory_scale]"] + [f"{c} = {v:.3f}" for c, v in sorted(memory.items())]
     lines += ["", "[error]"] + [f"{t} = {{ " + ", ".join(f"{c} = {v}" for c, v in sorted(b.items())) + " }"
                                 for t, b in bands.items() if b]
+    for name, c in (eras or {}).items():
+        lines += ["", f'[eras."{name}"]'] + era_table(c, coeff)
     lines += ["", "[sources]", f'fit = "{src}"']
     for k, v in sorted((old.get("sources") or {}).items()):
         if k != "fit":
@@ -381,6 +423,10 @@ def summarise(rows: list[Row], preds: list[float | None], label: str) -> list[st
         test = "decode" if r.kind == "tg" else "prefill"
         part = "held out" if r.held_out else "calibration"
         e = era(r.raw)
+        if e != "2024":                     # every build since b4000, at its own era's coefficients
+            groups[("b4000+", test, "all", "all")].append(ratio)
+            groups[("b4000+", test, r.backend, "all")].append(ratio)
+            groups[("b4000+", test, "all", part)].append(ratio)
         groups[(e, test, "all", "all")].append(ratio)
         groups[(e, test, r.backend, "all")].append(ratio)
         groups[(e, test, r.backend, size_class(r.n_params))].append(ratio)
@@ -388,7 +434,8 @@ def summarise(rows: list[Row], preds: list[float | None], label: str) -> list[st
         groups[(e, test, "all", part)].append(ratio)
     out = [f"{label}: |predicted/published - 1| by build era, test, backend, size class or part "
            "(n, median, 90th percentile, share within 35%, worst ratio)"]
-    for key in sorted(groups, key=lambda k: (ERAS.index(k[0]), k[1:])):
+    order = ("b4000+",) + ERAS
+    for key in sorted(groups, key=lambda k: (order.index(k[0]), k[1:])):
         v = groups[key]
         errs = [abs(x - 1) for x in v]
         worst = max(v, key=lambda x: max(x, 1 / x))
@@ -426,8 +473,9 @@ def main(argv=None) -> int:
                 c = fit.coeff(x, e)
                 print(f"  era {e:<8} token {c.token_s * 1e6:6.0f} us  layer {c.layer_s * 1e6:6.1f} us  "
                       f"moe layer {c.moe_layer_s * 1e6:5.1f} us  "
-                      f"ubatch layer {c.ubatch_layer_s * 1e6:6.0f} us  act passes {c.act_passes:5.1f}  quant prefill {c.prefill['quant']:.2f} "
-                      f"of {c.peaks['quant']}")
+                      f"ubatch layer {c.ubatch_layer_s * 1e6:6.0f} us  act passes {c.act_passes:5.1f}  " +
+                      ("quant prefill: dequantize to F16, F16 GEMM" if c.dequant_fallback and c.peaks["quant"] != "int8_ops"
+                       else f"quant prefill {c.prefill['quant']:.2f} of {c.peaks['quant']}"))
             print("  decode_bw " + ", ".join(f"{g} {coeff.decode_bw[t[0]]:.2f}" for g, t in DECODE_GROUPS.items())
                   + f"; prefill f16 {coeff.prefill['f16']:.2f} attn {coeff.prefill['attn']:.2f} "
                     f"moe {coeff.prefill['moe']:.2f}")
@@ -437,7 +485,8 @@ def main(argv=None) -> int:
                                                  for d, v in fit.scales(x).items()))
             print(f"  error bands (90th pct, every row of this backend) {bands}")
             if args.write:
-                print(f"  wrote {write_kind(backend, coeff, bands, fit.devices, len(cal), fit.memory_scale(x))}")
+                older = {e: fit.coeff(x, e) for e in fit.eras if e != "current"}
+                print(f"  wrote {write_kind(backend, coeff, bands, fit.devices, len(cal), fit.memory_scale(x), older)}")
                 for d, sc in fit.scales(x).items():
                     n = [r for r in cal if r.raw["device_key"] == d]
                     keep = {k: v for k, v in sc.items()

@@ -23,8 +23,16 @@ that device (and ``backend = "vulkan"`` there picks another kind's defaults than
 - ``decode_scale``, ``prefill_scale`` (a device's own table only): its measured departure from its
   kind, multiplying every ``decode_bw`` and ``prefill`` fraction (capped at 0.95);
 - ``[peaks]``: which profile rate each path runs at (``int8_ops``, ``fp16_flops``, ``bf16_flops``);
+- ``dequant_fallback``: where the quantized path does not run on INT8 tensor cores (the device has no
+  ``int8_ops``, or the kind's ``quant`` peak is another rate), llama.cpp converts each quantized weight
+  matrix to F16 per micro-batch and multiplies it with the F16 GEMM (CUDA: ``ggml_cuda_should_use_mmq``
+  is false on Volta for 64 or more tokens, and ``ggml_cuda_mul_mat_cublas`` converts quantized weights
+  to F16 first): that path costs the conversion's traffic and runs at the ``f16`` fraction;
 - ``[error]``: the relative error the published calibration supports, by test (``decode``,
   ``prefill``) and size class (``small`` < 3 B parameters, ``mid`` < 30 B, ``large``);
+- ``[eras.<name>]`` (a kind file only): what differed in older llama.cpp builds (any of the keys above, with
+  ``prefill`` and ``peaks`` sub-tables); localinfer predicts the current build, the published comparison
+  (``benchmarks/speed_published.py``) reads older builds' rows with these;
 - ``calibrated_on``: the devices whose published figures set the defaults;
 - ``[sources]``: where each figure comes from.
 """
@@ -47,7 +55,7 @@ MAX_FRACTION = 0.95        # no kernel streams its memory or fills its tensor co
 SIZE_CLASSES = (("small", 3e9), ("mid", 30e9), ("large", math.inf))
 MEMORY_CLASSES = ("hbm", "gddr", "lpddr", "ddr")
 _KNOWN = {"backend", "memory_scale", "token_us", "layer_us", "moe_layer_us", "ubatch_layer_us", "act_passes", "decode_bw", "prefill", "peaks", "error",
-          "calibrated_on", "sources", "decode_scale", "prefill_scale"}
+          "calibrated_on", "sources", "decode_scale", "prefill_scale", "dequant_fallback", "eras"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class KernelCoefficients:
     peaks: Mapping[str, str]
     act_passes: float = 0.0
     moe_layer_s: float = 0.0
+    dequant_fallback: bool = False
     error: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     calibrated_on: tuple[str, ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
@@ -146,6 +155,13 @@ def check_table(data, origin: str) -> dict:
         raise _bad(origin, "peaks", f"must map paths ({', '.join(PATHS)}) to {', '.join(PEAK_FIELDS)}")
     for test, by_class in (data.get("error") or {}).items():
         _fractions(by_class, f"error.{test}", origin, (*(n for n, _ in SIZE_CLASSES), "all"))
+    if not isinstance(data.get("dequant_fallback", False), bool):
+        raise _bad(origin, "dequant_fallback", "must be true or false")
+    eras = data.get("eras") or {}
+    if not isinstance(eras, dict) or not all(isinstance(v, dict) for v in eras.values()):
+        raise _bad(origin, "eras", "must be a table of era name = table of coefficients")
+    for name, table in eras.items():
+        check_table(table, f"{origin} (eras.{name})")
     cal = data.get("calibrated_on", [])
     if not isinstance(cal, list) or not all(isinstance(x, str) for x in cal):
         raise _bad(origin, "calibrated_on", "must be a list of device names")
@@ -170,13 +186,17 @@ def kind_defaults(backend: str) -> Mapping:
     return MappingProxyType(data)
 
 
-def coefficients(device) -> KernelCoefficients | None:
-    """llama.cpp's kernel coefficients on ``device``: its kind's defaults under its own ``[llamacpp]`` table.
+def coefficients(device, era: str | None = None) -> KernelCoefficients | None:
+    """llama.cpp's kernel coefficients on ``device``: its kind's defaults under its own ``[llamacpp]`` table
+    (``era``: an older build's, from the kind file's ``[eras]``; the current build's by default).
 
     ``None`` where neither gives the decode figures (no kind file for that backend)."""
     own = dict(getattr(device, "llamacpp", None) or {})
     backend = own.get("backend", device.kind)
-    base = kind_defaults(backend)
+    base = dict(kind_defaults(backend))
+    older = (base.pop("eras", None) or {}).get(era) or {}
+    for key, v in older.items():
+        base[key] = {**(base.get(key) or {}), **v} if isinstance(v, dict) else v
     if not base and not own:
         return None
     merged = {**base, **own}
@@ -199,6 +219,7 @@ def coefficients(device) -> KernelCoefficients | None:
         ubatch_layer_s=merged.get("ubatch_layer_us", 0.0) * 1e-6,
         act_passes=float(merged.get("act_passes", 0.0)),
         moe_layer_s=merged.get("moe_layer_us", 0.0) * 1e-6,
+        dequant_fallback=bool(merged.get("dequant_fallback", False)),
         decode_bw=MappingProxyType({k.lower(): float(v) for k, v in merged["decode_bw"].items()}),
         prefill=MappingProxyType({k: float(v) for k, v in merged["prefill"].items()}),
         peaks=MappingProxyType(dict(merged["peaks"])),

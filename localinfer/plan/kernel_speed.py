@@ -12,6 +12,11 @@ on CUDA, FP16 for F16, ...).  A prefill is cut into micro-batches of ``u`` token
 
     Σ_group max(2·N_active·u / (P_path·m_path), D_touched(u) / (β·e_type)) + n_layer·t_ubatch
 
+Where the quantized path has no INT8 tensor cores and the kind dequantizes instead (``dequant_fallback``:
+CUDA on Volta, and every CUDA build before MMQ ran on tensor cores), a quantized group's micro-batch is a
+conversion to F16 (``D + 2·N`` bytes at the F16 mat-vec share of ``β``) followed by the F16 GEMM
+(``max(2·N_active·u / (P_f16·m_f16), 2·N / β)``).
+
 plus attention (``4·heads·head_dim`` FLOPs per query-key pair, at ``P_attn·m_attn``), the
 activations' traffic (``act_passes · 4 · n_embd`` bytes per layer and token, at ``β``) and the last
 token's logits.  A MoE micro-batch touches (nearly) every expert: their bytes are read once
@@ -34,6 +39,10 @@ from localinfer.util.memo import spec_cache
 # format runs those kernels in the other)
 _FALLBACK_PEAK = {"int8_ops": ("fp16_flops", "bf16_flops"), "fp16_flops": ("bf16_flops",),
                   "bf16_flops": ("fp16_flops",)}
+
+# below this many tokens a micro-batch takes the quantized (dp4a) kernel even without INT8 tensor cores
+# (llama.cpp ggml-cuda/mmq.cuh MMQ_DP4A_MAX_BATCH_SIZE)
+DEQUANT_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -76,15 +85,16 @@ def moe_layers(spec) -> int:
     return memo["moe_layers"]
 
 
-def peak(device, coeff: KernelCoefficients, path: str) -> float | None:
-    """The rate ``path`` runs at on ``device``: the profile field its kind names, else the next one it has."""
+def peak_field(device, coeff: KernelCoefficients, path: str) -> str | None:
+    """The profile field ``path`` runs at on ``device``: the one its kind names, else the next one it has."""
     wanted = coeff.peaks.get(path, "bf16_flops")
-    order = (wanted,) + _FALLBACK_PEAK[wanted]
-    for name in order:
-        v = getattr(device, name, None)
-        if v:
-            return float(v)
-    return None
+    return next((name for name in (wanted,) + _FALLBACK_PEAK[wanted] if getattr(device, name, None)), None)
+
+
+def peak(device, coeff: KernelCoefficients, path: str) -> float | None:
+    """The rate ``path`` runs at on ``device`` (:func:`peak_field`)."""
+    name = peak_field(device, coeff, path)
+    return float(getattr(device, name)) if name else None
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,8 @@ class KernelSpeed:
         self.n_expert = spec.n_expert or 0
         self.n_used = spec.n_expert_used or 0
         self.moe_layers = moe_layers(spec)
+        # no INT8 tensor-core path: quantized mat-mats dequantize to F16 and run the F16 GEMM (kernels.py)
+        self.dequant = coeff.dequant_fallback and peak_field(device, coeff, "quant") != "int8_ops"
 
     def _touched(self, group: WeightGroup, tokens: int) -> float:
         """Bytes of ``group`` that ``tokens`` routed tokens read (uniform routing)."""
@@ -184,9 +196,17 @@ class KernelSpeed:
                 continue
             f = 2 * self._active(g) * per_call
             read = self._touched(g, math.ceil(per_call))
-            t_c = f / self._rate(c.path(g.type_name), g) if f else 0.0
-            t_m = read / (self.bandwidth * self._share(g))
-            seconds += calls * max(t_c, t_m)
+            if self.dequant and c.path(g.type_name) == "quant" and per_call >= DEQUANT_MIN_TOKENS:
+                f16 = 2 * g.n_elements * read / g.n_bytes           # the F16 copy of the touched weights
+                t_c = f / self._rate("f16", g) if f else 0.0
+                convert = (read + f16) / (self.bandwidth * c.bandwidth_fraction("f16"))   # read quantized, write F16
+                t_m = convert + f16 / self.bandwidth                # ... and the GEMM reads it back
+                seconds += calls * (convert + max(t_c, f16 / self.bandwidth))
+                read += 2 * f16
+            else:
+                t_c = f / self._rate(c.path(g.type_name), g) if f else 0.0
+                t_m = read / (self.bandwidth * self._share(g))
+                seconds += calls * max(t_c, t_m)
             compute_s += calls * t_c
             memory_s += calls * t_m
             flops += round(calls * f)
@@ -211,12 +231,13 @@ class KernelSpeed:
         return Timing(seconds + fixed + act_s, compute_s, memory_s + act_s, fixed, flops, nbytes + round(act))
 
 
-def kernel_speed(spec, device, ubatch: int = 512, exclude: frozenset[str] = frozenset()) -> KernelSpeed | None:
-    """llama.cpp's speed model for ``spec`` on ``device``, or ``None`` where the device lacks the facts
-    (bandwidth, a peak rate) or no coefficients describe its kind."""
+def kernel_speed(spec, device, ubatch: int = 512, exclude: frozenset[str] = frozenset(),
+                 era: str | None = None) -> KernelSpeed | None:
+    """llama.cpp's speed model for ``spec`` on ``device`` (``era``: an older build's, kernels.py), or ``None``
+    where the device lacks the facts (bandwidth, a peak rate) or no coefficients describe its kind."""
     if not getattr(device, "bandwidth_bytes_per_s", None):
         return None
-    coeff = coefficients(device)
+    coeff = coefficients(device, era)
     if coeff is None or peak(device, coeff, "quant") is None:
         return None
     return KernelSpeed(spec, device, coeff, ubatch, exclude)

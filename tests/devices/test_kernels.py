@@ -68,14 +68,44 @@ def test_a_bad_memory_type_names_the_field(value):
     assert e.value.field == "memory_type"
 
 
-def test_a_part_without_int8_or_bf16_rates_runs_those_paths_at_its_fp16_rate(tmp_path):
-    volta = profile_from_dict({"name": "volta", "kind": "cuda", "memory": "16GB", "memory_type": "HBM2",
-                               "bandwidth": "900GB/s", "fp16_flops": 112e12}, "volta.toml")
-    spec = ModelSpec.from_gguf(write_skeleton("qwen2.5-0.5b", tmp_path / "q.gguf", type="q4_0"))
-    ks = kernel_speed(spec, volta)
-    assert ks is not None and math.isfinite(ks.prefill(1, 512).seconds) and math.isfinite(ks.decode(1, 600).seconds)
-    fp16 = dataclasses.replace(volta, int8_ops=112e12, bf16_flops=112e12)
-    assert ks.prefill(1, 512).seconds == pytest.approx(kernel_speed(spec, fp16).prefill(1, 512).seconds)
+def _volta():
+    return profile_from_dict({"name": "volta", "kind": "cuda", "memory": "16GB", "memory_type": "HBM2",
+                              "bandwidth": "900GB/s", "fp16_flops": 112e12}, "volta.toml")
+
+
+def test_a_part_without_int8_tensor_cores_prefills_quantized_weights_through_an_f16_copy(tmp_path):
+    volta = _volta()
+    q4 = ModelSpec.from_gguf(write_skeleton("qwen2.5-0.5b", tmp_path / "q.gguf", type="q4_0"))
+    f16 = ModelSpec.from_gguf(write_skeleton("qwen2.5-0.5b", tmp_path / "f.gguf", type="f16"))
+    ks, ks16 = kernel_speed(q4, volta), kernel_speed(f16, volta)
+    assert ks.dequant and math.isfinite(ks.decode(1, 600).seconds)
+    # the same F16 GEMM as the F16 model, after a conversion pass: slower than it, and than INT8 MMQ would be
+    assert ks.prefill(1, 512).compute_s == pytest.approx(ks16.prefill(1, 512).compute_s, rel=0.05)
+    assert ks.prefill(1, 512).seconds > ks16.prefill(1, 512).seconds
+    turing = dataclasses.replace(volta, int8_ops=224e12)
+    assert not kernel_speed(q4, turing).dequant
+    # below 64 tokens a micro-batch takes the quantized kernel (no conversion)
+    assert ks.prefill(1, 32).bytes < ks16.prefill(1, 32).bytes
+
+
+def test_a_part_without_a_bf16_rate_runs_bf16_weights_at_its_fp16_rate(tmp_path):
+    volta = _volta()
+    spec = ModelSpec.from_gguf(write_skeleton("qwen2.5-0.5b", tmp_path / "b.gguf", type="bf16"))
+    both = dataclasses.replace(volta, bf16_flops=112e12)
+    assert kernel_speed(spec, volta).prefill(1, 512).seconds == pytest.approx(
+        kernel_speed(spec, both).prefill(1, 512).seconds)
+
+
+def test_an_older_build_era_replaces_only_the_figures_its_table_names():
+    dev = get_device("rtx-4090")
+    eras = kind_defaults("cuda")["eras"]
+    now, then = coefficients(dev), coefficients(dev, "2025")
+    assert then.token_s == pytest.approx(eras["2025"]["token_us"] * 1e-6)
+    assert then.decode_bw == now.decode_bw and then.prefill == now.prefill
+    assert coefficients(dev, "no such era") == now
+    with pytest.raises(ProfileError):
+        profile_from_dict({"name": "mine", "kind": "cuda", "memory": "24GB", "bandwidth": "1TB/s",
+                           "bf16_flops": 1e14, "llamacpp": {"eras": {"old": {"token_us": -1}}}}, "mine.toml")
 
 
 @pytest.mark.parametrize("table, field", [
