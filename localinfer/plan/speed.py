@@ -266,15 +266,15 @@ LLAMACPP_FORMULA = ("decode step = t_token + n_layer·t_layer + n_moe·t_moe + �
 
 
 def llamacpp_speed_model(spec, device, calibration: Calibration | None = None,
-                         ubatch: int = DEFAULT_UBATCH) -> SpeedModel:
+                         ubatch: int = DEFAULT_UBATCH, *, table_first: bool = True) -> SpeedModel:
     """The speed model ``plan`` and ``report`` use for ``spec`` on ``device``: measurements (``calibration``) first;
-    then a profile's own measured efficiency table (the chapter's RTX PRO 6000 and M2 Max, SPEC §8.6: the
-    serving roofline its worked numbers come from); else llama.cpp's kernel model where the device's kind has
-    coefficients; else the roofline with fallback efficiencies."""
+    then, with ``table_first`` (``plan``), a profile's own measured efficiency table (the chapter's RTX PRO 6000,
+    SPEC §8.6: the vLLM serving roofline its worked numbers come from); else llama.cpp's kernel model where the
+    device's kind has coefficients (``report``, as ``fit``); else the roofline with fallback efficiencies."""
     from localinfer.model.cost import model_cost
     from localinfer.plan.kernel_speed import kernel_speed
 
-    measured = bool(getattr(device, "decode_mbu", ()))
+    measured = table_first and bool(getattr(device, "decode_mbu", ()))
     kernels = None if measured else kernel_speed(spec, device, ubatch)
     return SpeedModel(model_cost(spec), device, calibration, ubatch, kernels=kernels)
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from gguf_tools.text import safe_text
 from localinfer.model.cost import model_cost
 from localinfer.plan.calibration import Calibration
-from localinfer.plan.speed import SpeedModel, llamacpp_speed_model
+from localinfer.plan.speed import SpeedModel, llamacpp_speed_model, speed_band
 from localinfer.units import fmt_bytes, fmt_duration
 
 SCHEMA, VERSION = "localinfer.report", 1
@@ -88,6 +88,10 @@ class Row:
     offload: StreamedOffload | None = None
     measured: tuple[Measured, ...] = ()
     power_w: float | None = None
+    # how sure the speeds are: the calibration's 90th-percentile errors for this device kind and size class, and
+    # what set the coefficients (llama.cpp's kernel model); None where a profile's measured table or a calibration
+    # sets them
+    speed_band: dict | None = None
 
     def cell(self, ctx: int, kv: str) -> Cell | None:
         return next((c for c in self.cells if c.ctx == ctx and c.kv == kv), None)
@@ -125,7 +129,7 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     from localinfer.plan.fit import fit_device
 
     cost = model_cost(spec)
-    speed = llamacpp_speed_model(spec, device, calibration)
+    speed = llamacpp_speed_model(spec, device, calibration, table_first=False)     # as fit: llama.cpp kernels
     usable = device.usable_bytes
     cells, largest, cheapest, fixed0 = [], {}, {}, None
     for kv in kv_types:
@@ -150,7 +154,8 @@ def build_row(spec, device, contexts, kv_types, calibration: Calibration | None 
     budget = usable - fixed0
     return Row(spec.name, device.name, device.display_name, usable, cost.weight_bytes, budget > 0, budget,
                largest, cheapest, tuple(cells), _offload(spec, device, speed, contexts, budget),
-               _measured(speed, calibration) if calibration else (), getattr(device, "power_w", None))
+               _measured(speed, calibration) if calibration else (), getattr(device, "power_w", None),
+               speed_band(speed.kernels) if speed.kernels is not None and calibration is None else None)
 
 
 def _faithfulness(kv: str) -> int:
@@ -227,7 +232,11 @@ def build_report(specs, devices, contexts, kv_types, *, calibrations: dict | Non
               "llama.cpp serves at most 256 sequences"),
              ("speeds are batch 1 with the KV type shown; offload streams weight groups over the host link "
               "with two prefetch buffers"),
-             "speeds come from each profile's bandwidth, peak FLOP/s and efficiencies unless measured",
+             ("speeds come from llama.cpp's kernel model (fixed times, per-type bandwidth shares, per-path peaks) "
+              "fitted to published llama-bench results per device kind, unless measured (--bench) or set by a "
+              "profile's measured efficiency table; ±N% is the 90th-percentile error of that calibration for the "
+              "kind and the model's size class, * where the device itself was not among the calibration's devices "
+              "(docs/speed.md)"),
              "largest ctx stops at the model's trained context length"]
     notes += _mapped_notes(specs, devices, min(contexts))
     for s in specs:
@@ -283,8 +292,19 @@ def table(report: Report, model: str) -> tuple[list[str], list[list[str]]]:
             head_cells = first if i == 0 else ["", "", "", ""]
             c0 = r.cell(c, r.cheapest_kv[c] or kv0)
             rows.append([*head_cells, _ctx(c), "/".join(str(x.max_requests) for x in cells), r.cheapest_kv[c] or "none",
-                         _tok(c0.decode_tok_s), _tok(c0.prefill_tok_s), fmt_duration(c0.ttft_s), off if i == 0 else ""])
+                         _tok(c0.decode_tok_s) + _band(r, "decode", c0.decode_tok_s),
+                         _tok(c0.prefill_tok_s) + _band(r, "prefill", c0.prefill_tok_s), fmt_duration(c0.ttft_s),
+                         off if i == 0 else ""])
     return head, rows
+
+
+def _band(r: Row, kind: str, value: float | None) -> str:
+    """`` ±17%`` (the calibration's error band for this device), with ``*`` where the device itself was not among
+    the calibration's devices; nothing where no kernel model set the speed."""
+    band = r.speed_band
+    if band is None or value is None or band.get(f"{kind}_error") is None:
+        return ""
+    return f" ±{100 * band[f'{kind}_error']:.0f}%" + ("" if band["speed_calibration"]["this_device_calibrated"] else "*")
 
 
 def measured_table(report: Report) -> tuple[list[str], list[list[str]]]:

@@ -41,7 +41,7 @@ def feasibility(spec, devices, workload: Workload, kv_types) -> list[dict]:
         budget = dev.usable_bytes - cost.weight_bytes
         if budget <= 0:
             continue
-        speed = llamacpp_speed_model(spec, dev)
+        speed = llamacpp_speed_model(spec, dev, table_first=False)
         p = plan(speed, workload, budget, candidate_configs(workload, kv_types=kv_types))
         pts = [{"name": o.name, "label": o.config.label, "memory": o.memory_bytes, "seconds": o.total_s,
                 "verdict": o.verdict} for o in p.outcomes if math.isfinite(o.total_s)]
