@@ -64,7 +64,7 @@ def write_hybrid(arch: str, folder: Path) -> str:
     from tests.support.ggufgen import write_tiny_arch
     from tests.support.tiny_archs import TINY
 
-    spec = {**TINY[arch], **HYBRID_SIZES[arch]}
+    spec = {**TINY[arch], **HYBRID_SIZES[arch], "context_length": 32768}
     return str(write_tiny_arch(folder / f"{arch}-hybrid.gguf", spec, qtype=GGMLQuantizationType.Q8_0, seed=1))
 
 
@@ -232,6 +232,15 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def header(doc: dict) -> str:
+    """The result file's first lines: what ran, on which machine, when."""
+    m, st = doc["machine"], doc["settings"]
+    args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in st.items() if v not in (None, False) and k != "parked")
+    return (f"# benchmarks/serve_multiturn.py {args} --parked {','.join(map(str, st['parked']))}\n"
+            f"# {doc['when']}, {m.get('cores')}-core {m.get('cpu')} VM, no GPU; load average before "
+            f"{m.get('loadavg_before')}, after {m.get('loadavg_1_5_15')}; model: {doc['model']}\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded model)")
@@ -269,7 +278,7 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
-        Path(args.out + ".txt").write_text(text + "\n")
+        Path(args.out + ".txt").write_text(header(doc) + text + "\n")
     return 0
 
 
