@@ -25,6 +25,7 @@ import time
 from dataclasses import replace
 
 from localinfer.plan.fit_cpp import MARGIN, parse_override
+from tests.support.rpc_workers import stop as stop_worker
 
 MiB = 1 << 20
 TOOL_TIMEOUT = 1800
@@ -68,16 +69,6 @@ def peak_rss(proc: subprocess.Popen) -> int | None:
         except OSError:
             pass
     return best
-
-
-def stop_worker(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def tool_args(model: str, ep: str, req) -> list[str]:

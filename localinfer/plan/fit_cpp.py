@@ -106,6 +106,19 @@ def state_request(spec, req: FitRequest, n_layer: int, n_part: int, overflow: st
     return replace(req, n_gpu_layers=n_layer, override_tensor=merged(live), cpu_moe=False, n_cpu_moe=0)
 
 
+def _search(cur, lo: int, high, hi: int, target: int, mem, span, move):
+    """fit.cpp's search between a plan that fits (``cur``, ``lo`` bytes) and one that does not (``high``, ``hi``):
+    ``move(cur, k)`` steps k units towards ``high`` (``_step``'s false position) while ``span(high, cur)`` > 1."""
+    while span(high, cur) > 1:
+        test = move(cur, _step(span(high, cur), lo, hi, target))
+        m = mem(test)
+        if m <= target:
+            cur, lo = test, m
+        else:
+            high, hi = test, m
+    return cur, lo
+
+
 def _step(delta: int, lo_mem: int, hi_mem: int, target: int) -> int:
     """fit.cpp's false-position step: int64 division truncated toward zero, cast to uint32, in [1, delta-1]."""
     num, den = delta * (target - lo_mem), hi_mem - lo_mem
@@ -159,16 +172,8 @@ def fit_cpp(spec, req: FitRequest, device_bytes: Callable[[FitRequest], int], ta
     high = _Ngl(n + 1, n if moe else 0)
     hi = mem(high)
     if hi > target:
-        delta = high.n_layer - cur.n_layer
-        while delta > 1:
-            k = _step(delta, lo, hi, target)
-            test = _Ngl(cur.n_layer + k, cur.n_part + ((k - 1 if cur.n_part == 0 else k) if moe else 0))
-            m = mem(test)
-            if m <= target:
-                cur, lo = test, m
-            else:
-                high, hi = test, m
-            delta = high.n_layer - cur.n_layer
+        cur, lo = _search(cur, lo, high, hi, target, mem, lambda h, c: h.n_layer - c.n_layer,
+                          lambda c, k: _Ngl(c.n_layer + k, c.n_part + ((k - 1 if c.n_part == 0 else k) if moe else 0)))
         steps.append(f"dense-only layers: {cur.n_layer} of {n + 1} fit")
     else:
         cur, lo = high, hi
@@ -180,16 +185,8 @@ def fit_cpp(spec, req: FitRequest, device_bytes: Callable[[FitRequest], int], ta
     high = _Ngl(cur.n_layer, 0)
     hi = mem(high)
     if hi > target:
-        delta = high.n_full - cur.n_full
-        while delta > 1:
-            k = _step(delta, lo, hi, target)
-            test = _Ngl(cur.n_layer, cur.n_part - min(k, cur.n_part))
-            m = mem(test)
-            if m <= target:
-                cur, lo = test, m
-            else:
-                high, hi = test, m
-            delta = high.n_full - cur.n_full
+        cur, lo = _search(cur, lo, high, hi, target, mem, lambda h, c: h.n_full - c.n_full,
+                          lambda c, k: _Ngl(c.n_layer, c.n_part - min(k, c.n_part)))
     else:
         cur, lo = high, hi
     steps.append(f"{cur.n_full} layers' experts on the device")
