@@ -25,6 +25,7 @@ import time
 from dataclasses import replace
 
 from localinfer.plan.fit_cpp import MARGIN, parse_override
+from tests.support.rpc_workers import start_worker as start_rpc_worker
 from tests.support.rpc_workers import stop as stop_worker
 
 MiB = 1 << 20
@@ -32,22 +33,8 @@ TOOL_TIMEOUT = 1800
 
 
 def start_worker(mem: int) -> tuple[subprocess.Popen, str]:
-    """``localinfer worker --mem MEM`` (bytes, exactly) on a free loopback port, one thread."""
-    from localinfer.backends.llamacpp.rpc_probe import listening
-    from localinfer.commands.worker import reserve_port
-
-    port = reserve_port("127.0.0.1", 0)
-    ep = f"127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "localinfer", "worker", "--port", str(port), "--mem", str(mem),
-                             "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        if listening(ep, timeout=0.5):
-            return proc, ep
-        time.sleep(0.1)
-    stop_worker(proc)
-    raise RuntimeError(f"worker {ep} did not start: {proc.stderr.read()[-400:] if proc.stderr else ''}")
+    """A worker advertising ``mem`` bytes (exactly) on a free loopback port, one thread (the tests' helper)."""
+    return start_rpc_worker(threads=1, mem=mem)
 
 
 def peak_rss(proc: subprocess.Popen) -> int | None:
