@@ -222,9 +222,10 @@ class Engine(ABC):
         return out
 
     def _rollback(self, start: int, seq: int) -> None:
-        """After an interrupted or failed eval: leave the cache as it was before it."""
+        """After an interrupted or failed eval: leave the cache as it was before it (an engine that cannot trim a
+        tail clears the sequence: its recurrent state went past ``start``, and the next prompt is computed again)."""
         if self.kv_len(seq) > start:
-            self._trim(start, seq)
+            self._trim(start if self.trims_tail else 0, seq)
 
     def eval_batch(self, steps: dict[int, Sequence[int]]) -> dict[int, np.ndarray]:
         """Append tokens to several sequences at once; logits of each sequence's last token.

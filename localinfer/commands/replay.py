@@ -132,6 +132,7 @@ def _kv_blocks(args, k, block):
 def _snapshots(args, spec):
     """(recurrent state bytes per sequence, snapshot policy): from --state-size, else the --model's (``spec``)
     recurrent state; (0, None) for an attention-only model."""
+    from localinfer.plan.paging import DEFAULT_BLOCK_TOKENS
     from localinfer.serve.snapshots import DEFAULT_STRIDE, SnapshotPolicy
 
     if not args.state_bandwidth > 0:
@@ -152,6 +153,11 @@ def _snapshots(args, spec):
         raise UsageError("--snapshot-stride needs a recurrent state: a hybrid --model or --state-size, and N >= 0",
                          flag="--snapshot-stride", hint="e.g. --state-size 75.4MiB --snapshot-stride 4096")
     stride = DEFAULT_STRIDE if args.snapshot_stride is None else args.snapshot_stride
+    block = DEFAULT_BLOCK_TOKENS if args.block is None else args.block
+    if stride % max(block, 1):
+        raise UsageError(f"--snapshot-stride {stride} is not a whole number of {block}-token KV blocks: snapshots "
+                         "are keyed by whole blocks", flag="--snapshot-stride",
+                         hint=f"use a multiple of {block}, or a --block that divides {stride}")
     return state, SnapshotPolicy(stride=stride) if state else None
 
 

@@ -280,6 +280,8 @@ def _run(args: argparse.Namespace) -> int:
         check_writable(args.step_log, inputs=(path,))
     plan = _common.plan_from(args, path, spec, n_seq=args.parallel)
     plan = plan.with_(options={**plan.options, "kv_unified": True})
+    if args.snapshot_stride is not None:
+        check_snapshot_stride(args.snapshot_stride, spec)
     config = serve_config(args, plan.n_batch, recurrent=spec.has_recurrent)
     if backend == "llama.cpp":    # llama.cpp reserves a logit row per sequence id, the parked ones' too
         from localinfer.backends.llamacpp.memory import outputs_cap
@@ -318,6 +320,20 @@ def _reporter(metrics, predicted: list[dict] | None):
     from localinfer.backends.llamacpp.allocated import with_reported
 
     return lambda executor: metrics.set_devices(with_reported(predicted, executor.vocab.load_log()))
+
+
+def check_snapshot_stride(stride: int, spec) -> None:
+    """``--snapshot-stride``: a hybrid or recurrent model's, 0 or whole KV blocks of at least 256 tokens (each
+    snapshot copies the whole state to host memory; they are keyed by whole blocks)."""
+    from localinfer.serve.http.config import ServeConfig
+
+    block = ServeConfig.block_tokens
+    if not spec.has_recurrent:
+        raise UsageError(f"--snapshot-stride applies to hybrid and recurrent models; {spec.name} has no recurrent "
+                         "layers", flag="--snapshot-stride", hint="leave it out: its prefix hits need no snapshot")
+    if stride and (stride % block or stride < 256):
+        raise UsageError(f"--snapshot-stride {stride} must be 0 or a multiple of the {block}-token KV block of at "
+                         "least 256", flag="--snapshot-stride", hint="e.g. 1024 (the default), or 0")
 
 
 def serve_config(args, n_batch: int, recurrent: bool = False):

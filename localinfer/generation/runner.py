@@ -29,7 +29,7 @@ from localinfer.generation.text import ReplyText, check_stops
 from localinfer.util.stats import percentile
 
 DEFAULT_MAX_TOKENS = 512
-MAX_STATES = 4       # saved recurrent states per sequence (prompt ends of the latest turns)
+MAX_STATES = 8       # saved recurrent states per sequence (prompt ends and partings of the latest turns)
 
 
 @dataclass
@@ -148,7 +148,7 @@ class Runner:
         last turn or the next turn restores it instead of recomputing the conversation; and where the prompt left
         the cached tokens past every saved state (a system prompt's end after a context shift, an edited turn's
         start), since the next prompt tends to leave them there again."""
-        if self.engine.trims_tail or not n_tokens:
+        if self.engine.trims_tail or not n_tokens or self.engine.kv_len(seq) != n_tokens:
             return
         states = self._states.setdefault(seq, [])
         states.append(self.engine.snapshot(seq))
@@ -190,10 +190,12 @@ class Runner:
                 self._save_state(seq, part)
             logits = engine.eval(prompt[len(context):], logits_at=[-1], seq=seq)[0]
             context.extend(prompt[len(context):])
-            self._save_state(seq, len(context))
             decoder.start(prompt)
             first = sampler.sample(logits, context)
-            yield from self._decode(context, first, sampler, decoder, max_tokens, stops, seq, tm, t0)
+            chunks = self._decode(context, first, sampler, decoder, max_tokens, stops, seq, tm, t0)
+            yield next(chunks)
+            self._save_state(seq, len(prompt))     # after the first token is out (the KV still holds the prompt)
+            yield from chunks
         finally:
             self._settle(context, seq)
 

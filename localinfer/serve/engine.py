@@ -260,8 +260,8 @@ class StepEngine:
                                      else r.sampler.sample(rows[ch.slot], r.view()))
             end = ex.clock()
             done = sched.complete(plan, sampled, end)
-            for r, position in plan.trims:     # drafts the step did not keep
-                if r.id in self.slot_of:
+            for r, position in plan.trims:     # drafts the step did not keep (a finished request is cut as it parks)
+                if r.id in self.slot_of and not r.finished:
                     ex.drop(self.slot_of[r.id], position)
             self._save_snapshots(saves)        # before the finished leave their slots (parking rewinds to them)
             self._adopt_matched(saves)
@@ -294,13 +294,11 @@ class StepEngine:
         out = []
         for c in plan.chunks:
             end, r = c.start + c.n_tokens, c.request
-            if c.draft or end % p:
-                continue
             if r.prefilling:
-                if end in policy.request_points(r, p):
+                if not c.draft and end in policy.request_points(r, p):
                     out.append((r, end, False))
             elif policy.reply_end:
-                out.append((r, end, True))
+                out.append((r, None, True))      # where the reply's kept tokens end (a verify's: known after it)
         return out
 
     def _save_snapshots(self, points: list[tuple[Request, int, bool]]) -> None:
@@ -308,18 +306,18 @@ class StepEngine:
         reply keeps only its latest one."""
         snaps, p = self.blocks.snapshots, self.blocks.block_tokens
         for r, end, reply in points:
-            if r.id not in self.slot_of or r.computed != end:      # cancelled or preempted meanwhile
+            end = r.computed if reply else end
+            if r.id not in self.slot_of or r.computed != end or not end or end % p:   # cancelled, preempted, mid-block
                 continue
             hashes = r.prefix_hashes(p).values
             key = hashes[end // p - 1] if len(hashes) >= end // p else None
-            if key is None or not self.blocks.has_hash(key):
+            if key is None or not self.blocks.has_hash(key) or key in snaps:
                 continue
-            if key not in snaps:
-                snaps.put(key, self.executor.snapshot(self.slot_of[r.id]))
-            if reply:
+            snaps.put(key, self.executor.snapshot(self.slot_of[r.id]))
+            if reply:        # the reply moved on: only its last block boundary's state is kept (one it saved itself)
                 before = self._reply_snapshot.pop(r.id, None)
-                if before is not None and before != key:
-                    snaps.discard(before)        # the reply moved on: only its last block boundary is kept
+                if before is not None:
+                    snaps.discard(before)
                 self._reply_snapshot[r.id] = key
 
     def _adopt_matched(self, points: list[tuple[Request, int, bool]]) -> None:

@@ -231,6 +231,9 @@ def replay(trace: list[TraceRequest], config: SchedulerConfig, step_model: StepM
                                num_blocks=kv_blocks, preload=preload, record=True, snapshot_policy=snapshot_policy,
                                snapshot_budget=None if not state_bytes else 1 << 62)
     scheduler, blocks = engine.scheduler, engine.blocks
+    if blocks.snapshots is not None:      # a warm cache of a hybrid model holds the prefixes' states too
+        for tokens in preload:
+            _preload_snapshots(blocks, tokens, state_bytes)
     reqs = [Request(t.id, trace_prompt(t), t.output, arrival_s=t.arrival_ms / 1e3,
                     deadline_s=None if t.deadline_ms is None else t.deadline_ms / 1e3) for t in trace]
     for r in reqs:
@@ -238,3 +241,18 @@ def replay(trace: list[TraceRequest], config: SchedulerConfig, step_model: StepM
     engine.run()
     return ReplayResult(reqs, engine.records, blocks, scheduler.peak_running, kv_bytes_per_token,
                         executor.state_seconds)
+
+
+def _preload_snapshots(blocks: BlockManager, tokens: tuple[int, ...], state_bytes: int) -> None:
+    """States for a preloaded prefix at the snapshot policy's boundaries and at its last whole block, as a request
+    that computed it would have left them."""
+    from localinfer.backends.executor import SeqState
+    from localinfer.serve.prefix_hashes import PrefixHashes
+
+    p, snaps = blocks.block_tokens, blocks.snapshots
+    memo = PrefixHashes()
+    blocks.cached_run(tokens, memo)       # fills the memo with the prefix's chain hashes
+    hashes = memo.values
+    for b in {*snaps.policy.boundaries(len(tokens), p), len(tokens) // p * p}:
+        if 0 < b <= len(hashes) * p:
+            snaps.put(hashes[b // p - 1], SeqState(b, state_bytes))

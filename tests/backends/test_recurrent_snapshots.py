@@ -132,3 +132,40 @@ def test_prompts_that_part_after_a_system_prompt_save_the_state_there(models):
     finally:
         cold_engine.close()
     assert outputs[2] == cold
+
+
+@pytest.mark.parametrize("name", ["qwen35", "granitehybrid"])
+def test_a_step_that_fails_halfway_leaves_no_cells_behind_once_rewound(name, models):
+    """llama.cpp cannot cut a recurrent state back: a step that fails after its first llama_decode (a 64-token
+    chunk in two calls of 32; the second made to fail) leaves the slot refusing new chunks until it is rewound or
+    dropped; the rewind frees every cell past the saved state, and the next logits equal a straight run's."""
+    from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+
+    long = tuple(int(t) for t in np.random.default_rng(1).integers(3, 200, 64))
+    ex = LlamaCppExecutor.open(models[name], n_slots=2, n_ctx=2 * 256, threads=1, n_batch=32, n_ubatch=32,
+                               quiet=True)
+    try:
+        ex.step([Chunk(0, TOKENS[:32], 0)])
+        saved = ex.snapshot(0)
+        straight = ex.step([Chunk(0, TOKENS[32:], 32, logits=True)])[0]
+        ex.rewind(0, saved)
+        decode, calls = ex._decode, []
+
+        def second_fails(rows):              # a fault after the first call has written its positions
+            calls.append(len(rows))
+            if len(calls) == 2:
+                raise RuntimeError("injected fault")
+            return decode(rows)
+
+        ex._decode = second_fails
+        with pytest.raises(RuntimeError, match="injected"):
+            ex.step([Chunk(0, long, 32)])
+        ex._decode = decode
+        assert calls == [32, 32]
+        with pytest.raises(ValueError, match="rewind or drop"):
+            ex.step([Chunk(0, TOKENS[32:], 32, logits=True)])
+        ex.rewind(0, saved)
+        assert ex.cells_used() == 32 and ex.slot_len(0) == 32
+        assert np.array_equal(ex.step([Chunk(0, TOKENS[32:], 32, logits=True)])[0], straight)
+    finally:
+        ex.close()

@@ -93,3 +93,22 @@ def test_the_store_keeps_its_budget_least_recently_used_first():
     assert snaps.depth([7, 1, 8, 3], 4) == 4 and snaps.depth([7, 1, 8, 3], 3) == 2 and snaps.depth([7], 1) == 0
     snaps.discard(3)
     assert snaps.bytes == 100 and snaps.depth([7, 1, 8, 3], 4) == 2
+
+
+def test_a_warm_cache_holds_the_prefixes_states_too():
+    """``--prefix-cached`` on a hybrid model: the named prefix's state at its end is there, as its blocks are."""
+    trace = parse_trace([{"id": "b", "arrival_ms": 0, "input": 11_008, "output": 4, "prefix": "doc",
+                          "prefix_len": 10_752}])
+    result = replay(trace, SchedulerConfig(max_running=2), STEP, state_bytes=1 << 20, prefix_cached=True,
+                    snapshot_policy=SnapshotPolicy(stride=4096))
+    assert (result.requests[0].cached, result.requests[0].past_snapshot) == (10_752, 0)
+
+
+def test_replay_refuses_a_stride_that_is_not_whole_blocks(tmp_path, capsys):
+    from localinfer.cli import main
+
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps([{"id": "a", "arrival_ms": 0, "input": 100, "output": 2}]))
+    assert main(["replay", str(trace), "--state-size", "1MiB", "--snapshot-stride", "1000"]) != 0
+    assert "whole number of 16-token KV blocks" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--state-size", "1MiB", "--snapshot-stride", "1000", "--block", "8"]) == 0

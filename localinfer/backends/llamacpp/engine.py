@@ -128,7 +128,7 @@ class LlamaCppEngine(Engine):
             _L.llama_memory_seq_rm(self._mem, seq, -1, -1)
             raise LocalinferError(f"llama.cpp refused a saved state for sequence {seq}",
                                   hint="a snapshot belongs to the model and context it was taken from")
-        if n < cur and not _L.llama_memory_seq_rm(self._mem, seq, n, -1):
+        if not _L.llama_memory_seq_rm(self._mem, seq, n, -1):     # also what a failed eval left past it
             raise LocalinferError(f"llama.cpp cannot drop positions >= {n} of sequence {seq} after restoring its state")
 
     def _trim(self, n: int, seq: int) -> None:

@@ -79,6 +79,7 @@ class LlamaCppExecutor(ExecutorBase):
         # rejected drafts: a partial seq_rm, or (recurrent) the state before the verify restored and the kept replayed
         self.verifies_drafts = True
         self._verify: dict[int, tuple[SeqState, tuple[int, ...]]] = {}   # slot -> state before its verify, tokens
+        self._lost: set[int] = set()     # slots a failed step left with a state past their length (recurrent)
         on_cpu = plan.n_gpu_layers == 0 or not (native.local_accelerator() or plan.options.get("rpc"))
         whole = plan.n_gpu_layers < 0 or plan.n_gpu_layers > int(_L.llama_model_n_layer(model))   # output layer too
         self.cpu_threads = 0 if not on_cpu and whole else plan.threads    # a layer on the CPU keeps its threads busy
@@ -295,21 +296,21 @@ class LlamaCppExecutor(ExecutorBase):
             if start > state.n_tokens:
                 self.step([Chunk(slot, tokens[:start - state.n_tokens], state.n_tokens)])
             return
-        if start < self._len[slot]:
+        if start < self._len[slot] or slot in self._lost:
             if not _L.llama_memory_seq_rm(self._mem, slot, start, -1):
                 raise LocalinferError(f"llama.cpp cannot drop positions >= {start} of slot {slot} for this model",
                                       hint="recurrent models drop whole sequences, or rewind to a snapshot")
             self._len[slot] = start
+            self._lost.discard(slot)
 
     def rebase(self, dst: int, src: int, n_tokens: int) -> None:
-        """``dst``'s first ``n_tokens`` positions become ``src``'s cells (seq_rm from 0, seq_cp); a recurrent model's
-        ``dst`` then shares ``src``'s state: rewind it to its own."""
+        """``dst``'s first ``n_tokens`` positions become ``src``'s cells (seq_rm, seq_cp); then rewind a recurrent one."""
         self._alive()
         self._check_slot(src)
         self._check_slot(dst)
         if src == dst or not self.unified or {src, dst} & self._host.keys():
             raise ValueError(f"slot {dst} cannot take slot {src}'s cells (one unified cache, both in cells)")
-        if not 0 < n_tokens <= min(self._len[src], self._len[dst]):
+        if not 0 < n_tokens <= min(self._len[src], self._len[dst]) or self.snapshots and n_tokens != self._len[dst]:
             raise ValueError(f"slots {src} and {dst} hold {self._len[src]} and {self._len[dst]} positions; "
                              f"cannot share {n_tokens}")
         if not _L.llama_memory_seq_rm(self._mem, dst, 0, n_tokens):
@@ -327,8 +328,7 @@ class LlamaCppExecutor(ExecutorBase):
         return SeqState(self._len[slot], blob.size, blob)
 
     def rewind(self, slot: int, state: SeqState) -> None:
-        """``slot`` back to ``state.n_tokens`` positions: its recurrent state replaced by ``state``, its attention
-        positions from there dropped (the recurrent layers then end where the attention does)."""
+        """``slot`` back to ``state.n_tokens`` positions: its recurrent state is ``state``, its positions past it gone."""
         self._alive()
         self._check_slot(slot)
         n = state.n_tokens
@@ -340,9 +340,10 @@ class LlamaCppExecutor(ExecutorBase):
             _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
             raise LocalinferError(f"llama.cpp refused a saved state for slot {slot}",
                                   hint="a snapshot belongs to the model and context it was taken from")
-        if n < self._len[slot] and not _L.llama_memory_seq_rm(self._mem, slot, n, -1):
+        if not _L.llama_memory_seq_rm(self._mem, slot, n, -1):    # also what a failed step left past the length
             raise LocalinferError(f"llama.cpp cannot drop positions >= {n} of slot {slot} after restoring its state")
         self._len[slot] = n
+        self._lost.discard(slot)
 
     def interrupt(self) -> None:
         """Stop the step in flight (any thread): it raises StepInterrupted with every slot as before it; a call
@@ -406,13 +407,16 @@ class LlamaCppExecutor(ExecutorBase):
 
     def _rollback(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
-            _L.llama_memory_seq_rm(self._mem, c.slot, c.start, -1)
+            if not _L.llama_memory_seq_rm(self._mem, c.slot, c.start, -1):
+                self._lost.add(c.slot)     # a recurrent state went past start: only a rewind or a drop mends it
 
     def _check_chunks(self, chunks: Sequence[Chunk]) -> None:
         check_chunks(chunks, self.n_slots, self.n_vocab, self.slot_cells, "use a larger --ctx or a shorter request")
         for c in chunks:
             if c.slot in self._host:
                 raise ValueError(f"slot {c.slot} is parked in host memory; drop it before appending to it")
+            if c.slot in self._lost:
+                raise ValueError(f"slot {c.slot} lost its recurrent state in a failed step; rewind or drop it first")
             if c.start != self._len[c.slot]:
                 raise ValueError(f"slot {c.slot} holds {self._len[c.slot]} tokens; a chunk cannot start at {c.start}")
 
