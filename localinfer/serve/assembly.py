@@ -18,7 +18,8 @@ from localinfer.serve.block_manager import BlockManager
 from localinfer.serve.engine import StepEngine, StepRecord
 from localinfer.serve.parking import Parking
 from localinfer.serve.scheduler import Scheduler, SchedulerConfig
-from localinfer.serve.snapshots import SnapshotPolicy, Snapshots, default_budget
+from localinfer.serve.snapshots import SnapshotPolicy, Snapshots
+from localinfer.util.hostmem import host_cache_budget
 from localinfer.serve.step_model import StepModel
 
 
@@ -36,7 +37,7 @@ def build_step_engine(executor, config: SchedulerConfig, *, step_model: StepMode
     executor has spare; none where it cannot cut a slot's tail or restores prefixes from its own pool);
     ``preload``: prompts whose whole blocks start in the prefix cache (a warm cache, for replays);
     ``snapshot_policy``, ``snapshot_budget`` (bytes): where a recurrent or hybrid model's state is saved and how
-    much host memory the saved states may take (default: the executor's host budget for parked KV).
+    much host memory the saved states may take (default: ``util.hostmem.host_cache_budget``, as parked KV's).
     """
     caps = executor.caps
     p = caps.block_size or block_tokens or DEFAULT_BLOCK_TOKENS
@@ -49,8 +50,7 @@ def build_step_engine(executor, config: SchedulerConfig, *, step_model: StepMode
         park = max(0, min(park_slots, executor.n_slots - config.max_running))
     snaps = None
     if prefix_cache and caps.snapshots:
-        budget = snapshot_budget if snapshot_budget is not None else getattr(executor, "host_budget", None)
-        snaps = Snapshots(snapshot_policy, budget if budget is not None else default_budget())
+        snaps = Snapshots(snapshot_policy, snapshot_budget if snapshot_budget is not None else host_cache_budget())
     host = 0
     if park and caps.parks_in_host:
         per_slot = (caps.slot_cells or num_blocks * p) // p

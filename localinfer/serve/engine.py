@@ -344,7 +344,8 @@ class StepEngine:
     def _holder(self, blocks: list[int], other_than: str):
         """A running request (holding its positions) or a parked one whose KV holds all of ``blocks``, or None."""
         bm, n = self.blocks, len(blocks)
-        running = ((seq, t) for seq, t in bm.tables.items() if seq in self._holding and bm.written(seq) >= n * bm.block_tokens)
+        running = ((seq, t) for seq, t in bm.tables.items()
+                   if seq in self._holding and bm.written(seq) >= n * bm.block_tokens)
         parked = ((seq, kept) for seq, kept in bm.parked.items() if seq in self._parked)
         return next((seq for seq, table in (*running, *parked) if seq != other_than and table[:n] == blocks), None)
 

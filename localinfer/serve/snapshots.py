@@ -26,14 +26,6 @@ from dataclasses import dataclass
 from localinfer.errors import UsageError
 
 DEFAULT_STRIDE = 1024        # tokens between a long prompt's snapshots (llama-server's checkpoint min step is 512)
-HOST_MAX = 8 << 30           # host memory for snapshots at most by default (llama-server's --cache-ram: 8192 MiB)
-
-
-def default_budget() -> int:
-    """Host memory saved states may take when none is given: ``HOST_MAX``, at most half the free RAM."""
-    import psutil
-
-    return min(HOST_MAX, int(psutil.virtual_memory().available) // 2)
 
 
 @dataclass(frozen=True)

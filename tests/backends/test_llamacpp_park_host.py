@@ -204,7 +204,7 @@ def test_past_the_host_budget_a_parked_slot_keeps_its_cells(default_model):
         assert ex.park(0) is None
         assert ex.cells_used() == len(t) and ex.host_tokens() == 0
         assert ex.copy(0, 1, 16) == 16 and ex.cells_used() == len(t)   # a plain seq_cp: shared cells
-        ex.host_budget = None                    # the default: HOST_PARK_MAX or half the free RAM
+        ex.host_budget = None                    # the default: HOST_CACHE_MAX or half the free RAM
         ex.drop(1)
         assert ex.park(0) is True and ex.park(0) is True     # parked, and already parked
         assert ex.cells_used() == 0 and ex.host_tokens() == len(t)

@@ -113,10 +113,7 @@ class LlamaCppEngine(Engine):
         self._check_seq(seq)
         if self.trims_tail:
             raise LocalinferError("this model has no recurrent state to snapshot", hint="cut its KV with trim")
-        blob = seq_state.read(self._ctx, seq)
-        if blob is None:
-            raise LocalinferError(f"llama.cpp did not save sequence {seq}'s state")
-        return SeqState(self.kv_len(seq), blob.size, blob)
+        return seq_state.save(self._ctx, seq, self.kv_len(seq))
 
     def rewind(self, state: SeqState, seq: int = 0) -> None:
         self._alive()
@@ -124,12 +121,7 @@ class LlamaCppEngine(Engine):
         n, cur = state.n_tokens, self.kv_len(seq)
         if not 0 < n <= cur:
             raise ValueError(f"sequence {seq} holds {cur} tokens; cannot rewind it to {n}")
-        if not seq_state.write(self._ctx, seq, state.data):
-            _L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            raise LocalinferError(f"llama.cpp refused a saved state for sequence {seq}",
-                                  hint="a snapshot belongs to the model and context it was taken from")
-        if not _L.llama_memory_seq_rm(self._mem, seq, n, -1):     # also what a failed eval left past it
-            raise LocalinferError(f"llama.cpp cannot drop positions >= {n} of sequence {seq} after restoring its state")
+        seq_state.restore(self._ctx, self._mem, seq, state)
 
     def _trim(self, n: int, seq: int) -> None:
         self._alive()

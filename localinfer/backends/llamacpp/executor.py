@@ -43,8 +43,8 @@ from localinfer.backends.llamacpp import native, seq_state
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, HEADER, cut_seq_state, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
+from localinfer.util.hostmem import host_cache_budget
 
-HOST_PARK_MAX = 8 << 30          # parked KV in host memory, at most (llama-server's --cache-ram default: 8192 MiB)
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 
 
@@ -272,11 +272,7 @@ class LlamaCppExecutor(ExecutorBase):
                 self._host[s], self._saved[s] = cut_seq_state(blob, 0, self._len[s])[0], self._len[s]
 
     def _budget(self) -> int:
-        if self.host_budget is not None:
-            return self.host_budget
-        import psutil
-
-        return min(HOST_PARK_MAX, int(psutil.virtual_memory().available) // 2)
+        return self.host_budget if self.host_budget is not None else host_cache_budget()
 
     def drop(self, slot: int, start: int = 0) -> None:
         """Forget positions >= start of ``slot`` (llama_memory_seq_rm); cells no slot holds become free."""
@@ -322,10 +318,9 @@ class LlamaCppExecutor(ExecutorBase):
         """``slot``'s recurrent state at the positions it holds, in host memory (llama.cpp's partial state)."""
         self._alive()
         self._check_slot(slot)
-        blob = seq_state.read(self.engine.context, slot) if self.snapshots else None
-        if blob is None:
-            raise LocalinferError(f"no recurrent state of slot {slot} was saved (an attention-only model has none)")
-        return SeqState(self._len[slot], blob.size, blob)
+        if not self.snapshots:
+            raise LocalinferError(f"slot {slot} holds no recurrent state to save (an attention-only model)")
+        return seq_state.save(self.engine.context, slot, self._len[slot])
 
     def rewind(self, slot: int, state: SeqState) -> None:
         """``slot`` back to ``state.n_tokens`` positions: its recurrent state is ``state``, its positions past it gone."""
@@ -335,13 +330,11 @@ class LlamaCppExecutor(ExecutorBase):
         if not 0 < n <= self._len[slot] or slot in self._host:
             raise ValueError(f"slot {slot} holds {self._len[slot]} positions; cannot rewind it to {n}")
         self._verify.pop(slot, None)
-        if not seq_state.write(self.engine.context, slot, state.data):
-            self._len[slot] = 0        # llama.cpp cleared the slot's recurrent part: nothing usable is left
-            _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
-            raise LocalinferError(f"llama.cpp refused a saved state for slot {slot}",
-                                  hint="a snapshot belongs to the model and context it was taken from")
-        if not _L.llama_memory_seq_rm(self._mem, slot, n, -1):    # also what a failed step left past the length
-            raise LocalinferError(f"llama.cpp cannot drop positions >= {n} of slot {slot} after restoring its state")
+        try:
+            seq_state.restore(self.engine.context, self._mem, slot, state)
+        except LocalinferError:
+            self._len[slot] = 0         # a refused state leaves the slot cleared
+            raise
         self._len[slot] = n
         self._lost.discard(slot)
 

@@ -16,6 +16,9 @@ import ctypes
 import llama_cpp as _L
 import numpy as np
 
+from localinfer.backends.executor import SeqState
+from localinfer.errors import LocalinferError
+
 PARTIAL = _L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
@@ -36,3 +39,23 @@ def write(ctx, seq: int, blob: np.ndarray) -> bool:
     """Replace ``seq``'s partial state by ``blob``; False when llama.cpp refused it (it then holds none)."""
     ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     return _L.llama_state_seq_set_data_ext(ctx, ptr, blob.size, seq, PARTIAL) == blob.size
+
+
+def save(ctx, seq: int, n_tokens: int) -> SeqState:
+    """``seq``'s partial state, which holds ``n_tokens`` positions, as a SeqState."""
+    blob = read(ctx, seq)
+    if blob is None:
+        raise LocalinferError(f"llama.cpp did not save sequence {seq}'s state")
+    return SeqState(n_tokens, blob.size, blob)
+
+
+def restore(ctx, mem, seq: int, state: SeqState) -> None:
+    """``seq`` back to ``state.n_tokens`` positions: the saved state written in, every position from there dropped
+    (also any a failed decode left past it).  A state llama.cpp refuses leaves ``seq`` cleared (LocalinferError)."""
+    if not write(ctx, seq, state.data):
+        _L.llama_memory_seq_rm(mem, seq, -1, -1)
+        raise LocalinferError(f"llama.cpp refused a saved state for sequence {seq}",
+                              hint="a snapshot belongs to the model and context it was taken from")
+    if not _L.llama_memory_seq_rm(mem, seq, state.n_tokens, -1):
+        raise LocalinferError(f"llama.cpp cannot drop positions >= {state.n_tokens} of sequence {seq} after "
+                              "restoring its state")

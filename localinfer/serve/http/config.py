@@ -19,7 +19,7 @@ from localinfer.serve.snapshots import DEFAULT_STRIDE, SnapshotPolicy
 
 MAX_SLOTS = 256          # llama.cpp's LLAMA_MAX_SEQ (backends.memory.MAX_PARALLEL): sequence ids of one context
 # Parked sequences keep finished requests' KV: each user's next chat turn and a shared system prompt hit it.  32 keep
-# 24 users' 3-turn chats at no cost to fresh prompts (docs/executor.md); their host RAM is capped (HOST_PARK_MAX or half
+# 24 users' 3-turn chats at no cost to fresh prompts (docs/executor.md); their host RAM is capped (HOST_CACHE_MAX or half
 # the free RAM; Parking.victim says who goes first), which the fit check does not count.
 DEFAULT_PARKED = 32
 # On a recurrent or hybrid model every sequence id holds a recurrent state on the device (llama.cpp sizes the state
