@@ -139,7 +139,7 @@ def check_case(tool: str, path: str, label: str, req, mem: int, device, host) ->
         feats = setup.host.cpu_features
 
         def on_worker(r):
-            return split_breakdown(spec, setup.devices, replace(r, mmap=False), cpu_features=feats)
+            return split_breakdown(spec, setup.devices, replace(r, mmap=False), cpu_features=feats, dry_run=True)
 
         def worker_bytes(r) -> int:
             d = on_worker(r).devices[0]

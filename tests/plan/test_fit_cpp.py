@@ -32,7 +32,8 @@ def model(tmp_path_factory):
 def measure(model):
     """Device bytes on one RPC worker's CPU device (llama.cpp's dry run reads nothing, so no mmap)."""
     def on_worker(r):
-        d = split_breakdown(model, (SplitDevice("RPC0", "cpu", 1 << 40, 1 << 40),), replace(r, mmap=False)).devices[0]
+        d = split_breakdown(model, (SplitDevice("RPC0", "cpu", 1 << 40, 1 << 40),), replace(r, mmap=False),
+                            dry_run=True).devices[0]
         return d.weights + d.kv + d.compute
     return on_worker
 

@@ -79,11 +79,14 @@ def _host_weights(spec: ModelSpec, host_units: set, mmap: bool, feats: tuple[str
 
 
 def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, cpu_features: tuple[str, ...] = (),
-                    compute: bool = True) -> SplitBreakdown:
+                    compute: bool = True, dry_run: bool = False) -> SplitBreakdown:
     """Every byte of ``req`` split across ``devices`` (SplitDevice, in llama.cpp's order) and the host.
 
     ``shares`` None: llama.cpp's default, proportional to each device's free memory.  ``compute=False``
-    skips the compute-buffer replay (zeros), for searches."""
+    skips the compute-buffer replay (zeros), for searches.  ``dry_run``: the compute buffers as llama.cpp's
+    dry run (``no_alloc``: llama-fit-params, ``--fit``) measures them: from the prompt graph only, sized by
+    ``ggml_backend_sched_reserve_size``, whose scheduler reset wipes the norms pinned to their layer's device
+    (so with pipeline parallelism the next layer's norm and its input both cross to a device)."""
     devices = tuple(devices)
     if not devices:
         raise UsageError("a split needs at least one device", flag="--rpc")
@@ -118,9 +121,9 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
         each = [split_compute(spec, backend, [d.kind for d in devices], n_kv=cells.cells_base, n_ubatch=tokens,
                               n_outputs=rows, flash_attn=req.flash_attn_on, n_kv_swa=cells.cells_swa,
                               type_k=req.type_k, type_v=req.type_v, pipeline=pipeline, pin_norms=full,
-                              n_seqs=req.n_seq,
+                              n_seqs=req.n_seq, pins=not dry_run,
                               tensor_home=None if homes is None else expert_home(homes, len(devices)))
-                for tokens, rows in graphs]
+                for tokens, rows in (graphs[:1] if dry_run else graphs)]
         computes = [max(sizes) for sizes in zip(*each)]          # each backend's buffer keeps the largest
     kv = [0] * (len(devices) + 1)      # KV and, for hybrids, the recurrent state of each device's layers
     for il in range(n):

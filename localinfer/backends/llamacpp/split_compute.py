@@ -227,7 +227,8 @@ def schedule(g: _Graph, bid: list[int], n_copies: int, weight_splits: bool = Fal
 
 def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int, n_ubatch: int, n_outputs: int,
                   flash_attn: bool, n_kv_swa: int | None = None, type_k: str = "f16", type_v: str = "f16",
-                  pipeline: bool = False, pin_norms: bool = False, n_seqs: int = 1, tensor_home=None) -> list[int]:
+                  pipeline: bool = False, pin_norms: bool = False, n_seqs: int = 1, tensor_home=None,
+                  pins: bool = True) -> list[int]:
     """Compute buffer bytes per backend: ``kinds`` lists the devices ("cpu" for an RPC worker's CPU, "cuda",
     "metal"), the host CPU is appended last; ``unit_backend(unit)`` gives the backend index of "in", each layer
     index and "out" (``len(kinds)`` for the host); the family's graph (:func:`graph_builder`) over ``n_seqs``
@@ -236,7 +237,9 @@ def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int,
     ``tensor_home(name)``: (backend, host buffer, bytes) of an expert tensor a buffer override moved, else None.
     The scheduler then runs a MUL_MAT_ID on its weight's backend, or, for a weight in a host buffer (not
     CPU_REPACK: ggml-cpu repack.cpp's buffer is not host) and a batch of 32 or more, on the device that asks
-    for it (:func:`offload_rule`), which copies the weight into its compute buffer for that split."""
+    for it (:func:`offload_rule`), which copies the weight into its compute buffer for that split.
+    ``pins`` False: no norm pinned to its layer's device (llama.cpp's dry run resets the scheduler after the
+    graph callback pinned them)."""
     build, layers, _ = graph_builder(spec)
     if build is _llama_graph:
         layers = [il for il in range(spec.n_layers) if spec.n_head[il] and spec.n_head_kv[il]] or [0]
@@ -251,7 +254,8 @@ def split_compute(spec: ModelSpec, unit_backend, kinds: list[str], *, n_kv: int,
             if home is not None:
                 homes[w] = home[:2]
                 g.size[w] = home[2]          # the size of the copy a device makes of it
-    bid = assign(g, unit_backend, cpu, pin_norms or n_ubatch < 32, homes, offload_rule(kinds) if homes else None)
+    bid = assign(g, unit_backend, cpu, pins and (pin_norms or n_ubatch < 32), homes,
+                 offload_rule(kinds) if homes else None)
     leafs, nodes, bid, flags, src, view_src, size, layout, dep = schedule(g, bid, N_COPIES if pipeline else 1,
                                                                           weight_splits=bool(homes))
     ops = g.op + ["NONE"] * (len(size) - len(g.op))
