@@ -5,9 +5,9 @@ Each case writes a header-only skeleton GGUF, starts one ``localinfer worker --m
 (RPC workers of the sizes given, one thread each), runs the real tool with ``--rpc EP1,EP2,...`` and either no
 ``-c`` (llama.cpp's automatic context, which step 2 may lower to ``-fitc`` 4096), an explicit ``-c 0`` (the full
 context: that sets ``-fitc`` to UINT32_MAX, no lowering) or a set context, and compares its answer line
-(``-c N -ngl N [-ts ...] [-ot "..."]``) with :func:`localinfer.plan.fit_cpp.fit_cpp_devices` over localinfer's
-memory model of the same workers (:func:`localinfer.backends.llamacpp.split.split_breakdown`); then the tool's
-``--fit-print`` of its own plan (MiB of model, context, compute per device and the host) against localinfer's
+(``-c N -ngl N [-ts ...] [-ot "..."]``) with :func:`localinfer.plan.fit_cpp.fit_cpp_split` over localinfer's
+memory model of the same workers (:func:`localinfer.backends.llamacpp.split.split_breakdown`, as the dry run
+sizes it); then the tool's ``--fit-print`` of its own plan (MiB of model, context, compute per device and the host) against localinfer's
 bytes of the same flags.  Workers are stopped after each case.
 
     python -m benchmarks.fit_params_devices "$(scripts/build_llama_server.sh llama-fit-params)" \
@@ -92,7 +92,7 @@ def check_case(tool: str, path: str, label: str, mems, ctx) -> tuple[list[str], 
     from localinfer.backends.llamacpp.split import split_breakdown
     from localinfer.backends.memory import FitRequest
     from localinfer.model.spec import ModelSpec
-    from localinfer.plan.fit_cpp import FULL_CTX, MARGIN, N_CTX_MIN, fit_cpp_devices, parse_override
+    from localinfer.plan.fit_cpp import FULL_CTX, MARGIN, N_CTX_MIN, fit_cpp_split, parse_override
     from localinfer.plan.split_devices import from_workers
     from tests.support.rpc_workers import start_worker, stop
 
@@ -108,9 +108,6 @@ def check_case(tool: str, path: str, label: str, mems, ctx) -> tuple[list[str], 
         def on_workers(r, shares=None):
             return split_breakdown(spec, devs, replace(r, mmap=False), shares, cpu_features=feats, dry_run=True)
 
-        def measure(r, shares):
-            return [(d.weights + d.kv + d.compute, d.weights) for d in on_workers(r, shares).devices]
-
         t0 = time.monotonic()
         proc = subprocess.run([tool, *tool_args(path, eps, ctx), "-lv", "4"], capture_output=True, text=True,
                               timeout=TOOL_TIMEOUT, check=False)
@@ -118,8 +115,8 @@ def check_case(tool: str, path: str, label: str, mems, ctx) -> tuple[list[str], 
         real = parse_line(proc.stdout) if proc.returncode == 0 else f"(exit {proc.returncode})"
         layouts = proc.stderr.count("memory for test allocation by device")
         req = FitRequest(n_ctx=ctx or N_CTX_MIN)
-        port = fit_cpp_devices(spec, req, measure, [d.free - MARGIN for d in devs], [d.name for d in devs],
-                               ctx_auto=not ctx, n_ctx_min=FULL_CTX if ctx == 0 else N_CTX_MIN)
+        port = fit_cpp_split(spec, devs, req, ctx_auto=not ctx, n_ctx_min=FULL_CTX if ctx == 0 else N_CTX_MIN,
+                             cpu_features=feats)
         mine_line = port.line() if port else "(gives up)"
         printed = fit_print(tool, path, eps, real) if proc.returncode == 0 else {}
     finally:
@@ -173,7 +170,7 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(args.dir, exist_ok=True)
     lines = ["# llama.cpp's llama-fit-params (real) against localinfer's port of common/fit.cpp "
-             "(fit_cpp_devices): the automatic context and several `localinfer worker --mem` devices over loopback RPC",
+             "(fit_cpp_split): the automatic context and several `localinfer worker --mem` devices over loopback RPC",
              f"# machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, no GPU; "
              f"tool: {args.tool}; header-only skeleton GGUFs ({time.strftime('%Y-%m-%d', time.gmtime())})",

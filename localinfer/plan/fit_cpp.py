@@ -37,8 +37,8 @@ from localinfer.errors import UsageError
 from localinfer.plan.fit_cpp_steps import (ALL_EXPERTS, CPU, FRACTIONS, GivesUp, Ngl, entries, fill_dense,
                                            fill_full, layer_overrides, layout, live, merged, parse_override)
 
-__all__ = ["MARGIN", "N_CTX_MIN", "FULL_CTX", "FRACTIONS", "FitCpp", "fit_cpp", "fit_cpp_devices", "parse_override",
-           "layer_overrides", "merged", "state_request", "ctx_request"]
+__all__ = ["MARGIN", "N_CTX_MIN", "FULL_CTX", "FRACTIONS", "FitCpp", "fit_cpp", "fit_cpp_devices", "fit_cpp_split",
+           "parse_override", "layer_overrides", "merged", "state_request", "ctx_request"]
 
 MARGIN = 1 << 30                 # fit.cpp's default target of free memory per device (-fitt 1024)
 N_CTX_MIN = 4096                 # common_params::fit_params_min_ctx (-fitc)
@@ -201,3 +201,20 @@ def fit_cpp_devices(spec, req: FitRequest, measure: Measure, targets: Sequence[i
     return FitCpp(request(cur, bufts), sum(s.n_layer for s in cur), entries(ents), sum(s.n_full for s in cur),
                   on_host, partial, sum(used) if nd > 1 else used[0], tuple(steps), total,
                   tuple(s.n_layer for s in cur) if nd > 1 else (), tuple(used), total != n_ctx_max and ctx_auto)
+
+
+def fit_cpp_split(spec, devices, req: FitRequest, *, ctx_auto: bool = False, n_ctx_min: int = N_CTX_MIN,
+                  margin: int = MARGIN, cpu_features: tuple[str, ...] = ()) -> FitCpp | None:
+    """:func:`fit_cpp_devices` over ``devices`` (SplitDevice, llama.cpp's order, named as its buffer types),
+    measured by localinfer's split model as llama.cpp's dry run sizes it (no mmap: the dry run reads nothing);
+    the target of a device is its free memory − ``margin`` (``-fitt``)."""
+    from localinfer.backends.llamacpp.split import split_breakdown
+
+    devices = tuple(devices)
+
+    def measure(r: FitRequest, shares):
+        sb = split_breakdown(spec, devices, replace(r, mmap=False), shares, cpu_features=cpu_features, dry_run=True)
+        return [(d.weights + d.kv + d.compute, d.weights) for d in sb.devices]
+
+    return fit_cpp_devices(spec, req, measure, [d.free - margin for d in devices], [d.name for d in devices],
+                           ctx_auto=ctx_auto, n_ctx_min=n_ctx_min)
