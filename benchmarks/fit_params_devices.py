@@ -29,7 +29,7 @@ from dataclasses import replace
 MiB = 1 << 20
 TOOL_TIMEOUT = 600
 
-# label, preset, file type, MiB advertised by each worker, context (None: not given, 0: an explicit -c 0)
+# label, preset, file type, MiB advertised by each worker, context (None: not given, 0: an explicit -c 0)[, -np]
 CASES = (
     ("ctx: fits after lowering the context", "llama-3.1-8b", "q4_k_m", (12288,), None),
     ("ctx: explicit -c 0 keeps the full context", "llama-3.1-8b", "q4_k_m", (12288,), 0),
@@ -41,6 +41,8 @@ CASES = (
     ("2 devices: MoE, automatic context", "qwen3-30b-a3b", "q4_k_m", (12288, 10240), None),
     ("2 devices: MoE, automatic context, room in total", "qwen3-30b-a3b", "q4_k_m", (16384, 8192), None),
     ("3 devices: MoE", "gpt-oss-120b", "mxfp4_moe", (24576, 16384, 12288), 4096),
+    ("ctx with 2 sequences (-np 2, KV not unified)", "llama-3.1-8b", "q4_k_m", (12288,), None, 2),
+    ("2 devices: MoE, automatic context, 2 sequences", "qwen3-30b-a3b", "q4_k_m", (12288, 10240), None, 2),
 )
 
 
@@ -50,10 +52,10 @@ def skeleton(preset: str, qtype: str | None, folder: str) -> str:
     return make(preset, qtype, folder)
 
 
-def tool_args(model: str, eps, ctx: int | None) -> list[str]:
-    """llama-fit-params' flags: llama.cpp's defaults but the devices, the context and a 1 GiB margin."""
+def tool_args(model: str, eps, ctx: int | None, n_seq: int = 1) -> list[str]:
+    """llama-fit-params' flags: llama.cpp's defaults but the devices, the context, -np and a 1 GiB margin."""
     return ["-m", model, "--rpc", ",".join(eps), *(["-c", str(ctx)] if ctx is not None else []),
-            "-fitt", str((1 << 30) // MiB)]
+            *(["-np", str(n_seq)] if n_seq > 1 else []), "-fitt", str((1 << 30) // MiB)]
 
 
 def parse_line(stdout: str) -> str:
@@ -72,12 +74,12 @@ def line_flags(line: str) -> tuple[int, int, tuple[int, ...], tuple[tuple[str, s
     return c, ngl, ts, ot
 
 
-def fit_print(tool: str, model: str, eps, line: str) -> dict[str, tuple[int, int, int]]:
+def fit_print(tool: str, model: str, eps, line: str, n_seq: int = 1) -> dict[str, tuple[int, int, int]]:
     """The tool's ``--fit-print`` of the flags of ``line``: MiB of model, context, compute per device and the host."""
     c, ngl, ts, ot = line_flags(line)
     extra = ["-ngl", str(ngl)] + (["-ts", ",".join(map(str, ts))] if ts else []) + \
         (["-ot", ",".join(f"{p}={b}" for p, b in ot)] if ot else [])
-    proc = subprocess.run([tool, *tool_args(model, eps, c), *extra, "--fit-print", "on"], capture_output=True,
+    proc = subprocess.run([tool, *tool_args(model, eps, c, n_seq), *extra, "--fit-print", "on"], capture_output=True,
                           text=True, timeout=TOOL_TIMEOUT, check=False)
     out = {}
     for row in proc.stdout.splitlines():
@@ -87,12 +89,12 @@ def fit_print(tool: str, model: str, eps, line: str) -> dict[str, tuple[int, int
     return out
 
 
-def check_case(tool: str, path: str, label: str, mems, ctx) -> tuple[list[str], bool]:
+def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1) -> tuple[list[str], bool]:
     from localinfer.backends.llamacpp.rpc_probe import probe
     from localinfer.backends.llamacpp.split import split_breakdown
     from localinfer.backends.memory import FitRequest
     from localinfer.model.spec import ModelSpec
-    from localinfer.plan.fit_cpp import FULL_CTX, MARGIN, N_CTX_MIN, fit_cpp_split, parse_override
+    from localinfer.plan.fit_cpp import FULL_CTX, MARGIN, N_CTX_MIN, ctx_request, fit_cpp_split, parse_override
     from localinfer.plan.split_devices import from_workers
     from tests.support.rpc_workers import start_worker, stop
 
@@ -109,22 +111,22 @@ def check_case(tool: str, path: str, label: str, mems, ctx) -> tuple[list[str], 
             return split_breakdown(spec, devs, replace(r, mmap=False), shares, cpu_features=feats, dry_run=True)
 
         t0 = time.monotonic()
-        proc = subprocess.run([tool, *tool_args(path, eps, ctx), "-lv", "4"], capture_output=True, text=True,
+        proc = subprocess.run([tool, *tool_args(path, eps, ctx, n_seq), "-lv", "4"], capture_output=True, text=True,
                               timeout=TOOL_TIMEOUT, check=False)
         secs = time.monotonic() - t0
         real = parse_line(proc.stdout) if proc.returncode == 0 else f"(exit {proc.returncode})"
         layouts = proc.stderr.count("memory for test allocation by device")
-        req = FitRequest(n_ctx=ctx or N_CTX_MIN)
+        req = FitRequest(n_ctx=ctx or N_CTX_MIN, n_seq=n_seq)
         port = fit_cpp_split(spec, devs, req, ctx_auto=not ctx, n_ctx_min=FULL_CTX if ctx == 0 else N_CTX_MIN,
                              cpu_features=feats)
         mine_line = port.line() if port else "(gives up)"
-        printed = fit_print(tool, path, eps, real) if proc.returncode == 0 else {}
+        printed = fit_print(tool, path, eps, real, n_seq) if proc.returncode == 0 else {}
     finally:
         for p, _ in started:
             stop(p)
     lines = [f"{label}: {os.path.basename(path)} ({spec.n_layers} layers, train context {spec.n_ctx_train}), "
              f"workers {' + '.join(f'{m} MiB' for m in mems)}, "
-             + ("no -c" if ctx is None else f"-c {ctx}"),
+             + ("no -c" if ctx is None else f"-c {ctx}") + (f", -np {n_seq}" if n_seq > 1 else ""),
              f"  llama-fit-params (real, {layouts} layouts measured, {secs:.0f} s): {_short(real, eps)}",
              f"  port:                                  {_short(mine_line, eps)}  "
              f"{'same line' if mine_line == real else 'DIFFERENT'}"]
@@ -132,7 +134,7 @@ def check_case(tool: str, path: str, label: str, mems, ctx) -> tuple[list[str], 
     agree = True
     if printed:
         c, ngl, ts, ot = line_flags(real)
-        r = replace(FitRequest(n_ctx=c), n_gpu_layers=ngl, override_tensor=tuple(
+        r = replace(ctx_request(FitRequest(n_seq=n_seq), c), n_gpu_layers=ngl, override_tensor=tuple(
             (p, b) for p, b in ot if parse_override(p) is None or parse_override(p)[0] < spec.n_layers))
         ours = on_workers(r, ts or None)
         mine = {f"RPC{i}": (d.weights, d.kv, d.compute) for i, d in enumerate(ours.devices)}
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, no GPU; "
              f"tool: {args.tool}; header-only skeleton GGUFs ({time.strftime('%Y-%m-%d', time.gmtime())})",
              "# command: python -m benchmarks.fit_params_devices TOOL --out benchmarks/results/fit_params_devices.txt",
-             "# tool flags: -m MODEL --rpc EP1[,EP2,...] [-c N] -fitt 1024 (llama.cpp's defaults otherwise); "
+             "# tool flags: -m MODEL --rpc EP1[,EP2,...] [-c N] [-np N] -fitt 1024 (llama.cpp's defaults otherwise); "
              "target = free - 1024 MiB per device; EPn: the n-th worker's loopback endpoint",
              "# no -c: llama.cpp's automatic context, which fit.cpp's step 2 may lower (to -fitc 4096 at least); "
              "an explicit -c 0 sets -fitc to UINT32_MAX: the full context, no lowering",
@@ -183,11 +185,11 @@ def main(argv=None) -> int:
              "sizes them (prompt graph only, no norm pinned to its layer's device: ggml_backend_sched_reserve_size "
              "resets the scheduler after the graph callback pinned them)", ""]
     bad = 0
-    for label, preset, qtype, mems, ctx in CASES:
+    for label, preset, qtype, mems, ctx, *np in CASES:
         if args.only and args.only not in label:
             continue
         try:
-            block, ok = check_case(args.tool, skeleton(preset, qtype, args.dir), label, mems, ctx)
+            block, ok = check_case(args.tool, skeleton(preset, qtype, args.dir), label, mems, ctx, *np)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             block, ok = [label, f"  could not run: {exc}"], False
         bad += not ok

@@ -28,7 +28,7 @@ def ot(*ents) -> str:
 
 
 EP2, EP3 = "RPC0[EP2]", "RPC0[EP3]"
-# (preset, file type, MiB of each worker, -c: None not given, 0 explicit) -> the real tool's line
+# (preset, file type, MiB of each worker, -c: None not given, 0 explicit[, -np]) -> the real tool's line
 CASES = {
     "ctx lowered, fits": (("llama-3.1-8b", "q4_k_m", (12288,), None), "-c 52736 -ngl -1"),
     "explicit -c 0: full context": (("llama-3.1-8b", "q4_k_m", (12288,), 0), "-c 131072 -ngl 17"),
@@ -46,6 +46,9 @@ CASES = {
     "3 devices, MoE": (("gpt-oss-120b", "mxfp4_moe", (24576, 16384, 12288), 4096),
                        "-c 4096 -ngl 37 -ts 15,9,13"
                        + ot((14, "attn", EP2), (23, "attn", EP3), (29, "attn", "CPU"), range(30, 37))),
+    "ctx lowered, 2 sequences": (("llama-3.1-8b", "q4_k_m", (12288,), None, 2), "-c 52736 -ngl -1"),
+    "2 devices, MoE, ctx lowered, 2 sequences": (("qwen3-30b-a3b", "q4_k_m", (12288, 10240), None, 2),
+                                                 "-c 23552 -ngl 49 -ts 28,21" + ot((27, "up", EP2))),
 }
 
 
@@ -74,16 +77,16 @@ def _measure(spec, devs):
     return measure
 
 
-def _fit(spec, mems, ctx):
-    return fit_cpp_split(spec, _workers(mems), FitRequest(n_ctx=ctx or N_CTX_MIN), ctx_auto=not ctx,
+def _fit(spec, mems, ctx, n_seq=1):
+    return fit_cpp_split(spec, _workers(mems), FitRequest(n_ctx=ctx or N_CTX_MIN, n_seq=n_seq), ctx_auto=not ctx,
                          n_ctx_min=FULL_CTX if ctx == 0 else N_CTX_MIN)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_port_prints_the_real_tools_line(models, case):
-    (preset, qtype, mems, ctx), line = CASES[case]
+    (preset, qtype, mems, *how), line = CASES[case]
     spec = models(preset, qtype)
-    choice = _fit(spec, mems, ctx)
+    choice = _fit(spec, mems, *how)
     assert choice is not None and choice.line() == line
     within = [u <= m * MiB - MARGIN for u, m in zip(choice.used, mems)]
     if case == "2 devices, dense, ctx lowered":
