@@ -1,17 +1,22 @@
 """localinfer's decode speed of a MoE with experts in host RAM, against published runs.
 
-    python -m benchmarks.offload_published [--json out.json]
+    python -m benchmarks.offload_published [--fit] [--what-if MBU GFLOPS] [--json out.json]
 
 The runs: ``benchmarks/data/published_offload.csv`` (GPU, host CPU and RAM, model, quant, placement flags,
 test, t/s, tool, URL, the row as printed; collected with the search tool).  A row is compared where the
 GPU has a profile (built-in, or datasheet-only in ``benchmarks/data/published_devices.toml``), the host
-RAM's speed and channel count are given (its bandwidth: MT/s × 8 bytes × channels, JEDEC), the model has a
-preset and its quant a skeleton type, the placement is ``--n-cpu-moe N``, ``--cpu-moe`` or
-``-ot exps=CPU`` (every routed expert on the host), and the test is a decode.  The prediction is
-``fit``'s speed of that plan (``plan/host_speed.py``: the GPU part on llama.cpp's kernel model, the host
-part at the host's bandwidth × its decode MBU); the script also prints the host MBU that would make
-each prediction exact.  Rows run with ik_llama.cpp are shown apart (its CPU kernels differ from
-mainline's); rows the collector marked doubtful (RAM about the model's size: paging) are left out.
+RAM's rate and channel count are given (``ram_mts``, the rate the row says the DIMMs run at, and
+``ram_channels``, each with its reason in ``ram_note``: bandwidth = MT/s × 8 bytes × channels, JEDEC), the
+model has a preset and its quant a skeleton type, the placement is llama.cpp's (every ``-ot REGEX=BUFFER`` in
+order, ``--cpu-moe``, ``--n-cpu-moe N``; ``-ngl`` covering every layer; ik_llama.cpp's ``-ser K,1`` as K experts
+a token) and the test is a decode.  The host runs the threads the row gives (``-t``), else its cores.  The
+prediction is ``fit``'s speed of that plan (``plan/host_speed.py``: the GPU part on llama.cpp's kernel model,
+the host part the slower of its RAM, bandwidth × MBU, and its cores, threads × the per-core rate); the script
+prints the MBU and the per-core rate that would each make a prediction exact.  Rows run with ik_llama.cpp are
+summarised apart (its CPU kernels differ from mainline's), and so are the rows one (MBU, rate) pair cannot
+describe (two sockets: no NUMA term; ik_llama.cpp's K-quant kernels without ``-rtr``); rows the collector marked
+doubtful (RAM about the model's size: paging) are left out.  ``--fit`` fits the MBU and the per-core rate on the
+in-scope ik_llama.cpp rows and holds every mainline row out.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,8 +37,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.speed_published import QUANTS, held_out_profiles  # noqa: E402
 from gguf_tools.skeleton import write_skeleton                     # noqa: E402
+from localinfer.backends.llamacpp.overrides import parse_override_tensor  # noqa: E402
 from localinfer.backends.memory import FitRequest                  # noqa: E402
-from localinfer.devices.hosts import HostProfile                   # noqa: E402
+from localinfer.devices.hosts import DECODE_FLOPS_PER_CORE, HostProfile  # noqa: E402
 from localinfer.devices.profiles import load_profiles              # noqa: E402
 from localinfer.model.spec import ModelSpec                        # noqa: E402
 from localinfer.plan.host_speed import plan_speed                  # noqa: E402
@@ -41,38 +48,66 @@ DATA = ROOT / "benchmarks" / "data" / "published_offload.csv"
 HOST_MBU = 0.6          # the share the host profiles assumed before these runs (desktop DDR profiles still do)
 GPUS = {"RTX 2080 8GB": "rtx-2080", "RTX 3090 24GB": "rtx-3090", "RTX 3090 Ti 24GB": "rtx-3090-ti",
         "RTX 4090 24GB": "rtx-4090", "RTX 5090 32GB": "rtx-5090", "RTX A6000 48GB": "rtx-a6000",
-        "RTX 4080 16GB": "rtx-4080", "RTX 4060 Ti 8GB": "rtx-4060-ti-8gb"}
+        "RTX 4080 16GB": "rtx-4080", "RTX 4060 Ti 8GB": "rtx-4060-ti-8gb",
+        "RTX PRO 6000 Blackwell 96GB": "rtx-pro-6000", "RTX PRO 6000 Blackwell Max-Q 96GB": "rtx-pro-6000-max-q",
+        "Radeon RX 7900 XT 20GB (ROCm 6.4.1)": "rx-7900-xt", "Radeon RX 6900 XT 16GB (ROCm 6.2.4)": "rx-6900-xt"}
 MODELS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "qwen3-235b-a22b": "qwen3-235b-a22b", "gpt-oss-20b": "gpt-oss-20b",
           "gpt-oss-120b": "gpt-oss-120b", "deepseek-r1": "deepseek-r1", "deepseek-v3": "deepseek-v3",
-          "kimi-k2": "kimi-k2"}
+          "kimi-k2": "kimi-k2", "glm-4.5-air": "glm-4.5-air", "qwen3.5-35b-a3b": "qwen3.5-35b-a3b",
+          "llama-4-scout": "llama-4-scout"}
 EXTRA_QUANTS = {"UD-Q2_K_XL": "q2_k"}
+# cores of the CPUs rows name without a count (llama.cpp's default threads: one a physical core): AMD's Ryzen 9 5900X
+# and Ryzen 9 7900 are 12-core parts (the RX 6900 XT post: "AMD Ryzen 9 7900 (12-core/24-thread)")
+CORES = {"Ryzen 9 5900X": 12, "Ryzen 9 7900": 12}
 DDR_RE = re.compile(r"DDR([45])-(\d{4})")
+OT_RE = re.compile(r"(?:-ot|--override-tensor)\s+(\"[^\"]+\"|'[^']+'|\S+)")
 
 
-def placement(text: str, spec) -> FitRequest | None:
-    """The FitRequest of a placement as published, or None where it is not one of the three forms."""
-    m = re.search(r"--n-cpu-moe (\d+)", text)
-    if m:
-        return FitRequest(n_ctx=4096, n_cpu_moe=int(m.group(1)))
-    if "--cpu-moe" in text or "-cmoe" in text:
-        return FitRequest(n_ctx=4096, cpu_moe=True)
-    if re.search(r"(-ot|--override-tensor) \"?exps=CPU\"?", text):
-        return FitRequest(n_ctx=4096, override_tensor=(("exps", "CPU"),))
-    return None
+def placement(text: str, spec) -> tuple[FitRequest | None, str]:
+    """(the FitRequest of a placement as published, the reason when it is not one localinfer models): every
+    ``-ot REGEX=BUFFER`` in order, then ``--cpu-moe``, then ``--n-cpu-moe N`` (llama.cpp's order); ``-ngl`` must
+    cover every layer (a layer split is another plan)."""
+    m = re.search(r"(?:-ngl|--n-gpu-layers)\s+(\d+)", text)
+    if m and int(m.group(1)) < spec.n_layers:
+        return None, "partial -ngl"
+    ot = tuple(pair for raw in OT_RE.findall(text) for pair in parse_override_tensor(raw.strip("\"'")))
+    n = re.search(r"--n-cpu-moe (\d+)", text)
+    req = FitRequest(n_ctx=4096, override_tensor=ot, cpu_moe="--cpu-moe" in text or "-cmoe" in text,
+                     n_cpu_moe=int(n.group(1)) if n else 0)
+    if not req.overridden:
+        return None, "no expert placement"
+    return req, ""
+
+
+def threads_of(r: dict) -> int:
+    """The CPU threads the run used: ``-t``/``--threads`` as published, else the cores the row names (2 sockets:
+    twice), else 16."""
+    t = re.search(r"(?:\s-t|--threads)\s+(\d+)", " " + r["placement"])
+    if t:
+        return int(t.group(1))
+    c = re.search(r"(\d+)\s*(?:cores|-core|C\b)", r["host_cpu"])
+    if c:
+        return int(c.group(1)) * sockets_of(r)
+    return next((n for cpu, n in CORES.items() if cpu in r["host_cpu"]), 16)
+
+
+def sockets_of(r: dict) -> int:
+    return 2 if r["host_cpu"].lstrip().startswith("2x") else 1
 
 
 def host_of(r: dict) -> HostProfile | None:
+    """The row's host: its RAM at the rate the row says the DIMMs run at (``ram_mts``; else the DDR-NNNN it names)
+    × 8 bytes × the channels (``ram_channels``, each with its reason in ``ram_note``), JEDEC theoretical."""
     m = DDR_RE.search(r["host_ram"])
-    if not m or not r["ram_channels"]:
+    rate = int(r["ram_mts"]) if r.get("ram_mts") else int(m.group(2)) if m else 0
+    if not rate or not r["ram_channels"]:
         return None
-    rate, ch = int(m.group(2)), int(r["ram_channels"])
-    # host compute: the cores the row names (16 where it names none) × 3 GHz × 32 FP32 FLOP a cycle (two
-    # 256-bit FMA pipes): an estimate, as the host profiles' fp32_flops
-    c = re.search(r"(\d+)\s*(?:cores|-core|C\b)", r["host_cpu"])
-    cores = int(c.group(1)) * (2 if r["host_cpu"].lstrip().startswith("2x") else 1) if c else 16
-    return HostProfile(name=f"ddr{m.group(1)}-{rate}-{ch}ch", display_name=r["host_ram"], memory_bytes=1 << 40,
-                       reserve="0", bandwidth_bytes_per_s=rate * 1e6 * 8 * ch, cores=cores,
-                       fp32_flops=cores * 3e9 * 32, decode_mbu=HOST_MBU)
+    ch, threads = int(r["ram_channels"]), threads_of(r)
+    # host compute: the threads × 3 GHz × 32 FP32 FLOP a cycle (two 256-bit FMA pipes): an estimate, as the
+    # host profiles' fp32_flops
+    return HostProfile(name=f"ddr-{rate}-{ch}ch", display_name=r["host_ram"], memory_bytes=1 << 40,
+                       reserve="0", bandwidth_bytes_per_s=rate * 1e6 * 8 * ch, cores=threads,
+                       fp32_flops=threads * 3e9 * 32, decode_mbu=HOST_MBU)
 
 
 def rows(workdir: Path):
@@ -99,51 +134,129 @@ def rows(workdir: Path):
                 if key not in specs:
                     specs[key] = ModelSpec.from_gguf(write_skeleton(key[0], workdir / f"{key[0]}-{key[1]}.gguf",
                                                                     type=key[1]))
-                req = placement(r["placement"], specs[key])
+                spec = specs[key]
+                ser = re.search(r"-ser (\d+),1\b", r["placement"])
+                if ser:             # ik_llama.cpp's -ser K,1: K experts a token instead of the model's
+                    spec = dataclasses.replace(spec, n_expert_used=int(ser.group(1)))
+                req, why = placement(r["placement"], spec)
                 if req is None:
-                    why = "placement not --n-cpu-moe / --cpu-moe / -ot exps=CPU"
+                    why = f"placement not modelled ({why})"
             if why:
                 skipped[why] = skipped.get(why, 0) + 1
                 continue
-            out.append((r, gpu, host, specs[key], req))
+            out.append((r, gpu, host, spec, req))
     return out, skipped
+
+
+def out_of_scope(r: dict) -> str:
+    """Why one (MBU, per-core rate) pair cannot describe the row, or "": two sockets (the model has no NUMA term), or
+    ik_llama.cpp's K-quant kernels without run-time repacking (a slower path: on one host 7.35 tok/s against 13.13
+    with ``-rtr 1``)."""
+    if sockets_of(r) > 1:
+        return "two sockets"
+    if "ik_llama" in r["tool"] and ("-rtr 0" in r["placement"] or " -rtr" not in " " + r["placement"]) \
+            and "_K" in r["quant"]:
+        return "ik_llama.cpp without -rtr"
+    return ""
+
+
+def measure(found) -> list[dict]:
+    """Each row's prediction and the pieces the fit needs (device time, host bytes and FLOPs, threads, bandwidth)."""
+    out = []
+    for r, gpu, host, spec, req in found:
+        sp = plan_speed(spec, gpu, host, req)
+        if sp is None:
+            continue
+        pub = float(r["tok_s"])
+        host_s = 1 / pub - sp["gpu_s"]              # the host time that makes the prediction exact
+        out.append({"row": r, "gpu": gpu.name, "model": spec.name, "published": pub, "predicted": sp["decode_tok_s"],
+                    "bound": sp["decode_bound"], "gpu_s": sp["gpu_s"], "bytes": sp["host_read_bytes"],
+                    "flops": sp["host_flops"], "threads": host.cores, "bandwidth": host.bandwidth_bytes_per_s,
+                    "tool": "ik_llama.cpp" if "ik_llama" in r["tool"] else "mainline", "scope": out_of_scope(r),
+                    "mbu_that_fits": sp["host_read_bytes"] / host.bandwidth_bytes_per_s / host_s if host_s > 0
+                    else math.inf,
+                    "core_flops_that_fit": sp["host_flops"] / host.cores / host_s if host_s > 0 else math.inf})
+    return out
+
+
+def predicted(m: dict, mbu: float, per_core: float) -> float:
+    """The row's decode speed at host MBU ``mbu`` and ``per_core`` FLOP/s a thread (the model's host term)."""
+    return 1 / (m["gpu_s"] + max(m["bytes"] / (m["bandwidth"] * mbu), m["flops"] / (m["threads"] * per_core)))
+
+
+def summary(label: str, ratios: list[float]) -> str:
+    if not ratios:
+        return f"{label}: n=0"
+    errs = sorted(abs(x - 1) for x in ratios)
+    p90 = errs[min(len(errs) - 1, math.ceil(0.9 * len(errs)) - 1)]     # nearest rank
+    return (f"{label}: n={len(errs)}, median |predicted/published − 1| {statistics.median(errs):.0%}, "
+            f"90th pct {p90:.0%},"
+            f" within 25%: {sum(e <= 0.25 for e in errs)}/{len(errs)}")
+
+
+def fit(ms: list[dict]) -> None:
+    """(MBU, per-core rate) by least squares in log(predicted/published) on the in-scope ik_llama.cpp rows; every
+    mainline row held out; then the per-core rate from each single-socket host's compute-bound rows on its own."""
+    grid = [(u / 100, c * 1e9) for u in range(30, 81) for c in [x / 2 for x in range(10, 161)]]
+
+    def best(rows):
+        return min(grid, key=lambda g: sum(math.log(predicted(m, *g) / m["published"]) ** 2 for m in rows))
+
+    fit_rows = [m for m in ms if m["tool"] == "ik_llama.cpp" and not m["scope"]]
+    held = [m for m in ms if m["tool"] == "mainline"]
+    mbu, per_core = best(fit_rows)
+    print(f"fit on {len(fit_rows)} in-scope ik_llama.cpp rows: host MBU {mbu:.2f}, {per_core / 1e9:.1f} GFLOP/s a core")
+    for label, rows in (("fitted", fit_rows), ("held out (mainline)", held),
+                        ("out of scope", [m for m in ms if m["scope"]])):
+        print(summary(f"  {label}", [predicted(m, mbu, per_core) / m["published"] for m in rows]))
+    for host in sorted({m["row"]["host_cpu"] for m in fit_rows}):
+        own = [m for m in fit_rows if m["row"]["host_cpu"] == host and m["flops"] / m["threads"] / per_core
+               > m["bytes"] / m["bandwidth"] / mbu]
+        if own:
+            c = min((c for _, c in grid), key=lambda c: sum(math.log(predicted(m, mbu, c) / m["published"]) ** 2
+                                                             for m in own))
+            print(f"  per-core rate from {host[:40]} alone ({len(own)} compute-bound rows): {c / 1e9:.1f} GFLOP/s")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
+    ap.add_argument("--fit", action="store_true", help="fit the host MBU and the per-core rate, with held-out rows")
+    ap.add_argument("--what-if", nargs=2, type=float, metavar=("MBU", "GFLOPS"),
+                    help="also the errors at another host MBU and per-core rate (48 GFLOP/s was the host model before "
+                         "the core term: threads x 3 GHz x 32 FLOP x 0.5)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         found, skipped = rows(Path(tmp))
-    print(f"{len(found)} published expert-offload decode runs compared; left out: "
+    ms = measure(found)
+    print(f"{len(ms)} published expert-offload decode runs compared; left out: "
           + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
-    print(f"{'GPU':<16} {'host RAM':<26} {'model':<15} {'quant':<11} {'placement':<26} {'tool':<12} "
-          f"{'published':>9} {'predicted':>9} {'ratio':>6} {'host MBU that fits':>18}")
-    doc, ratios = [], {"mainline": [], "ik_llama.cpp": []}
-    for r, gpu, host, spec, req in found:
-        sp = plan_speed(spec, gpu, host, dataclasses.replace(req, n_ctx=4096))
-        if sp is None:
-            print(f"{r['gpu'][:16]:<16} no prediction (the profile lacks a figure the speed model needs)")
-            continue
-        pub = float(r["tok_s"])
-        pred = sp["decode_tok_s"]
-        # the host MBU that makes it exact: host time = 1/pub − gpu time
-        host_s = 1 / pub - sp.get("gpu_s", 0.0)
-        need = (sp.get("host_read_bytes", 0) / host.bandwidth_bytes_per_s / host_s) if host_s > 0 else math.inf
-        tool = "ik_llama.cpp" if "ik_llama" in r["tool"] else "mainline"
-        ratios[tool].append(pred / pub)
-        print(f"{r['gpu'][:16]:<16} {r['host_ram'][:26]:<26} {r['model_key']:<15} {r['quant'][:11]:<11} "
-              f"{r['placement'][:26]:<26} {tool:<12} {pub:9.2f} {pred:9.2f} {pred / pub:6.2f} "
-              f"{need:18.2f}")
-        doc.append({"gpu": gpu.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s, "model": spec.name,
-                    "quant": r["quant"], "placement": r["placement"], "tool": tool, "published": pub,
-                    "predicted": pred, "host_mbu_that_fits": need, "url": r["url"]})
+    print(f"host: bandwidth × MBU {HOST_MBU}, threads × {DECODE_FLOPS_PER_CORE / 1e9:g} GFLOP/s a core")
+    print(f"{'GPU':<16} {'host CPU':<22} {'model':<15} {'quant':<11} {'tool':<12} {'published':>9} {'predicted':>9} "
+          f"{'ratio':>6} {'bound':<12} {'MBU fits':>8} {'GF/s/core fits':>14} {'scope':<12}")
+    for m in ms:
+        r = m["row"]
+        print(f"{r['gpu'][:16]:<16} {r['host_cpu'][:22]:<22} {r['model_key']:<15} {r['quant'][:11]:<11} "
+              f"{m['tool']:<12} {m['published']:9.2f} {m['predicted']:9.2f} {m['predicted'] / m['published']:6.2f} "
+              f"{m['bound']:<12} {m['mbu_that_fits']:8.2f} {m['core_flops_that_fit'] / 1e9:14.1f} {m['scope']:<12}")
+    ratios = {t: [m["predicted"] / m["published"] for m in ms if t in ("all", m["tool"])]
+              for t in ("all", "mainline", "ik_llama.cpp")}
     for tool, v in ratios.items():
-        if v:
-            errs = sorted(abs(x - 1) for x in v)
-            print(f"{tool}: n={len(v)}, median |predicted/published − 1| {errs[len(errs) // 2]:.0%}, "
-                  f"within 25%: {sum(e <= 0.25 for e in errs)}/{len(v)}")
+        print(summary(tool, v))
+    print(summary("in scope (single socket; ik_llama.cpp with -rtr)",
+                  [m["predicted"] / m["published"] for m in ms if not m["scope"]]))
+    if args.what_if:
+        mbu, per_core = args.what_if[0], args.what_if[1] * 1e9
+        print(f"what if: host MBU {mbu}, {per_core / 1e9:g} GFLOP/s a core")
+        for tool in ("all", "mainline", "ik_llama.cpp"):
+            print(summary(f"  {tool}", [predicted(m, mbu, per_core) / m["published"] for m in ms
+                                         if tool in ("all", m["tool"])]))
+        print(summary("  in scope", [predicted(m, mbu, per_core) / m["published"] for m in ms if not m["scope"]]))
+    if args.fit:
+        fit(ms)
     if args.json:
+        doc = [{k: v for k, v in m.items() if k != "row"} | {"quant": m["row"]["quant"], "url": m["row"]["url"],
+                                                            "placement": m["row"]["placement"]} for m in ms]
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return 0
 

@@ -2,13 +2,19 @@
 
 When experts (``--n-cpu-moe``) or whole layers (``-ngl``) live in system RAM, the verdict needs the
 host's usable memory and the speed model its bandwidth.  Facts live in ``profiles/hosts/*.toml``
-(``name``, ``memory``, ``reserve``, ``bandwidth``, ``cores``, ``fp32_flops``, ``decode_mbu`` and a
-``[sources]`` table citing each one), shipped as ``localinfer.profiles/hosts``.  A device profile
-names its default host with ``host = "NAME"``; ``fit --host NAME`` picks another.
+(``name``, ``memory``, ``reserve``, ``bandwidth``, ``cores``, ``fp32_flops``, ``decode_mbu``, optionally
+``decode_flops_per_core``, and a ``[sources]`` table citing each one), shipped as ``localinfer.profiles/hosts``.
+A device profile names its default host with ``host = "NAME"``; ``fit --host NAME`` picks another.
 
 ``local_host()`` describes this machine: RAM and cores through psutil; its bandwidth is not
 probed, so a conservative default (:data:`LOCAL_BANDWIDTH`) stands in and its source says so.
 On unified memory (Apple silicon) the host is the device itself: :func:`unified_host`.
+
+A decode step's host part reads the host's weights at ``bandwidth × decode_mbu`` and computes them at
+``cores × decode_flops_per_core``, whichever takes longer: llama.cpp's CPU kernels dequantise every weight inside
+the dot product, one thread a core, so a host with few cores for its channels (a 24-core Threadripper on eight
+DDR5 channels, a 32-core EPYC on twelve) is bound by the cores, not by the RAM.  :data:`DECODE_FLOPS_PER_CORE`
+is fitted on published expert-offload runs (``benchmarks/offload_published.py --fit``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,16 @@ LOCAL_NAME = "local"
 LOCAL_BANDWIDTH = 40e9      # bytes/s: below a DDR4-3200 dual-channel desktop's 51.2 GB/s theoretical
 LOCAL_RESERVE = "10%"
 FALLBACK_MBU = 0.6
-FALLBACK_EFFICIENCY = 0.5   # of fp32_flops, for host compute when it binds
+FALLBACK_EFFICIENCY = 0.5   # of fp32_flops, for the host's share of a prefill (batched: GEMM-like)
+# FLOP/s one core's llama.cpp CPU kernels reach on the routed experts' matrix-vector products at batch 1 (quantized
+# weights dequantised in the dot product).  Fitted (benchmarks/offload_published.py --fit) on published expert-offload
+# decode runs: a Threadripper PRO 7965WX (24 threads, Zen 4) with DeepSeek-R1 UD-Q2_K_XL and an EPYC 9355 (30-32
+# threads, Zen 5) with DeepSeek-V3 UD-Q4_K_XL each give 29e9 on their own.
+DECODE_FLOPS_PER_CORE = 29e9
+DECODE_FLOPS_SOURCE = ("fitted: llama.cpp's CPU expert kernels at batch 1 reach about 29 GFLOP/s a core "
+                       "(benchmarks/offload_published.py --fit: a Threadripper PRO 7965WX with DeepSeek-R1 UD-Q2_K_XL "
+                       "and an EPYC 9355 with DeepSeek-V3 UD-Q4_K_XL give 29 each; "
+                       "https://github.com/ikawrakow/ik_llama.cpp/discussions/258)")
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,7 @@ class HostProfile:
     cores: int
     fp32_flops: float | None = None
     decode_mbu: float = FALLBACK_MBU
+    decode_flops_per_core: float = DECODE_FLOPS_PER_CORE
     unified: bool = False                  # the host is the accelerator's own memory
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     origin: str = "built-in"
@@ -62,24 +78,33 @@ class HostProfile:
 
     @property
     def effective_flops(self) -> float | None:
+        """What a batched host computation (a prefill's share) reaches: ``fp32_flops`` × 0.5."""
         return self.fp32_flops * FALLBACK_EFFICIENCY if self.fp32_flops else None
 
+    @property
+    def decode_flops(self) -> float:
+        """What a decode step's host part computes at: ``cores`` × ``decode_flops_per_core`` (one thread a core)."""
+        return self.cores * self.decode_flops_per_core
+
     def source(self, key: str) -> str:
+        if key == "decode_flops_per_core" and key not in self.sources:
+            return DECODE_FLOPS_SOURCE
         return self.sources.get(key, "")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "display_name": self.display_name, "memory_bytes": self.memory_bytes,
                 "reserve": self.reserve, "usable_bytes": self.usable_bytes,
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "cores": self.cores,
-                "fp32_flops": self.fp32_flops, "decode_mbu": self.decode_mbu, "unified": self.unified,
-                "sources": dict(self.sources), "origin": self.origin}
+                "fp32_flops": self.fp32_flops, "decode_mbu": self.decode_mbu,
+                "decode_flops_per_core": self.decode_flops_per_core, "unified": self.unified,
+                "sources": {"decode_flops_per_core": DECODE_FLOPS_SOURCE, **self.sources}, "origin": self.origin}
 
 
 def _parse(data: dict, origin: str) -> HostProfile:
     from localinfer.devices.profiles import _bad, _rate, _size
 
     known = {"name", "display_name", "memory", "reserve", "bandwidth", "cores", "fp32_flops", "decode_mbu",
-             "sources"}
+             "decode_flops_per_core", "sources"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise _bad(origin, unknown[0], f"unknown key; known keys: {', '.join(sorted(known))}")
@@ -95,10 +120,14 @@ def _parse(data: dict, origin: str) -> HostProfile:
     mbu = data.get("decode_mbu", FALLBACK_MBU)
     if isinstance(mbu, bool) or not isinstance(mbu, (int, float)) or not 0 < mbu <= 1:
         raise _bad(origin, "decode_mbu", "must be a fraction in (0, 1]")
+    per_core = data.get("decode_flops_per_core", DECODE_FLOPS_PER_CORE)
+    if isinstance(per_core, bool) or not isinstance(per_core, (int, float)) or not per_core > 0:
+        raise _bad(origin, "decode_flops_per_core", "must be a positive rate, e.g. 29e9")
     return HostProfile(name=name, display_name=str(data.get("display_name") or name),
                        memory_bytes=_size(data, "memory", origin, required=True),
                        reserve=str(data.get("reserve", "0")), bandwidth_bytes_per_s=bandwidth, cores=cores,
                        fp32_flops=_rate(data, "fp32_flops", origin), decode_mbu=float(mbu),
+                       decode_flops_per_core=float(per_core),
                        sources=MappingProxyType(dict(data.get("sources") or {})), origin=origin)
 
 

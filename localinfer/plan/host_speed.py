@@ -4,13 +4,15 @@ Decode, one token at batch 1, is the GPU part and the host part one after the ot
 experts run on the CPU between its GPU attention and the next layer)::
 
     T_step = max(F_gpu / (P·MFU), (D − D_host) / (β·MBU))            the GPU: all it keeps, KV included
-           + max(D_host / (β_host·MBU_host), F_host / (P_host·eff))  the host: what it keeps, at RAM speed
+           + max(D_host / (β_host·MBU_host), F_host / (n_cores·r))   the host: what it keeps, RAM or cores
 
 with ``D`` and ``F`` the all-GPU step's bytes and FLOPs (:meth:`SpeedModel.decode_step`),
 ``D_host`` the host tensors' bytes one token reads (routed experts: the ``k/n`` share a token
-touches; other weights whole; the KV of host layers) and ``F_host`` their FLOPs.  With nothing on
-the host this is the all-GPU figure exactly.  The speed model has no per-layer fixed time (kernel
-launches, the device↔host hop per layer), so none is added; a split therefore reads as an upper bound.
+touches; other weights whole; the KV of host layers) and ``F_host`` their FLOPs, computed one thread a
+core at ``r`` (:data:`localinfer.devices.hosts.DECODE_FLOPS_PER_CORE`, fitted on published runs: the CPU
+kernels dequantise each weight in the dot product, so a host with few cores for its RAM channels is
+bound by its cores).  With nothing on the host this is the all-GPU figure exactly.  The device part
+carries the kernel model's fixed times; no extra time is added for the device↔host hop per layer.
 
 Prefill, one prompt of ``n_ctx`` tokens in micro-batches of ``-ub``: for ``-ub ≥ 32`` llama.cpp's CUDA
 and Metal backends copy host weights to the device and compute there (the ``offload_op`` rule,
@@ -28,7 +30,7 @@ from localinfer.units import ceil_div
 
 OFFLOAD_MIN_BATCH = 32      # ggml-cuda / ggml-metal: ops on host weights move to the device from this batch on
 FORMULA = ("decode step = GPU max(F_gpu/(P·MFU), (D − D_host)/(β·MBU)) + host max(D_host/(β_host·MBU_host), "
-           "F_host/(P_host·eff)); D_host = host experts × k/n + other host weights + host layers' KV; "
+           "F_host/(cores·r_core)); D_host = host experts × k/n + other host weights + host layers' KV; "
            "prefill = all-GPU prefill + ⌈n_ctx/ub⌉ × host weights / link (ub ≥ 32), else the host computes its "
            "share; no per-layer fixed time (the speed model has none)")
 
@@ -54,7 +56,7 @@ def _host_terms(spec, host_names: frozenset[str]) -> tuple[int, int, int, int]:
 
 KERNEL_FORMULA = ("decode step = GPU part (llama.cpp's kernel model over the weights on the device: t_token + "
                   "n_layer·t_layer + Σ D_type/(β·e_type) + KV) + host max(D_host/(β_host·MBU_host), "
-                  "F_host/(P_host·eff)); D_host = host experts × k/n + other host weights + host layers' KV; "
+                  "F_host/(cores·r_core)); D_host = host experts × k/n + other host weights + host layers' KV; "
                   "prefill = all-GPU prefill + ⌈n_ctx/ub⌉ × host weights / link (ub ≥ 32), else the host "
                   "computes its share")
 
@@ -98,7 +100,7 @@ def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | N
     gpu_mem = (step.bytes - d_host) / model.effective_bandwidth(1)
     gpu_comp = step.compute_s * (1 - w_flops / step.flops) if step.flops else 0.0
     host_mem = d_host / host.effective_bandwidth
-    host_comp = w_flops / host.effective_flops if host.effective_flops else 0.0
+    host_comp = w_flops / host.decode_flops if host.decode_flops else 0.0
     gpu_s, host_s = max(gpu_mem, gpu_comp), max(host_mem, host_comp)
     decode_s = gpu_s + host_s
     prefill_s, how = _split_prefill(pre.seconds, cost, device, host, req, w_flops, held)
@@ -107,7 +109,8 @@ def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | N
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
             "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
             "decode_bound": _bound(gpu_s, host_s, host_mem, host_comp, "compute" if gpu_comp > gpu_mem else "memory"),
-            "gpu_s": gpu_s, "host_s": host_s, "host_read_bytes": d_host, "host_weight_bytes": held,
+            "gpu_s": gpu_s, "host_s": host_s, "host_read_bytes": d_host, "host_flops": w_flops,
+            "host_weight_bytes": held,
             "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s, "prefill_rule": how,
             "formula": FORMULA}
 
@@ -139,7 +142,7 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
     gpu_s = step.fixed_s + max(step.memory_s - kv_host / (device.bandwidth_bytes_per_s * ks.kv_share(kv)),
                                step.compute_s)
     host_mem = (w_read + kv_host) / host.effective_bandwidth
-    host_comp = w_flops / host.effective_flops if host.effective_flops else 0.0
+    host_comp = w_flops / host.decode_flops if host.decode_flops else 0.0
     host_s = max(host_mem, host_comp)
     decode_s = gpu_s + host_s
     pre = ks.prefill(1, req.n_ctx)
@@ -150,5 +153,6 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
             "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
             "decode_bound": _bound(gpu_s, host_s, host_mem, host_comp, "memory"),
             "gpu_s": gpu_s, "host_s": host_s, "decode_fixed_s": step.fixed_s, "host_read_bytes": w_read + kv_host,
+            "host_flops": w_flops,
             "host_weight_bytes": held, "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s,
             "prefill_rule": how, **speed_band(ks), "formula": KERNEL_FORMULA}

@@ -1,0 +1,78 @@
+"""The host part of a split decode step is bound by the host's RAM or by its cores, whichever is slower
+(issue 41 item 4): through the public API on a tiny MoE skeleton, structure rather than typed-in answers."""
+
+from dataclasses import replace
+
+import pytest
+
+from gguf_tools.skeleton import write_skeleton
+from localinfer.backends.memory import FitRequest
+from localinfer.devices.hosts import DECODE_FLOPS_PER_CORE, _parse, builtin_hosts, get_host
+from localinfer.devices.profiles import profile_from_dict
+from localinfer.errors import ProfileError
+from localinfer.model.spec import ModelSpec
+from localinfer.plan.host_speed import plan_speed
+
+SPEC = {"n_layers": 8, "n_embd": 512, "n_head": 8, "n_head_kv": 2, "head_dim": 64, "n_ff": 0, "vocab_size": 1000,
+        "context_length": 4096, "arch": "qwen3moe", "expert_ff": 1024, "n_expert": 32, "n_expert_used": 4,
+        "type": "q8_0"}
+HOST = {"name": "h", "memory": "64GB", "bandwidth": "400GB/s", "cores": 8}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("host_cores") / "moe.gguf"
+    return ModelSpec.from_gguf(str(write_skeleton(SPEC, path)))
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return profile_from_dict({"name": "tiny-gpu", "kind": "cuda", "memory": "500MiB", "bandwidth": "1000GB/s",
+                              "bf16_flops": 100e12, "link": {"per_direction": "32GB/s"}, "host": "ddr5-5600-2ch"})
+
+
+def _terms(sp, host):
+    """(the host's memory time, its compute time) for the bytes and FLOPs the step says the host handles."""
+    return (sp["host_read_bytes"] / (host.bandwidth_bytes_per_s * host.decode_mbu),
+            sp["host_flops"] / (host.cores * host.decode_flops_per_core))
+
+
+def test_the_host_part_is_the_slower_of_its_ram_and_its_cores(model, gpu):
+    req = FitRequest(n_ctx=2048, cpu_moe=True)
+    server = get_host("epyc-9004-12ch")
+    for cores, bound in ((1, "host compute"), (server.cores, "host memory")):
+        host = replace(server, cores=cores)
+        sp = plan_speed(model, gpu, host, req)
+        mem, comp = _terms(sp, host)
+        assert sp["host_flops"] > 0 and sp["host_s"] == pytest.approx(max(mem, comp))
+        assert sp["decode_bound"] == bound
+        assert sp["decode_step_s"] == pytest.approx(sp["gpu_s"] + sp["host_s"])
+
+
+def test_host_time_falls_with_cores_until_the_ram_binds(model, gpu):
+    req = FitRequest(n_ctx=2048, n_cpu_moe=6)
+    base = get_host("threadripper-pro-8ch")
+    steps = []
+    for cores in (1, 2, 4, 8, 16, 32, 64, 128):
+        host = replace(base, cores=cores)
+        sp = plan_speed(model, gpu, host, req)
+        steps.append((sp["host_s"], _terms(sp, host)))
+    times = [t for t, _ in steps]
+    assert all(a >= b for a, b in zip(times, times[1:]))
+    assert times[0] == pytest.approx(2 * times[1])                       # compute-bound: twice the cores, half
+    mem = steps[-1][1][0]
+    assert times[-1] == pytest.approx(mem) and times[-2] == pytest.approx(mem)  # enough cores: the RAM's time
+
+
+def test_the_rate_a_core_reaches_is_fitted_and_cited():
+    for h in builtin_hosts().values():
+        assert h.decode_flops == h.cores * h.decode_flops_per_core
+        assert "offload_published" in h.source("decode_flops_per_core")
+        assert h.to_dict()["sources"]["decode_flops_per_core"]
+    default = _parse(dict(HOST), "test")
+    assert default.decode_flops_per_core == DECODE_FLOPS_PER_CORE
+    own = _parse({**HOST, "decode_flops_per_core": 12e9}, "test")
+    assert own.decode_flops == 8 * 12e9
+    for bad in (0, -1, True, "fast"):
+        with pytest.raises(ProfileError, match="decode_flops_per_core"):
+            _parse({**HOST, "decode_flops_per_core": bad}, "test")
