@@ -1,6 +1,6 @@
-"""What a decode step costs over a wave's KV layout against a churned one (in process, no HTTP).
+"""What a decode step costs over a wave's KV layout against a churned one, and a compacted one (in process).
 
-    python benchmarks/kv_layout_steps.py [--rounds 2]
+    python benchmarks/kv_layout_steps.py [--rounds 2] [--loop]
 
 Both layouts hold 8 sequences in one unified cache of 4096 cells (SmolLM2 by default, 2 threads, flash
 attention on) with ~3,330 cells in use.  ``wave``: 8 prompts of 300 random tokens, then 117 decode steps
@@ -9,12 +9,18 @@ interleaved above them).  ``churn``: 8 slots starting 16 steps apart, each repla
 prompt after 128 decodes, for 300 steps (as a staggered closed loop leaves them: llama.cpp places new cells
 from its moving head, into the holes finished sequences left).  For each: the cells in use, how many runs
 of adjacent cells each sequence's cells form (``cells()`` lists them in cache order; neither layout has an
-empty cell below its top), and the median of 30 more 8-row decode steps.
+empty cell below its top), and the median of 30 more 8-row decode steps.  ``compacted``: the churn, then the
+executor's ``compact()`` (each sequence's cells written back in one run, localinfer/backends/llamacpp/compaction.py).
+
+``--loop``: the churn itself timed whole (400 steps: 8 staggered sequences, each replaced after 128 decodes), with
+the executor's compaction policy off and on, alternated: total seconds, seconds inside llama_decode, compactions
+and what they cost.  Every sequence is compacted automatically in serving; the policy off is the layout before.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -83,24 +89,70 @@ def churn(ex, toks) -> list[int]:
     return lens
 
 
+def compacted(ex, toks) -> list[int]:
+    lens = churn(ex, toks)
+    assert ex.compact()
+    return lens
+
+
+def loop(ex, toks, steps: int = 400) -> None:
+    lens, left = [0] * ROWS, [0] * ROWS
+    for step in range(steps):
+        chunks = []
+        for s in range(ROWS):
+            if not lens[s] and step >= 16 * s:
+                chunks.append(Chunk(s, toks(300), 0, True))
+                left[s] = 128
+            elif lens[s]:
+                chunks.append(Chunk(s, (7,), lens[s], True))
+        ex.step(chunks)
+        for c in chunks:
+            lens[c.slot] = c.start + len(c.tokens)
+            left[c.slot] -= len(c.tokens) == 1
+        for s in range(ROWS):
+            if lens[s] and not left[s]:
+                ex.drop(s)
+                lens[s] = 0
+
+
+def open_executor(model: str, threads: int) -> LlamaCppExecutor:
+    return LlamaCppExecutor.open(model, n_slots=ROWS + 1, n_ctx=4096, threads=threads, flash_attn=True, quiet=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--loop", action="store_true", help="time the churn loop whole, compaction policy off and on")
     args = ap.parse_args(argv)
     model = args.model or str(default_model_path())
-    rng = np.random.default_rng(1)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} loadavg {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs, "
+          f"threads {args.threads}", flush=True)
+    if args.loop:
+        for rnd in range(args.rounds):
+            for auto in ((False, True) if rnd % 2 == 0 else (True, False)):
+                rng = np.random.default_rng(1)
+                toks = lambda n: tuple(int(t) for t in rng.integers(100, 20000, n))    # noqa: E731
+                with open_executor(model, args.threads) as ex:
+                    ex.compaction.auto = auto
+                    t0 = time.perf_counter()
+                    loop(ex, toks)
+                    total, c = time.perf_counter() - t0, ex.compaction
+                    print(f"loop compaction {'on ' if auto else 'off'}  total {total:6.2f} s  llama_decode "
+                          f"{ex.decode_seconds:6.2f} s  compactions {c.count} taking {c.seconds:.2f} s "
+                          f"({c.bytes / 2**20:.0f} MiB moved)  loadavg {os.getloadavg()[0]:.2f}", flush=True)
+        return 0
     for _ in range(args.rounds):
-        for name, build in (("wave", wave), ("churn", churn)):
+        for name, build in (("wave", wave), ("churn", churn), ("compacted", compacted)):
             rng = np.random.default_rng(1)
             toks = lambda n: tuple(int(t) for t in rng.integers(100, 20000, n))    # noqa: E731
-            with LlamaCppExecutor.open(model, n_slots=ROWS + 1, n_ctx=4096, threads=args.threads, flash_attn=True,
-                                       quiet=True) as ex:
+            with open_executor(model, args.threads) as ex:
+                ex.compaction.auto = False
                 lens = build(ex, toks)
                 used, r = ex.cells_used(), runs(ex)
                 ms = decode(ex, lens, 30)
-            print(f"{name:<6} cells {used}  runs per slot {r}  8-row decode step median "
+            print(f"{name:<9} cells {used}  runs per slot {r}  8-row decode step median "
                   f"{statistics.median(ms):.1f} ms", flush=True)
     return 0
 

@@ -318,3 +318,23 @@ def check_chunks(chunks: Sequence, n_slots: int, n_vocab: int, capacity: int, hi
         if end > capacity:
             raise ContextFullError(f"slot {c.slot}: {end} positions exceed the {capacity} KV cells a slot can hold",
                                    needed=end, available=capacity, hint=hint)
+
+
+def pack_rows(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[list[tuple[int, int, int, bool]]]:
+    """Rows (token, position, slot, wants logits) in groups of <= n_batch rows and <= n_outputs logit rows.
+
+    Rows keep the order of the chunks; a step within both limits is one group
+    (one ``llama_decode``), and a long chunk may straddle two groups.
+    """
+    groups: list[list[tuple[int, int, int, bool]]] = [[]]
+    outs = 0
+    for c in chunks:
+        last = len(c.tokens) - 1
+        for i, t in enumerate(c.tokens):
+            w = c.logits and i > last - c.n_logits
+            if len(groups[-1]) == n_batch or (w and outs == n_outputs):
+                groups.append([])
+                outs = 0
+            groups[-1].append((int(t), c.start + i, c.slot, w))
+            outs += w
+    return groups

@@ -98,6 +98,7 @@ def test_soak_with_disconnects_cancels_and_a_burst(default_model):
         assert seen["disconnected"] > 50 and seen["cancelled"] > 5, seen
         m = srv.wait_idle(timeout=30)
         assert_only_parked_kv(srv, m)
+        assert m["localinfer_kv_compactions_total"] > 0     # cells compacted under this churn, and nothing lost
         assert m["localinfer_requests_cancelled_total"] >= seen["disconnected"] // 2
         assert m.get('localinfer_requests_finished_total{reason="error"}', 0) == 0
         assert not any(k.startswith('localinfer_requests_rejected_total{status="5') for k in m), \
@@ -124,6 +125,7 @@ def test_kv_pressure_preempts_and_every_request_still_finishes(default_model):
         assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in replies)
         m = srv.wait_idle()
         assert m["localinfer_preemptions_total"] > 0
+        assert m["localinfer_kv_compactions_total"] > 0     # preempted cells freed, the rest compacted
         assert_only_parked_kv(srv, m)
     finally:
         srv.stop()

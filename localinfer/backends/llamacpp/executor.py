@@ -38,10 +38,11 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.backends.engine import LoadPlan
-from localinfer.backends.executor import Chunk, ExecutorBase, SeqState, check_chunks, check_slot
+from localinfer.backends.executor import Chunk, ExecutorBase, SeqState, check_chunks, check_slot, pack_rows
 from localinfer.backends.llamacpp import native, seq_state
+from localinfer.backends.llamacpp.compaction import CompactionError, CompactPolicy, compact
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
-from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, HEADER, cut_seq_state, parse_kv_state
+from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
 from localinfer.util.hostmem import host_cache_budget
 
@@ -90,11 +91,15 @@ class LlamaCppExecutor(ExecutorBase):
         # sequence's state leaves out once masked), no per-cell extension; a probe below checks a blob round-trips
         self.parks_in_host = (park_host and self.drops_tail and self.unified and not self._ext_bytes
                               and int(_L.llama_model_n_swa(model)) == 0)
+        # each sequence's cells in one run again now and then (compaction.py): one unified stream on the CPU, no
+        # sliding window or per-cell extension; never while a cell may be held by two slots (a seq_cp)
+        self.compaction = CompactPolicy(on_cpu and self.drops_tail and self.unified and not self._ext_bytes
+                                        and int(_L.llama_model_n_swa(model)) == 0)
+        self._shared: set[int] = set()                 # slots a seq_cp made share cells (until dropped to 0)
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
         self._saved: dict[int, int] = {}               # slot -> positions its blob holds (drop cuts _len only)
         self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
         self.position_bytes = 0            # bytes one more position adds to a parked state (the probe measures it)
-        self._state = np.zeros(0, dtype=np.uint8)
         self.decode_seconds = 0.0
         self.steps = 0
         self._flight = threading.Lock()    # step() in flight or not, and the interrupt flag, change together
@@ -144,11 +149,14 @@ class LlamaCppExecutor(ExecutorBase):
             return {}
         groups = self._groups(chunks)
         got: dict[int, list[np.ndarray]] = {}
+        spent = self.decode_seconds
         if self.snapshots:     # a verify's state before it, to roll a rejected draft back to
             for c in chunks:
                 self._verify.pop(c.slot, None)
                 if c.logits and c.n_logits > 1:
                     self._verify[c.slot] = (self.snapshot(c.slot), c.tokens)
+        if self.compaction.due():
+            self.compact()
         with self._flight:
             self._stepping = True
             if self._interrupt_asked:     # asked while the chunks were checked: stop at the first graph node
@@ -175,6 +183,7 @@ class LlamaCppExecutor(ExecutorBase):
         for c in chunks:
             self._len[c.slot] = c.start + len(c.tokens)
         self.steps += 1
+        self.compaction.stepped(len({c.slot for c in chunks}), self.decode_seconds - spent)
         return {c.slot: got[c.slot][0] if c.n_logits == 1 else np.stack(got[c.slot]) for c in chunks if c.logits}
 
     def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
@@ -205,6 +214,7 @@ class LlamaCppExecutor(ExecutorBase):
                 return have
         elif self.unified:
             _L.llama_memory_seq_cp(self._mem, src, dst, have, n_tokens)
+            self._shared |= {src, dst}
         else:   # across streams llama.cpp copies whole streams only
             _L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
             _L.llama_memory_seq_rm(self._mem, dst, n_tokens, -1)
@@ -236,6 +246,7 @@ class LlamaCppExecutor(ExecutorBase):
             return None
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._host[slot], self._saved[slot] = blob, self._len[slot]
+        self._freed(slot)
         return True
 
     def _read_state(self, slot: int, n: int) -> np.ndarray | None:
@@ -298,6 +309,8 @@ class LlamaCppExecutor(ExecutorBase):
                                       hint="recurrent models drop whole sequences, or rewind to a snapshot")
             self._len[slot] = start
             self._lost.discard(slot)
+            if not start:
+                self._freed(slot)
 
     def rebase(self, dst: int, src: int, n_tokens: int) -> None:
         """``dst``'s first ``n_tokens`` positions become ``src``'s cells (seq_rm, seq_cp); then rewind a recurrent one."""
@@ -312,6 +325,7 @@ class LlamaCppExecutor(ExecutorBase):
         if not _L.llama_memory_seq_rm(self._mem, dst, 0, n_tokens):
             raise LocalinferError(f"llama.cpp cannot free positions < {n_tokens} of slot {dst}")
         _L.llama_memory_seq_cp(self._mem, src, dst, 0, n_tokens)
+        self._shared |= {src, dst}
         self._verify.pop(dst, None)
 
     def snapshot(self, slot: int) -> SeqState:
@@ -370,7 +384,8 @@ class LlamaCppExecutor(ExecutorBase):
 
     def cells(self) -> list[tuple[int, tuple[int, ...]]]:
         """Every non-empty cell, stream by stream in cache order: (position, slots holding it)."""
-        return parse_kv_state(self._state_blob(), self.n_slots, self._ext_bytes)
+        self._alive()
+        return parse_kv_state(seq_state.whole(self.engine.context), self.n_slots, self._ext_bytes)
 
     # ---- internals ------------------------------------------------------------
     def _groups(self, chunks: Sequence[Chunk]) -> list[list[tuple[int, int, int, bool]]]:
@@ -379,9 +394,9 @@ class LlamaCppExecutor(ExecutorBase):
             short = [c for c in chunks if len(c.tokens) < FA_TILE_ROWS]
             if short and len(short) < len(chunks):
                 long = [c for c in chunks if len(c.tokens) >= FA_TILE_ROWS]
-                return (_pack(short, self.n_batch, self.n_outputs_max)
-                        + _pack(long, self.n_batch, self.n_outputs_max))
-        return _pack(chunks, self.n_batch, self.n_outputs_max)
+                return (pack_rows(short, self.n_batch, self.n_outputs_max)
+                        + pack_rows(long, self.n_batch, self.n_outputs_max))
+        return pack_rows(chunks, self.n_batch, self.n_outputs_max)
 
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> list[tuple[int, np.ndarray]]:
         eng = self.engine
@@ -403,6 +418,27 @@ class LlamaCppExecutor(ExecutorBase):
             if not _L.llama_memory_seq_rm(self._mem, c.slot, c.start, -1):
                 self._lost.add(c.slot)     # a recurrent state went past start: only a rewind or a drop mends it
 
+    def _freed(self, slot: int) -> None:
+        """``slot`` holds no cells now: the holes it left make a compaction worth its cost (compaction.py)."""
+        self._shared.discard(slot)
+        self.compaction.freed = True
+
+    def compact(self) -> bool:
+        """Every slot holding cells written back in one run each (compaction.py); False where it cannot be (see
+        ``compaction.able``), when a cell may be held by two slots, or fewer than two slots hold cells."""
+        self._alive()
+        live = [s for s in range(self.n_slots) if self._len[s] and s not in self._host]
+        if not self.compaction.able or self._shared or self._lost or len(live) < 2:
+            return False
+        try:
+            moved, seconds = compact(self.engine.context, self._mem, live)
+        except CompactionError as exc:
+            for s in exc.slots:
+                self._len[s] = 0
+            raise
+        self.compaction.done(seconds, moved)
+        return True
+
     def _check_chunks(self, chunks: Sequence[Chunk]) -> None:
         check_chunks(chunks, self.n_slots, self.n_vocab, self.slot_cells, "use a larger --ctx or a shorter request")
         for c in chunks:
@@ -415,17 +451,6 @@ class LlamaCppExecutor(ExecutorBase):
 
     def _check_slot(self, slot: int) -> None:
         check_slot(slot, self.n_slots)
-
-    def _state_blob(self) -> memoryview:
-        self._alive()
-        ctx = self.engine.context
-        n = int(_L.llama_state_seq_get_size(ctx, -1))
-        if self._state.size < n:
-            self._state = np.zeros(n, dtype=np.uint8)
-        ptr = self._state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if _L.llama_state_seq_get_data(ctx, ptr, n, -1) != n or n < HEADER.size:
-            raise LocalinferError("llama.cpp did not serialise its KV state", hint="rerun with LOCALINFER_LLAMA_LOG=1")
-        return memoryview(self._state)[:n]
 
     def _write_back(self, src: int, dst: int, lo: int, hi: int) -> bool:
         """Positions [lo, hi) of host-parked ``src`` into fresh cells of ``dst``.  From 0 (dst empty) the state,
@@ -464,26 +489,6 @@ class LlamaCppExecutor(ExecutorBase):
 
 _MROPE = {getattr(_L, n) for n in ("LLAMA_ROPE_TYPE_MROPE", "LLAMA_ROPE_TYPE_IMROPE", "LLAMA_ROPE_TYPE_VISION")
           if hasattr(_L, n)}
-
-
-def _pack(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[list[tuple[int, int, int, bool]]]:
-    """Rows (token, position, slot, wants logits) in groups of <= n_batch rows and <= n_outputs logit rows.
-
-    Rows keep the order of the chunks; a step within both limits is one group
-    (one ``llama_decode``), and a long chunk may straddle two groups.
-    """
-    groups: list[list[tuple[int, int, int, bool]]] = [[]]
-    outs = 0
-    for c in chunks:
-        last = len(c.tokens) - 1
-        for i, t in enumerate(c.tokens):
-            w = c.logits and i > last - c.n_logits
-            if len(groups[-1]) == n_batch or (w and outs == n_outputs):
-                groups.append([])
-                outs = 0
-            groups[-1].append((int(t), c.start + i, c.slot, w))
-            outs += w
-    return groups
 
 
 def open_serving(plan: LoadPlan, *, running: int) -> LlamaCppExecutor:

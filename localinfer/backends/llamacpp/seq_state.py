@@ -17,6 +17,7 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.backends.executor import SeqState
+from localinfer.backends.llamacpp.kv_state import HEADER
 from localinfer.errors import LocalinferError
 
 PARTIAL = _L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
@@ -59,3 +60,12 @@ def restore(ctx, mem, seq: int, state: SeqState) -> None:
     if not _L.llama_memory_seq_rm(mem, seq, state.n_tokens, -1):
         raise LocalinferError(f"llama.cpp cannot drop positions >= {state.n_tokens} of sequence {seq} after "
                               "restoring its state")
+
+
+def whole(ctx) -> memoryview:
+    """Every sequence's cells as llama.cpp serialises its whole memory (``llama_state_seq_get_data`` of seq -1)."""
+    n = int(_L.llama_state_seq_get_size(ctx, -1))
+    blob = np.zeros(n, dtype=np.uint8)
+    if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, -1) != n or n < HEADER.size:
+        raise LocalinferError("llama.cpp did not serialise its KV state", hint="rerun with LOCALINFER_LLAMA_LOG=1")
+    return memoryview(blob)

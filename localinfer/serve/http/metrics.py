@@ -36,6 +36,8 @@ COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of step
     "snapshots_taken": "recurrent-state snapshots saved",
     "snapshots_restored": "prefix hits that restored a recurrent-state snapshot",
     "snapshot_recomputed_tokens": "prompt tokens the prefix cache matched past the deepest snapshot (recomputed)",
+    "kv_compactions": "compactions of the KV cache: every running sequence's cells written back in one run (CPU)",
+    "kv_compaction_seconds": "seconds those compactions took (inside engine_step_seconds, outside llama_decode)",
 }
 
 

@@ -427,6 +427,9 @@ class Runtime:
             values.update(snapshots=len(b.snapshots), snapshot_bytes=b.snapshots.bytes,
                           snapshots_taken=b.snapshots.taken, snapshots_restored=b.snapshots.restored,
                           snapshot_recomputed_tokens=b.snapshots.recomputed)
+        c = _compaction(self.executor)
+        if c is not None:
+            values.update(kv_compactions=c.count, kv_compaction_seconds=c.seconds)
         if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait
             values["kv_cells_used"] = self.executor.cells_used()
             values["kv_host_tokens"] = self.executor.host_tokens()
@@ -441,3 +444,10 @@ def _deliver(out: list[tuple[Handle, Event]]) -> None:
         if ev.reason is not None:
             h.finished = True
         h.queue.put_nowait(ev)
+
+
+def _compaction(executor):
+    """The llama.cpp executor's compaction record under any wrappers (None on other backends)."""
+    while executor is not None and not hasattr(executor, "compaction"):
+        executor = getattr(executor, "inner", None)
+    return None if executor is None else executor.compaction

@@ -1,0 +1,98 @@
+"""Each sequence's KV cells in one run again: compaction of llama.cpp's unified cache on the CPU.
+
+llama.cpp places a ubatch's tokens in the free cells it meets from its moving head (``find_slot``), so once
+requests come and go out of step (a closed loop, staggered arrivals) every finished sequence leaves holes — its
+prompt's run and one cell in every n of the decode region — that the next prompt and everyone's decode tokens
+fill: a sequence's cells end up in 60-160 runs across the cache.  The attended view is no wider for it, but
+ggml-cpu's flash attention walks every cell of the view for every row and skips the masked ones one by one
+(``ggml_compute_forward_flash_attn_ext_f16_one_chunk``), and over a churned mask the same 8-row decode step costs
+12-30% more than over sequences laid out in runs (benchmarks/kv_layout_steps.py; docs/serving.md, "where the
+closed loop's time goes").
+
+:func:`compact` writes every live sequence back in one run: each one's whole state read to host memory
+(``llama_state_seq_get_data``), all removed, each written back (``llama_state_seq_set_data`` places a sequence's
+cells in one contiguous free run, in their old order, so a row's sum runs in the same order and its logits do not
+change).  It is safe only where no cell is held by two sequences (a ``seq_cp`` prefix: written back per sequence it
+would be held twice) and nothing else holds cells, so the cells removed are exactly the cells written back into an
+empty cache.  :class:`CompactPolicy` decides when: cells were freed since the last compaction (holes exist), at least
+``COMPACT_AFTER`` steps of several sequences have interleaved their cells since, and the last compaction cost at most
+``COMPACT_SHARE`` of the decode time since (a bigger model's KV moves longer, and its steps are longer too).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import llama_cpp as _L
+import numpy as np
+
+from localinfer.errors import LocalinferError
+
+COMPACT_AFTER = 16      # steps of >= 2 sequences since the last compaction (each adds one run to every sequence)
+COMPACT_SHARE = 0.10    # the most of the decode time since the last compaction that one compaction may cost
+
+
+@dataclass
+class CompactPolicy:
+    """When to compact; what compaction has cost (``count``, ``seconds``, ``bytes``) for /metrics and benchmarks."""
+
+    able: bool                    # one unified stream on the CPU, no sliding window: compaction is safe and pays
+    auto: bool = True             # compact by itself when due (off: only an explicit ``compact()``)
+    interleaved: int = 0          # steps of >= 2 sequences since the last compaction
+    freed: bool = False           # cells freed (a drop to 0, a park) since the last compaction
+    decode_since: float = 0.0     # seconds of llama_decode since the last compaction
+    last_cost: float = 0.0        # seconds the last compaction took
+    count: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+    def stepped(self, n_seqs: int, seconds: float) -> None:
+        self.interleaved += n_seqs >= 2
+        self.decode_since += seconds
+
+    def due(self) -> bool:
+        return (self.able and self.auto and self.freed and self.interleaved >= COMPACT_AFTER
+                and self.last_cost <= COMPACT_SHARE * self.decode_since)
+
+    def done(self, seconds: float, moved: int) -> None:
+        self.interleaved, self.freed, self.decode_since, self.last_cost = 0, False, 0.0, seconds
+        self.count += 1
+        self.seconds += seconds
+        self.bytes += moved
+
+
+def compact(ctx, mem, slots: Iterable[int]) -> tuple[int, float]:
+    """Write each of ``slots`` (every sequence holding cells, none sharing one) back in one run of cells, in the
+    order given; (bytes moved, seconds).  Sequences llama.cpp will not read back are a CompactionError naming them
+    (they hold no cells then); by the conditions above that cannot happen short of a llama.cpp fault."""
+    t0 = time.perf_counter()
+    blobs: list[tuple[int, np.ndarray]] = []
+    for s in slots:
+        n = int(_L.llama_state_seq_get_size(ctx, s))
+        blob = np.empty(n, dtype=np.uint8)
+        if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, s) != n:
+            raise LocalinferError(f"llama.cpp did not save sequence {s}'s KV for compaction")
+        blobs.append((s, blob))
+    for s, _ in blobs:
+        _L.llama_memory_seq_rm(mem, s, -1, -1)
+    lost = []
+    for s, blob in blobs:
+        ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if _L.llama_state_seq_set_data(ctx, ptr, blob.size, s) != blob.size:
+            _L.llama_memory_seq_rm(mem, s, -1, -1)
+            lost.append(s)
+    if lost:
+        raise CompactionError(lost)
+    return sum(b.size for _, b in blobs), time.perf_counter() - t0
+
+
+class CompactionError(LocalinferError):
+    """llama.cpp did not take some sequences' KV back: they hold no cells now (``slots``)."""
+
+    def __init__(self, slots: list[int]):
+        super().__init__(f"llama.cpp did not take back the KV of sequences {slots} after compaction",
+                         hint="rerun with LOCALINFER_LLAMA_LOG=1 and report it")
+        self.slots = slots
