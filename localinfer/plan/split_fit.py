@@ -13,7 +13,9 @@ tensor placement to it, the fewest ``--n-cpu-moe N`` (and part of one more layer
 whose ``-ts`` fits, for a dense model the most ``-ngl``.  ``--fit``'s own plan is a candidate too
 ("localinfer (as --fit)"), judged on the devices' usable bytes and the host's RAM, and the fastest predicted
 decode wins (a tie: the one keeping the least on the host), so localinfer's plan fits wherever ``--fit``'s
-does and is never predicted slower; where ``--fit``'s wins it is adopted and the reasons say so.
+does and is never predicted slower; where ``--fit``'s wins it is adopted and the reasons say so.  On unified
+memory (this machine's devices and its host share one pool) localinfer puts no weights in host RAM, and a plan
+that does is judged on the pool: its host part and this machine's devices together.
 
 ``--fit`` works at the ``-c`` it is given; only when ``-c`` is left out does llama.cpp start from the train
 context and let fit.cpp's step 2 lower it: ``ctx_auto`` shows that choice.
@@ -64,6 +66,7 @@ class SplitPlan:
     targets: tuple[int, ...] = ()       # --fit: each device's target
     experts_on_host: int = 0            # layers whose routed experts are all in host RAM
     host_usable: int | None = None      # the host RAM it was judged on
+    host_need: int = 0                  # what was judged against it (on unified memory: this machine's devices too)
     why: str = ""
     alternatives: tuple = field(default=(), compare=False)
 
@@ -89,7 +92,7 @@ class SplitPlan:
             out.append(f"--n-cpu-moe {r.n_cpu_moe}")
         if r.override_tensor:
             out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
-        if self.shares is not None:
+        if self.shares is not None and len(self.shares) > 1:
             out.append("-ts " + ",".join(f"{s:g}" for s in self.shares))
         return " ".join(out)
 
@@ -100,7 +103,8 @@ class SplitPlan:
                 "tensor_split": None if self.shares is None else list(self.shares),
                 "split": self.breakdown.to_dict(), "host_total": self.breakdown.host_total,
                 "experts_on_host": self.experts_on_host, "fits_devices": self.fits_devices,
-                "host_usable": self.host_usable, "fits_host": self.fits_host, "fits": self.fits,
+                "host_usable": self.host_usable, "host_need": self.host_need, "fits_host": self.fits_host,
+                "fits": self.fits,
                 "speed": None if self.speed is None else self.speed.to_dict(), "steps": list(self.steps),
                 "dry_run_bytes": list(self.dry_run), "targets": list(self.targets), "why": self.why,
                 "alternatives": [a.to_dict() for a in self.alternatives]}
@@ -109,14 +113,18 @@ class SplitPlan:
 def measure(spec, env: SplitEnv, req: FitRequest, shares, by: str, **kw) -> SplitPlan:
     """``req`` split by ``shares`` over ``env``'s devices, judged and timed."""
     sb = memory_model(req.backend).split(spec, env.devices, req, shares, cpu_features=env.cpu_features)
-    fits_host = env.host_usable is None or sb.host_total <= env.host_usable
+    host = sb.host_total
+    if sb.host_tensors and env.host is not None and env.host.unified:   # this machine's devices share its memory
+        host += sum(d.total for d, dev in zip(sb.devices, env.devices) if not dev.remote)
+    fits_host = env.host_usable is None or host <= env.host_usable
     speed = split_speed(spec, sb, req, env.profiles or None, env.link, env.remote or None, host=env.host)
     exps: dict[int, list[bool]] = {}
     for t in spec.tensors:
         if t.name.startswith("blk.") and "_exps." in t.name:
             exps.setdefault(int(t.name.split(".")[1]), []).append(t.name in sb.host_tensors)
     return SplitPlan(by, req, None if shares is None else tuple(shares), sb, fits_host, speed,
-                     experts_on_host=sum(all(v) for v in exps.values()), host_usable=env.host_usable, **kw)
+                     experts_on_host=sum(all(v) for v in exps.values()), host_usable=env.host_usable, host_need=host,
+                     **kw)
 
 
 def llamacpp_split_fit(spec, env: SplitEnv, req: FitRequest, *, shares=None,
@@ -197,7 +205,8 @@ def split_plan(spec, env: SplitEnv, req: FitRequest, sf, *, shares=None) -> tupl
     cands = [measure(spec, env, req, shares, "localinfer", why="the request as asked")]
     if sf.suggestion is not None:
         cands.append(measure(spec, env, req, sf.suggestion.counts(), "localinfer", why="the -ts that fits"))
-    if not any(c.fits for c in cands) and req.n_gpu_layers == -1 and not req.overridden:
+    unified = env.host is not None and env.host.unified    # host RAM is this machine's device memory: no gain
+    if not any(c.fits for c in cands) and req.n_gpu_layers == -1 and not req.overridden and not unified:
         cands += _own(spec, env, req)
     if ref is not None:
         cands.append(replace(ref, by=AS_FIT))
@@ -220,12 +229,14 @@ def over(p: SplitPlan) -> str:
     """What of a plan does not fit, in words ("" when it fits)."""
     bits = [f"{d.name} needs {fmt_bytes(d.total)} of {fmt_bytes(d.usable)}" for d in p.breakdown.devices if not d.fits]
     if not p.fits_host:
-        bits.append(f"the host needs {fmt_bytes(p.breakdown.host_total)} of {fmt_bytes(p.host_usable or 0)} of RAM")
+        mine = "" if p.host_need == p.breakdown.host_total else " with this machine's devices"
+        bits.append(f"the host needs {fmt_bytes(p.host_need)} of RAM{mine}, of {fmt_bytes(p.host_usable or 0)}")
     return "; ".join(bits)
 
 
 def _speed(p: SplitPlan) -> str:
-    return f"{p.decode_tok_s:.1f} tok/s" if p.speed is not None else "no speed (a device or the host has no profile)"
+    return (f"predicted {p.decode_tok_s:.1f} tok/s" if p.speed is not None else
+            "no predicted speed (a device's or the host's profile lacks bandwidth or FLOP/s)")
 
 
 def _why(best: SplitPlan, others, ref: SplitPlan | None, no_ref: str) -> str:
@@ -234,14 +245,14 @@ def _why(best: SplitPlan, others, ref: SplitPlan | None, no_ref: str) -> str:
         if not own:
             return f"localinfer adopts --fit's plan: none of its own fits these devices ({_speed(best)})"
         top = max(own, key=_rank)
-        how = (f"its own best, {top.flags()}, is predicted at {_speed(top)} against {_speed(best)}"
+        how = (f"its own best, {top.flags()}, is {_speed(top)} against {best.decode_tok_s:.1f}"
                if best.speed is not None else "neither has a speed; --fit's keeps less in host RAM")
         return f"localinfer adopts --fit's plan: {how}"
-    parts = [f"{best.why}: predicted {_speed(best)}, {fmt_bytes(best.breakdown.host_total)} on the host"]
+    parts = [f"{best.why}: {_speed(best)}, {fmt_bytes(best.breakdown.host_total)} on the host"]
     if ref is None:
         parts.append(no_ref)
     elif not ref.fits:
         parts.append(f"--fit's plan does not fit: {over(ref)}")
     else:
-        parts.append(f"--fit's plan: {_speed(ref)}")
+        parts.append(f"--fit's plan: {_speed(ref).removeprefix('predicted ')}")
     return "; ".join(parts)

@@ -148,3 +148,14 @@ def test_host_weights_are_a_stage_of_the_split_speed(models):
     assert slow.decode_tok_s < fast.decode_tok_s
     assert split_speed(spec, part, moe, setup.profiles) is None        # no host profile: no speed
     assert split_speed(spec, full, req, setup.profiles) == fast         # nothing on the host: no host needed
+
+
+def test_unified_memory_puts_no_weights_in_host_ram(models, capsys):
+    """On a Mac the host's RAM is the device's memory: no --n-cpu-moe plan, and --fit's experts on the CPU are
+    judged on the one pool (its devices and host together)."""
+    path, _ = models("qwen3-235b-a22b")
+    doc = _fit(capsys, path, "--devices", "m2-max-96gb", "--ctx", "32768")
+    ref = doc["llamacpp_fit"]
+    assert ref["experts_on_host"] > 0 and not ref["fits_host"]
+    assert ref["host_need"] == ref["host_total"] + sum(d["total"] for d in ref["split"]["devices"])
+    assert doc["plan"] is None
