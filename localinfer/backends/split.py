@@ -61,6 +61,7 @@ class SplitBreakdown:
     pipeline: bool
     n_ctx: int                          # llama.cpp's padded context
     notes: tuple[str, ...] = field(default=())
+    host_tensors: frozenset[str] = field(default=frozenset())   # weights the host CPU computes (not the input layer)
 
     @property
     def host_total(self) -> int:

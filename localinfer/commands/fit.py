@@ -151,12 +151,16 @@ def _devices(args):
 
 
 def run_split(args, spec, req) -> int:
-    """``--rpc`` / ``--devices``: one verdict for the model split across the devices."""
+    """``--rpc`` / ``--devices``: one verdict for the model split across the devices, then llama.cpp ``--fit``'s
+    choice for them beside localinfer's plan (:mod:`localinfer.plan.split_fit`)."""
+    from localinfer.devices.hosts import host_for
     from localinfer.devices.links import get_link
     from localinfer.errors import UsageError
     from localinfer.plan import split_devices
+    from localinfer.plan.fit_cpp import MARGIN
     from localinfer.plan.split import fit_split, parse_shares
-    from localinfer.report.split import render_split_text
+    from localinfer.plan.split_fit import SplitEnv, gives_up, llamacpp_split_fit, split_plan
+    from localinfer.report.split import render_fit_compare, render_split_text
 
     if args.rpc and args.split_devices:
         raise UsageError("give --rpc (running workers) or --devices (profiles), not both", flag="--devices")
@@ -169,14 +173,29 @@ def run_split(args, spec, req) -> int:
     else:
         setup = split_devices.from_profiles(args.split_devices)
         link = args.link
-    sf = fit_split(spec, setup.devices, req, shares=parse_shares(args.tensor_split), host_usable=setup.host_usable,
-                   cpu_features=setup.host.cpu_features, profiles=setup.profiles,
-                   link=get_link(link) if link else None, remote=setup.remote)
+    host = host_for(setup.host, args.host)
+    # --host names the RAM the verdict judges; the plans' search always judges the host's RAM where it is known
+    host_usable = setup.host_usable if not args.host or host is None or host.unified else host.usable_bytes
+    shares = parse_shares(args.tensor_split)
+    link = get_link(link) if link else None
+    sf = fit_split(spec, setup.devices, req, shares=shares, host_usable=host_usable,
+                   cpu_features=setup.host.cpu_features, profiles=setup.profiles, link=link, remote=setup.remote,
+                   host=host)
+    judged = host_usable if host_usable is not None or host is None or host.unified else host.usable_bytes
+    env = SplitEnv(setup.devices, setup.profiles, setup.remote, link, host, judged, setup.host.cpu_features,
+                   MARGIN if args.rpc else 0)
+    plan, ref = split_plan(spec, env, req, sf, shares=shares)
+    auto = None if args.ctx is not None else llamacpp_split_fit(spec, env, req, shares=shares, ctx_auto=True)
     if args.json:
-        json.dump(sf.to_dict(), sys.stdout, indent=1)
+        doc = sf.to_dict()
+        doc.update(plan=None if plan is None else plan.to_dict(), llamacpp_fit=None if ref is None else ref.to_dict(),
+                   llamacpp_fit_ctx_auto=None if auto is None else auto.to_dict(), ctx_given=args.ctx is not None)
+        json.dump(doc, sys.stdout, indent=1)
         print()
     else:
         print(render_split_text(spec, sf))
+        print(render_fit_compare(plan, ref, auto, ctx_given=args.ctx is not None,
+                                 no_ref=gives_up(req, shares)))
     return 0
 
 

@@ -16,8 +16,8 @@ checked against the real ``llama-fit-params`` on the same devices.  The target o
    MoE one), interpolate the context linearly between minimum and train context, rounded down to 256 ×
    streams; one device: done (the layers are not touched, and not checked again); else carry on at that
    context (at the minimum when even that is over);
-3. (``-ngl`` or ``-ot`` set by the user: fit.cpp gives up, None) dense-only layers, back to front over the
-   devices (:func:`localinfer.plan.fit_cpp_steps.fill_dense`);
+3. (``-ngl``, ``-ot`` or, over several devices, ``-ts`` set by the user: fit.cpp gives up, None) dense-only
+   layers, back to front over the devices (:func:`localinfer.plan.fit_cpp_steps.fill_dense`);
 4. for a MoE model whose dense part fits with every expert on the CPU: full layers front to back, then part
    of one more layer (:func:`localinfer.plan.fit_cpp_steps.fill_full`).
 
@@ -115,13 +115,15 @@ def _div(a: int, b: int) -> int:
 
 
 def fit_cpp_devices(spec, req: FitRequest, measure: Measure, targets: Sequence[int], names: Sequence[str], *,
-                    ctx_auto: bool = False, n_ctx_min: int = N_CTX_MIN) -> FitCpp | None:
+                    ctx_auto: bool = False, n_ctx_min: int = N_CTX_MIN, split_set: bool = False) -> FitCpp | None:
     """llama.cpp ``--fit``'s choice over ``len(targets)`` devices (see the module).
 
     ``measure(request, shares)``: (weights + KV + compute, weights) bytes of each device for a request whose
     layers go by ``shares`` (None: llama.cpp's default split, by free memory); ``targets``: each device's free
     memory minus its margin; ``names``: each device's buffer type as llama.cpp names it (``RPC0[host:port]``;
-    a device's partial layer may overflow to the next one's).  None where fit.cpp gives up."""
+    a device's partial layer may overflow to the next one's); ``split_set``: the user gave ``-ts`` (``measure``
+    applies it for shares None), which fit.cpp accepts only where steps 1-2 need no more.  None where fit.cpp
+    gives up."""
     nd = len(targets)
     if nd == 0 or len(names) != nd:
         raise UsageError(f"fit.cpp's port needs one buffer name per device, got {len(names)} for {nd} devices")
@@ -164,7 +166,7 @@ def fit_cpp_devices(spec, req: FitRequest, measure: Measure, targets: Sequence[i
         else:
             steps.append(f"context lowered from {n_ctx_max} to its minimum {total}: still over the targets")
             base = ctx_request(req, total)
-    if req.n_gpu_layers != -1 or req.overridden:
+    if req.n_gpu_layers != -1 or req.overridden or (split_set and nd > 1):
         return None
 
     memo: dict = {}
@@ -204,17 +206,19 @@ def fit_cpp_devices(spec, req: FitRequest, measure: Measure, targets: Sequence[i
 
 
 def fit_cpp_split(spec, devices, req: FitRequest, *, ctx_auto: bool = False, n_ctx_min: int = N_CTX_MIN,
-                  margin: int = MARGIN, cpu_features: tuple[str, ...] = ()) -> FitCpp | None:
+                  margin: int = MARGIN, cpu_features: tuple[str, ...] = (), shares=None) -> FitCpp | None:
     """:func:`fit_cpp_devices` over ``devices`` (SplitDevice, llama.cpp's order, named as its buffer types),
     measured by localinfer's split model as llama.cpp's dry run sizes it (no mmap: the dry run reads nothing);
-    the target of a device is its free memory − ``margin`` (``-fitt``)."""
+    the target of a device is its free memory − ``margin`` (``-fitt``); ``shares``: the user's ``-ts``."""
     from localinfer.backends.llamacpp.split import split_breakdown
 
     devices = tuple(devices)
+    user = tuple(shares) if shares is not None and any(shares) else None
 
-    def measure(r: FitRequest, shares):
-        sb = split_breakdown(spec, devices, replace(r, mmap=False), shares, cpu_features=cpu_features, dry_run=True)
+    def measure(r: FitRequest, at):
+        sb = split_breakdown(spec, devices, replace(r, mmap=False), user if at is None else at,
+                             cpu_features=cpu_features, dry_run=True)
         return [(d.weights + d.kv + d.compute, d.weights) for d in sb.devices]
 
     return fit_cpp_devices(spec, req, measure, [d.free - margin for d in devices], [d.name for d in devices],
-                           ctx_auto=ctx_auto, n_ctx_min=n_ctx_min)
+                           ctx_auto=ctx_auto, n_ctx_min=n_ctx_min, split_set=user is not None)

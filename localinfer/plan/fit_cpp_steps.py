@@ -119,7 +119,8 @@ def fill_dense(n_layer_total: int, moe: bool, targets, mem, steps: list[str]):
         if high[i].n_layer <= 0:
             continue
         hi = mem(high, bufts)
-        if hi[i] > targets[i]:
+        searched = hi[i] > targets[i]
+        if searched:
             delta = high[i].n_layer - cur[i].n_layer
             while delta > 1:
                 k = _step(delta, used[i], hi[i], targets[i])
@@ -133,7 +134,11 @@ def fill_dense(n_layer_total: int, moe: bool, targets, mem, steps: list[str]):
                 delta = high[i].n_layer - cur[i].n_layer
         else:
             cur, used = high, hi
-        steps.append(f"device {i}: {cur[i].n_layer} {'dense-only ' if moe else ''}layers")
+        if nd > 1:
+            steps.append(f"device {i}: {cur[i].n_layer} {'dense-only ' if moe else ''}layers")
+        else:                                      # one device: the words fit's reasons have used since issue 41
+            steps.append(f"dense-only layers: {cur[i].n_layer} of {n_layer_total + 1} fit" if searched else
+                         "every layer's dense part fits with the experts on the CPU")
     return cur, used
 
 
@@ -176,7 +181,8 @@ def fill_full(n_layer_total: int, targets, names, cur, used, mem, steps: list[st
                 delta = high[i].n_full - cur[i].n_full
         else:
             cur, used, start = high, hi, start_high
-        steps.append(f"device {i}: {cur[i].n_full} layers' experts on it")
+        steps.append(f"device {i}: {cur[i].n_full} layers' experts on it" if nd > 1 else
+                     f"{cur[i].n_full} layers' experts on the device")
         cur, bufts, used, start = _one_more(n_layer_total, i, start, cur, bufts, used, targets, names, mem, steps)
         i += 1
     return cur, bufts, used
@@ -186,6 +192,10 @@ STAYS = {"up": "its up experts stay (with gate too it would not be strictly unde
          "gate": "its up and gate experts stay",
          "attn": "only its attention stays (its up experts do not fit strictly under the target), its whole FFN, "
                  "router included, goes"}
+STAYS_ONE = {"up": "its up experts stay on the device (with gate too it would not be strictly under the target)",
+             "gate": "its up and gate experts stay on the device",
+             "attn": "only its attention stays on the device (its up experts do not fit strictly under the target), "
+                     "its whole FFN, router included, goes to the CPU"}
 
 
 def _one_more(n_layer_total, i, start, cur, bufts, used, targets, names, mem, steps):
@@ -217,5 +227,5 @@ def _one_more(n_layer_total, i, start, cur, bufts, used, targets, names, mem, st
             cur, bufts, used, start, kept = test, bt, m, st, "attn"
     if kept is not None and cur[i].n_part:
         il = n_layer_total + 1 - sum(s.n_layer for s in cur[i:]) + cur[i].n_full
-        steps.append(f"layer {il}: {STAYS[kept]} to {bufts[i]}")
+        steps.append(f"layer {il}: {STAYS[kept]} to {bufts[i]}" if nd > 1 else f"layer {il}: {STAYS_ONE[kept]}")
     return cur, bufts, used, start

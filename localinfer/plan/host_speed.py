@@ -35,7 +35,7 @@ FORMULA = ("decode step = GPU max(F_gpu/(P·MFU), (D − D_host)/(β·MBU)) + ho
            "share; no per-layer fixed time (the speed model has none)")
 
 
-def _host_terms(spec, host_names: frozenset[str]) -> tuple[int, int, int, int]:
+def host_terms(spec, host_names: frozenset[str]) -> tuple[int, int, int, int]:
     """(bytes a token reads, FLOPs a token needs, bytes held, host layers) of the host tensors."""
     read = flops = held = 0
     layers = set()
@@ -94,7 +94,7 @@ def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | N
     kv = req.type_k if req.type_k == req.type_v else "f16"
     step = model.decode_step(1, req.n_ctx, kv)
     pre = model.prefill(1, req.n_ctx)
-    w_read, w_flops, held, host_layers = _host_terms(spec, host_names)
+    w_read, w_flops, held, host_layers = host_terms(spec, host_names)
     kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
     d_host = w_read + kv_host
     gpu_mem = (step.bytes - d_host) / model.effective_bandwidth(1)
@@ -135,7 +135,7 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
 
     cost, device = ks.cost, ks.device
     kv = req.type_k if req.type_k == req.type_v else "f16"
-    w_read, w_flops, held, host_layers = _host_terms(spec, host_names)
+    w_read, w_flops, held, host_layers = host_terms(spec, host_names)
     kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
     step = ks.decode(1, req.n_ctx, kv)
     # the host layers' KV is read on the host: out of the device's memory term (not out of its fixed or compute time)

@@ -13,11 +13,15 @@ and every token pays the network: a fixed RPC overhead (:data:`RPC_OVERHEAD_S`),
 reads each remote stage's output; RPC sets are one-way) plus the bytes it
 moves — graph inputs to every device, the hidden state over each hop (out of
 one worker and into the next, both through the client), the logits back from
-the last one.  The weights cross the link once, at load.
+the last one.  The weights cross the link once, at load.  Weights the host CPU computes (experts sent
+there by ``-ot``/``--n-cpu-moe``, layers below ``-ngl``) are one more stage, timed as
+:mod:`localinfer.plan.host_speed` times a one-GPU plan's host part: the slower of its RAM and its cores at
+decode; at prefill copied over the local GPU's link once per micro-batch (``-ub`` ≥ 32), else computed there.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from localinfer.backends.memory import FitRequest
@@ -110,11 +114,11 @@ def _reason(sb: SplitBreakdown, host_usable: int | None) -> str:
 
 def fit_split(spec: ModelSpec, devices, req: FitRequest, *, shares=None, host_usable: int | None = None,
               cpu_features: tuple[str, ...] = (), search: bool = True, profiles=None, link=None,
-              remote=None, calibration: dict | None = None) -> SplitFit:
+              remote=None, calibration: dict | None = None, host=None) -> SplitFit:
     """The verdict for ``req`` split over ``devices`` (llama.cpp's order: RPC workers, then local GPUs).
 
-    ``profiles`` (one per device, or None) and ``link`` feed :func:`split_speed`; ``remote`` says which devices
-    are across the link (default: all)."""
+    ``profiles`` (one per device, or None), ``link`` and ``host`` (HostProfile) feed :func:`split_speed`;
+    ``remote`` says which devices are across the link (default: all)."""
     model = _splitter(req)
     devices = tuple(devices)
     sb = model.split(spec, devices, req, shares, cpu_features=cpu_features)
@@ -126,7 +130,7 @@ def fit_split(spec: ModelSpec, devices, req: FitRequest, *, shares=None, host_us
             suggestion = model.fitting_split(spec, devices, req, cpu_features=cpu_features)
         smallest = model.smallest_set(spec, devices, req, cpu_features=cpu_features)
     warnings = tuple(spec.missing)
-    speed = split_speed(spec, sb, req, profiles, link, remote, calibration)
+    speed = split_speed(spec, sb, req, profiles, link, remote, calibration, host)
     return SplitFit(spec.name, req, devices, sb, host_usable, fits, _reason(sb, host_usable), suggestion, smallest,
                     speed, warnings)
 
@@ -155,13 +159,34 @@ def _token_traffic(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, remote,
     return nbytes, trips
 
 
+def _host_stage(spec, sb: SplitBreakdown, req: FitRequest, host, profiles, remote):
+    """(the host's stage or None, its bytes read and FLOPs a token, which the devices do not do)."""
+    from localinfer.plan.host_speed import OFFLOAD_MIN_BATCH, host_terms
+
+    if not sb.host_tensors:
+        return None, 0, 0
+    if host is None:
+        raise LookupError("no host profile")
+    w_read, w_flops, held, layers = host_terms(spec, sb.host_tensors)
+    n = req.n_ctx
+    read = w_read + sb.host_kv * min(n, sb.n_ctx) // max(sb.n_ctx, 1)
+    comp = host.decode_flops
+    dec = max(read / host.effective_bandwidth, w_flops / comp if comp else 0.0)
+    gpu = next((p for p, r in zip(profiles or (), remote) if p is not None and not r and p.link_bytes_per_s), None)
+    if gpu is not None and req.n_ubatch >= OFFLOAD_MIN_BATCH:     # offload_op: host weights go to the GPU
+        pre = -(-n // max(1, min(req.n_ubatch, n))) * held / gpu.link_bytes_per_s
+    else:
+        pre = n * w_flops / (host.effective_flops or float("nan"))
+    return StageSpeed(f"host {host.name}", layers, pre, dec, "profile"), w_read, w_flops
+
+
 def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=None, link=None, remote=None,
-                calibration: dict | None = None) -> SplitSpeed | None:
+                calibration: dict | None = None, host=None) -> SplitSpeed | None:
     """Batch-1 prefill (a ``req.n_ctx``-token prompt) and decode speed of the split, stage by stage.
 
     ``calibration`` {"decode_s": s/token, "prefill_tok_s": tok/s} measured on one host stands in for profiles
     (each stage takes its share of the weights of it); else every used device needs a profile with bandwidth
-    and FLOP/s."""
+    and FLOP/s.  Weights the host computes need ``host`` (a HostProfile; None: no speed) and profiles."""
     from localinfer.model.cost import model_cost
 
     remote = list(remote) if remote is not None else [True] * len(sb.devices)
@@ -169,6 +194,12 @@ def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=N
     total_w = sum(sb.devices[i].weights for i in used) or 1
     cost = model_cost(spec)
     n = req.n_ctx
+    if sb.host_tensors and calibration:
+        return None
+    try:
+        host_stage, host_read, host_flops = _host_stage(spec, sb, req, host, profiles, remote)
+    except LookupError:
+        return None
     stages = []
     for i in used:
         d = sb.devices[i]
@@ -183,12 +214,16 @@ def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=N
         mbu, mfu = p.decode_mbu_at(1) or 0.6, p.prefill_mfu_at(1) or 0.5
         rate = p.bf16_flops * mfu
         kv_read = d.kv * min(n, sb.n_ctx) / max(sb.n_ctx, 1)
-        read = frac * cost.decode_read_bytes(1) + kv_read      # routed experts: only what a token touches
-        dec = max(frac * cost.token_flops(n) / rate, read / (p.bandwidth_bytes_per_s * mbu))
+        read = frac * (cost.decode_read_bytes(1) - host_read) + kv_read   # routed experts: what a token touches
+        dec = max(frac * (cost.token_flops(n) - host_flops) / rate, read / (p.bandwidth_bytes_per_s * mbu))
         pre = max(frac * cost.prefill_flops(n) / rate, d.weights / p.bandwidth_bytes_per_s)
         stages.append(StageSpeed(d.name, len(d.layers), pre, dec, "profile"))
     if not stages:
         return None
+    if host_stage is not None:
+        if math.isnan(host_stage.prefill_s) or not host_stage.decode_s:
+            return None
+        stages.append(host_stage)
     ub = max(1, min(req.n_ubatch, n))
     n_ub = -(-n // ub)
     fixed = (calibration or {}).get("rpc_overhead_s", RPC_OVERHEAD_S) if any(remote[i] for i in used) else 0.0

@@ -4,6 +4,7 @@ verdict, the split that would fit, the fewest devices, and the predicted speed s
 from __future__ import annotations
 
 from gguf_tools.text import safe_text
+from localinfer.plan.split_fit import over
 from localinfer.units import fmt_bytes
 
 
@@ -95,3 +96,52 @@ def render_split_rows(hosts: str, link: str | None, rows: list[dict], markdown: 
     lines = [safe_text(title), "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
     return "\n".join(lines)
+
+
+def _bytes(p) -> str:
+    devs = ", ".join(f"{safe_text(d.name)} {fmt_bytes(d.total)}{'' if d.fits else ' (over)'}"
+                     for d in p.breakdown.devices)
+    ram = f"; {p.experts_on_host} layers' experts in RAM" if p.experts_on_host else ""
+    return f"{devs}; host {fmt_bytes(p.breakdown.host_total)}{'' if p.fits_host else ' (over its RAM)'}{ram}"
+
+
+def _decode(p) -> str:
+    return f"decode {p.speed.decode_tok_s:.1f} tok/s" if p.speed is not None else "decode: no speed"
+
+
+def render_fit_compare(plan, ref, auto=None, *, ctx_given: bool = True, no_ref: str = "--fit gives up") -> str:
+    """llama.cpp ``--fit``'s choice over the split's devices beside localinfer's plan (plan.split_fit): flags,
+    bytes per device as the load allocates them, predicted decode, and with ``-c`` left out (``auto``) --fit's
+    own context."""
+    out = []
+    same = (plan is not None and ref is not None and ref.fits and plan.by == "localinfer"
+            and (plan.request, plan.shares) == (ref.request, ref.shares))
+    if ref is None:
+        out.append("llama.cpp " + no_ref)
+    elif same:
+        out.append(f"llama.cpp --fit: {ref.flags()} (the request fits as it is: no change; localinfer's plan too)")
+    else:
+        out.append(f"llama.cpp --fit: {ref.flags()}")
+        out.append(f"  its plan: {_bytes(ref)}; {_decode(ref)}"
+                   + ("" if ref.fits else "; does not fit: " + over(ref)))
+        if ref.steps:
+            out.append("  its steps: " + "; ".join(ref.steps))
+    if auto is not None and ref is not None and auto.flags() == ref.flags():
+        out.append("llama.cpp --fit with -c left out: the same line")
+    elif auto is not None:
+        out.append(f"llama.cpp --fit with -c left out (it starts from the train context and its step 2 may lower "
+                   f"it): {auto.flags()}")
+        out.append(f"  its plan: {_bytes(auto)}; {_decode(auto)}"
+                   + ("" if auto.fits else "; does not fit: " + over(auto)))
+    elif not ctx_given:
+        out.append("llama.cpp --fit with -c left out: gives up here")
+    if not ctx_given:
+        out.append("note: localinfer's --ctx has a default (4096, or the train context if smaller); llama.cpp's --fit "
+                   "lowers the context (its step 2) only when -c is left out, never a -c given")
+    if plan is None:
+        out.append("localinfer's plan: none fits these devices and this host")
+    elif not same:
+        out.append(f"localinfer's plan: {plan.flags()}" + (" (--fit's)" if plan.by.endswith("(as --fit)") else ""))
+        out.append(f"  {_bytes(plan)}; {_decode(plan)}")
+        out.append(f"  why: {plan.why}")
+    return "\n".join(out)

@@ -1,0 +1,258 @@
+"""A split's plan beside llama.cpp ``--fit``'s over the same devices (issue 41's rule, several devices).
+
+:func:`llamacpp_split_fit` is ``--fit``'s choice over the split's devices
+(:func:`localinfer.plan.fit_cpp.fit_cpp_split`: fit.cpp's steps over localinfer's model of llama.cpp's dry
+run; a device's target is its free memory − the 1 GiB margin, for a profile its usable bytes, as
+:func:`localinfer.plan.moe_fit.llamacpp_fit` takes it on one device), its flags line, its bytes per device
+as the load allocates them and its predicted decode (:func:`localinfer.plan.split.split_speed`, the host CPU
+one more stage).
+
+:func:`split_plan` is localinfer's: the request as asked when it fits, else the ``-ts`` that fits
+(:func:`localinfer.plan.split.fit_split`'s suggestion); when none does and the user left ``-ngl`` and the
+tensor placement to it, the fewest ``--n-cpu-moe N`` (and part of one more layer's experts back on a device)
+whose ``-ts`` fits, for a dense model the most ``-ngl``.  ``--fit``'s own plan is a candidate too
+("localinfer (as --fit)"), judged on the devices' usable bytes and the host's RAM, and the fastest predicted
+decode wins (a tie: the one keeping the least on the host), so localinfer's plan fits wherever ``--fit``'s
+does and is never predicted slower; where ``--fit``'s wins it is adopted and the reasons say so.  On unified
+memory (this machine's devices and its host share one pool) localinfer puts no weights in host RAM, and a plan
+that does is judged on the pool: its host part and this machine's devices together.
+
+``--fit`` works at the ``-c`` it is given; only when ``-c`` is left out does llama.cpp start from the train
+context and let fit.cpp's step 2 lower it: ``ctx_auto`` shows that choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from localinfer.backends.memory import FitRequest
+from localinfer.backends.registry import memory_model
+from localinfer.backends.split import SplitBreakdown
+from localinfer.plan.fit_cpp import MARGIN, fit_cpp_split
+from localinfer.plan.moe_fit import OWN_PARTIAL, moe_layers
+from localinfer.plan.split import SplitSpeed, split_speed
+from localinfer.units import fmt_bytes
+
+AS_FIT = "localinfer (as --fit)"
+
+
+@dataclass(frozen=True)
+class SplitEnv:
+    """The devices of a split and what judges and times a plan on them."""
+
+    devices: tuple                      # SplitDevice, llama.cpp's order
+    profiles: tuple = ()                # one per device (None: unknown), for the speed
+    remote: tuple = ()
+    link: object = None                 # Link, for the speed
+    host: object = None                 # HostProfile: the host part's speed
+    host_usable: int | None = None      # the host's RAM a plan may use (None: not judged)
+    cpu_features: tuple[str, ...] = ()
+    margin: int = MARGIN                # --fit's target: free − margin (0 for profiles: usable is free − 1 GiB)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One placement over a split: its flags, bytes per device and on the host, and predicted speed."""
+
+    by: str                             # "localinfer", "llama.cpp --fit" or "localinfer (as --fit)"
+    request: FitRequest
+    shares: tuple | None                # -ts (None: llama.cpp's default, by free memory)
+    breakdown: SplitBreakdown
+    fits_host: bool
+    speed: SplitSpeed | None
+    line: str = ""                      # --fit's answer line (its own flags, -c included)
+    steps: tuple[str, ...] = ()
+    dry_run: tuple[int, ...] = ()       # --fit: each device's bytes as its dry run measures them
+    targets: tuple[int, ...] = ()       # --fit: each device's target
+    experts_on_host: int = 0            # layers whose routed experts are all in host RAM
+    host_usable: int | None = None      # the host RAM it was judged on
+    host_need: int = 0                  # what was judged against it (on unified memory: this machine's devices too)
+    why: str = ""
+    alternatives: tuple = field(default=(), compare=False)
+
+    @property
+    def fits_devices(self) -> bool:
+        return self.breakdown.fits
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_devices and self.fits_host
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.speed.decode_tok_s if self.speed is not None else 0.0
+
+    def flags(self) -> str:
+        """llama.cpp's flags for the placement (``--fit``'s: its answer line)."""
+        if self.line:
+            return self.line
+        r = self.request
+        out = ["-ngl 999" if r.n_gpu_layers < 0 or r.n_gpu_layers > 900 else f"-ngl {r.n_gpu_layers}"]
+        if r.n_cpu_moe:
+            out.append(f"--n-cpu-moe {r.n_cpu_moe}")
+        if r.override_tensor:
+            out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
+        if self.shares is not None and len(self.shares) > 1:
+            out.append("-ts " + ",".join(f"{s:g}" for s in self.shares))
+        return " ".join(out)
+
+    def to_dict(self) -> dict:
+        return {"by": self.by, "flags": self.flags(), "n_ctx": self.request.n_ctx, "n_seq": self.request.n_seq,
+                "n_gpu_layers": self.request.n_gpu_layers, "n_cpu_moe": self.request.n_cpu_moe,
+                "override_tensor": [list(p) for p in self.request.override_tensor],
+                "tensor_split": None if self.shares is None else list(self.shares),
+                "split": self.breakdown.to_dict(), "host_total": self.breakdown.host_total,
+                "experts_on_host": self.experts_on_host, "fits_devices": self.fits_devices,
+                "host_usable": self.host_usable, "host_need": self.host_need, "fits_host": self.fits_host,
+                "fits": self.fits,
+                "speed": None if self.speed is None else self.speed.to_dict(), "steps": list(self.steps),
+                "dry_run_bytes": list(self.dry_run), "targets": list(self.targets), "why": self.why,
+                "alternatives": [a.to_dict() for a in self.alternatives]}
+
+
+def measure(spec, env: SplitEnv, req: FitRequest, shares, by: str, **kw) -> SplitPlan:
+    """``req`` split by ``shares`` over ``env``'s devices, judged and timed."""
+    sb = memory_model(req.backend).split(spec, env.devices, req, shares, cpu_features=env.cpu_features)
+    host = sb.host_total
+    if sb.host_tensors and env.host is not None and env.host.unified:   # this machine's devices share its memory
+        host += sum(d.total for d, dev in zip(sb.devices, env.devices) if not dev.remote)
+    fits_host = env.host_usable is None or host <= env.host_usable
+    speed = split_speed(spec, sb, req, env.profiles or None, env.link, env.remote or None, host=env.host)
+    exps: dict[int, list[bool]] = {}
+    for t in spec.tensors:
+        if t.name.startswith("blk.") and "_exps." in t.name:
+            exps.setdefault(int(t.name.split(".")[1]), []).append(t.name in sb.host_tensors)
+    return SplitPlan(by, req, None if shares is None else tuple(shares), sb, fits_host, speed,
+                     experts_on_host=sum(all(v) for v in exps.values()), host_usable=env.host_usable, host_need=host,
+                     **kw)
+
+
+def llamacpp_split_fit(spec, env: SplitEnv, req: FitRequest, *, shares=None,
+                       ctx_auto: bool = False) -> SplitPlan | None:
+    """llama.cpp ``--fit``'s choice over ``env``'s devices (``shares``: the user's ``-ts``), measured as the load
+    allocates it; None where fit.cpp gives up (``-ngl``, ``-ot`` or ``-ts`` set and the request not fitting)."""
+    c = fit_cpp_split(spec, env.devices, req, ctx_auto=ctx_auto, margin=env.margin,
+                      cpu_features=env.cpu_features, shares=shares)
+    if c is None:
+        return None
+    ts = tuple(c.tensor_split) if c.tensor_split else shares
+    return measure(spec, env, c.request, ts, "llama.cpp --fit", line=c.line(), steps=c.steps, dry_run=c.used,
+                   targets=tuple(d.free - env.margin for d in env.devices))
+
+
+def _search(ok, lo: int, hi: int, smallest: bool):
+    """(k, result) of the smallest (else largest) k in [lo, hi] where ``ok(k)`` is not None, assumed monotone."""
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = ok(mid)
+        if r is not None:
+            found = (mid, r)
+            hi, lo = (mid - 1, lo) if smallest else (hi, mid + 1)
+        else:
+            lo, hi = (mid + 1, hi) if smallest else (lo, mid - 1)
+    return found
+
+
+def _own(spec, env: SplitEnv, req: FitRequest) -> list[SplitPlan]:
+    """localinfer's placements with weights in host RAM whose ``-ts`` fits the devices (see the module)."""
+    model = memory_model(req.backend)
+    n = spec.n_layers
+
+    def split_of(r):
+        sb = model.fitting_split(spec, env.devices, r, cpu_features=env.cpu_features)
+        return None if sb is None else sb.counts()
+
+    out = []
+    moe = bool(moe_layers(spec))
+    if moe:
+        base = replace(req, n_gpu_layers=-1, override_tensor=(), cpu_moe=False)
+        hit = _search(lambda k: split_of(replace(base, n_cpu_moe=k)), 0, n, smallest=True)
+        if hit is not None:
+            k, counts = hit
+            r = replace(base, n_cpu_moe=k)
+            out.append(measure(spec, env, r, counts, "localinfer",
+                               why="the fewest layers' experts in RAM (--n-cpu-moe) whose -ts fits"))
+            if k > 0 and (k - 1) in moe_layers(spec):
+                for part, pattern in OWN_PARTIAL.items():   # part of one more layer's experts back on a device
+                    p = replace(r, n_cpu_moe=k - 1, override_tensor=((f"blk\\.{k - 1}{pattern}", "CPU"),))
+                    counts = split_of(p)
+                    if counts is None:
+                        break
+                    out.append(measure(spec, env, p, counts, "localinfer",
+                                       why=f"the fewest experts in RAM whose -ts fits, layer {k - 1}'s "
+                                           f"{'up' if part == 'up' else 'up and gate'} experts on a device"))
+            return out
+    base = replace(req, n_cpu_moe=n) if moe else req
+    hit = _search(lambda k: split_of(replace(base, n_gpu_layers=k)), 1, n, smallest=False)
+    if hit is not None:
+        k, counts = hit
+        out.append(measure(spec, env, replace(base, n_gpu_layers=k), counts, "localinfer",
+                           why="the most layers on the devices (-ngl) whose -ts fits"
+                               + (", every expert in RAM" if moe else "")))
+    return out
+
+
+def _rank(c: SplitPlan):
+    return (c.decode_tok_s, -c.breakdown.host_total)
+
+
+def split_plan(spec, env: SplitEnv, req: FitRequest, sf, *, shares=None) -> tuple[SplitPlan | None, SplitPlan | None]:
+    """(localinfer's plan, ``--fit``'s) for ``req`` over ``env``'s devices; ``sf``: the request's SplitFit (its
+    breakdown and the ``-ts`` that fits); ``shares``: the user's ``-ts``.  Either None: nothing fits / fit.cpp
+    gives up."""
+    ref = llamacpp_split_fit(spec, env, req, shares=shares)
+    cands = [measure(spec, env, req, shares, "localinfer", why="the request as asked")]
+    if sf.suggestion is not None:
+        cands.append(measure(spec, env, req, sf.suggestion.counts(), "localinfer", why="the -ts that fits"))
+    unified = env.host is not None and env.host.unified    # host RAM is this machine's device memory: no gain
+    if not any(c.fits for c in cands) and req.n_gpu_layers == -1 and not req.overridden and not unified:
+        cands += _own(spec, env, req)
+    if ref is not None:
+        cands.append(replace(ref, by=AS_FIT))
+    good = [c for c in cands if c.fits]
+    if not good:
+        return None, ref
+    best = max(good, key=_rank)                 # the first of equals: localinfer's own before --fit's
+    others = tuple(c for c in good if c is not best)
+    return replace(best, why=_why(best, others, ref, gives_up(req, shares)), alternatives=others), ref
+
+
+def gives_up(req: FitRequest, shares) -> str:
+    """Why fit.cpp gives up on ``req`` (it does not fit as asked)."""
+    if req.n_gpu_layers != -1 or req.overridden or shares is not None:
+        return "--fit gives up: -ngl, -ot or -ts set by the user"
+    return "--fit gives up: no layout of its own fits"
+
+
+def over(p: SplitPlan) -> str:
+    """What of a plan does not fit, in words ("" when it fits)."""
+    bits = [f"{d.name} needs {fmt_bytes(d.total)} of {fmt_bytes(d.usable)}" for d in p.breakdown.devices if not d.fits]
+    if not p.fits_host:
+        mine = "" if p.host_need == p.breakdown.host_total else " with this machine's devices"
+        bits.append(f"the host needs {fmt_bytes(p.host_need)} of RAM{mine}, of {fmt_bytes(p.host_usable or 0)}")
+    return "; ".join(bits)
+
+
+def _speed(p: SplitPlan) -> str:
+    return (f"predicted {p.decode_tok_s:.1f} tok/s" if p.speed is not None else
+            "no predicted speed (a device's or the host's profile lacks bandwidth or FLOP/s)")
+
+
+def _why(best: SplitPlan, others, ref: SplitPlan | None, no_ref: str) -> str:
+    own = [o for o in others if o.by == "localinfer"]
+    if best.by == AS_FIT:
+        if not own:
+            return f"localinfer adopts --fit's plan: none of its own fits these devices ({_speed(best)})"
+        top = max(own, key=_rank)
+        how = (f"its own best, {top.flags()}, is {_speed(top)} against {best.decode_tok_s:.1f}"
+               if best.speed is not None else "neither has a speed; --fit's keeps less in host RAM")
+        return f"localinfer adopts --fit's plan: {how}"
+    parts = [f"{best.why}: {_speed(best)}, {fmt_bytes(best.breakdown.host_total)} on the host"]
+    if ref is None:
+        parts.append(no_ref)
+    elif not ref.fits:
+        parts.append(f"--fit's plan does not fit: {over(ref)}")
+    else:
+        parts.append(f"--fit's plan: {_speed(ref).removeprefix('predicted ')}")
+    return "; ".join(parts)
