@@ -219,8 +219,16 @@ def ratios(rows: list[dict], peer: str) -> str:
     cells = lambda run, _: run.get("peaks", {}).get("localinfer_kv_blocks_used") or \
         run.get("peaks", {}).get("llama_server_slot_tokens")
     return (f"tok/s {med('output_tok_s')}  TTFT p50 {med('ttft_p50_ms')}  p95 {med('ttft_p95_ms')}"
+            f"  ITL p50 {med('itl_p50_ms')}"
             f"  ITL p99 {med('itl_p99_ms')}  max gap {med('gap_max_ms')}  e2e p95 {med('e2e_p95_ms')}"
             f"  goodput {med('goodput_req_s')}  cells {med(None, cells)}")
+
+
+def _load(run: dict) -> str:
+    """The 1-minute load average when that run began (serve_load.py's machine record)."""
+    m = run.get("machine") or {}
+    got = m.get("loadavg_before") or m.get("loadavg_1_5_15")
+    return f"{got[0]:.2f}" if got else "-"
 
 
 def table(results: list[dict]) -> str:
@@ -230,7 +238,7 @@ def table(results: list[dict]) -> str:
         names = [n for n in ("localinfer", "llama-server", "llama-cpp-python") if n in sc["levels"][0]]
         head = (f"{'level':<21}{'server':<18}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}"
                 f"{'p99':>8}{'p99.9':>8}{'max gap':>9}{'e2e p50':>9}{'p95':>8}{'p99':>8}"
-                f"{'good/s':>8}{'ok':>7}{'peak cells':>11}")
+                f"{'good/s':>8}{'ok':>7}{'peak cells':>11}{'load':>6}")
         lines.append(head)
         for row in sc["levels"]:
             for n in names:
@@ -244,7 +252,7 @@ def table(results: list[dict]) -> str:
                              f"{ms('itl_p50_ms', 9)}{ms('itl_p99_ms', 8)}{ms('itl_p99.9_ms', 8)}{ms('gap_max_ms', 9)}"
                              f"{(r['e2e_p50_ms'] or 0) / 1e3:>8.2f}s{(r['e2e_p95_ms'] or 0) / 1e3:>7.2f}s"
                              f"{(r['e2e_p99_ms'] or 0) / 1e3:>7.2f}s{r['goodput_req_s']:>8.3f}"
-                             f"{r['ok']:>4}/{r['requests']:<3}{cells if cells else '-':>10}")
+                             f"{r['ok']:>4}/{r['requests']:<3}{cells if cells else '-':>10}{_load(row[n]):>6}")
             for n in names[1:]:
                 lines.append(f"{'':<21}{'ratio vs ' + n:<34}" + ratios([row], n))
             rounds = [r for r in sc["levels"] if r["level"] == row["level"]]
