@@ -15,8 +15,10 @@ cells in one contiguous free run, in their old order, so a row's sum runs in the
 change).  It is safe only where no cell is held by two sequences (a ``seq_cp`` prefix: written back per sequence it
 would be held twice) and nothing else holds cells, so the cells removed are exactly the cells written back into an
 empty cache.  :class:`CompactPolicy` decides when: cells were freed since the last compaction (holes exist), at least
-``COMPACT_AFTER`` steps of several sequences have interleaved their cells since, and the last compaction cost at most
-``COMPACT_SHARE`` of the decode time since (a bigger model's KV moves longer, and its steps are longer too).
+``COMPACT_AFTER`` steps of several sequences have interleaved their cells since, and its predicted cost — the KV
+bytes the live sequences hold, read and written back at the rate the last compaction moved them (before any,
+``PRIOR_RATE``) — is at most ``COMPACT_SHARE`` of the decode time since (a bigger model's KV takes longer to move,
+and its steps are longer too; a first compaction of gigabytes waits until the steps since have paid for it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from localinfer.errors import LocalinferError
 
 COMPACT_AFTER = 16      # steps of >= 2 sequences since the last compaction (each adds one run to every sequence)
 COMPACT_SHARE = 0.10    # the most of the decode time since the last compaction that one compaction may cost
+PRIOR_RATE = 1 << 30    # bytes of state a compaction moves a second before it has measured its own (this 2-core VM
+                        # moved SmolLM2's 56 MiB in 50 ms: 1.1 GiB/s; benchmarks/kv_layout_steps.py --loop)
 
 
 @dataclass
@@ -44,7 +48,7 @@ class CompactPolicy:
     interleaved: int = 0          # steps of >= 2 sequences since the last compaction
     freed: bool = False           # cells freed (a drop to 0, a park) since the last compaction
     decode_since: float = 0.0     # seconds of llama_decode since the last compaction
-    last_cost: float = 0.0        # seconds the last compaction took
+    rate: float = PRIOR_RATE      # bytes a second the last compaction moved
     count: int = 0
     seconds: float = 0.0
     bytes: int = 0
@@ -53,12 +57,15 @@ class CompactPolicy:
         self.interleaved += n_seqs >= 2
         self.decode_since += seconds
 
-    def due(self) -> bool:
+    def due(self, live_bytes: int) -> bool:
+        """Whether to compact now, the live sequences holding ``live_bytes`` of KV."""
         return (self.able and self.auto and self.freed and self.interleaved >= COMPACT_AFTER
-                and self.last_cost <= COMPACT_SHARE * self.decode_since)
+                and live_bytes / self.rate <= COMPACT_SHARE * self.decode_since)
 
     def done(self, seconds: float, moved: int) -> None:
-        self.interleaved, self.freed, self.decode_since, self.last_cost = 0, False, 0.0, seconds
+        self.interleaved, self.freed, self.decode_since = 0, False, 0.0
+        if seconds > 0 and moved > 0:
+            self.rate = moved / seconds
         self.count += 1
         self.seconds += seconds
         self.bytes += moved

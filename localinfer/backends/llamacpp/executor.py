@@ -96,6 +96,7 @@ class LlamaCppExecutor(ExecutorBase):
         self.compaction = CompactPolicy(on_cpu and self.drops_tail and self.unified and not self._ext_bytes
                                         and int(_L.llama_model_n_swa(model)) == 0)
         self._shared: set[int] = set()                 # slots a seq_cp made share cells (until dropped to 0)
+        self._cell_bytes = self.engine.memory()["kv"] // max(1, self.n_cells)    # one cell's K and V, all layers
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
         self._saved: dict[int, int] = {}               # slot -> positions its blob holds (drop cuts _len only)
         self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
@@ -155,7 +156,7 @@ class LlamaCppExecutor(ExecutorBase):
                 self._verify.pop(c.slot, None)
                 if c.logits and c.n_logits > 1:
                     self._verify[c.slot] = (self.snapshot(c.slot), c.tokens)
-        if self.compaction.due():
+        if self.compaction.due(sum(n for s, n in enumerate(self._len) if s not in self._host) * self._cell_bytes):
             self.compact()
         with self._flight:
             self._stepping = True
