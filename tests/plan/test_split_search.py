@@ -70,6 +70,18 @@ def test_the_ttft_objective_over_two_devices(moe, capsys):
     assert "best predicted TTFT" in ttft["why"]
 
 
+def test_ttft_takes_a_larger_ub_where_host_experts_cross_the_link_per_ubatch(tmp_path, capsys):
+    """Qwen3-235B Q4_K_M on two RTX 3090, no mmap: each -ub copies the host experts to the GPU once, so -ub 2048
+    makes 8 copies of a 16k prompt, not 32."""
+    path = str(write_skeleton("qwen3-235b-a22b", tmp_path / "q235.gguf", type="q4_k_m"))
+    doc = _json(capsys, "fit", path, "--devices", HOSTS, "--ctx", "16384", "--no-mmap", "--objective", "ttft")
+    _obeys_the_rule(doc, "ttft")
+    plan, ref = doc["plan"], doc["llamacpp_fit"]
+    assert plan["n_ubatch"] > 512 and f"-ub {plan['n_ubatch']}" in plan["flags"]
+    assert plan["speed"]["prefill_tok_s"] > 1.5 * ref["speed"]["prefill_tok_s"]
+    assert "host experts copied over the link" in plan["why"] and "best predicted TTFT" in plan["why"]
+
+
 def test_report_split_rows_show_fits_plan_and_speed(moe, capsys):
     doc = _json(capsys, "fit", moe, "--devices", HOSTS, "--ctx", CTX, "--kv-type", "q8_0", "-fa", "on")
     assert main(["report", moe, "--devices", "rtx-3090", "--split", HOSTS, "--ctx", CTX, "--kv", "f16,q8_0",
