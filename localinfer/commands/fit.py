@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ddr4-3200-2ch, threadripper-pro-8ch, epyc-9004-12ch, grace-lpddr5x) or local "
                              "(default: the device profile's host; this machine's for local)")
     parser.add_argument("--objective", default="decode", choices=("decode", "ttft"),
-                        help="what the MoE expert-placement search maximises: decode tok/s (default), or ttft: the "
-                             "time to the first token of a prompt filling --ctx (it also tries larger -ub)")
+                        help="what the expert-placement search maximises (one device, or --devices/--rpc): "
+                             "decode tok/s (default), or ttft: the time to the first token of a prompt filling --ctx "
+                             "(it also tries larger -ub)")
     parser.add_argument("--json", action="store_true", help="every term and its formula, as JSON")
     parser.add_argument("--dry-run", action="store_true",
                         help="this machine's row from llama.cpp's own dry run (it plans every buffer without reading "
@@ -153,13 +154,11 @@ def _devices(args):
 def run_split(args, spec, req) -> int:
     """``--rpc`` / ``--devices``: one verdict for the model split across the devices, then llama.cpp ``--fit``'s
     choice for them beside localinfer's plan (:mod:`localinfer.plan.split_fit`)."""
-    from localinfer.devices.hosts import host_for
     from localinfer.devices.links import get_link
     from localinfer.errors import UsageError
     from localinfer.plan import split_devices
-    from localinfer.plan.fit_cpp import MARGIN
-    from localinfer.plan.split import fit_split, parse_shares
-    from localinfer.plan.split_fit import SplitEnv, gives_up, llamacpp_split_fit, split_plan
+    from localinfer.plan.split import parse_shares
+    from localinfer.plan.split_fit import gives_up, llamacpp_split_fit, plan_split, split_env
     from localinfer.report.split import render_fit_compare, render_split_text
 
     if args.rpc and args.split_devices:
@@ -173,18 +172,9 @@ def run_split(args, spec, req) -> int:
     else:
         setup = split_devices.from_profiles(args.split_devices)
         link = args.link
-    host = host_for(setup.host, args.host)
-    # --host names the RAM the verdict judges; the plans' search always judges the host's RAM where it is known
-    host_usable = setup.host_usable if not args.host or host is None or host.unified else host.usable_bytes
     shares = parse_shares(args.tensor_split)
-    link = get_link(link) if link else None
-    sf = fit_split(spec, setup.devices, req, shares=shares, host_usable=host_usable,
-                   cpu_features=setup.host.cpu_features, profiles=setup.profiles, link=link, remote=setup.remote,
-                   host=host)
-    judged = host_usable if host_usable is not None or host is None or host.unified else host.usable_bytes
-    env = SplitEnv(setup.devices, setup.profiles, setup.remote, link, host, judged, setup.host.cpu_features,
-                   MARGIN if args.rpc else 0)
-    plan, ref = split_plan(spec, env, req, sf, shares=shares)
+    env, host_usable = split_env(setup, get_link(link) if link else None, args.host, rpc=bool(args.rpc))
+    sf, plan, ref = plan_split(spec, env, req, host_usable, shares=shares, objective=args.objective)
     auto = None if args.ctx is not None else llamacpp_split_fit(spec, env, req, shares=shares, ctx_auto=True)
     if args.json:
         doc = sf.to_dict()

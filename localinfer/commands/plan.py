@@ -71,7 +71,7 @@ def _split_speed(args, spec, n_ctx: int):
     from localinfer.backends.memory import FitRequest
     from localinfer.devices.links import get_link
     from localinfer.plan import split_devices
-    from localinfer.plan.split_plan import SplitSpeedModel, split_budget
+    from localinfer.plan.split_plan import SplitSpeedModel, split_budget, split_placement
 
     if args.bench:
         raise UsageError("--bench calibrates one device; a --split is planned from the hosts' profiles",
@@ -81,9 +81,19 @@ def _split_speed(args, spec, n_ctx: int):
     if missing:
         raise UsageError(f"--split: profile {missing[0]} has no bandwidth or FLOP/s to plan speed with",
                          flag="--split", hint="use profiles with bandwidth and bf16_flops (localinfer devices)")
-    room, sb = split_budget(spec, setup, n_ctx)
     link = get_link(args.link) if args.link else None
-    return SplitSpeedModel(spec, setup, sb, FitRequest(n_ctx=n_ctx), link, args.split), room
+    placement = split_placement(spec, setup, n_ctx, link)      # fit --devices' plan, where the planner can time it
+    room, sb = split_budget(spec, setup, n_ctx, placement.shares)
+    return SplitSpeedModel(spec, setup, sb, FitRequest(n_ctx=n_ctx), link, args.split, placement), room
+
+
+def _room_hint(speed) -> str:
+    hint = "use a shorter --input/--output, a smaller quant, or a larger device"
+    place = getattr(speed, "placement", None)
+    if place is None or place.plan is None or place.used:
+        return hint
+    return (f"{hint}; fit --devices' plan puts weights in host RAM, which plan --split does not time: "
+            + place.describe(place.plan))
 
 
 def build(args: argparse.Namespace):
@@ -116,7 +126,7 @@ def build(args: argparse.Namespace):
     if room < 0:
         raise UsageError(f"{device.name} cannot hold this model with a {n_ctx}-token request: weights and buffers "
                          f"need {fmt_bytes(device.usable_bytes - room)} of {fmt_bytes(device.usable_bytes)}",
-                         flag="--device", hint="use a shorter --input/--output, a smaller quant, or a larger device")
+                         flag="--split" if args.split else "--device", hint=_room_hint(speed))
     if args.kv_budget is None:
         budget = room
     else:
@@ -173,9 +183,13 @@ def run(args: argparse.Namespace) -> int:
         if note:
             out["shared_prefix_note"] = note
         out.update(model=spec.name, device=speed.device.name, memory=memory)
+        if getattr(speed, "placement", None) is not None:
+            out["split_placement"] = speed.placement.to_dict()
         print(json.dumps(out, indent=2))
     else:
         print(render_text(spec, speed, p))
+        if getattr(speed, "placement", None) is not None:
+            print("\n".join(speed.placement.lines()))
         if memory["note"]:
             print(f"memory: {memory['note']}")
     from localinfer.plan.planner import UNKNOWN

@@ -86,28 +86,31 @@ def build(args: argparse.Namespace):
 
 
 def with_splits(args: argparse.Namespace, text: str) -> str:
-    """The report plus one row per model × context × KV type split over ``--split``'s hosts."""
+    """The report plus one row per model × context × KV type split over ``--split``'s hosts: the request's verdict,
+    the plan ``fit --devices`` recommends (:func:`localinfer.plan.split_fit.plan_split`) and its speed, and
+    llama.cpp ``--fit``'s."""
     import json
 
     from localinfer.backends.memory import FitRequest
     from localinfer.devices.links import get_link
     from localinfer.generation.load import open_model
     from localinfer.plan import split_devices
-    from localinfer.plan.split import fit_split
+    from localinfer.plan.split_fit import plan_split, split_env
     from localinfer.report.split import render_split_rows
 
     setup = split_devices.from_profiles(args.split)
-    link = get_link(args.link) if args.link else None
+    env, host_usable = split_env(setup, get_link(args.link) if args.link else None)
     rows = []
     for m in args.models or [None]:
         spec = open_model(m).spec
         for ctx in _ints(args.ctx, "--ctx"):
             for kv in (t.strip() for t in args.kv.split(",") if t.strip()):
                 req = FitRequest(n_ctx=ctx, type_k=kv, type_v=kv, flash_attn=True if kv != "f16" else None)
-                sf = fit_split(spec, setup.devices, req, host_usable=setup.host_usable,
-                               cpu_features=setup.host.cpu_features, profiles=setup.profiles, link=link,
-                               remote=setup.remote)
-                rows.append({"model": spec.name, "ctx": ctx, "kv": kv, **sf.to_dict()})
+                # the row's KV type stays (one row per --kv): fit --devices --kv-type KV's plan
+                sf, plan, ref = plan_split(spec, env, req, host_usable, other_kv=False)
+                rows.append({"model": spec.name, "ctx": ctx, "kv": kv, **sf.to_dict(),
+                             "plan": None if plan is None else plan.to_dict(),
+                             "llamacpp_fit": None if ref is None else ref.to_dict()})
     if args.format == "json":
         doc = json.loads(text)
         doc["splits"] = {"hosts": args.split, "link": args.link, "rows": rows}

@@ -12,7 +12,9 @@ checks the port against the real tool over a ``worker --mem`` device.
 speed objective.  :func:`moe_plan` searches ``--n-cpu-moe N`` (whole layers' experts, the fewest that fit)
 for the request's KV type and for q8_0, checks the host part against the host's RAM, includes ``--fit``'s
 own choice as a candidate, and keeps the fastest predicted decode (:mod:`localinfer.plan.host_speed`), so
-it fits wherever ``--fit``'s plan fits on the host and is never predicted slower.
+it fits wherever ``--fit``'s plan fits on the host and is never predicted slower.  The search's pieces (the
+KV types and -ub tried, the objective's order, the words for a change of KV type) are shared with the search
+over several devices (:mod:`localinfer.plan.split_fit`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class MoePlan:
     @property
     def decode_tok_s(self) -> float:
         return (self.speed or {}).get("decode_tok_s") or 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.speed or {}).get("ttft_s") or float("inf")
 
     def flags(self) -> str:
         """llama.cpp's flags for the placement."""
@@ -146,14 +152,15 @@ def _fewest_on_host(spec, device, req) -> int | None:
     return lo
 
 
-def _kv_choices(spec, req) -> list[tuple[str, str]]:
+def kv_choices(req) -> list[tuple[str, str]]:
+    """K and V types to try: the request's; for f16 also q8_0 (half the KV bytes, so more weights on the GPU)."""
     out = [(req.type_k, req.type_v)]
     if (req.type_k, req.type_v) == ("f16", "f16"):
         out.append(("q8_0", "q8_0"))
     return out
 
 
-def _ub_choices(req, objective: str) -> list[int]:
+def ub_choices(req, objective: str) -> list[int]:
     """Micro-batches to try: the request's; for TTFT also larger ones up to -b (each copies the host experts over
     the link once, so fewer copies per prompt, for a larger compute buffer)."""
     if objective != "ttft":
@@ -161,18 +168,58 @@ def _ub_choices(req, objective: str) -> list[int]:
     return [req.n_ubatch] + [u for u in UB_CHOICES if req.n_ubatch < u <= req.n_batch]
 
 
-def _ttft(c: MoePlan) -> float:
-    return (c.speed or {}).get("ttft_s") or float("inf")
+def check_objective(objective: str) -> None:
+    if objective not in OBJECTIVES:
+        raise UsageError(f"--objective takes {' or '.join(OBJECTIVES)}, not {objective!r}", flag="--objective")
 
 
-def score(c: MoePlan, objective: str) -> float:
-    """Higher is better: decode tok/s, or prompts per second (1 / TTFT)."""
-    return c.decode_tok_s if objective == "decode" else 1.0 / _ttft(c)
+def variants(req, objective: str, other_kv: bool = True) -> list:
+    """The request with each KV type (:func:`kv_choices`; only its own without ``other_kv``) and -ub
+    (:func:`ub_choices`) a placement search tries, the request's own first (flash attention on for a quantized
+    KV type, as llama.cpp needs)."""
+    check_objective(objective)
+    kvs = kv_choices(req) if other_kv else [(req.type_k, req.type_v)]
+    return [replace(req, type_k=tk, type_v=tv, flash_attn=True if tk != "f16" else req.flash_attn, n_ubatch=ub)
+            for tk, tv in kvs for ub in ub_choices(req, objective)]
 
 
-def _asked(c: MoePlan, req) -> bool:
+def score(c, objective: str) -> float:
+    """Higher is better: decode tok/s, or prompts per second (1 / TTFT); ``c``: a MoePlan or a SplitPlan."""
+    return c.decode_tok_s if objective == "decode" else 1.0 / c.ttft_s
+
+
+def asked(c, req) -> bool:
+    """Whether a plan keeps the KV types and -ub of the request."""
     r = c.request
     return (r.type_k, r.type_v, r.n_ubatch) == (req.type_k, req.type_v, req.n_ubatch)
+
+
+def rank(c, req, objective: str) -> tuple:
+    """The search's order (higher is better): the objective, a plan as asked counted :data:`KV_GAIN` better, then
+    the other objective."""
+    other = "ttft" if objective == "decode" else "decode"
+    return score(c, objective) * (KV_GAIN if asked(c, req) else 1.0), score(c, other)
+
+
+def speeds(c) -> str:
+    """Both predicted speeds of a plan: decode tok/s and the TTFT of a prompt filling the context."""
+    return f"{c.decode_tok_s:.1f} tok/s, TTFT {fmt_duration(c.ttft_s)}"
+
+
+def changed(best, top, req, more: int, unit: str, where: str) -> str:
+    """Why ``best`` (another KV type or -ub than asked) beats ``top`` (the best as asked): what it changes, the
+    ``more`` ``unit`` it keeps on ``where`` (negative: puts in RAM), and ``top``'s speeds."""
+    what = []
+    if (best.request.type_k, best.request.type_v) != (req.type_k, req.type_v):
+        what.append(f"KV {best.request.type_k}")
+    if best.request.n_ubatch != req.n_ubatch:
+        what.append(f"-ub {best.request.n_ubatch} (host experts copied over the link "
+                    f"{-(-req.n_ctx // best.request.n_ubatch)} times a prompt, not "
+                    f"{-(-req.n_ctx // req.n_ubatch)})")
+    return (" and ".join(what) + (f" keeps {more} more {unit} on {where}" if more > 0 else
+                                  f" puts {-more} more {unit} in RAM" if more < 0 else
+                                  f" keeps as many {unit} on {where}")
+            + f": against {speeds(top)} as asked")
 
 
 def moe_plan(spec, device, host, req: FitRequest, objective: str = "decode") -> MoePlan | None:
@@ -180,13 +227,11 @@ def moe_plan(spec, device, host, req: FitRequest, objective: str = "decode") -> 
     token of a prompt filling the context) that fits the device and the host (see the module).
 
     None when the model has no experts, the device is a CPU or unified memory, or no placement fits."""
-    if objective not in OBJECTIVES:
-        raise UsageError(f"--objective takes {' or '.join(OBJECTIVES)}, not {objective!r}", flag="--objective")
+    check_objective(objective)
     if device.kind == "cpu" or device.unified or not moe_layers(spec):
         return None
     cands: list[MoePlan] = []
-    for (tk, tv), ub in ((kv, ub) for kv in _kv_choices(spec, req) for ub in _ub_choices(req, objective)):
-        r = replace(req, type_k=tk, type_v=tv, flash_attn=True if tk != "f16" else req.flash_attn, n_ubatch=ub)
+    for r in variants(req, objective):
         try:
             n = _fewest_on_host(spec, device, r)
         except UsageError:           # a KV type this model cannot cache
@@ -207,18 +252,9 @@ def moe_plan(spec, device, host, req: FitRequest, objective: str = "decode") -> 
     good = [c for c in cands if c.fits]
     if not good:
         return None
-    other = "ttft" if objective == "decode" else "decode"
-
-    def rank(c):
-        return (score(c, objective) * (KV_GAIN if _asked(c, req) else 1.0), score(c, other))
-
-    best = max(good, key=rank)
+    best = max(good, key=lambda c: rank(c, req, objective))
     others = tuple(c for c in good if c is not best)
     return replace(best, why=_why(best, others, ref, req, objective), alternatives=others)
-
-
-def _speeds(c: MoePlan) -> str:
-    return f"{c.decode_tok_s:.1f} tok/s, TTFT {fmt_duration(_ttft(c))}"
 
 
 def _why(best: MoePlan, others, ref: MoePlan | None, req, objective: str = "decode") -> str:
@@ -226,33 +262,23 @@ def _why(best: MoePlan, others, ref: MoePlan | None, req, objective: str = "deco
     parts = [f"{best.experts_on_host} layers' experts in RAM ({fmt_bytes(best.host_bytes)} of host memory) is the "
              f"fewest that fits {fmt_bytes(best.device_bytes)} on the GPU"
              + (f" at -ub {best.request.n_ubatch}" if best.request.n_ubatch != req.n_ubatch else "")
-             + f": {_speeds(best)} (best predicted {goal})"]
-    if not _asked(best, req):
-        same = [o for o in others if _asked(o, req)]
+             + f": {speeds(best)} (best predicted {goal})"]
+    if not asked(best, req):
+        same = [o for o in others if asked(o, req)]
         if same:
             top = max(same, key=lambda o: score(o, objective))
-            more = top.experts_on_host - best.experts_on_host
-            what = []
-            if (best.request.type_k, best.request.type_v) != (req.type_k, req.type_v):
-                what.append(f"KV {best.request.type_k}")
-            if best.request.n_ubatch != req.n_ubatch:
-                what.append(f"-ub {best.request.n_ubatch} (host experts copied over the link "
-                            f"{-(-req.n_ctx // best.request.n_ubatch)} times a prompt, not "
-                            f"{-(-req.n_ctx // req.n_ubatch)})")
-            parts.append(" and ".join(what) + (f" keeps {more} more layers' experts on the GPU" if more > 0 else
-                                               f" puts {-more} more layers' experts in RAM" if more < 0 else
-                                               " keeps as many layers' experts on the GPU")
-                         + f": against {_speeds(top)} as asked")
+            parts.append(changed(best, top, req, top.experts_on_host - best.experts_on_host, "layers' experts",
+                                 "the GPU"))
     else:
-        alt = [o for o in others if not _asked(o, req)]
+        alt = [o for o in others if not asked(o, req)]
         if alt:
             top = max(alt, key=lambda o: score(o, objective))
-            parts.append(f"{top.flags()} would give {_speeds(top)}: under {KV_GAIN - 1:.0%} better, so the KV type "
+            parts.append(f"{top.flags()} would give {speeds(top)}: under {KV_GAIN - 1:.0%} better, so the KV type "
                          "and -ub asked for stay")
     if best.partial in ("up", "gate"):
         parts.append(f"layer {best.experts_on_host}'s {best.partial}{' and up' if best.partial == 'gate' else ''} "
                      "experts stay on the GPU")
     if ref is not None:
-        parts.append(f"--fit's plan: {ref.summary()}, {_speeds(ref)}"
+        parts.append(f"--fit's plan: {ref.summary()}, {speeds(ref)}"
                      + ("" if ref.fits_host else " (its host part does not fit the host's RAM)"))
     return "; ".join(parts)

@@ -13,9 +13,14 @@ tensor placement to it, the fewest ``--n-cpu-moe N`` (and part of one more layer
 whose ``-ts`` fits, for a dense model the most ``-ngl``.  ``--fit``'s own plan is a candidate too
 ("localinfer (as --fit)"), judged on the devices' usable bytes and the host's RAM, and the fastest predicted
 decode wins (a tie: the one keeping the least on the host), so localinfer's plan fits wherever ``--fit``'s
-does and is never predicted slower; where ``--fit``'s wins it is adopted and the reasons say so.  On unified
-memory (this machine's devices and its host share one pool) localinfer puts no weights in host RAM, and a plan
-that does is judged on the pool: its host part and this machine's devices together.
+does and is never predicted slower; where ``--fit``'s wins it is adopted and the reasons say so.  As on one
+device (:mod:`localinfer.plan.moe_fit`, whose search pieces it shares), that search also tries q8_0 KV for an
+f16 request and, for ``objective="ttft"`` (the time to the first token of a prompt filling the context), larger
+``-ub``; another KV type or ``-ub`` than asked wins only when predicted :data:`~localinfer.plan.moe_fit.KV_GAIN`
+better, and the reasons give both plans' speeds.  On unified memory (this machine's devices and its host share
+one pool) localinfer puts no weights in host RAM, and a plan that does is judged on the pool: its host part and
+this machine's devices together.  ``fit --devices``, ``plan --split`` and ``report --split`` all take their plan
+from :func:`plan_split` in a :func:`split_env`.
 
 ``--fit`` works at the ``-c`` it is given; only when ``-c`` is left out does llama.cpp start from the train
 context and let fit.cpp's step 2 lower it: ``ctx_auto`` shows that choice.
@@ -28,12 +33,15 @@ from dataclasses import dataclass, field, replace
 from localinfer.backends.memory import FitRequest
 from localinfer.backends.registry import memory_model
 from localinfer.backends.split import SplitBreakdown
+from localinfer.errors import UsageError
 from localinfer.plan.fit_cpp import MARGIN, fit_cpp_split
-from localinfer.plan.moe_fit import OWN_PARTIAL, moe_layers
-from localinfer.plan.split import SplitSpeed, split_speed
+from localinfer.plan.moe_fit import (KV_GAIN, OWN_PARTIAL, asked, changed, check_objective, moe_layers, rank, score,
+                                     speeds, variants)
+from localinfer.plan.split import SplitSpeed, fit_split, split_speed
 from localinfer.units import fmt_bytes
 
 AS_FIT = "localinfer (as --fit)"
+AS_ASKED = "the request as asked"
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,29 @@ class SplitEnv:
     host_usable: int | None = None      # the host's RAM a plan may use (None: not judged)
     cpu_features: tuple[str, ...] = ()
     margin: int = MARGIN                # --fit's target: free − margin (0 for profiles: usable is free − 1 GiB)
+
+
+def split_env(setup, link=None, host_name: str | None = None, rpc: bool = False) -> tuple[SplitEnv, int | None]:
+    """(the SplitEnv ``fit``, ``plan`` and ``report`` judge and time a split's plans in, the host RAM its verdict
+    judges) for a SplitSetup (:mod:`localinfer.plan.split_devices`); ``host_name``: ``--host``; ``rpc``: running
+    workers, whose free memory --fit's target takes the 1 GiB margin from (a profile's usable bytes already do)."""
+    from localinfer.devices.hosts import host_for
+
+    host = host_for(setup.host, host_name)
+    # --host names the RAM the verdict judges; the plans' search always judges the host's RAM where it is known
+    verdict = setup.host_usable if not host_name or host is None or host.unified else host.usable_bytes
+    judged = verdict if verdict is not None or host is None or host.unified else host.usable_bytes
+    return SplitEnv(setup.devices, setup.profiles, setup.remote, link, host, judged, setup.host.cpu_features,
+                    MARGIN if rpc else 0), verdict
+
+
+def plan_split(spec, env: SplitEnv, req: FitRequest, host_usable: int | None = None, *, shares=None,
+               objective: str = "decode", other_kv: bool = True):
+    """(the request's SplitFit, localinfer's plan, ``--fit``'s): :func:`~localinfer.plan.split.fit_split`'s verdict
+    (``host_usable``: the host RAM it judges) and :func:`split_plan` over it, as ``fit --devices`` shows them."""
+    sf = fit_split(spec, env.devices, req, shares=shares, host_usable=host_usable, cpu_features=env.cpu_features,
+                   profiles=env.profiles or None, link=env.link, remote=env.remote or None, host=env.host)
+    return (sf, *split_plan(spec, env, req, sf, shares=shares, objective=objective, other_kv=other_kv))
 
 
 @dataclass(frozen=True)
@@ -65,8 +96,10 @@ class SplitPlan:
     dry_run: tuple[int, ...] = ()       # --fit: each device's bytes as its dry run measures them
     targets: tuple[int, ...] = ()       # --fit: each device's target
     experts_on_host: int = 0            # layers whose routed experts are all in host RAM
+    touched_on_host: int = 0            # layers with any routed expert in host RAM
     host_usable: int | None = None      # the host RAM it was judged on
     host_need: int = 0                  # what was judged against it (on unified memory: this machine's devices too)
+    what: str = ""                      # localinfer's: which candidate (AS_ASKED, "the -ts that fits", ...)
     why: str = ""
     alternatives: tuple = field(default=(), compare=False)
 
@@ -82,6 +115,16 @@ class SplitPlan:
     def decode_tok_s(self) -> float:
         return self.speed.decode_tok_s if self.speed is not None else 0.0
 
+    @property
+    def ttft_s(self) -> float:
+        """Seconds to the first token of a prompt filling the context (inf without a speed)."""
+        sp = self.speed
+        return sp.context / sp.prefill_tok_s if sp is not None and sp.prefill_tok_s else float("inf")
+
+    @property
+    def layers_on_devices(self) -> int:
+        return sum(len(d.layers) for d in self.breakdown.devices)
+
     def flags(self) -> str:
         """llama.cpp's flags for the placement (``--fit``'s: its answer line)."""
         if self.line:
@@ -94,19 +137,44 @@ class SplitPlan:
             out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
         if self.shares is not None and len(self.shares) > 1:
             out.append("-ts " + ",".join(f"{s:g}" for s in self.shares))
+        if r.type_k != "f16" or r.type_v != "f16":
+            out.append(f"-ctk {r.type_k} -ctv {r.type_v} -fa on")
+        if r.n_ubatch != FitRequest.n_ubatch:
+            out.append(f"-ub {r.n_ubatch}")
         return " ".join(out)
+
+    def summary(self) -> str:
+        """A short form for a table: whose plan (as asked, ``-ngl``/``-ts`` or ``--fit``'s), what is in host RAM,
+        another KV type or -ub."""
+        r = self.request
+        if self.line:
+            bits = ["--fit's"]
+        elif self.what == AS_ASKED:
+            bits = ["as asked"]
+        else:
+            ngl = [] if r.n_gpu_layers < 0 or r.n_gpu_layers > 900 else [f"-ngl {r.n_gpu_layers}"]
+            bits = [" ".join(ngl + ["-ts " + ",".join(str(c) for c in self.breakdown.counts())])]
+        if self.experts_on_host:
+            bits.append(f"{self.experts_on_host} layers' experts in RAM")
+        if r.type_k != "f16" or r.type_v != "f16":
+            bits.append(f"KV {r.type_k}" + (f"/{r.type_v}" if r.type_v != r.type_k else ""))
+        if r.n_ubatch != FitRequest.n_ubatch:
+            bits.append(f"-ub {r.n_ubatch}")
+        return ", ".join(bits)
 
     def to_dict(self) -> dict:
         return {"by": self.by, "flags": self.flags(), "n_ctx": self.request.n_ctx, "n_seq": self.request.n_seq,
                 "n_gpu_layers": self.request.n_gpu_layers, "n_cpu_moe": self.request.n_cpu_moe,
+                "type_k": self.request.type_k, "type_v": self.request.type_v, "n_ubatch": self.request.n_ubatch,
                 "override_tensor": [list(p) for p in self.request.override_tensor],
                 "tensor_split": None if self.shares is None else list(self.shares),
                 "split": self.breakdown.to_dict(), "host_total": self.breakdown.host_total,
-                "experts_on_host": self.experts_on_host, "fits_devices": self.fits_devices,
+                "experts_on_host": self.experts_on_host, "touched_on_host": self.touched_on_host, "fits_devices": self.fits_devices,
                 "host_usable": self.host_usable, "host_need": self.host_need, "fits_host": self.fits_host,
                 "fits": self.fits,
                 "speed": None if self.speed is None else self.speed.to_dict(), "steps": list(self.steps),
-                "dry_run_bytes": list(self.dry_run), "targets": list(self.targets), "why": self.why,
+                "dry_run_bytes": list(self.dry_run), "targets": list(self.targets), "what": self.what, "why": self.why,
+                "summary": self.summary(),
                 "alternatives": [a.to_dict() for a in self.alternatives]}
 
 
@@ -123,7 +191,8 @@ def measure(spec, env: SplitEnv, req: FitRequest, shares, by: str, **kw) -> Spli
         if t.name.startswith("blk.") and "_exps." in t.name:
             exps.setdefault(int(t.name.split(".")[1]), []).append(t.name in sb.host_tensors)
     return SplitPlan(by, req, None if shares is None else tuple(shares), sb, fits_host, speed,
-                     experts_on_host=sum(all(v) for v in exps.values()), host_usable=env.host_usable, host_need=host,
+                     experts_on_host=sum(all(v) for v in exps.values()),
+                     touched_on_host=sum(any(v) for v in exps.values()), host_usable=env.host_usable, host_need=host,
                      **kw)
 
 
@@ -172,7 +241,8 @@ def _own(spec, env: SplitEnv, req: FitRequest) -> list[SplitPlan]:
             k, counts = hit
             r = replace(base, n_cpu_moe=k)
             out.append(measure(spec, env, r, counts, "localinfer",
-                               why="the fewest layers' experts in RAM (--n-cpu-moe) whose -ts fits"))
+                               what="the fewest layers' experts in RAM (--n-cpu-moe) whose -ts fits" if k else
+                                    "every expert on the devices with the -ts that fits"))
             if k > 0 and (k - 1) in moe_layers(spec):
                 for part, pattern in OWN_PARTIAL.items():   # part of one more layer's experts back on a device
                     p = replace(r, n_cpu_moe=k - 1, override_tensor=((f"blk\\.{k - 1}{pattern}", "CPU"),))
@@ -180,7 +250,7 @@ def _own(spec, env: SplitEnv, req: FitRequest) -> list[SplitPlan]:
                     if counts is None:
                         break
                     out.append(measure(spec, env, p, counts, "localinfer",
-                                       why=f"the fewest experts in RAM whose -ts fits, layer {k - 1}'s "
+                                       what=f"the fewest experts in RAM whose -ts fits, layer {k - 1}'s "
                                            f"{'up' if part == 'up' else 'up and gate'} experts on a device"))
             return out
     base = replace(req, n_cpu_moe=n) if moe else req
@@ -188,34 +258,45 @@ def _own(spec, env: SplitEnv, req: FitRequest) -> list[SplitPlan]:
     if hit is not None:
         k, counts = hit
         out.append(measure(spec, env, replace(base, n_gpu_layers=k), counts, "localinfer",
-                           why="the most layers on the devices (-ngl) whose -ts fits"
+                           what="the most layers on the devices (-ngl) whose -ts fits"
                                + (", every expert in RAM" if moe else "")))
     return out
 
 
-def _rank(c: SplitPlan):
-    return (c.decode_tok_s, -c.breakdown.host_total)
+def _key(req: FitRequest, objective: str):
+    """The order of the candidates: :func:`~localinfer.plan.moe_fit.rank`, then the KV type and -ub asked, then the
+    least in host RAM (so without speeds: the plan as asked keeping the least there)."""
+    return lambda c: (*rank(c, req, objective), asked(c, req), -c.breakdown.host_total)
 
 
-def split_plan(spec, env: SplitEnv, req: FitRequest, sf, *, shares=None) -> tuple[SplitPlan | None, SplitPlan | None]:
+def split_plan(spec, env: SplitEnv, req: FitRequest, sf, *, shares=None, objective: str = "decode",
+               other_kv: bool = True) -> tuple[SplitPlan | None, SplitPlan | None]:
     """(localinfer's plan, ``--fit``'s) for ``req`` over ``env``'s devices; ``sf``: the request's SplitFit (its
-    breakdown and the ``-ts`` that fits); ``shares``: the user's ``-ts``.  Either None: nothing fits / fit.cpp
-    gives up."""
+    breakdown and the ``-ts`` that fits); ``shares``: the user's ``-ts``; ``objective``: decode or ttft;
+    ``other_kv``: the search may try q8_0 KV for an f16 request (``report``'s rows, one per KV type, do not).
+    Either None: nothing fits / fit.cpp gives up."""
+    check_objective(objective)
     ref = llamacpp_split_fit(spec, env, req, shares=shares)
-    cands = [measure(spec, env, req, shares, "localinfer", why="the request as asked")]
+    cands = [measure(spec, env, req, shares, "localinfer", what=AS_ASKED)]
     if sf.suggestion is not None:
-        cands.append(measure(spec, env, req, sf.suggestion.counts(), "localinfer", why="the -ts that fits"))
+        cands.append(measure(spec, env, req, sf.suggestion.counts(), "localinfer", what="the -ts that fits"))
     unified = env.host is not None and env.host.unified    # host RAM is this machine's device memory: no gain
     if not any(c.fits for c in cands) and req.n_gpu_layers == -1 and not req.overridden and not unified:
-        cands += _own(spec, env, req)
+        for i, r in enumerate(variants(req, objective, other_kv)):
+            try:
+                cands += _own(spec, env, r)
+            except UsageError:
+                if i == 0:             # the request's own KV type: its error stands
+                    raise
     if ref is not None:
         cands.append(replace(ref, by=AS_FIT))
     good = [c for c in cands if c.fits]
     if not good:
         return None, ref
-    best = max(good, key=_rank)                 # the first of equals: localinfer's own before --fit's
+    best = max(good, key=_key(req, objective))  # the first of equals: localinfer's own before --fit's
     others = tuple(c for c in good if c is not best)
-    return replace(best, why=_why(best, others, ref, gives_up(req, shares)), alternatives=others), ref
+    why = _why(best, others, ref, req, objective, gives_up(req, shares))
+    return replace(best, why=why, alternatives=others), ref
 
 
 def gives_up(req: FitRequest, shares) -> str:
@@ -235,20 +316,45 @@ def over(p: SplitPlan) -> str:
 
 
 def _speed(p: SplitPlan) -> str:
-    return (f"predicted {p.decode_tok_s:.1f} tok/s" if p.speed is not None else
+    return (f"predicted {speeds(p)}" if p.speed is not None else
             "no predicted speed (a device's or the host's profile lacks bandwidth or FLOP/s)")
 
 
-def _why(best: SplitPlan, others, ref: SplitPlan | None, no_ref: str) -> str:
+def _more(best: SplitPlan, top: SplitPlan) -> tuple[int, str]:
+    """(how many more layers' experts, or layers, ``best`` keeps on the devices than ``top``, the unit)."""
+    if best.touched_on_host or top.touched_on_host:
+        return top.touched_on_host - best.touched_on_host, "layers' experts"
+    return best.layers_on_devices - top.layers_on_devices, "layers"
+
+
+def _why(best: SplitPlan, others, ref: SplitPlan | None, req, objective: str, no_ref: str) -> str:
     own = [o for o in others if o.by == "localinfer"]
+    key = _key(req, objective)
     if best.by == AS_FIT:
         if not own:
             return f"localinfer adopts --fit's plan: none of its own fits these devices ({_speed(best)})"
-        top = max(own, key=_rank)
-        how = (f"its own best, {top.flags()}, is {_speed(top)} against {best.decode_tok_s:.1f}"
-               if best.speed is not None else "neither has a speed; --fit's keeps less in host RAM")
+        top = max(own, key=key)
+        if best.speed is None:
+            how = "neither has a speed; --fit's keeps less in host RAM"
+        elif score(top, objective) > score(best, objective):      # another KV type or -ub, under KV_GAIN better
+            mine = [o for o in own if asked(o, req)]
+            how = (f"{_speed(best)}; {top.flags()} would give {speeds(top)}: under {KV_GAIN - 1:.0%} better, so the "
+                   "KV type and -ub asked for stay" + (f"; its own best as asked, {max(mine, key=key).flags()}, is "
+                                                   f"{_speed(max(mine, key=key))}" if mine else ""))
+        else:
+            how = f"its own best, {top.flags()}, is {_speed(top)} against {speeds(best)}"
         return f"localinfer adopts --fit's plan: {how}"
-    parts = [f"{best.why}: {_speed(best)}, {fmt_bytes(best.breakdown.host_total)} on the host"]
+    goal = "" if objective == "decode" else f" (best predicted TTFT of a {req.n_ctx:,}-token prompt)"
+    parts = [f"{best.what}: {_speed(best)}{goal}, {fmt_bytes(best.breakdown.host_total)} on the host"]
+    same = [o for o in others if asked(o, req)]
+    alt = [o for o in others if not asked(o, req) and score(o, objective) > score(best, objective)]
+    if not asked(best, req) and same and best.speed is not None:
+        top = max(same, key=key)
+        parts.append(changed(best, top, req, *_more(best, top), "the devices"))
+    elif asked(best, req) and alt:
+        top = max(alt, key=key)
+        parts.append(f"{top.flags()} would give {speeds(top)}: under {KV_GAIN - 1:.0%} better, so the KV type "
+                     "and -ub asked for stay")
     if ref is None:
         parts.append(no_ref)
     elif not ref.fits:

@@ -6,12 +6,15 @@ steps visit the stages in turn: each stage takes its share of the weights
 adds the network (:func:`localinfer.plan.split.split_speed`'s terms for the
 step's tokens).  The KV budget is what the tightest device leaves: each
 device's room after its weights and compute buffer, divided by its share of
-the KV cache.
+the KV cache.  The split is the placement ``fit --devices`` recommends for one request of the workload's
+length (:func:`split_placement`) where it keeps every weight on the devices (llama.cpp's default ``-ts`` or one
+that fits); the planner does not time weights in host RAM, so where that placement puts experts there the
+default split is planned and the placement is only shown.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from localinfer.backends.memory import FitRequest
 from localinfer.model.cost import model_cost
@@ -23,7 +26,7 @@ from localinfer.units import ceil_div
 class SplitSpeedModel(SpeedModel):
     """Stages in turn, each at its own device's speed model for its share of the weights, plus the network."""
 
-    def __init__(self, spec, setup, sb, req: FitRequest, link=None, label: str = "split"):
+    def __init__(self, spec, setup, sb, req: FitRequest, link=None, label: str = "split", placement=None):
         used = [i for i, d in enumerate(sb.devices) if d.layers or d.output]
         total = sum(sb.devices[i].weights for i in used) or 1
         cost = model_cost(spec)
@@ -36,6 +39,7 @@ class SplitSpeedModel(SpeedModel):
                        for i in used]
         self.spec, self.sb, self.req, self.link, self.remote = spec, sb, req, link, list(setup.remote)
         self.remote_used = any(self.remote[i] for i in used)
+        self.placement = placement          # Placement: fit --devices' plan for the split, shown beside the plan
 
     def _net(self, tokens: int, rows: int) -> float:
         if self.link is None:
@@ -62,11 +66,61 @@ class SplitSpeedModel(SpeedModel):
         return self._sum(parts, calls * self._net(min(self.ubatch, batch * new), batch))
 
 
-def split_budget(spec, setup, n_ctx: int) -> tuple[int, object]:
-    """(KV bytes the split leaves, its breakdown): the tightest device's room over its share of the KV."""
-    sf = fit_split(spec, setup.devices, FitRequest(n_ctx=n_ctx), host_usable=setup.host_usable,
+def split_budget(spec, setup, n_ctx: int, shares=None) -> tuple[int, object]:
+    """(KV bytes the split leaves, its breakdown): the tightest device's room over its share of the KV;
+    ``shares``: a ``-ts`` (default: llama.cpp's, by free memory)."""
+    sf = fit_split(spec, setup.devices, FitRequest(n_ctx=n_ctx), shares=shares, host_usable=setup.host_usable,
                    cpu_features=setup.host.cpu_features, search=False)
     sb = sf.breakdown
     total_kv = sum(d.kv for d in sb.devices) or 1
     rooms = [(d.usable - d.weights - d.compute) * total_kv // d.kv for d in sb.devices if d.kv]
     return (min(rooms) if rooms else 0), sb
+
+
+@dataclass(frozen=True)
+class Placement:
+    """``fit --devices``' plan for one f16 request of the workload's length, ``--fit``'s, and whether the planner
+    plans on it (every weight on the devices)."""
+
+    plan: object            # SplitPlan or None: none fits
+    ref: object             # SplitPlan or None: --fit gives up
+    used: bool
+
+    @property
+    def shares(self):
+        return self.plan.breakdown.counts() if self.used and self.plan.shares is not None else None
+
+    def to_dict(self) -> dict:
+        return {"plan": None if self.plan is None else self.plan.to_dict(),
+                "llamacpp_fit": None if self.ref is None else self.ref.to_dict(), "planned_on": self.used}
+
+    @staticmethod
+    def describe(p) -> str:
+        """A plan's flags (and the split where llama.cpp's default makes it) and its predicted speeds."""
+        from localinfer.plan.moe_fit import speeds
+
+        split = "" if p.shares is not None or p.line else \
+            f", llama.cpp's default split ({','.join(map(str, p.breakdown.counts()))} layers)"
+        return f"{p.flags()}{split}: {'predicted ' + speeds(p) if p.speed is not None else 'no predicted speed'}"
+
+    def lines(self) -> list[str]:
+        """The placement and --fit's, each with its predicted speed, for the text output."""
+        p, r = self.plan, self.ref
+        out = [("placement (fit --devices' plan for one request): " + self.describe(p)) if p is not None else
+               "placement: fit --devices finds none that fits one request at this length; the default split is planned"]
+        if p is not None and not self.used:
+            out.append("  it puts weights in host RAM, which plan --split does not time: the default split is planned")
+        out.append("llama.cpp --fit: " + ("gives up" if r is None else
+                                          self.describe(r) + ("" if r.fits else ", does not fit")))
+        return out
+
+
+def split_placement(spec, setup, n_ctx: int, link=None) -> Placement:
+    """``fit --devices``' plan (:func:`localinfer.plan.split_fit.plan_split`) for one f16 request of ``n_ctx``
+    tokens over the setup, and --fit's."""
+    from localinfer.plan.split_fit import plan_split, split_env
+
+    env, host_usable = split_env(setup, link)
+    _, plan, ref = plan_split(spec, env, FitRequest(n_ctx=n_ctx), host_usable)
+    used = plan is not None and not plan.breakdown.host_tensors
+    return Placement(plan, ref, used)

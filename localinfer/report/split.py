@@ -72,20 +72,32 @@ def render_split_text(spec, sf) -> str:
     return "\n".join(out)
 
 
+def _tok_s(p: dict | None, none: str) -> str:
+    if p is None:
+        return none
+    if not p["fits"]:
+        return "does not fit"
+    return f"{p['speed']['decode_tok_s']:.1f}" if p["speed"] else "-"
+
+
 def render_split_rows(hosts: str, link: str | None, rows: list[dict], markdown: bool) -> str:
-    """One line per model × context × KV type of ``report --split``: fits, layer split, fullest device, speed."""
-    head = ["model", "ctx", "KV", "fits", "split", "fullest device", "decode tok/s", "net ms/token"]
+    """One line per model × context × KV type of ``report --split``: the request's verdict, layer split and fullest
+    device; the plan ``fit --devices`` recommends and its decode; llama.cpp ``--fit``'s decode."""
+    head = ["model", "ctx", "KV", "fits", "split", "fullest device", "plan", "decode tok/s", "--fit tok/s",
+            "net ms/token"]
     body = []
     for r in rows:
         devs = r["split"]["devices"]
         full = max(devs, key=lambda d: d["total"] / max(d["usable"], 1))
-        sp = r["speed"]
+        plan = r.get("plan")
+        sp = plan["speed"] if plan else None
         fix = r["suggestion"]
         verdict = "yes" if r["fits"] else ("with -ts " + ",".join(map(str, fix["counts"])) if fix else "no")
         body.append([safe_text(r["model"]), str(r["ctx"]), r["kv"], verdict,
                      ",".join(map(str, r["split"]["counts"])),
                      f"{safe_text(full['name'])} {100 * full['total'] / max(full['usable'], 1):.0f}%",
-                     f"{sp['decode_tok_s']:.1f}" if sp else "-",
+                     plan["summary"] if plan else "none fits", _tok_s(plan, "-"),
+                     _tok_s(r.get("llamacpp_fit"), "gives up"),
                      f"{sp['network_s'] * 1e3:.2f}" if sp and sp["link"] else "-"])
     title = f"Split over {hosts}" + (f" ({link})" if link else " (no link given: no network cost)")
     if markdown:

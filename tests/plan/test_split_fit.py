@@ -50,12 +50,13 @@ def _obeys_the_rule(doc):
         assert plan["speed"]["decode_tok_s"] >= ref["speed"]["decode_tok_s"]
 
 
-@pytest.mark.parametrize("hosts, flags, adopted", [
-    ("2x rtx-3090", [], False),                               # --fit's mapped host range is over the RAM
-    ("2x rtx-3090", ["--no-mmap"], True),                     # --fit's plan fits and is predicted faster
-    ("rtx-4090,rtx-3090,rtx-3090", ["--host", "epyc-9004-12ch"], True),
+@pytest.mark.parametrize("hosts, flags, expect", [
+    ("2x rtx-3090", [], "own"),                               # --fit's mapped host range is over the RAM
+    ("2x rtx-3090", ["--no-mmap"], "fit"),                    # --fit's plan fits and is predicted faster (q8_0
+                                                              # KV is, but by under 3%)
+    ("rtx-4090,rtx-3090,rtx-3090", ["--host", "epyc-9004-12ch"], "q8_0"),   # q8_0 KV: 6% faster than --fit's
 ])
-def test_moe_over_gpus_shows_fits_flags_and_keeps_the_rule(models, capsys, hosts, flags, adopted):
+def test_moe_over_gpus_shows_fits_flags_and_keeps_the_rule(models, capsys, hosts, flags, expect):
     path, spec = models("qwen3-235b-a22b")
     doc = _fit(capsys, path, "--devices", hosts, "--ctx", "16384", *flags)
     req = FitRequest(n_ctx=16384, mmap="--no-mmap" not in flags)
@@ -66,9 +67,13 @@ def test_moe_over_gpus_shows_fits_flags_and_keeps_the_rule(models, capsys, hosts
     assert all(u <= t for u, t in zip(ref["dry_run_bytes"], ref["targets"]))     # within fit.cpp's targets
     _obeys_the_rule(doc)
     plan = doc["plan"]
-    assert (plan["by"] == AS_FIT) == adopted
-    if adopted:
+    assert (plan["by"] == AS_FIT) == (expect == "fit")
+    if expect == "fit":
         assert plan["flags"] == ref["flags"] and plan["why"].startswith("localinfer adopts --fit's plan")
+        assert "-ctk q8_0 -ctv q8_0 -fa on would give " in plan["why"] and "under 3% better" in plan["why"]
+    elif expect == "q8_0":
+        assert plan["type_k"] == "q8_0" and plan["speed"]["decode_tok_s"] > 1.03 * ref["speed"]["decode_tok_s"]
+        assert "KV q8_0 " in plan["why"] and f"against {ref['speed']['decode_tok_s']:.1f} tok/s" in plan["why"]
     else:
         assert not ref["fits_host"] and "--fit's plan does not fit: the host needs" in plan["why"]
         assert plan["n_cpu_moe"] > 0 and plan["host_total"] <= plan["host_usable"]
