@@ -32,6 +32,7 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.errors import LocalinferError
+from localinfer.util.hostmem import host_cache_budget
 
 COMPACT_AFTER = 16      # steps of >= 2 sequences since the last compaction (each adds one run to every sequence)
 COMPACT_SHARE = 0.10    # the most of the decode time since the last compaction that one compaction may cost
@@ -58,9 +59,10 @@ class CompactPolicy:
         self.decode_since += seconds
 
     def due(self, live_bytes: int) -> bool:
-        """Whether to compact now, the live sequences holding ``live_bytes`` of KV."""
+        """Whether to compact now, the live sequences holding ``live_bytes`` of KV (held in host memory meanwhile:
+        no more than the host-cache budget, util/hostmem.py)."""
         return (self.able and self.auto and self.freed and self.interleaved >= COMPACT_AFTER
-                and live_bytes / self.rate <= COMPACT_SHARE * self.decode_since)
+                and live_bytes / self.rate <= COMPACT_SHARE * self.decode_since and live_bytes <= host_cache_budget())
 
     def done(self, seconds: float, moved: int) -> None:
         self.interleaved, self.freed, self.decode_since = 0, False, 0.0
@@ -71,10 +73,37 @@ class CompactPolicy:
         self.bytes += moved
 
 
+class Shares:
+    """Which slots a ``seq_cp`` made share cells, pair by pair: a slot is free of it once each partner holds no
+    cells (a shared prefix written back per sequence would be held twice, so any pair blocks compaction)."""
+
+    def __init__(self):
+        self._with: dict[int, set[int]] = {}
+
+    def add(self, a: int, b: int) -> None:
+        self._with.setdefault(a, set()).add(b)
+        self._with.setdefault(b, set()).add(a)
+
+    def gone(self, slot: int) -> None:
+        """``slot`` holds no cells any more."""
+        for p in self._with.pop(slot, ()):
+            left = self._with.get(p)
+            if left is not None:
+                left.discard(slot)
+                if not left:
+                    del self._with[p]
+
+    def __bool__(self) -> bool:
+        return bool(self._with)
+
+
 def compact(ctx, mem, slots: Iterable[int]) -> tuple[int, float]:
     """Write each of ``slots`` (every sequence holding cells, none sharing one) back in one run of cells, in the
-    order given; (bytes moved, seconds).  Sequences llama.cpp will not read back are a CompactionError naming them
-    (they hold no cells then); by the conditions above that cannot happen short of a llama.cpp fault."""
+    order given; (bytes moved, seconds).  A LocalinferError or MemoryError while reading leaves every sequence as it
+    was; sequences llama.cpp will not take back are a CompactionError naming them (they hold no cells then): by the
+    conditions above that cannot happen short of a llama.cpp fault.  One run each holds because llama.cpp leaves no
+    free cell below its head in a stream without sliding-window layers, so the head is 0 once all are removed; were
+    it not, a sequence would lie in a few runs: slower, never wrong."""
     t0 = time.perf_counter()
     blobs: list[tuple[int, np.ndarray]] = []
     for s in slots:

@@ -1,27 +1,23 @@
 """The llama.cpp executor: many sequences in one context, one ``llama_decode`` per step.
 
-One context holds ``n_slots`` sequence ids over ``n_cells`` KV cells, in one
-stream (``unified``, the default: ``copy`` is ``llama_memory_seq_cp``, a shared
-prefix held once) or a stream per slot (``unified=False``: each slot's cells laid
-out as a solo context's, where a token is computed exactly as alone).  A step is
-one batch of every chunk (split only past ``n_batch`` tokens or ``n_outputs_max``
-logit rows, and short rows first in a call of their own: ``split_short``);
-``drop`` is ``llama_memory_seq_rm``; ``cells_used`` is llama.cpp's own count.
-A step either appends every chunk or leaves every slot as it was.
+One context holds ``n_slots`` sequence ids over ``n_cells`` KV cells, in one stream (``unified``, the default:
+``copy`` is ``llama_memory_seq_cp``, a shared prefix held once; on the CPU ``compact`` lays each sequence's cells in
+one run again, compaction.py) or a stream per slot (``unified=False``: each slot's cells laid out as a solo
+context's, where a token is computed exactly as alone).  A step is one batch of every chunk (split only past
+``n_batch`` tokens or ``n_outputs_max`` logit rows, and short rows first in a call of their own: ``split_short``);
+``drop`` is ``llama_memory_seq_rm``; ``cells_used`` is llama.cpp's own count.  A step either appends every chunk or
+leaves every slot as it was.
 
-On a recurrent or hybrid model (``snapshots``) a slot's recurrent state is saved to
-host memory (``snapshot``: llama.cpp's partial sequence state, ``seq_state.py``) and a
-slot taken back to one (``rewind``), so its tail can be cut at a saved position; a
-rejected lookup draft rolls back that way too (the state before the verify restored, the
+On a recurrent or hybrid model (``snapshots``) a slot's recurrent state is saved to host memory (``snapshot``:
+llama.cpp's partial sequence state, ``seq_state.py``) and a slot taken back to one (``rewind``), so its tail can be
+cut at a saved position; a rejected lookup draft rolls back that way too (the state before the verify restored, the
 accepted tokens computed again).
 
-Ids beyond the running requests park finished requests' KV for prefix hits
-(``drops_tail``; on a recurrent or hybrid model cut back to a snapshot); with ``park_host`` a parked
-slot's KV moves to host memory (``llama_state_seq_get_data``) and is written back
-on a hit.  ``interrupt`` stops the step in flight: llama.cpp's abort callback,
-read between graph nodes, ends the ``llama_decode`` (status 2; llama.cpp drops
-the aborted ubatch's positions) and the step drops the rest of its chunks'.
-docs/executor.md explains each choice with its measurements.
+Ids beyond the running requests park finished requests' KV for prefix hits (``drops_tail``; on a recurrent or hybrid
+model cut back to a snapshot); with ``park_host`` a parked slot's KV moves to host memory
+(``llama_state_seq_get_data``) and is written back on a hit.  ``interrupt`` stops the step in flight: llama.cpp's
+abort callback, read between graph nodes, ends the ``llama_decode`` (status 2; llama.cpp drops the aborted ubatch's
+positions) and the step drops the rest of its chunks'.  docs/executor.md explains each choice with its measurements.
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ import numpy as np
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.executor import Chunk, ExecutorBase, SeqState, check_chunks, check_slot, pack_rows
 from localinfer.backends.llamacpp import native, seq_state
-from localinfer.backends.llamacpp.compaction import CompactionError, CompactPolicy, compact
+from localinfer.backends.llamacpp.compaction import CompactionError, CompactPolicy, Shares, compact
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
@@ -91,12 +87,11 @@ class LlamaCppExecutor(ExecutorBase):
         # sequence's state leaves out once masked), no per-cell extension; a probe below checks a blob round-trips
         self.parks_in_host = (park_host and self.drops_tail and self.unified and not self._ext_bytes
                               and int(_L.llama_model_n_swa(model)) == 0)
-        # each sequence's cells in one run again now and then (compaction.py): one unified stream on the CPU, no
-        # sliding window or per-cell extension; never while a cell may be held by two slots (a seq_cp)
-        self.compaction = CompactPolicy(on_cpu and self.drops_tail and self.unified and not self._ext_bytes
-                                        and int(_L.llama_model_n_swa(model)) == 0)
-        self._shared: set[int] = set()                 # slots a seq_cp made share cells (until dropped to 0)
+        # each sequence's cells in one run now and then (compaction.py): one unified stream on the CPU, no SWA or M-RoPE
         self._cell_bytes = self.engine.memory()["kv"] // max(1, self.n_cells)    # one cell's K and V, all layers
+        self.compaction = CompactPolicy(on_cpu and self.drops_tail and self.unified and not self._ext_bytes
+                                        and int(_L.llama_model_n_swa(model)) == 0 and self._cell_bytes > 0)
+        self._shared = Shares()
         self._host: dict[int, np.ndarray] = {}         # slot -> its KV blob (llama_state_seq_get_data), cells freed
         self._saved: dict[int, int] = {}               # slot -> positions its blob holds (drop cuts _len only)
         self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
@@ -156,7 +151,8 @@ class LlamaCppExecutor(ExecutorBase):
                 self._verify.pop(c.slot, None)
                 if c.logits and c.n_logits > 1:
                     self._verify[c.slot] = (self.snapshot(c.slot), c.tokens)
-        if self.compaction.due(sum(n for s, n in enumerate(self._len) if s not in self._host) * self._cell_bytes):
+        live = sum(n for s, n in enumerate(self._len) if s not in self._host) * self._cell_bytes
+        if not self._interrupt_asked and self.compaction.due(live):
             self.compact()
         with self._flight:
             self._stepping = True
@@ -215,7 +211,7 @@ class LlamaCppExecutor(ExecutorBase):
                 return have
         elif self.unified:
             _L.llama_memory_seq_cp(self._mem, src, dst, have, n_tokens)
-            self._shared |= {src, dst}
+            self._shared.add(src, dst)
         else:   # across streams llama.cpp copies whole streams only
             _L.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
             _L.llama_memory_seq_rm(self._mem, dst, n_tokens, -1)
@@ -326,7 +322,7 @@ class LlamaCppExecutor(ExecutorBase):
         if not _L.llama_memory_seq_rm(self._mem, dst, 0, n_tokens):
             raise LocalinferError(f"llama.cpp cannot free positions < {n_tokens} of slot {dst}")
         _L.llama_memory_seq_cp(self._mem, src, dst, 0, n_tokens)
-        self._shared |= {src, dst}
+        self._shared.add(src, dst)
         self._verify.pop(dst, None)
 
     def snapshot(self, slot: int) -> SeqState:
@@ -421,7 +417,7 @@ class LlamaCppExecutor(ExecutorBase):
 
     def _freed(self, slot: int) -> None:
         """``slot`` holds no cells now: the holes it left make a compaction worth its cost (compaction.py)."""
-        self._shared.discard(slot)
+        self._shared.gone(slot)
         self.compaction.freed = True
 
     def compact(self) -> bool:
@@ -433,10 +429,14 @@ class LlamaCppExecutor(ExecutorBase):
             return False
         try:
             moved, seconds = compact(self.engine.context, self._mem, live)
-        except CompactionError as exc:
+        except CompactionError as exc:       # slots lost: no more compaction, and the step fails
+            self.compaction.able = False
             for s in exc.slots:
                 self._len[s] = 0
             raise
+        except (LocalinferError, MemoryError):     # nothing removed yet: the cache as it was, compaction off
+            self.compaction.able = False
+            return False
         self.compaction.done(seconds, moved)
         return True
 
