@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from localinfer.backends.memory import FitRequest
 from localinfer.errors import UsageError
+from localinfer.model.kv import row_bytes
 from localinfer.plan.fit_cpp import fit_cpp
 from localinfer.plan.host_speed import plan_speed
 from localinfer.units import fmt_bytes, fmt_duration
@@ -211,7 +212,8 @@ def changed(best, top, req, more: int, unit: str, where: str) -> str:
     ``more`` ``unit`` it keeps on ``where`` (negative: puts in RAM), and ``top``'s speeds."""
     what = []
     if (best.request.type_k, best.request.type_v) != (req.type_k, req.type_v):
-        what.append(f"KV {best.request.type_k}")
+        kv = lambda r: row_bytes(r.type_k, 256) + row_bytes(r.type_v, 256)      # noqa: E731
+        what.append(f"KV {best.request.type_k} (each token reads {kv(best.request) / kv(req):.2f}x the KV bytes)")
     if best.request.n_ubatch != req.n_ubatch:
         what.append(f"-ub {best.request.n_ubatch} (host experts copied over the link "
                     f"{-(-req.n_ctx // best.request.n_ubatch)} times a prompt, not "
