@@ -66,36 +66,9 @@ def wave(ex, toks) -> list[int]:
     return lens
 
 
-def churn(ex, toks) -> list[int]:
-    lens, left = [0] * ROWS, [0] * ROWS
-    for step in range(400):
-        chunks = []
-        for s in range(ROWS):
-            if not lens[s] and step >= 16 * s:
-                chunks.append(Chunk(s, toks(300), 0, True))
-                left[s] = 128
-            elif lens[s]:
-                chunks.append(Chunk(s, (7,), lens[s], True))
-        ex.step(chunks)
-        for c in chunks:
-            lens[c.slot] = c.start + len(c.tokens)
-            left[c.slot] -= len(c.tokens) == 1
-        if step >= 300 and min(lens) >= 360:
-            break
-        for s in range(ROWS):
-            if lens[s] and not left[s] and step < 300:
-                ex.drop(s)
-                lens[s] = 0
-    return lens
-
-
-def compacted(ex, toks) -> list[int]:
-    lens = churn(ex, toks)
-    assert ex.compact()
-    return lens
-
-
-def loop(ex, toks, steps: int = 400) -> None:
+def churn(ex, toks, steps: int = 400, settle: int | None = 300) -> list[int]:
+    """8 slots starting 16 steps apart, each replaced by a fresh prompt after 128 decodes; from step ``settle`` on
+    none is replaced and it stops once every slot holds 360 tokens (``settle`` None: replaced to the end)."""
     lens, left = [0] * ROWS, [0] * ROWS
     for step in range(steps):
         chunks = []
@@ -109,10 +82,20 @@ def loop(ex, toks, steps: int = 400) -> None:
         for c in chunks:
             lens[c.slot] = c.start + len(c.tokens)
             left[c.slot] -= len(c.tokens) == 1
+        settled = settle is not None and step >= settle
+        if settled and min(lens) >= 360:
+            break
         for s in range(ROWS):
-            if lens[s] and not left[s]:
+            if lens[s] and not left[s] and not settled:
                 ex.drop(s)
                 lens[s] = 0
+    return lens
+
+
+def compacted(ex, toks) -> list[int]:
+    lens = churn(ex, toks)
+    assert ex.compact()
+    return lens
 
 
 def open_executor(model: str, threads: int) -> LlamaCppExecutor:
@@ -137,7 +120,7 @@ def main(argv=None) -> int:
                 with open_executor(model, args.threads) as ex:
                     ex.compaction.auto = auto
                     t0 = time.perf_counter()
-                    loop(ex, toks)
+                    churn(ex, toks, settle=None)
                     total, c = time.perf_counter() - t0, ex.compaction
                     print(f"loop compaction {'on ' if auto else 'off'}  total {total:6.2f} s  llama_decode "
                           f"{ex.decode_seconds:6.2f} s  compactions {c.count} taking {c.seconds:.2f} s "

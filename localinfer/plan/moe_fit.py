@@ -68,17 +68,7 @@ class MoePlan:
 
     def flags(self) -> str:
         """llama.cpp's flags for the placement."""
-        r = self.request
-        out = ["-ngl 999" if r.n_gpu_layers < 0 or r.n_gpu_layers > 900 else f"-ngl {r.n_gpu_layers}"]
-        if r.n_cpu_moe:
-            out.append(f"--n-cpu-moe {r.n_cpu_moe}")
-        if r.override_tensor:
-            out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
-        if r.type_k != "f16" or r.type_v != "f16":
-            out.append(f"-ctk {r.type_k} -ctv {r.type_v} -fa on")
-        if r.n_ubatch != FitRequest.n_ubatch:
-            out.append(f"-ub {r.n_ubatch}")
-        return " ".join(out)
+        return request_flags(self.request)
 
     def summary(self) -> str:
         """A short form: the -ngl and how many layers' experts are in RAM (a long -ot list in words)."""
@@ -182,6 +172,23 @@ def variants(req, objective: str, other_kv: bool = True) -> list:
     kvs = kv_choices(req) if other_kv else [(req.type_k, req.type_v)]
     return [replace(req, type_k=tk, type_v=tv, flash_attn=True if tk != "f16" else req.flash_attn, n_ubatch=ub)
             for tk, tv in kvs for ub in ub_choices(req, objective)]
+
+
+def request_flags(r: FitRequest, shares=None) -> str:
+    """llama.cpp's flags for a request's placement: -ngl, --n-cpu-moe, -ot, -ts (``shares`` of several devices),
+    another KV type, another -ub."""
+    out = ["-ngl 999" if r.n_gpu_layers < 0 or r.n_gpu_layers > 900 else f"-ngl {r.n_gpu_layers}"]
+    if r.n_cpu_moe:
+        out.append(f"--n-cpu-moe {r.n_cpu_moe}")
+    if r.override_tensor:
+        out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
+    if shares is not None and len(shares) > 1:
+        out.append("-ts " + ",".join(f"{s:g}" for s in shares))
+    if r.type_k != "f16" or r.type_v != "f16":
+        out.append(f"-ctk {r.type_k} -ctv {r.type_v} -fa on")
+    if r.n_ubatch != FitRequest.n_ubatch:
+        out.append(f"-ub {r.n_ubatch}")
+    return " ".join(out)
 
 
 def score(c, objective: str) -> float:

@@ -35,8 +35,8 @@ from localinfer.backends.registry import memory_model
 from localinfer.backends.split import SplitBreakdown
 from localinfer.errors import UsageError
 from localinfer.plan.fit_cpp import MARGIN, fit_cpp_split
-from localinfer.plan.moe_fit import (KV_GAIN, OWN_PARTIAL, asked, changed, check_objective, moe_layers, rank, score,
-                                     speeds, variants)
+from localinfer.plan.moe_fit import (KV_GAIN, OWN_PARTIAL, asked, changed, check_objective, moe_layers, rank,
+                                     request_flags, score, speeds, variants)
 from localinfer.plan.split import SplitSpeed, fit_split, split_speed
 from localinfer.units import fmt_bytes
 
@@ -129,19 +129,7 @@ class SplitPlan:
         """llama.cpp's flags for the placement (``--fit``'s: its answer line)."""
         if self.line:
             return self.line
-        r = self.request
-        out = ["-ngl 999" if r.n_gpu_layers < 0 or r.n_gpu_layers > 900 else f"-ngl {r.n_gpu_layers}"]
-        if r.n_cpu_moe:
-            out.append(f"--n-cpu-moe {r.n_cpu_moe}")
-        if r.override_tensor:
-            out.append("-ot '" + ",".join(f"{p}={b}" for p, b in r.override_tensor) + "'")
-        if self.shares is not None and len(self.shares) > 1:
-            out.append("-ts " + ",".join(f"{s:g}" for s in self.shares))
-        if r.type_k != "f16" or r.type_v != "f16":
-            out.append(f"-ctk {r.type_k} -ctv {r.type_v} -fa on")
-        if r.n_ubatch != FitRequest.n_ubatch:
-            out.append(f"-ub {r.n_ubatch}")
-        return " ".join(out)
+        return request_flags(self.request, self.shares)
 
     def summary(self) -> str:
         """A short form for a table: whose plan (as asked, ``-ngl``/``-ts`` or ``--fit``'s), what is in host RAM,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import llama_cpp as _L
@@ -58,11 +58,13 @@ class CompactPolicy:
         self.interleaved += n_seqs >= 2
         self.decode_since += seconds
 
-    def due(self, live_bytes: int) -> bool:
-        """Whether to compact now, the live sequences holding ``live_bytes`` of KV (held in host memory meanwhile:
-        no more than the host-cache budget, util/hostmem.py)."""
-        return (self.able and self.auto and self.freed and self.interleaved >= COMPACT_AFTER
-                and live_bytes / self.rate <= COMPACT_SHARE * self.decode_since and live_bytes <= host_cache_budget())
+    def due(self, live_bytes: Callable[[], int]) -> bool:
+        """Whether to compact now, the live sequences holding ``live_bytes()`` of KV (held in host memory meanwhile:
+        no more than the host-cache budget, util/hostmem.py); the cheap conditions first, on every step."""
+        if not (self.able and self.auto and self.freed and self.interleaved >= COMPACT_AFTER):
+            return False
+        n = live_bytes()
+        return n / self.rate <= COMPACT_SHARE * self.decode_since and n <= host_cache_budget()
 
     def done(self, seconds: float, moved: int) -> None:
         self.interleaved, self.freed, self.decode_since = 0, False, 0.0

@@ -151,7 +151,7 @@ class LlamaCppExecutor(ExecutorBase):
                 self._verify.pop(c.slot, None)
                 if c.logits and c.n_logits > 1:
                     self._verify[c.slot] = (self.snapshot(c.slot), c.tokens)
-        live = sum(n for s, n in enumerate(self._len) if s not in self._host) * self._cell_bytes
+        live = lambda: sum(n for s, n in enumerate(self._len) if s not in self._host) * self._cell_bytes  # noqa: E731
         if not self._interrupt_asked and self.compaction.due(live):
             self.compact()
         with self._flight:

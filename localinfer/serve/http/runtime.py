@@ -82,6 +82,7 @@ class Runtime:
         self._idle_published = False      # kv_cells_used read at the start of this idle spell
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
+        self._compaction = None            # the llama.cpp executor's compaction record (None on other backends)
         self._closing = None               # the executor, once the engine thread ended: stop() closes it
         self._step_log: StepLog | None = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
@@ -269,6 +270,7 @@ class Runtime:
             self.tokenizer = inner.vocab
             self._step_log = StepLog(self.config.step_log) if self.config.step_log else None
             self.executor, self.engine, self.step_model = build_engine(inner, self.config, on_step=self._step_log)
+            self._compaction = getattr(inner, "compaction", None)
         except BaseException:       # calibration failed or a signal came: the model loaded is freed now
             inner.close()
             raise
@@ -427,7 +429,7 @@ class Runtime:
             values.update(snapshots=len(b.snapshots), snapshot_bytes=b.snapshots.bytes,
                           snapshots_taken=b.snapshots.taken, snapshots_restored=b.snapshots.restored,
                           snapshot_recomputed_tokens=b.snapshots.recomputed)
-        c = _compaction(self.executor)
+        c = self._compaction
         if c is not None:
             values.update(kv_compactions=c.count, kv_compaction_seconds=c.seconds)
         if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait
@@ -445,9 +447,3 @@ def _deliver(out: list[tuple[Handle, Event]]) -> None:
             h.finished = True
         h.queue.put_nowait(ev)
 
-
-def _compaction(executor):
-    """The llama.cpp executor's compaction record under any wrappers (None on other backends)."""
-    while executor is not None and not hasattr(executor, "compaction"):
-        executor = getattr(executor, "inner", None)
-    return None if executor is None else executor.compaction
