@@ -82,9 +82,10 @@ def _split_speed(args, spec, n_ctx: int):
         raise UsageError(f"--split: profile {missing[0]} has no bandwidth or FLOP/s to plan speed with",
                          flag="--split", hint="use profiles with bandwidth and bf16_flops (localinfer devices)")
     link = get_link(args.link) if args.link else None
-    placement = split_placement(spec, setup, n_ctx, link)      # fit --devices' plan, where the planner can time it
-    room, sb = split_budget(spec, setup, n_ctx, placement.shares)
-    return SplitSpeedModel(spec, setup, sb, FitRequest(n_ctx=n_ctx), link, args.split, placement), room
+    placement = split_placement(spec, setup, n_ctx, link, args.requests)   # fit --devices' plan for the workload
+    room, sb = split_budget(spec, setup, n_ctx, placement.shares, placement.request)
+    req = placement.request or FitRequest(n_ctx=n_ctx)
+    return SplitSpeedModel(spec, setup, sb, req, link, args.split, placement, placement.host), room
 
 
 def _room_hint(speed) -> str:
@@ -92,7 +93,7 @@ def _room_hint(speed) -> str:
     place = getattr(speed, "placement", None)
     if place is None or place.plan is None or place.used:
         return hint
-    return (f"{hint}; fit --devices' plan puts weights in host RAM, which plan --split does not time: "
+    return (f"{hint}; fit --devices' plan puts weights in host RAM, and no host profile times them: "
             + place.describe(place.plan))
 
 

@@ -156,3 +156,47 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
             "host_flops": w_flops,
             "host_weight_bytes": held, "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s,
             "prefill_rule": how, **speed_band(ks), "formula": KERNEL_FORMULA}
+
+
+class HostWork:
+    """The host's tensors as one stage of a batched step (the planner's split, ``plan --split``).
+
+    A step of ``b`` tokens reads the host's other weights whole, the share ``1 − (1 − k/n)^b`` of its routed
+    experts (each token routes to ``k`` of ``n``, drawn independently: a batch's tokens touch their union) and its
+    layers' KV, and computes ``b`` tokens' FLOPs at the host's decode rate; from ``OFFLOAD_MIN_BATCH`` tokens on,
+    with a local GPU, llama.cpp copies every host weight over that GPU's link and computes there instead (the
+    ``offload_op`` rule, as a prefill's micro-batch).  At ``b = 1`` this is :func:`split_speed`'s host part.
+    """
+
+    def __init__(self, spec, host_names: frozenset[str], host, kv_per_token: float = 0.0,
+                 link_bytes_per_s: float | None = None):
+        read, self.flops, self.held, _ = host_terms(spec, host_names)
+        self.share = (spec.n_expert_used / spec.n_expert) if spec.n_expert else 1.0
+        self.expert = round((self.held - read) / (1 - self.share)) if self.share < 1 else 0
+        self.other = self.held - self.expert
+        self.host, self.kv_per_token, self.link = host, kv_per_token, link_bytes_per_s
+
+    def offloaded(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` tokens runs the host weights on the GPU (copied over its link)."""
+        return bool(self.link) and tokens >= OFFLOAD_MIN_BATCH
+
+    def read_bytes(self, tokens: int, kv_tokens: int = 0) -> float:
+        """Bytes a step of ``tokens`` tokens reads from host RAM (``kv_tokens``: context tokens of all sequences)."""
+        touched = 1.0 - (1.0 - self.share) ** max(tokens, 1)
+        return self.other + self.expert * touched + self.kv_per_token * kv_tokens
+
+    def decode(self, tokens: int, kv_tokens: int = 0) -> tuple[float, float, float]:
+        """(seconds, memory seconds, compute seconds) of the host's part of a step of ``tokens`` tokens."""
+        if self.offloaded(tokens):
+            copy = self.held / self.link
+            return copy, copy, 0.0
+        memory = self.read_bytes(tokens, kv_tokens) / self.host.effective_bandwidth
+        compute = tokens * self.flops / self.host.decode_flops if self.host.decode_flops else 0.0
+        return max(memory, compute), memory, compute
+
+    def prefill(self, tokens: int, ubatch: int) -> float:
+        """Seconds the host weights add to a prefill of ``tokens`` tokens in calls of ``ubatch``."""
+        if self.offloaded(min(ubatch, tokens)):
+            return ceil_div(tokens, max(1, min(ubatch, tokens))) * self.held / self.link
+        rate = self.host.effective_flops
+        return tokens * self.flops / rate if rate else math.nan

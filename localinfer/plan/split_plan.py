@@ -7,9 +7,11 @@ adds the network (:func:`localinfer.plan.split.split_speed`'s terms for the
 step's tokens).  The KV budget is what the tightest device leaves: each
 device's room after its weights and compute buffer, divided by its share of
 the KV cache.  The split is the placement ``fit --devices`` recommends for one request of the workload's
-length (:func:`split_placement`) where it keeps every weight on the devices (llama.cpp's default ``-ts`` or one
-that fits); the planner does not time weights in host RAM, so where that placement puts experts there the
-default split is planned and the placement is only shown.
+length (:func:`split_placement`).  Where it keeps weights in host RAM (``--n-cpu-moe``, ``-ot``, layers below
+``-ngl``) the host is one more stage (:class:`~localinfer.plan.host_speed.HostWork`: a batch's tokens read the
+union of the experts they route to, or from 32 tokens on with a local GPU every host weight crosses its link),
+and the devices' stages lose the bytes and FLOPs the host does; without a host profile to time it, the default
+split is planned and the placement only shown.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from localinfer.backends.memory import FitRequest
 from localinfer.model.cost import model_cost
+from localinfer.plan.host_speed import HostWork
 from localinfer.plan.speed import Estimate, SpeedModel, llamacpp_speed_model
 from localinfer.plan.split import RPC_OVERHEAD_S, _token_traffic, fit_split
 from localinfer.units import ceil_div
@@ -26,7 +29,8 @@ from localinfer.units import ceil_div
 class SplitSpeedModel(SpeedModel):
     """Stages in turn, each at its own device's speed model for its share of the weights, plus the network."""
 
-    def __init__(self, spec, setup, sb, req: FitRequest, link=None, label: str = "split", placement=None):
+    def __init__(self, spec, setup, sb, req: FitRequest, link=None, label: str = "split", placement=None,
+                 host=None):
         used = [i for i, d in enumerate(sb.devices) if d.layers or d.output]
         total = sum(sb.devices[i].weights for i in used) or 1
         cost = model_cost(spec)
@@ -40,6 +44,13 @@ class SplitSpeedModel(SpeedModel):
         self.spec, self.sb, self.req, self.link, self.remote = spec, sb, req, link, list(setup.remote)
         self.remote_used = any(self.remote[i] for i in used)
         self.placement = placement          # Placement: fit --devices' plan for the split, shown beside the plan
+        self.host = None                    # HostWork: the weights in host RAM, a stage of their own
+        if sb.host_tensors:
+            if host is None:
+                raise ValueError("weights in host RAM need a host profile to be timed")
+            gpu = next((p for p, r in zip(setup.profiles, setup.remote) if not r and p.link_bytes_per_s), None)
+            self.host = HostWork(spec, sb.host_tensors, host, sb.host_kv / max(sb.n_ctx, 1),
+                                 gpu.link_bytes_per_s if gpu is not None else None)
 
     def _net(self, tokens: int, rows: int) -> float:
         if self.link is None:
@@ -58,37 +69,87 @@ class SplitSpeedModel(SpeedModel):
     def decode_step(self, batch: int = 1, context: int = 1, kv="f16", rows: int = 1,
                     shared_prefix: int = 0) -> Estimate:
         parts = [(f, m.decode_step(batch, context, kv, rows, shared_prefix)) for f, m in self.stages]
-        return self._sum(parts, self._net(batch * rows, batch * rows))
+        tokens, h = batch * rows, self.host
+        if h is None:
+            return self._sum(parts, self._net(tokens, tokens))
+        kv_tokens = batch * context * self._kv_scale(kv)
+        seconds, memory, compute = h.decode(tokens, kv_tokens)
+        if not h.offloaded(tokens):          # the host computes its tensors: the devices do the rest
+            parts = [(f, _less(e, h.read_bytes(tokens, kv_tokens), tokens * h.flops)) for f, e in parts]
+        return _plus(self._sum(parts, self._net(tokens, tokens)), seconds, memory, compute)
 
     def prefill(self, batch: int, new: int, cached: int = 0) -> Estimate:
         parts = [(f, m.prefill(batch, new, cached)) for f, m in self.stages]
-        calls = ceil_div(batch * new, self.ubatch)
-        return self._sum(parts, calls * self._net(min(self.ubatch, batch * new), batch))
+        tokens = batch * new
+        calls = ceil_div(tokens, self.ubatch)
+        net = calls * self._net(min(self.ubatch, tokens), batch)
+        h = self.host
+        if h is None:
+            return self._sum(parts, net)
+        seconds = h.prefill(tokens, self.ubatch)
+        if not h.offloaded(min(self.ubatch, tokens)):
+            parts = [(f, _less(e, 0, tokens * h.flops)) for f, e in parts]
+        return _plus(self._sum(parts, net), seconds, 0.0, seconds)
+
+    def _kv_scale(self, kv) -> float:
+        """The KV bytes a token of ``kv`` holds against f16's (the host layers' KV was sized at f16)."""
+        cost = model_cost(self.spec)
+        f16 = cost.kv_read_bytes(1024, "f16")
+        return cost.kv_read_bytes(1024, kv) / f16 if f16 else 1.0
 
 
-def split_budget(spec, setup, n_ctx: int, shares=None) -> tuple[int, object]:
-    """(KV bytes the split leaves, its breakdown): the tightest device's room over its share of the KV;
-    ``shares``: a ``-ts`` (default: llama.cpp's, by free memory)."""
-    sf = fit_split(spec, setup.devices, FitRequest(n_ctx=n_ctx), shares=shares, host_usable=setup.host_usable,
-                   cpu_features=setup.host.cpu_features, search=False)
+def _less(e: Estimate, nbytes: float, flops: float) -> Estimate:
+    """A whole-model estimate without ``nbytes`` read and ``flops`` computed elsewhere (its fixed time kept);
+    with ``nbytes`` 0 the memory time shrinks with the FLOPs' share (a prefill's weight reads)."""
+    ff = min(1.0, flops / e.flops) if e.flops else 0.0
+    fb = (min(1.0, nbytes / e.bytes) if e.bytes else 0.0) if nbytes else ff
+    compute, memory = e.compute_s * (1 - ff), e.memory_s * (1 - fb)
+    fixed = max(0.0, e.seconds - max(e.compute_s, e.memory_s))
+    return Estimate(fixed + max(compute, memory), compute, memory, round(e.flops * (1 - ff)),
+                    round(e.bytes * (1 - fb)), e.source)
+
+
+def _plus(e: Estimate, seconds: float, memory: float, compute: float) -> Estimate:
+    """``e`` followed by the host's stage."""
+    return Estimate(e.seconds + seconds, e.compute_s + compute, e.memory_s + memory, e.flops, e.bytes, e.source)
+
+
+def split_budget(spec, setup, n_ctx: int, shares=None, request: FitRequest | None = None) -> tuple[int, object]:
+    """(KV bytes the split leaves, its breakdown): the tightest device's room over its share of the KV (the host
+    layers' KV counts in the whole); ``shares``: a ``-ts`` (default: llama.cpp's, by free memory); ``request``: the
+    placement's (its ``--n-cpu-moe``, ``-ot``, ``-ngl``; default: every weight on the devices)."""
+    sf = fit_split(spec, setup.devices, request or FitRequest(n_ctx=n_ctx), shares=shares,
+                   host_usable=setup.host_usable, cpu_features=setup.host.cpu_features, search=False)
     sb = sf.breakdown
-    total_kv = sum(d.kv for d in sb.devices) or 1
+    total_kv = sum(d.kv for d in sb.devices) + sb.host_kv or 1
     rooms = [(d.usable - d.weights - d.compute) * total_kv // d.kv for d in sb.devices if d.kv]
     return (min(rooms) if rooms else 0), sb
 
 
 @dataclass(frozen=True)
 class Placement:
-    """``fit --devices``' plan for one f16 request of the workload's length, ``--fit``'s, and whether the planner
-    plans on it (every weight on the devices)."""
+    """``fit --devices``' plan for the workload's f16 requests, ``--fit``'s, and whether the planner plans on it (every weight on the devices, or some in host RAM where a host profile times them)."""
 
     plan: object            # SplitPlan or None: none fits
     ref: object             # SplitPlan or None: --fit gives up
     used: bool
+    host: object = None     # HostProfile that times the weights the plan keeps in host RAM
 
     @property
     def shares(self):
         return self.plan.breakdown.counts() if self.used and self.plan.shares is not None else None
+
+    @property
+    def request(self) -> FitRequest | None:
+        """The plan's placement (``--n-cpu-moe``, ``-ot``, ``-ngl``, ``-ub``) with an f16 cache, which the planner
+        sizes its KV budget on (None: not used, so the default split)."""
+        if not self.used:
+            return None
+        return replace(self.plan.request, type_k="f16", type_v="f16")
+
+    @property
+    def in_host_ram(self) -> bool:
+        return self.used and bool(self.plan.breakdown.host_tensors)
 
     def to_dict(self) -> dict:
         return {"plan": None if self.plan is None else self.plan.to_dict(),
@@ -106,21 +167,29 @@ class Placement:
     def lines(self) -> list[str]:
         """The placement and --fit's, each with its predicted speed, for the text output."""
         p, r = self.plan, self.ref
-        out = [("placement (fit --devices' plan for one request): " + self.describe(p)) if p is not None else
-               "placement: fit --devices finds none that fits one request at this length; the default split is planned"]
+        n = p.request.n_seq if p is not None else 1
+        what = "one request" if n == 1 else f"{n} requests"
+        out = [(f"placement (fit --devices' plan for {what}): " + self.describe(p)) if p is not None else
+               "placement: fit --devices finds none that fits the requests at this length; the default split is "
+               "planned"]
         if p is not None and not self.used:
-            out.append("  it puts weights in host RAM, which plan --split does not time: the default split is planned")
+            out.append("  it puts weights in host RAM and no host profile times them: the default split is planned")
+        elif self.in_host_ram:
+            out.append(f"  planned on it: the weights it keeps in host RAM are timed on {self.host.name}'s RAM and "
+                       "cores, a batch's tokens reading the union of their experts (from 32 tokens a call, copied "
+                       "over the GPU's link)")
         out.append("llama.cpp --fit: " + ("gives up" if r is None else
                                           self.describe(r) + ("" if r.fits else ", does not fit")))
         return out
 
 
-def split_placement(spec, setup, n_ctx: int, link=None) -> Placement:
-    """``fit --devices``' plan (:func:`localinfer.plan.split_fit.plan_split`) for one f16 request of ``n_ctx``
-    tokens over the setup, and --fit's."""
+def split_placement(spec, setup, n_ctx: int, link=None, n_seq: int = 1) -> Placement:
+    """``fit --devices``' plan (:func:`localinfer.plan.split_fit.plan_split`) for ``n_seq`` f16 requests of
+    ``n_ctx`` tokens (the workload's) over the setup, and --fit's."""
     from localinfer.plan.split_fit import plan_split, split_env
 
     env, host_usable = split_env(setup, link)
-    _, plan, ref = plan_split(spec, env, FitRequest(n_ctx=n_ctx), host_usable)
-    used = plan is not None and not plan.breakdown.host_tensors
-    return Placement(plan, ref, used)
+    _, plan, ref = plan_split(spec, env, FitRequest(n_ctx=n_ctx, n_seq=max(1, n_seq)), host_usable)
+    timed = env.host is not None and bool(env.host.bandwidth_bytes_per_s)
+    used = plan is not None and (not plan.breakdown.host_tensors or timed)
+    return Placement(plan, ref, used, env.host if timed else None)

@@ -111,11 +111,3 @@ def test_plan_split_shows_fits_plan_and_its_speed(moe, capsys):
     assert re.search(r"placement \(fit --devices' plan for one request\): .*: predicted \d+\.\d tok/s, TTFT ", text)
     assert "llama.cpp --fit: " in text
 
-
-def test_plan_split_names_fits_plan_where_it_puts_experts_in_ram(moe, capsys):
-    doc = _json(capsys, "fit", moe, "--devices", "rtx-3090", "--ctx", "4096")
-    assert doc["plan"]["experts_on_host"] > 0
-    assert main(["plan", moe, "--split", "rtx-3090", "--input", "3840", "--output", "256"]) == 2
-    err = capsys.readouterr().err
-    assert "cannot hold this model" in err and "plan --split does not time" in err
-    assert f"{doc['plan']['flags']}: predicted {doc['plan']['speed']['decode_tok_s']:.1f} tok/s" in err

@@ -1,0 +1,103 @@
+"""`plan --split` over a placement that keeps experts in host RAM (issue 41): the host is a stage of the planner's
+step (plan/host_speed.py HostWork), a batch's tokens read the union of the experts they route to, from 32 tokens a
+call the host weights cross the GPU's link instead, and the placement is fit --devices' for the workload's
+requests.  Header-only skeletons, offline profiles."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from gguf_tools.skeleton import write_skeleton
+from localinfer.cli import main
+from localinfer.devices.hosts import get_host
+from localinfer.generation.load import open_model
+from localinfer.plan.host_speed import OFFLOAD_MIN_BATCH, HostWork, host_terms
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return str(write_skeleton("qwen3-30b-a3b", tmp_path_factory.mktemp("split_host") / "q.gguf", type="q8_0"))
+
+
+def _json(capsys, *argv) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _step_s(outcome: dict) -> float:
+    return outcome["step_s"]
+
+
+def test_plan_split_plans_on_experts_in_ram_and_agrees_with_fit_at_one_request(moe, capsys):
+    fit = _json(capsys, "fit", moe, "--devices", "rtx-3090", "--ctx", "4096")["plan"]
+    assert fit["experts_on_host"] > 0
+    doc = _json(capsys, "plan", moe, "--split", "rtx-3090", "--input", "3840", "--output", "256")
+    place = doc["split_placement"]
+    assert place["planned_on"] is True and place["plan"]["flags"] == fit["flags"]
+    best = next(o for o in doc["outcomes"] if o["name"] == doc["best"])
+    assert best["verdict"] == "fits"
+    # one request's decode step: the planner's stages (kernel model for the GPU, the host's RAM and cores) against
+    # fit's split speed for the same placement, two models of one step
+    fit_step = 1.0 / fit["speed"]["decode_tok_s"]
+    assert _step_s(best) == pytest.approx(fit_step, rel=0.1)
+    assert main(["plan", moe, "--split", "rtx-3090", "--input", "3840", "--output", "256"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "planned on it: the weights it keeps in host RAM are timed on ddr5-5600-2ch" in text
+
+
+def test_more_requests_put_more_experts_in_ram_and_a_step_of_32_copies_them(moe, capsys):
+    got = {}
+    for n in (1, 16, 31, 32):
+        doc = _json(capsys, "plan", moe, "--split", "rtx-3090", "--input", "512", "--output", "128",
+                    "--requests", str(n))
+        plan = doc["split_placement"]["plan"]
+        assert plan["fits"] and plan["n_seq"] == n
+        best = next(o for o in doc["outcomes"] if o["name"] == doc["best"])
+        assert best["verdict"] == "fits"
+        got[n] = (plan["experts_on_host"] + (plan["touched_on_host"] - plan["experts_on_host"]) / 2, _step_s(best))
+    assert got[1][0] <= got[16][0] <= got[31][0]           # room for 16 requests' KV: experts move to RAM
+    assert got[1][1] < got[16][1] < got[31][1]             # more tokens a step: more experts read, more FLOPs
+    assert got[16][1] < 16 * got[1][1]                     # ... but the shared part of a step is read once
+    # 32 tokens a step: llama.cpp's CUDA backend copies the host weights over the link and computes there
+    assert got[32][1] > got[31][1]
+
+
+def test_host_work_reads_the_union_of_experts_and_offloads_from_32_tokens(moe):
+    spec = open_model(moe).spec
+    names = frozenset(t.name for t in spec.tensors if "_exps." in t.name and int(t.name.split(".")[1]) < 12)
+    host = get_host("ddr5-5600-2ch")
+    read, flops, held, _ = host_terms(spec, names)
+    link = 32e9
+    local = HostWork(spec, names, host, link_bytes_per_s=link)
+    assert local.read_bytes(1) == pytest.approx(read, rel=1e-9)
+    k_over_n = spec.n_expert_used / spec.n_expert
+    assert local.read_bytes(4) == pytest.approx(held * (1 - (1 - k_over_n) ** 4), rel=1e-6)
+    assert read < local.read_bytes(8) < held and local.read_bytes(10_000) == pytest.approx(held, rel=1e-6)
+    s, mem, comp = local.decode(1)
+    assert s == max(mem, comp) and mem == pytest.approx(read / host.effective_bandwidth)
+    assert comp == pytest.approx(flops / host.decode_flops)
+    assert local.decode(OFFLOAD_MIN_BATCH)[0] == pytest.approx(held / link)
+    assert local.prefill(1000, 512) == pytest.approx(2 * held / link)
+    # no local GPU (RPC devices only): the host computes every batch, and a prefill's share at its batched rate
+    remote = HostWork(spec, names, host)
+    s32, mem32, comp32 = remote.decode(OFFLOAD_MIN_BATCH)
+    assert s32 == max(mem32, comp32) and comp32 == pytest.approx(32 * flops / host.decode_flops)
+    assert remote.prefill(1000, 512) == pytest.approx(1000 * flops / host.effective_flops)
+    assert not math.isnan(remote.prefill(1000, 512))
+
+
+def test_a_device_without_a_host_profile_keeps_the_old_refusal(moe, tmp_path):
+    prof = tmp_path / "nohost.toml"
+    prof.write_text('name = "nohost-24g"\nkind = "cuda"\nmemory = "24GiB"\nbandwidth = "936GB/s"\n'
+                    'bf16_flops = 71e12\nlink = { name = "PCIe", per_direction = "32GB/s" }\n')
+    env = {"LOCALINFER_PROFILES": str(prof), "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, "-m", "localinfer", "plan", moe, "--split", "nohost-24g", "--input", "3840",
+           "--output", "256"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert done.returncode == 2, done.stderr
+    assert "cannot hold this model" in done.stderr and "no host profile times them" in done.stderr
+    assert "--n-cpu-moe" in done.stderr and "predicted" in done.stderr     # the placement fit --devices would use
+    assert "Traceback" not in done.stderr
