@@ -29,7 +29,8 @@ from dataclasses import replace
 MiB = 1 << 20
 TOOL_TIMEOUT = 600
 
-# label, preset, file type, MiB advertised by each worker, context (None: not given, 0: an explicit -c 0)[, -np]
+# label, preset, file type, MiB advertised by each worker, context (None: not given, 0: an explicit -c 0)[, -np
+# [, the user's -ts]]
 CASES = (
     ("ctx: fits after lowering the context", "llama-3.1-8b", "q4_k_m", (12288,), None),
     ("ctx: explicit -c 0 keeps the full context", "llama-3.1-8b", "q4_k_m", (12288,), 0),
@@ -43,6 +44,11 @@ CASES = (
     ("3 devices: MoE", "gpt-oss-120b", "mxfp4_moe", (24576, 16384, 12288), 4096),
     ("ctx with 2 sequences (-np 2, KV not unified)", "llama-3.1-8b", "q4_k_m", (12288,), None, 2),
     ("2 devices: MoE, automatic context, 2 sequences", "qwen3-30b-a3b", "q4_k_m", (12288, 10240), None, 2),
+    # the user's -ts: fit.cpp keeps it where the request fits as it is, and gives up otherwise (it changes no -ts a
+    # user set, even where a lowered context would fit)
+    ("2 devices: a user -ts that fits as it is", "qwen3-14b", "q4_k_m", (6144, 8192), 4096, 1, (3, 4)),
+    ("2 devices: a user -ts over a device", "qwen3-14b", "q4_k_m", (4096, 6144), 4096, 1, (1, 1)),
+    ("2 devices: a user -ts, automatic context", "llama-3.1-8b", "q4_k_m", (6144, 8192), None, 1, (1, 1)),
 )
 
 
@@ -52,10 +58,11 @@ def skeleton(preset: str, qtype: str | None, folder: str) -> str:
     return make(preset, qtype, folder)
 
 
-def tool_args(model: str, eps, ctx: int | None, n_seq: int = 1) -> list[str]:
-    """llama-fit-params' flags: llama.cpp's defaults but the devices, the context, -np and a 1 GiB margin."""
+def tool_args(model: str, eps, ctx: int | None, n_seq: int = 1, ts=()) -> list[str]:
+    """llama-fit-params' flags: llama.cpp's defaults but the devices, the context, -np, a -ts and a 1 GiB margin."""
     return ["-m", model, "--rpc", ",".join(eps), *(["-c", str(ctx)] if ctx is not None else []),
-            *(["-np", str(n_seq)] if n_seq > 1 else []), "-fitt", str((1 << 30) // MiB)]
+            *(["-np", str(n_seq)] if n_seq > 1 else []), *(["-ts", ",".join(map(str, ts))] if ts else []),
+            "-fitt", str((1 << 30) // MiB)]
 
 
 def parse_line(stdout: str) -> str:
@@ -89,7 +96,7 @@ def fit_print(tool: str, model: str, eps, line: str, n_seq: int = 1) -> dict[str
     return out
 
 
-def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1) -> tuple[list[str], bool]:
+def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1, ts=()) -> tuple[list[str], bool]:
     from localinfer.backends.llamacpp.rpc_probe import probe
     from localinfer.backends.llamacpp.split import split_breakdown
     from localinfer.backends.memory import FitRequest
@@ -111,14 +118,18 @@ def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1) -> t
             return split_breakdown(spec, devs, replace(r, mmap=False), shares, cpu_features=feats, dry_run=True)
 
         t0 = time.monotonic()
-        proc = subprocess.run([tool, *tool_args(path, eps, ctx, n_seq), "-lv", "4"], capture_output=True, text=True,
-                              timeout=TOOL_TIMEOUT, check=False)
+        proc = subprocess.run([tool, *tool_args(path, eps, ctx, n_seq, ts), "-lv", "4"], capture_output=True,
+                              text=True, timeout=TOOL_TIMEOUT, check=False)
         secs = time.monotonic() - t0
-        real = parse_line(proc.stdout) if proc.returncode == 0 else f"(exit {proc.returncode})"
+        # exit 1 and "failed to fit": fit.cpp gave up (the port's None)
+        gave_up = proc.returncode == 1 and "failed to fit" in proc.stderr
+        real = parse_line(proc.stdout) if proc.returncode == 0 else "(gives up)" if gave_up else \
+            f"(exit {proc.returncode})"
+        why = re.search(r"failed to fit params to free device memory: (.*)", proc.stderr) if gave_up else None
         layouts = proc.stderr.count("memory for test allocation by device")
         req = FitRequest(n_ctx=ctx or N_CTX_MIN, n_seq=n_seq)
         port = fit_cpp_split(spec, devs, req, ctx_auto=not ctx, n_ctx_min=FULL_CTX if ctx == 0 else N_CTX_MIN,
-                             cpu_features=feats)
+                             cpu_features=feats, shares=ts or None)
         mine_line = port.line() if port else "(gives up)"
         printed = fit_print(tool, path, eps, real, n_seq) if proc.returncode == 0 else {}
     finally:
@@ -126,8 +137,10 @@ def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1) -> t
             stop(p)
     lines = [f"{label}: {os.path.basename(path)} ({spec.n_layers} layers, train context {spec.n_ctx_train}), "
              f"workers {' + '.join(f'{m} MiB' for m in mems)}, "
-             + ("no -c" if ctx is None else f"-c {ctx}") + (f", -np {n_seq}" if n_seq > 1 else ""),
-             f"  llama-fit-params (real, {layouts} layouts measured, {secs:.0f} s): {_short(real, eps)}",
+             + ("no -c" if ctx is None else f"-c {ctx}") + (f", -np {n_seq}" if n_seq > 1 else "")
+             + (f", -ts {','.join(map(str, ts))}" if ts else ""),
+             f"  llama-fit-params (real, {layouts} layouts measured, {secs:.0f} s): {_short(real, eps)}"
+             + (f": {why.group(1).strip()}" if why else ""),
              f"  port:                                  {_short(mine_line, eps)}  "
              f"{'same line' if mine_line == real else 'DIFFERENT'}"]
     same = mine_line == real
@@ -196,8 +209,10 @@ def main(argv=None) -> int:
         lines += block + [""]
         print("\n".join(block), flush=True)
     n = sum(1 for x in lines if x.startswith("  port:"))
+    rows = sum(1 for x in lines if x.startswith("  its plan, model/context/compute"))
     lines.append(f"# {sum(1 for x in lines if x.endswith('same line'))} of {n} answer lines the same; "
-                 f"{sum(1 for x in lines if '(the same MiB)' in x)} of {n} --fit-print rows the same in MiB")
+                 f"{sum(1 for x in lines if '(the same MiB)' in x)} of {rows} --fit-print rows the same in MiB "
+                 f"(the {n - rows} where the tool gives up print none)")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
             fh.write("\n".join(lines).rstrip() + "\n")

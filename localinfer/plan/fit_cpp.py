@@ -115,15 +115,17 @@ def _div(a: int, b: int) -> int:
 
 
 def fit_cpp_devices(spec, req: FitRequest, measure: Measure, targets: Sequence[int], names: Sequence[str], *,
-                    ctx_auto: bool = False, n_ctx_min: int = N_CTX_MIN, split_set: bool = False) -> FitCpp | None:
+                    ctx_auto: bool = False, n_ctx_min: int = N_CTX_MIN, split_set: bool = False,
+                    user_split: Sequence[float] = ()) -> FitCpp | None:
     """llama.cpp ``--fit``'s choice over ``len(targets)`` devices (see the module).
 
     ``measure(request, shares)``: (weights + KV + compute, weights) bytes of each device for a request whose
     layers go by ``shares`` (None: llama.cpp's default split, by free memory); ``targets``: each device's free
     memory minus its margin; ``names``: each device's buffer type as llama.cpp names it (``RPC0[host:port]``;
     a device's partial layer may overflow to the next one's); ``split_set``: the user gave ``-ts`` (``measure``
-    applies it for shares None), which fit.cpp accepts only where steps 1-2 need no more.  None where fit.cpp
-    gives up."""
+    applies it for shares None), which fit.cpp accepts only where steps 1-2 need no more; ``user_split``: that
+    ``-ts``, which an unchanged answer line prints back as llama-fit-params does (each share cast to an unsigned
+    integer: ``-ts 0.4,0.6`` comes back ``0,0``).  None where fit.cpp gives up."""
     nd = len(targets)
     if nd == 0 or len(names) != nd:
         raise UsageError(f"fit.cpp's port needs one buffer name per device, got {len(names)} for {nd} devices")
@@ -138,8 +140,9 @@ def fit_cpp_devices(spec, req: FitRequest, measure: Measure, targets: Sequence[i
     base = ctx_request(req, total) if ctx_auto else req
 
     def as_is(reduced: bool) -> FitCpp:
+        ts = tuple(int(x) for x in user_split) if nd > 1 else ()
         return FitCpp(base, base.n_gpu_layers, base.override_tensor, n, 0, None, sum(used) if nd > 1 else used[0],
-                      tuple(steps), total, (), tuple(used), reduced)
+                      tuple(steps), total, ts, tuple(used), reduced)
 
     full = measure(base, None)
     used = [t for t, _ in full]
@@ -221,4 +224,4 @@ def fit_cpp_split(spec, devices, req: FitRequest, *, ctx_auto: bool = False, n_c
         return [(d.weights + d.kv + d.compute, d.weights) for d in sb.devices]
 
     return fit_cpp_devices(spec, req, measure, [d.free - margin for d in devices], [d.name for d in devices],
-                           ctx_auto=ctx_auto, n_ctx_min=n_ctx_min, split_set=user is not None)
+                           ctx_auto=ctx_auto, n_ctx_min=n_ctx_min, split_set=user is not None, user_split=user or ())

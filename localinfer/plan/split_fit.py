@@ -192,7 +192,7 @@ def llamacpp_split_fit(spec, env: SplitEnv, req: FitRequest, *, shares=None,
                       cpu_features=env.cpu_features, shares=shares)
     if c is None:
         return None
-    ts = tuple(c.tensor_split) if c.tensor_split else shares
+    ts = shares if shares is not None else (tuple(c.tensor_split) or None)    # with a -ts, fit.cpp only keeps it
     return measure(spec, env, c.request, ts, "llama.cpp --fit", line=c.line(), steps=c.steps, dry_run=c.used,
                    targets=tuple(d.free - env.margin for d in env.devices))
 
