@@ -83,17 +83,14 @@ def line_flags(line: str) -> tuple[int, int, tuple[int, ...], tuple[tuple[str, s
 
 def fit_print(tool: str, model: str, eps, line: str, n_seq: int = 1) -> dict[str, tuple[int, int, int]]:
     """The tool's ``--fit-print`` of the flags of ``line``: MiB of model, context, compute per device and the host."""
+    from benchmarks.moe_fit_params_rpc import fit_print_rows
+
     c, ngl, ts, ot = line_flags(line)
     extra = ["-ngl", str(ngl)] + (["-ts", ",".join(map(str, ts))] if ts else []) + \
         (["-ot", ",".join(f"{p}={b}" for p, b in ot)] if ot else [])
     proc = subprocess.run([tool, *tool_args(model, eps, c, n_seq), *extra, "--fit-print", "on"], capture_output=True,
                           text=True, timeout=TOOL_TIMEOUT, check=False)
-    out = {}
-    for row in proc.stdout.splitlines():
-        parts = row.split()
-        if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
-            out[parts[0]] = tuple(int(p) for p in parts[1:])
-    return out
+    return fit_print_rows(proc.stdout)
 
 
 def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1, ts=()) -> tuple[list[str], bool]:

@@ -93,8 +93,13 @@ def fit_print(tool: str, model: str, ep: str, req, ngl: int, ot) -> dict[str, tu
     extra = ["-ngl", str(ngl)] + (["-ot", ",".join(f"{p}={b}" for p, b in ot)] if ot else [])
     proc = subprocess.run([tool, *tool_args(model, ep, req), *extra, "--fit-print", "on"], capture_output=True,
                           text=True, timeout=TOOL_TIMEOUT, check=False)
+    return fit_print_rows(proc.stdout)
+
+
+def fit_print_rows(stdout: str) -> dict[str, tuple[int, int, int]]:
+    """``--fit-print``'s rows: device (or Host) -> MiB of model, context, compute."""
     out = {}
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         parts = line.split()
         if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
             out[parts[0]] = tuple(int(p) for p in parts[1:])

@@ -5,30 +5,18 @@ from dataclasses import replace
 
 import pytest
 
-from gguf_tools.skeleton import write_skeleton
 from localinfer.backends.memory import FitRequest
 from localinfer.devices.hosts import DECODE_FLOPS_PER_CORE, _parse, builtin_hosts, get_host
-from localinfer.devices.profiles import profile_from_dict
 from localinfer.errors import ProfileError
-from localinfer.model.spec import ModelSpec
 from localinfer.plan.host_speed import plan_speed
+from tests.support.tiny_moe import tiny_moe
 
-SPEC = {"n_layers": 8, "n_embd": 512, "n_head": 8, "n_head_kv": 2, "head_dim": 64, "n_ff": 0, "vocab_size": 1000,
-        "context_length": 4096, "arch": "qwen3moe", "expert_ff": 1024, "n_expert": 32, "n_expert_used": 4,
-        "type": "q8_0"}
 HOST = {"name": "h", "memory": "64GB", "bandwidth": "400GB/s", "cores": 8}
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("host_cores") / "moe.gguf"
-    return ModelSpec.from_gguf(str(write_skeleton(SPEC, path)))
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    return profile_from_dict({"name": "tiny-gpu", "kind": "cuda", "memory": "500MiB", "bandwidth": "1000GB/s",
-                              "bf16_flops": 100e12, "link": {"per_direction": "32GB/s"}, "host": "ddr5-5600-2ch"})
+    return tiny_moe(tmp_path_factory.mktemp("host_cores"), "q8_0")
 
 
 def _terms(sp, host):

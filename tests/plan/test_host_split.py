@@ -9,32 +9,20 @@ from dataclasses import replace
 
 import pytest
 
-from gguf_tools.skeleton import write_skeleton
 from localinfer.backends.memory import FitRequest
 from localinfer.devices.hosts import builtin_hosts, get_host, host_for, local_host, with_host
-from localinfer.devices.profiles import get_device, profile_from_dict
+from localinfer.devices.profiles import get_device
 from localinfer.errors import UsageError
-from localinfer.model.spec import ModelSpec
 from localinfer.plan.fit import fit_device
 from localinfer.plan.host_speed import plan_speed
 from localinfer.plan.moe_fit import llamacpp_fit, moe_plan
 from localinfer.plan.speed import predict_speed
-
-SPEC = {"n_layers": 8, "n_embd": 512, "n_head": 8, "n_head_kv": 2, "head_dim": 64, "n_ff": 0, "vocab_size": 1000,
-        "context_length": 4096, "arch": "qwen3moe", "expert_ff": 1024, "n_expert": 32, "n_expert_used": 4,
-        "type": "f16"}
+from tests.support.tiny_moe import tiny_moe
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("host_split") / "moe.gguf"
-    return ModelSpec.from_gguf(str(write_skeleton(SPEC, path)))
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    return profile_from_dict({"name": "tiny-gpu", "kind": "cuda", "memory": "500MiB", "bandwidth": "1000GB/s",
-                              "bf16_flops": 100e12, "link": {"per_direction": "32GB/s"}, "host": "ddr5-5600-2ch"})
+    return tiny_moe(tmp_path_factory.mktemp("host_split"), "f16")
 
 
 def _req(**kw):
