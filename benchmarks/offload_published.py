@@ -14,7 +14,9 @@ prediction is ``fit``'s speed of that plan (``plan/host_speed.py``: the GPU part
 the host part the slower of its RAM, bandwidth × MBU, and its cores, threads × the per-core rate); the script
 prints the MBU and the per-core rate that would each make a prediction exact.  Rows run with ik_llama.cpp are
 summarised apart (its CPU kernels differ from mainline's), and so are the rows one (MBU, rate) pair cannot
-describe (two sockets: no NUMA term; ik_llama.cpp's K-quant kernels without ``-rtr``); rows the collector marked
+describe (ik_llama.cpp's K-quant kernels without ``-rtr``).  A two-socket host reads at ``NUMA_SHARE`` of one
+socket's bandwidth (``devices/hosts.py``: measured on another host, a Xeon 8480+ with one socket and with two, so
+the two-socket rows here are held out of it); rows the collector marked
 doubtful (RAM about the model's size: paging) are left out.  ``--fit`` fits the MBU and the per-core rate on the
 in-scope ik_llama.cpp rows and holds every mainline row out.
 """
@@ -39,13 +41,13 @@ from benchmarks.speed_published import QUANTS, held_out_profiles  # noqa: E402
 from gguf_tools.skeleton import write_skeleton                     # noqa: E402
 from localinfer.backends.llamacpp.overrides import parse_override_tensor  # noqa: E402
 from localinfer.backends.memory import FitRequest                  # noqa: E402
-from localinfer.devices.hosts import DECODE_FLOPS_PER_CORE, HostProfile  # noqa: E402
+from localinfer.devices.hosts import DECODE_FLOPS_PER_CORE, FALLBACK_MBU, HostProfile  # noqa: E402
 from localinfer.devices.profiles import load_profiles              # noqa: E402
 from localinfer.model.spec import ModelSpec                        # noqa: E402
 from localinfer.plan.host_speed import plan_speed                  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "published_offload.csv"
-HOST_MBU = 0.6          # the share the host profiles assumed before these runs (desktop DDR profiles still do)
+HOST_MBU = FALLBACK_MBU  # the product's host MBU where a profile measures none (fitted here: fit(), leave one host out)
 GPUS = {"RTX 2080 8GB": "rtx-2080", "RTX 3090 24GB": "rtx-3090", "RTX 3090 Ti 24GB": "rtx-3090-ti",
         "RTX 4090 24GB": "rtx-4090", "RTX 5090 32GB": "rtx-5090", "RTX A6000 48GB": "rtx-a6000",
         "RTX 4080 16GB": "rtx-4080", "RTX 4060 Ti 8GB": "rtx-4060-ti-8gb",
@@ -107,7 +109,7 @@ def host_of(r: dict) -> HostProfile | None:
     # host profiles' fp32_flops
     return HostProfile(name=f"ddr-{rate}-{ch}ch", display_name=r["host_ram"], memory_bytes=1 << 40,
                        reserve="0", bandwidth_bytes_per_s=rate * 1e6 * 8 * ch, cores=threads,
-                       fp32_flops=threads * 3e9 * 32, decode_mbu=HOST_MBU)
+                       fp32_flops=threads * 3e9 * 32, decode_mbu=HOST_MBU, sockets=sockets_of(r))
 
 
 def rows(workdir: Path):
@@ -149,11 +151,9 @@ def rows(workdir: Path):
 
 
 def out_of_scope(r: dict) -> str:
-    """Why one (MBU, per-core rate) pair cannot describe the row, or "": two sockets (the model has no NUMA term), or
-    ik_llama.cpp's K-quant kernels without run-time repacking (a slower path: on one host 7.35 tok/s against 13.13
-    with ``-rtr 1``)."""
-    if sockets_of(r) > 1:
-        return "two sockets"
+    """Why one (MBU, per-core rate) pair cannot describe the row, or "": ik_llama.cpp's K-quant kernels without
+    run-time repacking (a slower path: on one host 7.35 tok/s against 13.13 with ``-rtr 1``).  Two sockets are in
+    scope: the host's NUMA share (devices/hosts.py NUMA_SHARE) describes them."""
     if "ik_llama" in r["tool"] and ("-rtr 0" in r["placement"] or " -rtr" not in " " + r["placement"]) \
             and "_K" in r["quant"]:
         return "ik_llama.cpp without -rtr"
@@ -169,11 +169,12 @@ def measure(found) -> list[dict]:
             continue
         pub = float(r["tok_s"])
         host_s = 1 / pub - sp["gpu_s"]              # the host time that makes the prediction exact
+        bw = host.effective_bandwidth / host.decode_mbu     # what MBU multiplies (two sockets: NUMA_SHARE of one)
         out.append({"row": r, "gpu": gpu.name, "model": spec.name, "published": pub, "predicted": sp["decode_tok_s"],
                     "bound": sp["decode_bound"], "gpu_s": sp["gpu_s"], "bytes": sp["host_read_bytes"],
-                    "flops": sp["host_flops"], "threads": host.cores, "bandwidth": host.bandwidth_bytes_per_s,
+                    "flops": sp["host_flops"], "threads": host.cores, "bandwidth": bw,
                     "tool": "ik_llama.cpp" if "ik_llama" in r["tool"] else "mainline", "scope": out_of_scope(r),
-                    "mbu_that_fits": sp["host_read_bytes"] / host.bandwidth_bytes_per_s / host_s if host_s > 0
+                    "mbu_that_fits": sp["host_read_bytes"] / bw / host_s if host_s > 0
                     else math.inf,
                     "core_flops_that_fit": sp["host_flops"] / host.cores / host_s if host_s > 0 else math.inf})
     return out
@@ -216,6 +217,25 @@ def fit(ms: list[dict]) -> None:
             c = min((c for _, c in grid), key=lambda c: sum(math.log(predicted(m, mbu, c) / m["published"]) ** 2
                                                              for m in own))
             print(f"  per-core rate from {host[:40]} alone ({len(own)} compute-bound rows): {c / 1e9:.1f} GFLOP/s")
+    leave_one_host_out([m for m in ms if not m["scope"]], per_core)
+
+
+def leave_one_host_out(ms: list[dict], per_core: float) -> None:
+    """The host MBU fitted on every in-scope row (either tool) and, for each host, on the other hosts' rows alone,
+    that fit predicting the host left out: how far one cross-platform MBU carries to a host it never saw."""
+    def best(rows):
+        return min((u / 100 for u in range(30, 81)),
+                   key=lambda u: sum(math.log(predicted(m, u, per_core) / m["published"]) ** 2 for m in rows))
+
+    hosts = sorted({m["row"]["host_cpu"] for m in ms})
+    print(f"host MBU on all {len(ms)} in-scope rows ({len(hosts)} hosts): {best(ms):.2f}; each host left out in turn:")
+    out = []
+    for h in hosts:
+        mbu = best([m for m in ms if m["row"]["host_cpu"] != h])
+        rs = [predicted(m, mbu, per_core) / m["published"] for m in ms if m["row"]["host_cpu"] == h]
+        out += rs
+        print(f"  {h[:40]:<40} the others' MBU {mbu:.2f}: predicted/published " + ", ".join(f"{r:.2f}" for r in rs))
+    print(summary("  left out", out))
 
 
 def main(argv=None) -> int:
@@ -243,7 +263,7 @@ def main(argv=None) -> int:
               for t in ("all", "mainline", "ik_llama.cpp")}
     for tool, v in ratios.items():
         print(summary(tool, v))
-    print(summary("in scope (single socket; ik_llama.cpp with -rtr)",
+    print(summary("in scope (ik_llama.cpp K-quants with -rtr; two sockets at the NUMA share)",
                   [m["predicted"] / m["published"] for m in ms if not m["scope"]]))
     if args.what_if:
         mbu, per_core = args.what_if[0], args.what_if[1] * 1e9

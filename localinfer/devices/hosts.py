@@ -15,6 +15,13 @@ A decode step's host part reads the host's weights at ``bandwidth × decode_mbu`
 the dot product, one thread a core, so a host with few cores for its channels (a 24-core Threadripper on eight
 DDR5 channels, a 32-core EPYC on twelve) is bound by the cores, not by the RAM.  :data:`DECODE_FLOPS_PER_CORE`
 is fitted on published expert-offload runs (``benchmarks/offload_published.py --fit``).
+
+On a host of several sockets (``sockets = 2``; ``bandwidth`` is all of them) llama.cpp's threads span the NUMA
+nodes while each page of weights sits in one node's memory, so half the reads cross the socket link: a decode reads
+at :data:`NUMA_SHARE` of ONE socket's rate, not at the sum (measured on a Xeon Platinum 8480+ that went from about
+40 to 27 tok/s when a second socket and its eight DIMMs were added, ``--numa distribute``, and back to 40 bound to
+one node: :data:`NUMA_SOURCE`).  Bind llama.cpp to one node (``numactl --cpunodebind=0 --membind=0``) to get one
+socket's rate; ``sockets = 1`` describes that run.
 """
 
 from __future__ import annotations
@@ -31,13 +38,25 @@ from localinfer.errors import UsageError
 LOCAL_NAME = "local"
 LOCAL_BANDWIDTH = 40e9      # bytes/s: below a DDR4-3200 dual-channel desktop's 51.2 GB/s theoretical
 LOCAL_RESERVE = "10%"
-FALLBACK_MBU = 0.6
+# the share of a host's theoretical RAM bandwidth llama.cpp's CPU expert kernels read at, where a host profile has no
+# measurement of its own: fitted (benchmarks/offload_published.py --fit) on 12 published expert-offload decode runs
+# over 6 hosts (Ryzen desktops, Threadrippers, an EPYC, a two-socket Xeon at NUMA_SHARE); each host left out in turn
+# is predicted within 25% by the others' fit (0.44-0.50) on 11 of its 12 runs
+FALLBACK_MBU = 0.48
+MBU_SOURCE = ("fitted: llama.cpp's CPU kernels read host RAM at about 48% of theoretical bandwidth across 12 published "
+              "expert-offload runs on 6 hosts; leaving each host out, the others' fit (0.44-0.50) predicts 11 of 12 "
+              "runs within 25% (benchmarks/offload_published.py --fit, benchmarks/results/offload_published.txt)")
 FALLBACK_EFFICIENCY = 0.5   # of fp32_flops, for the host's share of a prefill (batched: GEMM-like)
 # FLOP/s one core's llama.cpp CPU kernels reach on the routed experts' matrix-vector products at batch 1 (quantized
 # weights dequantised in the dot product).  Fitted (benchmarks/offload_published.py --fit) on published expert-offload
 # decode runs: a Threadripper PRO 7965WX (24 threads, Zen 4) with DeepSeek-R1 UD-Q2_K_XL and an EPYC 9355 (30-32
 # threads, Zen 5) with DeepSeek-V3 UD-Q4_K_XL each give 29e9 on their own.
 DECODE_FLOPS_PER_CORE = 29e9
+# a decode on S > 1 sockets, threads and pages spread over the nodes, reads at this share of one socket's bandwidth
+NUMA_SHARE = 0.675
+NUMA_SOURCE = ("measured: one Xeon Platinum 8480+ with an RTX 3090 decoded Llama-4-Maverick at ~40 tok/s, two sockets "
+               "(16 DIMMs) with --numa distribute at ~27 (27/40 = 0.675 of one socket), bound to one node "
+               "(numactl --membind=0) at 40 again; https://github.com/ikawrakow/ik_llama.cpp/discussions/396")
 DECODE_FLOPS_SOURCE = ("fitted: llama.cpp's CPU expert kernels at batch 1 reach about 29 GFLOP/s a core "
                        "(benchmarks/offload_published.py --fit: a Threadripper PRO 7965WX with DeepSeek-R1 UD-Q2_K_XL "
                        "and an EPYC 9355 with DeepSeek-V3 UD-Q4_K_XL give 29 each; "
@@ -58,6 +77,7 @@ class HostProfile:
     decode_mbu: float = FALLBACK_MBU
     decode_flops_per_core: float = DECODE_FLOPS_PER_CORE
     unified: bool = False                  # the host is the accelerator's own memory
+    sockets: int = 1                       # CPU sockets (NUMA nodes) the bandwidth and cores are spread over
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     origin: str = "built-in"
 
@@ -73,7 +93,10 @@ class HostProfile:
 
     @property
     def effective_bandwidth(self) -> float:
-        """β_host · MBU: what reading weights from RAM achieves."""
+        """β_host · MBU: what reading weights from RAM achieves; on several sockets one socket's share of β times
+        :data:`NUMA_SHARE` (see the module)."""
+        if self.sockets > 1:
+            return self.bandwidth_bytes_per_s / self.sockets * NUMA_SHARE * self.decode_mbu
         return self.bandwidth_bytes_per_s * self.decode_mbu
 
     @property
@@ -89,6 +112,8 @@ class HostProfile:
     def source(self, key: str) -> str:
         if key == "decode_flops_per_core" and key not in self.sources:
             return DECODE_FLOPS_SOURCE
+        if key == "sockets" and self.sockets > 1 and key not in self.sources:
+            return NUMA_SOURCE
         return self.sources.get(key, "")
 
     def to_dict(self) -> dict:
@@ -96,15 +121,17 @@ class HostProfile:
                 "reserve": self.reserve, "usable_bytes": self.usable_bytes,
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "cores": self.cores,
                 "fp32_flops": self.fp32_flops, "decode_mbu": self.decode_mbu,
-                "decode_flops_per_core": self.decode_flops_per_core, "unified": self.unified,
-                "sources": {"decode_flops_per_core": DECODE_FLOPS_SOURCE, **self.sources}, "origin": self.origin}
+                "decode_flops_per_core": self.decode_flops_per_core, "unified": self.unified, "sockets": self.sockets,
+                "sources": {"decode_flops_per_core": DECODE_FLOPS_SOURCE,
+                            **({"sockets": NUMA_SOURCE} if self.sockets > 1 else {}), **self.sources},
+                "origin": self.origin}
 
 
 def _parse(data: dict, origin: str) -> HostProfile:
     from localinfer.devices.profiles import _bad, _rate, _size
 
     known = {"name", "display_name", "memory", "reserve", "bandwidth", "cores", "fp32_flops", "decode_mbu",
-             "decode_flops_per_core", "sources"}
+             "decode_flops_per_core", "sockets", "sources"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise _bad(origin, unknown[0], f"unknown key; known keys: {', '.join(sorted(known))}")
@@ -120,6 +147,9 @@ def _parse(data: dict, origin: str) -> HostProfile:
     mbu = data.get("decode_mbu", FALLBACK_MBU)
     if isinstance(mbu, bool) or not isinstance(mbu, (int, float)) or not 0 < mbu <= 1:
         raise _bad(origin, "decode_mbu", "must be a fraction in (0, 1]")
+    sockets = data.get("sockets", 1)
+    if isinstance(sockets, bool) or not isinstance(sockets, int) or not 1 <= sockets <= 8:
+        raise _bad(origin, "sockets", "must be a whole number of CPU sockets, 1 to 8")
     per_core = data.get("decode_flops_per_core", DECODE_FLOPS_PER_CORE)
     if isinstance(per_core, bool) or not isinstance(per_core, (int, float)) or not per_core > 0:
         raise _bad(origin, "decode_flops_per_core", "must be a positive rate, e.g. 29e9")
@@ -127,7 +157,7 @@ def _parse(data: dict, origin: str) -> HostProfile:
                        memory_bytes=_size(data, "memory", origin, required=True),
                        reserve=str(data.get("reserve", "0")), bandwidth_bytes_per_s=bandwidth, cores=cores,
                        fp32_flops=_rate(data, "fp32_flops", origin), decode_mbu=float(mbu),
-                       decode_flops_per_core=float(per_core),
+                       decode_flops_per_core=float(per_core), sockets=sockets,
                        sources=MappingProxyType(dict(data.get("sources") or {})), origin=origin)
 
 

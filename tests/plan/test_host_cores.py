@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from localinfer.backends.memory import FitRequest
-from localinfer.devices.hosts import DECODE_FLOPS_PER_CORE, _parse, builtin_hosts, get_host
+from localinfer.devices.hosts import (DECODE_FLOPS_PER_CORE, FALLBACK_MBU, NUMA_SHARE, _parse, builtin_hosts,
+                                      get_host)
 from localinfer.errors import ProfileError
 from localinfer.plan.host_speed import plan_speed
 from tests.support.tiny_moe import tiny_moe
@@ -64,3 +65,28 @@ def test_the_rate_a_core_reaches_is_fitted_and_cited():
     for bad in (0, -1, True, "fast"):
         with pytest.raises(ProfileError, match="decode_flops_per_core"):
             _parse({**HOST, "decode_flops_per_core": bad}, "test")
+
+
+def test_two_sockets_read_at_the_numa_share_of_one(model, gpu):
+    """A two-socket host's decode reads at NUMA_SHARE of one socket's bandwidth (devices/hosts.py: measured on a Xeon
+    8480+ with one socket and with two), not at both sockets' sum: slower than one of its sockets alone."""
+    two = _parse({**HOST, "sockets": 2, "bandwidth": "800GB/s", "cores": 128}, "test")
+    one = _parse({**HOST, "sockets": 1, "bandwidth": "400GB/s", "cores": 64}, "test")   # enough cores: RAM binds
+    assert two.effective_bandwidth == pytest.approx(NUMA_SHARE * one.effective_bandwidth)
+    assert two.effective_bandwidth < one.effective_bandwidth
+    assert "discussions/396" in two.source("sockets") and two.to_dict()["sockets"] == 2
+    assert one.source("sockets") == "" and "sockets" not in one.to_dict()["sources"]
+    req = FitRequest(n_ctx=2048, cpu_moe=True)
+    sp1, sp2 = plan_speed(model, gpu, one, req), plan_speed(model, gpu, two, req)
+    assert sp1["decode_bound"] == sp2["decode_bound"] == "host memory"
+    assert sp2["host_s"] == pytest.approx(sp1["host_s"] / NUMA_SHARE)
+    for bad in (0, 9, True, "2"):
+        with pytest.raises(ProfileError, match="sockets"):
+            _parse({**HOST, "sockets": bad}, "test")
+
+
+def test_profiles_without_a_measured_mbu_take_the_fitted_one():
+    for name in ("ddr4-3200-2ch", "ddr5-5600-2ch"):
+        h = get_host(name)
+        assert h.decode_mbu == FALLBACK_MBU and "offload_published" in h.source("decode_mbu")
+    assert _parse(dict(HOST), "test").decode_mbu == FALLBACK_MBU
