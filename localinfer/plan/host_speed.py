@@ -61,16 +61,14 @@ KERNEL_FORMULA = ("decode step = GPU part (llama.cpp's kernel model over the wei
                   "computes its share")
 
 
-def _split_prefill(all_gpu_s: float, cost, device, host, req, w_flops: int, held: int) -> tuple[float, str]:
-    """(seconds, rule) of a split's prefill: the all-GPU prefill plus the host weights copied over the link per
-    micro-batch (ub ≥ 32), else the host computing its share."""
-    if req.n_ubatch >= OFFLOAD_MIN_BATCH and device.link_bytes_per_s:
-        return (all_gpu_s + ceil_div(req.n_ctx, req.n_ubatch) * held / device.link_bytes_per_s,
-                "host weights copied over the link once per micro-batch")
-    share = w_flops / cost.token_flops(req.n_ctx) if cost.token_flops(req.n_ctx) else 0.0
-    host_rate = host.effective_flops or math.nan
-    return (all_gpu_s * (1 - share) + req.n_ctx * w_flops / host_rate,
-            "the host computes its share (micro-batch below 32)")
+def _split_prefill(all_gpu_s: float, cost, work: HostWork, req) -> tuple[float, str]:
+    """(seconds, rule) of a one-GPU plan's prefill: the all-GPU prefill plus the host weights copied over the link per
+    micro-batch (32 tokens or more), else the devices' share and the host computing its own (:class:`HostWork`)."""
+    extra = work.prefill(req.n_ctx, req.n_ubatch)
+    if work.offloaded(min(req.n_ubatch, req.n_ctx)):
+        return all_gpu_s + extra, "host weights copied over the link once per micro-batch"
+    share = work.flops / cost.token_flops(req.n_ctx) if cost.token_flops(req.n_ctx) else 0.0
+    return all_gpu_s * (1 - share) + extra, "the host computes its share (micro-batch below 32)"
 
 
 def _bound(gpu_s: float, host_s: float, host_mem: float, host_comp: float, gpu_bound: str) -> str:
@@ -103,7 +101,8 @@ def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | N
     host_comp = w_flops / host.decode_flops if host.decode_flops else 0.0
     gpu_s, host_s = max(gpu_mem, gpu_comp), max(host_mem, host_comp)
     decode_s = gpu_s + host_s
-    prefill_s, how = _split_prefill(pre.seconds, cost, device, host, req, w_flops, held)
+    prefill_s, how = _split_prefill(pre.seconds, cost, HostWork(spec, host_names, host, 0.0, device.link_bytes_per_s),
+                                    req)
     if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
@@ -146,7 +145,8 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
     host_s = max(host_mem, host_comp)
     decode_s = gpu_s + host_s
     pre = ks.prefill(1, req.n_ctx)
-    prefill_s, how = _split_prefill(pre.seconds, cost, device, host, req, w_flops, held)
+    prefill_s, how = _split_prefill(pre.seconds, cost, HostWork(spec, host_names, host, 0.0, device.link_bytes_per_s),
+                                    req)
     if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
@@ -158,19 +158,24 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
             "prefill_rule": how, **speed_band(ks), "formula": KERNEL_FORMULA}
 
 
-class HostWork:
-    """The host's tensors as one stage of a batched step (the planner's split, ``plan --split``).
 
-    A step of ``b`` tokens reads the host's other weights whole, the share ``1 − (1 − k/n)^b`` of its routed
-    experts (each token routes to ``k`` of ``n``, drawn independently: a batch's tokens touch their union) and its
-    layers' KV, and computes ``b`` tokens' FLOPs at the host's decode rate; from ``OFFLOAD_MIN_BATCH`` tokens on,
-    with a local GPU, llama.cpp copies every host weight over that GPU's link and computes there instead (the
-    ``offload_op`` rule, as a prefill's micro-batch).  At ``b = 1`` this is :func:`split_speed`'s host part.
+class HostWork:
+    """What the host's tensors cost a call of ``b`` tokens: the one home of llama.cpp's ``offload_op`` rule and the
+    host's decode and prefill terms (fit's one-GPU plans, a split's host stage, the planner's batched steps).
+
+    A call of ``b`` tokens reads the host's other weights whole, the share ``1 − (1 − k/n)^b`` of its routed experts
+    (each token routes to ``k`` of ``n``, drawn independently: a batch's tokens touch their union) and its layers'
+    KV, and computes ``b`` tokens' FLOPs: below ``OFFLOAD_MIN_BATCH`` tokens at the host's matrix-vector rate
+    (``decode_flops``: the rate fitted on published batch-1 runs), from there at its batched rate (``effective_flops``,
+    never below the other).  From ``OFFLOAD_MIN_BATCH`` tokens on, with a local GPU, llama.cpp's CUDA and Metal
+    backends copy the host weights over that GPU's link and compute there (``offload_op``); the scheduler copies only
+    the experts the call's tokens use (ggml-backend.cpp, "copying only the experts that are used"), so the copy is
+    the weights the call reads; the host layers' KV and their attention stay on the host.
     """
 
     def __init__(self, spec, host_names: frozenset[str], host, kv_per_token: float = 0.0,
                  link_bytes_per_s: float | None = None):
-        read, self.flops, self.held, _ = host_terms(spec, host_names)
+        read, self.flops, self.held, self.layers = host_terms(spec, host_names)
         self.share = (spec.n_expert_used / spec.n_expert) if spec.n_expert else 1.0
         self.expert = round((self.held - read) / (1 - self.share)) if self.share < 1 else 0
         self.other = self.held - self.expert
@@ -180,23 +185,39 @@ class HostWork:
         """Whether a call of ``tokens`` tokens runs the host weights on the GPU (copied over its link)."""
         return bool(self.link) and tokens >= OFFLOAD_MIN_BATCH
 
-    def read_bytes(self, tokens: int, kv_tokens: int = 0) -> float:
-        """Bytes a step of ``tokens`` tokens reads from host RAM (``kv_tokens``: context tokens of all sequences)."""
-        touched = 1.0 - (1.0 - self.share) ** max(tokens, 1)
-        return self.other + self.expert * touched + self.kv_per_token * kv_tokens
+    def weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a call of ``tokens`` tokens reads (or, offloaded, copies)."""
+        return self.other + self.expert * (1.0 - (1.0 - self.share) ** max(tokens, 1))
 
-    def decode(self, tokens: int, kv_tokens: int = 0) -> tuple[float, float, float]:
+    def read_bytes(self, tokens: int, kv_tokens: float = 0) -> float:
+        """Bytes a call of ``tokens`` tokens reads from host RAM (``kv_tokens``: context tokens of all sequences)."""
+        return self.weight_bytes(tokens) + self.kv_bytes(kv_tokens)
+
+    def kv_bytes(self, kv_tokens: float) -> float:
+        return self.kv_per_token * kv_tokens
+
+    def rate(self, tokens: int) -> float:
+        """FLOP/s the host computes a call of ``tokens`` tokens at (0: unknown)."""
+        vec = self.host.decode_flops or 0.0
+        if tokens < OFFLOAD_MIN_BATCH and vec:
+            return vec
+        return max(vec, self.host.effective_flops or 0.0)
+
+    def decode(self, tokens: int, kv_tokens: float = 0) -> tuple[float, float, float]:
         """(seconds, memory seconds, compute seconds) of the host's part of a step of ``tokens`` tokens."""
+        kv = self.kv_bytes(kv_tokens) / self.host.effective_bandwidth
         if self.offloaded(tokens):
-            copy = self.held / self.link
-            return copy, copy, 0.0
+            copy = self.weight_bytes(tokens) / self.link
+            return copy + kv, copy + kv, 0.0
         memory = self.read_bytes(tokens, kv_tokens) / self.host.effective_bandwidth
-        compute = tokens * self.flops / self.host.decode_flops if self.host.decode_flops else 0.0
+        rate = self.rate(tokens)
+        compute = tokens * self.flops / rate if rate else 0.0
         return max(memory, compute), memory, compute
 
     def prefill(self, tokens: int, ubatch: int) -> float:
-        """Seconds the host weights add to a prefill of ``tokens`` tokens in calls of ``ubatch``."""
-        if self.offloaded(min(ubatch, tokens)):
-            return ceil_div(tokens, max(1, min(ubatch, tokens))) * self.held / self.link
-        rate = self.host.effective_flops
+        """Seconds the host weights add to a prefill of ``tokens`` tokens in calls of ``ubatch`` (NaN: no rate)."""
+        ub = max(1, min(ubatch, tokens))
+        if self.offloaded(ub):
+            return ceil_div(tokens, ub) * self.weight_bytes(ub) / self.link
+        rate = self.rate(ub)
         return tokens * self.flops / rate if rate else math.nan

@@ -159,25 +159,26 @@ def _token_traffic(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, remote,
     return nbytes, trips
 
 
+def local_gpu_link(profiles, remote) -> float | None:
+    """The link of the first local GPU among the devices (its bytes/s), where llama.cpp's offload_op copies host
+    weights; None on RPC workers alone (their backend offloads no op)."""
+    gpu = next((p for p, r in zip(profiles or (), remote) if p is not None and not r and p.link_bytes_per_s), None)
+    return gpu.link_bytes_per_s if gpu is not None else None
+
+
 def _host_stage(spec, sb: SplitBreakdown, req: FitRequest, host, profiles, remote):
     """(the host's stage or None, its bytes read and FLOPs a token, which the devices do not do)."""
-    from localinfer.plan.host_speed import OFFLOAD_MIN_BATCH, host_terms
+    from localinfer.plan.host_speed import HostWork
 
     if not sb.host_tensors:
         return None, 0, 0
     if host is None:
         raise LookupError("no host profile")
-    w_read, w_flops, held, layers = host_terms(spec, sb.host_tensors)
+    work = HostWork(spec, sb.host_tensors, host, sb.host_kv / max(sb.n_ctx, 1), local_gpu_link(profiles, remote))
     n = req.n_ctx
-    read = w_read + sb.host_kv * min(n, sb.n_ctx) // max(sb.n_ctx, 1)
-    comp = host.decode_flops
-    dec = max(read / host.effective_bandwidth, w_flops / comp if comp else 0.0)
-    gpu = next((p for p, r in zip(profiles or (), remote) if p is not None and not r and p.link_bytes_per_s), None)
-    if gpu is not None and req.n_ubatch >= OFFLOAD_MIN_BATCH:     # offload_op: host weights go to the GPU
-        pre = -(-n // max(1, min(req.n_ubatch, n))) * held / gpu.link_bytes_per_s
-    else:
-        pre = n * w_flops / (host.effective_flops or float("nan"))
-    return StageSpeed(f"host {host.name}", layers, pre, dec, "profile"), w_read, w_flops
+    dec, _, _ = work.decode(1, min(n, sb.n_ctx))
+    pre = work.prefill(n, req.n_ubatch)
+    return StageSpeed(f"host {host.name}", work.layers, pre, dec, "profile"), round(work.weight_bytes(1)), work.flops
 
 
 def split_speed(spec: ModelSpec, sb: SplitBreakdown, req: FitRequest, profiles=None, link=None, remote=None,

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from localinfer.backends.memory import FitRequest
+from localinfer.backends.memory import MAX_PARALLEL, FitRequest
 from localinfer.model.cost import model_cost
 from localinfer.plan.host_speed import HostWork
 from localinfer.plan.speed import Estimate, SpeedModel, llamacpp_speed_model
-from localinfer.plan.split import RPC_OVERHEAD_S, _token_traffic, fit_split
+from localinfer.errors import UsageError
+from localinfer.plan.split import RPC_OVERHEAD_S, _token_traffic, fit_split, local_gpu_link
 from localinfer.units import ceil_div
 
 
@@ -47,10 +48,10 @@ class SplitSpeedModel(SpeedModel):
         self.host = None                    # HostWork: the weights in host RAM, a stage of their own
         if sb.host_tensors:
             if host is None:
-                raise ValueError("weights in host RAM need a host profile to be timed")
-            gpu = next((p for p, r in zip(setup.profiles, setup.remote) if not r and p.link_bytes_per_s), None)
+                raise UsageError("--split: the plan keeps weights in host RAM and no host profile times them",
+                                 flag="--split", hint="use device profiles that name their host (host = \"NAME\")")
             self.host = HostWork(spec, sb.host_tensors, host, sb.host_kv / max(sb.n_ctx, 1),
-                                 gpu.link_bytes_per_s if gpu is not None else None)
+                                 local_gpu_link(setup.profiles, setup.remote))
 
     def _net(self, tokens: int, rows: int) -> float:
         if self.link is None:
@@ -76,6 +77,8 @@ class SplitSpeedModel(SpeedModel):
         seconds, memory, compute = h.decode(tokens, kv_tokens)
         if not h.offloaded(tokens):          # the host computes its tensors: the devices do the rest
             parts = [(f, _less(e, h.read_bytes(tokens, kv_tokens), tokens * h.flops)) for f, e in parts]
+        elif h.kv_bytes(kv_tokens):          # weights copied to the GPU; the host layers' KV and attention stay
+            parts = [(f, _less(e, h.kv_bytes(kv_tokens), 0)) for f, e in parts]
         return _plus(self._sum(parts, self._net(tokens, tokens)), seconds, memory, compute)
 
     def prefill(self, batch: int, new: int, cached: int = 0) -> Estimate:
@@ -134,6 +137,7 @@ class Placement:
     ref: object             # SplitPlan or None: --fit gives up
     used: bool
     host: object = None     # HostProfile that times the weights the plan keeps in host RAM
+    link: float | None = None   # a local GPU's link (bytes/s), over which calls of 32+ tokens copy host weights
 
     @property
     def shares(self):
@@ -153,7 +157,8 @@ class Placement:
 
     def to_dict(self) -> dict:
         return {"plan": None if self.plan is None else self.plan.to_dict(),
-                "llamacpp_fit": None if self.ref is None else self.ref.to_dict(), "planned_on": self.used}
+                "llamacpp_fit": None if self.ref is None else self.ref.to_dict(), "planned_on": self.used,
+                "host": None if self.host is None or not self.in_host_ram else self.host.name}
 
     @staticmethod
     def describe(p) -> str:
@@ -169,15 +174,16 @@ class Placement:
         p, r = self.plan, self.ref
         n = p.request.n_seq if p is not None else 1
         what = "one request" if n == 1 else f"{n} requests"
-        out = [(f"placement (fit --devices' plan for {what}): " + self.describe(p)) if p is not None else
+        speed = "" if n == 1 else " (one request's decode and TTFT; the table times the batch)"
+        out = [(f"placement (fit --devices' plan for {what}): " + self.describe(p) + speed) if p is not None else
                "placement: fit --devices finds none that fits the requests at this length; the default split is "
                "planned"]
         if p is not None and not self.used:
             out.append("  it puts weights in host RAM and no host profile times them: the default split is planned")
         elif self.in_host_ram:
+            copied = " (from 32 tokens a call, copied over the GPU's link)" if self.link else ""
             out.append(f"  planned on it: the weights it keeps in host RAM are timed on {self.host.name}'s RAM and "
-                       "cores, a batch's tokens reading the union of their experts (from 32 tokens a call, copied "
-                       "over the GPU's link)")
+                       f"cores, a batch's tokens reading the union of their experts{copied}")
         out.append("llama.cpp --fit: " + ("gives up" if r is None else
                                           self.describe(r) + ("" if r.fits else ", does not fit")))
         return out
@@ -189,7 +195,8 @@ def split_placement(spec, setup, n_ctx: int, link=None, n_seq: int = 1) -> Place
     from localinfer.plan.split_fit import plan_split, split_env
 
     env, host_usable = split_env(setup, link)
-    _, plan, ref = plan_split(spec, env, FitRequest(n_ctx=n_ctx, n_seq=max(1, n_seq)), host_usable)
+    # llama.cpp holds at most MAX_PARALLEL sequences: a larger workload is placed for that many
+    _, plan, ref = plan_split(spec, env, FitRequest(n_ctx=n_ctx, n_seq=min(max(1, n_seq), MAX_PARALLEL)), host_usable)
     timed = env.host is not None and bool(env.host.bandwidth_bytes_per_s)
     used = plan is not None and (not plan.breakdown.host_tensors or timed)
-    return Placement(plan, ref, used, env.host if timed else None)
+    return Placement(plan, ref, used, env.host if timed else None, local_gpu_link(setup.profiles, setup.remote))
