@@ -218,24 +218,61 @@ def fit(ms: list[dict]) -> None:
                                                              for m in own))
             print(f"  per-core rate from {host[:40]} alone ({len(own)} compute-bound rows): {c / 1e9:.1f} GFLOP/s")
     leave_one_host_out([m for m in ms if not m["scope"]], per_core)
+    numa_share()
+
+
+RIG_RE = re.compile(r"(7965WX|9355|6138|5900X|Ryzen 9 7900|[0-9]{4,5}[A-Z]{0,2})")
+
+
+def rig_of(r: dict) -> str:
+    """The machine a row ran on: its CPU model number (two rows of one rig name it differently)."""
+    m = RIG_RE.search(r["host_cpu"])
+    return m.group(1) if m else r["host_cpu"]
 
 
 def leave_one_host_out(ms: list[dict], per_core: float) -> None:
-    """The host MBU fitted on every in-scope row (either tool) and, for each host, on the other hosts' rows alone,
-    that fit predicting the host left out: how far one cross-platform MBU carries to a host it never saw."""
-    def best(rows):
-        return min((u / 100 for u in range(30, 81)),
-                   key=lambda u: sum(math.log(predicted(m, u, per_core) / m["published"]) ** 2 for m in rows))
+    """The host MBU and per-core rate fitted on every in-scope row (either tool) and, for each machine, on the other
+    machines' rows alone, that fit predicting the machine left out: how far one cross-platform pair carries to a host
+    it never saw."""
+    grid = [(u / 100, c * 1e9) for u in range(30, 81) for c in range(15, 49)]
 
-    hosts = sorted({m["row"]["host_cpu"] for m in ms})
-    print(f"host MBU on all {len(ms)} in-scope rows ({len(hosts)} hosts): {best(ms):.2f}; each host left out in turn:")
+    def best(rows):
+        return min(grid, key=lambda g: sum(math.log(predicted(m, *g) / m["published"]) ** 2 for m in rows))
+
+    rigs = sorted({rig_of(m["row"]) for m in ms})
+    mbu, core = best(ms)
+    print(f"host MBU and per-core rate on all {len(ms)} in-scope rows ({len(rigs)} machines): {mbu:.2f}, "
+          f"{core / 1e9:.0f} GFLOP/s; each machine left out in turn, both refitted on the others:")
     out = []
-    for h in hosts:
-        mbu = best([m for m in ms if m["row"]["host_cpu"] != h])
-        rs = [predicted(m, mbu, per_core) / m["published"] for m in ms if m["row"]["host_cpu"] == h]
+    for rig in rigs:
+        mbu, core = best([m for m in ms if rig_of(m["row"]) != rig])
+        rs = [predicted(m, mbu, core) / m["published"] for m in ms if rig_of(m["row"]) == rig]
         out += rs
-        print(f"  {h[:40]:<40} the others' MBU {mbu:.2f}: predicted/published " + ", ".join(f"{r:.2f}" for r in rs))
+        print(f"  {rig:<14} the others' MBU {mbu:.2f}, {core / 1e9:.0f} GFLOP/s a core: predicted/published "
+              + ", ".join(f"{r:.2f}" for r in rs))
     print(summary("  left out", out))
+
+
+def numa_share() -> None:
+    """NUMA_SHARE from ik_llama.cpp discussion 396 (a Xeon 8480+ and an RTX 3090 decoding Llama-4-Maverick UD-IQ4_XS,
+    every routed expert in RAM): ~40 tok/s on one socket, ~27 on two (--numa distribute).  The host's share of a
+    step is what is left after the GPU part g localinfer predicts for that plan (a Maverick skeleton, Scout's preset
+    with 128 experts on every other layer, its q4_k_m bytes scaled to IQ4_XS's 4.25 bits): (1/40 - g)/(1/27 - g)."""
+    import gguf_tools.presets as presets
+    from localinfer.devices.hosts import NUMA_SHARE, get_host
+    from localinfer.devices.profiles import get_device
+
+    spec = {**presets._LLAMA4_SCOUT, "name": "Llama-4-Maverick-17B-128E", "n_expert": 128, "moe_every": 2,
+            "type": "q4_k_m"}
+    with tempfile.TemporaryDirectory() as tmp:
+        mav = ModelSpec.from_gguf(str(write_skeleton(spec, Path(tmp) / "maverick.gguf")))
+    sp = plan_speed(mav, get_device("rtx-3090"), get_host("ddr5-5600-2ch"),
+                    FitRequest(n_ctx=4096, override_tensor=(("exps", "CPU"),)))
+    g = sp["gpu_s"] * 4.25 / 4.85          # q4_k_m ~4.85 bits a weight, IQ4_XS 4.25
+    share = (1 / 40 - g) / (1 / 27 - g)
+    print(f"NUMA share (ik_llama.cpp discussion 396): GPU part g = {g * 1e3:.1f} ms of a step; host share "
+          f"(1/40 - g)/(1/27 - g) = {share:.3f} (NUMA_SHARE = {NUMA_SHARE}; the tok/s ratio alone would say "
+          f"{27 / 40:.3f})")
 
 
 def main(argv=None) -> int:

@@ -18,9 +18,9 @@ is fitted on published expert-offload runs (``benchmarks/offload_published.py --
 
 On a host of several sockets (``sockets = 2``; ``bandwidth`` is all of them) llama.cpp's threads span the NUMA
 nodes while each page of weights sits in one node's memory, so half the reads cross the socket link: a decode reads
-at :data:`NUMA_SHARE` of ONE socket's rate, not at the sum (measured on a Xeon Platinum 8480+ that went from about
-40 to 27 tok/s when a second socket and its eight DIMMs were added, ``--numa distribute``, and back to 40 bound to
-one node: :data:`NUMA_SOURCE`).  Bind llama.cpp to one node (``numactl --cpunodebind=0 --membind=0``) to get one
+at :data:`NUMA_SHARE` of ONE socket's rate, not at the sum (a Xeon Platinum 8480+ went from about 40 to 27 tok/s
+when a second socket and its eight DIMMs were added, ``--numa distribute``, and back to 40 bound to one node; its
+host part, the GPU's taken out, read at 0.53 of one socket's rate: :data:`NUMA_SOURCE`).  Bind llama.cpp to one node (``numactl --cpunodebind=0 --membind=0``) to get one
 socket's rate; ``sockets = 1`` describes that run.
 """
 
@@ -40,12 +40,13 @@ LOCAL_BANDWIDTH = 40e9      # bytes/s: below a DDR4-3200 dual-channel desktop's 
 LOCAL_RESERVE = "10%"
 # the share of a host's theoretical RAM bandwidth llama.cpp's CPU expert kernels read at, where a host profile has no
 # measurement of its own: fitted (benchmarks/offload_published.py --fit) on 12 published expert-offload decode runs
-# over 6 hosts (Ryzen desktops, Threadrippers, an EPYC, a two-socket Xeon at NUMA_SHARE); each host left out in turn
-# is predicted within 25% by the others' fit (0.44-0.50) on 11 of its 12 runs
-FALLBACK_MBU = 0.48
-MBU_SOURCE = ("fitted: llama.cpp's CPU kernels read host RAM at about 48% of theoretical bandwidth across 12 published "
-              "expert-offload runs on 6 hosts; leaving each host out, the others' fit (0.44-0.50) predicts 11 of 12 "
-              "runs within 25% (benchmarks/offload_published.py --fit, benchmarks/results/offload_published.txt)")
+# on 5 machines (Ryzen desktops, a Threadripper, an EPYC, a two-socket Xeon at NUMA_SHARE); each machine left out in
+# turn is predicted within 25% by the others' fit (MBU 0.48-0.53) on 11 of the 12 runs
+FALLBACK_MBU = 0.5
+MBU_SOURCE = ("fitted: llama.cpp's CPU kernels read host RAM at about 50% of theoretical bandwidth across 12 published "
+              "expert-offload runs on 5 machines; leaving each machine out, the others' fit (0.48-0.53) predicts 11 "
+              "of the 12 runs within 25% (benchmarks/offload_published.py --fit, "
+              "benchmarks/results/offload_published.txt)")
 FALLBACK_EFFICIENCY = 0.5   # of fp32_flops, for the host's share of a prefill (batched: GEMM-like)
 # FLOP/s one core's llama.cpp CPU kernels reach on the routed experts' matrix-vector products at batch 1 (quantized
 # weights dequantised in the dot product).  Fitted (benchmarks/offload_published.py --fit) on published expert-offload
@@ -53,10 +54,12 @@ FALLBACK_EFFICIENCY = 0.5   # of fp32_flops, for the host's share of a prefill (
 # threads, Zen 5) with DeepSeek-V3 UD-Q4_K_XL each give 29e9 on their own.
 DECODE_FLOPS_PER_CORE = 29e9
 # a decode on S > 1 sockets, threads and pages spread over the nodes, reads at this share of one socket's bandwidth
-NUMA_SHARE = 0.675
-NUMA_SOURCE = ("measured: one Xeon Platinum 8480+ with an RTX 3090 decoded Llama-4-Maverick at ~40 tok/s, two sockets "
-               "(16 DIMMs) with --numa distribute at ~27 (27/40 = 0.675 of one socket), bound to one node "
-               "(numactl --membind=0) at 40 again; https://github.com/ikawrakow/ik_llama.cpp/discussions/396")
+NUMA_SHARE = 0.53
+NUMA_SOURCE = ("measured: one Xeon Platinum 8480+ with an RTX 3090 decoded Llama-4-Maverick UD-IQ4_XS, every routed "
+               "expert in RAM, at ~40 tok/s; two sockets (16 DIMMs) with --numa distribute at ~27; bound to one node "
+               "(numactl --membind=0) at 40 again (https://github.com/ikawrakow/ik_llama.cpp/discussions/396).  Less "
+               "the GPU part of a step localinfer predicts for that plan (11.5 ms), the host's share reads at "
+               "(1/40 - g)/(1/27 - g) = 0.53 of one socket's rate (benchmarks/offload_published.py --fit prints it)")
 DECODE_FLOPS_SOURCE = ("fitted: llama.cpp's CPU expert kernels at batch 1 reach about 29 GFLOP/s a core "
                        "(benchmarks/offload_published.py --fit: a Threadripper PRO 7965WX with DeepSeek-R1 UD-Q2_K_XL "
                        "and an EPYC 9355 with DeepSeek-V3 UD-Q4_K_XL give 29 each; "
@@ -114,6 +117,8 @@ class HostProfile:
             return DECODE_FLOPS_SOURCE
         if key == "sockets" and self.sockets > 1 and key not in self.sources:
             return NUMA_SOURCE
+        if key == "decode_mbu" and key not in self.sources and self.decode_mbu == FALLBACK_MBU:
+            return MBU_SOURCE
         return self.sources.get(key, "")
 
     def to_dict(self) -> dict:
