@@ -1,5 +1,6 @@
-"""One sequence's decode step three ways, in one run: llama-server's own per-token time, localinfer's executor step,
-and the bare ``llama_decode`` under it (issue 45: where a c=1 closed loop's milliseconds go).
+"""A decode step (one sequence, or ``--rows N`` together) three ways, in one run: llama-server's own per-token
+time, localinfer's executor step, and the bare ``llama_decode`` under it (issue 45: where a closed loop's
+milliseconds go).
 
     python benchmarks/decode_step_peers.py [--rounds 2] [--rows N] [--llama-server PATH]
 

@@ -49,6 +49,7 @@ CASES = (
     ("2 devices: a user -ts that fits as it is", "qwen3-14b", "q4_k_m", (6144, 8192), 4096, 1, (3, 4)),
     ("2 devices: a user -ts over a device", "qwen3-14b", "q4_k_m", (4096, 6144), 4096, 1, (1, 1)),
     ("2 devices: a user -ts, automatic context", "llama-3.1-8b", "q4_k_m", (6144, 8192), None, 1, (1, 1)),
+    ("2 devices: a fractional user -ts that fits", "qwen3-14b", "q4_k_m", (6144, 8192), 4096, 1, (0.4, 0.6)),
 )
 
 
@@ -81,11 +82,13 @@ def line_flags(line: str) -> tuple[int, int, tuple[int, ...], tuple[tuple[str, s
     return c, ngl, ts, ot
 
 
-def fit_print(tool: str, model: str, eps, line: str, n_seq: int = 1) -> dict[str, tuple[int, int, int]]:
-    """The tool's ``--fit-print`` of the flags of ``line``: MiB of model, context, compute per device and the host."""
+def fit_print(tool: str, model: str, eps, line: str, n_seq: int = 1, user_ts=()) -> dict[str, tuple[int, int, int]]:
+    """The tool's ``--fit-print`` of the flags of ``line`` (``user_ts``: the user's -ts, which the line prints cast to
+    integers): MiB of model, context, compute per device and the host."""
     from benchmarks.moe_fit_params_rpc import fit_print_rows
 
     c, ngl, ts, ot = line_flags(line)
+    ts = tuple(user_ts) or ts
     extra = ["-ngl", str(ngl)] + (["-ts", ",".join(map(str, ts))] if ts else []) + \
         (["-ot", ",".join(f"{p}={b}" for p, b in ot)] if ot else [])
     proc = subprocess.run([tool, *tool_args(model, eps, c, n_seq), *extra, "--fit-print", "on"], capture_output=True,
@@ -128,7 +131,7 @@ def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1, ts=(
         port = fit_cpp_split(spec, devs, req, ctx_auto=not ctx, n_ctx_min=FULL_CTX if ctx == 0 else N_CTX_MIN,
                              cpu_features=feats, shares=ts or None)
         mine_line = port.line() if port else "(gives up)"
-        printed = fit_print(tool, path, eps, real, n_seq) if proc.returncode == 0 else {}
+        printed = fit_print(tool, path, eps, real, n_seq, ts) if proc.returncode == 0 else {}
     finally:
         for p, _ in started:
             stop(p)
@@ -143,7 +146,8 @@ def check_case(tool: str, path: str, label: str, mems, ctx, n_seq: int = 1, ts=(
     same = mine_line == real
     agree = True
     if printed:
-        c, ngl, ts, ot = line_flags(real)
+        c, ngl, line_ts, ot = line_flags(real)
+        ts = tuple(ts) or line_ts              # a user's -ts as given (the line casts it to integers)
         r = replace(ctx_request(FitRequest(n_seq=n_seq), c), n_gpu_layers=ngl, override_tensor=tuple(
             (p, b) for p, b in ot if parse_override(p) is None or parse_override(p)[0] < spec.n_layers))
         ours = on_workers(r, ts or None)
@@ -187,7 +191,8 @@ def main(argv=None) -> int:
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, no GPU; "
              f"tool: {args.tool}; header-only skeleton GGUFs ({time.strftime('%Y-%m-%d', time.gmtime())})",
              "# command: python -m benchmarks.fit_params_devices TOOL --out benchmarks/results/fit_params_devices.txt",
-             "# tool flags: -m MODEL --rpc EP1[,EP2,...] [-c N] [-np N] -fitt 1024 (llama.cpp's defaults otherwise); "
+             "# tool flags: -m MODEL --rpc EP1[,EP2,...] [-c N] [-np N] [-ts A,B] -fitt 1024 (llama.cpp's defaults "
+             "otherwise); "
              "target = free - 1024 MiB per device; EPn: the n-th worker's loopback endpoint",
              "# no -c: llama.cpp's automatic context, which fit.cpp's step 2 may lower (to -fitc 4096 at least); "
              "an explicit -c 0 sets -fitc to UINT32_MAX: the full context, no lowering",

@@ -3,7 +3,10 @@
 Starts ``localinfer serve`` and llama-server (the same commands as serve_peers.py), drives each in turn with a
 closed loop (serve_load.py), and reads every thread's user+system CPU time from ``/proc/PID/task/*/stat``
 before and after: the CPU milliseconds each thread (named by its comm) spent per token generated, the wall time
-per token, and the sum of all threads per token.  On a machine with as many cores as llama.cpp threads, every
+per token (from the load's start to its end, the load generator's own start-up included), and the sum of the threads
+alive at the end (one that exits during the load is not counted).  Python's threads are all named ``python3``:
+which is the engine thread, llama.cpp's OpenMP worker, the asyncio loop (the process's first thread, ``main``) or the
+relay is read from their shares, not from a name.  On a machine with as many cores as llama.cpp threads, every
 millisecond another thread runs is taken from a core a graph's thread computes on.
 
     python3 benchmarks/serve_threads.py --llama-server PATH [--concurrency 1] [--requests 8] [--rounds 2]

@@ -62,7 +62,7 @@ class FitCpp:
     device_bytes: int                      # one device: its bytes; several: their sum
     steps: tuple[str, ...] = ()            # what it tried, for the reasons printed
     n_ctx: int = 0                         # -c as the tool prints it (llama.cpp's total context)
-    tensor_split: tuple[int, ...] = ()     # -ts: layers per device (several devices only)
+    tensor_split: tuple = ()               # -ts: layers per device (several devices only), or the user's shares
     used: tuple[int, ...] = ()             # bytes of each device
     ctx_reduced: bool = False              # step 2 lowered the context
 
@@ -73,11 +73,11 @@ class FitCpp:
     def line(self) -> str:
         """The tool's answer line (``-c N -ngl N [-ts A,B] [-ot "P=B,..."]``)."""
         ts = list(self.tensor_split)
-        while len(ts) > 1 and ts[-1] == 0:
+        while len(ts) > 1 and ts[-1] == 0:     # trailing devices without a share, as the tool trims them
             ts.pop()
         out = f"-c {self.n_ctx} -ngl {self.n_gpu_layers}"
-        if len(ts) > 1:
-            out += " -ts " + ",".join(map(str, ts))
+        if len(ts) > 1:                        # each share cast to an unsigned integer, as the tool prints it
+            out += " -ts " + ",".join(str(int(x)) for x in ts)
         if self.overrides:
             out += ' -ot "' + ",".join(f"{p}={b}" for p, b in self.overrides) + '"'
         return out
@@ -140,7 +140,7 @@ def fit_cpp_devices(spec, req: FitRequest, measure: Measure, targets: Sequence[i
     base = ctx_request(req, total) if ctx_auto else req
 
     def as_is(reduced: bool) -> FitCpp:
-        ts = tuple(int(x) for x in user_split) if nd > 1 else ()
+        ts = tuple(user_split) if nd > 1 else ()     # the user's shares as given; line() prints them cast
         return FitCpp(base, base.n_gpu_layers, base.override_tensor, n, 0, None, sum(used) if nd > 1 else used[0],
                       tuple(steps), total, ts, tuple(used), reduced)
 

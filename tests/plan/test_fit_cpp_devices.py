@@ -55,6 +55,9 @@ CASES = {
                                         "-c 4096 -ngl -1 -ts 3,4"),
     "2 devices, a user -ts over a device": (("qwen3-14b", "q4_k_m", (4096, 6144), 4096, 1, (1, 1)), None),
     "2 devices, a user -ts, ctx auto": (("llama-3.1-8b", "q4_k_m", (6144, 8192), None, 1, (1, 1)), None),
+    # the tool prints each share cast to an unsigned integer
+    "2 devices, a fractional user -ts": (("qwen3-14b", "q4_k_m", (6144, 8192), 4096, 1, (0.4, 0.6)),
+                                         "-c 4096 -ngl -1 -ts 0,0"),
 }
 
 
