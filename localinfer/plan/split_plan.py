@@ -182,8 +182,9 @@ class Placement:
             out.append("  it puts weights in host RAM and no host profile times them: the default split is planned")
         elif self.in_host_ram:
             copied = " (from 32 tokens a call, copied over the GPU's link)" if self.link else ""
+            union = ", a batch's tokens reading the union of their experts" if p.touched_on_host else ""
             out.append(f"  planned on it: the weights it keeps in host RAM are timed on {self.host.name}'s RAM and "
-                       f"cores, a batch's tokens reading the union of their experts{copied}")
+                       f"cores{union}{copied}")
         out.append("llama.cpp --fit: " + ("gives up" if r is None else
                                           self.describe(r) + ("" if r.fits else ", does not fit")))
         return out
