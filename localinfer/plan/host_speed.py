@@ -14,10 +14,11 @@ kernels dequantise each weight in the dot product, so a host with few cores for 
 bound by its cores).  With nothing on the host this is the all-GPU figure exactly.  The device part
 carries the kernel model's fixed times; no extra time is added for the device↔host hop per layer.
 
-Prefill, one prompt of ``n_ctx`` tokens in micro-batches of ``-ub``: for ``-ub ≥ 32`` llama.cpp's CUDA
-and Metal backends copy host weights to the device and compute there (the ``offload_op`` rule,
-docs/memory.md "MoE experts in host memory"), so the all-GPU prefill plus ``⌈n_ctx/ub⌉ · W_host / link``;
-below 32 the host computes its share ``F_host`` at its own rate.
+Prefill, one prompt of ``n_ctx`` tokens in micro-batches of ``-ub``: for micro-batches of 32 tokens or more
+llama.cpp's CUDA and Metal backends copy host weights to the device and compute there (the ``offload_op`` rule,
+docs/memory.md "MoE experts in host memory"; the scheduler copies only the experts the micro-batch routes to, all of
+them for a micro-batch of hundreds of tokens), so the all-GPU prefill plus ``⌈n_ctx/ub⌉ · W_host / link``;
+below 32 the host computes its share ``F_host`` at its own rate.  :class:`HostWork` is the one home of these terms.
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def _split_prefill(all_gpu_s: float, cost, work: HostWork, req) -> tuple[float, 
     return all_gpu_s * (1 - share) + extra, "the host computes its share (micro-batch below 32)"
 
 
+def _work(spec, cost, host, req, host_names: frozenset[str], kv: str, link: float | None) -> "HostWork":
+    """The host's tensors of a one-GPU plan: their KV a ``kv`` cache of ``req.n_ctx`` tokens in the host layers."""
+    layers = host_terms(spec, host_names)[3]
+    kv_host = cost.kv_read_bytes(req.n_ctx, kv) * layers // max(spec.n_layers, 1)
+    return HostWork(spec, host_names, host, kv_host / max(req.n_ctx, 1), link)
+
+
 def _bound(gpu_s: float, host_s: float, host_mem: float, host_comp: float, gpu_bound: str) -> str:
     """What a split's decode step waits on: the host's memory or compute, else the device's ``gpu_bound``."""
     if host_s >= gpu_s:
@@ -92,23 +100,21 @@ def split_speed(spec, device, host, req, host_names: frozenset[str]) -> dict | N
     kv = req.type_k if req.type_k == req.type_v else "f16"
     step = model.decode_step(1, req.n_ctx, kv)
     pre = model.prefill(1, req.n_ctx)
-    w_read, w_flops, held, host_layers = host_terms(spec, host_names)
-    kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
-    d_host = w_read + kv_host
+    work = _work(spec, cost, host, req, host_names, kv, device.link_bytes_per_s)
+    w_flops, held = work.flops, work.held
+    d_host = work.read_bytes(1, req.n_ctx)
     gpu_mem = (step.bytes - d_host) / model.effective_bandwidth(1)
     gpu_comp = step.compute_s * (1 - w_flops / step.flops) if step.flops else 0.0
-    host_mem = d_host / host.effective_bandwidth
-    host_comp = w_flops / host.decode_flops if host.decode_flops else 0.0
-    gpu_s, host_s = max(gpu_mem, gpu_comp), max(host_mem, host_comp)
+    host_s, host_mem, host_comp = work.decode(1, req.n_ctx)
+    gpu_s = max(gpu_mem, gpu_comp)
     decode_s = gpu_s + host_s
-    prefill_s, how = _split_prefill(pre.seconds, cost, HostWork(spec, host_names, host, 0.0, device.link_bytes_per_s),
-                                    req)
+    prefill_s, how = _split_prefill(pre.seconds, cost, work, req)
     if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
             "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
             "decode_bound": _bound(gpu_s, host_s, host_mem, host_comp, "compute" if gpu_comp > gpu_mem else "memory"),
-            "gpu_s": gpu_s, "host_s": host_s, "host_read_bytes": d_host, "host_flops": w_flops,
+            "gpu_s": gpu_s, "host_s": host_s, "host_read_bytes": round(d_host), "host_flops": w_flops,
             "host_weight_bytes": held,
             "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s, "prefill_rule": how,
             "formula": FORMULA}
@@ -134,25 +140,24 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
 
     cost, device = ks.cost, ks.device
     kv = req.type_k if req.type_k == req.type_v else "f16"
-    w_read, w_flops, held, host_layers = host_terms(spec, host_names)
-    kv_host = cost.kv_read_bytes(req.n_ctx, kv) * host_layers // max(spec.n_layers, 1)
+    work = _work(spec, cost, host, req, host_names, kv, device.link_bytes_per_s)
+    w_flops, held = work.flops, work.held
+    kv_host = work.kv_bytes(req.n_ctx)
     step = ks.decode(1, req.n_ctx, kv)
     # the host layers' KV is read on the host: out of the device's memory term (not out of its fixed or compute time)
     gpu_s = step.fixed_s + max(step.memory_s - kv_host / (device.bandwidth_bytes_per_s * ks.kv_share(kv)),
                                step.compute_s)
-    host_mem = (w_read + kv_host) / host.effective_bandwidth
-    host_comp = w_flops / host.decode_flops if host.decode_flops else 0.0
-    host_s = max(host_mem, host_comp)
+    host_s, host_mem, host_comp = work.decode(1, req.n_ctx)
     decode_s = gpu_s + host_s
     pre = ks.prefill(1, req.n_ctx)
-    prefill_s, how = _split_prefill(pre.seconds, cost, HostWork(spec, host_names, host, 0.0, device.link_bytes_per_s),
-                                    req)
+    prefill_s, how = _split_prefill(pre.seconds, cost, work, req)
     if not decode_s or math.isnan(decode_s) or math.isnan(prefill_s):
         return None
     return {"context": req.n_ctx, "prefill_tok_s": req.n_ctx / prefill_s, "ttft_s": prefill_s,
             "decode_tok_s": 1.0 / decode_s, "decode_step_s": decode_s,
             "decode_bound": _bound(gpu_s, host_s, host_mem, host_comp, "memory"),
-            "gpu_s": gpu_s, "host_s": host_s, "decode_fixed_s": step.fixed_s, "host_read_bytes": w_read + kv_host,
+            "gpu_s": gpu_s, "host_s": host_s, "decode_fixed_s": step.fixed_s,
+            "host_read_bytes": round(work.read_bytes(1, req.n_ctx)),
             "host_flops": w_flops,
             "host_weight_bytes": held, "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s,
             "prefill_rule": how, **speed_band(ks), "formula": KERNEL_FORMULA}
