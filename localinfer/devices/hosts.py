@@ -20,8 +20,8 @@ On a host of several sockets (``sockets = 2``; ``bandwidth`` is all of them) lla
 nodes while each page of weights sits in one node's memory, so half the reads cross the socket link: a decode reads
 at :data:`NUMA_SHARE` of ONE socket's rate, not at the sum (a Xeon Platinum 8480+ went from about 40 to 27 tok/s
 when a second socket and its eight DIMMs were added, ``--numa distribute``, and back to 40 bound to one node; its
-host part, the GPU's taken out, read at 0.53 of one socket's rate: :data:`NUMA_SOURCE`).  Bind llama.cpp to one node (``numactl --cpunodebind=0 --membind=0``) to get one
-socket's rate; ``sockets = 1`` describes that run.
+host part, the GPU's taken out, read at 0.53 of one socket's rate: :data:`NUMA_SOURCE`).  Bind llama.cpp to one
+node (``numactl --cpunodebind=0 --membind=0``) to get one socket's rate; ``sockets = 1`` describes that run.
 """
 
 from __future__ import annotations

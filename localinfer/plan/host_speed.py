@@ -74,9 +74,10 @@ def _split_prefill(all_gpu_s: float, cost, work: HostWork, req) -> tuple[float, 
 
 def _work(spec, cost, host, req, host_names: frozenset[str], kv: str, link: float | None) -> "HostWork":
     """The host's tensors of a one-GPU plan: their KV a ``kv`` cache of ``req.n_ctx`` tokens in the host layers."""
-    layers = host_terms(spec, host_names)[3]
-    kv_host = cost.kv_read_bytes(req.n_ctx, kv) * layers // max(spec.n_layers, 1)
-    return HostWork(spec, host_names, host, kv_host / max(req.n_ctx, 1), link)
+    work = HostWork(spec, host_names, host, 0.0, link)
+    kv_host = cost.kv_read_bytes(req.n_ctx, kv) * work.layers // max(spec.n_layers, 1)
+    work.kv_per_token = kv_host / max(req.n_ctx, 1)
+    return work
 
 
 def _bound(gpu_s: float, host_s: float, host_mem: float, host_comp: float, gpu_bound: str) -> str:
@@ -161,7 +162,6 @@ def _kernel_split(spec, ks, host, req, host_names: frozenset[str]) -> dict | Non
             "host_flops": w_flops,
             "host_weight_bytes": held, "host": host.name, "host_bandwidth_bytes_per_s": host.bandwidth_bytes_per_s,
             "prefill_rule": how, **speed_band(ks), "formula": KERNEL_FORMULA}
-
 
 
 class HostWork:

@@ -157,7 +157,8 @@ class SplitPlan:
                 "override_tensor": [list(p) for p in self.request.override_tensor],
                 "tensor_split": None if self.shares is None else list(self.shares),
                 "split": self.breakdown.to_dict(), "host_total": self.breakdown.host_total,
-                "experts_on_host": self.experts_on_host, "touched_on_host": self.touched_on_host, "fits_devices": self.fits_devices,
+                "experts_on_host": self.experts_on_host, "touched_on_host": self.touched_on_host,
+                "fits_devices": self.fits_devices,
                 "host_usable": self.host_usable, "host_need": self.host_need, "fits_host": self.fits_host,
                 "fits": self.fits,
                 "speed": None if self.speed is None else self.speed.to_dict(), "steps": list(self.steps),
@@ -166,14 +167,16 @@ class SplitPlan:
                 "alternatives": [a.to_dict() for a in self.alternatives]}
 
 
-def measure(spec, env: SplitEnv, req: FitRequest, shares, by: str, **kw) -> SplitPlan:
-    """``req`` split by ``shares`` over ``env``'s devices, judged and timed."""
-    sb = memory_model(req.backend).split(spec, env.devices, req, shares, cpu_features=env.cpu_features)
+def measure(spec, env: SplitEnv, req: FitRequest, shares, by: str, *, sb=None, speed=None, **kw) -> SplitPlan:
+    """``req`` split by ``shares`` over ``env``'s devices, judged and timed (``sb``, ``speed``: that breakdown and
+    its speed where the caller has them already, as fit_split made them over ``env``)."""
+    if sb is None:
+        sb = memory_model(req.backend).split(spec, env.devices, req, shares, cpu_features=env.cpu_features)
+        speed = split_speed(spec, sb, req, env.profiles or None, env.link, env.remote or None, host=env.host)
     host = sb.host_total
     if sb.host_tensors and env.host is not None and env.host.unified:   # this machine's devices share its memory
         host += sum(d.total for d, dev in zip(sb.devices, env.devices) if not dev.remote)
     fits_host = env.host_usable is None or host <= env.host_usable
-    speed = split_speed(spec, sb, req, env.profiles or None, env.link, env.remote or None, host=env.host)
     exps: dict[int, list[bool]] = {}
     for t in spec.tensors:
         if t.name.startswith("blk.") and "_exps." in t.name:
@@ -265,7 +268,7 @@ def split_plan(spec, env: SplitEnv, req: FitRequest, sf, *, shares=None, objecti
     Either None: nothing fits / fit.cpp gives up."""
     check_objective(objective)
     ref = llamacpp_split_fit(spec, env, req, shares=shares)
-    cands = [measure(spec, env, req, shares, "localinfer", what=AS_ASKED)]
+    cands = [measure(spec, env, req, shares, "localinfer", sb=sf.breakdown, speed=sf.speed, what=AS_ASKED)]
     if sf.suggestion is not None:
         cands.append(measure(spec, env, req, sf.suggestion.counts(), "localinfer", what="the -ts that fits"))
     unified = env.host is not None and env.host.unified    # host RAM is this machine's device memory: no gain

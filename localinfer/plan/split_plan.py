@@ -6,12 +6,12 @@ steps visit the stages in turn: each stage takes its share of the weights
 adds the network (:func:`localinfer.plan.split.split_speed`'s terms for the
 step's tokens).  The KV budget is what the tightest device leaves: each
 device's room after its weights and compute buffer, divided by its share of
-the KV cache.  The split is the placement ``fit --devices`` recommends for one request of the workload's
+the KV cache.  The split is the placement ``fit --devices`` recommends for the workload's requests at its
 length (:func:`split_placement`).  Where it keeps weights in host RAM (``--n-cpu-moe``, ``-ot``, layers below
 ``-ngl``) the host is one more stage (:class:`~localinfer.plan.host_speed.HostWork`: a batch's tokens read the
-union of the experts they route to, or from 32 tokens on with a local GPU every host weight crosses its link),
-and the devices' stages lose the bytes and FLOPs the host does; without a host profile to time it, the default
-split is planned and the placement only shown.
+union of the experts they route to, or from 32 tokens a call with a local GPU the weights they use cross its
+link), and the devices' stages lose the bytes and FLOPs the host does; without a host profile to time it, the
+default split is planned and the placement only shown.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from localinfer.backends.memory import MAX_PARALLEL, FitRequest
+from localinfer.errors import UsageError
 from localinfer.model.cost import model_cost
 from localinfer.plan.host_speed import HostWork
 from localinfer.plan.speed import Estimate, SpeedModel, llamacpp_speed_model
-from localinfer.errors import UsageError
 from localinfer.plan.split import RPC_OVERHEAD_S, _token_traffic, fit_split, local_gpu_link
 from localinfer.units import ceil_div
 
@@ -131,7 +131,8 @@ def split_budget(spec, setup, n_ctx: int, shares=None, request: FitRequest | Non
 
 @dataclass(frozen=True)
 class Placement:
-    """``fit --devices``' plan for the workload's f16 requests, ``--fit``'s, and whether the planner plans on it (every weight on the devices, or some in host RAM where a host profile times them)."""
+    """``fit --devices``' plan for the workload's f16 requests, ``--fit``'s, and whether the planner plans on it
+    (every weight on the devices, or some in host RAM where a host profile times them)."""
 
     plan: object            # SplitPlan or None: none fits
     ref: object             # SplitPlan or None: --fit gives up
@@ -197,7 +198,8 @@ def split_placement(spec, setup, n_ctx: int, link=None, n_seq: int = 1) -> Place
 
     env, host_usable = split_env(setup, link)
     # llama.cpp holds at most MAX_PARALLEL sequences: a larger workload is placed for that many
-    _, plan, ref = plan_split(spec, env, FitRequest(n_ctx=n_ctx, n_seq=min(max(1, n_seq), MAX_PARALLEL)), host_usable)
+    req = FitRequest(n_ctx=n_ctx, n_seq=min(max(1, n_seq), MAX_PARALLEL))
+    _, plan, ref = plan_split(spec, env, req, host_usable)
     timed = env.host is not None and bool(env.host.bandwidth_bytes_per_s)
     used = plan is not None and (not plan.breakdown.host_tensors or timed)
     return Placement(plan, ref, used, env.host if timed else None, local_gpu_link(setup.profiles, setup.remote))

@@ -32,7 +32,6 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.errors import LocalinferError
-from localinfer.util.hostmem import host_cache_budget
 
 COMPACT_AFTER = 16      # steps of >= 2 sequences since the last compaction (each adds one run to every sequence)
 COMPACT_SHARE = 0.10    # the most of the decode time since the last compaction that one compaction may cost
@@ -58,13 +57,13 @@ class CompactPolicy:
         self.interleaved += n_seqs >= 2
         self.decode_since += seconds
 
-    def due(self, live_bytes: Callable[[], int]) -> bool:
+    def due(self, live_bytes: Callable[[], int], budget: Callable[[], int]) -> bool:
         """Whether to compact now, the live sequences holding ``live_bytes()`` of KV (held in host memory meanwhile:
-        no more than the host-cache budget, util/hostmem.py); the cheap conditions first, on every step."""
+        no more than ``budget()``, the executor's host-cache budget); the cheap conditions first, on every step."""
         if not (self.able and self.auto and self.freed and self.interleaved >= COMPACT_AFTER):
             return False
         n = live_bytes()
-        return n / self.rate <= COMPACT_SHARE * self.decode_since and n <= host_cache_budget()
+        return n / self.rate <= COMPACT_SHARE * self.decode_since and n <= budget()
 
     def done(self, seconds: float, moved: int) -> None:
         self.interleaved, self.freed, self.decode_since = 0, False, 0.0

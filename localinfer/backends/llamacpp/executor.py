@@ -152,7 +152,8 @@ class LlamaCppExecutor(ExecutorBase):
                 if c.logits and c.n_logits > 1:
                     self._verify[c.slot] = (self.snapshot(c.slot), c.tokens)
         live = lambda: sum(n for s, n in enumerate(self._len) if s not in self._host) * self._cell_bytes  # noqa: E731
-        if not self._interrupt_asked and self.compaction.due(live):
+        # a shared or lost slot blocks compact(): not asked, so a blocked compaction costs a step nothing
+        if not (self._interrupt_asked or self._shared or self._lost) and self.compaction.due(live, self._budget):
             self.compact()
         with self._flight:
             self._stepping = True
