@@ -224,7 +224,8 @@ def _own(spec, env: SplitEnv, req: FitRequest) -> list[SplitPlan]:
         return None if sb is None else sb.counts()
 
     out = []
-    moe = bool(moe_layers(spec))
+    moe_at = set(moe_layers(spec))     # one scan of the tensors
+    moe = bool(moe_at)
     if moe:
         base = replace(req, n_gpu_layers=-1, override_tensor=(), cpu_moe=False)
         hit = _search(lambda k: split_of(replace(base, n_cpu_moe=k)), 0, n, smallest=True)
@@ -234,7 +235,7 @@ def _own(spec, env: SplitEnv, req: FitRequest) -> list[SplitPlan]:
             out.append(measure(spec, env, r, counts, "localinfer",
                                what="the fewest layers' experts in RAM (--n-cpu-moe) whose -ts fits" if k else
                                     "every expert on the devices with the -ts that fits"))
-            if k > 0 and (k - 1) in moe_layers(spec):
+            if k > 0 and (k - 1) in moe_at:
                 for part, pattern in OWN_PARTIAL.items():   # part of one more layer's experts back on a device
                     p = replace(r, n_cpu_moe=k - 1, override_tensor=((f"blk\\.{k - 1}{pattern}", "CPU"),))
                     counts = split_of(p)

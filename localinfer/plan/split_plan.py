@@ -184,8 +184,10 @@ class Placement:
         elif self.in_host_ram:
             copied = " (from 32 tokens a call, copied over the GPU's link)" if self.link else ""
             union = ", a batch's tokens reading the union of their experts" if p.touched_on_host else ""
-            out.append(f"  planned on it: the weights it keeps in host RAM are timed on {self.host.name}'s RAM and "
-                       f"cores{union}{copied}")
+            cores = ("RAM and cores" if self.host.decode_flops or self.host.effective_flops else
+                     "RAM (its profile gives no CPU cores or FLOP/s: a prompt's host share has no speed)")
+            out.append(f"  planned on it: the weights it keeps in host RAM are timed on {self.host.name}'s "
+                       f"{cores}{union}{copied}")
         out.append("llama.cpp --fit: " + ("gives up" if r is None else
                                           self.describe(r) + ("" if r.fits else ", does not fit")))
         return out

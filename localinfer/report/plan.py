@@ -11,6 +11,17 @@ def _s(x: float) -> str:
     return "—" if not math.isfinite(x) else f"{x:.2f} s"
 
 
+def _unknown(speed) -> str | None:
+    """Why a --split plan has no speed where its host cannot compute (a unified-memory profile: bandwidth, no CPU
+    cores or FLOP/s); None elsewhere (a device without a measurement: ``bench --json`` says)."""
+    work = getattr(speed, "host", None)          # plan/split_plan.SplitSpeedModel's host stage (HostWork)
+    if work is None or work.rate(1) or work.rate(512):
+        return None
+    return (f"speed unknown: fit --devices' plan keeps weights in the RAM of {safe_text(work.host.name, 200)}, whose "
+            "profile gives no CPU cores or FLOP/s to compute a prompt's share with (`bench --json` does not time a "
+            "--split); put a device whose host has cores first in --split (localinfer devices lists them)")
+
+
 def render_text(spec, speed, p) -> str:
     """The plan as an aligned table, the choice, and why each other configuration lost."""
     from localinfer.plan.planner import UNKNOWN
@@ -40,9 +51,10 @@ def render_text(spec, speed, p) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     lines.append("")
+    unknown = _unknown(speed)
     if p.best is None and any(o.verdict == UNKNOWN for o in p.outcomes):
-        lines.append(f"speed unknown on {safe_text(dev.name, 200)}: measure it with `localinfer bench --json FILE` "
-                     "and pass --bench FILE")
+        lines.append(unknown or f"speed unknown on {safe_text(dev.name, 200)}: measure it with "
+                                "`localinfer bench --json FILE` and pass --bench FILE")
     elif p.best is None:
         lines.append("nothing is feasible: relax the deadline, shorten the output, add memory, "
                      "or draft from the context (no device memory)")
@@ -52,7 +64,9 @@ def render_text(spec, speed, p) -> str:
         lines.append(f"best: {b.name} ({b.config.label}): {b.verdict} in {b.total_s:.2f} s; "
                      f"{b.gpu_s_per_good:.3f} GPU·s{joules} per good result")
     lines.append("why not the others:" if p.best else "why each one fails:")
-    lines += [f"  {name}: {why}" for name, why in p.reasons.items()]
+    verdict = {o.name: o.verdict for o in p.outcomes}
+    lines += [f"  {name}: {'fits, speed unknown (above)' if unknown and verdict.get(name) == UNKNOWN else why}"
+              for name, why in p.reasons.items()]
     v = prefix_note(speed, w)
     if v is not None:
         lines += ["", v]

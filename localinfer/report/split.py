@@ -121,6 +121,11 @@ def _decode(p) -> str:
     return f"decode {p.speed.decode_tok_s:.1f} tok/s" if p.speed is not None else "decode: no speed"
 
 
+def _its_plan(p) -> str:
+    """--fit's plan (for -c as given, or left out): its bytes, decode, and what it is over if it does not fit."""
+    return f"  its plan: {_bytes(p)}; {_decode(p)}" + ("" if p.fits else "; does not fit: " + over(p))
+
+
 def render_fit_compare(plan, ref, auto=None, *, ctx_given: bool = True, no_ref: str = "--fit gives up") -> str:
     """llama.cpp ``--fit``'s choice over the split's devices beside localinfer's plan (plan.split_fit): flags,
     bytes per device as the load allocates them, predicted decode, and with ``-c`` left out (``auto``) --fit's
@@ -134,8 +139,7 @@ def render_fit_compare(plan, ref, auto=None, *, ctx_given: bool = True, no_ref: 
         out.append(f"llama.cpp --fit: {ref.flags()} (the request fits as it is: no change; localinfer's plan too)")
     else:
         out.append(f"llama.cpp --fit: {ref.flags()}")
-        out.append(f"  its plan: {_bytes(ref)}; {_decode(ref)}"
-                   + ("" if ref.fits else "; does not fit: " + over(ref)))
+        out.append(_its_plan(ref))
         if ref.steps:
             out.append("  its steps: " + "; ".join(ref.steps))
     if auto is not None and ref is not None and auto.flags() == ref.flags():
@@ -143,8 +147,7 @@ def render_fit_compare(plan, ref, auto=None, *, ctx_given: bool = True, no_ref: 
     elif auto is not None:
         out.append(f"llama.cpp --fit with -c left out (it starts from the train context and its step 2 may lower "
                    f"it): {auto.flags()}")
-        out.append(f"  its plan: {_bytes(auto)}; {_decode(auto)}"
-                   + ("" if auto.fits else "; does not fit: " + over(auto)))
+        out.append(_its_plan(auto))
     elif not ctx_given:
         out.append("llama.cpp --fit with -c left out: gives up here")
     if not ctx_given:

@@ -3,7 +3,6 @@ step (plan/host_speed.py HostWork), a batch's tokens read the union of the exper
 call the host weights cross the GPU's link instead, and the placement is fit --devices' for the workload's
 requests.  Header-only skeletons, offline profiles."""
 
-import json
 import math
 import subprocess
 import sys
@@ -17,24 +16,14 @@ from localinfer.generation.load import open_model
 from localinfer.plan.host_speed import OFFLOAD_MIN_BATCH, HostWork, host_terms
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return str(write_skeleton("qwen3-30b-a3b", tmp_path_factory.mktemp("split_host") / "q.gguf", type="q8_0"))
-
-
-def _json(capsys, *argv) -> dict:
-    assert main([*argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
 def _step_s(outcome: dict) -> float:
     return outcome["step_s"]
 
 
-def test_plan_split_plans_on_experts_in_ram_and_agrees_with_fit_at_one_request(moe, capsys):
-    fit = _json(capsys, "fit", moe, "--devices", "rtx-3090", "--ctx", "4096")["plan"]
+def test_plan_split_plans_on_experts_in_ram_and_agrees_with_fit_at_one_request(moe, capsys, cli_json):
+    fit = cli_json("fit", moe, "--devices", "rtx-3090", "--ctx", "4096")["plan"]
     assert fit["experts_on_host"] > 0
-    doc = _json(capsys, "plan", moe, "--split", "rtx-3090", "--input", "3840", "--output", "256")
+    doc = cli_json("plan", moe, "--split", "rtx-3090", "--input", "3840", "--output", "256")
     place = doc["split_placement"]
     assert place["planned_on"] is True and place["plan"]["flags"] == fit["flags"]
     best = next(o for o in doc["outcomes"] if o["name"] == doc["best"])
@@ -48,10 +37,10 @@ def test_plan_split_plans_on_experts_in_ram_and_agrees_with_fit_at_one_request(m
     assert "planned on it: the weights it keeps in host RAM are timed on ddr5-5600-2ch" in text
 
 
-def test_more_requests_put_more_experts_in_ram_and_a_step_of_32_copies_them(moe, capsys):
+def test_more_requests_put_more_experts_in_ram_and_a_step_of_32_copies_them(moe, cli_json):
     got = {}
     for n in (1, 16, 31, 32):
-        doc = _json(capsys, "plan", moe, "--split", "rtx-3090", "--input", "512", "--output", "128",
+        doc = cli_json("plan", moe, "--split", "rtx-3090", "--input", "512", "--output", "128",
                     "--requests", str(n))
         plan = doc["split_placement"]["plan"]
         assert plan["fits"] and plan["n_seq"] == n
@@ -108,6 +97,20 @@ def test_a_device_without_a_host_profile_keeps_the_old_refusal(moe, tmp_path):
     assert "Traceback" not in done.stderr
 
 
+
+def test_a_host_without_cores_says_why_the_split_has_no_speed(moe, capsys):
+    """A unified-memory first host (bandwidth, no CPU cores or FLOP/s) holds the experts: the plan fits with its
+    decode timed from the RAM, and the missing prompt speed is said to come from the host's profile, not from a
+    `bench --json` that a --split does not take."""
+    assert main(["plan", moe, "--split", "ryzen-ai-max-395,rtx-3090", "--input", "512", "--output", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "keeps weights in the RAM of ryzen-ai-max-395" in out and "no CPU cores or FLOP/s" in out
+    assert "bench --json FILE" not in out and "measure this device" not in out
+    assert "ryzen-ai-max-395's RAM (its profile gives no CPU cores" in out
+    assert main(["plan", moe, "--split", "rtx-3090", "--input", "512", "--output", "128"]) == 0
+    out = capsys.readouterr().out        # a host with cores: timed, no such line
+    assert "speed unknown" not in out and "RAM and cores" in out
+
 def test_host_layers_keep_their_kv_and_attention_on_the_host(tmp_path):
     """A dense model with layers below -ngl: the host holds whole layers (weights read whole at any batch) and their
     KV, which stays on the host even where a 32-token call copies the weights to the GPU."""
@@ -124,11 +127,11 @@ def test_host_layers_keep_their_kv_and_attention_on_the_host(tmp_path):
     assert s64 == pytest.approx(work.held / 32e9 + kv_s) and mem64 == s64
 
 
-def test_plan_split_times_a_dense_model_with_layers_in_ram(tmp_path, capsys):
+def test_plan_split_times_a_dense_model_with_layers_in_ram(tmp_path, cli_json):
     path = str(write_skeleton("llama-3.1-70b", tmp_path / "l70.gguf", type="q4_k_m"))
     steps = {}
     for n in (1, 8, 64):
-        doc = _json(capsys, "plan", path, "--split", "rtx-4090", "--input", "1024", "--output", "256",
+        doc = cli_json("plan", path, "--split", "rtx-4090", "--input", "1024", "--output", "256",
                     "--requests", str(n))
         place = doc["split_placement"]
         assert place["planned_on"] is True and place["host"] == "ddr5-5600-2ch"

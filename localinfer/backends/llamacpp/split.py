@@ -28,7 +28,7 @@ from localinfer.backends.llamacpp.placement import _groups, offloaded_units, rop
 from localinfer.backends.llamacpp.overrides import CPU, check_overrides, request_overrides
 from localinfer.backends.llamacpp.split_compute import split_compute
 from localinfer.backends.llamacpp.tensor_homes import (device_weight_bytes, expert_home, host_weight_buffers,
-                                                       tensor_homes, unit_bytes_kept, unit_of)
+                                                       placed, tensor_homes, unit_bytes_kept, unit_of)
 from localinfer.backends.memory import FitRequest
 from localinfer.backends.split import HOST, DeviceShare, SplitBreakdown
 from localinfer.errors import UsageError
@@ -147,11 +147,12 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
                      "passed between devices")
     host_weights = (_host_weights(spec, host_units, req.mmap, cpu_features) if homes is None else
                     host_weight_buffers(homes, req.mmap))
-    if homes is None and host_units != {"in"}:
-        homes = tensor_homes(spec, lambda u: units[n if u == "out" else u], (), {}, cpu_features)
-    on_host = frozenset() if homes is None else frozenset(
-        source_name(h.tensor.name) for h in homes
-        if h.backend == HOST and not h.tensor.duplicate and unit_of(h.tensor.name) != "in")
+    if homes is not None:
+        on_host = frozenset(source_name(h.tensor.name) for h in homes
+                            if h.backend == HOST and not h.tensor.duplicate and unit_of(h.tensor.name) != "in")
+    else:     # no override: a weight is on the host where its unit is (tensor_homes, without building homes)
+        on_host = frozenset(source_name(p.name) for p in placed(spec)
+                            if not p.duplicate and unit_of(p.name) != "in" and unit_of(p.name) in host_units)
     return SplitBreakdown(tuple(shares_out), host_weights,
                           kv[len(devices)], output_bytes(spec, req.n_seq), computes[len(devices)], units, used,
                           pipeline, cells.n_ctx, tuple(notes), on_host)

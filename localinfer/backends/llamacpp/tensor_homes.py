@@ -41,15 +41,20 @@ class Home:
     repacked: bool = False   # on the host, in CPU_REPACK (not a host buffer: never offloaded)
 
 
+def placed(spec: ModelSpec):
+    """Every weight as llama.cpp creates it (:func:`place_tensors`), memoised on the spec."""
+    memo = spec_cache(spec)
+    if ("placed",) not in memo:
+        memo[("placed",)] = place_tensors(spec, -1)
+    return memo[("placed",)]
+
+
 def tensor_homes(spec: ModelSpec, unit_backend, overrides, buffers: dict[str, int],
                  cpu_features: tuple[str, ...] = ()) -> tuple[Home, ...]:
     """Every weight's backend: ``unit_backend(unit)`` for its layer (HOST for the CPU), unless an override's
     buffer (``buffers``: name → device index; CPU is the host) says otherwise."""
-    memo = spec_cache(spec)
-    if ("placed",) not in memo:
-        memo[("placed",)] = place_tensors(spec, -1)
     out = []
-    for p in memo[("placed",)]:
+    for p in placed(spec):
         unit = unit_of(p.name)
         b = HOST if unit == "in" else unit_backend(unit)
         buft = override_of(source_name(p.name), overrides) if overrides else None
