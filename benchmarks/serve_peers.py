@@ -15,7 +15,9 @@ on a shared machine falls on all of them alike.  ``--rounds N`` runs each level 
 round and the servers' order rotated, and adds the median of the rounds' ratios: on a shared host a slow
 minute moves one run's ratio by 5-15%, so a target is judged on the median (``--levels`` picks levels).
 The load is ``benchmarks/serve_load.py`` (the same code as ``localinfer bench serve``), run once per
-server, level and round, fresh prompts per level and round.
+server, level and round, fresh prompts per level and round.  ``--variant-arg FLAG`` / ``--variant-env VAR=VALUE``
+add a second localinfer server (``localinfer-b``) with that flag or environment, measured in the same rounds: an
+A/B of a setting that cancels the host's drift as the peers' ratios do.
 
 Scenarios (issue 15's measurements):
 
@@ -68,6 +70,10 @@ SCENARIOS = {
 }
 
 
+# every server a run may start; the first is the one measured, the table gives its figures over each other's
+SERVERS = ("localinfer", "llama-server", "llama-cpp-python", "localinfer-b")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,6 +85,10 @@ def commands(args, model: str, ctx: int, ports: dict[str, int]) -> dict[str, lis
     out = {"localinfer": [sys.executable, "-m", "localinfer", "serve", model, "--port", str(ports["localinfer"]),
                           "--parallel", "8",
                           "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024", *args.serve_arg]}
+    if args.variant_arg or args.variant_env:      # the same server with other flags or environment, as a peer
+        b = [*out["localinfer"], *args.variant_arg]
+        b[b.index("--port") + 1] = str(ports["localinfer-b"])
+        out["localinfer-b"] = ["env", *args.variant_env, *b]
     if args.llama_server:
         out["llama-server"] = [args.llama_server, "-m", model, "--host", "127.0.0.1",
                                "--port", str(ports["llama-server"]),
@@ -174,7 +184,7 @@ def machine() -> dict:
 
 def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
     scenario = SCENARIOS[key]
-    ports = {name: free_port() for name in ("localinfer", "llama-server", "llama-cpp-python")}
+    ports = {name: free_port() for name in SERVERS}
     cmds = commands(args, model, scenario["ctx"], ports)
     url_of = lambda name: f"http://127.0.0.1:{ports[name]}/v1"
     procs = {}
@@ -235,7 +245,7 @@ def table(results: list[dict]) -> str:
     lines = []
     for sc in (sc for sc in results if sc["levels"]):
         lines.append(f"\n[{sc['scenario']}] ctx {sc['ctx']}, {' '.join(sc['load'])}")
-        names = [n for n in ("localinfer", "llama-server", "llama-cpp-python") if n in sc["levels"][0]]
+        names = [n for n in SERVERS if n in sc["levels"][0]]
         head = (f"{'level':<21}{'server':<18}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p95':>10}{'ITL p50':>9}"
                 f"{'p99':>8}{'p99.9':>8}{'max gap':>9}{'e2e p50':>9}{'p95':>8}{'p99':>8}"
                 f"{'good/s':>8}{'ok':>7}{'peak cells':>11}{'load':>6}")
@@ -279,11 +289,18 @@ def main(argv=None) -> int:
                     help="comma-separated levels to run, as the table names them (e.g. '--concurrency 4')")
     ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                     help="one more argument for localinfer serve (repeatable), e.g. --serve-arg=--max-gap=off")
+    ap.add_argument("--variant-arg", action="append", default=[], metavar="FLAG",
+                    help="run a second localinfer serve with this flag added (repeatable), 'localinfer-b': the "
+                         "table's 'ratio vs localinfer-b' is the default over the variant, in the same rounds")
+    ap.add_argument("--variant-env", action="append", default=[], metavar="VAR=VALUE",
+                    help="the variant server's environment (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
     ap.add_argument("--out", default="benchmarks/results/serve_peers_cpu")
     ap.add_argument("--smoke", action="store_true", help=f"tiny loads ({SMOKE}): checks the script runs")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if bad := [v for v in args.variant_env if "=" not in v or not v.split("=", 1)[0]]:
+        ap.error(f"--variant-env takes VAR=VALUE, got {bad[0]!r}")
     model = str(resolve_model(args.model))
     keys = [k for k in args.scenarios.split(",") if k]
     bad = [k for k in keys if k not in SCENARIOS]

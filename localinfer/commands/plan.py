@@ -174,12 +174,19 @@ def _memory(spec, device, workload) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from localinfer.plan.planner import plan_dict
-    from localinfer.report.plan import prefix_note, render_text
+    from localinfer.plan.planner import UNKNOWN
+    from localinfer.report.plan import prefix_note, render_text, split_speed_unknown
 
     spec, speed, p = build(args)
     memory = _memory(spec, speed.device, p.workload)
     if args.json:
         out = plan_dict(p)
+        unknown = split_speed_unknown(speed) if p.best is None else None
+        if unknown:       # the text's line, and the reasons pointing to it instead of a bench --json
+            out["speed_unknown"] = unknown
+            verdict = {o.name: o.verdict for o in p.outcomes}
+            out["reasons"] = {n: "fits, speed unknown: see speed_unknown" if verdict.get(n) == UNKNOWN else why
+                              for n, why in out["reasons"].items()}
         note = prefix_note(speed, p.workload)
         if note:
             out["shared_prefix_note"] = note
@@ -193,7 +200,5 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(speed.placement.lines()))
         if memory["note"]:
             print(f"memory: {memory['note']}")
-    from localinfer.plan.planner import UNKNOWN
-
     infeasible = p.best is None and not any(o.verdict == UNKNOWN for o in p.outcomes)
     return 1 if infeasible else 0

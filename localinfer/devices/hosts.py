@@ -112,6 +112,12 @@ class HostProfile:
         """What a decode step's host part computes at: ``cores`` × ``decode_flops_per_core`` (one thread a core)."""
         return self.cores * self.decode_flops_per_core
 
+    @property
+    def computes(self) -> bool:
+        """Whether the profile gives the host a rate to compute with (cores or FLOP/s); a unified-memory profile
+        (the accelerator's own memory) may give neither."""
+        return bool(self.decode_flops or self.effective_flops)
+
     def source(self, key: str) -> str:
         if key == "decode_flops_per_core" and key not in self.sources:
             return DECODE_FLOPS_SOURCE

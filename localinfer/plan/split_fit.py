@@ -224,7 +224,7 @@ def _own(spec, env: SplitEnv, req: FitRequest) -> list[SplitPlan]:
         return None if sb is None else sb.counts()
 
     out = []
-    moe_at = set(moe_layers(spec))     # one scan of the tensors
+    moe_at = set(moe_layers(spec))
     moe = bool(moe_at)
     if moe:
         base = replace(req, n_gpu_layers=-1, override_tensor=(), cpu_moe=False)

@@ -184,8 +184,9 @@ class Placement:
         elif self.in_host_ram:
             copied = " (from 32 tokens a call, copied over the GPU's link)" if self.link else ""
             union = ", a batch's tokens reading the union of their experts" if p.touched_on_host else ""
-            cores = ("RAM and cores" if self.host.decode_flops or self.host.effective_flops else
-                     "RAM (its profile gives no CPU cores or FLOP/s: a prompt's host share has no speed)")
+            below = " below 32 tokens a call" if self.link else ""
+            cores = ("RAM and cores" if self.host.computes else
+                     f"RAM (its profile gives no CPU cores or FLOP/s: a prompt's host share{below} has no speed)")
             out.append(f"  planned on it: the weights it keeps in host RAM are timed on {self.host.name}'s "
                        f"{cores}{union}{copied}")
         out.append("llama.cpp --fit: " + ("gives up" if r is None else

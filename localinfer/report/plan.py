@@ -11,11 +11,11 @@ def _s(x: float) -> str:
     return "—" if not math.isfinite(x) else f"{x:.2f} s"
 
 
-def _unknown(speed) -> str | None:
+def split_speed_unknown(speed) -> str | None:
     """Why a --split plan has no speed where its host cannot compute (a unified-memory profile: bandwidth, no CPU
     cores or FLOP/s); None elsewhere (a device without a measurement: ``bench --json`` says)."""
     work = getattr(speed, "host", None)          # plan/split_plan.SplitSpeedModel's host stage (HostWork)
-    if work is None or work.rate(1) or work.rate(512):
+    if work is None or work.host.computes:
         return None
     return (f"speed unknown: fit --devices' plan keeps weights in the RAM of {safe_text(work.host.name, 200)}, whose "
             "profile gives no CPU cores or FLOP/s to compute a prompt's share with (`bench --json` does not time a "
@@ -51,7 +51,7 @@ def render_text(spec, speed, p) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows]
     lines.append("")
-    unknown = _unknown(speed)
+    unknown = split_speed_unknown(speed) if p.best is None else None
     if p.best is None and any(o.verdict == UNKNOWN for o in p.outcomes):
         lines.append(unknown or f"speed unknown on {safe_text(dev.name, 200)}: measure it with "
                                 "`localinfer bench --json FILE` and pass --bench FILE")

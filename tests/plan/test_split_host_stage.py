@@ -97,19 +97,26 @@ def test_a_device_without_a_host_profile_keeps_the_old_refusal(moe, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-
-def test_a_host_without_cores_says_why_the_split_has_no_speed(moe, capsys):
+def test_a_host_without_cores_says_why_the_split_has_no_speed(moe, capsys, cli_json):
     """A unified-memory first host (bandwidth, no CPU cores or FLOP/s) holds the experts: the plan fits with its
     decode timed from the RAM, and the missing prompt speed is said to come from the host's profile, not from a
-    `bench --json` that a --split does not take."""
-    assert main(["plan", moe, "--split", "ryzen-ai-max-395,rtx-3090", "--input", "512", "--output", "128"]) == 0
+    `bench --json` that a --split does not take (in the text and in --json)."""
+    argv = ["plan", moe, "--split", "ryzen-ai-max-395,rtx-3090", "--input", "512", "--output", "128"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "keeps weights in the RAM of ryzen-ai-max-395" in out and "no CPU cores or FLOP/s" in out
     assert "bench --json FILE" not in out and "measure this device" not in out
     assert "ryzen-ai-max-395's RAM (its profile gives no CPU cores" in out
+    doc = cli_json(*argv)
+    assert doc["best"] is None and "ryzen-ai-max-395" in doc["speed_unknown"]
+    assert all(o["verdict"] == "fits, speed unknown" for o in doc["outcomes"])
+    assert all(0 < o["step_s"] < 1 for o in doc["outcomes"])            # decode timed from the host's RAM
+    assert all("bench --json" not in why for why in doc["reasons"].values())
     assert main(["plan", moe, "--split", "rtx-3090", "--input", "512", "--output", "128"]) == 0
     out = capsys.readouterr().out        # a host with cores: timed, no such line
     assert "speed unknown" not in out and "RAM and cores" in out
+    assert "speed_unknown" not in cli_json("plan", moe, "--split", "rtx-3090", "--input", "512", "--output", "128")
+
 
 def test_host_layers_keep_their_kv_and_attention_on_the_host(tmp_path):
     """A dense model with layers below -ngl: the host holds whole layers (weights read whole at any batch) and their

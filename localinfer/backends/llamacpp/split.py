@@ -150,6 +150,8 @@ def split_breakdown(spec: ModelSpec, devices, req: FitRequest, shares=None, *, c
     if homes is not None:
         on_host = frozenset(source_name(h.tensor.name) for h in homes
                             if h.backend == HOST and not h.tensor.duplicate and unit_of(h.tensor.name) != "in")
+    elif host_units == {"in"}:     # every layer on a device (most of a search's calls)
+        on_host = frozenset()
     else:     # no override: a weight is on the host where its unit is (tensor_homes, without building homes)
         on_host = frozenset(source_name(p.name) for p in placed(spec)
                             if not p.duplicate and unit_of(p.name) != "in" and unit_of(p.name) in host_units)
