@@ -173,9 +173,8 @@ def _memory(spec, device, workload) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from localinfer.plan.planner import plan_dict
-    from localinfer.plan.planner import UNKNOWN
-    from localinfer.report.plan import prefix_note, render_text, split_speed_unknown
+    from localinfer.plan.planner import UNKNOWN, plan_dict
+    from localinfer.report.plan import prefix_note, render_text, split_speed_unknown, unknown_reasons
 
     spec, speed, p = build(args)
     memory = _memory(spec, speed.device, p.workload)
@@ -184,9 +183,7 @@ def run(args: argparse.Namespace) -> int:
         unknown = split_speed_unknown(speed) if p.best is None else None
         if unknown:       # the text's line, and the reasons pointing to it instead of a bench --json
             out["speed_unknown"] = unknown
-            verdict = {o.name: o.verdict for o in p.outcomes}
-            out["reasons"] = {n: "fits, speed unknown: see speed_unknown" if verdict.get(n) == UNKNOWN else why
-                              for n, why in out["reasons"].items()}
+            out["reasons"] = unknown_reasons(p, "fits, speed unknown: see speed_unknown")
         note = prefix_note(speed, p.workload)
         if note:
             out["shared_prefix_note"] = note

@@ -22,6 +22,15 @@ def split_speed_unknown(speed) -> str | None:
             "--split); put a device whose host has cores first in --split (localinfer devices lists them)")
 
 
+def unknown_reasons(p, why: str) -> dict[str, str]:
+    """``p``'s reasons, those of configurations whose speed is unknown replaced by ``why`` (where
+    :func:`split_speed_unknown` says why in one line for all of them)."""
+    from localinfer.plan.planner import UNKNOWN
+
+    verdict = {o.name: o.verdict for o in p.outcomes}
+    return {n: why if verdict.get(n) == UNKNOWN else r for n, r in p.reasons.items()}
+
+
 def render_text(spec, speed, p) -> str:
     """The plan as an aligned table, the choice, and why each other configuration lost."""
     from localinfer.plan.planner import UNKNOWN
@@ -64,9 +73,8 @@ def render_text(spec, speed, p) -> str:
         lines.append(f"best: {b.name} ({b.config.label}): {b.verdict} in {b.total_s:.2f} s; "
                      f"{b.gpu_s_per_good:.3f} GPU·s{joules} per good result")
     lines.append("why not the others:" if p.best else "why each one fails:")
-    verdict = {o.name: o.verdict for o in p.outcomes}
-    lines += [f"  {name}: {'fits, speed unknown (above)' if unknown and verdict.get(name) == UNKNOWN else why}"
-              for name, why in p.reasons.items()]
+    reasons = unknown_reasons(p, "fits, speed unknown (above)") if unknown else p.reasons
+    lines += [f"  {name}: {why}" for name, why in reasons.items()]
     v = prefix_note(speed, w)
     if v is not None:
         lines += ["", v]
