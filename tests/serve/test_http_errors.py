@@ -142,6 +142,22 @@ def test_health_and_metrics(http, srv):
     assert srv.metrics()["localinfer_kv_blocks_total"] == 1024 // 16
 
 
+def test_metrics_scraped_again_show_what_finished_and_what_was_refused_since(http, srv):
+    """/metrics renders the request counters again only after they change: each scrape still shows the request
+    finished and the request refused since the one before."""
+    srv.wait_idle()
+    before = srv.metrics()
+    assert srv.metrics() == before                          # nothing changed: the same text
+    assert http.post(CHAT, json=dict(OK, max_tokens=3, ignore_eos=True)).status_code == 200
+    after = srv.wait_idle()
+    assert after["localinfer_generation_tokens_total"] - before["localinfer_generation_tokens_total"] == 3
+    assert after["localinfer_e2e_request_latency_seconds_count"] - \
+        before["localinfer_e2e_request_latency_seconds_count"] == 1
+    bad = 'localinfer_requests_rejected_total{status="400"}'
+    _error(http.post(CHAT, json=dict(OK, max_tokens=-1)), 400)
+    assert srv.metrics().get(bad, 0) - after.get(bad, 0) == 1
+
+
 def test_disconnect_mid_stream_cancels_and_frees_blocks(srv):
     before = srv.metrics()["localinfer_requests_cancelled_total"]
     body = json.dumps(dict(OK, max_tokens=400, stream=True, ignore_eos=True)).encode()

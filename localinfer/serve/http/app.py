@@ -196,7 +196,7 @@ def handled(handler, runtime: Runtime):
         try:
             return await handler(request)
         except APIError as err:
-            runtime.metrics.rejected.labels(str(err.status)).inc()
+            runtime.metrics.reject(err.status)
             return error_response(err)
     return wrapped
 

@@ -60,7 +60,7 @@ class Guard:
         origin = headers.get("origin")
         err = self._check(scope.get("path", ""), scope.get("method", ""), headers, repeated)
         if err is not None:
-            self.runtime.metrics.rejected.labels(str(err.status)).inc()
+            self.runtime.metrics.reject(err.status)
             if origin is not None and err.param not in ("origin", "host") and \
                     self._origin_allowed(origin, headers.get("host", "")):    # an allowed page may read why (401)
                 send = _with_cors(send, origin)

@@ -320,7 +320,7 @@ def routes(srv) -> list:
             try:
                 return await handler(request)
             except APIError as err:
-                runtime.metrics.rejected.labels(str(err.status)).inc()
+                runtime.metrics.reject(err.status)
                 return JSONResponse({"error": err.message}, status_code=err.status, headers=err.headers)
         return wrapped
 

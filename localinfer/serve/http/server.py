@@ -100,7 +100,7 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
     """The server and its app; the connection limits are :mod:`.limits`'."""
     app = build_app(runtime, app_config)
     protocol = protocol_class(header_timeout_s, max_connections,
-                              on_refused=lambda status: runtime.metrics.rejected.labels(str(status)).inc())
+                              on_refused=runtime.metrics.reject)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
