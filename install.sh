@@ -5,7 +5,7 @@
 #   ./install.sh            the package and the embedded default model
 #   ./install.sh test       + test tools, the HTTP server, the torch (CPU) and mlx backends for their tests, and
 #                           (as root where apt-get exists) Debian's chromium for the browser tests
-#   ./install.sh serve      + the HTTP server (`localinfer serve`: starlette, uvicorn, prometheus-client)
+#   ./install.sh serve      + the HTTP server (`localinfer serve`: starlette, uvicorn, uvloop, prometheus-client)
 #   ./install.sh torch|mlx  + that backend
 #
 # Environment: PYTHON (default python3); CMAKE_ARGS is respected (CUDA users:

@@ -142,6 +142,14 @@ def test_health_and_metrics(http, srv):
     assert srv.metrics()["localinfer_kv_blocks_total"] == 1024 // 16
 
 
+def test_the_server_runs_on_uvloop_where_it_is_installed(http, srv):
+    """uvloop (the serve extra) is the event loop when importable: less of the loop's CPU beside llama.cpp."""
+    pytest.importorskip("uvloop")
+    assert http.get("/health").status_code == 200
+    loop = srv.runtime._loop
+    assert loop is not None and loop.is_running() and type(loop).__module__.startswith("uvloop"), type(loop)
+
+
 def test_metrics_scraped_again_show_what_finished_and_what_was_refused_since(http, srv):
     """/metrics renders the request counters again only after they change: each scrape still shows the request
     finished and the request refused since the one before."""
