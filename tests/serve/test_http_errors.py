@@ -150,6 +150,15 @@ def test_the_server_runs_on_uvloop_where_it_is_installed(http, srv):
     assert loop is not None and loop.is_running() and type(loop).__module__.startswith("uvloop"), type(loop)
 
 
+def test_localinfer_event_loop_asyncio_keeps_the_standard_loop(monkeypatch):
+    from localinfer.serve.http.server import event_loop
+
+    pytest.importorskip("uvloop")
+    assert event_loop() == "uvloop"
+    monkeypatch.setenv("LOCALINFER_EVENT_LOOP", "asyncio")
+    assert event_loop() == "asyncio"
+
+
 def test_metrics_scraped_again_show_what_finished_and_what_was_refused_since(http, srv):
     """/metrics renders the request counters again only after they change: each scrape still shows the request
     finished and the request refused since the one before."""

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import os
 import signal
 import socket
 import sys
@@ -30,9 +31,17 @@ from localinfer.serve.http.app import AppConfig, build_app
 from localinfer.serve.http.limits import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, protocol_class
 from localinfer.serve.http.runtime import Runtime
 
-# uvloop where it is installed (the serve extra, but on Windows): per streamed token the event loop takes ~0.1 ms
-# less CPU from llama.cpp's threads (benchmarks/results/serve_closed_loop_cpu.txt, fifth session)
-EVENT_LOOP = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+def event_loop() -> str:
+    """uvloop where it is installed (the serve extra, but on Windows): per streamed token the event loop takes ~0.1 ms
+    less CPU from llama.cpp's threads (benchmarks/results/serve_closed_loop_cpu.txt, fifth session).
+    ``LOCALINFER_EVENT_LOOP=asyncio`` keeps the standard library's (to compare, or to debug)."""
+    wanted = os.environ.get("LOCALINFER_EVENT_LOOP", "")
+    if wanted == "asyncio" or importlib.util.find_spec("uvloop") is None:
+        return "asyncio"
+    return "uvloop"
+
+
 SIGNALS = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
                 if s is not None)
 
@@ -122,7 +131,7 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
     # uvicorn waits a little longer than the engine, so cancelled streams still send their last chunk
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0, access_log=False,
                             lifespan="on", server_header=False, date_header=True, timeout_keep_alive=keep_alive_s,
-                            http=protocol, loop=EVENT_LOOP,
+                            http=protocol, loop=event_loop(),
                             limit_concurrency=protocol.limit_connections + 1)   # the protocol caps
     server = _Server(config, runtime, grace_s)
     server.prep = app.state.prep
