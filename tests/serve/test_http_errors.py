@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -142,6 +143,7 @@ def test_health_and_metrics(http, srv):
     assert srv.metrics()["localinfer_kv_blocks_total"] == 1024 // 16
 
 
+@pytest.mark.skipif(os.environ.get("LOCALINFER_EVENT_LOOP") == "asyncio", reason="the standard loop was asked for")
 def test_the_server_runs_on_uvloop_where_it_is_installed(http, srv):
     """uvloop (the serve extra) is the event loop when importable: less of the loop's CPU beside llama.cpp."""
     pytest.importorskip("uvloop")
@@ -153,10 +155,12 @@ def test_the_server_runs_on_uvloop_where_it_is_installed(http, srv):
 def test_localinfer_event_loop_asyncio_keeps_the_standard_loop(monkeypatch):
     from localinfer.serve.http.server import event_loop
 
-    pytest.importorskip("uvloop")
-    assert event_loop() == "uvloop"
+    monkeypatch.delenv("LOCALINFER_EVENT_LOOP", raising=False)
+    assert event_loop() == "auto"                 # uvicorn's: uvloop where it imports
     monkeypatch.setenv("LOCALINFER_EVENT_LOOP", "asyncio")
     assert event_loop() == "asyncio"
+    monkeypatch.setenv("LOCALINFER_EVENT_LOOP", "uvlop")
+    assert event_loop() == "auto"                 # a typo: warned, and the default kept
 
 
 def test_metrics_scraped_again_show_what_finished_and_what_was_refused_since(http, srv):

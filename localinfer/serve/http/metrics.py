@@ -3,7 +3,8 @@
 Gauges are read at scrape time from the engine thread's last snapshot (one
 dict replaced atomically after each step), so a scrape never touches the
 engine.  Counters and histograms are updated by the engine thread as requests
-finish (prometheus-client's metrics are thread-safe).
+finish, and the refusals' counter by the event loop (prometheus-client's metrics are thread-safe); both only
+through :meth:`Metrics.finished_request` and :meth:`Metrics.reject`.
 
 A scrape renders the snapshot's ~35 samples; the request counters and histograms (~140 lines, two thirds of
 prometheus-client's rendering time) are rendered again only after they changed (:attr:`Metrics.changes`, a new
@@ -85,23 +86,24 @@ class Metrics:
         self._requests = r = CollectorRegistry(auto_describe=True)  # changes as requests finish or are refused
         for reg in (self.registry, self._live):
             reg.register(self.snapshot)
-        self._stamps = itertools.count(1)                           # next() is atomic: two threads update
+        self._stamps = itertools.count(1)                           # next() is atomic under the GIL
         self.changes = 0                                            # a new stamp after each update of ``_requests``
         self._rendered: tuple[int, bytes] = (-1, b"")
-        c = lambda name, doc, **kw: Counter(f"localinfer_{name}", doc, registry=r, **kw)
+        c = lambda name, doc, **kw: Counter(f"localinfer_{name}", doc, registry=None, **kw)
         self.prompt_tokens = c("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = c("generation_tokens", "tokens generated")
         self.prefix_hit_tokens = c("prefix_cache_hit_tokens", "prompt tokens found in the prefix cache")
         self.cancelled = c("requests_cancelled", "requests cancelled by their client (disconnect or shutdown)")
         self.finished = c("requests_finished", "requests finished, by reason", labelnames=("reason",))
         self.rejected = c("requests_rejected", "requests answered with an error status", labelnames=("status",))
-        h = lambda name, doc: Histogram(f"localinfer_{name}", doc, registry=r, buckets=_LATENCY)
+        h = lambda name, doc: Histogram(f"localinfer_{name}", doc, registry=None, buckets=_LATENCY)
         self.ttft = h("time_to_first_token_seconds", "arrival to first token")
         self.itl = h("inter_token_latency_seconds", "time between consecutive tokens of a request")
         self.e2e = h("e2e_request_latency_seconds", "arrival to finish")
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_hit_tokens, self.cancelled,
                        self.finished, self.rejected, self.ttft, self.itl, self.e2e):
-            self.registry.register(metric)
+            for reg in (r, self.registry):                              # one list: both registries the same
+                reg.register(metric)
 
     def publish(self, values: dict[str, float]) -> None:
         self.snapshot.values = values
@@ -119,6 +121,12 @@ class Metrics:
 
     def finished_request(self, r, *, cancelled: bool) -> None:
         """Count a finished engine request (called by the engine thread)."""
+        try:
+            self._count(r, cancelled)
+        finally:
+            self.changes = next(self._stamps)       # after the updates: the next scrape renders them
+
+    def _count(self, r, cancelled: bool) -> None:
         self.prompt_tokens.inc(len(r.prompt))
         self.generation_tokens.inc(len(r.output))
         self.prefix_hit_tokens.inc(r.cached)
@@ -131,7 +139,6 @@ class Metrics:
             self.itl.observe(g)
         if r.finished_s is not None:
             self.e2e.observe(max(0.0, r.finished_s - r.arrival_s))
-        self.changes = next(self._stamps)
 
     def reject(self, status: int) -> None:
         """Count a request answered with an error ``status``."""

@@ -33,13 +33,15 @@ from localinfer.serve.http.runtime import Runtime
 
 
 def event_loop() -> str:
-    """uvloop where it is installed (the serve extra, but on Windows): per streamed token the event loop takes ~0.1 ms
-    less CPU from llama.cpp's threads (benchmarks/results/serve_closed_loop_cpu.txt, fifth session).
+    """uvicorn's event loop: "auto", which is uvloop where it imports (the serve extra asks for it, except on
+    Windows; the loop takes ~0.1 ms less CPU a streamed token from llama.cpp's threads there:
+    benchmarks/results/serve_closed_loop_cpu.txt, fifth session) and the standard library's otherwise.
     ``LOCALINFER_EVENT_LOOP=asyncio`` keeps the standard library's (to compare, or to debug)."""
     wanted = os.environ.get("LOCALINFER_EVENT_LOOP", "")
-    if wanted == "asyncio" or importlib.util.find_spec("uvloop") is None:
-        return "asyncio"
-    return "uvloop"
+    if wanted not in ("", "auto", "asyncio", "uvloop"):
+        logging.getLogger("localinfer.serve").warning(
+            "LOCALINFER_EVENT_LOOP=%r is not one of auto, asyncio, uvloop; using auto", wanted[:40])
+    return "asyncio" if wanted == "asyncio" else "auto"
 
 
 SIGNALS = tuple(s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
