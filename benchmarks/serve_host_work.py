@@ -1,0 +1,106 @@
+"""Where the engine thread's time outside ``llama_decode`` goes, per step, in a served closed loop.
+
+    python3 benchmarks/serve_host_work.py [--concurrency 1] [--requests 8] [--json OUT]
+
+Runs ``localinfer serve`` (the embedded model, --parallel 8 --ctx 4096 -t 2 -fa on, as serve_peers.py does) in this
+process with a wall-clock timer around each of the engine's per-step calls, drives it with serve_load.py (300-token
+prompts, 128 tokens out), stops it, and prints each call's time per engine step (from the first serving step on:
+the calibration at load is left out).  ``StepEngine.step`` minus
+``LlamaCppEngine.decode_batch`` is the step's host work inside the engine; the Runtime rows are the engine thread's
+work between steps.  The timers cost ~1 us a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from localinfer.backends.llamacpp import engine as llama_engine, executor as llama_executor  # noqa: E402
+from localinfer.cli import main as cli_main  # noqa: E402
+from localinfer.generation import sampling  # noqa: E402
+from localinfer.serve import engine as serve_engine, scheduler  # noqa: E402
+from localinfer.serve.http import runtime  # noqa: E402
+
+TIMED = [(runtime.Runtime, "_events"), (runtime.Runtime, "_dispatch"), (runtime.Runtime, "_side_work"),
+         (runtime.Runtime, "_publish"), (serve_engine.StepEngine, "step"), (serve_engine.StepEngine, "_chunk"),
+         (scheduler.Scheduler, "schedule"), (scheduler.Scheduler, "complete"),
+         (llama_executor.LlamaCppExecutor, "step"), (llama_executor.LlamaCppExecutor, "_decode"),
+         (llama_engine.LlamaCppEngine, "fill_batch"), (llama_engine.LlamaCppEngine, "decode_batch"),
+         (llama_engine.LlamaCppEngine, "logit_rows"), (sampling.Sampler, "sample")]
+
+
+def timed(table: dict, cls, name: str) -> None:
+    f, label, clock = getattr(cls, name), f"{cls.__name__}.{name}", time.perf_counter_ns
+    first = label == "StepEngine.step"
+
+    def wrapper(*args, **kwargs):
+        if first and not table[label][1]:
+            table.clear()             # the first serving step: the load's calibration steps are not counted
+        t = clock()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            row = table[label]
+            row[0] += clock() - t
+            row[1] += 1
+    setattr(cls, name, wrapper)
+
+
+def drive(port: int, args, out: dict) -> None:
+    """Wait for the server, run the load, then stop the server (SIGINT: its graceful stop)."""
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    load = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", base + "/v1",
+                           "--concurrency", str(args.concurrency), "--requests", str(args.requests),
+                           "--seed", str(args.seed)], capture_output=True, text=True)
+    out["load"] = json.loads(load.stdout)["runs"][0] if load.returncode == 0 else {"error": load.stderr[-2000:]}
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--seed", type=int, default=int(time.time()) % 10_000)
+    p.add_argument("--port", type=int, default=18391)
+    p.add_argument("--json", default=None, help="write the table here as JSON")
+    args = p.parse_args()
+    table: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for cls, name in TIMED:
+        timed(table, cls, name)
+    out: dict = {}
+    threading.Thread(target=drive, args=(args.port, args, out), daemon=True).start()
+    cli_main(["serve", "--port", str(args.port), "--parallel", "8", "--ctx", "4096", "-t", "2", "-fa", "on"])
+    steps = table["StepEngine.step"][1] or 1
+    rows = {k: {"calls": n, "us_per_step": ns / 1e3 / steps} for k, (ns, n) in table.items()}
+    host = (table["StepEngine.step"][0] - table["LlamaCppEngine.decode_batch"][0]) / 1e3 / steps
+    load = out.get("load", {})
+    print(f"concurrency {args.concurrency}: {steps} steps, tok/s {load.get('output_tok_s')}, "
+          f"ITL p50 {load.get('itl_p50_ms')} ms; StepEngine.step outside llama_decode {host:.0f} us a step")
+    for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"]):
+        print(f"  {k:34s} {v['calls']:7d} calls  {v['us_per_step']:9.1f} us a step")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"concurrency": args.concurrency, "steps": steps, "load": load,
+                                               "host_us_per_step": host, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
