@@ -2,12 +2,12 @@
 
     python3 benchmarks/serve_host_work.py [--concurrency 1] [--requests 8] [--json OUT]
 
-Runs ``localinfer serve`` (the embedded model, --parallel 8 --ctx 4096 -t 2 -fa on, as serve_peers.py does) in this
-process with a wall-clock timer around each of the engine's per-step calls, drives it with serve_load.py (300-token
-prompts, 128 tokens out), stops it, and prints each call's time per engine step (from the first serving step on:
-the calibration at load is left out).  ``StepEngine.step`` minus
-``LlamaCppEngine.decode_batch`` is the step's host work inside the engine; the Runtime rows are the engine thread's
-work between steps.  The timers cost ~1 us a call.
+Runs ``localinfer serve`` (the embedded model, --parallel 8 --ctx 4096 -t 2 -fa on --max-queue 1024, as
+serve_peers.py does) in this process with a wall-clock timer around each of the engine's per-step calls, drives it
+with serve_load.py (300-token prompts, 128 tokens out; its uncounted warm-up request is in the steps), stops it, and
+prints each call's time per engine step (from the first serving step on: the calibration at load is left out).
+``StepEngine.step`` minus ``LlamaCppEngine.decode_batch`` is the step's host work inside the engine; the Runtime
+rows are the engine thread's work between steps.  The timers cost ~1 us a call.
 """
 
 from __future__ import annotations
@@ -30,15 +30,17 @@ sys.path.insert(0, str(ROOT))
 from localinfer.backends.llamacpp import engine as llama_engine, executor as llama_executor  # noqa: E402
 from localinfer.cli import main as cli_main  # noqa: E402
 from localinfer.generation import sampling  # noqa: E402
-from localinfer.serve import engine as serve_engine, scheduler  # noqa: E402
-from localinfer.serve.http import runtime  # noqa: E402
+from localinfer.serve import engine as serve_engine, parking, scheduler  # noqa: E402
+from localinfer.serve.http import runtime, sampler as serve_sampler  # noqa: E402
 
 TIMED = [(runtime.Runtime, "_events"), (runtime.Runtime, "_dispatch"), (runtime.Runtime, "_side_work"),
          (runtime.Runtime, "_publish"), (serve_engine.StepEngine, "step"), (serve_engine.StepEngine, "_chunk"),
          (scheduler.Scheduler, "schedule"), (scheduler.Scheduler, "complete"),
          (llama_executor.LlamaCppExecutor, "step"), (llama_executor.LlamaCppExecutor, "_decode"),
          (llama_engine.LlamaCppEngine, "fill_batch"), (llama_engine.LlamaCppEngine, "decode_batch"),
-         (llama_engine.LlamaCppEngine, "logit_rows"), (sampling.Sampler, "sample")]
+         (llama_engine.LlamaCppEngine, "logit_rows"), (sampling.Sampler, "sample"),
+         (serve_sampler.ServeSampler, "sample"), (serve_engine.StepEngine, "_release"),
+         (parking.Parking, "release"), (serve_engine.StepEngine, "_record")]
 
 
 def timed(table: dict, cls, name: str) -> None:
@@ -67,11 +69,15 @@ def drive(port: int, args, out: dict) -> None:
                 break
         except OSError:
             time.sleep(0.2)
-    load = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", base + "/v1",
-                           "--concurrency", str(args.concurrency), "--requests", str(args.requests),
-                           "--seed", str(args.seed)], capture_output=True, text=True)
-    out["load"] = json.loads(load.stdout)["runs"][0] if load.returncode == 0 else {"error": load.stderr[-2000:]}
-    os.kill(os.getpid(), signal.SIGINT)
+    try:
+        load = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--url", base + "/v1",
+                               "--concurrency", str(args.concurrency), "--requests", str(args.requests),
+                               "--seed", str(args.seed)], capture_output=True, text=True)
+        out["load"] = json.loads(load.stdout)["runs"][0] if load.returncode == 0 else {"error": load.stderr[-2000:]}
+    except Exception as exc:  # noqa: BLE001 - reported below; the server is stopped either way
+        out["load"] = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def main() -> int:
@@ -87,18 +93,25 @@ def main() -> int:
         timed(table, cls, name)
     out: dict = {}
     threading.Thread(target=drive, args=(args.port, args, out), daemon=True).start()
-    cli_main(["serve", "--port", str(args.port), "--parallel", "8", "--ctx", "4096", "-t", "2", "-fa", "on"])
+    rc = cli_main(["serve", "--port", str(args.port), "--parallel", "8", "--ctx", "4096", "-t", "2", "-fa", "on",
+                   "--max-queue", "1024"])
+    load = out.get("load", {})
+    if rc or "error" in load or not table["StepEngine.step"][1]:
+        print(f"serve_host_work: no figures (serve exit {rc}; load: {load.get('error', 'no steps')})", file=sys.stderr)
+        return 1
     steps = table["StepEngine.step"][1] or 1
     rows = {k: {"calls": n, "us_per_step": ns / 1e3 / steps} for k, (ns, n) in table.items()}
     host = (table["StepEngine.step"][0] - table["LlamaCppEngine.decode_batch"][0]) / 1e3 / steps
-    load = out.get("load", {})
     print(f"concurrency {args.concurrency}: {steps} steps, tok/s {load.get('output_tok_s')}, "
           f"ITL p50 {load.get('itl_p50_ms')} ms; StepEngine.step outside llama_decode {host:.0f} us a step")
     for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"]):
         print(f"  {k:34s} {v['calls']:7d} calls  {v['us_per_step']:9.1f} us a step")
     if args.json:
-        Path(args.json).write_text(json.dumps({"concurrency": args.concurrency, "steps": steps, "load": load,
-                                               "host_us_per_step": host, "rows": rows}, indent=1))
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        Path(args.json).write_text(json.dumps({
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": head.stdout.strip() or None,
+            "seed": args.seed, "concurrency": args.concurrency, "requests": args.requests, "steps": steps,
+            "load": load, "host_us_per_step": host, "rows": rows}, indent=1))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -152,15 +153,21 @@ def test_the_server_runs_on_uvloop_where_it_is_installed(http, srv):
     assert loop is not None and loop.is_running() and type(loop).__module__.startswith("uvloop"), type(loop)
 
 
-def test_localinfer_event_loop_asyncio_keeps_the_standard_loop(monkeypatch):
+def test_localinfer_event_loop_values(monkeypatch, caplog):
     from localinfer.serve.http.server import event_loop
 
     monkeypatch.delenv("LOCALINFER_EVENT_LOOP", raising=False)
-    assert event_loop() == "auto"                 # uvicorn's: uvloop where it imports
-    monkeypatch.setenv("LOCALINFER_EVENT_LOOP", "asyncio")
-    assert event_loop() == "asyncio"
-    monkeypatch.setenv("LOCALINFER_EVENT_LOOP", "uvlop")
-    assert event_loop() == "auto"                 # a typo: warned, and the default kept
+    with caplog.at_level(logging.WARNING, logger="localinfer.serve"):
+        assert event_loop() == "auto"             # uvicorn's: uvloop where it imports
+        for value in ("auto", "uvloop"):
+            monkeypatch.setenv("LOCALINFER_EVENT_LOOP", value)
+            assert event_loop() == "auto"
+        monkeypatch.setenv("LOCALINFER_EVENT_LOOP", "asyncio")
+        assert event_loop() == "asyncio"
+        assert not caplog.records
+        monkeypatch.setenv("LOCALINFER_EVENT_LOOP", "uvlop")
+        assert event_loop() == "auto"             # a typo: warned, and the default kept
+    assert "uvlop" in caplog.text and "LOCALINFER_EVENT_LOOP" in caplog.text
 
 
 def test_metrics_scraped_again_show_what_finished_and_what_was_refused_since(http, srv):

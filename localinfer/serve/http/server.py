@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
@@ -36,7 +35,8 @@ def event_loop() -> str:
     """uvicorn's event loop: "auto", which is uvloop where it imports (the serve extra asks for it, except on
     Windows; the loop takes ~0.1 ms less CPU a streamed token from llama.cpp's threads there:
     benchmarks/results/serve_closed_loop_cpu.txt, fifth session) and the standard library's otherwise.
-    ``LOCALINFER_EVENT_LOOP=asyncio`` keeps the standard library's (to compare, or to debug)."""
+    ``LOCALINFER_EVENT_LOOP=asyncio`` keeps the standard library's (to compare, or to debug); ``auto`` and
+    ``uvloop`` give the default, which is the standard library's where uvloop does not import."""
     wanted = os.environ.get("LOCALINFER_EVENT_LOOP", "")
     if wanted not in ("", "auto", "asyncio", "uvloop"):
         logging.getLogger("localinfer.serve").warning(
