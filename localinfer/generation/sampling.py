@@ -123,6 +123,7 @@ class Sampler:
         self.params = params or SamplingParams()
         self.constraint = constraint      # a generation.constraints.Constraint: its mask applies first
         self.banned = np.fromiter(banned, dtype=np.int64)
+        self._banned = frozenset(int(t) for t in self.banned)
         seed = self.params.seed
         self.seed = int.from_bytes(os.urandom(8), "little") if seed is None else seed
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
@@ -207,8 +208,10 @@ class Sampler:
         return token
 
     def _draw(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        if self.greedy and not len(self.banned) and (self.params.repeat_penalty == 1.0 or not history):
-            return int(np.argmax(logits))
+        if self.greedy and (self.params.repeat_penalty == 1.0 or not history):
+            token = int(np.argmax(logits))    # a banned token lowered to -inf moves the first maximum only if it is it
+            if token not in self._banned:
+                return token
         ids, pr = self.candidates(logits, history)
         if len(ids) == 1:
             return int(ids[0])

@@ -125,6 +125,21 @@ def test_banned_tokens_are_never_drawn(logits):
     assert all(s.sample(logits, []) != best for _ in range(20))
 
 
+def test_greedy_with_banned_tokens_is_the_argmax_of_the_masked_row(logits):
+    """The greedy draw reads the row as given (no masked copy) and masks only when its argmax is banned: the same
+    token as the argmax after banned tokens are lowered to -inf, ties to the first index included."""
+    order = np.argsort(-logits, kind="stable")
+    tie = logits.copy()
+    tie[order[1]] = tie[order[0]]      # two equal maxima: the banned one first, the other later
+    first, second = sorted(order[:2])
+    for row, banned in ((logits, [int(order[0])]), (logits, [int(order[5])]), (tie, [int(first)]),
+                        (tie, [int(second)]), (logits, [])):
+        masked = row.copy()
+        masked[banned] = -np.inf
+        token = Sampler(SamplingParams(temperature=0), banned=banned).sample(row, [3, 4])
+        assert token == int(np.argmax(masked)) and token not in banned
+
+
 def test_with_setting_parses_and_validates():
     p = SamplingParams()
     assert p.with_setting("temp", "0.5").temperature == 0.5
