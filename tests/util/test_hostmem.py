@@ -1,0 +1,38 @@
+"""host_buffer: a state's bytes in memory whose pages are there before llama.cpp writes them."""
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+
+from localinfer.util.hostmem import POPULATE_MIN, host_buffer
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("n", [0, 7, POPULATE_MIN - 1, POPULATE_MIN, 3 * POPULATE_MIN + 5])
+def test_a_host_buffer_is_n_writable_bytes(n):
+    b = host_buffer(n)
+    assert b.dtype == np.uint8 and b.shape == (n,) and b.flags.writeable
+    b[:] = 7
+    assert int(b.sum()) == 7 * n
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_POPULATE is Linux's")
+def test_a_large_host_buffer_is_resident_before_it_is_written():
+    """Populated at allocation (one mmap call), where np.empty's pages come one fault at a time as they are
+    touched: 64 MiB untouched adds 64 MiB to the resident set through host_buffer, and next to nothing through
+    np.empty."""
+    n = 64 << 20
+    before = _rss()
+    b = host_buffer(n)
+    grew = _rss() - before
+    lazy_before = _rss()
+    e = np.empty(n, dtype=np.uint8)
+    lazy = _rss() - lazy_before
+    assert grew >= 0.95 * n > 10 * lazy
+    del b, e
