@@ -173,6 +173,29 @@ def test_several_logit_rows_of_one_chunk_equal_the_rows_of_one_token_steps(ex):
     assert one.shape == (ex.n_vocab,) and np.array_equal(one, alone[0])
 
 
+def test_lent_rows_are_llama_cpps_own_buffer_read_only_and_equal_to_copies(ex):
+    """``lend_rows`` (the serving executor's): a one-row chunk's logits are a read-only view of llama.cpp's output
+    buffer, no copy, equal bit for bit to the copied row; the next step rewrites it, which is why only a caller that
+    reads every row before its next call (the serving engine) asks for them.  A several-row chunk is still stacked."""
+    p, forced = _tokens(ex, PROMPTS[0]), (5, 9)
+    alone = _alone(ex, p, forced)
+    ex.lend_rows = True
+    try:
+        lent = ex.step([Chunk(0, p, 0, True)])[0]
+        assert not lent.flags.writeable and not lent.flags.owndata and np.array_equal(lent, alone[0])
+        with pytest.raises(ValueError):
+            lent[0] = 0.0
+        seen = lent.copy()
+        nxt = ex.step([Chunk(0, forced[:1], len(p), True)])[0]
+        assert np.array_equal(nxt, alone[1]) and np.array_equal(lent, nxt) and not np.array_equal(lent, seen)
+        ex.drop(0)
+        rows = ex.step([Chunk(0, p + forced, 0, True, n_logits=3)])[0]
+        assert rows.flags.owndata and all(np.array_equal(rows[i], alone[i]) for i in range(3))
+    finally:
+        ex.lend_rows = False
+        ex.drop(0)
+
+
 def test_bad_chunks_are_refused_before_llama_cpp_sees_them(ex):
     with pytest.raises(ValueError, match="cannot start"):
         ex.step([Chunk(0, (1, 2), 3)])

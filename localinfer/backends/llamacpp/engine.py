@@ -34,6 +34,7 @@ from localinfer.errors import ContextFullError, LocalinferError, UnsupportedMode
 from localinfer.util import signals
 
 ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C
+FEW_ROWS = 32          # fill_batch writes up to this many rows item by item
 
 
 class LlamaCppEngine(Engine):
@@ -82,7 +83,8 @@ class LlamaCppEngine(Engine):
         self._views = {k: np.ctypeslib.as_array(getattr(self._batch, k), shape=(self._n_batch,))
                        for k in ("token", "pos", "n_seq_id", "logits")}
         self._views["n_seq_id"][:] = 1
-        self._slot_seq = np.full(self._n_batch, -1, dtype=np.int64)
+        self._slot_seq = [-1] * self._n_batch      # each batch row's sequence id as written
+        self._row_type = ctypes.c_float * self.n_vocab      # a logits row lent in place (logit_rows(lend=True))
         self._abort = threading.Event()
         self.aborted = 0  # llama_decode calls stopped inside the graph (Ctrl-C, or interrupt())
         self._stop = ctypes.create_string_buffer(2)     # [flag, NUL]: interrupt() sets the flag (native.FLAG_ABORT)
@@ -158,15 +160,18 @@ class LlamaCppEngine(Engine):
 
     def fill_batch(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
         """Write rows into the batch from slot 0: token, position, sequence, logits flag."""
-        n = len(tokens)
-        v = self._views
-        v["token"][:n] = tokens
-        v["pos"][:n] = pos
-        v["logits"][:n] = want
-        seqs = np.asarray(seqs, dtype=np.int64)
-        for i in np.flatnonzero(self._slot_seq[:n] != seqs):
-            self._batch.seq_id[i][0] = int(seqs[i])
-            self._slot_seq[i] = seqs[i]
+        n, b, mine = len(tokens), self._batch, self._slot_seq
+        if n <= FEW_ROWS:     # a decode step's few rows: item by item (numpy's conversions cost more right after a decode)
+            tok, at, out = b.token, b.pos, b.logits
+            for i in range(n):
+                tok[i], at[i], out[i] = tokens[i], pos[i], 1 if want[i] else 0
+        else:
+            v = self._views
+            v["token"][:n], v["pos"][:n], v["logits"][:n] = tokens, pos, want
+        for i in range(n):
+            s = int(seqs[i])
+            if mine[i] != s:
+                b.seq_id[i][0] = mine[i] = s
 
     # ---- interrupting a decode from another thread ---------------------------
     def interrupt(self) -> None:
@@ -222,15 +227,28 @@ class LlamaCppEngine(Engine):
             finally:
                 self._rest_abort()
 
-    def logit_rows(self, indices: Sequence[int]) -> np.ndarray:
+    def logit_rows(self, indices: Sequence[int], *, lend: bool = False) -> np.ndarray | list[np.ndarray]:
+        """The logits rows of these batch slots, copied; ``lend``: a list of read-only views of llama.cpp's own
+        output buffer instead, no copy, which the next ``llama_decode`` overwrites or frees (the caller reads them
+        first)."""
+        if lend:
+            return [self._lent_row(i) for i in indices]
         out = np.empty((len(indices), self.n_vocab), dtype=np.float32)
         row = self.n_vocab * 4
         for r, i in enumerate(indices):
-            ptr = _L.llama_get_logits_ith(self._ctx, i)
-            if not ptr:
-                raise LocalinferError(f"llama.cpp returned no logits for batch slot {i}")
-            ctypes.memmove(out.ctypes.data + r * row, ptr, row)
+            ctypes.memmove(out.ctypes.data + r * row, self._logits_at(i), row)
         return out
+
+    def _logits_at(self, i: int) -> int:
+        addr = ctypes.cast(_L.llama_get_logits_ith(self._ctx, i), ctypes.c_void_p).value
+        if not addr:
+            raise LocalinferError(f"llama.cpp returned no logits for batch slot {i}")
+        return addr
+
+    def _lent_row(self, i: int) -> np.ndarray:
+        view = np.frombuffer(self._row_type.from_address(self._logits_at(i)), dtype=np.float32)
+        view.flags.writeable = False
+        return view
 
     def _eval_chunk(self, tokens, start, logits_at, seq):
         self._alive()

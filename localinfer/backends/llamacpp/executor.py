@@ -40,7 +40,7 @@ from localinfer.backends.llamacpp.compaction import CompactionError, CompactPoli
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
-from localinfer.util.hostmem import host_cache_budget
+from localinfer.util.hostmem import host_buffer, host_cache_budget
 
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 
@@ -57,7 +57,8 @@ class LlamaCppExecutor(ExecutorBase):
     verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk); not on recurrent models
     interrupts_steps = True     # a graph on the CPU stops at its next node; elsewhere before the next llama_decode
 
-    def __init__(self, plan: LoadPlan, *, park_host: bool = False, host_budget: int | None = None):
+    def __init__(self, plan: LoadPlan, *, park_host: bool = False, host_budget: int | None = None,
+                 lend_rows: bool = False):
         self.unified = bool(plan.options.get("kv_unified", True))
         self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))
         ctx = self.engine.context
@@ -96,8 +97,8 @@ class LlamaCppExecutor(ExecutorBase):
         self._saved: dict[int, int] = {}               # slot -> positions its blob holds (drop cuts _len only)
         self.host_budget = host_budget     # bytes of parked KV in host memory (None: HOST_PARK_MAX or half the free RAM)
         self.position_bytes = 0            # bytes one more position adds to a parked state (the probe measures it)
-        self.decode_seconds = 0.0
-        self.steps = 0
+        self.decode_seconds, self.steps = 0.0, 0
+        self.lend_rows = lend_rows         # step's one-token rows are llama.cpp's buffer, read before the next call
         self._flight = threading.Lock()    # step() in flight or not, and the interrupt flag, change together
         self._stepping = False
         self._interrupt_asked = False      # interrupt() before this step reached llama_decode
@@ -138,7 +139,7 @@ class LlamaCppExecutor(ExecutorBase):
     # ---- the contract ---------------------------------------------------------
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
         """Append every chunk (one ``llama_decode``, two with ``split_short``, more past n_batch / n_outputs_max);
-        logits rows by slot."""
+        logits rows by slot (with ``lend_rows`` a one-row chunk's is a read-only view that the next step rewrites)."""
         self._alive()
         self._check_chunks(chunks)
         if not chunks:
@@ -248,7 +249,7 @@ class LlamaCppExecutor(ExecutorBase):
         return True
 
     def _read_state(self, slot: int, n: int) -> np.ndarray | None:
-        blob = np.empty(n, dtype=np.uint8)
+        blob = host_buffer(n)
         ok = _L.llama_state_seq_get_data(self.engine.context, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
                                          n, slot) == n
         return blob if ok else None
@@ -408,7 +409,7 @@ class LlamaCppExecutor(ExecutorBase):
         at = [i for i, w in enumerate(want) if w]
         if not at:
             return []
-        logits = eng.logit_rows(at)
+        logits = eng.logit_rows(at, lend=self.lend_rows)
         return [(seqs[i], logits[k]) for k, i in enumerate(at)]
 
     def _rollback(self, chunks: Sequence[Chunk]) -> None:
@@ -482,11 +483,8 @@ class LlamaCppExecutor(ExecutorBase):
     def close(self) -> None:
         self.engine.close()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Self:     # ExecutorBase's __exit__ closes it
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 _MROPE = {getattr(_L, n) for n in ("LLAMA_ROPE_TYPE_MROPE", "LLAMA_ROPE_TYPE_IMROPE", "LLAMA_ROPE_TYPE_VISION")
@@ -496,5 +494,6 @@ _MROPE = {getattr(_L, n) for n in ("LLAMA_ROPE_TYPE_MROPE", "LLAMA_ROPE_TYPE_IMR
 def open_serving(plan: LoadPlan, *, running: int) -> LlamaCppExecutor:
     """The serving executor (the registry's factory): ``plan.n_seq`` ids over one context; the ids past
     ``running`` park finished requests' KV, in host memory (``park_host``: off the cells every step attends
-    over; without parked ids no load-time parking probe runs)."""
-    return LlamaCppExecutor(plan, park_host=plan.n_seq > running)
+    over; without parked ids no load-time parking probe runs).  Its rows are lent, not copied: the serving engine
+    samples every row of a step before it calls the executor again."""
+    return LlamaCppExecutor(plan, park_host=plan.n_seq > running, lend_rows=True)
