@@ -44,19 +44,20 @@ TIMED = [(runtime.Runtime, "_events"), (runtime.Runtime, "_dispatch"), (runtime.
 
 
 def timed(table: dict, cls, name: str) -> None:
-    f, label, clock = getattr(cls, name), f"{cls.__name__}.{name}", time.perf_counter_ns
+    f, label, clock, cpu = getattr(cls, name), f"{cls.__name__}.{name}", time.perf_counter_ns, time.thread_time_ns
     first = label == "StepEngine.step"
 
     def wrapper(*args, **kwargs):
         if first and not table[label][1]:
             table.clear()             # the first serving step: the load's calibration steps are not counted
-        t = clock()
+        t, c = clock(), cpu()
         try:
             return f(*args, **kwargs)
         finally:
             row = table[label]
             row[0] += clock() - t
             row[1] += 1
+            row[2] += cpu() - c
     setattr(cls, name, wrapper)
 
 
@@ -88,7 +89,7 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18391)
     p.add_argument("--json", default=None, help="write the table here as JSON")
     args = p.parse_args()
-    table: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    table: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
     for cls, name in TIMED:
         timed(table, cls, name)
     out: dict = {}
@@ -100,12 +101,13 @@ def main() -> int:
         print(f"serve_host_work: no figures (serve exit {rc}; load: {load.get('error', 'no steps')})", file=sys.stderr)
         return 1
     steps = table["StepEngine.step"][1] or 1
-    rows = {k: {"calls": n, "us_per_step": ns / 1e3 / steps} for k, (ns, n) in table.items()}
+    rows = {k: {"calls": n, "us_per_step": ns / 1e3 / steps, "cpu_us_per_step": c / 1e3 / steps}
+            for k, (ns, n, c) in table.items()}
     host = (table["StepEngine.step"][0] - table["LlamaCppEngine.decode_batch"][0]) / 1e3 / steps
     print(f"concurrency {args.concurrency}: {steps} steps, tok/s {load.get('output_tok_s')}, "
           f"ITL p50 {load.get('itl_p50_ms')} ms; StepEngine.step outside llama_decode {host:.0f} us a step")
     for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"]):
-        print(f"  {k:34s} {v['calls']:7d} calls  {v['us_per_step']:9.1f} us a step")
+        print(f"  {k:34s} {v['calls']:7d} calls  {v['us_per_step']:9.1f} us a step  (thread CPU {v['cpu_us_per_step']:7.1f})")
     if args.json:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         Path(args.json).write_text(json.dumps({
