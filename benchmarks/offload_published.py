@@ -13,8 +13,10 @@ a token) and the test is a decode.  The host runs the threads the row gives (``-
 prediction is ``fit``'s speed of that plan (``plan/host_speed.py``: the GPU part on llama.cpp's kernel model,
 the host part the slower of its RAM, bandwidth × MBU, and its cores, threads × the per-core rate); the script
 prints the MBU and the per-core rate that would each make a prediction exact.  Rows run with ik_llama.cpp are
-summarised apart (its CPU kernels differ from mainline's), and so are the rows one (MBU, rate) pair cannot
-describe (ik_llama.cpp's K-quant kernels without ``-rtr``).  A two-socket host reads at ``NUMA_SHARE`` of one
+summarised apart (its CPU kernels differ from mainline's), and so are the rows of ik_llama.cpp's K-quants without
+``-rtr`` (out of scope: held out of every fit), a slower kernel path than the repacked one the per-core rate is fitted
+on: where ikawrakow published the TG speedup of the quant's repacked type (``NO_RTR_SPEEDUP``, independent of these
+rows) such a row's per-core rate is the fitted one over it.  A two-socket host reads at ``NUMA_SHARE`` of one
 socket's bandwidth (``devices/hosts.py``: measured on another host, a Xeon 8480+ with one socket and with two, so
 the two-socket rows here are held out of it); rows the collector marked
 doubtful (RAM about the model's size: paging) are left out.  ``--fit`` fits the MBU and the per-core rate on the
@@ -58,6 +60,12 @@ MODELS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "qwen3-235b-a22b": "qwen3-235b-a22b"
           "kimi-k2": "kimi-k2", "glm-4.5-air": "glm-4.5-air", "qwen3.5-35b-a3b": "qwen3.5-35b-a3b",
           "llama-4-scout": "llama-4-scout"}
 EXTRA_QUANTS = {"UD-Q2_K_XL": "q2_k"}
+# ik_llama.cpp without -rtr: its K-quants' matrix-vector kernels before run-time repacking, slower per core by the
+# TG-128 speedup of the repacked type ikawrakow published when adding it (LLaMA-3.1-8B, one thread, so compute-bound,
+# on a Ryzen-7950X, Zen 4), keyed by the row's skeleton type: (speedup, where)
+NO_RTR_SPEEDUP = {"q2_k": (1.376, "https://github.com/ikawrakow/ik_llama.cpp/pull/136 (Q2_K_S 6.60 -> Q2_K_R4 9.08)"),
+                  "q4_k_s": (1.562, "https://github.com/ikawrakow/ik_llama.cpp/pull/129 (Q4_K_S 5.73 -> Q4_K_R4 8.95)"),
+                  "q6_k": (1.476, "https://github.com/ikawrakow/ik_llama.cpp/pull/130 (Q6_K 5.38 -> Q6_K_R4 7.94)")}
 # cores of the CPUs rows name without a count (llama.cpp's default threads: one a physical core): AMD's Ryzen 9 5900X
 # and Ryzen 9 7900 are 12-core parts (the RX 6900 XT post: "AMD Ryzen 9 7900 (12-core/24-thread)")
 CORES = {"Ryzen 9 5900X": 12, "Ryzen 9 7900": 12}
@@ -97,9 +105,23 @@ def sockets_of(r: dict) -> int:
     return 2 if r["host_cpu"].lstrip().startswith("2x") else 1
 
 
+def no_rtr(r: dict) -> bool:
+    """Whether the row ran ik_llama.cpp's K-quants without run-time repacking (``-rtr 0``, or no ``-rtr``)."""
+    return "ik_llama" in r["tool"] and ("-rtr 0" in r["placement"] or " -rtr" not in " " + r["placement"]) \
+        and "_K" in r["quant"]
+
+
+def core_share(r: dict) -> float:
+    """The row's per-core rate as a share of the fitted one: 1 / the published speedup of the repacked type where the
+    row runs ik_llama.cpp's K-quants without ``-rtr`` (``NO_RTR_SPEEDUP``), else 1."""
+    quant = QUANTS.get(r["quant"]) or EXTRA_QUANTS.get(r["quant"])
+    return 1 / NO_RTR_SPEEDUP[quant][0] if no_rtr(r) and quant in NO_RTR_SPEEDUP else 1.0
+
+
 def host_of(r: dict) -> HostProfile | None:
     """The row's host: its RAM at the rate the row says the DIMMs run at (``ram_mts``; else the DDR-NNNN it names)
-    × 8 bytes × the channels (``ram_channels``, each with its reason in ``ram_note``), JEDEC theoretical."""
+    × 8 bytes × the channels (``ram_channels``, each with its reason in ``ram_note``), JEDEC theoretical; its cores at
+    the fitted per-core rate × :func:`core_share`."""
     m = DDR_RE.search(r["host_ram"])
     rate = int(r["ram_mts"]) if r.get("ram_mts") else int(m.group(2)) if m else 0
     if not rate or not r["ram_channels"]:
@@ -109,7 +131,8 @@ def host_of(r: dict) -> HostProfile | None:
     # host profiles' fp32_flops
     return HostProfile(name=f"ddr-{rate}-{ch}ch", display_name=r["host_ram"], memory_bytes=1 << 40,
                        reserve="0", bandwidth_bytes_per_s=rate * 1e6 * 8 * ch, cores=threads,
-                       fp32_flops=threads * 3e9 * 32, decode_mbu=HOST_MBU, sockets=sockets_of(r))
+                       fp32_flops=threads * 3e9 * 32, decode_mbu=HOST_MBU, sockets=sockets_of(r),
+                       decode_flops_per_core=DECODE_FLOPS_PER_CORE * core_share(r))
 
 
 def rows(workdir: Path):
@@ -151,13 +174,13 @@ def rows(workdir: Path):
 
 
 def out_of_scope(r: dict) -> str:
-    """Why one (MBU, per-core rate) pair cannot describe the row, or "": ik_llama.cpp's K-quant kernels without
-    run-time repacking (a slower path: on one host 7.35 tok/s against 13.13 with ``-rtr 1``).  Two sockets are in
-    scope: the host's NUMA share (devices/hosts.py NUMA_SHARE) describes them."""
-    if "ik_llama" in r["tool"] and ("-rtr 0" in r["placement"] or " -rtr" not in " " + r["placement"]) \
-            and "_K" in r["quant"]:
-        return "ik_llama.cpp without -rtr"
-    return ""
+    """Why the row is held out of the fits, or "": ik_llama.cpp's K-quant kernels without run-time repacking, a
+    slower path than the one the per-core rate is fitted on (predicted at the fitted rate over the published speedup
+    of the quant's repacked type, :func:`core_share`, where one is published).  Two sockets are in scope: the host's
+    NUMA share (devices/hosts.py NUMA_SHARE) describes them."""
+    if not no_rtr(r):
+        return ""
+    return "ik_llama.cpp without -rtr" + (f" (r/{1 / core_share(r):.3f})" if core_share(r) != 1.0 else "")
 
 
 def measure(found) -> list[dict]:
@@ -174,6 +197,7 @@ def measure(found) -> list[dict]:
                     "bound": sp["decode_bound"], "gpu_s": sp["gpu_s"], "bytes": sp["host_read_bytes"],
                     "flops": sp["host_flops"], "threads": host.cores, "bandwidth": bw,
                     "tool": "ik_llama.cpp" if "ik_llama" in r["tool"] else "mainline", "scope": out_of_scope(r),
+                    "core_share": core_share(r),
                     "mbu_that_fits": sp["host_read_bytes"] / bw / host_s if host_s > 0
                     else math.inf,
                     "core_flops_that_fit": sp["host_flops"] / host.cores / host_s if host_s > 0 else math.inf})
@@ -181,8 +205,10 @@ def measure(found) -> list[dict]:
 
 
 def predicted(m: dict, mbu: float, per_core: float) -> float:
-    """The row's decode speed at host MBU ``mbu`` and ``per_core`` FLOP/s a thread (the model's host term)."""
-    return 1 / (m["gpu_s"] + max(m["bytes"] / (m["bandwidth"] * mbu), m["flops"] / (m["threads"] * per_core)))
+    """The row's decode speed at host MBU ``mbu`` and ``per_core`` FLOP/s a thread (the model's host term; the rate ×
+    the row's kernel path's share, :func:`core_share`)."""
+    return 1 / (m["gpu_s"] + max(m["bytes"] / (m["bandwidth"] * mbu),
+                                 m["flops"] / (m["threads"] * per_core * m["core_share"])))
 
 
 def summary(label: str, ratios: list[float]) -> str:
@@ -211,8 +237,8 @@ def fit(ms: list[dict]) -> None:
                         ("out of scope", [m for m in ms if m["scope"]])):
         print(summary(f"  {label}", [predicted(m, mbu, per_core) / m["published"] for m in rows]))
     for host in sorted({m["row"]["host_cpu"] for m in fit_rows}):
-        own = [m for m in fit_rows if m["row"]["host_cpu"] == host and m["flops"] / m["threads"] / per_core
-               > m["bytes"] / m["bandwidth"] / mbu]
+        own = [m for m in fit_rows if m["row"]["host_cpu"] == host
+               and m["flops"] / m["threads"] / (per_core * m["core_share"]) > m["bytes"] / m["bandwidth"] / mbu]
         if own:
             c = min((c for _, c in grid), key=lambda c: sum(math.log(predicted(m, mbu, c) / m["published"]) ** 2
                                                              for m in own))
