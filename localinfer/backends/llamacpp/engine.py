@@ -35,6 +35,8 @@ from localinfer.util import signals
 
 ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C
 FEW_ROWS = 32          # fill_batch writes up to this many rows item by item
+# llama_get_logits_ith returning the row's address as an int (no pointer object to cast: read right after a decode)
+_LOGITS_ADDR = ctypes.cast(_L.llama_get_logits_ith, ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int))
 
 
 class LlamaCppEngine(Engine):
@@ -85,6 +87,7 @@ class LlamaCppEngine(Engine):
         self._views["n_seq_id"][:] = 1
         self._slot_seq = [-1] * self._n_batch      # each batch row's sequence id as written
         self._row_type = ctypes.c_float * self.n_vocab      # a logits row lent in place (logit_rows(lend=True))
+        self._lent: dict[int, np.ndarray] = {}                # address -> the read-only view lent there
         self._abort = threading.Event()
         self.aborted = 0  # llama_decode calls stopped inside the graph (Ctrl-C, or interrupt())
         self._stop = ctypes.create_string_buffer(2)     # [flag, NUL]: interrupt() sets the flag (native.FLAG_ABORT)
@@ -240,14 +243,19 @@ class LlamaCppEngine(Engine):
         return out
 
     def _logits_at(self, i: int) -> int:
-        addr = ctypes.cast(_L.llama_get_logits_ith(self._ctx, i), ctypes.c_void_p).value
+        addr = _LOGITS_ADDR(self._ctx, i)
         if not addr:
             raise LocalinferError(f"llama.cpp returned no logits for batch slot {i}")
         return addr
 
     def _lent_row(self, i: int) -> np.ndarray:
-        view = np.frombuffer(self._row_type.from_address(self._logits_at(i)), dtype=np.float32)
-        view.flags.writeable = False
+        addr = self._logits_at(i)
+        view = self._lent.get(addr)
+        if view is None:         # llama.cpp's output buffer moved, or a new row of it: a view of it, kept for next time
+            if len(self._lent) >= self._n_outputs:
+                self._lent.clear()
+            view = self._lent[addr] = np.frombuffer(self._row_type.from_address(addr), dtype=np.float32)
+            view.flags.writeable = False
         return view
 
     def _eval_chunk(self, tokens, start, logits_at, seq):
