@@ -97,7 +97,9 @@ class Executor(Protocol):
         """What this executor can do (see :class:`ExecutorCaps`)."""
 
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
-        """Append every chunk in one forward pass; logits rows (float32, n_vocab) by slot for those asking."""
+        """Append every chunk in one forward pass; logits rows (float32, n_vocab) by slot for those asking.  An
+        executor may lend its rows (the serving llama.cpp executor's ``lend_rows``): read-only views of the backend's
+        own buffer, valid until the next call into it, so a caller that keeps a row past that copies it."""
 
     def copy(self, src: int, dst: int, n_tokens: int, *, append: bool = False) -> int:
         """Slot ``dst`` (empty; with ``append``, already holding a prefix of the same tokens) shares positions up to

@@ -232,7 +232,7 @@ class StepEngine:
             if self._leaving and self.executor.caps.interrupts_steps:
                 self._interrupt_if_all_leaving()
         try:
-            rows = ex.step(chunks)
+            rows = ex.step(chunks)     # maybe lent (Executor.step): all are sampled below before the next executor call
         except StepInterrupted:
             with self._lock:
                 with contextlib.suppress(Exception):

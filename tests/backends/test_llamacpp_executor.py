@@ -269,11 +269,13 @@ def test_refilling_a_freed_slot_keeps_per_slot_streams_batch_invariant(streams):
         assert all(np.array_equal(x, y) for x, y in zip(alone, rows[name], strict=True)), name
 
 
+@pytest.mark.parametrize("lend", [False, True])
 @pytest.mark.parametrize("split", [True, False])
-def test_a_decode_beside_a_long_prefill_is_its_own_call(ex, split):
+def test_a_decode_beside_a_long_prefill_is_its_own_call(ex, split, lend):
     """Short chunks beside one of 64+ tokens go in a llama_decode of their own (the one-row attention kernel, as
     in a decode-only step): the decode row's logits equal a decode-only step's bit for bit.  Inside the prefill's
-    tiled ubatch (split off) they need not, and the step costs more (benchmarks/results/serve_split_cpu.txt)."""
+    tiled ubatch (split off) they need not, and the step costs more (benchmarks/results/serve_split_cpu.txt).
+    With ``lend_rows`` the first call's row is copied, not lent: the second call writes its own rows over it."""
     assert ex.split_short      # CPU, flash attention on
     a = _tokens(ex, PROMPTS[0])
     long = _tokens(ex, " ".join(["a quick brown fox jumps over the lazy dog"] * 12))
@@ -281,18 +283,20 @@ def test_a_decode_beside_a_long_prefill_is_its_own_call(ex, split):
     ex.step([Chunk(0, a, 0)])
     alone = ex.step([Chunk(0, (42,), len(a), True)])[0]
     ex.drop(0, len(a))
+    last = _alone(ex, long, (), slot=1)[0]
     calls = []
     decode = ex._decode
-    ex._decode = lambda rows: calls.append(len(rows)) or decode(rows)
-    ex.split_short = split
+    ex._decode = lambda rows, **kw: calls.append(len(rows)) or decode(rows, **kw)
+    ex.split_short, ex.lend_rows = split, lend
     try:
         got = ex.step([Chunk(0, (42,), len(a), True), Chunk(1, long, 0, True)])
     finally:
-        ex.split_short = True
+        ex.split_short, ex.lend_rows = True, False
         del ex._decode
+    assert got[1].flags.writeable is not lend and int(np.argmax(got[1])) == int(np.argmax(last))
     if split:
         assert calls == [1, len(long)]
-        assert np.array_equal(got[0], alone)
+        assert got[0].flags.writeable and np.array_equal(got[0], alone)
     else:
         assert calls == [1 + len(long)]
 
@@ -380,8 +384,8 @@ def test_an_interrupt_between_the_decodes_of_a_step_stops_before_the_next(defaul
         calls = []
         decode = ex._decode
 
-        def first_then_interrupt(rows):
-            out = decode(rows)
+        def first_then_interrupt(rows, **kw):
+            out = decode(rows, **kw)
             calls.append(len(rows))
             ex.interrupt()
             return out

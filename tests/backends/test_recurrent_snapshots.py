@@ -151,11 +151,11 @@ def test_a_step_that_fails_halfway_leaves_no_cells_behind_once_rewound(name, mod
         ex.rewind(0, saved)
         decode, calls = ex._decode, []
 
-        def second_fails(rows):              # a fault after the first call has written its positions
+        def second_fails(rows, **kw):        # a fault after the first call has written its positions
             calls.append(len(rows))
             if len(calls) == 2:
                 raise RuntimeError("injected fault")
-            return decode(rows)
+            return decode(rows, **kw)
 
         ex._decode = second_fails
         with pytest.raises(RuntimeError, match="injected"):

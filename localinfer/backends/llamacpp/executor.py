@@ -139,7 +139,8 @@ class LlamaCppExecutor(ExecutorBase):
     # ---- the contract ---------------------------------------------------------
     def step(self, chunks: Sequence[Chunk]) -> dict[int, np.ndarray]:
         """Append every chunk (one ``llama_decode``, two with ``split_short``, more past n_batch / n_outputs_max);
-        logits rows by slot (with ``lend_rows`` a one-row chunk's is a read-only view that the next step rewrites)."""
+        logits rows by slot (with ``lend_rows`` a one-row chunk's from the step's last llama_decode is a read-only view
+        that the next step rewrites)."""
         self._alive()
         self._check_chunks(chunks)
         if not chunks:
@@ -161,8 +162,8 @@ class LlamaCppExecutor(ExecutorBase):
             if self._interrupt_asked:     # asked while the chunks were checked: stop at the first graph node
                 self.engine.interrupt()
         try:
-            for rows in groups:
-                for slot, row in self._decode(rows):
+            for k, rows in enumerate(groups):     # a lent row is only the last call's: the next call rewrites it
+                for slot, row in self._decode(rows, lend=self.lend_rows and k == len(groups) - 1):
                     got.setdefault(slot, []).append(row)
         except ContextFullError as exc:
             self._rollback(chunks)
@@ -397,7 +398,7 @@ class LlamaCppExecutor(ExecutorBase):
                         + pack_rows(long, self.n_batch, self.n_outputs_max))
         return pack_rows(chunks, self.n_batch, self.n_outputs_max)
 
-    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> list[tuple[int, np.ndarray]]:
+    def _decode(self, rows: list[tuple[int, int, int, bool]], lend: bool = False) -> list[tuple[int, np.ndarray]]:
         eng = self.engine
         tokens, pos, seqs, want = zip(*rows)
         eng.fill_batch(tokens, pos, seqs, want)
@@ -409,7 +410,7 @@ class LlamaCppExecutor(ExecutorBase):
         at = [i for i, w in enumerate(want) if w]
         if not at:
             return []
-        logits = eng.logit_rows(at, lend=self.lend_rows)
+        logits = eng.logit_rows(at, lend=lend)
         return [(seqs[i], logits[k]) for k, i in enumerate(at)]
 
     def _rollback(self, chunks: Sequence[Chunk]) -> None:
