@@ -1,6 +1,7 @@
 """host_buffer: a state's bytes in memory whose pages are there before llama.cpp writes them."""
 
 import mmap
+import platform
 import sys
 
 import numpy as np
@@ -22,9 +23,14 @@ def test_a_host_buffer_is_n_writable_bytes(n):
     assert int(b.sum()) == 7 * n
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MAP_POPULATE is Linux's")
+def _kernel() -> tuple[int, ...]:
+    return tuple(int(x) for x in platform.release().split("-")[0].split(".")[:2] if x.isdigit())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _kernel() < (5, 14),
+                    reason="MADV_POPULATE_WRITE is Linux 5.14's")
 def test_a_large_host_buffer_is_resident_before_it_is_written():
-    """Populated at allocation (one mmap call), where np.empty's pages come one fault at a time as they are
+    """Populated at allocation (one madvise call), where np.empty's pages come one fault at a time as they are
     touched: 64 MiB untouched adds 64 MiB to the resident set through host_buffer, and next to nothing through
     np.empty."""
     n = 64 << 20
@@ -36,3 +42,12 @@ def test_a_large_host_buffer_is_resident_before_it_is_written():
     lazy = _rss() - lazy_before
     assert grew >= 0.95 * n > 10 * lazy
     del b, e
+
+
+def test_a_slice_keeps_the_mapping_alive():
+    """Parked states are cut into slices and copies: the memory stays mapped while any array over it lives."""
+    b = host_buffer(2 * POPULATE_MIN)
+    tail = b[POPULATE_MIN:]
+    del b
+    tail[:] = 3
+    assert int(tail[-1]) == 3 and tail.size == POPULATE_MIN
