@@ -3,11 +3,13 @@
     python3 benchmarks/serve_host_work.py [--concurrency 1] [--requests 8] [--json OUT]
 
 Runs ``localinfer serve`` (the embedded model, --parallel 8 --ctx 4096 -t 2 -fa on --max-queue 1024, as
-serve_peers.py does) in this process with a wall-clock timer around each of the engine's per-step calls, drives it
-with serve_load.py (300-token prompts, 128 tokens out; its uncounted warm-up request is in the steps), stops it, and
-prints each call's time per engine step (from the first serving step on: the calibration at load is left out).
-``StepEngine.step`` minus ``LlamaCppEngine.decode_batch`` is the step's host work inside the engine; the Runtime
-rows are the engine thread's work between steps.  The timers cost ~1 us a call.
+serve_peers.py does) in this process with a wall-clock timer and a thread-CPU timer around each of the engine's
+per-step calls, drives it with serve_load.py (300-token prompts, 128 tokens out; its uncounted warm-up request is in
+the steps), stops it, and prints each call's time per engine step (from the first serving step on: the calibration
+at load is left out).  ``StepEngine.step`` minus ``LlamaCppEngine.decode_batch`` is the step's host work inside the
+engine; the Runtime rows are the engine thread's work between steps.  The CPU column is the engine thread's own
+(inside ``decode_batch`` ggml's other threads are not in it); where it is below the wall time the thread waited or
+was preempted.  The timers cost a few us a call (the thread clock is a system call).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def main() -> int:
     print(f"concurrency {args.concurrency}: {steps} steps, tok/s {load.get('output_tok_s')}, "
           f"ITL p50 {load.get('itl_p50_ms')} ms; StepEngine.step outside llama_decode {host:.0f} us a step")
     for k, v in sorted(rows.items(), key=lambda kv: -kv[1]["us_per_step"]):
-        print(f"  {k:34s} {v['calls']:7d} calls  {v['us_per_step']:9.1f} us a step  (thread CPU {v['cpu_us_per_step']:7.1f})")
+        print(f"  {k:34s} {v['calls']:7d} calls  {v['us_per_step']:9.1f} us a step  "
+              f"(thread CPU {v['cpu_us_per_step']:7.1f})")
     if args.json:
         head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         Path(args.json).write_text(json.dumps({

@@ -138,6 +138,21 @@ def test_greedy_with_banned_tokens_is_the_argmax_of_the_masked_row(logits):
         masked[banned] = -np.inf
         token = Sampler(SamplingParams(temperature=0), banned=banned).sample(row, [3, 4])
         assert token == int(np.argmax(masked)) and token not in banned
+    nan = logits.copy()
+    nan[[7, 11]] = np.nan                # argmax takes the first NaN; banned, the masked row's first NaN is 11
+    assert Sampler(SamplingParams(temperature=0), banned=[7]).sample(nan, []) == 11
+    assert Sampler(SamplingParams(temperature=0), banned=[int(order[0])]).sample(nan, []) == 7
+
+
+def test_greedy_with_banned_tokens_reads_the_row_without_a_masked_copy(logits, monkeypatch):
+    """The argmax of the row as given, when no banned token is it: the masked path (a copy of the row each token)
+    is not taken; it is when the argmax is banned."""
+    s = Sampler(SamplingParams(temperature=0), banned=[int(np.argsort(logits)[0])])
+    monkeypatch.setattr(s, "candidates", lambda *a: pytest.fail("masked a row whose argmax is allowed"))
+    assert s.sample(logits, [1, 2]) == int(np.argmax(logits))
+    s.banned, s._banned = np.array([int(np.argmax(logits))]), frozenset([int(np.argmax(logits))])
+    with pytest.raises(pytest.fail.Exception):
+        s.sample(logits, [1, 2])
 
 
 def test_with_setting_parses_and_validates():

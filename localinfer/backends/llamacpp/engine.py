@@ -35,8 +35,6 @@ from localinfer.util import signals
 
 ABORT_MIN_TOKENS = 32  # evals at least this long can be aborted mid-graph by Ctrl-C
 FEW_ROWS = 32          # fill_batch writes up to this many rows item by item
-# llama_get_logits_ith returning the row's address as an int (no pointer object to cast: read right after a decode)
-_LOGITS_ADDR = ctypes.cast(_L.llama_get_logits_ith, ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int))
 
 
 class LlamaCppEngine(Engine):
@@ -164,7 +162,7 @@ class LlamaCppEngine(Engine):
     def fill_batch(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
         """Write rows into the batch from slot 0: token, position, sequence, logits flag."""
         n, b, mine = len(tokens), self._batch, self._slot_seq
-        if n <= FEW_ROWS:     # a decode step's few rows: item by item (numpy's conversions cost more right after a decode)
+        if n <= FEW_ROWS:     # a decode step's rows: item by item (numpy's conversions cost more right after a decode)
             tok, at, out = b.token, b.pos, b.logits
             for i in range(n):
                 tok[i], at[i], out[i] = tokens[i], pos[i], 1 if want[i] else 0
@@ -243,7 +241,7 @@ class LlamaCppEngine(Engine):
         return out
 
     def _logits_at(self, i: int) -> int:
-        addr = _LOGITS_ADDR(self._ctx, i)
+        addr = native.LOGITS_ADDR(self._ctx, i)
         if not addr:
             raise LocalinferError(f"llama.cpp returned no logits for batch slot {i}")
         return addr

@@ -72,6 +72,8 @@ def _flag_abort():
 
 
 FLAG_ABORT = _flag_abort()
+# llama_get_logits_ith returning the row's address as an int (no pointer object to cast: read right after a decode)
+LOGITS_ADDR = ctypes.cast(_L.llama_get_logits_ith, ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int))
 
 
 def init_backend() -> None:
