@@ -62,10 +62,11 @@ MODELS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "qwen3-235b-a22b": "qwen3-235b-a22b"
 EXTRA_QUANTS = {"UD-Q2_K_XL": "q2_k"}
 # ik_llama.cpp without -rtr: its K-quants' matrix-vector kernels before run-time repacking, slower per core by the
 # TG-128 speedup of the repacked type ikawrakow published when adding it (LLaMA-3.1-8B, one thread, so compute-bound,
-# on a Ryzen-7950X, Zen 4), keyed by the row's skeleton type: (speedup, where)
-NO_RTR_SPEEDUP = {"q2_k": (1.376, "https://github.com/ikawrakow/ik_llama.cpp/pull/136 (Q2_K_S 6.60 -> Q2_K_R4 9.08)"),
-                  "q4_k_s": (1.562, "https://github.com/ikawrakow/ik_llama.cpp/pull/129 (Q4_K_S 5.73 -> Q4_K_R4 8.95)"),
-                  "q6_k": (1.476, "https://github.com/ikawrakow/ik_llama.cpp/pull/130 (Q6_K 5.38 -> Q6_K_R4 7.94)")}
+# on a Ryzen-7950X, Zen 4), keyed by the K type the row's quant is built on (Q4_K_M and UD-Q4_K_XL are Q4_K's)
+NO_RTR_SPEEDUP = {"Q2_K": (1.376, "https://github.com/ikawrakow/ik_llama.cpp/pull/136 (Q2_K_S 6.60 -> Q2_K_R4 9.08)"),
+                  "Q4_K": (1.562, "https://github.com/ikawrakow/ik_llama.cpp/pull/129 (Q4_K_S 5.73 -> Q4_K_R4 8.95)"),
+                  "Q6_K": (1.476, "https://github.com/ikawrakow/ik_llama.cpp/pull/130 (Q6_K 5.38 -> Q6_K_R4 7.94)")}
+K_TYPE_RE = re.compile(r"(?<![A-Z])(Q\d_K)")
 # cores of the CPUs rows name without a count (llama.cpp's default threads: one a physical core): AMD's Ryzen 9 5900X
 # and Ryzen 9 7900 are 12-core parts (the RX 6900 XT post: "AMD Ryzen 9 7900 (12-core/24-thread)")
 CORES = {"Ryzen 9 5900X": 12, "Ryzen 9 7900": 12}
@@ -114,8 +115,8 @@ def no_rtr(r: dict) -> bool:
 def core_share(r: dict) -> float:
     """The row's per-core rate as a share of the fitted one: 1 / the published speedup of the repacked type where the
     row runs ik_llama.cpp's K-quants without ``-rtr`` (``NO_RTR_SPEEDUP``), else 1."""
-    quant = QUANTS.get(r["quant"]) or EXTRA_QUANTS.get(r["quant"])
-    return 1 / NO_RTR_SPEEDUP[quant][0] if no_rtr(r) and quant in NO_RTR_SPEEDUP else 1.0
+    k = K_TYPE_RE.search(r["quant"].upper())
+    return 1 / NO_RTR_SPEEDUP[k.group(1)][0] if no_rtr(r) and k and k.group(1) in NO_RTR_SPEEDUP else 1.0
 
 
 def host_of(r: dict) -> HostProfile | None:
