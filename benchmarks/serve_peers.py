@@ -17,7 +17,8 @@ minute moves one run's ratio by 5-15%, so a target is judged on the median (``--
 The load is ``benchmarks/serve_load.py`` (the same code as ``localinfer bench serve``), run once per
 server, level and round, fresh prompts per level and round.  ``--variant-arg FLAG`` / ``--variant-env VAR=VALUE``
 add a second localinfer server (``localinfer-b``) with that flag or environment, measured in the same rounds: an
-A/B of a setting that cancels the host's drift as the peers' ratios do.
+A/B of a setting that cancels the host's drift as the peers' ratios do; ``--variant-env PYTHONPATH=<a worktree>``
+runs that tree's code (the servers start in a directory of their own, this checkout first on their path).
 
 Scenarios (issue 15's measurements):
 
@@ -182,6 +183,12 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
+def server_env() -> dict[str, str]:
+    """The servers' environment: this one, with this checkout first on PYTHONPATH (a variant's ``env`` sets its own)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
 def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
     scenario = SCENARIOS[key]
     ports = {name: free_port() for name in SERVERS}
@@ -191,7 +198,10 @@ def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
     try:
         for name, cmd in cmds.items():
             log = tmp / f"{key}-{name}.log"
-            procs[name] = (subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT), log)
+            # from a directory of their own, this checkout first on the path: ``python -m localinfer`` would put the
+            # caller's directory ahead of a variant's PYTHONPATH (an A/B of a worktree ran the caller's code twice)
+            procs[name] = (subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp,
+                                            env=server_env()), log)
         for name, (proc, log) in procs.items():
             wait_ready(url_of(name), proc, log)
         levels = []
