@@ -66,7 +66,7 @@ EXTRA_QUANTS = {"UD-Q2_K_XL": "q2_k"}
 NO_RTR_SPEEDUP = {"Q2_K": (1.376, "https://github.com/ikawrakow/ik_llama.cpp/pull/136 (Q2_K_S 6.60 -> Q2_K_R4 9.08)"),
                   "Q4_K": (1.562, "https://github.com/ikawrakow/ik_llama.cpp/pull/129 (Q4_K_S 5.73 -> Q4_K_R4 8.95)"),
                   "Q6_K": (1.476, "https://github.com/ikawrakow/ik_llama.cpp/pull/130 (Q6_K 5.38 -> Q6_K_R4 7.94)")}
-K_TYPE_RE = re.compile(r"(?<![A-Z])(Q\d_K)")
+K_TYPE_RE = re.compile(r"(?<![A-Z])(Q\d_K)(?!_R\d)")     # not IQ*_K, not an already repacked *_R4
 # cores of the CPUs rows name without a count (llama.cpp's default threads: one a physical core): AMD's Ryzen 9 5900X
 # and Ryzen 9 7900 are 12-core parts (the RX 6900 XT post: "AMD Ryzen 9 7900 (12-core/24-thread)")
 CORES = {"Ryzen 9 5900X": 12, "Ryzen 9 7900": 12}

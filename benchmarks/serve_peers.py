@@ -183,6 +183,15 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
+def absolute_paths(assignment: str) -> str:
+    """``PYTHONPATH=../wt`` as ``PYTHONPATH=/abs/wt``: the servers start elsewhere, where a relative entry would
+    name nothing and the variant would quietly run the installed code."""
+    var, _, value = assignment.partition("=")
+    if var != "PYTHONPATH":
+        return assignment
+    return var + "=" + os.pathsep.join(os.path.abspath(p) for p in value.split(os.pathsep) if p)
+
+
 def server_env() -> dict[str, str]:
     """The servers' environment: this one, with this checkout first on PYTHONPATH (a variant's ``env`` sets its own)."""
     path = os.environ.get("PYTHONPATH")
@@ -311,7 +320,8 @@ def main(argv=None) -> int:
         ap.error("--rounds must be at least 1")
     if bad := [v for v in args.variant_env if "=" not in v or not v.split("=", 1)[0]]:
         ap.error(f"--variant-env takes VAR=VALUE, got {bad[0]!r}")
-    model = str(resolve_model(args.model))
+    model = str(resolve_model(args.model).resolve())      # the servers run in a directory of their own
+    args.variant_env = [absolute_paths(v) for v in args.variant_env]
     keys = [k for k in args.scenarios.split(",") if k]
     bad = [k for k in keys if k not in SCENARIOS]
     if bad:
@@ -321,6 +331,9 @@ def main(argv=None) -> int:
     if args.levels and (unknown := [x for x in args.levels if x not in known]):
         ap.error(f"unknown level(s) {unknown}; the chosen scenarios have {sorted(known)}")
     peers(args)
+    for peer in ("llama_server", "llama_cpp_python"):      # a relative program path would resolve in that directory
+        if getattr(args, peer) and os.sep in getattr(args, peer):
+            setattr(args, peer, os.path.abspath(getattr(args, peer)))
     before = machine()
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_scenario(args, model, k, Path(tmp)) for k in keys

@@ -24,11 +24,12 @@ def host_cache_budget() -> int:
 
 def host_buffer(n: int) -> np.ndarray:
     """``n`` bytes (uint8, writable, contents undefined) for a state llama.cpp writes at once, e.g. a parked
-    sequence's KV.  From ``POPULATE_MIN`` bytes on Linux they are an anonymous mapping of their own (no transparent
-    huge pages, which numpy asks for above 4 MiB) whose pages come in one ``madvise(MADV_POPULATE_WRITE)``, made
-    through ctypes so the GIL is free meanwhile, instead of a page fault each as the copy first touches them: a
-    9.9 MB parked state took 18.6 ms through ``np.empty`` against 3.6 ms, on the 2-vCPU KVM dev VM (5.1 ms mapped
-    but not populated, where the kernel is older).  The memory goes back when the last array over it does."""
+    sequence's KV.  From ``POPULATE_MIN`` bytes on Linux they are an anonymous mapping of their own (not the
+    transparent huge pages numpy asks for above 4 MiB, where THP is "madvise") whose pages come in one
+    ``madvise(MADV_POPULATE_WRITE)``, made through ctypes so the GIL is free meanwhile, instead of a page fault each
+    as the copy first touches them: a 9.9 MB parked state took 18.6 ms through ``np.empty`` against 3.6 ms, on the
+    2-vCPU KVM dev VM (5.1 ms mapped but not populated, where the kernel is older).  The memory goes back when the
+    last array over it does."""
     if n < POPULATE_MIN or sys.platform != "linux":
         return np.empty(n, dtype=np.uint8)
     try:
@@ -45,7 +46,7 @@ def host_buffer(n: int) -> np.ndarray:
 @functools.cache
 def _madvise():
     try:
-        f = ctypes.CDLL(None, use_errno=True).madvise
+        f = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
         return None
     f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int

@@ -196,6 +196,26 @@ def test_lent_rows_are_llama_cpps_own_buffer_read_only_and_equal_to_copies(ex):
         ex.drop(0)
 
 
+def test_a_step_split_by_its_outputs_lends_only_its_last_calls_rows(ex):
+    """Past ``n_outputs_max`` rows a step takes several llama_decode calls, each writing its outputs from the start of
+    llama.cpp's buffer: the earlier calls' rows are copies, only the last call's are lent, and all equal a step
+    that lends nothing."""
+    prompts = [_tokens(ex, p) for p in PROMPTS]
+    for s, p in enumerate(prompts):
+        ex.step([Chunk(s, p, 0)])
+    step = [Chunk(s, (11,), len(p), True) for s, p in enumerate(prompts)]
+    want = {s: r.copy() for s, r in ex.step(step).items()}
+    for s, p in enumerate(prompts):
+        ex.drop(s, len(p))
+    cap, ex.lend_rows, ex.n_outputs_max = ex.n_outputs_max, True, 2
+    try:
+        got = ex.step(step)
+    finally:
+        ex.lend_rows, ex.n_outputs_max = False, cap
+    assert [got[s].flags.writeable for s in range(3)] == [True, True, False]
+    assert all(np.array_equal(got[s], want[s]) for s in range(3))
+
+
 def test_bad_chunks_are_refused_before_llama_cpp_sees_them(ex):
     with pytest.raises(ValueError, match="cannot start"):
         ex.step([Chunk(0, (1, 2), 3)])

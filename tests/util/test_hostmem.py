@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from localinfer.util.hostmem import POPULATE_MIN, host_buffer
+from localinfer.util import hostmem
+from localinfer.util.hostmem import MADV_POPULATE_WRITE, POPULATE_MIN, host_buffer
 
 
 def _rss() -> int:
@@ -51,3 +52,18 @@ def test_a_slice_keeps_the_mapping_alive():
     del b
     tail[:] = 3
     assert int(tail[-1]) == 3 and tail.size == POPULATE_MIN
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the populated mapping is Linux's")
+@pytest.mark.parametrize("answer", [0, -1])
+def test_a_large_buffer_asks_the_kernel_for_its_pages_once_and_survives_a_refusal(monkeypatch, answer):
+    """One madvise(MADV_POPULATE_WRITE) over the whole page-aligned mapping; a kernel that refuses it (before
+    5.14, or memory short) leaves a buffer that works, its pages coming as they are written."""
+    calls = []
+    monkeypatch.setattr(hostmem, "_madvise", lambda: lambda addr, n, advice: calls.append((addr, n, advice)) or answer)
+    n = 3 * POPULATE_MIN + 5
+    b = host_buffer(n)
+    assert [(a % mmap.PAGESIZE, m, advice) for a, m, advice in calls] == [(0, n, MADV_POPULATE_WRITE)]
+    assert calls[0][0] == b.ctypes.data
+    b[:] = 9
+    assert int(b[-1]) == 9 and host_buffer(POPULATE_MIN - 1) is not None and len(calls) == 1

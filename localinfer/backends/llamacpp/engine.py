@@ -162,7 +162,7 @@ class LlamaCppEngine(Engine):
     def fill_batch(self, tokens: Sequence[int], pos: Sequence[int], seqs: Sequence[int], want: Sequence[bool]) -> None:
         """Write rows into the batch from slot 0: token, position, sequence, logits flag."""
         n, b, mine = len(tokens), self._batch, self._slot_seq
-        if n <= FEW_ROWS:     # a decode step's rows: item by item (numpy's conversions cost more right after a decode)
+        if n <= FEW_ROWS:     # a decode step's few rows: item by item (numpy's conversions cost more after a decode)
             tok, at, out = b.token, b.pos, b.logits
             for i in range(n):
                 tok[i], at[i], out[i] = tokens[i], pos[i], 1 if want[i] else 0
