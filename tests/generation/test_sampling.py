@@ -147,10 +147,12 @@ def test_greedy_with_banned_tokens_is_the_argmax_of_the_masked_row(logits):
 def test_greedy_with_banned_tokens_reads_the_row_without_a_masked_copy(logits, monkeypatch):
     """The argmax of the row as given, when no banned token is it: the masked path (a copy of the row each token)
     is not taken; it is when the argmax is banned."""
+    masked = lambda *a: pytest.fail("masked a row whose argmax is allowed")   # noqa: E731
     s = Sampler(SamplingParams(temperature=0), banned=[int(np.argsort(logits)[0])])
-    monkeypatch.setattr(s, "candidates", lambda *a: pytest.fail("masked a row whose argmax is allowed"))
+    monkeypatch.setattr(s, "candidates", masked)
     assert s.sample(logits, [1, 2]) == int(np.argmax(logits))
-    s.banned, s._banned = np.array([int(np.argmax(logits))]), frozenset([int(np.argmax(logits))])
+    s = Sampler(SamplingParams(temperature=0), banned=[int(np.argmax(logits))])
+    monkeypatch.setattr(s, "candidates", masked)
     with pytest.raises(pytest.fail.Exception):
         s.sample(logits, [1, 2])
 

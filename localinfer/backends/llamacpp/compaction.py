@@ -32,7 +32,6 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.errors import LocalinferError
-from localinfer.util.hostmem import host_buffer
 
 COMPACT_AFTER = 16      # steps of >= 2 sequences since the last compaction (each adds one run to every sequence)
 COMPACT_SHARE = 0.10    # the most of the decode time since the last compaction that one compaction may cost
@@ -110,7 +109,7 @@ def compact(ctx, mem, slots: Iterable[int]) -> tuple[int, float]:
     blobs: list[tuple[int, np.ndarray]] = []
     for s in slots:
         n = int(_L.llama_state_seq_get_size(ctx, s))
-        blob = host_buffer(n)
+        blob = np.empty(n, dtype=np.uint8)     # freed at once: the allocator's reused memory (not host_buffer)
         if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, s) != n:
             raise LocalinferError(f"llama.cpp did not save sequence {s}'s KV for compaction")
         blobs.append((s, blob))
