@@ -22,12 +22,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
-
 from localinfer.errors import ContextFullError, UsageError
 from localinfer.model.kv import KV_TYPES
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from localinfer.model.spec import ModelSpec
 
 
@@ -181,6 +181,8 @@ class Engine(ABC):
         One token with the default logits (the decode step) goes straight to
         ``_eval_chunk``: same checks and rollback, no chunking or reordering.
         """
+        import numpy as np      # here, not at the top: `fit` and `plan` import this module and need no numpy
+
         n = len(tokens)
         if n == 0:
             raise ValueError("eval needs at least one token")
