@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -17,13 +18,22 @@ OK = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_t
 HEADER_S, BODY_S, CAP = 1.0, 1.0, 12
 
 
-@pytest.fixture(scope="module")
-def big(default_model):
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def big(default_model, request):
     """ctx 4096, two slots and the default 32 parked ids (so llama.cpp's per-sequence n_ctx is 4096 // 34),
-    short timeouts and a small connection cap, one extra allowed origin."""
-    srv = LiveServer(default_model, parallel=2, max_queue=4, ctx=4096,
-                     app={"allowed_origins": ("https://app.example",), "body_timeout_s": BODY_S},
-                     limits={"header_timeout_s": HEADER_S, "max_connections": CAP})
+    short timeouts and a small connection cap, one extra allowed origin; on each HTTP parser uvicorn has."""
+    before = os.environ.get("LOCALINFER_HTTP")
+    os.environ["LOCALINFER_HTTP"] = request.param
+    try:
+        srv = LiveServer(default_model, parallel=2, max_queue=4, ctx=4096,
+                         app={"allowed_origins": ("https://app.example",), "body_timeout_s": BODY_S},
+                         limits={"header_timeout_s": HEADER_S, "max_connections": CAP})
+    finally:
+        if before is None:
+            os.environ.pop("LOCALINFER_HTTP")
+        else:
+            os.environ["LOCALINFER_HTTP"] = before
+    assert request.param in srv.server.config.http.__name__.lower()      # GuardedHttpToolsProtocol, GuardedH11Protocol
     yield srv
     srv.stop()
 
@@ -147,6 +157,24 @@ def test_parser_errors_are_json(big):
         head, _, body = _read_all(s).partition(b"\r\n\r\n")
         assert b" 400 " in head.split(b"\r\n")[0] and b"application/json" in head
         assert json.loads(body)["error"]["code"] == "invalid_http"
+
+
+def test_oversized_request_headers_are_refused_at_once_and_others_are_served(http, big):
+    """Headers past MAX_HEAD_BYTES end the connection with a JSON error (h11 caps them itself at that size; llhttp
+    does not, so without the server's own count a client could send them until the header timeout)."""
+    from localinfer.serve.http.limits import MAX_HEAD_BYTES
+
+    with _raw(big.port) as s:
+        start = time.monotonic()
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        for _ in range(MAX_HEAD_BYTES // 1024 + 2):         # just past the cap, then nothing more in flight
+            s.sendall(b"X-Pad: " + b"a" * 1015 + b"\r\n")
+        head, _, body = _read_all(s, 5).partition(b"\r\n\r\n")
+        assert time.monotonic() - start < HEADER_S          # refused for its size, not timed out
+    status = b" 431 " if "httptools" in big.server.config.http.__name__.lower() else b" 400 "
+    assert status in head.split(b"\r\n")[0], head[:80]
+    assert json.loads(body)["error"]["code"] in ("headers_too_large", "invalid_http")
+    assert http.get("/v1/models").status_code == 200
 
 
 def test_two_authorization_headers_are_refused(big):
