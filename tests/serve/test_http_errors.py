@@ -186,6 +186,32 @@ def test_metrics_scraped_again_show_what_finished_and_what_was_refused_since(htt
     assert srv.metrics().get(bad, 0) - after.get(bad, 0) == 1
 
 
+def test_gauges_are_published_on_each_change_and_every_publish_s_between(http, srv):
+    """The engine thread publishes its gauges when a request is admitted or finishes and when it goes idle, and
+    between those at most every PUBLISH_S, not after every step (which cost ~10% of its host work)."""
+    from localinfer.serve.http.runtime import PUBLISH_S
+
+    srv.wait_idle()
+    metrics, seen = srv.runtime.metrics, []
+    publish = metrics.publish
+    metrics.publish = lambda values: (seen.append((time.monotonic(), dict(values))), publish(values))
+    try:
+        steps = srv.runtime.executor.steps
+        assert http.post(CHAT, json=dict(OK, max_tokens=96, ignore_eos=True)).status_code == 200
+        srv.wait_idle()
+        steps = srv.runtime.executor.steps - steps
+    finally:
+        del metrics.publish                                 # the class's own method again
+    busy = [(t, v) for t, v in seen if v["requests_running"]]
+    assert busy and busy[0][1]["engine_steps"] <= seen[0][1]["engine_steps"] + 1   # the admission, at once
+    assert seen[-1][1]["requests_running"] == 0 and seen[-1][1]["kv_blocks_used"] == 0
+    assert 3 <= len(seen) < steps / 2, (len(seen), steps)   # published between changes, yet not every step
+    while_busy = [v["engine_steps"] for _, v in busy]
+    assert len(set(while_busy)) == len(while_busy)          # one publish a step at most
+    gaps = [b - a for (a, _), (b, _) in zip(busy, busy[1:])]
+    assert gaps and min(gaps) >= PUBLISH_S * 0.9 and max(gaps) < PUBLISH_S + 1.0, gaps
+
+
 def test_disconnect_mid_stream_cancels_and_frees_blocks(srv):
     before = srv.metrics()["localinfer_requests_cancelled_total"]
     body = json.dumps(dict(OK, max_tokens=400, stream=True, ignore_eos=True)).encode()

@@ -46,6 +46,7 @@ from localinfer.util import signals
 
 log = logging.getLogger("localinfer.serve")
 IDLE_WAIT_S = 0.5
+PUBLISH_S = 0.05     # while steps run and no request comes, goes or is admitted, the gauges are published this often
 
 
 class RuntimeState(enum.StrEnum):
@@ -80,6 +81,7 @@ class Runtime:
         self._open = open_executor
         self.state = RuntimeState.LOADING
         self._idle_published = False      # kv_cells_used read at the start of this idle spell
+        self._published: tuple = (0.0, None)  # when the gauges were last published, and the requests' marks then
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
         self._compaction = None            # the llama.cpp executor's compaction record (None on other backends)
@@ -316,7 +318,7 @@ class Runtime:
                     self._cond.wait(0.005)
         self._dispatch(out)
         self._side_work()
-        self._publish(idle=not engine.unfinished)
+        self._maybe_publish(engine, bool(items))
         if (self._stop_at is not None and not engine.unfinished and not self._active
                 and (self._now() >= self._stop_at or not any(w.pending() for w in self._side))):
             with self._cond:
@@ -409,6 +411,20 @@ class Runtime:
                     pass
             if any(step is None for step in steps):
                 return
+
+    def _maybe_publish(self, engine, commands: bool) -> None:
+        """The gauges after a step: at once when the engine goes idle, a command came, or a request was admitted,
+        preempted or finished; otherwise at most every PUBLISH_S (building them each step was ~10% of the engine
+        thread's work between decodes at one client).  The engine view still hears of every step."""
+        idle = not engine.unfinished
+        now = time.monotonic()
+        marks = (engine.scheduler.admissions, engine.scheduler.preemptions, self._outstanding)
+        at, before = self._published
+        if idle or commands or marks != before or now - at >= PUBLISH_S:
+            self._published = (now, marks)
+            self._publish(idle=idle)
+        elif self.watch is not None:
+            self.watch.published(self, idle)
 
     def _publish(self, idle: bool = False) -> None:
         e = self.engine
