@@ -131,7 +131,8 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
         return JSONResponse(srv.card(name))
 
     async def metrics(request: Request) -> Response:
-        # the engine thread publishes after each step; requests handed to it since (or still being tokenised)
+        # the engine thread publishes when a request comes, goes or is admitted, else every 50 ms while it steps;
+        # requests handed to it since (or still being tokenised)
         # count as waiting now, so a long prefill step does not show 0 running and 0 waiting
         m = runtime.metrics
         behind = runtime.outstanding + srv.prep.preparing - m.gauge("requests_running")

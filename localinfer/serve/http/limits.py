@@ -16,8 +16,8 @@ enough of them exhaust the descriptors.  :func:`protocol_class` makes uvicorn's
 * refuses request headers past ``MAX_HEAD_BYTES`` (431; h11's own cap, which llhttp does not have);
 * answers the HTTP parser's errors in OpenAI's JSON shape, not plain text.
 
-httptools takes ~15% less of the event loop's CPU a streamed token than h11 (0.27 against 0.325 ms at one
-client, four alternated pairs, procfs), and the loop shares two cores with llama.cpp's threads here.
+httptools takes less of the event loop's CPU a streamed token than h11 (user time 0.24-0.28 against 0.30-0.35 ms
+at one client, four alternated pairs, procfs), and the loop shares two cores with llama.cpp's threads here.
 
 A client's end of input (FIN) still ends its request, as uvicorn has it: a half-close cannot be told from a
 hang-up, and a hung-up request must free its slot and KV at once (Go's net/http, nginx and llama-server do the same).
@@ -27,6 +27,7 @@ The body's own time limit is applied where the app reads it (:mod:`.intake`).
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 
@@ -38,7 +39,7 @@ HEADER_TIMEOUT_S = 10.0       # request line + headers, from the first byte (or 
 BODY_TIMEOUT_S = 60.0         # the whole body, once the headers are in
 KEEP_ALIVE_S = 5              # an idle connection between requests (uvicorn's timeout_keep_alive)
 MAX_CONNECTIONS = 512
-MAX_HEAD_BYTES = 16 * 1024    # request line + headers (h11's max_incomplete_event_size, nginx's 1k + 4 x 8k)
+MAX_HEAD_BYTES = 16 * 1024    # request line + headers (h11's max_incomplete_event_size)
 FD_RESERVE = 64               # descriptors kept for the model files, logs and the engine
 
 
@@ -63,7 +64,7 @@ def connection_cap(wanted: int) -> int:
 
 
 def raw_error(err: APIError) -> bytes:
-    """A whole HTTP/1.1 response for ``err`` that closes the connection (written below h11)."""
+    """A whole HTTP/1.1 response for ``err`` that closes the connection (written below the HTTP parser)."""
     body = err.json_bytes()
     phrase = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
               503: "Service Unavailable"}.get(err.status, "Error")
@@ -74,7 +75,11 @@ def raw_error(err: APIError) -> bytes:
 
 def parser() -> type:
     """uvicorn's protocol class to build on: httptools' unless it does not import or ``LOCALINFER_HTTP=h11``."""
-    if os.environ.get("LOCALINFER_HTTP", "").lower() != "h11":
+    wanted = os.environ.get("LOCALINFER_HTTP", "").lower()
+    if wanted not in ("", "auto", "httptools", "h11"):
+        logging.getLogger("localinfer.serve").warning(
+            "LOCALINFER_HTTP=%r is not one of auto, httptools, h11; using auto", wanted[:40])
+    if wanted != "h11":
         try:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
             return HttpToolsProtocol
@@ -95,6 +100,7 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
         limit_connections = cap
         _header_timer = None
         _head_bytes = -1                      # bytes of the request head so far; -1: no head is being read
+        _chunk = 0                            # the size of the chunk being parsed
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -110,15 +116,20 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            c = self.cycle
+            if self._header_timer is None and (c is None or c.response_complete):
                 self._arm()                       # the first byte of a next request: its headers are timed
-            if self._head_bytes >= 0:
-                self._head_bytes += len(data)
+            # a next request pipelined behind a response in flight waits unread, as h11 makes it wait (llhttp would
+            # parse its head at once, with no cap and no timer: the head is counted only between responses)
+            ahead = c is not None and not c.response_complete and not c.more_body
+            self._chunk = len(data)
             super().data_received(data)
-            # still inside the head after this chunk: all of it was head (a chunk that ends the head is let be)
-            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
-                self._refuse(APIError(431, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
-                                      code="headers_too_large"))
+            if self._head_bytes >= 0:             # inside a head after this chunk: all of it counted as head
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                    self._refuse(self._too_large())
+            elif ahead and not self.transport.is_closing():
+                self.flow.pause_reading()         # uvicorn resumes it when the response completes
 
         # h11: a cycle is made when a request's headers are complete
         def handle_events(self) -> None:
@@ -127,18 +138,30 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
             if self.cycle is not before:
                 self._headers_in()
 
-        # httptools: the parser's callback
+        # httptools: the parser's callbacks
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes = max(self._head_bytes, 0)
+
         def on_headers_complete(self) -> None:
             self._headers_in()
             super().on_headers_complete()
 
         def send_400_response(self, msg: str) -> None:
+            if self._head_bytes >= 0 and self._head_bytes + self._chunk > MAX_HEAD_BYTES:
+                self._refuse(self._too_large())   # h11's own cap on the head
+                return
             self._refuse(APIError(400, f"the request is not valid HTTP/1.1: {msg}", code="invalid_http"))
+
+        def _too_large(self) -> APIError:
+            return APIError(431, f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
+                            code="headers_too_large")
 
         # ---- the header timer ------------------------------------------------------
         def _arm(self) -> None:
             self._disarm()
-            self._head_bytes = 0
+            c = self.cycle                        # a body still coming after an early reply is no head
+            self._head_bytes = 0 if c is None or not c.more_body else -1
             self._header_timer = self.loop.call_later(self.limit_header_s, self._headers_late)
 
         def _disarm(self) -> None:
@@ -161,10 +184,14 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
                 self.transport.close()
 
         def _refuse(self, err: APIError) -> None:
+            """Answer ``err`` and close; only close where a reply is in flight or its request's body still comes
+            (a second status line would land inside a stream, or after an early 401/413)."""
             if on_refused is not None:
                 on_refused(err.status)
             if not self.transport.is_closing():
-                self.transport.write(raw_error(err))
+                c = self.cycle
+                if c is None or (c.response_complete and not c.more_body):
+                    self.transport.write(raw_error(err))
                 self.transport.close()
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"

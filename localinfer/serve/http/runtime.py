@@ -414,13 +414,17 @@ class Runtime:
 
     def _maybe_publish(self, engine, commands: bool) -> None:
         """The gauges after a step: at once when the engine goes idle, a command came, or a request was admitted,
-        preempted or finished; otherwise at most every PUBLISH_S (building them each step was ~10% of the engine
-        thread's work between decodes at one client).  The engine view still hears of every step."""
+        preempted or finished, and after every step while the engine view is open; otherwise at most every
+        PUBLISH_S (building them each step was ~10% of the engine thread's work between decodes at one client).
+        The engine view hears of every step."""
         idle = not engine.unfinished
         now = time.monotonic()
         marks = (engine.scheduler.admissions, engine.scheduler.preemptions, self._outstanding)
         at, before = self._published
-        if idle or commands or marks != before or now - at >= PUBLISH_S:
+        if commands:
+            self._idle_published = False      # a request came: the next idle spell reads llama.cpp's cells again
+        watched = self.watch is not None and self.watch.watched   # the view's snapshot shows these beside the pool
+        if idle or commands or watched or marks != before or now - at >= PUBLISH_S:
             self._published = (now, marks)
             self._publish(idle=idle)
         elif self.watch is not None:
