@@ -13,7 +13,7 @@ enough of them exhaust the descriptors.  :func:`protocol_class` makes uvicorn's
   connection closes;
 * refuses connections past ``max_connections`` at once (a 503, closed), and
   the cap never reaches the process's descriptor limit (:func:`connection_cap`);
-* refuses request headers past ``MAX_HEAD_BYTES`` (431; h11's own cap, which llhttp does not have);
+* refuses request headers past ``MAX_HEAD_BYTES`` (431; h11 has its own cap at that size, answered 400);
 * answers the HTTP parser's errors in OpenAI's JSON shape, not plain text.
 
 httptools takes less of the event loop's CPU a streamed token than h11 (user time 0.24-0.28 against 0.30-0.35 ms
@@ -31,6 +31,7 @@ import logging
 import os
 import resource
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from localinfer.serve.http.errors import APIError
@@ -100,7 +101,9 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
         limit_connections = cap
         _header_timer = None
         _head_bytes = -1                      # bytes of the request head so far; -1: no head is being read
-        _chunk = 0                            # the size of the chunk being parsed
+        _ended = False                        # httptools: a message ended inside this chunk
+        _mid = False                          # httptools: this chunk's head began after another message in it
+        _body_due = False                     # httptools: a request's body is still to come
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -122,10 +125,10 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
             # a next request pipelined behind a response in flight waits unread, as h11 makes it wait (llhttp would
             # parse its head at once, with no cap and no timer: the head is counted only between responses)
             ahead = c is not None and not c.response_complete and not c.more_body
-            self._chunk = len(data)
+            self._ended = self._mid = False
             super().data_received(data)
-            if self._head_bytes >= 0:             # inside a head after this chunk: all of it counted as head
-                self._head_bytes += len(data)
+            if self._head_bytes >= 0:             # inside a head after this chunk: all of it counted as head,
+                self._head_bytes += 0 if self._mid else len(data)     # unless the head began after a message in it
                 if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                     self._refuse(self._too_large())
             elif ahead and not self.transport.is_closing():
@@ -138,19 +141,23 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
             if self.cycle is not before:
                 self._headers_in()
 
-        # httptools: the parser's callbacks
+        # httptools: the parser's callbacks (a chunk may hold the end of one message and the start of the next: the
+        # head then counts from the next chunk on, one read of slack, so earlier requests are not counted as it)
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head_bytes = max(self._head_bytes, 0)
+            if self._head_bytes < 0:
+                self._head_bytes, self._mid = 0, self._ended
 
         def on_headers_complete(self) -> None:
             self._headers_in()
+            self._body_due = True
             super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            self._ended, self._body_due = True, False
+            super().on_message_complete()
+
         def send_400_response(self, msg: str) -> None:
-            if self._head_bytes >= 0 and self._head_bytes + self._chunk > MAX_HEAD_BYTES:
-                self._refuse(self._too_large())   # h11's own cap on the head
-                return
             self._refuse(APIError(400, f"the request is not valid HTTP/1.1: {msg}", code="invalid_http"))
 
         def _too_large(self) -> APIError:
@@ -158,10 +165,15 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
                             code="headers_too_large")
 
         # ---- the header timer ------------------------------------------------------
+        def _body_coming(self) -> bool:
+            """A request's body is still to come (after an early reply too, where uvicorn's cycle does not say)."""
+            if base is H11Protocol:
+                return self.conn.their_state is h11.SEND_BODY
+            return self._body_due
+
         def _arm(self) -> None:
-            self._disarm()
-            c = self.cycle                        # a body still coming after an early reply is no head
-            self._head_bytes = 0 if c is None or not c.more_body else -1
+            self._disarm()                        # a head already counted (behind a reply) keeps its count
+            self._head_bytes = -1 if self._body_coming() else max(self._head_bytes, 0)
             self._header_timer = self.loop.call_later(self.limit_header_s, self._headers_late)
 
         def _disarm(self) -> None:
@@ -190,7 +202,7 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
                 on_refused(err.status)
             if not self.transport.is_closing():
                 c = self.cycle
-                if c is None or (c.response_complete and not c.more_body):
+                if c is None or (c.response_complete and not self._body_coming()):
                     self.transport.write(raw_error(err))
                 self.transport.close()
 
