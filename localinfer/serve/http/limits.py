@@ -89,21 +89,59 @@ def parser() -> type:
     return H11Protocol
 
 
+class _H11Hooks:
+    """Where h11 says what the guard needs: a cycle is made when a request's head is complete."""
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:
+            self._headers_in()
+
+    def _body_coming(self) -> bool:
+        """A request's body is still to come (after an early reply too, where uvicorn's cycle does not say)."""
+        return self.conn.their_state is h11.SEND_BODY
+
+
+class _HttpToolsHooks:
+    """llhttp's callbacks.  A chunk may hold the end of one message and the start of the next: the head then counts
+    from the next chunk on (one read of slack), so the requests before it are not counted as its bytes."""
+
+    _body_due = False                     # a request's body is still to come
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._head_bytes < 0:
+            self._head_bytes, self._mid = 0, self._ended
+
+    def on_headers_complete(self) -> None:
+        self._headers_in()
+        self._body_due = True
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._ended, self._body_due = True, False
+        super().on_message_complete()
+
+    def _body_coming(self) -> bool:
+        return self._body_due
+
+
 def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
                    on_refused=None, base: type | None = None) -> type:
     """A subclass of ``base`` (default :func:`parser`'s) with these limits; ``on_refused(status)`` counts what it
     refuses."""
     cap = connection_cap(max_connections)
     base = base or parser()
+    hooks = _H11Hooks if issubclass(base, H11Protocol) else _HttpToolsHooks
 
-    class Guarded(base):
+    class Guarded(hooks, base):
         limit_header_s = header_timeout_s
         limit_connections = cap
         _header_timer = None
         _head_bytes = -1                      # bytes of the request head so far; -1: no head is being read
-        _ended = False                        # httptools: a message ended inside this chunk
-        _mid = False                          # httptools: this chunk's head began after another message in it
-        _body_due = False                     # httptools: a request's body is still to come
+        _ended = False                        # a message ended inside this chunk (httptools says)
+        _mid = False                          # this chunk's head began after another message in it (httptools says)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -134,29 +172,6 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
             elif ahead and not self.transport.is_closing():
                 self.flow.pause_reading()         # uvicorn resumes it when the response completes
 
-        # h11: a cycle is made when a request's headers are complete
-        def handle_events(self) -> None:
-            before = self.cycle
-            super().handle_events()
-            if self.cycle is not before:
-                self._headers_in()
-
-        # httptools: the parser's callbacks (a chunk may hold the end of one message and the start of the next: the
-        # head then counts from the next chunk on, one read of slack, so earlier requests are not counted as it)
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            if self._head_bytes < 0:
-                self._head_bytes, self._mid = 0, self._ended
-
-        def on_headers_complete(self) -> None:
-            self._headers_in()
-            self._body_due = True
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            self._ended, self._body_due = True, False
-            super().on_message_complete()
-
         def send_400_response(self, msg: str) -> None:
             self._refuse(APIError(400, f"the request is not valid HTTP/1.1: {msg}", code="invalid_http"))
 
@@ -165,12 +180,6 @@ def protocol_class(header_timeout_s: float = HEADER_TIMEOUT_S, max_connections: 
                             code="headers_too_large")
 
         # ---- the header timer ------------------------------------------------------
-        def _body_coming(self) -> bool:
-            """A request's body is still to come (after an early reply too, where uvicorn's cycle does not say)."""
-            if base is H11Protocol:
-                return self.conn.their_state is h11.SEND_BODY
-            return self._body_due
-
         def _arm(self) -> None:
             self._disarm()                        # a head already counted (behind a reply) keeps its count
             self._head_bytes = -1 if self._body_coming() else max(self._head_bytes, 0)
