@@ -27,14 +27,13 @@ The body's own time limit is applied where the app reads it (:mod:`.intake`).
 
 from __future__ import annotations
 
-import logging
-import os
 import resource
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from localinfer.serve.http.errors import APIError
+from localinfer.util import env
 
 HEADER_TIMEOUT_S = 10.0       # request line + headers, from the first byte (or the connection's opening)
 BODY_TIMEOUT_S = 60.0         # the whole body, once the headers are in
@@ -76,10 +75,7 @@ def raw_error(err: APIError) -> bytes:
 
 def parser() -> type:
     """uvicorn's protocol class to build on: httptools' unless it does not import or ``LOCALINFER_HTTP=h11``."""
-    wanted = os.environ.get("LOCALINFER_HTTP", "").lower()
-    if wanted not in ("", "auto", "httptools", "h11"):
-        logging.getLogger("localinfer.serve").warning(
-            "LOCALINFER_HTTP=%r is not one of auto, httptools, h11; using auto", wanted[:40])
+    wanted = env.choice("LOCALINFER_HTTP", ("auto", "httptools", "h11"), "localinfer.serve")
     if wanted != "h11":
         try:
             from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol

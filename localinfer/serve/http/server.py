@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -29,6 +28,7 @@ from starlette.applications import Starlette
 from localinfer.serve.http.app import AppConfig, build_app
 from localinfer.serve.http.limits import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, protocol_class
 from localinfer.serve.http.runtime import Runtime
+from localinfer.util import env
 
 
 def event_loop() -> str:
@@ -37,10 +37,7 @@ def event_loop() -> str:
     benchmarks/results/serve_closed_loop_cpu.txt, fifth session) and the standard library's otherwise.
     ``LOCALINFER_EVENT_LOOP=asyncio`` keeps the standard library's (to compare, or to debug); ``auto`` and
     ``uvloop`` give the default, which is the standard library's where uvloop does not import."""
-    wanted = os.environ.get("LOCALINFER_EVENT_LOOP", "")
-    if wanted not in ("", "auto", "asyncio", "uvloop"):
-        logging.getLogger("localinfer.serve").warning(
-            "LOCALINFER_EVENT_LOOP=%r is not one of auto, asyncio, uvloop; using auto", wanted[:40])
+    wanted = env.choice("LOCALINFER_EVENT_LOOP", ("auto", "asyncio", "uvloop"), "localinfer.serve")
     return "asyncio" if wanted == "asyncio" else "auto"
 
 
