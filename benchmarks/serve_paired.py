@@ -1,0 +1,210 @@
+"""Two servers, one client alternating between them block by block: paired ratios that cancel a shared host's drift.
+
+    python benchmarks/serve_paired.py --llama-server PATH|build [--concurrency 1] [--pairs 40] [--out FILE]
+    python benchmarks/serve_paired.py --variant-env PYTHONPATH=/path/to/other/tree ...   # localinfer A/B
+
+serve_peers.py measures one server for a whole run (16 requests, half a minute and more at one client), then the
+other; on this shared VM a slow minute moves one run's ratio by 5-15%, more than the effect a change to the serving
+layer has.  Here both servers run at once and the load alternates between them in short blocks: a block is
+``--block`` requests (default: one at one client, two per client otherwise) sent as a closed loop at
+``--concurrency``; each pair of blocks gets the same fresh prompts (each server sees each prompt once, so no
+prefix cache answers), and the order within a pair alternates (AB, BA, ...) so neither server always goes first.
+Each pair gives ratios of localinfer's figures over the peer's (tok/s over the block, each request's decode rate,
+TTFT p50, ITL p50, e2e p50); the summary is their median, their geometric mean with a bootstrap 95% interval
+(seeded), and how many pairs localinfer won.  Nothing polls /metrics (serve_load.py polls five times a second).
+
+The peer is llama-server (``--llama-server``: same flags as serve_peers.py's) or, with ``--variant-env`` /
+``--variant-arg``, a second localinfer server (serve_peers.py's ``localinfer-b``): the ratio is the default's
+over the variant's.  The load is loadgen's: streaming /v1/completions, ``--prompt-tokens`` of seeded common
+words, ``--output-tokens`` with EOS ignored, greedy.  Writes OUT.json (every block's figures, the commands, the
+machine, the load average beside each pair) and OUT.txt (the summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import serve_peers as SP                                           # noqa: E402
+
+from localinfer.loadgen import load as L                          # noqa: E402
+from localinfer.model.sources import resolve_model               # noqa: E402
+from localinfer.util.stats import percentile, ratio_interval      # noqa: E402
+
+KEYS = ("tok_s", "decode_tok_s", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
+HIGHER_IS_BETTER = {"tok_s", "decode_tok_s"}
+
+
+def block_figures(results: list[L.Result], makespan: float) -> dict:
+    """One block's figures; ``decode_tok_s``: the median over its requests of (tokens - 1) / (e2e - TTFT)."""
+    ok = [r for r in results if r.ok]
+    decode = [(r.output_tokens - 1) / (r.e2e_s - r.ttft_s) for r in ok if r.e2e_s > r.ttft_s and r.output_tokens > 1]
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    return {"requests": len(results), "ok": len(ok), "makespan_s": makespan,
+            "tok_s": sum(r.output_tokens for r in ok) / max(makespan, 1e-9),
+            "decode_tok_s": statistics.median(decode) if decode else None,
+            "ttft_p50_ms": ms(percentile([r.ttft_s for r in ok], 0.5)),
+            "itl_p50_ms": ms(percentile([g for r in ok for g in r.gaps_s], 0.5)),
+            "e2e_p50_ms": ms(percentile([r.e2e_s for r in ok], 0.5)),
+            "errors": sorted({f"{r.status} {r.error}" for r in results if not r.ok})[:3]}
+
+
+async def run_block(client, config: L.LoadConfig, model: str, texts: list[str], concurrency: int) -> dict:
+    queue = list(texts)
+    results: list[L.Result] = []
+
+    async def worker():
+        while queue:
+            results.append(await L.one(client, config, model, queue.pop(0)))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return block_figures(results, time.perf_counter() - t0)
+
+
+def summary(pairs: list[dict], peer: str) -> dict:
+    out = {}
+    for key in KEYS:
+        xs = [p["ratio"][key] for p in pairs if p["ratio"].get(key)]
+        if not xs:
+            continue
+        geo, lo, hi = ratio_interval(xs, seed=len(xs))
+        better = (lambda x: x > 1.0) if key in HIGHER_IS_BETTER else (lambda x: x < 1.0)
+        out[key] = {"median": statistics.median(xs), "geomean": geo, "ci95": [lo, hi],
+                    "localinfer_better": sum(map(better, xs)), "pairs": len(xs)}
+    return {"peer": peer, **out}
+
+
+def render(doc: dict) -> str:
+    s = doc["summary"]
+    lines = [f"localinfer over {s['peer']}: {doc['pairs_run']} pairs of {doc['block']} request(s) at concurrency "
+             f"{doc['concurrency']}, {doc['prompt_tokens']} prompt + {doc['output_tokens']} output tokens "
+             f"({doc['when']}, load average {doc['loadavg_before'][0]:.2f} before, "
+             f"{doc['loadavg_after'][0]:.2f} after)",
+             f"{'figure':<14}{'median':>8}{'geomean':>9}{'95% interval':>16}{'localinfer better':>19}"]
+    for key in KEYS:
+        if key in s:
+            f = s[key]
+            lines.append(f"{key:<14}{f['median']:>7.3f}x{f['geomean']:>8.3f}x   [{f['ci95'][0]:.3f}, "
+                         f"{f['ci95'][1]:.3f}]{f['localinfer_better']:>10} of {f['pairs']}")
+    means = {n: statistics.fmean(b[n]["tok_s"] for b in doc["blocks"]) for n in doc["servers"]}
+    failed = {n: sum(b[n]["requests"] - b[n]["ok"] for b in doc["blocks"]) for n in doc["servers"]}
+    lines.append("mean tok/s a block: " + ", ".join(f"{n} {v:.1f}" for n, v in means.items())
+                 + "; requests failed: " + ", ".join(f"{n} {v}" for n, v in failed.items()))
+    return "\n".join(lines)
+
+
+async def measure(args, urls: dict[str, str], config: L.LoadConfig) -> tuple[list[dict], list[dict]]:
+    names = list(urls)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256, keepalive_expiry=L.KEEPALIVE_S)
+    clients = {n: httpx.AsyncClient(base_url=u, timeout=config.timeout, limits=limits) for n, u in urls.items()}
+    try:
+        models = {n: await L._model(clients[n], urls[n], config) for n in names}
+        for n in names:                                    # uncounted: each server's first graphs and connections
+            await run_block(clients[n], config, models[n], L.prompts(2, 20, 0, 7), 1)
+        blocks, pairs = [], []
+        for i in range(args.pairs):
+            texts = L.prompts(args.block, config.prompt_tokens, 0, args.seed + 1000 * i)
+            order = names if i % 2 == 0 else names[::-1]
+            got = {}
+            load = os.getloadavg()[0]
+            for n in order:
+                got[n] = await run_block(clients[n], config, models[n], texts, args.concurrency)
+            a, b = got[names[0]], got[names[1]]
+            ratio = {k: a[k] / b[k] for k in KEYS if a.get(k) and b.get(k)}
+            pairs.append({"pair": i, "order": order, "loadavg": load, "ratio": ratio})
+            blocks.append(got)
+            print(f"pair {i + 1}/{args.pairs} ({'/'.join(order)}): tok/s {a['tok_s']:.1f} vs {b['tok_s']:.1f}"
+                  f" = {ratio.get('tok_s', 0):.3f}x, load {load:.2f}", file=sys.stderr, flush=True)
+        return blocks, pairs
+    finally:
+        for c in clients.values():
+            await c.aclose()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded model)")
+    ap.add_argument("--llama-server", default=None, metavar="PATH|build", help="the peer: a llama-server binary")
+    ap.add_argument("--variant-arg", action="append", default=[], metavar="FLAG",
+                    help="the peer: a second localinfer serve with this flag added (repeatable)")
+    ap.add_argument("--variant-env", action="append", default=[], metavar="VAR=VALUE",
+                    help="the peer: a second localinfer serve with this environment (repeatable), e.g. "
+                         "PYTHONPATH=/path/to/a/worktree")
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                    help="one more argument for localinfer serve (both localinfer servers; repeatable)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--block", type=int, default=None, help="requests a block (default: 1 at concurrency 1, "
+                                                            "else twice the concurrency)")
+    ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--prompt-tokens", type=int, default=300)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/results/serve_paired_cpu")
+    args = ap.parse_args(argv)
+    variant = bool(args.variant_arg or args.variant_env)
+    if variant == bool(args.llama_server):
+        ap.error("name one peer: --llama-server, or --variant-env / --variant-arg for a second localinfer")
+    if args.concurrency < 1 or args.pairs < 1 or (args.block is not None and args.block < 1):
+        ap.error("--concurrency, --pairs and --block must be at least 1")
+    if bad := [v for v in args.variant_env if "=" not in v or not v.split("=", 1)[0]]:
+        ap.error(f"--variant-env takes VAR=VALUE, got {bad[0]!r}")
+    args.block = args.block or (1 if args.concurrency == 1 else 2 * args.concurrency)
+    args.variant_env = [SP.absolute_paths(v) for v in args.variant_env]
+    args.llama_cpp_python = None
+    model = str(resolve_model(args.model).resolve())
+    SP.peers(args)
+    if args.llama_server and os.sep in args.llama_server:
+        args.llama_server = os.path.abspath(args.llama_server)
+    peer = "localinfer-b" if variant else "llama-server"
+    ports = {name: SP.free_port() for name in SP.SERVERS}
+    cmds = SP.commands(args, model, args.ctx, ports)
+    cmds = {n: cmds[n] for n in ("localinfer", peer)}
+    urls = {n: f"http://127.0.0.1:{ports[n]}/v1" for n in cmds}
+    config = L.LoadConfig(concurrency=(args.concurrency,), requests=args.block, prompt_tokens=args.prompt_tokens,
+                          output_tokens=args.output_tokens, seed=args.seed)
+    before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
+        try:
+            for n, cmd in cmds.items():
+                log = Path(tmp) / f"{n}.log"
+                procs[n] = (SP.subprocess.Popen(cmd, stdout=log.open("w"), stderr=SP.subprocess.STDOUT, cwd=tmp,
+                                                env=SP.server_env()), log)
+            for n, (proc, log) in procs.items():
+                SP.wait_ready(urls[n], proc, log)
+            blocks, pairs = asyncio.run(measure(args, urls, config))
+        finally:
+            SP.stop(*(p for p, _ in procs.values()))
+    doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": SP.machine(), "model": model,
+           "servers": list(cmds), "commands": cmds, "concurrency": args.concurrency, "block": args.block,
+           "pairs_run": len(pairs), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+           "threads": args.threads, "loadavg_before": list(before), "loadavg_after": list(os.getloadavg()),
+           "summary": summary(pairs, peer), "pairs": pairs, "blocks": blocks}
+    text = render(doc)
+    for suffix, body in ((".json", json.dumps(doc, indent=1) + "\n"), (".txt", text + "\n")):
+        path = Path(args.out + suffix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path = path.with_suffix(path.suffix + ".tmp")
+        tmp_path.write_text(body)
+        os.replace(tmp_path, path)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
