@@ -9,9 +9,12 @@ layer has.  Here both servers run at once and the load alternates between them i
 ``--block`` requests (default: one at one client, two per client otherwise) sent as a closed loop at
 ``--concurrency``; each pair of blocks gets the same fresh prompts (each server sees each prompt once, so no
 prefix cache answers), and the order within a pair alternates (AB, BA, ...) so neither server always goes first.
-Each pair gives ratios of localinfer's figures over the peer's (tok/s over the block, each request's decode rate,
-TTFT p50, ITL p50, e2e p50); the summary is their median, their geometric mean with a bootstrap 95% interval
-(seeded), and how many pairs localinfer won.  Nothing polls /metrics (serve_load.py polls five times a second).
+A block of the measured shape goes to each server first, uncounted, and each block starts after a 0.3 s pause.
+Each pair gives ratios of localinfer's figures over the peer's (tok/s over the block, the median of its requests'
+decode rates from first to last text chunk, TTFT p50, ITL p50, e2e p50); the summary is their median, their
+geometric mean with a bootstrap 95% interval (seeded by ``--seed``), and how many pairs localinfer won.  A pair in
+which any request failed is left out of the ratios and counted.  Nothing polls /metrics (serve_load.py polls five
+times a second).  With an even ``--pairs`` each server goes first equally often.
 
 The peer is llama-server (``--llama-server``: same flags as serve_peers.py's) or, with ``--variant-env`` /
 ``--variant-arg``, a second localinfer server (serve_peers.py's ``localinfer-b``): the ratio is the default's
@@ -27,6 +30,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,14 +47,16 @@ from localinfer.loadgen import load as L                          # noqa: E402
 from localinfer.model.sources import resolve_model               # noqa: E402
 from localinfer.util.stats import percentile, ratio_interval      # noqa: E402
 
+SETTLE_S = 0.3       # a pause before each block: the last block's server finishes its own after-work first
 KEYS = ("tok_s", "decode_tok_s", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
 HIGHER_IS_BETTER = {"tok_s", "decode_tok_s"}
 
 
 def block_figures(results: list[L.Result], makespan: float) -> dict:
-    """One block's figures; ``decode_tok_s``: the median over its requests of (tokens - 1) / (e2e - TTFT)."""
+    """One block's figures; ``decode_tok_s``: the median over its requests of (tokens - 1) / the time from their
+    first text chunk to their last (not to the stream's end: what a server does after its last token differs)."""
     ok = [r for r in results if r.ok]
-    decode = [(r.output_tokens - 1) / (r.e2e_s - r.ttft_s) for r in ok if r.e2e_s > r.ttft_s and r.output_tokens > 1]
+    decode = [(r.output_tokens - 1) / sum(r.gaps_s) for r in ok if sum(r.gaps_s) > 0 and r.output_tokens > 1]
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return {"requests": len(results), "ok": len(ok), "makespan_s": makespan,
             "tok_s": sum(r.output_tokens for r in ok) / max(makespan, 1e-9),
@@ -74,13 +80,16 @@ async def run_block(client, config: L.LoadConfig, model: str, texts: list[str], 
     return block_figures(results, time.perf_counter() - t0)
 
 
-def summary(pairs: list[dict], peer: str) -> dict:
-    out = {}
+def summary(pairs: list[dict], peer: str, seed: int) -> dict:
+    """The ratios' median, geometric mean and bootstrap interval per figure, over the pairs in which every request
+    of both blocks succeeded (the others are counted in ``pairs_left_out``)."""
+    whole = [p for p in pairs if not p["failed"]]
+    out = {"pairs_left_out": len(pairs) - len(whole)}
     for key in KEYS:
-        xs = [p["ratio"][key] for p in pairs if p["ratio"].get(key)]
+        xs = [p["ratio"][key] for p in whole if p["ratio"].get(key)]
         if not xs:
             continue
-        geo, lo, hi = ratio_interval(xs, seed=len(xs))
+        geo, lo, hi = ratio_interval(xs, seed=seed)
         better = (lambda x: x > 1.0) if key in HIGHER_IS_BETTER else (lambda x: x < 1.0)
         out[key] = {"median": statistics.median(xs), "geomean": geo, "ci95": [lo, hi],
                     "localinfer_better": sum(map(better, xs)), "pairs": len(xs)}
@@ -102,7 +111,8 @@ def render(doc: dict) -> str:
     means = {n: statistics.fmean(b[n]["tok_s"] for b in doc["blocks"]) for n in doc["servers"]}
     failed = {n: sum(b[n]["requests"] - b[n]["ok"] for b in doc["blocks"]) for n in doc["servers"]}
     lines.append("mean tok/s a block: " + ", ".join(f"{n} {v:.1f}" for n, v in means.items())
-                 + "; requests failed: " + ", ".join(f"{n} {v}" for n, v in failed.items()))
+                 + "; requests failed: " + ", ".join(f"{n} {v}" for n, v in failed.items())
+                 + f"; pairs left out (a request failed): {s['pairs_left_out']}")
     return "\n".join(lines)
 
 
@@ -112,8 +122,11 @@ async def measure(args, urls: dict[str, str], config: L.LoadConfig) -> tuple[lis
     clients = {n: httpx.AsyncClient(base_url=u, timeout=config.timeout, limits=limits) for n, u in urls.items()}
     try:
         models = {n: await L._model(clients[n], urls[n], config) for n in names}
-        for n in names:                                    # uncounted: each server's first graphs and connections
-            await run_block(clients[n], config, models[n], L.prompts(2, 20, 0, 7), 1)
+        warm = ["warm-up: " + t for t in L.prompts(args.block, config.prompt_tokens, 0, args.seed - 1)]
+        for n in names:                    # uncounted, the measured shape: first graphs, batch sizes, connections
+            got = await run_block(clients[n], config, models[n], warm, args.concurrency)
+            if got["ok"] < got["requests"]:
+                sys.exit(f"serve_paired: {n}'s warm-up failed: {got['errors']}")
         blocks, pairs = [], []
         for i in range(args.pairs):
             texts = L.prompts(args.block, config.prompt_tokens, 0, args.seed + 1000 * i)
@@ -121,13 +134,16 @@ async def measure(args, urls: dict[str, str], config: L.LoadConfig) -> tuple[lis
             got = {}
             load = os.getloadavg()[0]
             for n in order:
+                await asyncio.sleep(SETTLE_S)
                 got[n] = await run_block(clients[n], config, models[n], texts, args.concurrency)
             a, b = got[names[0]], got[names[1]]
-            ratio = {k: a[k] / b[k] for k in KEYS if a.get(k) and b.get(k)}
-            pairs.append({"pair": i, "order": order, "loadavg": load, "ratio": ratio})
+            failed = any(x["ok"] < x["requests"] for x in (a, b))
+            ratio = {} if failed else {k: a[k] / b[k] for k in KEYS if a.get(k) and b.get(k)}
+            pairs.append({"pair": i, "order": order, "loadavg": load, "failed": failed, "ratio": ratio})
             blocks.append(got)
             print(f"pair {i + 1}/{args.pairs} ({'/'.join(order)}): tok/s {a['tok_s']:.1f} vs {b['tok_s']:.1f}"
-                  f" = {ratio.get('tok_s', 0):.3f}x, load {load:.2f}", file=sys.stderr, flush=True)
+                  + (f" (left out: failed {a['errors'] + b['errors']})" if failed else
+                     f" = {ratio.get('tok_s', 0):.3f}x") + f", load {load:.2f}", file=sys.stderr, flush=True)
         return blocks, pairs
     finally:
         for c in clients.values():
@@ -183,8 +199,8 @@ def main(argv=None) -> int:
         try:
             for n, cmd in cmds.items():
                 log = Path(tmp) / f"{n}.log"
-                procs[n] = (SP.subprocess.Popen(cmd, stdout=log.open("w"), stderr=SP.subprocess.STDOUT, cwd=tmp,
-                                                env=SP.server_env()), log)
+                procs[n] = (subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp,
+                                             env=SP.server_env()), log)
             for n, (proc, log) in procs.items():
                 SP.wait_ready(urls[n], proc, log)
             blocks, pairs = asyncio.run(measure(args, urls, config))
@@ -194,7 +210,7 @@ def main(argv=None) -> int:
            "servers": list(cmds), "commands": cmds, "concurrency": args.concurrency, "block": args.block,
            "pairs_run": len(pairs), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
            "threads": args.threads, "loadavg_before": list(before), "loadavg_after": list(os.getloadavg()),
-           "summary": summary(pairs, peer), "pairs": pairs, "blocks": blocks}
+           "summary": summary(pairs, peer, args.seed), "pairs": pairs, "blocks": blocks}
     text = render(doc)
     for suffix, body in ((".json", json.dumps(doc, indent=1) + "\n"), (".txt", text + "\n")):
         path = Path(args.out + suffix)

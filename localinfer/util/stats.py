@@ -24,6 +24,8 @@ def ratio_interval(ratios: Sequence[float], *, seed: int = 0, resamples: int = 2
     """Paired ratios (one a/b a pair): their geometric mean and a bootstrap ``level`` interval of it (the
     percentile method over ``resamples`` resamplings, seeded: the same ratios give the same interval); None for
     no data.  ValueError for a ratio that is not a positive number."""
+    if not 0 < level < 1 or isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"level must be in (0, 1) and resamples at least 1, got {level!r} and {resamples!r}")
     if not ratios:
         return None
     bad = [r for r in ratios if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < math.inf]
@@ -32,6 +34,5 @@ def ratio_interval(ratios: Sequence[float], *, seed: int = 0, resamples: int = 2
     logs = [math.log(r) for r in ratios]
     rng = random.Random(seed)
     means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    lo, hi = means[int(tail * resamples)], means[min(resamples - 1, int((1.0 - tail) * resamples))]
-    return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi)
+    k = min(round((1.0 - level) / 2 * resamples), (resamples - 1) // 2)    # resamples left out at each end
+    return math.exp(statistics.fmean(logs)), math.exp(means[k]), math.exp(means[resamples - 1 - k])

@@ -40,3 +40,14 @@ def test_no_ratios_is_none_and_a_ratio_that_is_not_positive_is_refused():
     for bad in (0.0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="positive finite"):
             ratio_interval([1.0, bad])
+
+
+def test_the_interval_leaves_the_same_share_out_at_each_end_and_checks_its_settings():
+    xs = [float(i) for i in range(1, 21)]
+    _, lo, hi = ratio_interval(xs, resamples=1, level=0.5)      # one resample: its mean is both ends
+    assert lo == hi
+    narrow, wide = ratio_interval(xs, level=0.5), ratio_interval(xs, level=0.99)
+    assert wide[1] < narrow[1] < narrow[2] < wide[2]
+    for level, resamples in ((1.0, 100), (0.0, 100), (1.5, 100), (0.95, 0), (0.95, 2.5)):
+        with pytest.raises(ValueError, match="level must be"):
+            ratio_interval(xs, level=level, resamples=resamples)
