@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -212,12 +211,7 @@ def main(argv=None) -> int:
            "threads": args.threads, "loadavg_before": list(before), "loadavg_after": list(os.getloadavg()),
            "summary": summary(pairs, peer, args.seed), "pairs": pairs, "blocks": blocks}
     text = render(doc)
-    for suffix, body in ((".json", json.dumps(doc, indent=1) + "\n"), (".txt", text + "\n")):
-        path = Path(args.out + suffix)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_path = path.with_suffix(path.suffix + ".tmp")
-        tmp_path.write_text(body)
-        os.replace(tmp_path, path)
+    SP.write_results(args.out, doc, text)
     print(text)
     return 0
 

@@ -234,6 +234,16 @@ def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
         stop(*(proc for proc, _ in procs.values()))
 
 
+def write_results(out: str, doc: dict, text: str) -> None:
+    """OUT.json (``doc``) and OUT.txt (``text``), each written whole (a temporary file, then a rename)."""
+    for suffix, body in ((".json", json.dumps(doc, indent=1) + "\n"), (".txt", text + "\n")):
+        path = Path(out + suffix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path = path.with_suffix(path.suffix + ".tmp")
+        tmp_path.write_text(body)
+        os.replace(tmp_path, path)
+
+
 def level_label(level: list[str]) -> str:
     return " ".join(x for x in level if x).replace("--concurrency --rate", "--rate")
 
@@ -342,12 +352,7 @@ def main(argv=None) -> int:
            "rounds": args.rounds, "levels": args.levels,
            "threads": args.threads, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "scenarios": results}
     text = table(results)
-    for suffix, body in ((".json", json.dumps(doc, indent=1) + "\n"), (".txt", text + "\n")):
-        path = Path(args.out + suffix)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_path = path.with_suffix(path.suffix + ".tmp")
-        tmp_path.write_text(body)
-        os.replace(tmp_path, path)
+    write_results(args.out, doc, text)
     print(text)
     return 0
 
