@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -153,13 +152,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a GGUF path (default: the embedded model)")
     ap.add_argument("--llama-server", default=None, metavar="PATH|build", help="the peer: a llama-server binary")
-    ap.add_argument("--variant-arg", action="append", default=[], metavar="FLAG",
-                    help="the peer: a second localinfer serve with this flag added (repeatable)")
-    ap.add_argument("--variant-env", action="append", default=[], metavar="VAR=VALUE",
-                    help="the peer: a second localinfer serve with this environment (repeatable), e.g. "
-                         "PYTHONPATH=/path/to/a/worktree")
-    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
-                    help="one more argument for localinfer serve (both localinfer servers; repeatable)")
+    SP.add_localinfer_arguments(ap)         # the peer may be a second localinfer: --variant-arg / --variant-env
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--concurrency", type=int, default=1)
@@ -176,10 +169,8 @@ def main(argv=None) -> int:
         ap.error("name one peer: --llama-server, or --variant-env / --variant-arg for a second localinfer")
     if args.concurrency < 1 or args.pairs < 1 or (args.block is not None and args.block < 1):
         ap.error("--concurrency, --pairs and --block must be at least 1")
-    if bad := [v for v in args.variant_env if "=" not in v or not v.split("=", 1)[0]]:
-        ap.error(f"--variant-env takes VAR=VALUE, got {bad[0]!r}")
+    SP.check_variant_env(ap, args)
     args.block = args.block or (1 if args.concurrency == 1 else 2 * args.concurrency)
-    args.variant_env = [SP.absolute_paths(v) for v in args.variant_env]
     args.llama_cpp_python = None
     model = str(resolve_model(args.model).resolve())
     SP.peers(args)
@@ -193,18 +184,8 @@ def main(argv=None) -> int:
     config = L.LoadConfig(concurrency=(args.concurrency,), requests=args.block, prompt_tokens=args.prompt_tokens,
                           output_tokens=args.output_tokens, seed=args.seed)
     before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = {}
-        try:
-            for n, cmd in cmds.items():
-                log = Path(tmp) / f"{n}.log"
-                procs[n] = (subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp,
-                                             env=SP.server_env()), log)
-            for n, (proc, log) in procs.items():
-                SP.wait_ready(urls[n], proc, log)
-            blocks, pairs = asyncio.run(measure(args, urls, config))
-        finally:
-            SP.stop(*(p for p, _ in procs.values()))
+    with tempfile.TemporaryDirectory() as tmp, SP.running(cmds, urls, Path(tmp)):
+        blocks, pairs = asyncio.run(measure(args, urls, config))
     doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": SP.machine(), "model": model,
            "servers": list(cmds), "commands": cmds, "concurrency": args.concurrency, "block": args.block,
            "pairs_run": len(pairs), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,

@@ -198,21 +198,49 @@ def server_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 
 
-def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
-    scenario = SCENARIOS[key]
-    ports = {name: free_port() for name in SERVERS}
-    cmds = commands(args, model, scenario["ctx"], ports)
-    url_of = lambda name: f"http://127.0.0.1:{ports[name]}/v1"
+@contextlib.contextmanager
+def running(cmds: dict[str, list[str]], urls: dict[str, str], tmp: Path, tag: str = ""):
+    """Every server of ``cmds`` started (its log ``tmp/<tag><name>.log``) and ready at its URL; all stopped after."""
     procs = {}
     try:
         for name, cmd in cmds.items():
-            log = tmp / f"{key}-{name}.log"
+            log = tmp / f"{tag}{name}.log"
             # from a directory of their own, this checkout first on the path: ``python -m localinfer`` would put the
             # caller's directory ahead of a variant's PYTHONPATH (an A/B of a worktree ran the caller's code twice)
             procs[name] = (subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=tmp,
                                             env=server_env()), log)
         for name, (proc, log) in procs.items():
-            wait_ready(url_of(name), proc, log)
+            wait_ready(urls[name], proc, log)
+        yield
+    finally:
+        stop(*(proc for proc, _ in procs.values()))
+
+
+def add_localinfer_arguments(ap: argparse.ArgumentParser) -> None:
+    """--serve-arg, --variant-arg and --variant-env (a second localinfer serve, 'localinfer-b', as a peer)."""
+    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
+                    help="one more argument for localinfer serve (repeatable), e.g. --serve-arg=--max-gap=off")
+    ap.add_argument("--variant-arg", action="append", default=[], metavar="FLAG",
+                    help="run a second localinfer serve with this flag added (repeatable), 'localinfer-b': its "
+                         "ratios are the default's over the variant's")
+    ap.add_argument("--variant-env", action="append", default=[], metavar="VAR=VALUE",
+                    help="the variant server's environment (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE or "
+                         "PYTHONPATH=/path/to/a/worktree")
+
+
+def check_variant_env(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse a --variant-env that is not VAR=VALUE; make a PYTHONPATH in it absolute."""
+    if bad := [v for v in args.variant_env if "=" not in v or not v.split("=", 1)[0]]:
+        ap.error(f"--variant-env takes VAR=VALUE, got {bad[0]!r}")
+    args.variant_env = [absolute_paths(v) for v in args.variant_env]
+
+
+def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
+    scenario = SCENARIOS[key]
+    ports = {name: free_port() for name in SERVERS}
+    cmds = commands(args, model, scenario["ctx"], ports)
+    url_of = lambda name: f"http://127.0.0.1:{ports[name]}/v1"
+    with running(cmds, {name: url_of(name) for name in cmds}, tmp, f"{key}-"):
         levels = []
         for li, level in enumerate(scenario["levels"]):
             label = level_label(level)
@@ -230,8 +258,6 @@ def run_scenario(args, model: str, key: str, tmp: Path) -> dict:
                 levels.append({"level": label, "round": rnd + 1, **{n: row[n] for n in names}})   # servers in order
         return {"scenario": key, "ctx": scenario["ctx"], "load": load_flags(args, scenario), "commands": cmds,
                 "levels": levels}
-    finally:
-        stop(*(proc for proc, _ in procs.values()))
 
 
 def write_results(out: str, doc: dict, text: str) -> None:
@@ -316,22 +342,14 @@ def main(argv=None) -> int:
                          "the table adds the median of the rounds' ratios")
     ap.add_argument("--levels", default=None, metavar="LIST",
                     help="comma-separated levels to run, as the table names them (e.g. '--concurrency 4')")
-    ap.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
-                    help="one more argument for localinfer serve (repeatable), e.g. --serve-arg=--max-gap=off")
-    ap.add_argument("--variant-arg", action="append", default=[], metavar="FLAG",
-                    help="run a second localinfer serve with this flag added (repeatable), 'localinfer-b': the "
-                         "table's 'ratio vs localinfer-b' is the default over the variant, in the same rounds")
-    ap.add_argument("--variant-env", action="append", default=[], metavar="VAR=VALUE",
-                    help="the variant server's environment (repeatable), e.g. OMP_WAIT_POLICY=PASSIVE")
+    add_localinfer_arguments(ap)
     ap.add_argument("--out", default="benchmarks/results/serve_peers_cpu")
     ap.add_argument("--smoke", action="store_true", help=f"tiny loads ({SMOKE}): checks the script runs")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    if bad := [v for v in args.variant_env if "=" not in v or not v.split("=", 1)[0]]:
-        ap.error(f"--variant-env takes VAR=VALUE, got {bad[0]!r}")
+    check_variant_env(ap, args)
     model = str(resolve_model(args.model).resolve())      # the servers run in a directory of their own
-    args.variant_env = [absolute_paths(v) for v in args.variant_env]
     keys = [k for k in args.scenarios.split(",") if k]
     bad = [k for k in keys if k not in SCENARIOS]
     if bad:
