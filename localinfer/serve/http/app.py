@@ -102,7 +102,8 @@ class Server:
         return out
 
     def generation(self, request: Request, spec: GenerationSpec, readies: list,
-                   echo: list[str] | None = None) -> Reply:
+                   echo: list[str] | None = None, direct: bool = False) -> Reply:
+        """The reply; ``direct``: its SSE stream's token frames may be written by the relay thread (:mod:`.direct`)."""
         prompts = [r.prompt for r in readies]
         if spec.max_tokens is None and self.config.default_max_tokens:
             ctx = self.runtime.context_tokens          # the default fills what the longest prompt leaves, at most
@@ -110,7 +111,7 @@ class Server:
             spec = replace(spec, max_tokens=max(1, min(self.config.default_max_tokens, free))) if free > 0 else spec
         max_tokens = min(_check_length(spec, len(p), self.runtime.context_tokens) for p in prompts)
         return Reply(self.runtime, spec, readies, max_tokens, self.config.model_id, request.receive,
-                          self.runtime.tokenizer.eos_ids, echo)
+                     self.runtime.tokenizer.eos_ids, echo, scope=request.scope if direct else None)
 
 
 def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
@@ -151,7 +152,7 @@ def build_app(runtime: Runtime, config: AppConfig) -> Starlette:
         echo = None
         if spec.echo:
             echo = [p if isinstance(p, str) else runtime.tokenizer.detokenize(list(p)) for p in spec.prompts]
-        gen = srv.generation(request, spec, prompts, echo)
+        gen = srv.generation(request, spec, prompts, echo, direct=True)
         return await answer(gen, spec.stream)
 
     async def chat_completions(request: Request) -> Response:
@@ -185,7 +186,7 @@ async def answer(gen: Reply, stream: bool) -> Response:
         if not stream:
             return JSONResponse(await gen.response())
         handed_off = True
-        return EventStream(gen.frames(), lambda completed: gen.close())
+        return EventStream(gen.frames(), lambda completed: gen.close(), direct=gen.sink)
     finally:
         if not handed_off:
             gen.close()

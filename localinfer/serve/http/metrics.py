@@ -47,6 +47,8 @@ COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of step
     "snapshot_recomputed_tokens": "prompt tokens the prefix cache matched past the deepest snapshot (recomputed)",
     "kv_compactions": "compactions of the KV cache: every running sequence's cells written back in one run (CPU)",
     "kv_compaction_seconds": "seconds those compactions took (inside engine_step_seconds, outside llama_decode)",
+    "stream_frames_direct": "streamed token frames the relay thread wrote to the socket itself (not the event loop)",
+    "stream_spills": "of its writes, those a slow reader's socket did not take whole (the event loop wrote the rest)",
 }
 
 

@@ -12,12 +12,14 @@ finished (the client left, or the handler was cancelled).
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 
 from localinfer.model.tool_parse import ToolStream
 from localinfer.serve.http import responses as R
 from localinfer.serve.http import sse
+from localinfer.serve.http.direct import DirectSink, Spill
 from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.prepare import Prepared
 from localinfer.serve.http.runtime import Event, Runtime
@@ -28,10 +30,12 @@ from localinfer.serve.request import FinishReason
 
 class Reply:
     """``ready``: the request made ready (:class:`.prepare.Prepared`), or a list of them (completions with several
-    prompts: choice ``p * n + j`` is prompt p's j-th); ``echo``: each prompt's text, put before its choices'."""
+    prompts: choice ``p * n + j`` is prompt p's j-th); ``echo``: each prompt's text, put before its choices'.
+    ``scope``: the HTTP request's ASGI scope, given where the stream's token frames may be written by the relay
+    thread (:mod:`.direct`: one choice of plain text deltas, streamed as SSE by ``frames``)."""
 
     def __init__(self, runtime: Runtime, spec: GenerationSpec, ready: Prepared | list[Prepared], max_tokens: int,
-                 model: str, receive, eos_ids: frozenset[int], echo: list[str] | None = None):
+                 model: str, receive, eos_ids: frozenset[int], echo: list[str] | None = None, scope=None):
         readies = list(ready) if isinstance(ready, (list, tuple)) else [ready]
         self.prompts = [r.prompt for r in readies]
         self.runtime, self.spec, self.prompt, self.model = runtime, spec, readies[0].prompt, model
@@ -52,10 +56,15 @@ class Reply:
                                 constraint=constraints[i])
 
         every = [p for p in self.prompts for _ in range(spec.n)]
-        self.handles, self.queue = runtime.submit(every, make, asyncio.get_running_loop())
-        self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in self.handles]
-        self.tools = ([ToolStream(self.ready.tools, self.ready.answer_json) for _ in self.handles]
+        self.texts = [R.TextStream(runtime.tokenizer, spec.stop, eos_ids) for _ in every]
+        self.tools = ([ToolStream(self.ready.tools, self.ready.answer_json) for _ in every]
                       if self.ready.tools is not None else None)
+        self._base = R.envelope("chat.completion.chunk" if spec.chat else "text_completion", self.id, model)
+        self._extra = {"usage": None} if spec.include_usage else {}
+        self._plain: dict[int, tuple] = {}   # a choice's text delta frame, before and after its JSON string
+        plain = spec.stream and self.tools is None and spec.logprobs is None and len(every) == 1
+        self.sink = DirectSink.for_scope(scope, self._token_frame) if plain and scope is not None else None
+        self.handles, self.queue = runtime.submit(every, make, asyncio.get_running_loop(), sink=self.sink)
         self.reasons: list[str | None] = [None] * len(self.handles)
         self.client_gone = False
         self._first: Event | None = None
@@ -64,15 +73,20 @@ class Reply:
     # ---- events ----------------------------------------------------------------
     def _disconnected(self) -> None:
         self.client_gone = True
+        if self.sink is not None:
+            self.sink.close()
         for h in self.handles:
             self.runtime.cancel(h)
         self.queue.put_nowait(None)             # wake a waiting reader
 
-    async def _next(self) -> Event | None:
+    async def _next(self) -> Event | Spill | None:
         if self._first is not None:
             ev, self._first = self._first, None
-            return ev
-        return await self.queue.get()
+        else:
+            ev = await self.queue.get()
+        if ev is not None and self.sink is not None:
+            self.sink.consumed()       # counted as taken here, not in first(): its frame is written after this
+        return ev
 
     @property
     def done(self) -> bool:
@@ -187,21 +201,41 @@ class Reply:
         out["usage"] = self.usage()
         return out
 
-    async def frames(self) -> AsyncIterator[bytes]:
-        """The streaming answer as SSE frames, ending with the usage chunk (if asked) and [DONE]."""
-        chat, kind = self.spec.chat, "chat.completion.chunk" if self.spec.chat else "text_completion"
-        base = R.envelope(kind, self.id, self.model)
-        extra = {"usage": None} if self.spec.include_usage else {}
+    def _frame(self, choices) -> bytes:
+        return sse.event({**self._base, "choices": choices, **self._extra})
 
-        def frame(choices, **more):
-            return sse.event({**base, "choices": choices, **extra, **more})
+    def _token_frame(self, ev: Event) -> bytes | None:
+        """A token event's frame (no tools): None when it adds no text (held back, stopped, end of generation).
+        Run by the loop, or by the relay thread for tokens routed while the stream's sink is on (never both at
+        once: :mod:`.direct`)."""
+        got = self._apply(ev)
+        if got is None or (not got[0] and not got[1]):
+            return None
+        chat, text = self.spec.chat, self.texts[ev.index]
+        plain = self._plain.get(ev.index) if self.spec.logprobs is None else ()
+        if plain is None:      # the choice's frame with a marker for its text, cut around it once
+            mark = "delta-" + uuid.uuid4().hex
+            parts = self._frame([R.chunk_choice(chat, ev.index, mark, None, None, False)]).split(
+                json.dumps(mark).encode())
+            plain = self._plain[ev.index] = (parts[0], parts[1]) if len(parts) == 2 else ()
+        if plain:
+            return plain[0] + json.dumps(got[0], ensure_ascii=False).encode() + plain[1]
+        lp = None if self.spec.logprobs is None else R.logprobs_for(chat, text, got[1], text.offset - len(got[0]))
+        return self._frame([R.chunk_choice(chat, ev.index, got[0], None, lp, False)])
 
+    async def frames(self) -> AsyncIterator[bytes | Spill]:
+        """The streaming answer as SSE frames, ending with the usage chunk (if asked) and [DONE]; a ``Spill`` is
+        bytes the relay thread did not write (whole), to be written as they are (:mod:`.direct`)."""
+        chat, frame = self.spec.chat, self._frame
         for i in range(len(self.handles)):
             if chat or self.echo is not None:
                 yield frame([R.chunk_choice(chat, i, "" if chat else self._echo(i), None, None, first=True)])
         while not self.done:
             ev = await self._next()
             if ev is None:
+                continue
+            if isinstance(ev, Spill):
+                yield ev
                 continue
             if ev.reason is not None:
                 cut = self._cut(ev)
@@ -219,18 +253,16 @@ class Reply:
                     return
                 yield frame([R.chunk_choice(chat, ev.index, tail or None, self.reasons[ev.index], None, False)])
                 continue
-            got = self._apply(ev)
-            if got is not None and self.tools is not None:
-                for d in got[0]:
+            if self.tools is not None:
+                got = self._apply(ev)
+                for d in (got[0] if got is not None else ()):
                     yield frame([R.delta_choice(ev.index, d)])
                 continue
-            if got is None or (not got[0] and not got[1]):
-                continue
-            text = self.texts[ev.index]
-            lp = None if self.spec.logprobs is None else R.logprobs_for(chat, text, got[1], text.offset - len(got[0]))
-            yield frame([R.chunk_choice(chat, ev.index, got[0], None, lp, False)])
+            body = self._token_frame(ev)
+            if body is not None:
+                yield body
         if self.spec.include_usage:
-            yield sse.event({**base, "choices": [], "usage": self.usage()})
+            yield sse.event({**self._base, "choices": [], "usage": self.usage()})
         yield sse.DONE
 
     async def pieces(self) -> AsyncIterator[tuple[int, str, str | None]]:
@@ -263,6 +295,8 @@ class Reply:
                 self.runtime.cancel(h, quiet=True)
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
         self._watcher.cancel()
         for h in self.handles:
             if not h.finished:

@@ -9,7 +9,9 @@ from a ``queue.SimpleQueue`` (all that is queued, one wake-up): waking the loop 
 self-pipe, a call that lets go of the GIL, and the loop then took the GIL to turn
 the step's tokens into SSE frames while the engine thread waited for it (0.63 ms
 a step at 8 streams).  The relay makes that write while the engine thread is
-inside the next ``llama_decode``, which runs without the GIL.  A cancel takes effect before the next step; the
+inside the next ``llama_decode``, which runs without the GIL.  A plain streamed reply's token frames skip all
+that: once its stream is under way the relay renders and writes them itself (:mod:`.direct`), and the loop
+hears only of the reply's finish.  A cancel takes effect before the next step; the
 request's blocks are freed once the step in flight completes
 (``Scheduler.cancel``), and a step all of whose requests are being cancelled is
 stopped in flight (``StepEngine.cancelling``, the one engine call the loop makes:
@@ -37,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localinfer.serve.http.config import ServeConfig, build_engine
+from localinfer.serve.http.direct import Frame
 from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.metrics import Metrics
 from localinfer.serve.http.sampler import ServeRequest
@@ -68,8 +71,9 @@ class Event:
 class Handle:
     """One engine request as the loop sees it."""
 
-    def __init__(self, request: ServeRequest, queue: asyncio.Queue, index: int):
+    def __init__(self, request: ServeRequest, queue: asyncio.Queue, index: int, sink=None):
         self.request, self.queue, self.index = request, queue, index
+        self.sink = sink              # a DirectSink (http/direct.py): the relay may write its token frames
         self.finished = False         # set on the loop when its finish event is dispatched
         self.quiet_cancel = False     # cancelled because a stop string matched: not a client cancel
 
@@ -102,6 +106,7 @@ class Runtime:
         self._relay_queue: queue.SimpleQueue = queue.SimpleQueue()   # each step's events; None: the engine ended
         self._relay = threading.Thread(target=self._relay_main, name="localinfer-relay", daemon=True)
         self._side: list = []               # work run here between steps (the embeddings face): attach()
+        self._direct = [0, 0]               # streamed frames the relay wrote itself, and the writes it spilled
 
     # ---- lifecycle (loop thread) ----------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -160,8 +165,9 @@ class Runtime:
 
     # ---- requests (loop thread) -----------------------------------------------
     def submit(self, prompts: list[tuple[int, ...]], make: Callable[..., ServeRequest],
-               loop: asyncio.AbstractEventLoop) -> tuple[list[Handle], asyncio.Queue]:
-        """Queue one engine request per prompt; ``make(id, prompt, arrival_s, index)`` builds each."""
+               loop: asyncio.AbstractEventLoop, sink=None) -> tuple[list[Handle], asyncio.Queue]:
+        """Queue one engine request per prompt; ``make(id, prompt, arrival_s, index)`` builds each; ``sink``: the
+        one prompt's DirectSink, attached before the engine thread can see its handle."""
         n = len(prompts)
         queue: asyncio.Queue = asyncio.Queue()
         with self._cond:                          # checked under the lock the engine thread exits under
@@ -178,7 +184,10 @@ class Runtime:
             self._loop = loop
             now = self._now()
             rid = uuid.uuid4().hex
-            handles = [Handle(make(f"{rid}-{i}", p, now, i), queue, i) for i, p in enumerate(prompts)]
+            handles = [Handle(make(f"{rid}-{i}", p, now, i), queue, i, sink if n == 1 else None)
+                       for i, p in enumerate(prompts)]
+            if sink is not None:
+                sink.counts = self._direct
             self._outstanding += n
             self._inbox += [("add", h) for h in handles]
             self._cond.notify()
@@ -215,6 +224,9 @@ class Runtime:
         loop = self._loop
         if not handles or loop is None or loop.is_closed():
             return
+        for h in handles:             # the relay writes no more frames: the loop writes the error's
+            if h.sink is not None:
+                h.sink.close()
         out = [(h, Event(h.index, None, FinishReason.ERROR, error)) for h in handles]
         try:
             loop.call_soon_threadsafe(_deliver, out)
@@ -334,7 +346,8 @@ class Runtime:
             if h is None:
                 continue
             if ev.token is not None:
-                out.append((h, Event(h.index, ev.token)))
+                got = Event(h.index, ev.token)
+                out.append((h, got if h.sink is None else h.sink.route(got)))
         for h in [h for h in self._active.values() if h.request.finished]:
             out += self._finished(h)      # finishes from step() and from a failed step alike
         return out
@@ -351,7 +364,8 @@ class Runtime:
             self._mean_e2e = 0.9 * self._mean_e2e + 0.1 * (r.finished_s - r.arrival_s)
         with self._cond:
             self._outstanding -= 1
-        return [(h, Event(h.index, None, reason, r.error))]
+        ev = Event(h.index, None, reason, r.error)
+        return [(h, ev if h.sink is None else h.sink.route(ev))]
 
     def _cancel_active(self, error: str | None = None) -> list[tuple[Handle, Event]]:
         out = []
@@ -403,7 +417,7 @@ class Runtime:
             steps = [self._relay_queue.get()]
             while not self._relay_queue.empty():     # steps queued meanwhile: one wake-up of the loop for all
                 steps.append(self._relay_queue.get())
-            out = [ev for step in steps if step is not None for ev in step]
+            out = _write_frames([ev for step in steps if step is not None for ev in step])
             if out and self._loop is not None and not self._loop.is_closed():
                 try:
                     self._loop.call_soon_threadsafe(_deliver, out)
@@ -442,7 +456,8 @@ class Runtime:
                   "kv_host_tokens": self.metrics.gauge("kv_host_tokens"), "engine_steps": self.executor.steps,
                   "engine_step_seconds": self.executor.step_seconds,
                   "engine_decode_seconds": self.executor.decode_seconds,
-                  "admissions": s.admissions, "preemptions": s.preemptions}
+                  "admissions": s.admissions, "preemptions": s.preemptions,
+                  "stream_frames_direct": self._direct[0], "stream_spills": self._direct[1]}
         if s.drafter is not None:
             values.update(spec_draft_tokens=s.drafter.drafted, spec_accepted_tokens=s.drafter.accepted)
         if b.snapshots is not None:
@@ -459,6 +474,17 @@ class Runtime:
         self.metrics.publish(values)
         if self.watch is not None:
             self.watch.published(self, idle)
+
+
+def _write_frames(out: list[tuple[Handle, object]]) -> list[tuple[Handle, object]]:
+    """(Relay thread) Render and write the direct streams' frames (:mod:`.direct`): what is left is the loop's, in
+    order (a frame the relay could not write whole becomes its ``Spill``)."""
+    left = []
+    for h, ev in out:
+        if type(ev) is Frame and (ev := ev.sink.write(ev.event)) is None:
+            continue
+        left.append((h, ev))
+    return left
 
 
 def _deliver(out: list[tuple[Handle, Event]]) -> None:

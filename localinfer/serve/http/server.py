@@ -25,6 +25,7 @@ import time
 import uvicorn
 from starlette.applications import Starlette
 
+from localinfer.serve.http import direct
 from localinfer.serve.http.app import AppConfig, build_app
 from localinfer.serve.http.limits import HEADER_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS, protocol_class
 from localinfer.serve.http.runtime import Runtime
@@ -128,9 +129,10 @@ def make_server(runtime: Runtime, app_config: AppConfig, *, grace_s: float = 10.
 
     app.router.lifespan_context = lifespan
     # uvicorn waits a little longer than the engine, so cancelled streams still send their last chunk
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0, access_log=False,
-                            lifespan="on", server_header=False, date_header=True, timeout_keep_alive=keep_alive_s,
-                            http=protocol, loop=event_loop(),
+    # direct.capture: each HTTP scope names uvicorn's request cycle, whose socket a plain stream's frames go to
+    config = uvicorn.Config(direct.capture(app), log_level=log_level, timeout_graceful_shutdown=grace_s + 2.0,
+                            access_log=False, lifespan="on", server_header=False, date_header=True,
+                            timeout_keep_alive=keep_alive_s, http=protocol, loop=event_loop(),
                             limit_concurrency=protocol.limit_connections + 1)   # the protocol caps
     server = _Server(config, runtime, grace_s)
     server.prep = app.state.prep

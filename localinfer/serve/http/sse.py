@@ -14,6 +14,8 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
+from localinfer.serve.http.direct import Spill
+
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -36,11 +38,13 @@ def watch_disconnect(receive, on_disconnect: Callable[[], None]) -> asyncio.Task
 
 class EventStream:
     """An ASGI response that sends ``body`` (SSE frames, or NDJSON lines with ``media_type``) and calls
-    ``on_close(completed)`` however it ends."""
+    ``on_close(completed)`` however it ends; with ``direct``, a stream whose token frames the relay thread may
+    write (``body`` then yields the ``Spill`` of a write the socket did not take whole too)."""
 
     def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[bool], None],
-                 media_type: str = "text/event-stream"):
+                 media_type: str = "text/event-stream", direct=None):
         self.body, self.on_close, self.media_type = body, on_close, media_type
+        self.direct = direct      # a DirectSink (http/direct.py): offered the stream after each send
 
     async def __call__(self, scope, receive, send) -> None:
         completed = False
@@ -49,7 +53,12 @@ class EventStream:
             headers += [(k.encode(), v.encode()) for k, v in HEADERS.items()]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for frame in self.body:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                if isinstance(frame, Spill):
+                    self.direct.write_spill(frame)
+                else:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                if self.direct is not None:
+                    self.direct.try_on()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             completed = True
         except OSError:
