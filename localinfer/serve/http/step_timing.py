@@ -24,26 +24,43 @@ from localinfer.serve.step_model import LinearStepModel
 
 
 class FittedStepModel:
-    """A LinearStepModel whose coefficients are refitted from measured steps (thread-safe reads)."""
+    """A LinearStepModel whose coefficients are refitted from measured steps (thread-safe reads).
+
+    The fit is made when the model is read (``model``, ``seconds``) and ``refit`` steps have been observed since the
+    last one, not as steps are observed: the engine thread observes every step between two forward passes, and a
+    server whose scheduler never predicts (no deadline, ITL target, gap bound or decode share) reads it only for
+    the engine view.  Observing is an append under a lock that a fit holds only to copy the observations."""
 
     def __init__(self, initial: LinearStepModel, *, window: int = 512, refit: int = 32):
-        self.model = initial
+        self._model = initial
         self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)   # (tokens, pairs, seconds)
         self._refit, self._since = refit, 0
         self._lock = threading.Lock()
+
+    @property
+    def model(self) -> LinearStepModel:
+        """The coefficients fitted to the last ``window`` steps (refitted here once ``refit`` more were observed)."""
+        if self._since >= self._refit and len(self._obs) >= 8:
+            with self._lock:                      # a copy under the lock, the fit outside it: observe never waits
+                obs = np.array(self._obs) if self._since >= self._refit else None    # not fitted meanwhile
+                self._since = 0
+            if obs is not None:
+                self._model = robust_fit(obs, self._model)
+        return self._model
 
     def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         return self.model.seconds(chunks)
 
     def observe(self, shapes: Sequence[tuple[int, int]], seconds: float) -> None:
-        tokens = sum(c for c, _ in shapes)
-        pairs = sum(attention_pairs(c, h) for c, h in shapes)
+        if len(shapes) == 1:
+            c, h = shapes[0]
+            tokens, pairs = c, attention_pairs(c, h)
+        else:
+            tokens = sum(c for c, _ in shapes)
+            pairs = sum(attention_pairs(c, h) for c, h in shapes)
         with self._lock:
             self._obs.append((tokens, pairs, seconds))
             self._since += 1
-            if self._since >= self._refit and len(self._obs) >= 8:
-                self._since = 0
-                self.model = robust_fit(np.array(self._obs), self.model)
 
 
 def robust_fit(obs: np.ndarray, old: LinearStepModel, slack: float = 1.5) -> LinearStepModel:
