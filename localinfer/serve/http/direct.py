@@ -7,8 +7,8 @@ ggml's threads compute on.  A :class:`DirectSink` has the relay thread, which th
 step anyway, render the frame and write it with one ``write(2)`` (which lets go of the GIL): the loop is not woken
 for the token at all, and the engine thread's own work a token stays a lock and a check.  Neither the rendering
 nor the write is the engine thread's: the write wakes the client, which on a busy machine can take the writer's
-core for ~0.5 ms, and a write made between steps delays the next one by that much (measured: it cancelled the
-gain; benchmarks/results/serve_closed_loop_cpu.txt, tenth session).
+core for ~0.5 ms, and a write made between steps delays the next one by that much (timed: 70-100 µs or 430-620;
+benchmarks/results/serve_closed_loop_cpu.txt, tenth session).
 
 The loop stays the owner of the connection.  It writes the head and every frame up to the point where it turns
 the sink on (``try_on``, after a send, when every event it was handed has been written and uvicorn's transport
@@ -17,7 +17,7 @@ a :class:`Frame` and the relay renders and writes it, chunk-framed as uvicorn's 
 of the socket's descriptor (a connection the loop closes meanwhile can never be written under a reused descriptor
 number).  A write the socket does not take whole (a slow reader) turns the sink off: the bytes left, and the frames
 of tokens routed before that, are handed to the loop as :class:`Spill` s, which it writes raw ahead of the next
-frames, applying uvicorn's flow control from then on and turning the sink on again once its buffer has drained.  A
+frames (those under uvicorn's flow control), turning the sink on again once its buffer has drained.  A
 write that fails (the client left) turns it off too; the loop's disconnect watcher cancels the request.  Changes of
 hands happen under the sink's lock and every hand-off runs through the relay's one queue, so frames leave in the
 order their tokens were made, and a reply's text state is touched by one thread at a time: the relay for tokens
@@ -31,6 +31,7 @@ loop (to compare, or to debug).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -43,7 +44,13 @@ SCOPE_KEY = "localinfer.http_cycle"     # uvicorn's request cycle, put in the AS
 
 
 def enabled() -> bool:
-    return os.name == "posix" and env.choice("LOCALINFER_DIRECT_STREAM", ("1", "0"), "localinfer.serve") != "0"
+    return os.name == "posix" and _wanted(os.environ.get("LOCALINFER_DIRECT_STREAM", ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _wanted(value: str) -> bool:
+    """(Cached by the value: a wrong one is warned of once, not per request.)"""
+    return env.choice("LOCALINFER_DIRECT_STREAM", ("1", "0"), "localinfer.serve") != "0"
 
 
 def capture(app):
@@ -53,7 +60,10 @@ def capture(app):
             cycle = getattr(send, "__self__", None)
             if type(cycle).__module__ == "uvicorn.protocols.http.httptools_impl" and hasattr(cycle, "transport"):
                 scope[SCOPE_KEY] = cycle
-        await app(scope, receive, send)
+        try:
+            await app(scope, receive, send)
+        finally:
+            scope.pop(SCOPE_KEY, None)     # the cycle holds the scope: no cycle of references left per request
     return asgi
 
 
@@ -69,9 +79,11 @@ class Frame:
 
 @dataclasses.dataclass(frozen=True)
 class Spill:
-    """A frame's bytes the relay did not write (or not whole): the loop writes them as they are."""
+    """A frame's bytes the relay did not write (or not whole): the loop writes them as they are.  ``failed``: the
+    relay could not render a token's frame, and the stream ends in error (as it did when the loop rendered it)."""
 
     data: bytes
+    failed: bool = False
     token = None
     reason = None
 
@@ -122,7 +134,9 @@ class DirectSink:
         except Exception:  # noqa: BLE001 - logged; the stream ends (its token's text may be half applied)
             log.exception("rendering a streamed frame failed")
             self.close()
-            return None
+            with self._lock:
+                self._pending += 1
+            return Spill(b"", failed=True)
         if not body:
             return None
         data = b"%x\r\n%b\r\n" % (len(body), body)
@@ -174,12 +188,20 @@ class DirectSink:
             sock = c.transport.get_extra_info("socket")
             if sock is None:
                 return False
-            self._fd = os.dup(sock.fileno())
+            try:
+                self._fd = os.dup(sock.fileno())
+            except OSError:                  # out of descriptors: the loop keeps the stream
+                return False
             return True
 
     def write_spill(self, spill: Spill) -> None:
-        """Bytes the relay did not write, written as they are (they are already chunk-framed)."""
-        self._cycle.transport.write(spill.data)
+        """Bytes the relay did not write, written as they are (they are already chunk-framed); nothing once the
+        client has gone (uvicorn's send would not write either)."""
+        if spill.failed:
+            raise RuntimeError("the relay could not render a streamed frame (logged above)")
+        c = self._cycle
+        if spill.data and not c.disconnected and not c.transport.is_closing():
+            c.transport.write(spill.data)
 
     def close(self) -> None:
         """The stream ended or the client left (any thread): off for good."""
@@ -195,3 +217,14 @@ class DirectSink:
             else:
                 os.close(self._fd)
             self._fd = -1
+
+
+def write_frames(out: list[tuple[object, object]]) -> list[tuple[object, object]]:
+    """(Relay thread) Render and write the :class:`Frame` s among a step's (handle, event) pairs: what is left is
+    the loop's, in order (a frame not written whole becomes its :class:`Spill`)."""
+    left = []
+    for h, ev in out:
+        if type(ev) is Frame and (ev := ev.sink.write(ev.event)) is None:
+            continue
+        left.append((h, ev))
+    return left

@@ -11,8 +11,8 @@ the step's tokens into SSE frames while the engine thread waited for it (0.63 ms
 a step at 8 streams).  The relay makes that write while the engine thread is
 inside the next ``llama_decode``, which runs without the GIL.  A plain streamed reply's token frames skip all
 that: once its stream is under way the relay renders and writes them itself (:mod:`.direct`), and the loop
-hears only of the reply's finish.  A cancel takes effect before the next step; the
-request's blocks are freed once the step in flight completes
+hears of the reply again at its finish (or when a slow reader's socket takes a write only in part).  A cancel
+takes effect before the next step; the request's blocks are freed once the step in flight completes
 (``Scheduler.cancel``), and a step all of whose requests are being cancelled is
 stopped in flight (``StepEngine.cancelling``, the one engine call the loop makes:
 it takes no lock a step holds), so a client leaving a long prompt frees the
@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localinfer.serve.http.config import ServeConfig, build_engine
-from localinfer.serve.http.direct import Frame
+from localinfer.serve.http.direct import Frame, write_frames
 from localinfer.serve.http.errors import APIError
 from localinfer.serve.http.metrics import Metrics
 from localinfer.serve.http.sampler import ServeRequest
@@ -163,7 +163,7 @@ class Runtime:
             if w.pending():
                 w.work(budget)
 
-    # ---- requests (loop thread) -----------------------------------------------
+    # ---- requests (loop thread; cancel from any) ----------------------------------
     def submit(self, prompts: list[tuple[int, ...]], make: Callable[..., ServeRequest],
                loop: asyncio.AbstractEventLoop, sink=None) -> tuple[list[Handle], asyncio.Queue]:
         """Queue one engine request per prompt; ``make(id, prompt, arrival_s, index)`` builds each; ``sink``: the
@@ -228,10 +228,13 @@ class Runtime:
             if h.sink is not None:
                 h.sink.close()
         out = [(h, Event(h.index, None, FinishReason.ERROR, error)) for h in handles]
-        try:
-            loop.call_soon_threadsafe(_deliver, out)
-        except RuntimeError:       # the loop closed meanwhile
-            return
+        if self._relay.is_alive():    # behind the frames the relay has queued (their spills come first)
+            self._relay_queue.put(out)
+        else:
+            try:
+                loop.call_soon_threadsafe(_deliver, out)
+            except RuntimeError:       # the loop closed meanwhile
+                return
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and any(not h.queue.empty() or not h.finished for h in handles):
             time.sleep(0.02)
@@ -417,7 +420,11 @@ class Runtime:
             steps = [self._relay_queue.get()]
             while not self._relay_queue.empty():     # steps queued meanwhile: one wake-up of the loop for all
                 steps.append(self._relay_queue.get())
-            out = _write_frames([ev for step in steps if step is not None for ev in step])
+            try:
+                out = write_frames([ev for step in steps if step is not None for ev in step])
+            except Exception:  # noqa: BLE001 - a bug in a frame's path must not end every stream's events
+                log.exception("the relay failed on a step's events")
+                out = [ev for step in steps if step is not None for ev in step if type(ev) is not Frame]
             if out and self._loop is not None and not self._loop.is_closed():
                 try:
                     self._loop.call_soon_threadsafe(_deliver, out)
@@ -474,17 +481,6 @@ class Runtime:
         self.metrics.publish(values)
         if self.watch is not None:
             self.watch.published(self, idle)
-
-
-def _write_frames(out: list[tuple[Handle, object]]) -> list[tuple[Handle, object]]:
-    """(Relay thread) Render and write the direct streams' frames (:mod:`.direct`): what is left is the loop's, in
-    order (a frame the relay could not write whole becomes its ``Spill``)."""
-    left = []
-    for h, ev in out:
-        if type(ev) is Frame and (ev := ev.sink.write(ev.event)) is None:
-            continue
-        left.append((h, ev))
-    return left
 
 
 def _deliver(out: list[tuple[Handle, Event]]) -> None:

@@ -3,7 +3,7 @@
 The model is :class:`~localinfer.serve.step_model.LinearStepModel` (docs/serving.md:
 ``T = fixed + per_token·Σc + per_pair·ΣN``, N the causal pairs of each chunk).
 :class:`TimedExecutor` wraps the executor, times every step and keeps the last
-``window`` (shape, seconds) pairs; every ``refit`` steps a non-negative least-squares
+``window`` (shape, seconds) pairs; read after ``refit`` more steps, a non-negative least-squares
 fit over them replaces the coefficients, so deadline-aware admission and the
 ITL-target chunk size follow what this machine really does (threads, other load).
 Before any step the model is seeded by :func:`calibrate` (one decode step and
