@@ -23,9 +23,10 @@ hands happen under the sink's lock and every hand-off runs through the relay's o
 order their tokens were made, and a reply's text state is touched by one thread at a time: the relay for tokens
 routed while on, the loop for the others.
 
-Only uvicorn's httptools protocol over plain TCP (no TLS), on POSIX, for one-choice streams whose frames are
-plain text deltas (no tools, no logprobs) is served so; ``LOCALINFER_DIRECT_STREAM=0`` keeps every frame on the
-loop (to compare, or to debug).
+The bytes skip every ASGI layer between the app and uvicorn: no middleware that rewrites a response body
+(compression) may be added to the app while this is on.  Only uvicorn's httptools protocol over plain TCP (no TLS),
+on POSIX, for one-choice streams whose frames are plain text deltas (no tools, no logprobs) is served so;
+``LOCALINFER_DIRECT_STREAM=0`` keeps every frame on the loop (to compare, or to debug).
 """
 
 from __future__ import annotations
