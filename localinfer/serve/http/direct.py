@@ -74,8 +74,6 @@ class Frame:
 
     sink: DirectSink
     event: object
-    token = None                  # what the loop's delivery reads of an event
-    reason = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +83,7 @@ class Spill:
 
     data: bytes
     failed: bool = False
-    token = None
+    token = None                  # what the loop's delivery reads of an event
     reason = None
 
 

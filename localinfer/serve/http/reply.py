@@ -12,7 +12,6 @@ finished (the client left, or the handler was cancelled).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -215,11 +214,10 @@ class Reply:
         plain = self._plain.get(ev.index) if self.spec.logprobs is None else ()
         if plain is None:      # the choice's frame with a marker for its text, cut around it once
             mark = "delta-" + uuid.uuid4().hex
-            parts = self._frame([R.chunk_choice(chat, ev.index, mark, None, None, False)]).split(
-                json.dumps(mark).encode())
+            parts = self._frame([R.chunk_choice(chat, ev.index, mark, None, None, False)]).split(sse.text(mark))
             plain = self._plain[ev.index] = (parts[0], parts[1]) if len(parts) == 2 else ()
         if plain:
-            return plain[0] + json.dumps(got[0], ensure_ascii=False).encode() + plain[1]
+            return plain[0] + sse.text(got[0]) + plain[1]
         lp = None if self.spec.logprobs is None else R.logprobs_for(chat, text, got[1], text.offset - len(got[0]))
         return self._frame([R.chunk_choice(chat, ev.index, got[0], None, lp, False)])
 

@@ -24,6 +24,11 @@ def event(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def text(s: str) -> bytes:
+    """A string as ``event`` writes it inside a frame (a frame cut around its text puts this between the parts)."""
+    return json.dumps(s, ensure_ascii=False).encode()
+
+
 def watch_disconnect(receive, on_disconnect: Callable[[], None]) -> asyncio.Task:
     """A task that calls ``on_disconnect`` when the client goes away (cancel it when the response is done)."""
     async def watch():

@@ -52,12 +52,8 @@ class FittedStepModel:
         return self.model.seconds(chunks)
 
     def observe(self, shapes: Sequence[tuple[int, int]], seconds: float) -> None:
-        if len(shapes) == 1:
-            c, h = shapes[0]
-            tokens, pairs = c, attention_pairs(c, h)
-        else:
-            tokens = sum(c for c, _ in shapes)
-            pairs = sum(attention_pairs(c, h) for c, h in shapes)
+        tokens = sum(c for c, _ in shapes)
+        pairs = sum(attention_pairs(c, h) for c, h in shapes)
         with self._lock:
             self._obs.append((tokens, pairs, seconds))
             self._since += 1
