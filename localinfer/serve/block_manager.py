@@ -313,6 +313,9 @@ class BlockManager:
         if len(tokens) > len(table) * p:
             raise ValueError(f"sequence {seq!r} holds {len(table)} blocks, not enough for {len(tokens)} tokens")
         n, before = len(tokens), self.written(seq)
+        if n == before + 1 and n % p and (not self.prefix_cache or self._chain.get(seq, (0,))[0] >= n // p):
+            self.blocks[table[before // p]].filled = n % p       # a decode inside its block: no block fills
+            return
         for i in range(min(before, n) // p, blocks_for(max(before, n), p)):
             self.blocks[table[i]].filled = min(p, max(0, n - i * p))
         if not self.prefix_cache:

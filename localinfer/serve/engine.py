@@ -46,6 +46,7 @@ from localinfer.generation.sampling import SamplingParams
 from localinfer.serve.masks import StepMasks, spare_core, step_mask_items
 from localinfer.serve.request import GREEDY, FinishReason, Request, State
 from localinfer.serve.scheduler import Scheduler, StepBatch
+from localinfer.serve.steady import enabled as steady_enabled, steady_step
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class StepRecord:
 
 
 class StepEngine:
+    event = StreamChunk     # what a step's events are (serve/steady.py makes them too)
+
     def __init__(self, executor: Executor, scheduler: Scheduler, *, record: bool = False,
                  on_step: Callable[[StepRecord], None] | None = None, overlap_masks: bool | None = None):
         caps, parking = executor.caps, scheduler.blocks.parking
@@ -123,6 +126,7 @@ class StepEngine:
         self._leaving: set[str] = set()              # requests whose cancel is on its way (cancelling)
         self.parking = parking
         self._reply_snapshot: dict[str, int] = {}    # running request -> the key of its reply's latest snapshot
+        self.steady, self.steady_steps = steady_enabled(), 0    # the steady decode step where it is the step
         # grammar masks: filled beside the executor's step where a core is free for them (None: decide so)
         self.masks = StepMasks(spare_core(caps.cpu_threads) if overlap_masks is None else overlap_masks)
         if parking is not None:
@@ -133,8 +137,7 @@ class StepEngine:
         return self.parking.slots if self.parking is not None else 0
 
     @property
-    def _parked(self):
-        """Parked request id -> its slot, least recently used first."""
+    def _parked(self):     # parked request id -> its slot, least recently used first
         return self.parking.slot_of if self.parking is not None else {}
 
     # ---- requests ------------------------------------------------------------
@@ -205,6 +208,8 @@ class StepEngine:
     # ---- steps ---------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
         """One batch; the events it produced (tokens and finishes)."""
+        if self.steady and (events := steady_step(self)) is not None:
+            return events
         ex, sched = self.executor, self.scheduler
         events: list[StreamChunk] = []
         with self._lock:
@@ -392,8 +397,7 @@ class StepEngine:
 
     # ---- internals -----------------------------------------------------------
     def _seat(self, r: Request) -> None:
-        """A slot for r; its cached prefix copied from a running or parked request holding it, the rest restored
-        from the pool."""
+        """A slot for r; its cached prefix copied from a running or parked request holding it, the rest restored."""
         slot = self._free_slots.popleft()
         self.slot_of[r.id] = slot
         parking = self.parking
@@ -450,8 +454,7 @@ class StepEngine:
             self._free_slots.append(slot)
 
     @property
-    def parked(self) -> int:
-        """Requests whose KV is parked in a slot for later prefix hits."""
+    def parked(self) -> int:     # requests whose KV is parked in a slot for later prefix hits
         return len(self._parked)
 
     def _emit_finish(self, r: Request) -> StreamChunk:

@@ -231,3 +231,25 @@ def test_forked_branches_count_their_own_tokens():
         bm.commit("b", first + [99])
         assert (bm.written("a"), bm.written("b")) == (40, start + 1)
         assert bm.tokens_in_use() == 40 + 1 + start % 16      # b's copied tail block (or its fresh one)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_decode_committed_token_by_token_ends_as_one_commit(prefix_cache):
+    """A token written inside a block skips the chain (commit's fast exit for a decode): the blocks' fill, hashes
+    and the cache end as one commit of the same tokens leaves them, with a hit at the start and blocks filled
+    past it."""
+    seqs = []
+    for by_token in (True, False):
+        bm = BlockManager(16, block_tokens=4, prefix_cache=prefix_cache)
+        bm.allocate("w", toks(8, 0))
+        bm.commit("w", toks(8, 0))
+        tokens = toks(8, 0) + toks(22, 50)
+        assert bm.allocate("a", tokens[:11], reserve_tokens=30) == (8 if prefix_cache else 0)
+        bm.commit("a", tokens[:11])
+        for n in range(12, 31) if by_token else (30,):
+            bm.commit("a", tokens[:n])
+            assert bm.written("a") == n
+        seqs.append(([(b.ref, b.filled, b.hash, b.parent, b.tokens) for b in bm.blocks], bm.num_cached,
+                     bm.tables["a"], len(bm.match(tokens + (1,)))))
+    assert seqs[0] == seqs[1]
+    assert seqs[0][3] == (7 if prefix_cache else 0)
