@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 
 from localinfer.backends.executor import Chunk, StepInterrupted
+from localinfer.serve.events import StreamChunk
 from localinfer.serve.request import State
 from localinfer.serve.scheduler import ScheduledChunk, StepBatch
 
@@ -68,16 +69,13 @@ def steady_step(engine) -> list | None:
             reason = r.append(tok, end)
             r.computed += 1
             bm.commit(r.id, r.view(r.computed), r.prefix_hashes(bm.block_tokens))
-            ev = engine.event(r.id, r.output[-1], end)
+            ev = StreamChunk(r.id, r.output[-1], end)
             engine._streams[r.id].append(ev)
             events.append(ev)
             if reason is not None:
                 sched.finish(r, reason, end)
                 done.append(r)
-        for r in done:
-            engine._release(r)
-            events.append(engine._emit_finish(r))
-        return events
+        return events + engine._finished(done)
 
 
 def _batch(engine, now: float) -> list[tuple] | None:

@@ -260,3 +260,44 @@ def test_cancel_with_an_error_frees_the_slot_and_does_not_park():
     again = [e.add_request(Request(f"f{i}", tuple(range(5, 14)), 3)) for i in range(2)]
     e.run()
     assert all(r.finish_reason is FinishReason.LENGTH for r in again)
+
+
+@settings(max_examples=30, deadline=None)
+@given(OPS)
+def test_deferred_releases_end_as_releases_in_the_step(seq):
+    """``defer_release`` (a server's): settled after every step, everything is as when the step released its finished
+    requests itself: outputs, events, blocks, cells, parked requests, slots."""
+    runs = []
+    for defer in (False, True):
+        ex = SimulatedExecutor(CARD, n_slots=3 + 4)
+        e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=3, chunk_tokens=8),
+                                     BlockManager(24, 4, pool_hits=False, parking=Parking(4)), CARD))
+        e.defer_release = defer
+        apply_ops(e, seq, tuple(range(500, 508)), lambda e: e.settle())
+        e.run()
+        e.settle()
+        runs.append(([(r.id, r.output, r.finish_reason, r.finished_s) for r in e.scheduler.requests.values()],
+                     {k: [(ev.token, ev.finish_reason) for ev in q] for k, q in e._streams.items()},
+                     e.blocks.used, e.parked, e.executor.cells_used(), dict(e.slot_of)))
+    assert runs[0] == runs[1]
+
+
+def test_a_deferred_release_keeps_the_slot_until_settle_or_the_next_step():
+    ex = SimulatedExecutor(CARD, n_slots=2 + 2)
+    e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=2),
+                                 BlockManager(40, 4, pool_hits=False, parking=Parking(2)), CARD))
+    e.defer_release = True
+    a = e.add_request(Request("a", tuple(range(1, 10)), 3))
+    while not a.finished:
+        events = e.step()
+    assert events[-1].finish_reason is FinishReason.LENGTH and "a" in e.slot_of and e.parked == 0
+    cells = ex.cells_used()
+    e.settle()
+    assert "a" not in e.slot_of and e.parked == 1 and (cells, ex.cells_used()) == (11, 8)    # cut to 2 blocks
+    b = e.add_request(Request("b", tuple(range(1, 10)) + (99,), 3))
+    while not b.finished:
+        e.step()
+    assert "b" in e.slot_of and b.cached == 8
+    e.add_request(Request("c", (7, 8), 1))
+    e.step()                      # settles b first, then seats c
+    assert "b" not in e.slot_of and "c" in e.slot_of

@@ -287,6 +287,7 @@ class Runtime:
             self.tokenizer = inner.vocab
             self._step_log = StepLog(self.config.step_log) if self.config.step_log else None
             self.executor, self.engine, self.step_model = build_engine(inner, self.config, on_step=self._step_log)
+            self.engine.defer_release = True      # a reply's end is handed on before its KV is parked (_iteration)
             self._compaction = getattr(inner, "compaction", None)
         except BaseException:       # calibration failed or a signal came: the model loaded is freed now
             inner.close()
@@ -332,6 +333,10 @@ class Runtime:
                 with self._cond:
                     self._cond.wait(0.005)
         self._dispatch(out)
+        try:
+            engine.settle()       # the finished requests' slots, parked or dropped once their events are on their way
+        except Exception as exc:  # noqa: BLE001 - as a failed step's: logged, and the next step settles what is left
+            log.error("releasing finished requests failed: %s: %s", type(exc).__name__, exc)
         self._side_work()
         self._maybe_publish(engine, bool(items))
         if (self._stop_at is not None and not engine.unfinished and not self._active
