@@ -11,7 +11,8 @@ layer has.  Here both servers run at once and the load alternates between them i
 prefix cache answers), and the order within a pair alternates (AB, BA, ...) so neither server always goes first.
 A block of the measured shape goes to each server first, uncounted, and each block starts after a 0.3 s pause.
 Each pair gives ratios of localinfer's figures over the peer's (tok/s over the block, the median of its requests'
-decode rates from first to last text chunk, TTFT p50, ITL p50, e2e p50); the summary is their median, their
+decode rates from first to last text chunk, TTFT p50, ITL p50, the p50 of each reply's last gap (to its last text
+chunk: what a server does as a reply ends shows there), e2e p50); the summary is their median, their
 geometric mean with a bootstrap 95% interval (seeded by ``--seed``), and how many pairs localinfer won.  A pair in
 which any request failed is left out of the ratios and counted.  Nothing polls /metrics (serve_load.py polls five
 times a second).  With an even ``--pairs`` each server goes first equally often.
@@ -46,7 +47,7 @@ from localinfer.model.sources import resolve_model               # noqa: E402
 from localinfer.util.stats import percentile, ratio_interval      # noqa: E402
 
 SETTLE_S = 0.3       # a pause before each block: the last block's server finishes its own after-work first
-KEYS = ("tok_s", "decode_tok_s", "ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms")
+KEYS = ("tok_s", "decode_tok_s", "ttft_p50_ms", "itl_p50_ms", "last_gap_p50_ms", "e2e_p50_ms")
 HIGHER_IS_BETTER = {"tok_s", "decode_tok_s"}
 
 
@@ -61,6 +62,7 @@ def block_figures(results: list[L.Result], makespan: float) -> dict:
             "decode_tok_s": statistics.median(decode) if decode else None,
             "ttft_p50_ms": ms(percentile([r.ttft_s for r in ok], 0.5)),
             "itl_p50_ms": ms(percentile([g for r in ok for g in r.gaps_s], 0.5)),
+            "last_gap_p50_ms": ms(percentile([r.gaps_s[-1] for r in ok if r.gaps_s], 0.5)),
             "e2e_p50_ms": ms(percentile([r.e2e_s for r in ok], 0.5)),
             "errors": sorted({f"{r.status} {r.error}" for r in results if not r.ok})[:3]}
 
