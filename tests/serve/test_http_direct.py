@@ -59,9 +59,10 @@ def _counters(srv) -> tuple[float, float]:
 ])
 def test_the_relays_frames_are_the_loops(srv, monkeypatch, path, body):
     """Greedy, the same request streamed with the frames written by the relay thread and (LOCALINFER_DIRECT_STREAM=0)
-    all by the loop: frame for frame the same, ids and timestamps aside; the counter says the relay wrote most of
-    the first stream's frames (all but those before the loop handed it over and from the finish on) and none of
-    the second's; the text is the non-streamed reply's."""
+    all by the loop: frame for frame the same, ids and timestamps aside; the counter says the relay wrote the first
+    stream's token frames but the first (written by the loop, which then hands the stream over), the last one's
+    too (routed in the step that finishes the reply: its finish used to turn the sink off, so the loop wrote it),
+    and none of the second's; the text is the non-streamed reply's."""
     body = {"model": MODEL_ID, "temperature": 0, **body}
     before = _counters(srv)
     direct = _stream(srv, path, body)
@@ -73,7 +74,7 @@ def test_the_relays_frames_are_the_loops(srv, monkeypatch, path, body):
     deltas = [f for f in direct if f["choices"] and f["choices"][0]["finish_reason"] is None
               and f["choices"][0].get("delta", {}).get("content", f["choices"][0].get("text"))]
     assert len(deltas) >= 5
-    assert middle[0] - before[0] >= len(deltas) // 2 and middle[1] == before[1], (before, middle, len(deltas))
+    assert middle[0] - before[0] >= len(deltas) - 1 and middle[1] == before[1], (before, middle, len(deltas))
     assert after == middle                                   # the loop wrote every frame of the second
     whole = httpx.post(srv.base_url + path.removeprefix("/v1"), json=body, timeout=120).json()["choices"][0]
     text = "".join(c["delta"].get("content", "") if "delta" in c else c["text"]

@@ -12,9 +12,11 @@ benchmarks/results/serve_closed_loop_cpu.txt, tenth session).
 
 The loop stays the owner of the connection.  It writes the head and every frame up to the point where it turns
 the sink on (``try_on``, after a send, when every event it was handed has been written and uvicorn's transport
-buffers nothing), and every frame from the reply's finish on.  In between the engine thread routes each token as
-a :class:`Frame` and the relay renders and writes it, chunk-framed as uvicorn's HTTP/1.1 stream is, on a duplicate
-of the socket's descriptor (a connection the loop closes meanwhile can never be written under a reused descriptor
+buffers nothing), and every frame from the reply's finish on (the frames of tokens routed before the finish are
+the relay's: the reply's last token does not wait for the loop to wake).  In between the engine thread routes each
+token as a :class:`Frame` and the relay renders and writes it, chunk-framed as uvicorn's HTTP/1.1 stream is, on a
+duplicate of
+the socket's descriptor (a connection the loop closes meanwhile can never be written under a reused descriptor
 number).  A write the socket does not take whole (a slow reader) turns the sink off: the bytes left, and the frames
 of tokens routed before that, are handed to the loop as :class:`Spill` s, which it writes raw ahead of the next
 frames (those under uvicorn's flow control), turning the sink on again once its buffer has drained.  A
@@ -117,9 +119,8 @@ class DirectSink:
         with self._lock:
             if self._fd >= 0 and ev.token is not None:
                 return Frame(self, ev)
-            if ev.token is None:           # a finish: the loop writes it and everything after
-                self._off()
-                self._closed = True
+            if ev.token is None:           # a finish: the loop writes it and everything after, the relay the frames
+                self._closed = True        # routed before it (write_frames turns the sink off as it passes it on)
             self._pending += 1
             return ev
 
@@ -225,5 +226,7 @@ def write_frames(out: list[tuple[object, object]]) -> list[tuple[object, object]
     for h, ev in out:
         if type(ev) is Frame and (ev := ev.sink.write(ev.event)) is None:
             continue
+        if ev.reason is not None and h.sink is not None:      # a finish: its frames are written, the loop's from here
+            h.sink.close()
         left.append((h, ev))
     return left
