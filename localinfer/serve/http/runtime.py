@@ -1,24 +1,21 @@
 """The engine thread: one :class:`~localinfer.serve.engine.StepEngine` stepped in a thread of its own.
 
-The event loop never touches the engine.  It puts ``add`` and ``cancel``
-commands in a locked inbox and wakes the thread; the thread applies them
-between steps, runs ``Engine.step``, and hands each step's tokens and finishes
-back to the loop with one ``loop.call_soon_threadsafe`` (each request's events
-land on its asyncio queue), made by a relay thread that takes each step's events
-from a ``queue.SimpleQueue`` (all that is queued, one wake-up): waking the loop writes to its
-self-pipe, a call that lets go of the GIL, and the loop then took the GIL to turn
-the step's tokens into SSE frames while the engine thread waited for it (0.63 ms
-a step at 8 streams).  The relay makes that write while the engine thread is
-inside the next ``llama_decode``, which runs without the GIL.  A plain streamed reply's token frames skip all
-that: once its stream is under way the relay renders and writes them itself (:mod:`.direct`), and the loop
-hears of the reply again at its finish (or when a slow reader's socket takes a write only in part).  A cancel
-takes effect before the next step; the request's blocks are freed once the step in flight completes
-(``Scheduler.cancel``), and a step all of whose requests are being cancelled is
-stopped in flight (``StepEngine.cancelling``, the one engine call the loop makes:
-it takes no lock a step holds), so a client leaving a long prompt frees the
-engine at once instead of after its prompt chunk.  Loading happens in this thread too, so ``/health``
-answers 503 until the model is ready, and a signal during the load stops it
-(llama.cpp's progress callback polls ``signals.pending``).
+The event loop never touches the engine.  It puts ``add`` and ``cancel`` commands in a locked inbox and wakes the
+thread; the thread applies them between steps, runs ``Engine.step``, and hands each step's tokens and finishes back to
+the loop with one ``loop.call_soon_threadsafe`` (each request's events land on its asyncio queue), made by a relay
+thread that takes each step's events from a ``queue.SimpleQueue`` (all that is queued, one wake-up): waking the loop
+writes to its self-pipe, a call that lets go of the GIL, and the loop then took the GIL to turn the step's tokens into
+SSE frames while the engine thread waited for it (0.63 ms a step at 8 streams).  The relay makes that write while the
+engine thread is inside the next ``llama_decode``, which runs without the GIL.  A plain streamed reply's token frames
+skip all that: once its stream is under way the relay renders and writes them itself (:mod:`.direct`), and the loop
+hears of the reply again at its finish (or when a slow reader's socket takes a write only in part).  What a finished
+request leaves comes after its events are handed on: its slot (parked or dropped, ``StepEngine.settle``) and its
+counts (``/metrics``, the engine view).  A cancel takes effect before the next step; the request's blocks are freed
+once the step in flight completes (``Scheduler.cancel``), and a step all of whose requests are being cancelled is
+stopped in flight (``StepEngine.cancelling``, the one engine call the loop makes: it takes no lock a step holds), so
+a client leaving a long prompt frees the engine at once instead of after its prompt chunk.  Loading happens in this
+thread too, so ``/health`` answers 503 until the model is ready, and a signal during the load stops it (llama.cpp's
+progress callback polls ``signals.pending``).
 
 Admission control at the door: at most ``parallel + max_queue`` requests are
 outstanding; one more is answered 429 with ``Retry-After`` (the mean
@@ -101,6 +98,7 @@ class Runtime:
         self._stopping = threading.Event()  # set with _stop_at: also stops a model load in progress
         self._loop: asyncio.AbstractEventLoop | None = None
         self._mean_e2e = 1.0
+        self._counting: list[tuple[ServeRequest, FinishReason, bool]] = []    # finished, not yet counted
         self._thread = threading.Thread(target=self._main, name="localinfer-engine", daemon=True)
         self.ready = threading.Event()
         self._relay_queue: queue.SimpleQueue = queue.SimpleQueue()   # each step's events; None: the engine ended
@@ -113,8 +111,7 @@ class Runtime:
         self._loop = loop
         self._thread.start()
 
-    def drain(self) -> None:
-        """Refuse new requests (503); those in flight go on."""
+    def drain(self) -> None:      # refuse new requests (503); those in flight go on
         if self.state in (RuntimeState.READY, RuntimeState.LOADING):
             self.state = RuntimeState.DRAINING
 
@@ -333,8 +330,8 @@ class Runtime:
                 with self._cond:
                     self._cond.wait(0.005)
         self._dispatch(out)
-        try:
-            engine.settle()       # the finished requests' slots, parked or dropped once their events are on their way
+        try:                      # the finished requests' slots, parked or dropped once their events are on their way
+            engine.settle()
         except Exception as exc:  # noqa: BLE001 - as a failed step's: logged, and the next step settles what is left
             log.error("releasing finished requests failed: %s: %s", type(exc).__name__, exc)
         self._side_work()
@@ -365,15 +362,21 @@ class Runtime:
         self._active.pop(r.id, None)
         self.engine.forget(r.id)                              # the engine keeps every request otherwise
         reason = r.finish_reason or FinishReason.ERROR
-        self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not h.quiet_cancel)
-        if self.watch is not None:
-            self.watch.finished(r, reason)
-        if r.finished_s is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self._mean_e2e = 0.9 * self._mean_e2e + 0.1 * (r.finished_s - r.arrival_s)
+        self._counting.append((r, reason, h.quiet_cancel))    # counted once its events are on their way
         with self._cond:
             self._outstanding -= 1
         ev = Event(h.index, None, reason, r.error)
         return [(h, ev if h.sink is None else h.sink.route(ev))]
+
+    def _count_finished(self) -> None:
+        """The finished requests' counts (their latency histograms: ~0.3 ms for a 128-token reply) and the e2e mean."""
+        counting, self._counting = self._counting, []
+        for r, reason, quiet in counting:
+            self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not quiet)
+            if self.watch is not None:
+                self.watch.finished(r, reason)
+            if r.finished_s is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
+                self._mean_e2e = 0.9 * self._mean_e2e + 0.1 * (r.finished_s - r.arrival_s)
 
     def _cancel_active(self, error: str | None = None) -> list[tuple[Handle, Event]]:
         out = []
@@ -412,9 +415,10 @@ class Runtime:
         self._dispatch(out)
 
     def _dispatch(self, out: list[tuple[Handle, Event]]) -> None:
-        """Hand events to the relay thread, which wakes the loop (the engine thread never does: module docstring)."""
+        """Hand events to the relay thread, which wakes the loop (module docstring); then count what they finish."""
         if out:
             self._relay_queue.put(out)
+        self._count_finished()
 
     def _end_relay(self) -> None:
         """The engine thread has ended: the relay delivers what is queued, then ends."""
