@@ -99,7 +99,8 @@ class StepEngine:
         return self.parking.slots if self.parking is not None else 0
 
     @property
-    def _parked(self):     # parked request id -> its slot, least recently used first
+    def _parked(self):
+        """Parked request id -> its slot, least recently used first."""
         return self.parking.slot_of if self.parking is not None else {}
 
     # ---- requests ------------------------------------------------------------
@@ -169,7 +170,8 @@ class StepEngine:
 
     # ---- steps ---------------------------------------------------------------
     def step(self) -> list[StreamChunk]:
-        """One batch; the events it produced (tokens and finishes)."""
+        """One batch (the steady decode step where it is one: serve/steady.py), after settling the last step's
+        finished requests; the events it produced (tokens and finishes)."""
         if self._settling:
             self.settle()
         if self.steady and (events := steady_step(self)) is not None:
@@ -434,7 +436,8 @@ class StepEngine:
             self._free_slots.append(slot)
 
     @property
-    def parked(self) -> int:     # requests whose KV is parked in a slot for later prefix hits
+    def parked(self) -> int:
+        """Requests whose KV is parked in a slot for later prefix hits."""
         return len(self._parked)
 
     def _emit_finish(self, r: Request) -> StreamChunk:

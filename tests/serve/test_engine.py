@@ -263,20 +263,30 @@ def test_cancel_with_an_error_frees_the_slot_and_does_not_park():
 
 
 @settings(max_examples=30, deadline=None)
-@given(OPS)
-def test_deferred_releases_end_as_releases_in_the_step(seq):
-    """``defer_release`` (a server's): settled after every step, everything is as when the step released its finished
+@given(OPS, st.sampled_from(["each op", "forgotten first", "next step"]))
+def test_deferred_releases_end_as_releases_in_the_step(seq, when):
+    """``defer_release`` (a server's): settled after every op (as the server does, with or without forgetting the
+    finished requests first) or only by the next step, everything ends as when the step released its finished
     requests itself: outputs, events, blocks, cells, parked requests, slots."""
+
+    def settle(e):
+        if when == "forgotten first":
+            for r in [r for r in e.scheduler.requests.values() if r.finished]:
+                e.forget(r.id)
+        if when != "next step":
+            e.settle()
+
     runs = []
     for defer in (False, True):
         ex = SimulatedExecutor(CARD, n_slots=3 + 4)
         e = StepEngine(ex, Scheduler(SchedulerConfig(max_running=3, chunk_tokens=8),
                                      BlockManager(24, 4, pool_hits=False, parking=Parking(4)), CARD))
         e.defer_release = defer
-        apply_ops(e, seq, tuple(range(500, 508)), lambda e: e.settle())
+        reqs = {}
+        apply_ops(e, seq, tuple(range(500, 508)), lambda e: (reqs.update(e.scheduler.requests), settle(e)))
         e.run()
         e.settle()
-        runs.append(([(r.id, r.output, r.finish_reason, r.finished_s) for r in e.scheduler.requests.values()],
+        runs.append(([(r.id, r.output, r.finish_reason, r.finished_s) for r in reqs.values()],
                      {k: [(ev.token, ev.finish_reason) for ev in q] for k, q in e._streams.items()},
                      e.blocks.used, e.parked, e.executor.cells_used(), dict(e.slot_of)))
     assert runs[0] == runs[1]

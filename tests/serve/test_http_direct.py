@@ -179,7 +179,7 @@ def test_the_last_tokens_frame_is_the_relays_and_the_finish_the_loops():
     import os
     from types import SimpleNamespace
 
-    from localinfer.serve.http.direct import DirectSink, Frame, write_frames
+    from localinfer.serve.http.direct import DirectSink, Frame, loop_events, write_frames
     from localinfer.serve.http.runtime import Event
     from localinfer.serve.request import FinishReason
 
@@ -193,3 +193,8 @@ def test_the_last_tokens_frame_is_the_relays_and_the_finish_the_loops():
         assert write_frames([(h, frame), (h, finish)]) == [(h, finish)]
         assert b.recv(100) == b"9\r\ndata: 7\n\n\r\n" and sink._fd == -1 and sink.counts == [1, 0]
         assert not sink.try_on()                         # finished: never on again
+        other = DirectSink(None, lambda ev: b"")          # the relay failed on a step: its finishes' sinks go off too
+        other._fd = os.dup(a.fileno())
+        g = SimpleNamespace(sink=other)
+        events = [(g, other.route(Event(0, 8))), (g, other.route(Event(0, None, FinishReason.STOP)))]
+        assert loop_events(events) == events[1:] and other._fd == -1

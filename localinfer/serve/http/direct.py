@@ -15,11 +15,10 @@ the sink on (``try_on``, after a send, when every event it was handed has been w
 buffers nothing), and every frame from the reply's finish on (the frames of tokens routed before the finish are
 the relay's: the reply's last token does not wait for the loop to wake).  In between the engine thread routes each
 token as a :class:`Frame` and the relay renders and writes it, chunk-framed as uvicorn's HTTP/1.1 stream is, on a
-duplicate of
-the socket's descriptor (a connection the loop closes meanwhile can never be written under a reused descriptor
-number).  A write the socket does not take whole (a slow reader) turns the sink off: the bytes left, and the frames
-of tokens routed before that, are handed to the loop as :class:`Spill` s, which it writes raw ahead of the next
-frames (those under uvicorn's flow control), turning the sink on again once its buffer has drained.  A
+duplicate of the socket's descriptor (a connection the loop closes meanwhile can never be written under a reused
+descriptor number).  A write the socket does not take whole (a slow reader) turns the sink off: the bytes left, and
+the frames of tokens routed before that, are handed to the loop as :class:`Spill` s, which it writes raw ahead of the
+next frames (those under uvicorn's flow control), turning the sink on again once its buffer has drained.  A
 write that fails (the client left) turns it off too; the loop's disconnect watcher cancels the request.  Changes of
 hands happen under the sink's lock and every hand-off runs through the relay's one queue, so frames leave in the
 order their tokens were made, and a reply's text state is touched by one thread at a time: the relay for tokens
@@ -217,6 +216,16 @@ class DirectSink:
             else:
                 os.close(self._fd)
             self._fd = -1
+
+
+def loop_events(out: list[tuple[object, object]]) -> list[tuple[object, object]]:
+    """(Relay thread) What the loop gets of a step's events when :func:`write_frames` failed on them: all but the
+    frames, each finish's sink off first (as ``write_frames`` turns it off)."""
+    left = [(h, ev) for h, ev in out if type(ev) is not Frame]
+    for h, ev in left:
+        if ev.reason is not None and h.sink is not None:
+            h.sink.close()
+    return left
 
 
 def write_frames(out: list[tuple[object, object]]) -> list[tuple[object, object]]:

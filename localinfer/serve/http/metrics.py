@@ -158,3 +158,24 @@ class Metrics:
             text = generate_latest(self._requests)
             self._rendered = (changes, text)
         return generate_latest(self._live) + text
+
+
+def engine_values(e, executor, compaction, direct: list[int], kept: dict[str, float]) -> dict[str, float]:
+    """The snapshot's values from engine ``e`` (a StepEngine), its timed ``executor``, the KV ``compaction`` policy (or
+    None), the relay's ``direct`` counts (frames written, spills) and the ``kept`` values of llama.cpp's cells (read
+    only when the engine goes idle)."""
+    b, s = e.blocks, e.scheduler
+    values = {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
+              "kv_blocks_used": b.used, "kv_blocks_cached": b.num_cached, "kv_blocks_total": b.capacity,
+              "kv_sequences_parked": e.parked, **kept, "engine_steps": executor.steps,
+              "engine_step_seconds": executor.step_seconds, "engine_decode_seconds": executor.decode_seconds,
+              "admissions": s.admissions, "preemptions": s.preemptions,
+              "stream_frames_direct": direct[0], "stream_spills": direct[1]}
+    if s.drafter is not None:
+        values.update(spec_draft_tokens=s.drafter.drafted, spec_accepted_tokens=s.drafter.accepted)
+    if b.snapshots is not None:
+        values.update(snapshots=len(b.snapshots), snapshot_bytes=b.snapshots.bytes, snapshots_taken=b.snapshots.taken,
+                      snapshots_restored=b.snapshots.restored, snapshot_recomputed_tokens=b.snapshots.recomputed)
+    if compaction is not None:
+        values.update(kv_compactions=compaction.count, kv_compaction_seconds=compaction.seconds)
+    return values

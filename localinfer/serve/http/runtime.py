@@ -36,9 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localinfer.serve.http.config import ServeConfig, build_engine
-from localinfer.serve.http.direct import Frame, write_frames
+from localinfer.serve.http.direct import loop_events, write_frames
 from localinfer.serve.http.errors import APIError
-from localinfer.serve.http.metrics import Metrics
+from localinfer.serve.http.metrics import Metrics, engine_values
 from localinfer.serve.http.sampler import ServeRequest
 from localinfer.serve.request import FinishReason
 from localinfer.serve.step_log import StepLog
@@ -111,7 +111,8 @@ class Runtime:
         self._loop = loop
         self._thread.start()
 
-    def drain(self) -> None:      # refuse new requests (503); those in flight go on
+    def drain(self) -> None:
+        """Refuse new requests (503); those in flight go on."""
         if self.state in (RuntimeState.READY, RuntimeState.LOADING):
             self.state = RuntimeState.DRAINING
 
@@ -301,6 +302,7 @@ class Runtime:
             except Exception as exc:
                 log.exception("engine loop error")
                 self._dispatch(self._cancel_active(error=f"{type(exc).__name__}: {exc}"))
+                self._settle()
 
     def _iteration(self) -> bool:
         """Apply the inbox, step once, deliver; True when a stop has drained everything."""
@@ -330,10 +332,7 @@ class Runtime:
                 with self._cond:
                     self._cond.wait(0.005)
         self._dispatch(out)
-        try:                      # the finished requests' slots, parked or dropped once their events are on their way
-            engine.settle()
-        except Exception as exc:  # noqa: BLE001 - as a failed step's: logged, and the next step settles what is left
-            log.error("releasing finished requests failed: %s: %s", type(exc).__name__, exc)
+        self._settle()
         self._side_work()
         self._maybe_publish(engine, bool(items))
         if (self._stop_at is not None and not engine.unfinished and not self._active
@@ -368,13 +367,21 @@ class Runtime:
         ev = Event(h.index, None, reason, r.error)
         return [(h, ev if h.sink is None else h.sink.route(ev))]
 
-    def _count_finished(self) -> None:
-        """The finished requests' counts (their latency histograms: ~0.3 ms for a 128-token reply) and the e2e mean."""
+    def _settle(self) -> None:
+        """After a dispatch: the finished requests' slots (parked or dropped: the copy lets the relay have the GIL for
+        their last frames), then their counts (their latency histograms: ~0.3 ms for a 128-token reply)."""
+        try:
+            self.engine.settle()
+        except Exception as exc:  # noqa: BLE001 - as a failed step's: logged, and the next step settles what is left
+            log.error("releasing finished requests failed: %s: %s", type(exc).__name__, exc)
         counting, self._counting = self._counting, []
         for r, reason, quiet in counting:
-            self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not quiet)
-            if self.watch is not None:
-                self.watch.finished(r, reason)
+            try:
+                self.metrics.finished_request(r, cancelled=reason is FinishReason.CANCELLED and not quiet)
+                if self.watch is not None:
+                    self.watch.finished(r, reason)
+            except Exception:  # noqa: BLE001 - counting is after-work: it never ends a request
+                log.exception("counting a finished request failed")
             if r.finished_s is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
                 self._mean_e2e = 0.9 * self._mean_e2e + 0.1 * (r.finished_s - r.arrival_s)
 
@@ -413,12 +420,13 @@ class Runtime:
         if self.engine is not None:
             out = self._cancel_active()
         self._dispatch(out)
+        if self.engine is not None:
+            self._settle()
 
     def _dispatch(self, out: list[tuple[Handle, Event]]) -> None:
-        """Hand events to the relay thread, which wakes the loop (module docstring); then count what they finish."""
+        """Hand events to the relay thread, which wakes the loop (the engine thread never does: module docstring)."""
         if out:
             self._relay_queue.put(out)
-        self._count_finished()
 
     def _end_relay(self) -> None:
         """The engine thread has ended: the relay delivers what is queued, then ends."""
@@ -433,7 +441,7 @@ class Runtime:
                 out = write_frames([ev for step in steps if step is not None for ev in step])
             except Exception:  # noqa: BLE001 - a bug in a frame's path must not end every stream's events
                 log.exception("the relay failed on a step's events")
-                out = [ev for step in steps if step is not None for ev in step if type(ev) is not Frame]
+                out = loop_events([ev for step in steps if step is not None for ev in step])
             if out and self._loop is not None and not self._loop.is_closed():
                 try:
                     self._loop.call_soon_threadsafe(_deliver, out)
@@ -464,25 +472,8 @@ class Runtime:
         e = self.engine
         if e is None:
             return
-        b, s = e.blocks, e.scheduler
-        values = {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
-                  "kv_blocks_used": b.used, "kv_blocks_cached": b.num_cached, "kv_blocks_total": b.capacity,
-                  "kv_sequences_parked": e.parked,
-                  "kv_cells_used": self.metrics.gauge("kv_cells_used"),
-                  "kv_host_tokens": self.metrics.gauge("kv_host_tokens"), "engine_steps": self.executor.steps,
-                  "engine_step_seconds": self.executor.step_seconds,
-                  "engine_decode_seconds": self.executor.decode_seconds,
-                  "admissions": s.admissions, "preemptions": s.preemptions,
-                  "stream_frames_direct": self._direct[0], "stream_spills": self._direct[1]}
-        if s.drafter is not None:
-            values.update(spec_draft_tokens=s.drafter.drafted, spec_accepted_tokens=s.drafter.accepted)
-        if b.snapshots is not None:
-            values.update(snapshots=len(b.snapshots), snapshot_bytes=b.snapshots.bytes,
-                          snapshots_taken=b.snapshots.taken, snapshots_restored=b.snapshots.restored,
-                          snapshot_recomputed_tokens=b.snapshots.recomputed)
-        c = self._compaction
-        if c is not None:
-            values.update(kv_compactions=c.count, kv_compaction_seconds=c.seconds)
+        values = engine_values(e, self.executor, self._compaction, self._direct,
+                               {k: self.metrics.gauge(k) for k in ("kv_cells_used", "kv_host_tokens")})
         if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait
             values["kv_cells_used"] = self.executor.cells_used()
             values["kv_host_tokens"] = self.executor.host_tokens()

@@ -62,7 +62,7 @@ class EngineWatch:
 
     # ---- the engine thread -----------------------------------------------------
     def finished(self, r, reason) -> None:
-        """Request ``r`` ended with ``reason`` (a FinishReason); called before it is forgotten."""
+        """Request ``r`` ended with ``reason`` (a FinishReason); called once its events are on their way."""
         if self.error is None:
             try:
                 self._note_finished(r, reason)
