@@ -174,7 +174,7 @@ def test_a_client_leaving_mid_stream_is_never_written_to_under_another_connectio
 def test_the_last_tokens_frame_is_the_relays_and_the_finish_the_loops():
     """A step that gives a reply its last token routes the token (a Frame) and the finish together: the relay writes
     the token's frame to the socket and only then turns the sink off, handing the finish to the loop (the finish
-    used to turn the sink off as it was routed, so the last frame waited for the loop to wake, ~1 ms).  A real
+    used to turn the sink off as it was routed, so the last frame waited for the loop to wake).  A real
     socket pair; the sink's descriptor set as ``try_on`` sets it."""
     import os
     from types import SimpleNamespace
