@@ -328,6 +328,8 @@ def pack_rows(chunks: Sequence[Chunk], n_batch: int, n_outputs: int) -> list[lis
     Rows keep the order of the chunks; a step within both limits is one group
     (one ``llama_decode``), and a long chunk may straddle two groups.
     """
+    if len(chunks) <= min(n_batch, n_outputs) and all(len(c.tokens) == 1 for c in chunks):
+        return [[(int(c.tokens[0]), c.start, c.slot, c.logits) for c in chunks]]     # decodes within both: one group
     groups: list[list[tuple[int, int, int, bool]]] = [[]]
     outs = 0
     for c in chunks:

@@ -11,8 +11,8 @@ no preempted one), every running request has its one pending token and nothing e
 and shares no block it writes, and nothing asks for more than a plain step gives (no recording, drafts, snapshots,
 grammar, a deadline passed under ``drop_late``, decode share, a budget smaller than the batch) -- and otherwise returns
 None, so the general step runs.  It computes the same chunks in the same order, samples each row with the request's
-own sampler, and leaves the scheduler, the block manager and the streams as the general step would; the cancel and
-interrupt protocol (``StepEngine.cancel``/``cancelling``) is the same one.
+own sampler, and completes them with the scheduler's own ``complete``; the cancel and interrupt protocol
+(``StepEngine.cancel``/``cancelling``) is the same one.
 """
 
 from __future__ import annotations
@@ -62,19 +62,10 @@ def steady_step(engine) -> list | None:
         got = [(r, r.sampler.sample(rows[c.slot], r.view())) for r, c in batch
                if r.state is State.RUNNING and r.computed == c.start]       # not cancelled or preempted meanwhile
         end = ex.clock()
-        bm = sched.blocks
-        bm.end_step()
-        events, done = [], []
-        for r, tok in got:
-            reason = r.append(tok, end)
-            r.computed += 1
-            bm.commit(r.id, r.view(r.computed), r.prefix_hashes(bm.block_tokens))
-            ev = StreamChunk(r.id, r.output[-1], end)
-            engine._streams[r.id].append(ev)
-            events.append(ev)
-            if reason is not None:
-                sched.finish(r, reason, end)
-                done.append(r)
+        done = sched.complete(_plan(batch), {r.id: tok for r, tok in got}, end)     # the general step's completion
+        events = [StreamChunk(r.id, r.output[-1], end) for r, _ in got]
+        for ev in events:
+            engine._streams[ev.request_id].append(ev)
         return events + engine._finished(done)
 
 
@@ -99,6 +90,6 @@ def _batch(engine, now: float) -> list[tuple] | None:
 
 
 def _plan(batch):
-    """The general step's plan for this batch (for its interrupt and failure paths)."""
+    """The general step's plan for this batch (for its completion, interrupt and failure paths)."""
     return StepBatch([ScheduledChunk(r, c.start, 1) for r, c in batch])
 

@@ -132,7 +132,8 @@ class LlamaCppExecutor(ExecutorBase):
                    park_host=park_host, host_budget=host_budget)
 
     @property
-    def vocab(self) -> LlamaCppEngine:     # the tokenizer: the underlying engine
+    def vocab(self) -> LlamaCppEngine:
+        """The tokenizer: the underlying engine."""
         return self.engine
 
     # ---- the contract ---------------------------------------------------------
@@ -268,7 +269,8 @@ class LlamaCppExecutor(ExecutorBase):
         how far an engine's cache may reach past the cells."""
         return self._budget() // self.position_bytes if self.parks_in_host and self.position_bytes > 0 else 0
 
-    def host_tokens(self) -> int:     # positions parked in host memory (not in any cell)
+    def host_tokens(self) -> int:
+        """Positions parked in host memory (not in any cell)."""
         return sum(self._len[s] for s in self._host)
 
     def _host_bytes(self) -> int:
@@ -388,8 +390,6 @@ class LlamaCppExecutor(ExecutorBase):
     # ---- internals ------------------------------------------------------------
     def _groups(self, chunks: Sequence[Chunk]) -> list[list[tuple[int, int, int, bool]]]:
         """The step's llama_decode calls: short chunks first on their own when they would share a tiled ubatch."""
-        if len(chunks) <= min(self.n_batch, self.n_outputs_max) and all(len(c.tokens) == 1 for c in chunks):
-            return [[(int(c.tokens[0]), c.start, c.slot, c.logits) for c in chunks]]     # pack_rows's one group
         if self.split_short:
             short = [c for c in chunks if len(c.tokens) < FA_TILE_ROWS]
             if short and len(short) < len(chunks):

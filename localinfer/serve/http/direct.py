@@ -221,11 +221,7 @@ class DirectSink:
 def loop_events(out: list[tuple[object, object]]) -> list[tuple[object, object]]:
     """(Relay thread) What the loop gets of a step's events when :func:`write_frames` failed on them: all but the
     frames, each finish's sink off first (as ``write_frames`` turns it off)."""
-    left = [(h, ev) for h, ev in out if type(ev) is not Frame]
-    for h, ev in left:
-        if ev.reason is not None and h.sink is not None:
-            h.sink.close()
-    return left
+    return write_frames([(h, ev) for h, ev in out if type(ev) is not Frame])
 
 
 def write_frames(out: list[tuple[object, object]]) -> list[tuple[object, object]]:
