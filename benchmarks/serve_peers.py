@@ -82,20 +82,25 @@ def free_port() -> int:
 
 
 def commands(args, model: str, ctx: int, ports: dict[str, int]) -> dict[str, list[str]]:
+    """Each server's command line.  ``args``: ``threads`` and ``llama_server``; the other scripts that start these
+    servers (serve_nkv, serve_prefix_trace, serve_threads) may leave out ``serve_arg``, ``variant_arg``,
+    ``variant_env`` and ``llama_cpp_python``."""
     t = str(args.threads)
+    serve_arg, variant_arg, variant_env = (getattr(args, k, None) or [] for k in ("serve_arg", "variant_arg",
+                                                                                  "variant_env"))
     out = {"localinfer": [sys.executable, "-m", "localinfer", "serve", model, "--port", str(ports["localinfer"]),
                           "--parallel", "8",
-                          "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024", *args.serve_arg]}
-    if args.variant_arg or args.variant_env:      # the same server with other flags or environment, as a peer
-        b = [*out["localinfer"], *args.variant_arg]
+                          "--ctx", str(ctx), "-t", t, "-fa", "on", "--max-queue", "1024", *serve_arg]}
+    if variant_arg or variant_env:      # the same server with other flags or environment, as a peer
+        b = [*out["localinfer"], *variant_arg]
         b[b.index("--port") + 1] = str(ports["localinfer-b"])
-        out["localinfer-b"] = ["env", *args.variant_env, *b]
+        out["localinfer-b"] = ["env", *variant_env, *b]
     if args.llama_server:
         out["llama-server"] = [args.llama_server, "-m", model, "--host", "127.0.0.1",
                                "--port", str(ports["llama-server"]),
                                "-c", str(ctx), "-np", "8", "--kv-unified", "--no-webui", "-t", t, "-tb", t,
                                "-fa", "on", "--metrics"]
-    if args.llama_cpp_python:
+    if getattr(args, "llama_cpp_python", None):
         out["llama-cpp-python"] = [args.llama_cpp_python, "-m", "llama_cpp.server", "--model", model,
                                    "--host", "127.0.0.1", "--port", str(ports["llama-cpp-python"]),
                                    "--n_ctx", str(ctx),
