@@ -13,7 +13,8 @@ llama-server with ``-v``).  The script stamps each line as it arrives and reads 
 view (``n`` before the ubatch lands), the cells used, the holes below the view's top (``n - used``), the
 rows (a sequence's ``max`` one higher at the next ubatch: a decode row), and the time to the next ubatch.
 It prints, for the decode-only ubatches of ``--concurrency`` rows, the view's distribution and the median
-time per step at each ``n_kv``.  The load is one closed-loop level (``benchmarks/serve_load.py``: the
+time per step at each ``n_kv``; and for the whole run the decode tokens by the rows of their ubatch and the time
+by kind of ubatch (prompt, decode of N rows, other: ``seconds_by_kind``).  The load is one closed-loop level (``benchmarks/serve_load.py``: the
 closed scenario of serve_peers.py, fresh ~300-token prompts, 128 tokens out); the servers take turns,
 ``--rounds`` times.  The debug log itself costs time (one Python callback per line for localinfer, a log
 line per token for llama-server's ``-v``), so compare these step times only with each other.
@@ -91,8 +92,36 @@ def decode_steps(ubatches: list[Ubatch], rows: int) -> list[tuple[Ubatch, float]
     return got
 
 
+def decode_rows(ubatches: list[Ubatch]) -> Counter:
+    """Decode tokens by how many decode rows their ubatch held (a row: a sequence one position further at the next
+    ubatch), prompt tokens beside them or not: where a row costs less in a fuller batch, the mean is the lever."""
+    got: Counter = Counter()
+    for a, b in zip(ubatches, ubatches[1:]):
+        n = sum(1 for s, p in a.max_pos.items() if b.max_pos.get(s, -1) - p == 1)
+        if n:
+            got[n] += n
+    return got
+
+
+def seconds_by_kind(ubatches: list[Ubatch]) -> dict[str, float]:
+    """The run's time between ubatches by what the earlier one did: ``prompt`` (a sequence more than one position
+    further at the next, or new there with more than one), ``decode N`` (N rows, no prompt tokens) or ``other`` (a
+    step whose sequences all left before the next ubatch).  llama.cpp also logs a ubatch for each sequence a state
+    write places (localinfer's compaction, a parked prefix written back), so for localinfer ``prompt`` and
+    ``other`` hold those writes too, and a prompt step followed by one is counted ``other``."""
+    got: dict[str, float] = defaultdict(float)
+    for a, b in zip(ubatches, ubatches[1:]):
+        grew = [b.max_pos.get(s, -1) - p for s, p in a.max_pos.items()]
+        new = [p for s, p in b.max_pos.items() if s not in a.max_pos and p > 0]
+        rows = sum(1 for g in grew if g == 1)
+        kind = "prompt" if new or any(g > 1 for g in grew) else f"decode {rows}" if rows else "other"
+        got[kind] += b.t - a.t
+    return {k: round(v, 3) for k, v in sorted(got.items())}
+
+
 def summary(ubatches: list[Ubatch], rows: int) -> dict:
     steps = decode_steps(ubatches, rows)
+    by_rows = decode_rows(ubatches)
     by_kv: dict[int, list[float]] = defaultdict(list)
     for u, dt in steps:
         by_kv[n_kv(u.n)].append(dt * 1e3)
@@ -104,7 +133,11 @@ def summary(ubatches: list[Ubatch], rows: int) -> dict:
             "step_ms_median": med([dt * 1e3 for _, dt in steps]),
             "n_median": med([u.n for u, _ in steps]), "used_median": med([u.used for u, _ in steps]),
             "holes_median": med([u.n - u.used for u, _ in steps]),
-            "head_median": med([u.head for u, _ in steps])}
+            "head_median": med([u.head for u, _ in steps]),
+            "decode_tokens_by_rows": dict(sorted(by_rows.items())),
+            "seconds_by_kind": seconds_by_kind(ubatches),
+            "mean_rows_a_decode_token": round(sum(k * v for k, v in by_rows.items()) / max(1, sum(by_rows.values())),
+                                              3)}
 
 
 def _stamp(src, dst) -> None:
@@ -173,6 +206,8 @@ def main(argv=None) -> int:
                       f"{row['head_median']}, step {row['step_ms_median']} ms", flush=True)
                 print("      n_kv: " + ", ".join(f"{k} x{v} {row['step_ms_by_n_kv'][k]} ms"
                                               for k, v in row["n_kv"].items()), flush=True)
+                print(f"      decode tokens by rows a ubatch: {row['decode_tokens_by_rows']} (mean "
+                      f"{row['mean_rows_a_decode_token']}); seconds by kind: {row['seconds_by_kind']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine(), "concurrency": args.concurrency,
                                               "threads": args.threads, "rows": rows}, indent=1))
