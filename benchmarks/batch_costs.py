@@ -1,5 +1,5 @@
 """What a token costs by how many sequences share a ``llama_decode`` call: k prompts prefilled in one call, then
-k rows decoded together (issue 45: why a closed loop's output rate hardly depends on how a server schedules it).
+k rows decoded together (issue 45: how much a closed loop's output rate can depend on how a server orders it).
 
     python benchmarks/batch_costs.py [MODEL] [--threads 2] [--rounds 3] [--prompt-tokens 300] [--json OUT]
 
@@ -8,10 +8,11 @@ flash attention on, ``n_ubatch`` 512, ``--threads`` threads.  For k in 1, 2, 4, 
 the cache is cleared, k random-token prompts of ``--prompt-tokens`` go in one call (logits for each prompt's last
 token only; the batch is as large as the k prompts, so llama.cpp cuts it only into ubatches: llama-server's
 synchronised wave), then ``--steps`` decode steps of k rows, one token a sequence, then the first sequence is
-removed and a new prompt prefilled alone beside the k - 1 others (a staggered server's prompt step).  Printed:
-prefill ms a prompt token both ways, decode ms a step and a row, each the median over the rounds.  Where a row costs about the same at every k and a prompt token the same
-alone or beside others, the makespan of a fixed set of requests is the machine's compute for their tokens,
-however a server orders them: scheduling moves who waits (TTFT, e2e), not tok/s.
+removed and a new prompt prefilled alone beside the k - 1 others' cells (a staggered server's prompt step, here
+without the decode rows such a step also carries).  Printed: prefill ms a prompt token both ways, decode ms a step
+and a row, each the median over the rounds; each figure is one call's (prefill) or ``--steps`` calls' median
+(decode), so compare them within a round's spread.  In process, no server: where a prompt token costs the same in
+every arrangement, a schedule changes a closed loop's compute only through the rows its decode tokens run in.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Context:
 def one(c: Context, k: int, prompt: int, steps: int, rng: random.Random) -> dict:
     """k prompts in one call, then ``steps`` decode steps of k rows."""
     c.L.llama_memory_clear(c.mem, True)
-    tok = lambda: rng.randrange(100, 40000)
+    tok = lambda: rng.randrange(100, 40000)      # noqa: E731
     prefill = c.decode([(tok(), p, s, p == prompt - 1) for s in range(k) for p in range(prompt)])
     step = [c.decode([(tok(), prompt + i, s, True) for s in range(k)]) for i in range(steps)]
     c.L.llama_memory_seq_rm(c.mem, 0, -1, -1)
@@ -85,11 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args(argv)
+    if min(args.rounds, args.steps, args.prompt_tokens, args.threads) < 1:
+        ap.error("--rounds, --steps, --prompt-tokens and --threads must each be at least 1")
     if args.prompt_tokens * max(SEQS) + args.steps * max(SEQS) > 4096:
         ap.error("8 prompts and their decode steps must fit 4096 cells")
     model = str(resolve_model(args.model))
     c = Context(model, args.threads)
     rng = random.Random(0)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rows = []
     for r in range(args.rounds):
         order = SEQS[r % len(SEQS):] + SEQS[:r % len(SEQS)]
@@ -103,11 +107,13 @@ def main(argv=None) -> int:
                for f in ("prefill_ms_a_token", "beside_ms_a_token", "step_ms", "row_ms")} for k in SEQS}
     print("median over rounds:")
     for k, m in med.items():
-        print(f"  k={k}  prefill {m['prefill_ms_a_token']:.2f} ms a token, one beside k-1 {m['beside_ms_a_token']:.2f}  "
-              f"decode {m['step_ms']:.1f} ms a step, "
+        print(f"  k={k}  prefill {m['prefill_ms_a_token']:.2f} ms a token, one beside k-1 "
+              f"{m['beside_ms_a_token']:.2f}  decode {m['step_ms']:.1f} ms a step, "
               f"{m['row_ms']:.2f} a row  ({m['row_ms'] / med[1]['row_ms']:.2f}x one row alone)")
     if args.json:
-        doc = {"machine": machine(), "model": Path(model).name, "threads": args.threads,
+        doc = {"machine": machine(), "when": when, "model": Path(model).name, "threads": args.threads,
+               "context": {"cells": 4096, "sequences": max(SEQS), "kv_unified": True, "n_ubatch": 512,
+                           "flash_attn": True},
                "prompt_tokens": args.prompt_tokens, "steps": args.steps, "rows": rows,
                "median": {str(k): v for k, v in med.items()}}
         atomic_write(args.json, json.dumps(doc, indent=1) + "\n")

@@ -14,10 +14,10 @@ view (``n`` before the ubatch lands), the cells used, the holes below the view's
 rows (a sequence's ``max`` one higher at the next ubatch: a decode row), and the time to the next ubatch.
 It prints, for the decode-only ubatches of ``--concurrency`` rows, the view's distribution and the median
 time per step at each ``n_kv``; and for the whole run the decode tokens by the rows of their ubatch and the time
-by kind of ubatch (prompt, decode of N rows, other: ``seconds_by_kind``).  The load is one closed-loop level (``benchmarks/serve_load.py``: the
-closed scenario of serve_peers.py, fresh ~300-token prompts, 128 tokens out); the servers take turns,
-``--rounds`` times.  The debug log itself costs time (one Python callback per line for localinfer, a log
-line per token for llama-server's ``-v``), so compare these step times only with each other.
+by kind of ubatch (prompt, decode of N rows: ``seconds_by_kind``).  The load is one closed-loop level
+(``benchmarks/serve_load.py``: the closed scenario of serve_peers.py, fresh ~300-token prompts, 128 tokens out);
+the servers take turns, ``--rounds`` times.  The debug log itself costs time (one Python callback per line for
+localinfer, a log line per token for llama-server's ``-v``), so compare these step times only with each other.
 
 Servers: ``localinfer`` (parked KV in host memory), ``localinfer --parked 0``, ``llama-server``.
 """
@@ -92,34 +92,40 @@ def decode_steps(ubatches: list[Ubatch], rows: int) -> list[tuple[Ubatch, float]
     return got
 
 
+def _rows_and_prompts(a: Ubatch, b: Ubatch) -> tuple[int, int]:
+    """Ubatch ``a``'s decode rows and prompt chunks, read from the next ubatch ``b``: a prompt chunk is a sequence
+    more than one position further at ``b``, or new there with more than one position; every other sequence in
+    ``a`` is a decode row (a finishing one included: it is gone at ``b``)."""
+    prompts = sum(1 for s, p in a.max_pos.items() if b.max_pos.get(s, -1) - p > 1)
+    prompts += sum(1 for s, p in b.max_pos.items() if s not in a.max_pos and p > 0)
+    return max(0, a.n_seqs - prompts), prompts
+
+
 def decode_rows(ubatches: list[Ubatch]) -> Counter:
-    """Decode tokens by how many decode rows their ubatch held (a row: a sequence one position further at the next
-    ubatch), prompt tokens beside them or not: where a row costs less in a fuller batch, the mean is the lever."""
+    """Decode tokens by how many decode rows their ubatch held, prompt tokens beside them or not: where a row costs
+    less in a fuller batch, the mean is the lever."""
     got: Counter = Counter()
     for a, b in zip(ubatches, ubatches[1:]):
-        n = sum(1 for s, p in a.max_pos.items() if b.max_pos.get(s, -1) - p == 1)
-        if n:
-            got[n] += n
+        rows, _ = _rows_and_prompts(a, b)
+        if rows:
+            got[rows] += rows
     return got
 
 
 def seconds_by_kind(ubatches: list[Ubatch]) -> dict[str, float]:
-    """The run's time between ubatches by what the earlier one did: ``prompt`` (a sequence more than one position
-    further at the next, or new there with more than one), ``decode N`` (N rows, no prompt tokens) or ``other`` (a
-    step whose sequences all left before the next ubatch).  llama.cpp also logs a ubatch for each sequence a state
-    write places (localinfer's compaction, a parked prefix written back), so for localinfer ``prompt`` and
-    ``other`` hold those writes too, and a prompt step followed by one is counted ``other``."""
+    """The run's time between ubatches by what the earlier one held: ``prompt`` (any prompt chunk, decode rows
+    beside it or not) or ``decode N`` (N rows, nothing else).  llama.cpp also logs a ubatch for each sequence a
+    state write places (localinfer's compaction, a parked prefix written back), so for localinfer ``prompt`` holds
+    those writes and the time until the next ubatch after them."""
     got: dict[str, float] = defaultdict(float)
     for a, b in zip(ubatches, ubatches[1:]):
-        grew = [b.max_pos.get(s, -1) - p for s, p in a.max_pos.items()]
-        new = [p for s, p in b.max_pos.items() if s not in a.max_pos and p > 0]
-        rows = sum(1 for g in grew if g == 1)
-        kind = "prompt" if new or any(g > 1 for g in grew) else f"decode {rows}" if rows else "other"
-        got[kind] += b.t - a.t
+        rows, prompts = _rows_and_prompts(a, b)
+        got["prompt" if prompts else f"decode {rows}"] += b.t - a.t
     return {k: round(v, 3) for k, v in sorted(got.items())}
 
 
 def summary(ubatches: list[Ubatch], rows: int) -> dict:
+    """One run's figures: its decode-only steps of ``rows`` rows by view width, decode tokens by rows, time by kind."""
     steps = decode_steps(ubatches, rows)
     by_rows = decode_rows(ubatches)
     by_kv: dict[int, list[float]] = defaultdict(list)
@@ -184,6 +190,7 @@ def main(argv=None) -> int:
     level = ["--concurrency", str(args.concurrency)]
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     rows = []
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with tempfile.TemporaryDirectory() as d:
         for rnd in range(args.rounds):
             ports = {n: free_port() for n in ("localinfer", "llama-server", "llama-cpp-python")}
@@ -209,7 +216,7 @@ def main(argv=None) -> int:
                 print(f"      decode tokens by rows a ubatch: {row['decode_tokens_by_rows']} (mean "
                       f"{row['mean_rows_a_decode_token']}); seconds by kind: {row['seconds_by_kind']}", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine(), "concurrency": args.concurrency,
+        Path(args.out).write_text(json.dumps({"machine": machine(), "when": when, "concurrency": args.concurrency,
                                               "threads": args.threads, "rows": rows}, indent=1))
     return 0
 
