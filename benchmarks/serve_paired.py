@@ -10,9 +10,12 @@ layer has.  Here both servers run at once and the load alternates between them i
 ``--concurrency``; each pair of blocks gets the same fresh prompts (each server sees each prompt once, so no
 prefix cache answers), and the order within a pair alternates (AB, BA, ...) so neither server always goes first.
 A block of the measured shape goes to each server first, uncounted, and each block starts after a 0.3 s pause.
-Each pair gives ratios of localinfer's figures over the peer's (tok/s over the block, the median of its requests'
-decode rates from first to last text chunk, TTFT p50, ITL p50, the p50 of each reply's last gap (to its last text
-chunk: what a server does as a reply ends shows there), e2e p50); the summary is their median, their
+Each pair gives ratios of localinfer's figures over the peer's (tok/s over the block; tok/s while every client has
+a request in, from the first wave's end to the last request's send: ``steady_tok_s``, for blocks of at least three
+times the concurrency; the median of its requests' decode rates from first to last text chunk; TTFT p50; ITL p50;
+the p50 of each reply's last gap (to its last text chunk: what a server does as a reply ends shows there); e2e
+p50); each block's ``finish_s`` (its requests' ends, seconds from its start) is kept, and ``--rescore OUT.json``
+recomputes a written run's steady figure from them.  The summary is their median, their
 geometric mean with a bootstrap 95% interval (seeded by ``--seed``), and how many pairs localinfer won.  A pair in
 which any request failed is left out of the ratios and counted.  Nothing polls /metrics (serve_load.py polls five
 times a second).  With an even ``--pairs`` each server goes first equally often.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -47,18 +51,41 @@ from localinfer.model.sources import resolve_model               # noqa: E402
 from localinfer.util.stats import percentile, ratio_interval      # noqa: E402
 
 SETTLE_S = 0.3       # a pause before each block: the last block's server finishes its own after-work first
-KEYS = ("tok_s", "decode_tok_s", "ttft_p50_ms", "itl_p50_ms", "last_gap_p50_ms", "e2e_p50_ms")
-HIGHER_IS_BETTER = {"tok_s", "decode_tok_s"}
+KEYS = ("tok_s", "steady_tok_s", "decode_tok_s", "ttft_p50_ms", "itl_p50_ms", "last_gap_p50_ms", "e2e_p50_ms")
+HIGHER_IS_BETTER = {"tok_s", "steady_tok_s", "decode_tok_s"}
 
 
-def block_figures(results: list[L.Result], makespan: float) -> dict:
+def steady_rate(finishes: list[tuple[float, int]], concurrency: int) -> float | None:
+    """Output tokens a second while every client has a request in: from the ``concurrency``-th finish (the first
+    wave's end) to the one at which the block's last request is sent (the ``concurrency + 1``-th from last), the
+    tokens of the requests that finished after the first and up to the second, over that span (None when the
+    block has fewer than 3 x ``concurrency`` requests).  A block's whole rate (``tok_s``) also counts its start,
+    when the first prompts run, and its drain, when fewer than ``concurrency`` requests are left and each step
+    carries fewer rows: a schedule that staggers its requests drains over several requests' lengths, one that runs
+    them in waves ends a wave at once.  For a schedule in waves the span is whole waves."""
+    ends = sorted(finishes)
+    if len(ends) < 3 * concurrency:
+        return None
+    a, b = concurrency - 1, len(ends) - concurrency - 1
+    first, last = ends[a][0], ends[b][0]
+    tokens = sum(n for _, n in ends[a + 1:b + 1])
+    return tokens / (last - first) if last > first else None
+
+
+def block_figures(results: list[L.Result], makespan: float, finishes: list[float] | None = None,
+                  concurrency: int = 1) -> dict:
     """One block's figures; ``decode_tok_s``: the median over its requests of (tokens - 1) / the time from their
-    first text chunk to their last (not to the stream's end: what a server does after its last token differs)."""
+    first text chunk to their last (not to the stream's end: what a server does after its last token differs);
+    ``steady_tok_s``: :func:`steady_rate` over ``finishes`` (each request's end, seconds from the block's start,
+    in ``results``' order)."""
     ok = [r for r in results if r.ok]
+    ends = [(t, r.output_tokens) for t, r in zip(finishes or [], results)]
     decode = [(r.output_tokens - 1) / sum(r.gaps_s) for r in ok if sum(r.gaps_s) > 0 and r.output_tokens > 1]
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return {"requests": len(results), "ok": len(ok), "makespan_s": makespan,
             "tok_s": sum(r.output_tokens for r in ok) / max(makespan, 1e-9),
+            "steady_tok_s": steady_rate(ends, concurrency) if len(ok) == len(results) else None,
+            "finish_s": [round(t, 4) for t, _ in sorted(ends)],
             "decode_tok_s": statistics.median(decode) if decode else None,
             "ttft_p50_ms": ms(percentile([r.ttft_s for r in ok], 0.5)),
             "itl_p50_ms": ms(percentile([g for r in ok for g in r.gaps_s], 0.5)),
@@ -70,14 +97,16 @@ def block_figures(results: list[L.Result], makespan: float) -> dict:
 async def run_block(client, config: L.LoadConfig, model: str, texts: list[str], concurrency: int) -> dict:
     queue = list(texts)
     results: list[L.Result] = []
+    finishes: list[float] = []
 
     async def worker():
         while queue:
             results.append(await L.one(client, config, model, queue.pop(0)))
+            finishes.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return block_figures(results, time.perf_counter() - t0)
+    return block_figures(results, time.perf_counter() - t0, finishes, concurrency)
 
 
 def summary(pairs: list[dict], peer: str, seed: int) -> dict:
@@ -143,11 +172,34 @@ async def measure(args, urls: dict[str, str], config: L.LoadConfig) -> tuple[lis
             blocks.append(got)
             print(f"pair {i + 1}/{args.pairs} ({'/'.join(order)}): tok/s {a['tok_s']:.1f} vs {b['tok_s']:.1f}"
                   + (f" (left out: failed {a['errors'] + b['errors']})" if failed else
-                     f" = {ratio.get('tok_s', 0):.3f}x") + f", load {load:.2f}", file=sys.stderr, flush=True)
+                     f" = {ratio.get('tok_s', 0):.3f}x") + (f" (steady {ratio['steady_tok_s']:.3f}x)"
+                                                             if "steady_tok_s" in ratio else "")
+                  + f", load {load:.2f}", file=sys.stderr, flush=True)
         return blocks, pairs
     finally:
         for c in clients.values():
             await c.aclose()
+
+
+def rescore(path: str) -> dict:
+    """A written run's ``steady_tok_s`` again from its blocks' ``finish_s`` (as :func:`steady_rate` now reads
+    them), with the pairs' ratios and the summary; every other figure as recorded."""
+    doc = json.loads(Path(path).read_text())
+    c, out = doc["concurrency"], doc["output_tokens"]
+    for block, pair in zip(doc["blocks"], doc["pairs"]):
+        for fig in block.values():
+            whole = fig["ok"] == fig["requests"] and "finish_s" in fig
+            fig["steady_tok_s"] = steady_rate([(t, out) for t in fig["finish_s"]], c) if whole else None
+        a, b = (block[n]["steady_tok_s"] for n in doc["servers"])
+        pair["ratio"].pop("steady_tok_s", None)
+        if not pair["failed"] and a and b:
+            pair["ratio"]["steady_tok_s"] = a / b
+    fresh = summary(doc["pairs"], doc["summary"]["peer"], doc.get("seed", 1)).get("steady_tok_s")
+    doc["summary"].pop("steady_tok_s", None)
+    if fresh:                   # the other figures' summaries (and their bootstrap draws) stay as recorded
+        doc["summary"]["steady_tok_s"] = fresh
+    doc["rescored"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return doc
 
 
 def main(argv=None) -> int:
@@ -165,7 +217,14 @@ def main(argv=None) -> int:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/serve_paired_cpu")
+    ap.add_argument("--rescore", metavar="OUT.json", help="recompute a written run's steady_tok_s and write it back")
     args = ap.parse_args(argv)
+    if args.rescore:
+        doc = rescore(args.rescore)
+        text = render(doc)
+        SP.write_results(str(Path(args.rescore).with_suffix("")), doc, text)
+        print(text)
+        return 0
     variant = bool(args.variant_arg or args.variant_env)
     if variant == bool(args.llama_server):
         ap.error("name one peer: --llama-server, or --variant-env / --variant-arg for a second localinfer")
@@ -191,7 +250,8 @@ def main(argv=None) -> int:
     doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": SP.machine(), "model": model,
            "servers": list(cmds), "commands": cmds, "concurrency": args.concurrency, "block": args.block,
            "pairs_run": len(pairs), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-           "threads": args.threads, "loadavg_before": list(before), "loadavg_after": list(os.getloadavg()),
+           "threads": args.threads, "seed": args.seed, "loadavg_before": list(before),
+           "loadavg_after": list(os.getloadavg()),
            "summary": summary(pairs, peer, args.seed), "pairs": pairs, "blocks": blocks}
     text = render(doc)
     SP.write_results(args.out, doc, text)
