@@ -39,8 +39,10 @@ class Context:
 
     def __init__(self, model_path: str, threads: int, cells: int = 4096):
         import llama_cpp as L
+
+        from localinfer.backends.llamacpp import native
         self.L = L
-        L.llama_backend_init()
+        native.init_backend()          # llama.cpp's log to localinfer's handler (quiet unless LOCALINFER_LLAMA_LOG)
         self.model = L.llama_model_load_from_file(model_path.encode(), L.llama_model_default_params())
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max, cp.kv_unified = cells, cells, 512, max(SEQS), True
