@@ -19,10 +19,10 @@ into prompt calls, the staggered schedule's short calls (the decode rows beside 
 ``raw-aside`` computes each lone prompt in a second context's empty cache and copies its sequence state in (what
 ggml-cpu's tiled flash attention costs a prompt for the running sequences' cells in its view, against that copy).
 ``--via executor`` makes the same steps through ``LlamaCppExecutor`` as ``serve`` opens it (a prompt and the rows
-beside it in one step, which the executor runs short rows first in a call of their own; the unified cache
-compacted when its policy says so), each step's wall time counted, a prompt step's whole under prompts.  The
-staggered schedule's first cycle brings it to its steady state and is not counted.  No HTTP, sampling or scheduler: what the two
-arrangements cost llama.cpp alone, to set beside the servers' cycles (``serve_paired.py``'s ``finish_s``).  The
+beside it in one step, which the executor runs short rows first in a call of their own; the unified cache compacted
+when its policy says so), each step's wall time counted, a prompt step's whole under prompts.  The staggered
+schedule's first cycle brings it to its steady state and is not counted.  No HTTP, sampling or scheduler: what the
+two arrangements cost llama.cpp alone, to set beside the servers' cycles (``serve_paired.py``'s ``finish_s``).  The
 schedules alternate within each round, so drift on a shared host meets both.
 """
 
