@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import random
 import statistics
 import sys
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
     print(f"staggered over waves: {ratio:.3f}x a cycle (medians over {args.rounds} rounds of {args.cycles})")
     if args.json:
         doc = {"machine": machine(), "when": when, "model": Path(model).name, "threads": args.threads,
-               "concurrency": args.concurrency, "via": args.via, "prompt_tokens": args.prompt_tokens,
+               "concurrency": args.concurrency, "via": args.via,
+               "prefill_aside": os.environ.get("LOCALINFER_PREFILL_ASIDE", ""), "prompt_tokens": args.prompt_tokens,
                "output_tokens": args.output_tokens, "context": {"cells": 4096, "sequences": 8, "kv_unified": True,
                                                                 "n_ubatch": 512, "flash_attn": True},
                "rounds": rounds, "median": med, "staggered_over_waves": round(ratio, 4)}

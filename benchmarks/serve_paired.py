@@ -130,7 +130,8 @@ def render(doc: dict) -> str:
     lines = [f"localinfer over {s['peer']}: {doc['pairs_run']} pairs of {doc['block']} request(s) at concurrency "
              f"{doc['concurrency']}, {doc['prompt_tokens']} prompt + {doc['output_tokens']} output tokens "
              f"({doc['when']}, load average {doc['loadavg_before'][0]:.2f} before, "
-             f"{doc['loadavg_after'][0]:.2f} after)",
+             f"{doc['loadavg_after'][0]:.2f} after)"
+             + "".join(f"; {k}={v}" for k, v in doc.get("environment", {}).items()),
              f"{'figure':<14}{'median':>8}{'geomean':>9}{'95% interval':>16}{'localinfer better':>19}"]
     for key in KEYS:
         if key in s:
@@ -248,7 +249,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp, SP.running(cmds, urls, Path(tmp)):
         blocks, pairs = asyncio.run(measure(args, urls, config))
     doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": SP.machine(), "model": model,
-           "servers": list(cmds), "commands": cmds, "concurrency": args.concurrency, "block": args.block,
+           "servers": list(cmds), "commands": cmds,
+           "environment": {k: v for k, v in os.environ.items() if k.startswith("LOCALINFER_")}, "concurrency": args.concurrency, "block": args.block,
            "pairs_run": len(pairs), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
            "threads": args.threads, "seed": args.seed, "loadavg_before": list(before),
            "loadavg_after": list(os.getloadavg()),

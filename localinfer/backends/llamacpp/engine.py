@@ -181,6 +181,11 @@ class LlamaCppEngine(Engine):
         decode runs to its end and the next one does not start."""
         self._stop[0] = b"\x01"
 
+    @property
+    def interrupt_flag(self) -> ctypes.Array:
+        """The ``[flag, NUL]`` buffer :meth:`interrupt` sets, for another context's abort callback to read."""
+        return self._stop
+
     def clear_interrupt(self) -> None:
         self._stop[0] = b"\x00"
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.executor import Chunk, ExecutorBase, SeqState, check_chunks, check_slot, pack_rows
-from localinfer.backends.llamacpp import native, seq_state
+from localinfer.backends.llamacpp import aside, native, seq_state
 from localinfer.backends.llamacpp.compaction import CompactionError, CompactPolicy, Shares, compact
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, parse_kv_state
@@ -60,7 +60,9 @@ class LlamaCppExecutor(ExecutorBase):
     def __init__(self, plan: LoadPlan, *, park_host: bool = False, host_budget: int | None = None,
                  lend_rows: bool = False):
         self.unified = bool(plan.options.get("kv_unified", True))
-        self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))
+        plan = plan.with_(options={**plan.options, "kv_unified": self.unified})
+        self.engine = LlamaCppEngine(plan)
+        self._aside: aside.PrefillAside | None = None    # a lone prompt beside running sequences computed apart
         ctx = self.engine.context
         self._mem = self.engine.kv_memory
         self.n_slots = plan.n_seq
@@ -115,8 +117,10 @@ class LlamaCppExecutor(ExecutorBase):
                 self.step([Chunk(0, (1,), 0)])
                 self.state_bytes = seq_state.size(self.engine.context, 0)
                 self.drop(0)
+            if aside.wanted() and self.compaction.able and self.split_short:
+                self._aside = aside.PrefillAside(model, plan, self.engine.interrupt_flag, self.n_vocab)
         except BaseException:
-            self.engine.close()
+            self.close()
             raise
         self.steps, self.decode_seconds = 0, 0.0
 
@@ -400,6 +404,15 @@ class LlamaCppExecutor(ExecutorBase):
 
     def _decode(self, rows: list[tuple[int, int, int, bool]], lend: bool = False) -> list[tuple[int, np.ndarray]]:
         eng = self.engine
+        if self._aside is not None and self._aside.takes(rows) and any(
+                n for s, n in enumerate(self._len) if s != rows[0][2] and s not in self._host):
+            spent = self._aside.seconds
+            try:
+                got = self._aside.decode(rows, eng.context, lend)
+            finally:
+                self.decode_seconds += self._aside.seconds - spent
+            if got is not None:
+                return got
         tokens, pos, seqs, want = zip(*rows)
         eng.fill_batch(tokens, pos, seqs, want)
         t0 = time.perf_counter()
@@ -482,6 +495,8 @@ class LlamaCppExecutor(ExecutorBase):
             raise LocalinferError("this executor is closed")
 
     def close(self) -> None:
+        if self._aside is not None:
+            self._aside.close()
         self.engine.close()
 
     def __enter__(self) -> Self:     # ExecutorBase's __exit__ closes it

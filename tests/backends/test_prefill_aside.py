@@ -1,0 +1,78 @@
+"""LOCALINFER_PREFILL_ASIDE: a lone prompt beside running sequences is computed in a context of its own and copied in
+(backends/llamacpp/aside.py), and the request gets what it would alone: the prompt's logits and the greedy tokens
+after it, bit for bit at one thread with flash attention on."""
+
+import random
+
+import numpy as np
+import pytest
+
+from localinfer.backends.executor import Chunk
+from localinfer.backends.llamacpp.executor import LlamaCppExecutor
+from localinfer.model.sources import resolve_model
+
+STEPS = 6
+
+
+def _open(monkeypatch, aside: bool) -> LlamaCppExecutor:
+    monkeypatch.setenv("LOCALINFER_PREFILL_ASIDE", "1" if aside else "0")
+    return LlamaCppExecutor.open(str(resolve_model(None)), n_slots=4, n_ctx=2048, threads=1, flash_attn=True)
+
+
+def _greedy(x: LlamaCppExecutor, slot: int, prompt: tuple[int, ...], others: dict[int, int]) -> tuple:
+    """Prefill ``prompt`` into ``slot`` beside one-row decodes of ``others`` (slot -> length), then STEPS greedy
+    steps of slot and the others together; (the prompt's logits row, the slot's tokens)."""
+    got = x.step([Chunk(slot, prompt, 0, logits=True)] + [Chunk(s, (7,), n, logits=True) for s, n in others.items()])
+    first = np.array(got[slot])
+    others = {s: n + 1 for s, n in others.items()}
+    toks, n = [int(first.argmax())], len(prompt)
+    for _ in range(STEPS):
+        got = x.step([Chunk(slot, (toks[-1],), n, logits=True)]
+                     + [Chunk(s, (9,), m, logits=True) for s, m in others.items()])
+        others = {s: m + 1 for s, m in others.items()}
+        n += 1
+        toks.append(int(np.asarray(got[slot]).argmax()))
+    return first, toks
+
+
+@pytest.mark.parametrize("length", [64, 300])
+def test_a_prompt_beside_running_sequences_gets_its_solo_result(monkeypatch, length):
+    rng = random.Random(length)
+    prompt = tuple(rng.randrange(100, 40000) for _ in range(length))
+    with _open(monkeypatch, aside=False) as solo:
+        alone, alone_toks = _greedy(solo, 0, prompt, {})
+    with _open(monkeypatch, aside=True) as x:
+        for s in (1, 2):             # two running sequences first, in place (nothing else holds cells for the first)
+            x.step([Chunk(s, tuple(rng.randrange(100, 40000) for _ in range(200)), 0, logits=True)])
+        assert x._aside is not None and x._aside.prompts == 1
+        used = x.cells_used()
+        beside, beside_toks = _greedy(x, 3, prompt, {1: 200, 2: 200})
+        assert x._aside.prompts == 2 and x._aside.fallbacks == 0
+        assert x.cells_used() == used + length + STEPS + 2 * (STEPS + 1)
+        assert x.slot_len(3) == length + STEPS
+    assert np.array_equal(beside, alone)
+    assert beside_toks == alone_toks
+
+
+def test_off_by_default_and_short_prompts_stay_in_place(monkeypatch):
+    with _open(monkeypatch, aside=False) as x:
+        assert x._aside is None
+    with _open(monkeypatch, aside=True) as x:
+        x.step([Chunk(0, tuple(range(100, 300)), 0)])
+        x.step([Chunk(1, tuple(range(100, 130)), 0, logits=True)])      # under 64 rows: the untiled kernel, in place
+        x.step([Chunk(1, (5,), 30, logits=True), Chunk(2, tuple(range(200, 280)), 0, logits=True)])
+        assert x._aside.prompts == 1          # slot 0's prompt went in place (nothing else held cells)
+        assert x.slot_len(2) == 80 and x.slot_len(1) == 31
+
+
+def test_an_interrupt_stops_a_prompt_computed_aside(monkeypatch):
+    from localinfer.backends.executor import StepInterrupted
+
+    with _open(monkeypatch, aside=True) as x:
+        x.step([Chunk(0, tuple(range(100, 300)), 0)])
+        x.interrupt()                                       # asked before the step: its graph stops at once
+        with pytest.raises(StepInterrupted):
+            x.step([Chunk(1, tuple(range(300, 500)), 0, logits=True)])
+        assert x.slot_len(1) == 0 and x.slot_len(0) == 200 and x.cells_used() == 200
+        got = x.step([Chunk(1, tuple(range(300, 500)), 0, logits=True)])     # the next step runs, aside
+        assert x._aside.prompts == 1 and x.slot_len(1) == 200 and got[1].shape == (x.n_vocab,)
