@@ -17,13 +17,13 @@ servers (batch_costs.py's: 4096 cells in one unified pool, 8 sequences, flash at
 ``--via raw`` makes the calls on a bare context (``batch_costs.Context``): each cycle's llama_decode seconds split
 into prompt calls, the staggered schedule's short calls (the decode rows beside a prompt) and decode steps;
 ``raw-aside`` computes each lone prompt in a second context's empty cache and copies its sequence state in (what
-ggml-cpu's tiled flash attention costs a prompt for the running sequences' cells in its view, against that copy).
-``--via executor`` makes the same steps through ``LlamaCppExecutor`` as ``serve`` opens it (a prompt and the rows
-beside it in one step, which the executor runs short rows first in a call of their own; the unified cache compacted
-when its policy says so), each step's wall time counted, a prompt step's whole under prompts.  The staggered
-schedule's first cycle brings it to its steady state and is not counted.  No HTTP, sampling or scheduler: what the
-two arrangements cost llama.cpp alone, to set beside the servers' cycles (``serve_paired.py``'s ``finish_s``).  The
-schedules alternate within each round, so drift on a shared host meets both.
+the running sequences' cells in a prompt's view cost it, against that copy).
+``--via executor`` makes the same steps through ``LlamaCppExecutor`` with ``serve``'s cache settings (a prompt and
+the rows beside it in one step, which the executor runs short rows first in a call of their own; the unified cache
+compacted when its policy says so), each step's wall time counted, a prompt step's whole under prompts. The
+staggered schedule's first cycle brings it to its steady state and is not counted. No HTTP, sampling or scheduler:
+what the two arrangements cost llama.cpp alone, to set beside the servers' cycles (``serve_paired.py``'s
+``finish_s``). The schedules alternate within each round, so drift on a shared host meets both.
 """
 
 from __future__ import annotations
@@ -89,10 +89,9 @@ class Raw:
 
 
 class Executor:
-    """localinfer's own: ``LlamaCppExecutor`` as ``serve`` opens it (short chunks in a call of their own, the
-    unified cache compacted when its policy says so); a step's seconds are its wall time, the prompt's share the
-    step less its rows' call (``decode_seconds`` of that call alone is not kept apart, so a step with both is
-    counted whole under prompts)."""
+    """localinfer's own: ``LlamaCppExecutor`` with ``serve``'s cache settings (short chunks in a call of their
+    own, the unified cache compacted when its policy says so; no parked ids, rows copied rather than lent); a
+    step's seconds are its wall time, and a prompt step (its rows' call included) counts whole under prompts."""
 
     def __init__(self, model: str, threads: int):
         from localinfer.backends.llamacpp.executor import LlamaCppExecutor

@@ -53,6 +53,8 @@ from localinfer.util.stats import percentile, ratio_interval      # noqa: E402
 SETTLE_S = 0.3       # a pause before each block: the last block's server finishes its own after-work first
 KEYS = ("tok_s", "steady_tok_s", "decode_tok_s", "ttft_p50_ms", "itl_p50_ms", "last_gap_p50_ms", "e2e_p50_ms")
 HIGHER_IS_BETTER = {"tok_s", "steady_tok_s", "decode_tok_s"}
+# serving switches a run records (never the whole environment: LOCALINFER_API_KEY is a secret)
+RECORDED_ENV = ("LOCALINFER_PREFILL_ASIDE", "LOCALINFER_STEADY_STEP", "LOCALINFER_EVENT_LOOP")
 
 
 def steady_rate(finishes: list[tuple[float, int]], concurrency: int) -> float | None:
@@ -182,10 +184,16 @@ async def measure(args, urls: dict[str, str], config: L.LoadConfig) -> tuple[lis
             await c.aclose()
 
 
-def rescore(path: str) -> dict:
+def rescore(path: str, seed: int | None = None) -> dict:
     """A written run's ``steady_tok_s`` again from its blocks' ``finish_s`` (as :func:`steady_rate` now reads
-    them), with the pairs' ratios and the summary; every other figure as recorded."""
+    them), with the pairs' ratios and the summary (its interval drawn with the run's seed, or ``seed`` for a run
+    that did not record one); every other figure as recorded."""
     doc = json.loads(Path(path).read_text())
+    if not any("finish_s" in fig for block in doc["blocks"] for fig in block.values()):
+        raise ValueError(f"{path}: no block records finish_s (a run before serve_paired kept them)")
+    if doc.get("seed", seed) is None:
+        raise ValueError(f"{path} records no seed: give the run's --seed")
+    doc["seed"] = doc.get("seed", seed)
     c, out = doc["concurrency"], doc["output_tokens"]
     for block, pair in zip(doc["blocks"], doc["pairs"]):
         for fig in block.values():
@@ -195,7 +203,7 @@ def rescore(path: str) -> dict:
         pair["ratio"].pop("steady_tok_s", None)
         if not pair["failed"] and a and b:
             pair["ratio"]["steady_tok_s"] = a / b
-    fresh = summary(doc["pairs"], doc["summary"]["peer"], doc.get("seed", 1)).get("steady_tok_s")
+    fresh = summary(doc["pairs"], doc["summary"]["peer"], doc["seed"]).get("steady_tok_s")
     doc["summary"].pop("steady_tok_s", None)
     if fresh:                   # the other figures' summaries (and their bootstrap draws) stay as recorded
         doc["summary"]["steady_tok_s"] = fresh
@@ -216,12 +224,15 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--output-tokens", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=None, help="the bootstrap's and prompts' seed (default 1)")
     ap.add_argument("--out", default="benchmarks/results/serve_paired_cpu")
     ap.add_argument("--rescore", metavar="OUT.json", help="recompute a written run's steady_tok_s and write it back")
     args = ap.parse_args(argv)
     if args.rescore:
-        doc = rescore(args.rescore)
+        try:
+            doc = rescore(args.rescore, args.seed)
+        except (OSError, ValueError, KeyError) as exc:
+            ap.error(f"--rescore: {exc}")
         text = render(doc)
         SP.write_results(str(Path(args.rescore).with_suffix("")), doc, text)
         print(text)
@@ -232,6 +243,7 @@ def main(argv=None) -> int:
     if args.concurrency < 1 or args.pairs < 1 or (args.block is not None and args.block < 1):
         ap.error("--concurrency, --pairs and --block must be at least 1")
     SP.check_variant_env(ap, args)
+    args.seed = 1 if args.seed is None else args.seed
     args.block = args.block or (1 if args.concurrency == 1 else 2 * args.concurrency)
     args.llama_cpp_python = None
     model = str(resolve_model(args.model).resolve())
@@ -250,7 +262,8 @@ def main(argv=None) -> int:
         blocks, pairs = asyncio.run(measure(args, urls, config))
     doc = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": SP.machine(), "model": model,
            "servers": list(cmds), "commands": cmds,
-           "environment": {k: v for k, v in os.environ.items() if k.startswith("LOCALINFER_")}, "concurrency": args.concurrency, "block": args.block,
+           "environment": {k: os.environ[k] for k in RECORDED_ENV if k in os.environ},
+           "concurrency": args.concurrency, "block": args.block,
            "pairs_run": len(pairs), "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
            "threads": args.threads, "seed": args.seed, "loadavg_before": list(before),
            "loadavg_after": list(os.getloadavg()),

@@ -15,7 +15,10 @@ STEPS = 6
 
 
 def _open(monkeypatch, aside: bool) -> LlamaCppExecutor:
-    monkeypatch.setenv("LOCALINFER_PREFILL_ASIDE", "1" if aside else "0")
+    if aside:
+        monkeypatch.setenv("LOCALINFER_PREFILL_ASIDE", "1")
+    else:
+        monkeypatch.delenv("LOCALINFER_PREFILL_ASIDE", raising=False)
     return LlamaCppExecutor.open(str(resolve_model(None)), n_slots=4, n_ctx=2048, threads=1, flash_attn=True)
 
 
@@ -70,9 +73,13 @@ def test_an_interrupt_stops_a_prompt_computed_aside(monkeypatch):
 
     with _open(monkeypatch, aside=True) as x:
         x.step([Chunk(0, tuple(range(100, 300)), 0)])
-        x.interrupt()                                       # asked before the step: its graph stops at once
+        tried = []
+        decode = x._aside.decode
+        x._aside.decode = lambda *a, **k: tried.append(1) or decode(*a, **k)
+        x.interrupt()                                       # asked before the step: the aside call does not start
         with pytest.raises(StepInterrupted):
             x.step([Chunk(1, tuple(range(300, 500)), 0, logits=True)])
+        assert tried == [1]                                 # the prompt went aside and stopped there
         assert x.slot_len(1) == 0 and x.slot_len(0) == 200 and x.cells_used() == 200
         got = x.step([Chunk(1, tuple(range(300, 500)), 0, logits=True)])     # the next step runs, aside
-        assert x._aside.prompts == 1 and x.slot_len(1) == 200 and got[1].shape == (x.n_vocab,)
+        assert x._aside.prompts == 1 and tried == [1, 1] and x.slot_len(1) == 200 and got[1].shape == (x.n_vocab,)

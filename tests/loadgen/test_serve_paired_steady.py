@@ -43,8 +43,8 @@ def test_rescore_recomputes_the_steady_figure_only(tmp_path):
     fig = lambda ends: {"requests": 12, "ok": 12, "tok_s": 50.0, "steady_tok_s": 1.0, "finish_s": ends}  # noqa: E731
     doc = {"concurrency": 4, "output_tokens": OUT, "servers": ["localinfer", "llama-server"],
            "blocks": [{"localinfer": fig(stagger), "llama-server": fig(waves)}],
-           "pairs": [{"pair": 0, "failed": False, "ratio": {"tok_s": 1.0, "steady_tok_s": 1.0}}],
-           "summary": {"peer": "llama-server", "tok_s": {"median": 1.0}}}
+           "pairs": [{"pair": 0, "failed": False, "ratio": {"tok_s": 1.0, "steady_tok_s": 0.5}}],
+           "summary": {"peer": "llama-server", "tok_s": {"median": 1.0}}, "seed": 3}
     path = tmp_path / "run.json"
     path.write_text(json.dumps(doc))
     got = rescore(str(path))
@@ -53,3 +53,20 @@ def test_rescore_recomputes_the_steady_figure_only(tmp_path):
     assert got["blocks"][0]["localinfer"]["steady_tok_s"] == pytest.approx(64.0)
     assert got["summary"]["tok_s"] == {"median": 1.0}          # as recorded
     assert got["summary"]["steady_tok_s"]["pairs"] == 1
+
+
+def test_rescore_needs_finish_times_and_a_seed(tmp_path):
+    import json
+
+    from benchmarks.serve_paired import rescore
+
+    doc = {"concurrency": 4, "output_tokens": OUT, "servers": ["a", "b"], "pairs": [],
+           "blocks": [{"a": {"requests": 12, "ok": 12}, "b": {"requests": 12, "ok": 12}}], "summary": {"peer": "b"}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="finish_s"):
+        rescore(str(path))
+    doc["blocks"][0]["a"]["finish_s"] = doc["blocks"][0]["b"]["finish_s"] = [1.0] * 12
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="seed"):
+        rescore(str(path))

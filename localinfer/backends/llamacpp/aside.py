@@ -1,15 +1,16 @@
 """A lone prompt prefilled in a context of its own and copied in: its attention spans its own cells only.
 
-ggml-cpu's tiled flash attention (ubatches of 64 rows and more) reads the mask of every cell in the view for every
-query tile and head, and skips a KV tile only after that scan, so a prompt prefilled into a unified cache beside
-running sequences pays for their cells. On a 2-vCPU VM a closed-loop cycle of 300-token prompts and 128-token
-replies whose prompts go in one at a time beside the others cost 1.8% more through the executor than the same
-prompts prefilled together into an emptied cache (llama-server's waves) at four sequences, 6.2% more at eight
-(benchmarks/schedule_cycles.py). :class:`PrefillAside` computes such a prompt in a second context of the same model,
-one sequence and ``n_batch`` cells, whose cache is empty, then copies the sequence's state into the serving context
-(``llama_state_seq_get_data`` / ``llama_state_seq_set_data``, which lays its cells in one run, in order) and empties
-its own cache again: the cycles then cost 0.996x the waves' at both. A solo run computes a prompt the same way, so
-the prompt's logits and cells are the ones a request alone would get.
+A prompt's ubatch pays per cell of the view for its mask: llama.cpp builds it on the host, and ggml-cpu's tiled
+flash attention (ubatches of 64 rows and more) converts and scans it for every query tile and head, skipping a KV
+tile only after that scan. So a prompt prefilled into a unified cache beside running sequences pays for their cells.
+On a 2-vCPU VM a closed-loop cycle of 300-token prompts and 128-token replies whose prompts go in one at a time
+beside the others cost 1.8% more through the executor than the same prompts prefilled together into an emptied cache
+(llama-server's waves) at four sequences, 6.2% more at eight (benchmarks/schedule_cycles.py). :class:`PrefillAside`
+computes such a prompt in a second context of the same model, one sequence and ``n_batch`` cells, whose cache is
+empty, then copies the sequence's state into the serving context (``llama_state_seq_get_data`` /
+``llama_state_seq_set_data``, which lays its cells in one run, in order) and empties its own cache again: the cycles
+then cost 0.996x the waves' at both. A solo run computes a prompt the same way, so the prompt's logits and cells are
+the ones a request alone would get.
 
 Opt-in (``LOCALINFER_PREFILL_ASIDE=1``) while its memory (the second context's KV and compute buffers, which
 ``fit`` does not count yet) is not in the plans; where it cannot copy (no run of free cells) the step computes the
@@ -19,7 +20,6 @@ prompt in place as before.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
 import llama_cpp as _L
@@ -28,24 +28,27 @@ import numpy as np
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.executor import StepInterrupted
 from localinfer.backends.llamacpp import native
-from localinfer.util import signals
+from localinfer.errors import LocalinferError
+from localinfer.util import env, signals
 from localinfer.util.hostmem import host_buffer
 
 ENV = "LOCALINFER_PREFILL_ASIDE"
-MIN_ROWS = 64            # ggml-cpu's GGML_FA_TILE_Q: shorter prompts take the untiled kernel, which skips masked cells
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """``LOCALINFER_PREFILL_ASIDE=1`` (another value is warned about and read as off)."""
+    return env.choice(ENV, ("1", "0")) == "1"
 
 
 class PrefillAside:
-    """A one-sequence context of ``model`` for prompts of ``MIN_ROWS`` to ``plan.n_batch`` tokens; ``stop`` the
-    serving engine's interrupt flag (``[flag, NUL]``), read by this context's abort callback too."""
+    """A one-sequence context of ``model`` for prompts of ``min_rows`` (the tiled kernel's: shorter ones take the
+    one-row kernel, which skips a masked cell at once) to ``plan.n_batch`` tokens; ``stop`` the serving engine's
+    interrupt flag (``[flag, NUL]``), read before each decode here and by this context's abort callback."""
 
-    def __init__(self, model, plan: LoadPlan, stop: ctypes.Array, n_vocab: int):
-        self.n_cells = plan.n_batch
-        self.n_vocab = n_vocab
+    def __init__(self, model, plan: LoadPlan, stop: ctypes.Array, n_vocab: int, min_rows: int):
+        self.n_cells, self.min_rows = plan.n_batch, min_rows
+        self.n_vocab, self.stop = n_vocab, stop
+        self.ctx = self.batch = None
         one = plan.with_(n_ctx=self.n_cells, n_seq=1, options={**plan.options, "kv_unified": True,
                                                                "n_outputs_max": 1})    # one logits row: a smaller
         with native.log_lock:                                                          # compute buffer
@@ -54,10 +57,14 @@ class PrefillAside:
             reported = native.parse_memory_log(list(native.log_lines))
         # what this context holds, as llama.cpp logged it (not yet in fit's plans: why this is opt-in)
         self.memory = {k: int(reported[k]) for k in ("kv", "compute", "output")}
-        self.mem = _L.llama_get_memory(self.ctx)
-        self.batch = _L.llama_batch_init(self.n_cells, 0, 1)
-        if native.FLAG_ABORT is not None:
-            _L.llama_set_abort_callback(self.ctx, native.FLAG_ABORT, ctypes.cast(stop, ctypes.c_void_p))
+        try:
+            self.mem = _L.llama_get_memory(self.ctx)
+            self.batch = _L.llama_batch_init(self.n_cells, 0, 1)
+            if native.FLAG_ABORT is not None:
+                _L.llama_set_abort_callback(self.ctx, native.FLAG_ABORT, ctypes.cast(stop, ctypes.c_void_p))
+        except BaseException:
+            self.close()
+            raise
         self.prompts = 0          # prompts computed here and copied in
         self.fallbacks = 0        # prompts that could not be copied in (computed in place instead)
         self.seconds = 0.0        # in llama_decode here and copying
@@ -66,7 +73,7 @@ class PrefillAside:
         """Whether ``rows`` (token, position, sequence, wants logits) are one sequence's prompt from position 0 that
         fits here; the caller also checks that other sequences hold cells (else nothing is saved)."""
         n = len(rows)
-        if not MIN_ROWS <= n <= self.n_cells or rows[0][1] != 0 or any(r[3] for r in rows[:-1]):
+        if not self.min_rows <= n <= self.n_cells or rows[0][1] != 0 or any(r[3] for r in rows[:-1]):
             return False
         seq = rows[0][2]
         return all(r[2] == seq and r[1] == i for i, r in enumerate(rows))
@@ -80,15 +87,20 @@ class PrefillAside:
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, 1 if want else 0
             b.seq_id[i][0] = 0
         b.n_tokens = n
+        if self.stop[0] != b"\x00":          # as the engine's decode_batch: an interrupt asked before the call
+            raise StepInterrupted("interrupted before llama_decode")
         t0 = time.perf_counter()
         try:
             with signals.native():
                 rc = _L.llama_decode(self.ctx, b)
             if rc == 2:
                 raise StepInterrupted("llama_decode interrupted")
-            if rc != 0:
+            if rc == 1:                      # no room (not expected in an emptied cache): compute it in place
                 self.fallbacks += 1
                 return None
+            if rc != 0:
+                raise LocalinferError(f"llama_decode failed with status {rc} (prompt computed aside)",
+                                      hint=f"rerun with {ENV}=0, or with LOCALINFER_LLAMA_LOG=1 to see why")
             row = None
             if rows[-1][3]:
                 row = np.empty(self.n_vocab, dtype=np.float32)
@@ -105,10 +117,11 @@ class PrefillAside:
             self.prompts += 1
             return [(seq, row)] if row is not None else []
         finally:
-            _L.llama_memory_clear(self.mem, True)
+            _L.llama_memory_clear(self.mem, False)      # the cells freed; their bytes need no zeroing
             self.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
+        """Free the context and its batch (before the model they came from)."""
         if self.batch is not None:
             _L.llama_batch_free(self.batch)
             self.batch = None

@@ -118,7 +118,8 @@ class LlamaCppExecutor(ExecutorBase):
                 self.state_bytes = seq_state.size(self.engine.context, 0)
                 self.drop(0)
             if aside.wanted() and self.compaction.able and self.split_short:
-                self._aside = aside.PrefillAside(model, plan, self.engine.interrupt_flag, self.n_vocab)
+                self._aside = aside.PrefillAside(model, plan, self.engine.interrupt_flag, self.n_vocab,
+                                                 FA_TILE_ROWS)
         except BaseException:
             self.close()
             raise
