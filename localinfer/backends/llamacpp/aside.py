@@ -40,6 +40,15 @@ def wanted() -> bool:
     return env.choice(ENV, ("1", "0")) == "1"
 
 
+def for_executor(x, model, plan: LoadPlan, min_rows: int) -> PrefillAside | None:
+    """A :class:`PrefillAside` for executor ``x`` when ``LOCALINFER_PREFILL_ASIDE=1`` and its cache is one the
+    scan costs and a copy can enter: where ``x`` compacts (one unified cache on the CPU, no SWA or M-RoPE cells,
+    an attention-only model) and splits short rows off (flash attention, ubatches of ``min_rows`` or more)."""
+    if not (wanted() and x.compaction.able and x.split_short):
+        return None
+    return PrefillAside(model, plan, x.engine.interrupt_flag, x.n_vocab, min_rows)
+
+
 class PrefillAside:
     """A one-sequence context of ``model`` for prompts of ``min_rows`` (the tiled kernel's: shorter ones take the
     one-row kernel, which skips a masked cell at once) to ``plan.n_batch`` tokens; ``stop`` the serving engine's
@@ -68,6 +77,18 @@ class PrefillAside:
         self.prompts = 0          # prompts computed here and copied in
         self.fallbacks = 0        # prompts that could not be copied in (computed in place instead)
         self.seconds = 0.0        # in llama_decode here and copying
+
+    def offer(self, x, rows, lend: bool) -> list[tuple[int, np.ndarray]] | None:
+        """``rows`` of executor ``x``'s step computed here when they are a lone prompt and another slot holds cells
+        (the time added to ``x.decode_seconds``); None when they are not, or the copy found no room."""
+        seq = rows[0][2]
+        if not (self.takes(rows) and any(n for s, n in enumerate(x._len) if s != seq and s not in x._host)):
+            return None
+        spent = self.seconds
+        try:
+            return self.decode(rows, x.engine.context, lend)
+        finally:
+            x.decode_seconds += self.seconds - spent
 
     def takes(self, rows) -> bool:
         """Whether ``rows`` (token, position, sequence, wants logits) are one sequence's prompt from position 0 that

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -38,8 +37,8 @@ from localinfer.backends.executor import Chunk, ExecutorBase, SeqState, check_ch
 from localinfer.backends.llamacpp import aside, native, seq_state
 from localinfer.backends.llamacpp.compaction import CompactionError, CompactPolicy, Shares, compact
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
-from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, parse_kv_state
-from localinfer.errors import ContextFullError, LocalinferError, UnsupportedModelError
+from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, layout_known, parse_kv_state
+from localinfer.errors import ContextFullError, LocalinferError
 from localinfer.util.hostmem import host_buffer, host_cache_budget
 
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
@@ -60,8 +59,7 @@ class LlamaCppExecutor(ExecutorBase):
     def __init__(self, plan: LoadPlan, *, park_host: bool = False, host_budget: int | None = None,
                  lend_rows: bool = False):
         self.unified = bool(plan.options.get("kv_unified", True))
-        plan = plan.with_(options={**plan.options, "kv_unified": self.unified})
-        self.engine = LlamaCppEngine(plan)
+        self.engine = LlamaCppEngine(plan.with_(options={**plan.options, "kv_unified": self.unified}))
         self._aside: aside.PrefillAside | None = None    # a lone prompt beside running sequences computed apart
         ctx = self.engine.context
         self._mem = self.engine.kv_memory
@@ -109,7 +107,7 @@ class LlamaCppExecutor(ExecutorBase):
                 self.step([Chunk(0, (1, 1), 0)])
                 two = int(_L.llama_state_seq_get_size(self.engine.context, 0))
                 blob = self._read_state(0, two)
-                self.parks_in_host = blob is not None and self._check_layout(blob, 0)
+                self.parks_in_host = blob is not None and layout_known(blob, self._len[0])   # for good
                 self.drop(0, 1)
                 self.position_bytes = two - int(_L.llama_state_seq_get_size(self.engine.context, 0))
                 self.drop(0)
@@ -117,9 +115,7 @@ class LlamaCppExecutor(ExecutorBase):
                 self.step([Chunk(0, (1,), 0)])
                 self.state_bytes = seq_state.size(self.engine.context, 0)
                 self.drop(0)
-            if aside.wanted() and self.compaction.able and self.split_short:
-                self._aside = aside.PrefillAside(model, plan, self.engine.interrupt_flag, self.n_vocab,
-                                                 FA_TILE_ROWS)
+            self._aside = aside.for_executor(self, model, plan, FA_TILE_ROWS)    # None unless asked and safe
         except BaseException:
             self.close()
             raise
@@ -260,15 +256,6 @@ class LlamaCppExecutor(ExecutorBase):
                                          n, slot) == n
         return blob if ok else None
 
-    def _check_layout(self, blob: np.ndarray, slot: int) -> bool:
-        """Whether cut_seq_state knows this state's layout (a layer without V, say, it does not): it must survive
-        its own whole cut unchanged.  The load-time probe's answer is ``parks_in_host`` for good."""
-        try:
-            same = np.array_equal(cut_seq_state(blob, 0, self._len[slot])[0], blob)
-        except (UnsupportedModelError, struct.error, ValueError):
-            same = False
-        return same
-
     def host_cells(self) -> int:
         """Positions the host budget holds, parked states' fixed headers aside (0 without ``parks_in_host``):
         how far an engine's cache may reach past the cells."""
@@ -405,15 +392,8 @@ class LlamaCppExecutor(ExecutorBase):
 
     def _decode(self, rows: list[tuple[int, int, int, bool]], lend: bool = False) -> list[tuple[int, np.ndarray]]:
         eng = self.engine
-        if self._aside is not None and self._aside.takes(rows) and any(
-                n for s, n in enumerate(self._len) if s != rows[0][2] and s not in self._host):
-            spent = self._aside.seconds
-            try:
-                got = self._aside.decode(rows, eng.context, lend)
-            finally:
-                self.decode_seconds += self._aside.seconds - spent
-            if got is not None:
-                return got
+        if self._aside is not None and (got := self._aside.offer(self, rows, lend)) is not None:
+            return got
         tokens, pos, seqs, want = zip(*rows)
         eng.fill_batch(tokens, pos, seqs, want)
         t0 = time.perf_counter()

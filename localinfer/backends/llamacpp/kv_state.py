@@ -112,3 +112,12 @@ def _row_blocks(blob, off: int, count: int) -> tuple[list[tuple[int, int, tuple[
             blocks.append((off, off + 12, shape))
             off += 12 + int(np.prod(shape))
     return blocks, off
+
+
+def layout_known(blob: np.ndarray, n_tokens: int) -> bool:
+    """Whether :func:`cut_seq_state` knows this one-sequence state's layout (a layer without V, say, it does not):
+    the state of ``n_tokens`` positions must survive its own whole cut unchanged."""
+    try:
+        return bool(np.array_equal(cut_seq_state(blob, 0, n_tokens)[0], blob))
+    except (UnsupportedModelError, struct.error, ValueError):
+        return False
