@@ -29,7 +29,6 @@ what the two arrangements cost llama.cpp alone, to set beside the servers' cycle
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batch_costs import Context                         # noqa: E402
 
+from localinfer.backends.llamacpp import seq_state       # noqa: E402
 from localinfer.loadgen.load import machine             # noqa: E402
 from localinfer.model.sources import resolve_model      # noqa: E402
 from localinfer.util.atomic import atomic_write          # noqa: E402
@@ -80,10 +80,8 @@ class Raw:
         t0 = time.perf_counter()
         L.llama_memory_clear(a.mem, True)
         a.decode([(t, i, 0, i == len(tokens) - 1) for i, t in enumerate(tokens)])
-        n = L.llama_state_seq_get_size(a.ctx, 0)
-        buf = (ctypes.c_uint8 * n)()
-        moved = L.llama_state_seq_get_data(a.ctx, buf, n, 0) == n
-        if not moved or L.llama_state_seq_set_data(self.c.ctx, buf, n, seq) != n:
+        blob = seq_state.read_cells(a.ctx, 0)
+        if blob is None or not seq_state.write_cells(self.c.ctx, seq, blob):
             raise RuntimeError("a sequence state did not copy")
         return time.perf_counter() - t0
 

@@ -83,3 +83,22 @@ def test_an_interrupt_stops_a_prompt_computed_aside(monkeypatch):
         assert x.slot_len(1) == 0 and x.slot_len(0) == 200 and x.cells_used() == 200
         got = x.step([Chunk(1, tuple(range(300, 500)), 0, logits=True)])     # the next step runs, aside
         assert x._aside.prompts == 1 and tried == [1, 1] and x.slot_len(1) == 200 and got[1].shape == (x.n_vocab,)
+
+
+def test_a_copy_that_finds_too_few_free_cells_leaves_the_cache_as_it_was(monkeypatch):
+    from localinfer.errors import ContextFullError
+
+    monkeypatch.setenv("LOCALINFER_PREFILL_ASIDE", "1")
+    with LlamaCppExecutor.open(str(resolve_model(None)), n_slots=3, n_ctx=512, threads=1, flash_attn=True) as x:
+        assert x.n_cells == 512
+        x.step([Chunk(0, tuple(range(100, 300)), 0)])
+        x.step([Chunk(1, tuple(range(300, 550)), 0)])
+        assert x._aside.prompts == 1 and x.cells_used() == 450
+        with pytest.raises(ContextFullError):      # computed aside, 100 cells to copy into 62: in place, no room
+            x.step([Chunk(2, tuple(range(600, 700)), 0, logits=True)])
+        assert x._aside.fallbacks == 1 and x._aside.prompts == 1
+        assert (x.slot_len(0), x.slot_len(1), x.slot_len(2), x.cells_used()) == (200, 250, 0, 450)
+        x.drop(1)
+        got = x.step([Chunk(2, tuple(range(600, 700)), 0, logits=True)])
+        assert x._aside.prompts == 2 and x.slot_len(2) == 100 and x.cells_used() == 300
+        assert np.isfinite(got[2]).all()

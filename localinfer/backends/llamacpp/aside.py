@@ -8,13 +8,13 @@ beside the others cost 1.8% more through the executor than the same prompts pref
 (llama-server's waves) at four sequences, 6.2% more at eight (benchmarks/schedule_cycles.py). :class:`PrefillAside`
 computes such a prompt in a second context of the same model, one sequence and ``n_batch`` cells, whose cache is
 empty, then copies the sequence's state into the serving context (``llama_state_seq_get_data`` /
-``llama_state_seq_set_data``, which lays its cells in one run, in order) and empties its own cache again: the cycles
+``llama_state_seq_set_data``, which lays its cells in order) and empties its own cache again: the cycles
 then cost 0.996x the waves' at both. A solo run computes a prompt the same way, so the prompt's logits and cells are
 the ones a request alone would get.
 
 Opt-in (``LOCALINFER_PREFILL_ASIDE=1``) while its memory (the second context's KV and compute buffers, which
-``fit`` does not count yet) is not in the plans; where it cannot copy (no run of free cells) the step computes the
-prompt in place as before.
+``fit`` does not count yet) is not in the plans; where it cannot copy (too few free cells) the step computes the
+prompt in place as before, which then fails as it would have without it.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ import numpy as np
 
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.executor import StepInterrupted
-from localinfer.backends.llamacpp import native
+from localinfer.backends.llamacpp import native, seq_state
 from localinfer.errors import LocalinferError
 from localinfer.util import env, signals
-from localinfer.util.hostmem import host_buffer
 
 ENV = "LOCALINFER_PREFILL_ASIDE"
 
@@ -63,12 +62,21 @@ class PrefillAside:
         with native.log_lock:                                                          # compute buffer
             native.log_lines.clear()
             self.ctx = native.new_context(model, one)
-            reported = native.parse_memory_log(list(native.log_lines))
-        # what this context holds, as llama.cpp logged it (not yet in fit's plans: why this is opt-in)
-        self.memory = {k: int(reported[k]) for k in ("kv", "compute", "output")}
+            logged = list(native.log_lines)
         try:
+            # what this context holds, as llama.cpp logged it (not yet in fit's plans: why this is opt-in)
+            reported = native.parse_memory_log(logged)
+            self.memory = {k: int(reported[k]) for k in ("kv", "compute", "output")}
             self.mem = _L.llama_get_memory(self.ctx)
-            self.batch = _L.llama_batch_init(self.n_cells, 0, 1)
+            self.batch = b = _L.llama_batch_init(self.n_cells, 0, 1)
+            # one sequence (id 0) from position 0: only the tokens and the last row's logits flag change
+            self._token = np.ctypeslib.as_array(b.token, shape=(self.n_cells,))
+            self._logits = np.ctypeslib.as_array(b.logits, shape=(self.n_cells,))
+            np.ctypeslib.as_array(b.pos, shape=(self.n_cells,))[:] = np.arange(self.n_cells)
+            np.ctypeslib.as_array(b.n_seq_id, shape=(self.n_cells,))[:] = 1
+            self._logits[:] = 0
+            for i in range(self.n_cells):
+                b.seq_id[i][0] = 0
             if native.FLAG_ABORT is not None:
                 _L.llama_set_abort_callback(self.ctx, native.FLAG_ABORT, ctypes.cast(stop, ctypes.c_void_p))
         except BaseException:
@@ -81,8 +89,7 @@ class PrefillAside:
     def offer(self, x, rows, lend: bool) -> list[tuple[int, np.ndarray]] | None:
         """``rows`` of executor ``x``'s step computed here when they are a lone prompt and another slot holds cells
         (the time added to ``x.decode_seconds``); None when they are not, or the copy found no room."""
-        seq = rows[0][2]
-        if not (self.takes(rows) and any(n for s, n in enumerate(x._len) if s != seq and s not in x._host)):
+        if not (self.takes(rows) and x.others_hold_cells(rows[0][2])):
             return None
         spent = self.seconds
         try:
@@ -103,10 +110,9 @@ class PrefillAside:
         """Compute ``rows`` here and copy the sequence into ``into_ctx``; its logits row (when the last row wants
         one; read-only with ``lend``, as a lent row is), or None when the copy found no room (nothing left behind:
         compute them in place).  Raises StepInterrupted when the interrupt flag stopped the graph."""
-        b, n, seq = self.batch, len(rows), rows[0][2]
-        for i, (tok, pos, _s, want) in enumerate(rows):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, 1 if want else 0
-            b.seq_id[i][0] = 0
+        b, n, seq, want = self.batch, len(rows), rows[0][2], rows[-1][3]
+        self._token[:n] = [r[0] for r in rows]
+        self._logits[n - 1] = 1 if want else 0
         b.n_tokens = n
         if self.stop[0] != b"\x00":          # as the engine's decode_batch: an interrupt asked before the call
             raise StepInterrupted("interrupted before llama_decode")
@@ -123,21 +129,18 @@ class PrefillAside:
                 raise LocalinferError(f"llama_decode failed with status {rc} (prompt computed aside)",
                                       hint=f"rerun with {ENV}=0, or with LOCALINFER_LLAMA_LOG=1 to see why")
             row = None
-            if rows[-1][3]:
+            if want:
                 row = np.empty(self.n_vocab, dtype=np.float32)
                 ctypes.memmove(row.ctypes.data, _L.llama_get_logits_ith(self.ctx, n - 1), self.n_vocab * 4)
                 row.flags.writeable = not lend
-            size = int(_L.llama_state_seq_get_size(self.ctx, 0))
-            blob = host_buffer(size)
-            ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-            if (_L.llama_state_seq_get_data(self.ctx, ptr, size, 0) != size
-                    or _L.llama_state_seq_set_data(into_ctx, ptr, size, seq) != size):
-                _L.llama_memory_seq_rm(_L.llama_get_memory(into_ctx), seq, -1, -1)
+            blob = seq_state.read_cells(self.ctx, 0)
+            if blob is None or not seq_state.write_cells(into_ctx, seq, blob):
                 self.fallbacks += 1
                 return None
             self.prompts += 1
             return [(seq, row)] if row is not None else []
         finally:
+            self._logits[n - 1] = 0
             _L.llama_memory_clear(self.mem, False)      # the cells freed; their bytes need no zeroing
             self.seconds += time.perf_counter() - t0
 

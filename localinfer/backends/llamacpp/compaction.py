@@ -23,7 +23,6 @@ and its steps are longer too; a first compaction of gigabytes waits until the st
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 import llama_cpp as _L
 import numpy as np
 
+from localinfer.backends.llamacpp import seq_state
 from localinfer.errors import LocalinferError
 
 COMPACT_AFTER = 16      # steps of >= 2 sequences since the last compaction (each adds one run to every sequence)
@@ -108,22 +108,24 @@ def compact(ctx, mem, slots: Iterable[int]) -> tuple[int, float]:
     t0 = time.perf_counter()
     blobs: list[tuple[int, np.ndarray]] = []
     for s in slots:
-        n = int(_L.llama_state_seq_get_size(ctx, s))
-        blob = np.empty(n, dtype=np.uint8)     # freed at once: the allocator's reused memory (not host_buffer)
-        if _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, s) != n:
+        blob = seq_state.read_cells(ctx, s, buffer=_scratch)
+        if blob is None:
             raise LocalinferError(f"llama.cpp did not save sequence {s}'s KV for compaction")
         blobs.append((s, blob))
     for s, _ in blobs:
         _L.llama_memory_seq_rm(mem, s, -1, -1)
     lost = []
     for s, blob in blobs:
-        ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if _L.llama_state_seq_set_data(ctx, ptr, blob.size, s) != blob.size:
-            _L.llama_memory_seq_rm(mem, s, -1, -1)
+        if not seq_state.write_cells(ctx, s, blob):
             lost.append(s)
     if lost:
         raise CompactionError(lost)
     return sum(b.size for _, b in blobs), time.perf_counter() - t0
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A state's buffer, freed at once: the allocator's reused memory (not host_buffer's pinned pages)."""
+    return np.empty(n, dtype=np.uint8)
 
 
 class CompactionError(LocalinferError):

@@ -22,7 +22,6 @@ positions) and the step drops the rest of its chunks'.  docs/executor.md explain
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -39,7 +38,7 @@ from localinfer.backends.llamacpp.compaction import CompactionError, CompactPoli
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, layout_known, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError
-from localinfer.util.hostmem import host_buffer, host_cache_budget
+from localinfer.util.hostmem import host_cache_budget
 
 FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 
@@ -106,7 +105,7 @@ class LlamaCppExecutor(ExecutorBase):
             if self.parks_in_host:     # decided now, before an engine sizes its cache on it: a two-token probe
                 self.step([Chunk(0, (1, 1), 0)])
                 two = int(_L.llama_state_seq_get_size(self.engine.context, 0))
-                blob = self._read_state(0, two)
+                blob = seq_state.read_cells(self.engine.context, 0, two)
                 self.parks_in_host = blob is not None and layout_known(blob, self._len[0])   # for good
                 self.drop(0, 1)
                 self.position_bytes = two - int(_L.llama_state_seq_get_size(self.engine.context, 0))
@@ -242,19 +241,13 @@ class LlamaCppExecutor(ExecutorBase):
             self._cut_dropped_tails()
             if self._host_bytes() + n > budget:
                 return False
-        blob = self._read_state(slot, n)
+        blob = seq_state.read_cells(ctx, slot, n)
         if blob is None:
             return None
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._host[slot], self._saved[slot] = blob, self._len[slot]
         self._freed(slot)
         return True
-
-    def _read_state(self, slot: int, n: int) -> np.ndarray | None:
-        blob = host_buffer(n)
-        ok = _L.llama_state_seq_get_data(self.engine.context, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                         n, slot) == n
-        return blob if ok else None
 
     def host_cells(self) -> int:
         """Positions the host budget holds, parked states' fixed headers aside (0 without ``parks_in_host``):
@@ -407,6 +400,10 @@ class LlamaCppExecutor(ExecutorBase):
         logits = eng.logit_rows(at, lend=lend)
         return [(seqs[i], logits[k]) for k, i in enumerate(at)]
 
+    def others_hold_cells(self, slot: int) -> bool:
+        """Whether a slot other than ``slot`` holds cells in the context (not parked in host memory)."""
+        return any(n and s != slot and s not in self._host for s, n in enumerate(self._len))
+
     def _rollback(self, chunks: Sequence[Chunk]) -> None:
         for c in chunks:
             if not _L.llama_memory_seq_rm(self._mem, c.slot, c.start, -1):
@@ -462,9 +459,7 @@ class LlamaCppExecutor(ExecutorBase):
         if kept != hi - lo:
             return False
         into = dst if lo == 0 else src
-        ptr = blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if _L.llama_state_seq_set_data(self.engine.context, ptr, blob.size, into) != blob.size:
-            _L.llama_memory_seq_rm(self._mem, into, -1, -1)
+        if not seq_state.write_cells(self.engine.context, into, blob):
             return False
         if into == src:
             _L.llama_memory_seq_cp(self._mem, src, dst, lo, hi)

@@ -1,4 +1,4 @@
-"""A sequence's recurrent state, read to host memory and written back (llama.cpp's partial sequence state).
+"""A sequence's state read to host memory and written back: its recurrent part, or its cells whole.
 
 ``llama_state_seq_get_data_ext`` with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` writes only the part of a
 sequence's memory that positions cannot be cut back to: on a hybrid model the recurrent layers' r and s rows
@@ -7,11 +7,17 @@ sequence's memory that positions cannot be cut back to: on a hybrid model the re
 (``llama_state_seq_set_data_ext``, same flag) it replaces that sequence's recurrent state and leaves its attention
 cells alone, so a sequence whose attention cells hold positions [0, n) and whose state was saved at n is exactly
 the sequence as it was at n: llama-server's context checkpoints rest on the same two calls.
+
+:func:`read_cells` / :func:`write_cells` move a sequence's whole state, its cells' K and V included
+(``llama_state_seq_get_data`` / ``llama_state_seq_set_data``, which lays the cells, in their old order, in the
+free cells it meets from its head: one run where those are): the executor's parking in host memory, compaction (compaction.py) and a prompt computed in a
+context of its own (aside.py) all rest on them.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import llama_cpp as _L
 import numpy as np
@@ -19,6 +25,7 @@ import numpy as np
 from localinfer.backends.executor import SeqState
 from localinfer.backends.llamacpp.kv_state import HEADER
 from localinfer.errors import LocalinferError
+from localinfer.util.hostmem import host_buffer
 
 PARTIAL = _L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
@@ -60,6 +67,26 @@ def restore(ctx, mem, seq: int, state: SeqState) -> None:
     if not _L.llama_memory_seq_rm(mem, seq, state.n_tokens, -1):
         raise LocalinferError(f"llama.cpp cannot drop positions >= {state.n_tokens} of sequence {seq} after "
                               "restoring its state")
+
+
+def read_cells(ctx, seq: int, n: int | None = None, buffer: Callable[[int], np.ndarray] = host_buffer,
+               ) -> np.ndarray | None:
+    """``seq``'s whole state (``n`` bytes: ``llama_state_seq_get_size`` unless given) in a buffer from
+    ``buffer`` (pinned host memory by default); None when llama.cpp writes fewer bytes than it said it would."""
+    n = int(_L.llama_state_seq_get_size(ctx, seq)) if n is None else n
+    blob = buffer(n)
+    got = _L.llama_state_seq_get_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), n, seq)
+    return blob if got == n else None
+
+
+def write_cells(ctx, seq: int, blob: np.ndarray) -> bool:
+    """A :func:`read_cells` state into ``seq``, which holds no cells; False when llama.cpp refused it (no run of
+    free cells, another model's state): ``seq`` then holds none still."""
+    if _L.llama_state_seq_set_data(ctx, blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), blob.size, seq) \
+            == blob.size:
+        return True
+    _L.llama_memory_seq_rm(_L.llama_get_memory(ctx), seq, -1, -1)
+    return False
 
 
 def whole(ctx) -> memoryview:
