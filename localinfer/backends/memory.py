@@ -176,6 +176,8 @@ class FitRequest:
     override_tensor: tuple[tuple[str, str], ...] = ()
     cpu_moe: bool = False
     n_cpu_moe: int = 0
+    # serve's second context for lone prompts (backends/llamacpp/aside_plan.py)
+    prefill_aside: bool = False
 
     def __post_init__(self):
         if not isinstance(self.n_ctx, int) or isinstance(self.n_ctx, bool) or self.n_ctx <= 0:

@@ -284,9 +284,11 @@ def _run(args: argparse.Namespace) -> int:
         check_snapshot_stride(args.snapshot_stride, spec)
     config = serve_config(args, plan.n_batch, recurrent=spec.has_recurrent)
     if backend == "llama.cpp":    # llama.cpp reserves a logit row per sequence id, the parked ones' too
+        from localinfer.backends.llamacpp import aside
         from localinfer.backends.llamacpp.memory import outputs_cap
 
-        plan = plan.with_(options={**plan.options, "n_outputs_max": outputs_cap(plan.with_(n_seq=config.n_slots))})
+        plan = plan.with_(options={**plan.options, "n_outputs_max": outputs_cap(plan.with_(n_seq=config.n_slots)),
+                                   "prefill_aside": aside.wanted()})    # its second context, in the fit check too
     plan = plan.with_(n_seq=config.n_slots)     # + ids for parked sequences: the unified cache keeps its size
     fit = _common.check_fit(spec, plan, backend, args.force)     # the plan as it loads (the graph grows with ids)
     predicted = _common.predicted_devices(spec, plan, fit) if backend == "llama.cpp" else None

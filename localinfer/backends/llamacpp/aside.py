@@ -12,9 +12,10 @@ empty, then copies the sequence's state into the serving context (``llama_state_
 then cost 0.996x the waves' at both. A solo run computes a prompt the same way, so the prompt's logits and cells are
 the ones a request alone would get.
 
-Opt-in (``LOCALINFER_PREFILL_ASIDE=1``) while its memory (the second context's KV and compute buffers, which
-``fit`` does not count yet) is not in the plans; where it cannot copy (too few free cells) the step computes the
-prompt in place as before, which then fails as it would have without it.
+On by default where the executor can use it (``LOCALINFER_PREFILL_ASIDE=0`` turns it off); ``serve`` puts it in
+its plan (option ``prefill_aside``), so the fit check counts the second context's KV, compute and output buffers
+(aside_plan.py), and /metrics shows its bytes, prompts and fallbacks.  Where it cannot copy (too few free cells)
+the step computes the prompt in place as before, which then fails as it would have without it.
 """
 
 from __future__ import annotations
@@ -35,15 +36,17 @@ ENV = "LOCALINFER_PREFILL_ASIDE"
 
 
 def wanted() -> bool:
-    """``LOCALINFER_PREFILL_ASIDE=1`` (another value is warned about and read as off)."""
-    return env.choice(ENV, ("1", "0")) == "1"
+    """Unless ``LOCALINFER_PREFILL_ASIDE=0`` (a value other than 1 or 0 is warned about and read as the default)."""
+    return env.choice(ENV, ("1", "0")) != "0"
 
 
 def for_executor(x, model, plan: LoadPlan, min_rows: int) -> PrefillAside | None:
-    """A :class:`PrefillAside` for executor ``x`` when ``LOCALINFER_PREFILL_ASIDE=1`` and its cache is one the
-    scan costs and a copy can enter: where ``x`` compacts (one unified cache on the CPU, no SWA or M-RoPE cells,
-    an attention-only model) and splits short rows off (flash attention, ubatches of ``min_rows`` or more)."""
-    if not (wanted() and x.compaction.able and x.split_short):
+    """A :class:`PrefillAside` for executor ``x`` when the plan asks for one (option ``prefill_aside``, as serve
+    sets it and fit counts it; without the option, unless ``LOCALINFER_PREFILL_ASIDE=0``) and its cache is one the
+    scan costs and a copy can enter: where ``x`` compacts (one unified cache on the CPU, no SWA or M-RoPE cells, an
+    attention-only model) and splits short rows off (flash attention, ubatches of ``min_rows`` or more); the
+    same conditions as aside_plan.aside_request's, read from the loaded model."""
+    if not (plan.options.get("prefill_aside", wanted()) and x.compaction.able and x.split_short):
         return None
     return PrefillAside(model, plan, x.engine.interrupt_flag, x.n_vocab, min_rows)
 
@@ -64,7 +67,7 @@ class PrefillAside:
             self.ctx = native.new_context(model, one)
             logged = list(native.log_lines)
         try:
-            # what this context holds, as llama.cpp logged it (not yet in fit's plans: why this is opt-in)
+            # what this context holds, as llama.cpp logged it (fit's aside_plan predicts it; /metrics shows it)
             reported = native.parse_memory_log(logged)
             self.memory = {k: int(reported[k]) for k in ("kv", "compute", "output")}
             self.mem = _L.llama_get_memory(self.ctx)

@@ -34,13 +34,13 @@ import numpy as np
 from localinfer.backends.engine import LoadPlan
 from localinfer.backends.executor import Chunk, ExecutorBase, SeqState, check_chunks, check_slot, pack_rows
 from localinfer.backends.llamacpp import aside, native, seq_state
+from localinfer.backends.llamacpp.aside_plan import FA_TILE_ROWS
 from localinfer.backends.llamacpp.compaction import CompactionError, CompactPolicy, Shares, compact
 from localinfer.backends.llamacpp.engine import ABORT_MIN_TOKENS, LlamaCppEngine
 from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state, layout_known, parse_kv_state
 from localinfer.errors import ContextFullError, LocalinferError
 from localinfer.util.hostmem import host_cache_budget
 
-FA_TILE_ROWS = 64               # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this many rows use the tiled kernel
 
 
 class LlamaCppExecutor(ExecutorBase):
@@ -399,6 +399,11 @@ class LlamaCppExecutor(ExecutorBase):
             return []
         logits = eng.logit_rows(at, lend=lend)
         return [(seqs[i], logits[k]) for k, i in enumerate(at)]
+
+    @property
+    def prefill_aside(self) -> aside.PrefillAside | None:
+        """The context lone prompts are computed in (LOCALINFER_PREFILL_ASIDE=1), for /metrics; None when off."""
+        return self._aside
 
     def others_hold_cells(self, slot: int) -> bool:
         """Whether a slot other than ``slot`` holds cells in the context (not parked in host memory)."""

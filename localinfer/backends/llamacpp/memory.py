@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gguf_tools.quants import layout, parse_type
+from localinfer.backends.llamacpp.aside_plan import aside_terms
 from localinfer.backends.llamacpp.compute_buffer import compute_estimate
 from localinfer.backends.llamacpp.override_compute import overridden_compute
 from localinfer.backends.llamacpp.overrides import CPU, check_overrides, override_flags, request_overrides
@@ -251,6 +252,7 @@ def breakdown(spec: ModelSpec, device, req: FitRequest) -> tuple[MemoryBreakdown
     terms.append(Term("compute", "compute buffer", ce.device, "device", ce.formula, f"{dev} compute"))
     if ce.host:
         terms.append(Term("compute", "compute buffer (host)", ce.host, "host", ce.host_formula, "CPU compute"))
+    terms += aside_terms(spec, device, req, breakdown)
     notes: list[str] = []
     mapped = sum(t.bytes for t in terms if t.key == "weights")
     if unified and mapped > wp.physical_bytes:
@@ -354,13 +356,15 @@ class LlamaCppMemory:
 
     def load_request(self, plan) -> dict:
         """FitRequest fields a LoadPlan implies: logit rows per decode, load mode, repacking, llama-cpp-python's
-        swa_full, one KV stream for all sequences (serve's unified cache), tensor buffer overrides."""
+        swa_full, one KV stream for all sequences (serve's unified cache), tensor buffer overrides, serve's second
+        context for lone prompts."""
         o = plan.options
         return {"n_outputs_max": outputs_cap(plan), "mmap": bool(o.get("mmap", True)), "mlock": bool(o.get("mlock")),
                 "repack": bool(o.get("repack", True)), "swa_full": bool(o.get("swa_full", True)),
                 "kv_unified": bool(o.get("kv_unified")),
                 "override_tensor": tuple(tuple(x) for x in o.get("override_tensor", ())),
-                "cpu_moe": bool(o.get("cpu_moe")), "n_cpu_moe": int(o.get("n_cpu_moe") or 0)}
+                "cpu_moe": bool(o.get("cpu_moe")), "n_cpu_moe": int(o.get("n_cpu_moe") or 0),
+                "prefill_aside": bool(o.get("prefill_aside"))}
 
     def load_variants(self, spec, device, req) -> tuple[tuple[str, dict], ...]:
         """On a CPU device: the four load modes, and repacking switched, where llama.cpp repacks."""

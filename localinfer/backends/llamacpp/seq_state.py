@@ -10,8 +10,8 @@ the sequence as it was at n: llama-server's context checkpoints rest on the same
 
 :func:`read_cells` / :func:`write_cells` move a sequence's whole state, its cells' K and V included
 (``llama_state_seq_get_data`` / ``llama_state_seq_set_data``, which lays the cells, in their old order, in the
-free cells it meets from its head: one run where those are): the executor's parking in host memory, compaction (compaction.py) and a prompt computed in a
-context of its own (aside.py) all rest on them.
+free cells it meets from its head: one run where those are): the executor's parking in host memory, compaction
+(compaction.py) and a prompt computed in a context of its own (aside.py) all rest on them.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ GAUGES = {
     "kv_host_tokens": "parked requests' KV tokens kept in host memory, in no cell (sampled when the server is idle)",
     "snapshots": "recurrent-state snapshots kept in host memory for prefix hits (hybrid and recurrent models)",
     "snapshot_bytes": "host memory the recurrent-state snapshots take",
+    "prefill_aside_bytes": "the second context lone prompts are computed in (CPU; LOCALINFER_PREFILL_ASIDE=0 turns it "
+                           "off): its KV, compute and output buffers as llama.cpp logged them",
 }
 COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of steps, and of it inside llama_decode
     "engine_step_seconds": "seconds the engine spent in executor steps",
@@ -47,6 +49,9 @@ COUNTERS = {  # cumulative, from the engine thread's snapshot: wall time of step
     "snapshot_recomputed_tokens": "prompt tokens the prefix cache matched past the deepest snapshot (recomputed)",
     "kv_compactions": "compactions of the KV cache: every running sequence's cells written back in one run (CPU)",
     "kv_compaction_seconds": "seconds those compactions took (inside engine_step_seconds, outside llama_decode)",
+    "prefill_aside_prompts": "lone prompts beside running sequences computed in the second context and copied in",
+    "prefill_aside_fallbacks": "prompts computed there whose copy found too few free cells (then computed in place)",
+    "prefill_aside_seconds": "seconds of those prompts and copies (inside engine_decode_seconds)",
     "stream_frames_direct": "streamed token frames the relay thread wrote to the socket itself (not the event loop)",
     "stream_spills": "of its writes, those a slow reader's socket did not take whole (the event loop wrote the rest)",
 }
@@ -160,10 +165,11 @@ class Metrics:
         return generate_latest(self._live) + text
 
 
-def engine_values(e, executor, compaction, direct: list[int], kept: dict[str, float]) -> dict[str, float]:
-    """The snapshot's values from engine ``e`` (a StepEngine), its timed ``executor``, the KV ``compaction`` policy (or
-    None), the relay's ``direct`` counts (frames written, spills) and the ``kept`` values of llama.cpp's cells (read
-    only when the engine goes idle)."""
+def engine_values(e, executor, direct: list[int], kept: dict[str, float], compaction=None,
+                  aside=None) -> dict[str, float]:
+    """The snapshot's values from engine ``e`` (a StepEngine), its timed ``executor``, the relay's ``direct`` counts
+    (frames written, spills), the ``kept`` values of llama.cpp's cells (read only when the engine goes idle), and
+    the llama.cpp executor's KV ``compaction`` policy and ``aside`` (a PrefillAside) where it has them."""
     b, s = e.blocks, e.scheduler
     values = {"requests_running": len(s.running), "requests_waiting": len(s.waiting),
               "kv_blocks_used": b.used, "kv_blocks_cached": b.num_cached, "kv_blocks_total": b.capacity,
@@ -178,4 +184,7 @@ def engine_values(e, executor, compaction, direct: list[int], kept: dict[str, fl
                       snapshots_restored=b.snapshots.restored, snapshot_recomputed_tokens=b.snapshots.recomputed)
     if compaction is not None:
         values.update(kv_compactions=compaction.count, kv_compaction_seconds=compaction.seconds)
+    if aside is not None:
+        values.update(prefill_aside_bytes=sum(aside.memory.values()), prefill_aside_prompts=aside.prompts,
+                      prefill_aside_fallbacks=aside.fallbacks, prefill_aside_seconds=aside.seconds)
     return values

@@ -86,6 +86,7 @@ class Runtime:
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
         self._compaction = None            # the llama.cpp executor's compaction record (None on other backends)
+        self._aside = None                 # and its PrefillAside (LOCALINFER_PREFILL_ASIDE=1)
         self._closing = None               # the executor, once the engine thread ended: stop() closes it
         self._step_log: StepLog | None = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
@@ -287,6 +288,7 @@ class Runtime:
             self.executor, self.engine, self.step_model = build_engine(inner, self.config, on_step=self._step_log)
             self.engine.defer_release = True      # a reply's end is handed on before its KV is parked (_iteration)
             self._compaction = getattr(inner, "compaction", None)
+            self._aside = getattr(inner, "prefill_aside", None)
         except BaseException:       # calibration failed or a signal came: the model loaded is freed now
             inner.close()
             raise
@@ -472,8 +474,9 @@ class Runtime:
         e = self.engine
         if e is None:
             return
-        values = engine_values(e, self.executor, self._compaction, self._direct,
-                               {k: self.metrics.gauge(k) for k in ("kv_cells_used", "kv_host_tokens")})
+        values = engine_values(e, self.executor, self._direct,
+                               {k: self.metrics.gauge(k) for k in ("kv_cells_used", "kv_host_tokens")},
+                               self._compaction, self._aside)
         if idle and not self._idle_published:   # read llama.cpp's state once per idle spell, not every wait
             values["kv_cells_used"] = self.executor.cells_used()
             values["kv_host_tokens"] = self.executor.host_tokens()
