@@ -1,7 +1,7 @@
 """What one closed-loop cycle costs in llama.cpp under each server's schedule, in process (issue 45).
 
     python benchmarks/schedule_cycles.py [MODEL] [--concurrency 4] [--rounds 3] [--cycles 2]
-        [--via raw|raw-aside|executor] [--json OUT]
+        [--via raw|raw-aside|executor|executor-aside] [--json OUT]
 
 A cycle is ``--concurrency`` requests of ``--prompt-tokens`` prompt tokens and ``--output-tokens`` tokens out, at
 the closed loop's steady state.  Two schedules over one llama.cpp context set up as ``serve_peers.py`` runs both
@@ -20,7 +20,8 @@ into prompt calls, the staggered schedule's short calls (the decode rows beside 
 the running sequences' cells in a prompt's view cost it, against that copy).
 ``--via executor`` makes the same steps through ``LlamaCppExecutor`` with ``serve``'s cache settings (a prompt and
 the rows beside it in one step, which the executor runs short rows first in a call of their own; the unified cache
-compacted when its policy says so), each step's wall time counted, a prompt step's whole under prompts. The
+compacted when its policy says so), each step's wall time counted, a prompt step's whole under prompts;
+``executor-aside`` with its second context for lone prompts (backends/llamacpp/aside.py, serve's default). The
 staggered schedule's first cycle brings it to its steady state and is not counted. No HTTP, sampling or scheduler:
 what the two arrangements cost llama.cpp alone, to set beside the servers' cycles (``serve_paired.py``'s
 ``finish_s``). The schedules alternate within each round, so drift on a shared host meets both.
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -56,6 +56,7 @@ class Raw:
 
     def __init__(self, c: Context, aside: Context | None = None):
         self.c, self.aside = c, aside
+        self.copied = 0       # prompts computed aside and copied in
 
     def clear(self) -> None:
         self.c.L.llama_memory_clear(self.c.mem, True)
@@ -83,6 +84,7 @@ class Raw:
         blob = seq_state.read_cells(a.ctx, 0)
         if blob is None or not seq_state.write_cells(self.c.ctx, seq, blob):
             raise RuntimeError("a sequence state did not copy")
+        self.copied += 1
         return time.perf_counter() - t0
 
 
@@ -91,9 +93,10 @@ class Executor:
     own, the unified cache compacted when its policy says so; no parked ids, rows copied rather than lent); a
     step's seconds are its wall time, and a prompt step (its rows' call included) counts whole under prompts."""
 
-    def __init__(self, model: str, threads: int):
+    def __init__(self, model: str, threads: int, aside: bool = False):
         from localinfer.backends.llamacpp.executor import LlamaCppExecutor
-        self.x = LlamaCppExecutor.open(model, n_slots=8, n_ctx=4096, threads=threads, flash_attn=True)
+        self.x = LlamaCppExecutor.open(model, n_slots=8, n_ctx=4096, threads=threads, flash_attn=True,
+                                       prefill_aside=aside)
 
     def clear(self) -> None:
         for s in range(self.x.n_slots):
@@ -183,9 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cycles", type=int, default=2, help="cycles a schedule a round")
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--output-tokens", type=int, default=128)
-    ap.add_argument("--via", choices=("raw", "raw-aside", "executor"), default="raw",
+    ap.add_argument("--via", choices=("raw", "raw-aside", "executor", "executor-aside"), default="raw",
                     help="raw llama_decode calls (raw-aside: a lone prompt computed in a second context and "
-                         "copied in), or localinfer's LlamaCppExecutor (split_short, compaction)")
+                         "copied in), or localinfer's LlamaCppExecutor (split_short, compaction; executor-aside: "
+                         "with its second context for lone prompts)")
     ap.add_argument("--json", metavar="OUT")
     args = ap.parse_args(argv)
     if min(args.rounds, args.cycles, args.prompt_tokens, args.threads) < 1 or args.output_tokens < 2:
@@ -193,8 +197,8 @@ def main(argv=None) -> int:
     if not 1 <= args.concurrency <= 8 or args.concurrency * (args.prompt_tokens + args.output_tokens) > 4096:
         ap.error("--concurrency must be 1-8, and its sequences must fit 4096 cells")
     model = str(resolve_model(args.model))
-    if args.via == "executor":
-        ops = Executor(model, args.threads)
+    if args.via.startswith("executor"):
+        ops = Executor(model, args.threads, aside=args.via == "executor-aside")
     else:
         aside = Context(model, args.threads, cells=1024) if args.via == "raw-aside" else None
         ops = Raw(Context(model, args.threads), aside)
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
     if args.json:
         doc = {"machine": machine(), "when": when, "model": Path(model).name, "threads": args.threads,
                "concurrency": args.concurrency, "via": args.via,
-               "prefill_aside": os.environ.get("LOCALINFER_PREFILL_ASIDE", ""), "prompt_tokens": args.prompt_tokens,
+               "prefill_aside": args.via.endswith("aside"), "prompt_tokens": args.prompt_tokens,
                "output_tokens": args.output_tokens, "context": {"cells": 4096, "sequences": 8, "kv_unified": True,
                                                                 "n_ubatch": 512, "flash_attn": True},
                "rounds": rounds, "median": med, "staggered_over_waves": round(ratio, 4)}

@@ -87,8 +87,10 @@ def test_an_interrupt_stops_a_prompt_computed_aside(monkeypatch):
             x.step([Chunk(1, tuple(range(300, 500)), 0, logits=True)])
         assert tried == [1]                                 # the prompt went aside and stopped there
         assert x.slot_len(1) == 0 and x.slot_len(0) == 200 and x.cells_used() == 200
-        got = x.step([Chunk(1, tuple(range(300, 500)), 0, logits=True)])     # the next step runs, aside
-        assert x._aside.prompts == 1 and tried == [1, 1] and x.slot_len(1) == 200 and got[1].shape == (x.n_vocab,)
+        assert not x._aside._logits.any()                   # no logits flag left behind in the aside's batch
+        got = x.step([Chunk(1, tuple(range(300, 600)), 0, logits=True)])     # the next step runs, aside (a longer
+        assert x._aside.prompts == 1 and tried == [1, 1]                     # prompt: one logits row still)
+        assert x.slot_len(1) == 300 and got[1].shape == (x.n_vocab,)
 
 
 def test_a_copy_that_finds_too_few_free_cells_leaves_the_cache_as_it_was(monkeypatch):
@@ -131,3 +133,13 @@ def test_fit_counts_the_second_context_as_llama_cpp_allocates_it(monkeypatch):
     assert sum(t.bytes for t in terms) == breakdown(spec, cpu, asked)[0].sum("aside")
     plain = plan_request(spec, plan)
     assert not plain.prefill_aside and breakdown(spec, cpu, plain)[0].sum("aside") == 0
+
+
+@pytest.mark.parametrize("value,on", [("0", False), ("off", False), ("False", False), ("no", False), ("1", True),
+                                      ("on", True), ("yes", True), ("", True), ("sometimes", True)])
+def test_the_switch_reads_the_usual_spellings(monkeypatch, caplog, value, on):
+    from localinfer.backends.llamacpp import aside
+
+    monkeypatch.setenv("LOCALINFER_PREFILL_ASIDE", value)
+    assert aside.wanted() is on
+    assert ("not one of" in caplog.text) == (value == "sometimes")      # an unknown value is warned about

@@ -8,12 +8,13 @@ from benchmarks.schedule_cycles import Cycles, Executor, Raw, total
 from localinfer.model.sources import resolve_model
 
 
-@pytest.mark.parametrize("via", ["raw", "raw-aside", "executor"])
+@pytest.mark.parametrize("via", ["raw", "raw-aside", "executor", "executor-aside"])
 def test_both_schedules_do_the_same_work_a_cycle(via):
-    k, prompt, out = 3, 8, 7
+    k, out = 3, 7
+    prompt = 64 if via.endswith("aside") else 8      # the executor computes aside prompts of the tiled kernel's rows
     model = str(resolve_model(None))
-    if via == "executor":
-        ops = Executor(model, 1)
+    if via.startswith("executor"):
+        ops = Executor(model, 1, aside=via == "executor-aside")
     else:        # raw-aside: each lone prompt computed in a second context and its state copied in
         ops = Raw(Context(model, 1, cells=256), Context(model, 1, cells=256) if via == "raw-aside" else None)
     cyc = Cycles(ops, k, prompt, out)
@@ -26,6 +27,9 @@ def test_both_schedules_do_the_same_work_a_cycle(via):
         assert s["short_calls"] == k                         # one beside each prompt
         assert s["decode_steps"] + s["short_calls"] >= out - 1
         assert total(s) > 0 and s["prompt_s"] > 0
-        assert (s["short_s"] > 0) == (via != "executor")     # the executor's prompt step counts its rows' call
-    if via == "raw-aside":        # the copied prompts hold their cells in the main context: the work went on there
-        assert ops.c.L.llama_memory_seq_pos_max(ops.c.mem, 0) >= prompt - 1
+        assert (s["short_s"] > 0) == via.startswith("raw")   # the executor's prompt step counts its rows' call
+    if via == "raw-aside":        # each staggered prompt (one a request) computed aside and copied in
+        assert ops.copied >= sum(s["short_calls"] for s in staggered)
+    if via.startswith("executor"):
+        aside = ops.x.prefill_aside
+        assert (aside is not None and aside.prompts > 0 and aside.fallbacks == 0) == (via == "executor-aside")

@@ -1,5 +1,6 @@
-"""The second context for lone prompts in a live server (on by default on the CPU): a prompt that arrives while another reply streams is computed in the
-second context and copied in, both replies are whole, and /metrics shows the second context's prompts and bytes."""
+"""The second context for lone prompts in a live server (on by default on the CPU): a prompt that arrives while another
+reply streams is computed in the second context and copied in, both replies are whole, and /metrics shows the second
+context's prompts and bytes."""
 
 from __future__ import annotations
 

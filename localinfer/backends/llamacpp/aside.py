@@ -14,13 +14,14 @@ the ones a request alone would get.
 
 On by default where the executor can use it (``LOCALINFER_PREFILL_ASIDE=0`` turns it off); ``serve`` puts it in
 its plan (option ``prefill_aside``), so the fit check counts the second context's KV, compute and output buffers
-(aside_plan.py), and /metrics shows its bytes, prompts and fallbacks.  Where it cannot copy (too few free cells)
-the step computes the prompt in place as before, which then fails as it would have without it.
+(aside_plan.py), and /metrics shows its bytes, prompts, fallbacks and seconds.  Where it cannot copy (too few free
+cells) the step computes the prompt in place as before, which then fails as it would have without it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 
 import llama_cpp as _L
@@ -35,9 +36,12 @@ from localinfer.util import env, signals
 ENV = "LOCALINFER_PREFILL_ASIDE"
 
 
+OFF, ON = ("0", "off", "false", "no"), ("1", "on", "true", "yes")
+
+
 def wanted() -> bool:
-    """Unless ``LOCALINFER_PREFILL_ASIDE=0`` (a value other than 1 or 0 is warned about and read as the default)."""
-    return env.choice(ENV, ("1", "0")) != "0"
+    """Unless ``LOCALINFER_PREFILL_ASIDE=0`` (or off, false, no; another value is warned about and read as on)."""
+    return env.choice(ENV, OFF + ON) not in OFF
 
 
 def for_executor(x, model, plan: LoadPlan, min_rows: int) -> PrefillAside | None:
@@ -45,10 +49,17 @@ def for_executor(x, model, plan: LoadPlan, min_rows: int) -> PrefillAside | None
     sets it and fit counts it; without the option, unless ``LOCALINFER_PREFILL_ASIDE=0``) and its cache is one the
     scan costs and a copy can enter: where ``x`` compacts (one unified cache on the CPU, no SWA or M-RoPE cells, an
     attention-only model) and splits short rows off (flash attention, ubatches of ``min_rows`` or more); the
-    same conditions as aside_plan.aside_request's, read from the loaded model."""
-    if not (plan.options.get("prefill_aside", wanted()) and x.compaction.able and x.split_short):
+    same conditions as aside_plan.aside_request's, read from the loaded model (that module says where the two can
+    differ).  A context llama.cpp cannot make is warned about and left out: the prompts are computed in place."""
+    asked = plan.options["prefill_aside"] if "prefill_aside" in plan.options else wanted()
+    if not (asked and x.compaction.able and x.split_short):
         return None
-    return PrefillAside(model, plan, x.engine.interrupt_flag, x.n_vocab, min_rows)
+    try:
+        return PrefillAside(model, plan, x.engine.interrupt_flag, x.n_vocab, min_rows, x.slot_cells)
+    except (LocalinferError, MemoryError) as exc:
+        logging.getLogger("localinfer").warning("no second context for lone prompts (%s); they are computed in "
+                                                "place (%s=0 stops trying)", exc, ENV)
+        return None
 
 
 class PrefillAside:
@@ -56,17 +67,17 @@ class PrefillAside:
     one-row kernel, which skips a masked cell at once) to ``plan.n_batch`` tokens; ``stop`` the serving engine's
     interrupt flag (``[flag, NUL]``), read before each decode here and by this context's abort callback."""
 
-    def __init__(self, model, plan: LoadPlan, stop: ctypes.Array, n_vocab: int, min_rows: int):
-        self.n_cells, self.min_rows = plan.n_batch, min_rows
+    def __init__(self, model, plan: LoadPlan, stop: ctypes.Array, n_vocab: int, min_rows: int, slot_cells: int):
+        self.n_cells, self.min_rows = min(plan.n_batch, slot_cells), min_rows    # no prompt is longer than a slot
         self.n_vocab, self.stop = n_vocab, stop
-        self.ctx = self.batch = None
+        self.ctx = self.batch = self._token = self._logits = None
         one = plan.with_(n_ctx=self.n_cells, n_seq=1, options={**plan.options, "kv_unified": True,
                                                                "n_outputs_max": 1})    # one logits row: a smaller
-        with native.log_lock:                                                          # compute buffer
-            native.log_lines.clear()
-            self.ctx = native.new_context(model, one)
-            logged = list(native.log_lines)
-        try:
+        try:                                                                           # compute buffer
+            with native.log_lock:
+                native.log_lines.clear()
+                self.ctx = native.new_context(model, one)
+                logged = list(native.log_lines)
             # what this context holds, as llama.cpp logged it (fit's aside_plan predicts it; /metrics shows it)
             reported = native.parse_memory_log(logged)
             self.memory = {k: int(reported[k]) for k in ("kv", "compute", "output")}
@@ -112,15 +123,16 @@ class PrefillAside:
     def decode(self, rows, into_ctx, lend: bool = False) -> list[tuple[int, np.ndarray]] | None:
         """Compute ``rows`` here and copy the sequence into ``into_ctx``; its logits row (when the last row wants
         one; read-only with ``lend``, as a lent row is), or None when the copy found no room (nothing left behind:
-        compute them in place).  Raises StepInterrupted when the interrupt flag stopped the graph."""
-        b, n, seq, want = self.batch, len(rows), rows[0][2], rows[-1][3]
-        self._token[:n] = [r[0] for r in rows]
-        self._logits[n - 1] = 1 if want else 0
-        b.n_tokens = n
+        compute them in place).  Only for rows :meth:`takes` (the batch's positions and sequence id are preset).
+        Raises StepInterrupted when the interrupt flag stopped the graph, or was set before the call."""
         if self.stop[0] != b"\x00":          # as the engine's decode_batch: an interrupt asked before the call
             raise StepInterrupted("interrupted before llama_decode")
+        b, n, seq, want = self.batch, len(rows), rows[0][2], rows[-1][3]
         t0 = time.perf_counter()
         try:
+            self._token[:n] = [r[0] for r in rows]
+            self._logits[n - 1] = 1 if want else 0
+            b.n_tokens = n
             with signals.native():
                 rc = _L.llama_decode(self.ctx, b)
             if rc == 2:
@@ -136,7 +148,7 @@ class PrefillAside:
                 row = np.empty(self.n_vocab, dtype=np.float32)
                 ctypes.memmove(row.ctypes.data, _L.llama_get_logits_ith(self.ctx, n - 1), self.n_vocab * 4)
                 row.flags.writeable = not lend
-            blob = seq_state.read_cells(self.ctx, 0)
+            blob = seq_state.read_cells(self.ctx, 0, buffer=seq_state.scratch)
             if blob is None or not seq_state.write_cells(into_ctx, seq, blob):
                 self.fallbacks += 1
                 return None
@@ -149,6 +161,7 @@ class PrefillAside:
 
     def close(self) -> None:
         """Free the context and its batch (before the model they came from)."""
+        self._token = self._logits = None     # views of the batch's arrays
         if self.batch is not None:
             _L.llama_batch_free(self.batch)
             self.batch = None

@@ -4,7 +4,10 @@
 ``n_batch`` cells of KV, a compute buffer for ``n_ubatch`` tokens and one logits row, an output buffer of one row.
 The executor makes it only where its cache is one the mask scan costs and a copy can enter (aside.for_executor);
 :func:`aside_request` says the same from the header and the request, and :func:`aside_terms` prices that context as
-llama.cpp allocates it (the memory model's own rules, applied to its request), under the key ``aside``.
+llama.cpp allocates it (the memory model's own rules, applied to its request), under the key ``aside``.  Where the
+header cannot tell (an architecture whose M-RoPE depends on its rope sections, a chunked-attention window) it counts
+a context the executor may not make.  One case goes the other way: a llama.cpp built without the GPU backend of a
+device fit plans for computes on the CPU and makes the context fit did not count.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def aside_request(spec: ModelSpec, req: FitRequest, kind: str) -> FitRequest | N
             and min(req.n_ubatch, req.n_batch) >= FA_TILE_ROWS
             and not spec.has_recurrent and not spec.has_swa and spec.arch not in MROPE_ARCHS):
         return None
-    return replace(req, n_ctx=req.n_batch, n_seq=1, n_ctx_total=req.n_batch, n_outputs_max=1, prefill_aside=False)
+    cells = min(req.n_batch, req.llama_n_ctx)        # no prompt is longer than a slot (one unified cache: all cells)
+    return replace(req, n_ctx=cells, n_seq=1, n_ctx_total=cells, n_outputs_max=1, prefill_aside=False)
 
 
 def aside_terms(spec: ModelSpec, device, req: FitRequest, breakdown) -> list[Term]:
@@ -41,7 +45,7 @@ def aside_terms(spec: ModelSpec, device, req: FitRequest, breakdown) -> list[Ter
         return []
     sub, _ = breakdown(spec, device, one)
     return [replace(t, key="aside", label=f"{t.label}, lone prompts' context",
-                    formula=f"{t.formula} (a second context: 1 sequence, n_batch {req.n_batch} cells, 1 logits row; "
+                    formula=f"{t.formula} (a second context: 1 sequence, {one.n_ctx} cells, 1 logits row; "
                             "LOCALINFER_PREFILL_ASIDE=0 leaves it out)",
                     buffer=None if t.buffer is None else f"{t.buffer} (aside)")
-            for t in sub.terms if t.key in ("kv", "compute", "output", "state")]
+            for t in sub.terms if t.key in ("kv", "compute", "output")]

@@ -108,7 +108,7 @@ def compact(ctx, mem, slots: Iterable[int]) -> tuple[int, float]:
     t0 = time.perf_counter()
     blobs: list[tuple[int, np.ndarray]] = []
     for s in slots:
-        blob = seq_state.read_cells(ctx, s, buffer=_scratch)
+        blob = seq_state.read_cells(ctx, s, buffer=seq_state.scratch)
         if blob is None:
             raise LocalinferError(f"llama.cpp did not save sequence {s}'s KV for compaction")
         blobs.append((s, blob))
@@ -121,11 +121,6 @@ def compact(ctx, mem, slots: Iterable[int]) -> tuple[int, float]:
     if lost:
         raise CompactionError(lost)
     return sum(b.size for _, b in blobs), time.perf_counter() - t0
-
-
-def _scratch(n: int) -> np.ndarray:
-    """A state's buffer, freed at once: the allocator's reused memory (not host_buffer's pinned pages)."""
-    return np.empty(n, dtype=np.uint8)
 
 
 class CompactionError(LocalinferError):

@@ -42,7 +42,6 @@ from localinfer.errors import ContextFullError, LocalinferError
 from localinfer.util.hostmem import host_cache_budget
 
 
-
 class LlamaCppExecutor(ExecutorBase):
     """The :class:`~localinfer.backends.executor.Executor` contract on one llama.cpp context.
 
@@ -402,7 +401,7 @@ class LlamaCppExecutor(ExecutorBase):
 
     @property
     def prefill_aside(self) -> aside.PrefillAside | None:
-        """The context lone prompts are computed in (LOCALINFER_PREFILL_ASIDE=1), for /metrics; None when off."""
+        """The context lone prompts are computed in (aside.py), for /metrics; None where there is none."""
         return self._aside
 
     def others_hold_cells(self, slot: int) -> bool:

@@ -69,6 +69,11 @@ def restore(ctx, mem, seq: int, state: SeqState) -> None:
                               "restoring its state")
 
 
+def scratch(n: int) -> np.ndarray:
+    """A state's buffer freed at once: the allocator's reused memory (host_buffer's fresh pages cost more)."""
+    return np.empty(n, dtype=np.uint8)
+
+
 def read_cells(ctx, seq: int, n: int | None = None, buffer: Callable[[int], np.ndarray] = host_buffer,
                ) -> np.ndarray | None:
     """``seq``'s whole state (``n`` bytes: ``llama_state_seq_get_size`` unless given) in a buffer from

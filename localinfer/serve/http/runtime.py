@@ -86,7 +86,7 @@ class Runtime:
         self.load_error: str | None = None
         self.executor = self.engine = self.tokenizer = self.step_model = None
         self._compaction = None            # the llama.cpp executor's compaction record (None on other backends)
-        self._aside = None                 # and its PrefillAside (LOCALINFER_PREFILL_ASIDE=1)
+        self._aside = None                 # and its context for lone prompts (aside.py; None without one)
         self._closing = None               # the executor, once the engine thread ended: stop() closes it
         self._step_log: StepLog | None = None
         self.context_tokens = 0            # per-request limit: prompt + max_tokens
