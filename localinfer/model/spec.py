@@ -70,6 +70,7 @@ class ModelSpec:
     rms_eps: float = DEFAULT_RMS_EPS       # {arch}.attention.layer_norm_rms_epsilon
     rope_dim: int | None = None            # {arch}.rope.dimension_count (None: the whole K head)
     rope_orig_ctx: int | None = None       # {arch}.rope.scaling.original_context_length (YaRN; None: n_ctx_train)
+    rope_sections: tuple[int, ...] = ()    # {arch}.rope.dimension_sections (M-RoPE's; (): absent or unreadable)
     # ---- the architecture family's facts (localinfer.model.arch) ----
     rules: str = "attention"               # the family whose byte rules apply; "generic": none claims this arch
     kv_dims: tuple[tuple[int, int], ...] = ()   # per layer: (K, V) values a cell holds; (0, 0): no KV cache
@@ -213,6 +214,15 @@ def _int(header: GGUFHeader, key: str, *, default: Any = None, allow_zero: bool 
     if v < 0 or (v == 0 and not allow_zero):
         raise _err(header, key, f"{key} is {v}; it must be positive")
     return v
+
+
+def _sections(v: Any) -> tuple[int, ...]:
+    """rope.dimension_sections as llama.cpp's loader takes it (at most 4 integers); () for a value it would not
+    take: only the architectures that read it refuse such a file, and fit does not need it to place or size one."""
+    if isinstance(v, list) and len(v) <= 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                   for x in v):
+        return tuple(v)
+    return ()
 
 
 def _per_layer(header: GGUFHeader, key: str, n_layers: int, default: Any = None) -> tuple[int, ...] | None:
@@ -424,6 +434,7 @@ def _build(h: GGUFHeader) -> ModelSpec:
         rms_eps=float(rms_eps),
         rope_dim=_int(h, a + "rope.dimension_count"),
         rope_orig_ctx=_int(h, a + "rope.scaling.original_context_length"),
+        rope_sections=_sections(h.kv.get(a + "rope.dimension_sections")),
         rules=facts.rules,
         kv_dims=facts.kv_dims,
         recurrent=facts.recurrent,

@@ -4,10 +4,10 @@
 ``n_batch`` cells of KV, a compute buffer for ``n_ubatch`` tokens and one logits row, an output buffer of one row.
 The executor makes it only where its cache is one the mask scan costs and a copy can enter (aside.for_executor);
 :func:`aside_request` says the same from the header and the request, and :func:`aside_terms` prices that context as
-llama.cpp allocates it (the memory model's own rules, applied to its request), under the key ``aside``.  Where the
-header cannot tell (an architecture whose M-RoPE depends on its rope sections, a chunked-attention window) it counts
-a context the executor may not make.  One case goes the other way: a llama.cpp built without the GPU backend of a
-device fit plans for computes on the CPU and makes the context fit did not count.
+llama.cpp allocates it (the memory model's own rules, applied to its request), under the key ``aside``.  The two
+agree on every architecture family's tiny model (tests/backends/test_aside_conditions.py), M-RoPE read from the
+rope sections where llama.cpp reads it so.  One case differs: a llama.cpp built without the GPU backend of a device
+fit plans for computes on the CPU and makes the context fit did not count.
 """
 
 from __future__ import annotations
@@ -22,6 +22,16 @@ FA_TILE_ROWS = 64     # ggml-cpu's GGML_FA_TILE_Q: ubatches of at least this man
 # neither compacts nor copies aside (llama-model.cpp)
 MROPE_ARCHS = frozenset({"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen4exp",
                          "qwen3tts"})
+# ... and those whose rope type is M-RoPE only when the file carries rope sections (hparams.use_mrope(): the first
+# two set; a VL file of the family has them, its text-only files not), and dflash drafts (any section set)
+MROPE_IF_SECTIONS = frozenset({"glm4", "glm4moe", "hunyuan_vl", "bailingmoe3"})
+
+
+def mrope_cells(spec: ModelSpec) -> bool:
+    """Whether llama.cpp gives this model's cells M-RoPE positions (llama_model_rope_type), from the header."""
+    s = spec.rope_sections + (0,) * 4
+    return (spec.arch in MROPE_ARCHS or (spec.arch in MROPE_IF_SECTIONS and s[0] > 0 and s[1] > 0)
+            or (spec.arch == "dflash" and any(s)))
 
 
 def aside_request(spec: ModelSpec, req: FitRequest, kind: str) -> FitRequest | None:
@@ -31,7 +41,7 @@ def aside_request(spec: ModelSpec, req: FitRequest, kind: str) -> FitRequest | N
     on_cpu = kind == "cpu" or req.n_gpu_layers == 0
     if not (req.prefill_aside and on_cpu and req.flash_attn_on and req.kv_unified
             and min(req.n_ubatch, req.n_batch) >= FA_TILE_ROWS
-            and not spec.has_recurrent and not spec.has_swa and spec.arch not in MROPE_ARCHS):
+            and not spec.has_recurrent and not spec.has_swa and not mrope_cells(spec)):
         return None
     cells = min(req.n_batch, req.llama_n_ctx)        # no prompt is longer than a slot (one unified cache: all cells)
     return replace(req, n_ctx=cells, n_seq=1, n_ctx_total=cells, n_outputs_max=1, prefill_aside=False)
