@@ -1,6 +1,6 @@
 """What a decode step costs over a wave's KV layout against a churned one, and a compacted one (in process).
 
-    python benchmarks/kv_layout_steps.py [--rounds 2] [--loop]
+    python benchmarks/kv_layout_steps.py [--rounds 2] [--loop] [--rows 8]
 
 Both layouts hold 8 sequences in one unified cache of 4096 cells (SmolLM2 by default, 2 threads, flash
 attention on) with ~3,330 cells in use.  ``wave``: 8 prompts of 300 random tokens, then 117 decode steps
@@ -15,6 +15,8 @@ executor's ``compact()`` (each sequence's cells written back in one run, localin
 ``--loop``: the churn itself timed whole (400 steps: 8 staggered sequences, each replaced after 128 decodes), with
 the executor's compaction policy off and on, alternated: total seconds, seconds inside llama_decode, compactions
 and what they cost.  Every sequence is compacted automatically in serving; the policy off is the layout before.
+``--rows N``: N sequences instead of 8, started 128 / N steps apart.  Each line says whether lone prompts went to
+the executor's second context (aside.py; on by default, ``LOCALINFER_PREFILL_ASIDE=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ def wave(ex, toks) -> list[int]:
 
 
 def churn(ex, toks, steps: int = 400, settle: int | None = 300) -> list[int]:
-    """8 slots starting 16 steps apart, each replaced by a fresh prompt after 128 decodes; from step ``settle`` on
+    """ROWS slots starting 128 / ROWS steps apart, each replaced by a fresh prompt after 128 decodes; from step ``settle`` on
     none is replaced and it stops once every slot holds 360 tokens (``settle`` None: replaced to the end)."""
     lens, left = [0] * ROWS, [0] * ROWS
     for step in range(steps):
         chunks = []
         for s in range(ROWS):
-            if not lens[s] and step >= 16 * s:
+            if not lens[s] and step >= 128 // ROWS * s:
                 chunks.append(Chunk(s, toks(300), 0, True))
                 left[s] = 128
             elif lens[s]:
@@ -103,15 +105,18 @@ def open_executor(model: str, threads: int) -> LlamaCppExecutor:
 
 
 def main(argv=None) -> int:
+    global ROWS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--loop", action="store_true", help="time the churn loop whole, compaction policy off and on")
+    ap.add_argument("--rows", type=int, default=ROWS, help="sequences (default 8)")
     args = ap.parse_args(argv)
+    ROWS = args.rows
     model = args.model or str(default_model_path())
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} loadavg {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs, "
-          f"threads {args.threads}", flush=True)
+          f"threads {args.threads}, {ROWS} sequences", flush=True)
     if args.loop:
         for rnd in range(args.rounds):
             for auto in ((False, True) if rnd % 2 == 0 else (True, False)):
@@ -124,7 +129,8 @@ def main(argv=None) -> int:
                     total, c = time.perf_counter() - t0, ex.compaction
                     print(f"loop compaction {'on ' if auto else 'off'}  total {total:6.2f} s  llama_decode "
                           f"{ex.decode_seconds:6.2f} s  compactions {c.count} taking {c.seconds:.2f} s "
-                          f"({c.bytes / 2**20:.0f} MiB moved)  loadavg {os.getloadavg()[0]:.2f}", flush=True)
+                          f"({c.bytes / 2**20:.0f} MiB moved)  aside {ex.prefill_aside is not None}  "
+                          f"loadavg {os.getloadavg()[0]:.2f}", flush=True)
         return 0
     for _ in range(args.rounds):
         for name, build in (("wave", wave), ("churn", churn), ("compacted", compacted)):
@@ -135,7 +141,7 @@ def main(argv=None) -> int:
                 lens = build(ex, toks)
                 used, r = ex.cells_used(), runs(ex)
                 ms = decode(ex, lens, 30)
-            print(f"{name:<9} cells {used}  runs per slot {r}  8-row decode step median "
+            print(f"{name:<9} cells {used}  runs per slot {r}  {ROWS}-row decode step median "
                   f"{statistics.median(ms):.1f} ms", flush=True)
     return 0
 
