@@ -16,7 +16,7 @@ executor's ``compact()`` (each sequence's cells written back in one run, localin
 the executor's compaction policy off and on, alternated: total seconds, seconds inside llama_decode, compactions
 and what they cost.  Every sequence is compacted automatically in serving; the policy off is the layout before.
 ``--rows N``: N sequences instead of 8, started 128 / N steps apart.  Each line says whether lone prompts went to
-the executor's second context (aside.py; on by default, ``LOCALINFER_PREFILL_ASIDE=0`` turns it off).
+the executor's second context (aside.py; asked for as serve does, unless ``LOCALINFER_PREFILL_ASIDE=0``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from localinfer.backends.executor import Chunk                        # noqa: E402
+from localinfer.backends.llamacpp import aside                        # noqa: E402
 from localinfer.backends.llamacpp.executor import LlamaCppExecutor    # noqa: E402
 from localinfer.model.sources import default_model_path               # noqa: E402
 
@@ -101,7 +102,8 @@ def compacted(ex, toks) -> list[int]:
 
 
 def open_executor(model: str, threads: int) -> LlamaCppExecutor:
-    return LlamaCppExecutor.open(model, n_slots=ROWS + 1, n_ctx=4096, threads=threads, flash_attn=True, quiet=True)
+    return LlamaCppExecutor.open(model, n_slots=ROWS + 1, n_ctx=4096, threads=threads, flash_attn=True, quiet=True,
+                                 prefill_aside=aside.wanted())     # as serve asks for it
 
 
 def main(argv=None) -> int:

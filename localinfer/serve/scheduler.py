@@ -27,7 +27,7 @@ Why ``partial_slack``, ``decode_share`` and ``max_gap_s``, with what each costs:
 Admission ``reserve`` takes the blocks of input + max output − 1 tokens up front
 (a request never runs out); ``on_demand`` takes blocks as tokens are written and,
 when none is left, preempts the newest running request (its KV is dropped and
-recomputed later).  ``deadline_aware`` refuses, at admission, a request whose
+recomputed later).  ``deadline_aware`` (deadlines.py) refuses, at admission, a request whose
 predicted finish (prefill + (G − 1) decode steps at the current batch) is past
 its deadline, and holds it in the queue while admitting it would push a running
 request predicted on time past its own (so overload makes the newcomers wait or
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from localinfer.errors import UsageError
 from localinfer.plan.paging import request_blocks, tokens_held
+from localinfer.serve import deadlines
 from localinfer.serve.block_manager import BlockCopy, BlockManager
 from localinfer.serve.request import FinishReason, Request, State
 from localinfer.serve.speculation import Drafter, check_draft_max
@@ -395,13 +396,12 @@ class Scheduler:
                 i += 1   # waits: a running request is computing more of r's prefix; r takes it from the cache
                 continue
             if cfg.deadline_aware:
-                first = self._first_step(r, hit, plan)
-                owed = self._owed(r, hit, plan, budget, first) if r.deadline_s is not None else 0.0
-                if r.deadline_s is not None and self._predict_finish(r, now, first + owed) > r.deadline_s:
+                verdict = deadlines.admission(self, r, hit, plan, budget, now)
+                if verdict == "refuse":
                     self.finish(r, FinishReason.DEADLINE, now)
                     plan.refused.append(r)
                     continue
-                if self._makes_late(r, now, first, plan):
+                if verdict == "wait":
                     break    # waits: it would make a running request miss its deadline (refused once it is late)
             held = reserve if cfg.admission is Admission.RESERVE else None
             if not bm.can_allocate(tokens, held, hit):
@@ -431,58 +431,6 @@ class Scheduler:
             if b > hit_blocks and x.computed < b * p:
                 return True
         return False
-
-    def _first_step(self, r: Request, hit_blocks: list[int], plan: StepBatch) -> float:
-        """The predicted time of this step with r's prefill (after its cache hit) beside what the step holds
-        (decodes, chunks, this step's other admissions)."""
-        hit = len(hit_blocks) * self.blocks.block_tokens
-        return self.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit)])
-
-    def _makes_late(self, r: Request, now: float, first: float, plan: StepBatch) -> bool:
-        """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
-        past its deadline.  The steps after: one decode per running request, with and without r's."""
-        timed = [x for x in self.running if x.deadline_s is not None]
-        if not timed:
-            return False
-        model, n = self.step_model, r.n_tokens
-        others = [(1, x.n_tokens) for x in self.running]
-        alone, now_alone = model.seconds(others), model.seconds(plan.shapes())
-        with_r = model.seconds([(1, n), *others])
-        r_steps = r.max_tokens - len(r.output) - 1
-        for x in timed:
-            left = x.max_tokens - len(x.output)        # x's steps still to come, this one included
-            shared = min(left - 1, r_steps)
-            if (now + first + shared * with_r + (left - 1 - shared) * alone > x.deadline_s
-                    >= now + now_alone + (left - 1) * alone):
-                return True
-        return False
-
-    def _owed(self, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], first: float) -> float:
-        """Predicted seconds of the prefill that running requests still owe beyond this step's chunks (a chunk
-        held back or cut by the budget): it runs before r's, first come first served -- unless r's whole prompt
-        fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now.
-        ``first``: :meth:`_first_step`'s time of this step with r's prefill."""
-        hit = len(hit_blocks) * self.blocks.block_tokens
-        limit = min(budget[0], self.config.chunk_tokens) if self.config.policy is Policy.CHUNKED else budget[0]
-        if r.n_tokens - hit <= limit:
-            return 0.0
-        scheduled = {c.request.id: c.n_tokens for c in plan.chunks}     # at most one chunk a request a step
-        owed = []
-        for x in self.running:
-            done = x.computed + scheduled.get(x.id, 0)
-            if x.prefilling and x.n_tokens > done:
-                owed.append((x.n_tokens - done, done))
-        if not owed:
-            return 0.0
-        return self.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit), *owed]) - first
-
-    def _predict_finish(self, r: Request, now: float, first: float) -> float:
-        """When r would finish if admitted now: this step (``first``, with its prefill), then its decodes beside
-        every running request's."""
-        n, rest = r.n_tokens, r.max_tokens - len(r.output) - 1
-        step = self.step_model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in self.running])
-        return now + first + rest * step
-
 
 def _step_with(model: StepModel, shapes: list[tuple[int, int]], i: int):
     """The predicted step time with chunk i verifying m tokens instead of its one: m -> seconds (read when

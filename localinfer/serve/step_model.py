@@ -5,7 +5,9 @@ tokens it already holds, with N(c, h) = c·h + c(c+1)/2 causal (query, key)
 pairs (a decode token after h cached ones: h + 1).  Two models:
 
 - ``LinearStepModel``: T = fixed + per_token·Σc + per_pair·ΣN (e.g. 26.22 ms +
-  30.4 µs/token + 3 ns/pair: 26.26 ms for one decode at 2K, 94.8 ms for a 2K prefill);
+  30.4 µs/token + 3 ns/pair: 26.26 ms for one decode at 2K, 94.8 ms for a 2K prefill), plus per_seq for each
+  chunk (a sequence's own work in the step: its logits row, its rows of the mask; 0 unless fitted: on a CPU a
+  decode row costs about twice a prompt token, 6.5 against 3.6 ms for SmolLM2 on two cores);
 - ``SpeedStepModel``: a device profile's roofline (``plan.speed.SpeedModel``):
   one decode round for the one-token chunks plus each prompt chunk's prefill.
 """
@@ -33,6 +35,7 @@ class LinearStepModel:
     fixed_s: float
     per_token_s: float
     per_pair_s: float
+    per_seq_s: float = 0.0      # each chunk of the step (fitted by serve's step timing; --step-model leaves it 0)
 
     @classmethod
     def parse(cls, text: str, flag: str = "--step-model") -> LinearStepModel:
@@ -53,7 +56,7 @@ class LinearStepModel:
             return 0.0
         new = sum(c for c, _ in chunks)
         pairs = sum(attention_pairs(c, h) for c, h in chunks)
-        return self.fixed_s + self.per_token_s * new + self.per_pair_s * pairs
+        return self.fixed_s + self.per_token_s * new + self.per_pair_s * pairs + self.per_seq_s * len(chunks)
 
 
 class SpeedStepModel:

@@ -29,15 +29,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fit_counts_the_second_context_where_the_executor_makes_it(tmp_path, monkeypatch, case):
-    monkeypatch.delenv("LOCALINFER_PREFILL_ASIDE", raising=False)
+def test_fit_counts_the_second_context_where_the_executor_makes_it(tmp_path, case):
     arch, extra = CASES[case]
     path = write_tiny_arch(tmp_path / f"{case}.gguf", arch, extra_kv=extra)
     spec = ModelSpec.from_gguf(str(path))
-    with LlamaCppExecutor.open(str(path), n_slots=2, n_ctx=512, threads=1, flash_attn=True) as x:
+    with LlamaCppExecutor.open(str(path), n_slots=2, n_ctx=512, threads=1, flash_attn=True, prefill_aside=True) as x:
         made, plan = x.prefill_aside is not None, x.engine.plan
         rope = _L.llama_model_rope_type(x.engine.model_handle)
-    asked = plan_request(spec, plan.with_(options={**plan.options, "prefill_aside": True}))
+    asked = plan_request(spec, plan)
     assert (aside_request(spec, asked, "cpu") is not None) == made, (case, made)
     assert mrope_cells(spec) == (rope in (_L.LLAMA_ROPE_TYPE_MROPE, _L.LLAMA_ROPE_TYPE_IMROPE)), (case, rope)
     if case.startswith(("glm4moe", "llama4")):     # one architecture each: only the extra key tells them apart

@@ -1,6 +1,6 @@
 """A lone prompt beside running sequences is computed in a context of its own and copied in
-(backends/llamacpp/aside.py; on by default, LOCALINFER_PREFILL_ASIDE=0 turns it off), and the request gets what it
-would alone: the prompt's logits and the greedy tokens after it, bit for bit at one thread with flash attention on."""
+(backends/llamacpp/aside.py; serve's plan asks for it unless LOCALINFER_PREFILL_ASIDE=0), and the request gets what
+it would alone: the prompt's logits and the greedy tokens after it, bit for bit at one thread with flash attention on."""
 
 import random
 
@@ -15,11 +15,9 @@ STEPS = 6
 
 
 def _open(monkeypatch, aside: bool) -> LlamaCppExecutor:
-    if aside:
-        monkeypatch.delenv("LOCALINFER_PREFILL_ASIDE", raising=False)      # on by default
-    else:
-        monkeypatch.setenv("LOCALINFER_PREFILL_ASIDE", "0")
-    return LlamaCppExecutor.open(str(resolve_model(None)), n_slots=4, n_ctx=2048, threads=1, flash_attn=True)
+    """The executor as serve opens it (the plan's option ``prefill_aside``), or without the second context."""
+    return LlamaCppExecutor.open(str(resolve_model(None)), n_slots=4, n_ctx=2048, threads=1, flash_attn=True,
+                                 prefill_aside=aside)
 
 
 def _greedy(x: LlamaCppExecutor, slot: int, prompt: tuple[int, ...], others: dict[int, int]) -> tuple:
@@ -57,15 +55,15 @@ def test_a_prompt_beside_running_sequences_gets_its_solo_result(monkeypatch, len
     assert beside_toks == alone_toks
 
 
-def test_turned_off_by_zero_and_short_prompts_stay_in_place(monkeypatch):
+def test_made_only_where_the_plan_asks_and_short_prompts_stay_in_place(monkeypatch):
     with _open(monkeypatch, aside=False) as x:
         assert x.prefill_aside is None
-    monkeypatch.setenv("LOCALINFER_PREFILL_ASIDE", "yes")          # warned about, read as the default (on)
+    monkeypatch.delenv("LOCALINFER_PREFILL_ASIDE", raising=False)      # serve's default is on; the plan decides here
     with LlamaCppExecutor.open(str(resolve_model(None)), n_slots=2, n_ctx=512, threads=1, flash_attn=True) as x:
-        assert x.prefill_aside is not None
+        assert x.prefill_aside is None                                 # no option: nothing fit did not count
     plan = x.engine.plan
-    with LlamaCppExecutor(plan.with_(options={**plan.options, "prefill_aside": False})) as x:   # serve's option
-        assert x.prefill_aside is None
+    with LlamaCppExecutor(plan.with_(options={**plan.options, "prefill_aside": True})) as x:    # serve's option
+        assert x.prefill_aside is not None
     with _open(monkeypatch, aside=True) as x:
         x.step([Chunk(0, tuple(range(100, 300)), 0)])
         x.step([Chunk(1, tuple(range(100, 130)), 0, logits=True)])      # under 64 rows: the untiled kernel, in place
@@ -96,8 +94,8 @@ def test_an_interrupt_stops_a_prompt_computed_aside(monkeypatch):
 def test_a_copy_that_finds_too_few_free_cells_leaves_the_cache_as_it_was(monkeypatch):
     from localinfer.errors import ContextFullError
 
-    monkeypatch.delenv("LOCALINFER_PREFILL_ASIDE", raising=False)
-    with LlamaCppExecutor.open(str(resolve_model(None)), n_slots=3, n_ctx=512, threads=1, flash_attn=True) as x:
+    with LlamaCppExecutor.open(str(resolve_model(None)), n_slots=3, n_ctx=512, threads=1, flash_attn=True,
+                               prefill_aside=True) as x:
         assert x.n_cells == 512
         x.step([Chunk(0, tuple(range(100, 300)), 0)])
         x.step([Chunk(1, tuple(range(300, 550)), 0)])
@@ -125,14 +123,14 @@ def test_fit_counts_the_second_context_as_llama_cpp_allocates_it(monkeypatch):
     cpu = profile_from_dict({"name": "test-cpu", "kind": "cpu", "memory": "8GiB"})
     with _open(monkeypatch, aside=True) as x:
         got, plan = x.prefill_aside.memory, x.engine.plan
-    asked = plan_request(spec, plan.with_(options={**plan.options, "prefill_aside": True}))
+    asked = plan_request(spec, plan)          # the plan the executor loaded, its option included
     terms = [t for t in breakdown(spec, cpu, asked)[0].terms if t.key == "aside"]
     for kind, label in (("kv", "KV cache"), ("compute", "compute buffer"), ("output", "output buffer")):
         predicted = sum(t.bytes for t in terms if t.label.startswith(label))
         assert predicted > 0 and abs(predicted - got[kind]) <= 0.005 * MiB, (kind, predicted, got[kind])
     assert sum(t.bytes for t in terms) == breakdown(spec, cpu, asked)[0].sum("aside")
-    plain = plan_request(spec, plan)
-    assert not plain.prefill_aside and breakdown(spec, cpu, plain)[0].sum("aside") == 0
+    plain = plan_request(spec, plan.with_(options={**plan.options, "prefill_aside": False}))
+    assert asked.prefill_aside and not plain.prefill_aside and breakdown(spec, cpu, plain)[0].sum("aside") == 0
 
 
 @pytest.mark.parametrize("value,on", [("0", False), ("off", False), ("False", False), ("no", False), ("1", True),

@@ -39,10 +39,12 @@ class LiveServer:
 
         config = ServeConfig.build(parallel=parallel, max_queue=max_queue, **serve)
         if open_executor is None:
+            from localinfer.backends.llamacpp import aside
             from localinfer.commands.serve import open_llamacpp
 
             plan = LoadPlan(str(model), n_ctx=ctx, n_seq=config.n_slots, n_threads=1, flash_attn=True,
-                            options={"kv_unified": True})      # n_slots: --parallel + the parked sequences
+                            options={"kv_unified": True,          # n_slots: --parallel + the parked sequences
+                                     "prefill_aside": aside.wanted()})    # as serve's plan asks
             factory = lambda: open_llamacpp(plan)
         else:
             factory = open_executor(config)

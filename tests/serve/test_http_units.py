@@ -114,6 +114,42 @@ def test_fitted_step_model_learns_the_machine():
     assert m.seconds([(100, 0)]) == pytest.approx(0.110, rel=1e-2)
 
 
+def test_the_fitted_model_keeps_decode_rows_and_prompt_tokens_apart():
+    """A CPU's steps: 5 ms + 3.6 ms a prompt token + 2.9 ms a chunk (a decode row costs 6.5 ms, twice a prompt
+    token).  Fitted on a server's mix (decode steps of 1-7 rows, a 300-token prompt beside them now and then),
+    both kinds are predicted to 2%, where one coefficient a token predicted a 6-row decode step 30% short."""
+    def truth(shapes):
+        return 0.005 + 0.0036 * sum(c for c, _ in shapes) + 0.0029 * len(shapes)
+
+    m = FittedStepModel(LinearStepModel(0.005, 0.0036, 0.0), refit=8)
+    for i in range(120):
+        rows = [(1, 300 + i)] * (1 + i % 7)
+        shapes = rows + [(300, 0)] if i % 16 == 0 else rows
+        m.observe(shapes, truth(shapes))
+    for shapes in ([(1, 400)] * 6, [(1, 400)] * 3 + [(300, 0)], [(1, 400)]):
+        assert m.seconds(shapes) == pytest.approx(truth(shapes), rel=0.02), shapes
+    assert m.model.per_seq_s == pytest.approx(0.0029, rel=0.02)
+    decodes = FittedStepModel(LinearStepModel(0.005, 0.0036, 0.0, 0.0029), refit=8)
+    for i in range(40):           # decode steps only: the row's cost is fitted, split as before
+        decodes.observe([(1, 300 + i)] * (1 + i % 7), 0.004 + 0.007 * (1 + i % 7))
+    got = decodes.model
+    assert got.per_token_s + got.per_seq_s == pytest.approx(0.007, rel=1e-3)
+    assert got.per_seq_s / got.per_token_s == pytest.approx(0.0029 / 0.0036, rel=1e-3)
+
+
+def test_calibration_measures_a_chunk_apart_from_a_token():
+    """calibrate's steps (a prefill, a decode, two one-token chunks) on the simulated executor, whose clock is a
+    known model, give that model back."""
+    from localinfer.serve.http.step_timing import calibrate
+    from localinfer.serve.simulated import SimulatedExecutor
+
+    true = LinearStepModel(0.005, 0.0036, 0.0, 0.0029)
+    got = calibrate(SimulatedExecutor(true, n_slots=4))
+    assert (got.fixed_s, got.per_token_s, got.per_seq_s) == pytest.approx((0.005, 0.0036, 0.0029), rel=1e-6)
+    one = calibrate(SimulatedExecutor(true, n_slots=1))        # one slot: no second chunk to time
+    assert one.per_seq_s == 0 and one.seconds([(1, 64)]) == pytest.approx(true.seconds([(1, 64)]), rel=1e-6)
+
+
 def test_finish_reason_values_stay_the_engines():
     assert {r.value for r in FinishReason} >= {"stop", "length", "cancelled", "deadline", "error"}
 
@@ -239,8 +275,9 @@ def test_a_few_stalled_steps_do_not_move_the_fitted_step_model():
 
     rng = np.random.default_rng(3)
     tokens = rng.integers(1, 60, 200).astype(float)
-    obs = np.column_stack([tokens, np.zeros(200), 0.040 + 0.002 * tokens + rng.normal(0, 0.001, 200)])
-    obs[[10, 30, 55, 90, 120, 150, 170, 190], 2] = 2.0
+    # (tokens, pairs, chunks, seconds): one chunk a step
+    obs = np.column_stack([tokens, np.zeros(200), np.ones(200), 0.040 + 0.002 * tokens + rng.normal(0, 0.001, 200)])
+    obs[[10, 30, 55, 90, 120, 150, 170, 190], 3] = 2.0
     old = LinearStepModel(0.03, 0.001, 0.0)
     plain, robust = _fit(obs, old), robust_fit(obs, old)
     for tokens, truth in ((1, 0.042), (30, 0.100)):     # a decode, a decode step with a 29-token chunk

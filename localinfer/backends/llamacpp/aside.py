@@ -12,10 +12,12 @@ empty, then copies the sequence's state into the serving context (``llama_state_
 then cost 0.996x the waves' at both. A solo run computes a prompt the same way, so the prompt's logits and cells are
 the ones a request alone would get.
 
-On by default where the executor can use it (``LOCALINFER_PREFILL_ASIDE=0`` turns it off); ``serve`` puts it in
-its plan (option ``prefill_aside``), so the fit check counts the second context's KV, compute and output buffers
-(aside_plan.py), and /metrics shows its bytes, prompts, fallbacks and seconds.  Where it cannot copy (too few free
-cells) the step computes the prompt in place as before, which then fails as it would have without it.
+Made only where the plan asks for it (option ``prefill_aside``), so what a load allocates is what its fit check
+counts (aside_plan.py prices the second context's KV, compute and output buffers): ``serve`` asks by default on the
+CPU (``LOCALINFER_PREFILL_ASIDE=0`` turns it off), and /metrics shows its bytes, prompts, fallbacks and seconds; an
+executor opened without the option (``generate_batch``, ``bench``'s batch scaling, a library user) makes none.
+Where it cannot copy (too few free cells) the step computes the prompt in place as before, which then fails as it
+would have without it.
 """
 
 from __future__ import annotations
@@ -46,13 +48,12 @@ def wanted() -> bool:
 
 def for_executor(x, model, plan: LoadPlan, min_rows: int) -> PrefillAside | None:
     """A :class:`PrefillAside` for executor ``x`` when the plan asks for one (option ``prefill_aside``, as serve
-    sets it and fit counts it; without the option, unless ``LOCALINFER_PREFILL_ASIDE=0``) and its cache is one the
-    scan costs and a copy can enter: where ``x`` compacts (one unified cache on the CPU, no SWA or M-RoPE cells, an
-    attention-only model) and splits short rows off (flash attention, ubatches of ``min_rows`` or more); the
-    same conditions as aside_plan.aside_request's, read from the loaded model (that module says where the two can
-    differ).  A context llama.cpp cannot make is warned about and left out: the prompts are computed in place."""
-    asked = plan.options["prefill_aside"] if "prefill_aside" in plan.options else wanted()
-    if not (asked and x.compaction.able and x.split_short):
+    sets it from :func:`wanted` and fit counts it) and its cache is one the scan costs and a copy can enter: where
+    ``x`` compacts (one unified cache on the CPU, no SWA or M-RoPE cells, an attention-only model) and splits short
+    rows off (flash attention, ubatches of ``min_rows`` or more); the same conditions as aside_plan.aside_request's,
+    read from the loaded model (that module says where the two can differ).  A context llama.cpp cannot make is
+    warned about and left out: the prompts are computed in place."""
+    if not (plan.options.get("prefill_aside") and x.compaction.able and x.split_short):
         return None
     try:
         return PrefillAside(model, plan, x.engine.interrupt_flag, x.n_vocab, min_rows, x.slot_cells)

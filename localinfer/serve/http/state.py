@@ -161,7 +161,8 @@ class EngineWatch:
             "counts": {"admissions": sched.admissions, "preemptions": sched.preemptions,
                        "output_tokens": self.output_done + sum(len(r.output) for r in live)},
             "step_model": None if model is None else {
-                "fixed_s": model.fixed_s, "per_token_s": model.per_token_s, "per_pair_s": model.per_pair_s},
+                "fixed_s": model.fixed_s, "per_token_s": model.per_token_s, "per_pair_s": model.per_pair_s,
+                "per_seq_s": model.per_seq_s},
             "clock_s": now,
             "metrics": metric_samples(runtime.metrics),
         }

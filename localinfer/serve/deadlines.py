@@ -1,0 +1,102 @@
+"""Deadline-aware admission (``SchedulerConfig.deadline_aware``): the scheduler's predictions, from its step model.
+
+A waiting request with a deadline is refused when its predicted finish (this step with its prefill, the prompt
+steps running requests still owe, then its decodes beside every running request's) is past it; any newcomer waits
+while admitting it would push a running request predicted on time past its own.  Both count the prompt steps that
+requests admitted earlier still owe: charged only its own prompt step, each admission of a burst looked on time,
+and together they made each other late (at 1 request/s of 300-token prompts on the 2-vCPU VM, a third of the
+admitted requests were cut at their deadline; docs/serving.md).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from localinfer.serve.request import Request
+    from localinfer.serve.scheduler import Scheduler as S, StepBatch
+
+
+def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], now: float) -> str | None:
+    """"refuse" (r would finish past its deadline), "wait" (admitting r now would make a running request late),
+    or None (admit it)."""
+    first = first_step(s, r, hit_blocks, plan)
+    later = prompts_owed(s, plan)
+    if r.deadline_s is not None:      # the steps others' prompts still owe delay r's decodes, if it has any
+        owed = owed_before(s, r, hit_blocks, plan, budget, first)
+        owed = max(owed, later[0]) if r.max_tokens - len(r.output) > 1 else owed
+        if predict_finish(s, r, now, first + owed) > r.deadline_s:
+            return "refuse"
+    return "wait" if makes_late(s, r, now, first, plan, later) else None
+
+
+def first_step(s: S, r: Request, hit_blocks: list[int], plan: StepBatch) -> float:
+    """The predicted time of this step with r's prefill (after its cache hit) beside what the step holds
+    (decodes, chunks, this step's other admissions)."""
+    hit = len(hit_blocks) * s.blocks.block_tokens
+    return s.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit)])
+
+
+def makes_late(s: S, r: Request, now: float, first: float, plan: StepBatch,
+               later: tuple[float, int] = (0.0, 0)) -> bool:
+    """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
+    past its deadline.  The steps after: the prompt steps running requests still owe (``later``: their
+    seconds and count, from :func:`prompts_owed`; each gives a decoding request one token), then one decode
+    per running request, with and without r's."""
+    timed = [x for x in s.running if x.deadline_s is not None]
+    if not timed:
+        return False
+    model, n = s.step_model, r.n_tokens
+    others = [(1, x.n_tokens) for x in s.running]
+    alone, now_alone = model.seconds(others), model.seconds(plan.shapes())
+    with_r = model.seconds([(1, n), *others])
+    r_steps = r.max_tokens - len(r.output) - 1
+    owed_s, owed_n = later
+    for x in timed:
+        left = max(0, x.max_tokens - len(x.output) - 1 - owed_n)    # x's decode steps after this one and those
+        shared = min(left, r_steps)
+        if (now + first + owed_s + shared * with_r + (left - shared) * alone > x.deadline_s
+                >= now + now_alone + owed_s + left * alone):
+            return True
+    return False
+
+
+def prompts_owed(s: S, plan: StepBatch) -> tuple[float, int]:
+    """(seconds, steps) of the prompt steps running requests still owe past this step, each beside the
+    others' decodes (a burst admitted one by one, each charged only its own, made each other late)."""
+    scheduled = {c.request.id: c.n_tokens for c in plan.chunks}
+    owed = [(x.n_tokens - x.computed - scheduled.get(x.id, 0), x.computed + scheduled.get(x.id, 0))
+            for x in s.running if x.prefilling]
+    owed = [o for o in owed if o[0] > 0]
+    if not owed:
+        return 0.0, 0
+    decodes = [(1, x.n_tokens) for x in s.running if not x.prefilling]
+    return sum(s.step_model.seconds([*decodes, o]) for o in owed), len(owed)
+
+
+def owed_before(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], first: float) -> float:
+    """Predicted seconds of the prefill that running requests still owe beyond this step's chunks (a chunk
+    held back or cut by the budget): it runs before r's, first come first served -- unless r's whole prompt
+    fits what this step has left (a chunk that finishes its prompt is never held), so r's runs now.
+    ``first``: :func:`first_step`'s time of this step with r's prefill."""
+    hit = len(hit_blocks) * s.blocks.block_tokens
+    limit = min(budget[0], s.config.chunk_tokens) if s.config.policy == "chunked" else budget[0]
+    if r.n_tokens - hit <= limit:
+        return 0.0
+    scheduled = {c.request.id: c.n_tokens for c in plan.chunks}     # at most one chunk a request a step
+    owed = []
+    for x in s.running:
+        done = x.computed + scheduled.get(x.id, 0)
+        if x.prefilling and x.n_tokens > done:
+            owed.append((x.n_tokens - done, done))
+    if not owed:
+        return 0.0
+    return s.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit), *owed]) - first
+
+
+def predict_finish(s: S, r: Request, now: float, first: float) -> float:
+    """When r would finish if admitted now: this step (``first``, with its prefill), then its decodes beside
+    every running request's."""
+    n, rest = r.n_tokens, r.max_tokens - len(r.output) - 1
+    step = s.step_model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in s.running])
+    return now + first + rest * step
