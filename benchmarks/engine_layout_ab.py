@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from localinfer.backends.executor import Chunk                                        # noqa: E402
+from localinfer.backends.llamacpp import aside                                        # noqa: E402
 from localinfer.backends.llamacpp.executor import LlamaCppExecutor                    # noqa: E402
 from localinfer.model.sources import default_model_path                               # noqa: E402
 from localinfer.serve.http.config import SERVE_SCHEDULER, ServeConfig, build_engine   # noqa: E402
@@ -41,7 +42,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed if args.seed is not None else int(time.time()))
     model = str(default_model_path())
     opts = dict(n_slots=40, n_ctx=4096, threads=2, flash_attn=True, quiet=True)
-    ex, clean = LlamaCppExecutor.open(model, park_host=True, **opts), LlamaCppExecutor.open(model, **opts)
+    ex = LlamaCppExecutor.open(model, park_host=True, prefill_aside=aside.wanted(), **opts)    # as serve's plan
+    clean = LlamaCppExecutor.open(model, **opts)
     if args.no_compaction:
         ex.compaction.able = False
     engine_d4: list[float] = []

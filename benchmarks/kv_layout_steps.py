@@ -70,8 +70,9 @@ def wave(ex, toks) -> list[int]:
 
 
 def churn(ex, toks, steps: int = 400, settle: int | None = 300) -> list[int]:
-    """ROWS slots starting 128 / ROWS steps apart, each replaced by a fresh prompt after 128 decodes; from step ``settle`` on
-    none is replaced and it stops once every slot holds 360 tokens (``settle`` None: replaced to the end)."""
+    """ROWS slots starting 128 / ROWS steps apart, each replaced by a fresh prompt after 128 decodes; from step
+    ``settle`` on none is replaced and it stops once every slot holds 360 tokens (``settle`` None: replaced to the
+    end)."""
     lens, left = [0] * ROWS, [0] * ROWS
     for step in range(steps):
         chunks = []
@@ -113,8 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--loop", action="store_true", help="time the churn loop whole, compaction policy off and on")
-    ap.add_argument("--rows", type=int, default=ROWS, help="sequences (default 8)")
+    ap.add_argument("--rows", type=int, default=ROWS, help="sequences, 1 to 9 (default 8)")
     args = ap.parse_args(argv)
+    if not 1 <= args.rows <= 9:      # each holds up to 428 of the 4096 cells
+        ap.error(f"--rows must be 1 to 9, got {args.rows}")
     ROWS = args.rows
     model = args.model or str(default_model_path())
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} loadavg {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs, "

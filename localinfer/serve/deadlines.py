@@ -22,10 +22,11 @@ def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: 
     or None (admit it)."""
     first = first_step(s, r, hit_blocks, plan)
     later = prompts_owed(s, plan)
-    if r.deadline_s is not None:      # the steps others' prompts still owe delay r's decodes, if it has any
-        owed = owed_before(s, r, hit_blocks, plan, budget, first)
-        owed = max(owed, later[0]) if r.max_tokens - len(r.output) > 1 else owed
-        if predict_finish(s, r, now, first + owed) > r.deadline_s:
+    if r.deadline_s is not None:
+        before = owed_before(s, r, hit_blocks, plan, budget, first)
+        if r.max_tokens - len(r.output) > 1:      # the owed prompt steps come before r's last token
+            before = max(before, sum(later))
+        if predict_finish(s, r, now, first + before) > r.deadline_s:
             return "refuse"
     return "wait" if makes_late(s, r, now, first, plan, later) else None
 
@@ -37,41 +38,50 @@ def first_step(s: S, r: Request, hit_blocks: list[int], plan: StepBatch) -> floa
     return s.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit)])
 
 
-def makes_late(s: S, r: Request, now: float, first: float, plan: StepBatch,
-               later: tuple[float, int] = (0.0, 0)) -> bool:
+def makes_late(s: S, r: Request, now: float, first: float, plan: StepBatch, later: list[float] | None = None) -> bool:
     """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
-    past its deadline.  The steps after: the prompt steps running requests still owe (``later``: their
-    seconds and count, from :func:`prompts_owed`; each gives a decoding request one token), then one decode
-    per running request, with and without r's."""
+    past its deadline.  The steps after: the prompt steps running requests still owe (``later``, from
+    :func:`prompts_owed`; each gives a decoding request one token), then one decode per running request, with
+    and without r's."""
     timed = [x for x in s.running if x.deadline_s is not None]
     if not timed:
         return False
-    model, n = s.step_model, r.n_tokens
+    model, n, later = s.step_model, r.n_tokens, later or []
     others = [(1, x.n_tokens) for x in s.running]
     alone, now_alone = model.seconds(others), model.seconds(plan.shapes())
     with_r = model.seconds([(1, n), *others])
     r_steps = r.max_tokens - len(r.output) - 1
-    owed_s, owed_n = later
     for x in timed:
-        left = max(0, x.max_tokens - len(x.output) - 1 - owed_n)    # x's decode steps after this one and those
+        steps = max(0, x.max_tokens - len(x.output) - 1)     # x's steps after this one
+        m = min(steps, len(later))                           # ... the first m of them the owed prompts'
+        owed, left = sum(later[:m]), steps - m
         shared = min(left, r_steps)
-        if (now + first + owed_s + shared * with_r + (left - shared) * alone > x.deadline_s
-                >= now + now_alone + owed_s + left * alone):
+        if (now + first + owed + shared * with_r + (left - shared) * alone > x.deadline_s
+                >= now + now_alone + owed + left * alone):
             return True
     return False
 
 
-def prompts_owed(s: S, plan: StepBatch) -> tuple[float, int]:
-    """(seconds, steps) of the prompt steps running requests still owe past this step, each beside the
-    others' decodes (a burst admitted one by one, each charged only its own, made each other late)."""
-    scheduled = {c.request.id: c.n_tokens for c in plan.chunks}
-    owed = [(x.n_tokens - x.computed - scheduled.get(x.id, 0), x.computed + scheduled.get(x.id, 0))
-            for x in s.running if x.prefilling]
-    owed = [o for o in owed if o[0] > 0]
-    if not owed:
-        return 0.0, 0
-    decodes = [(1, x.n_tokens) for x in s.running if not x.prefilling]
-    return sum(s.step_model.seconds([*decodes, o]) for o in owed), len(owed)
+def prompts_owed(s: S, plan: StepBatch) -> list[float]:
+    """The predicted seconds of each prompt step running requests still owe past this step (a prompt longer than
+    a step's chunk takes several), each beside the others' decodes.  Charged only its own prompt step, each of a
+    burst admitted one by one looked on time and together they made each other late."""
+    cfg, scheduled = s.config, {c.request.id: c.n_tokens for c in plan.chunks}
+    limit = min(cfg.chunk_tokens, cfg.token_budget or cfg.chunk_tokens) if cfg.policy == "chunked" else None
+    owed, decodes = [], []
+    for x in s.running:
+        done = x.computed + scheduled.get(x.id, 0)
+        if x.prefilling and x.n_tokens - done > 0:
+            owed.append((x.n_tokens - done, done))
+        else:
+            decodes.append((1, x.n_tokens))
+    steps = []
+    for left, done in owed:
+        while left > 0:
+            c = left if not limit else min(left, limit)
+            steps.append(s.step_model.seconds([*decodes, (c, done)]))
+            left, done = left - c, done + c
+    return steps
 
 
 def owed_before(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], first: float) -> float:
@@ -95,8 +105,9 @@ def owed_before(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget
 
 
 def predict_finish(s: S, r: Request, now: float, first: float) -> float:
-    """When r would finish if admitted now: this step (``first``, with its prefill), then its decodes beside
-    every running request's."""
+    """When r would finish if admitted now: this step and the prompt steps ahead of its decodes (``first``),
+    then its decodes beside every running request's (none counted as made in the prompt steps: the measured
+    runs cut fewer requests so)."""
     n, rest = r.n_tokens, r.max_tokens - len(r.output) - 1
     step = s.step_model.seconds([(1, n + rest // 2)] + [(1, x.n_tokens) for x in s.running])
     return now + first + rest * step

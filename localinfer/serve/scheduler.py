@@ -432,6 +432,7 @@ class Scheduler:
                 return True
         return False
 
+
 def _step_with(model: StepModel, shapes: list[tuple[int, int]], i: int):
     """The predicted step time with chunk i verifying m tokens instead of its one: m -> seconds (read when
     called, from the shapes as they are then)."""

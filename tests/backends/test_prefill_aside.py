@@ -1,6 +1,7 @@
 """A lone prompt beside running sequences is computed in a context of its own and copied in
 (backends/llamacpp/aside.py; serve's plan asks for it unless LOCALINFER_PREFILL_ASIDE=0), and the request gets what
-it would alone: the prompt's logits and the greedy tokens after it, bit for bit at one thread with flash attention on."""
+it would alone: the prompt's logits and the greedy tokens after it, bit for bit at one thread with flash attention
+on."""
 
 import random
 

@@ -144,7 +144,7 @@ def calibrate(executor, n: int = 64) -> LinearStepModel:
     n = max(2, min(n, cells - 1))
     tokens = tuple(i % max(1, executor.n_vocab - 1) + 1 for i in range(n))
     p = caps.block_size
-    blocks = tuple(range(-(-(n + 3) // p))) if p else ()
+    blocks = tuple(range(-(-(n + 1) // p))) if p else ()
     t0 = executor.clock()
     executor.step([Chunk(0, tokens, 0, True, blocks=blocks)])
     t1 = executor.clock()
@@ -153,15 +153,17 @@ def calibrate(executor, n: int = 64) -> LinearStepModel:
     decode, prefill = t2 - t1, t1 - t0
     per_token = max(0.0, (prefill - decode) / (n - 1))
     per_seq = 0.0
-    need = (len(blocks) + 1) * p if p else n + 4      # cells for slot 0's n + 3 positions and slot 1's two
-    if getattr(executor, "n_slots", 1) >= 2 and (not caps.n_cells or caps.n_cells >= need):
-        other = (len(blocks),) if p else ()
+    longer = tuple(range(-(-(n + 3) // p))) if p else ()                      # slot 0's n + 3 positions
+    other = tuple(range(len(longer), len(longer) + -(-2 // p))) if p else ()  # slot 1's two
+    need = (len(longer) + len(other)) * p if p else n + 5
+    if (getattr(executor, "n_slots", 1) >= 2 and (not caps.n_cells or caps.n_cells >= need)
+            and (not caps.slot_cells or caps.slot_cells >= n + 3)):
         pair = []
         for k in range(2):        # the first of a new shape may pay for its graph: the faster of two
             t = executor.clock()
-            executor.step([Chunk(0, (1,), n + 1 + k, True, blocks=blocks), Chunk(1, (1,), k, True, blocks=other)])
+            executor.step([Chunk(0, (1,), n + 1 + k, True, blocks=longer), Chunk(1, (1,), k, True, blocks=other)])
             pair.append(executor.clock() - t)
         executor.drop(1)
-        per_seq = max(0.0, min(pair) - decode - per_token)
+        per_seq = min(max(0.0, min(pair) - decode - per_token), max(0.0, decode - per_token - 1e-4))
     executor.drop(0)
     return LinearStepModel(max(decode - per_token - per_seq, 1e-4), per_token, 0.0, per_seq)
