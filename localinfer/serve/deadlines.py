@@ -21,7 +21,8 @@ def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: 
     """"refuse" (r would finish past its deadline), "wait" (admitting r now would make a running request late),
     or None (admit it)."""
     first = first_step(s, r, hit_blocks, plan)
-    later = prompts_owed(s, plan)
+    timed = r.deadline_s is not None or any(x.deadline_s is not None for x in s.running)
+    later = prompts_owed(s, plan) if timed else []      # predicted only where a deadline reads it
     if r.deadline_s is not None:
         before = owed_before(s, r, hit_blocks, plan, budget, first)
         if r.max_tokens - len(r.output) > 1:      # the owed prompt steps come before r's last token
@@ -66,17 +67,12 @@ def prompts_owed(s: S, plan: StepBatch) -> list[float]:
     """The predicted seconds of each prompt step running requests still owe past this step (a prompt longer than
     a step's chunk takes several), each beside the others' decodes.  Charged only its own prompt step, each of a
     burst admitted one by one looked on time and together they made each other late."""
-    cfg, scheduled = s.config, {c.request.id: c.n_tokens for c in plan.chunks}
+    cfg = s.config
     limit = min(cfg.chunk_tokens, cfg.token_budget or cfg.chunk_tokens) if cfg.policy == "chunked" else None
-    owed, decodes = [], []
-    for x in s.running:
-        done = x.computed + scheduled.get(x.id, 0)
-        if x.prefilling and x.n_tokens - done > 0:
-            owed.append((x.n_tokens - done, done))
-        else:
-            decodes.append((1, x.n_tokens))
+    owed = _owed_prompts(s, plan)
+    decodes = [(1, x.n_tokens) for x in s.running if x.id not in owed]
     steps = []
-    for left, done in owed:
+    for left, done in owed.values():
         while left > 0:
             c = left if not limit else min(left, limit)
             steps.append(s.step_model.seconds([*decodes, (c, done)]))
@@ -93,15 +89,21 @@ def owed_before(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget
     limit = min(budget[0], s.config.chunk_tokens) if s.config.policy == "chunked" else budget[0]
     if r.n_tokens - hit <= limit:
         return 0.0
-    scheduled = {c.request.id: c.n_tokens for c in plan.chunks}     # at most one chunk a request a step
-    owed = []
-    for x in s.running:
-        done = x.computed + scheduled.get(x.id, 0)
-        if x.prefilling and x.n_tokens > done:
-            owed.append((x.n_tokens - done, done))
+    owed = list(_owed_prompts(s, plan).values())
     if not owed:
         return 0.0
     return s.step_model.seconds([*plan.shapes(), (r.n_tokens - hit, hit), *owed]) - first
+
+
+def _owed_prompts(s: S, plan: StepBatch) -> dict[str, tuple[int, int]]:
+    """Running requests' prompt tokens still owed past this step's chunks: id -> (tokens, tokens done by then)."""
+    scheduled = {c.request.id: c.n_tokens for c in plan.chunks}     # at most one chunk a request a step
+    owed = {}
+    for x in s.running:
+        done = x.computed + scheduled.get(x.id, 0)
+        if x.prefilling and x.n_tokens > done:
+            owed[x.id] = (x.n_tokens - done, done)
+    return owed
 
 
 def predict_finish(s: S, r: Request, now: float, first: float) -> float:
