@@ -164,6 +164,8 @@ class Scheduler:
         self.preemptions = 0
         self._decode_owed = 0.0      # seconds of decode-only steps still owed after a prompt step (decode_share)
         self.peak_running = 0
+        self.step_errors = deadlines.StepErrors()     # steps' wall time against the step model (deadline_aware)
+        self._last_end: float | None = None     # when the last step completed, if a step followed it at once
 
     # ---- requests ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -253,7 +255,16 @@ class Scheduler:
             if reason is not None:
                 self.finish(r, reason, now)
                 done.append(r)
+        if self.config.deadline_aware:
+            self._time_step(plan, now)
         return done
+
+    def _time_step(self, plan: StepBatch, now: float) -> None:
+        """A step's wall time, from the last one's completion to this one's (its host work between included),
+        against the step model's prediction for it; only where the engine went straight on to this step."""
+        if self._last_end is not None and plan.chunks:
+            self.step_errors.observe(now - self._last_end, self.step_model.seconds(plan.shapes()))
+        self._last_end = now if self.running and plan.chunks else None
 
     def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         """The one way a request ends (stop, length, cancel, deadline, refusal, error): it leaves the queue or the

@@ -311,21 +311,29 @@ def test_a_preempted_request_rehashes_no_block():
     assert len(b.prefix_hashes(4).values) == (8 + 6) // 4
 
 
+def timed_step(s: Scheduler, now: float, model=CARD):
+    """One step starting at ``now`` that ends when the step model says (a clock deadline-aware admission can learn
+    from); the plan and its end."""
+    plan = s.schedule(now)
+    end = now + model.seconds(plan.shapes())
+    s.complete(plan, {c.request.id: 5 for c in plan.chunks if c.samples}, end)
+    return plan, end
+
+
 def test_deadline_aware_holds_a_newcomer_that_would_make_a_running_request_late():
     s = Scheduler(SchedulerConfig(deadline_aware=True, max_running=4), BlockManager(1000, 16), CARD)
     first = req("first", 2048, 30, deadline_s=0.9)      # alone: 95 ms + 29 × ~26 ms ≈ 0.86 s
     s.add(first)
-    run_step(s, 0.0)
+    _, now = timed_step(s, 0.0)
     late_maker = req("newcomer", 2048, 30, arrival=0.01)  # its 2K prefill step and bigger decodes push first late
     s.add(late_maker)
-    now = CARD.seconds([(2048, 0)])                       # the clock as the step model runs it
-    plan = run_step(s, now)
+    plan, now = timed_step(s, now)
     assert plan.admitted == [] and late_maker in s.waiting and not late_maker.finished
     while first in s.running:
-        now += CARD.seconds([(1, first.n_tokens)])
-        run_step(s, now)
+        _, now = timed_step(s, now)
     assert first.finish_reason is FinishReason.LENGTH and now <= first.deadline_s and late_maker.admitted_s is None
-    plan = run_step(s, now)
+    assert s.step_errors.factor() == pytest.approx(1.0)     # every step took what the model said
+    plan, now = timed_step(s, now)
     assert plan.admitted == [late_maker]
 
 

@@ -1,0 +1,90 @@
+"""Deadline-aware admission learns how far its step predictions run short or long (deadlines.StepErrors)."""
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from localinfer.serve.block_manager import BlockManager
+from localinfer.serve.deadlines import StepErrors
+from localinfer.serve.engine import StepEngine
+from localinfer.serve.http.config import SERVE_SCHEDULER
+from localinfer.serve.request import Request
+from localinfer.serve.scheduler import Scheduler
+from localinfer.serve.simulated import SimulatedExecutor
+from localinfer.serve.step_model import LinearStepModel
+
+CPU_STEP = LinearStepModel(0.005, 0.0036, 0.0, 0.0029)     # a CPU's shape: a prompt ~1.1 s, a decode row 6.5 ms
+
+
+def test_the_factor_is_the_ratio_of_sums_once_enough_steps_are_in_within_its_bounds():
+    e = StepErrors(window=8, least=4, lo=0.7, hi=2.0)
+    for _ in range(3):
+        e.observe(0.012, 0.010)
+    assert e.factor() == 1.0 and len(e.steps) == 3          # too few yet
+    e.observe(0.052, 0.040)                                # a long step counts by its length: (0.036+0.052)/0.07
+    assert e.factor() == pytest.approx(0.088 / 0.070)
+    for _ in range(8):
+        e.observe(0.030, 0.010)                            # the window forgets the old steps: 3x, at the bound 2.0
+    assert e.factor() == 2.0
+    for _ in range(8):
+        e.observe(0.001, 0.010)
+    assert e.factor() == 0.7
+    e.observe(0.01, 0.0)                                   # nothing predicted: nothing learned
+    assert len(e.steps) == 8 and e.factor() == 0.7
+
+
+def test_idle_time_between_steps_is_not_a_step():
+    """The engine idles once nothing runs: the next step's time counts from its own start, not from the last
+    step before the idle."""
+    model = LinearStepModel(0.01, 0.0, 0.0, 0.0)
+    s = Scheduler(replace(SERVE_SCHEDULER, max_running=2), BlockManager(64, 16), model)
+    e = StepEngine(SimulatedExecutor(model, n_slots=2), s)
+    e.add_request(Request("a", tuple(range(40)), 4, arrival_s=0.0))
+    e.add_request(Request("b", tuple(range(100, 140)), 4, arrival_s=100.0))    # arrives long after a finished
+    e.run()
+    assert s.step_errors.steps and all(t == pytest.approx(p) for t, p in s.step_errors.steps)
+
+
+def _poisson_run(seed: int, true_model: LinearStepModel, learn: bool):
+    rng, t, arrivals = random.Random(seed), 0.0, []
+    for _ in range(40):
+        arrivals.append(t)
+        t += rng.expovariate(1.0)
+    s = Scheduler(replace(SERVE_SCHEDULER, max_running=8, token_budget=512), BlockManager(256, 16), CPU_STEP)
+    if not learn:
+        s.step_errors.least = 10**9
+    e = StepEngine(SimulatedExecutor(true_model, n_slots=8), s)
+    base = seed * 10**6
+    rs = [e.add_request(Request(f"r{i}", tuple(range(base + i * 1000, base + i * 1000 + 300)), 128, arrival_s=a,
+                                deadline_s=a + 10.0)) for i, a in enumerate(arrivals)]
+    e.run()
+    admitted = [r for r in rs if r.first_token_s is not None]
+    return sum(not r.on_time for r in admitted), sum(r.on_time for r in rs), s.step_errors.factor()
+
+
+def test_a_machine_slower_than_its_step_model_is_learned_and_fewer_admitted_requests_are_cut():
+    """The executor's steps take 1.3x what the scheduler's model says (a slower stretch of the host, or work the
+    model leaves out): unscaled, admissions look on time and are cut at their deadline; the learned factor
+    (1.3) refuses them at arrival instead."""
+    slow = LinearStepModel(*(1.3 * v for v in (0.005, 0.0036, 0.0, 0.0029)))
+    cut_fixed = cut_learned = 0
+    for seed in range(4):
+        cut_fixed += _poisson_run(seed, slow, learn=False)[0]
+        cut, _, factor = _poisson_run(seed, slow, learn=True)
+        cut_learned += cut
+        assert factor == pytest.approx(1.3, abs=0.02), (seed, factor)
+    assert cut_learned < cut_fixed / 2, (cut_learned, cut_fixed)
+
+
+def test_a_machine_faster_than_its_step_model_admits_more():
+    """Steps at 0.7x the model's: the learned factor (< 1) admits requests the unscaled prediction refused, and
+    more finish on time."""
+    fast = LinearStepModel(*(0.7 * v for v in (0.005, 0.0036, 0.0, 0.0029)))
+    served_fixed = served_learned = 0
+    for seed in range(4):
+        served_fixed += _poisson_run(seed, fast, learn=False)[1]
+        cut, served, factor = _poisson_run(seed, fast, learn=True)
+        served_learned += served
+        assert factor == pytest.approx(0.7, abs=0.02) and cut <= 2, (seed, factor, cut)
+    assert served_learned > served_fixed, (served_learned, served_fixed)
