@@ -217,12 +217,14 @@ def _int(header: GGUFHeader, key: str, *, default: Any = None, allow_zero: bool 
 
 
 def _sections(v: Any) -> tuple[int, ...]:
-    """rope.dimension_sections as llama.cpp's loader takes it (at most 4 integers); () for a value it would not
-    take: only the architectures that read it refuse such a file, and fit does not need it to place or size one."""
-    if isinstance(v, list) and len(v) <= 4 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                   for x in v):
+    """rope.dimension_sections as llama.cpp's loader takes it (``get_key_or_arr`` with n = 4): four integers, or
+    one that fills all four; () for a value it would not take: only the architectures that read it refuse such a
+    file, and fit does not need it to place or size one."""
+    def ok(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    if isinstance(v, list) and len(v) == 4 and all(ok(x) for x in v):
         return tuple(v)
-    return ()
+    return (v,) * 4 if ok(v) else ()
 
 
 def _per_layer(header: GGUFHeader, key: str, n_layers: int, default: Any = None) -> tuple[int, ...] | None:

@@ -19,6 +19,7 @@ CASES = {
     "deepseek2-mla-lite": (TINY["deepseek2-mla-lite"], None),
     "glm4moe": (TINY["glm4moe"], None),
     "glm4moe-vl-sections": (TINY["glm4moe"], _SECTIONS),
+    "glm4moe-one-section": (TINY["glm4moe"], {"glm4moe.rope.dimension_sections": (4, GGUFValueType.INT32)}),
     "gemma3": (TINY["gemma3"], None),
     "qwen35": (TINY["qwen35"], None),
     "granitehybrid": (TINY["granitehybrid"], None),
@@ -41,14 +42,14 @@ def test_fit_counts_the_second_context_where_the_executor_makes_it(tmp_path, cas
     assert mrope_cells(spec) == (rope in (_L.LLAMA_ROPE_TYPE_MROPE, _L.LLAMA_ROPE_TYPE_IMROPE)), (case, rope)
     if case.startswith(("glm4moe", "llama4")):     # one architecture each: only the extra key tells them apart
         assert made == (extra is not None) ^ case.startswith("glm4moe")
-    assert spec.rope_sections == {"glm4moe": (), "glm4moe-vl-sections": (4, 4, 0, 0), "qwen35": (2, 1, 1, 0)}.get(
-        case, spec.rope_sections)
+    assert spec.rope_sections == {"glm4moe": (), "glm4moe-vl-sections": (4, 4, 0, 0), "qwen35": (2, 1, 1, 0),
+                                  "glm4moe-one-section": (4, 4, 4, 4)}.get(case, spec.rope_sections)
 
 
 def test_unreadable_rope_sections_are_left_out(tmp_path):
-    """A value llama.cpp's loader would not take (more than 4, negative) reads as no sections, not a refusal: only
+    """A value llama.cpp's loader would not take (not 4 of them, negative) reads as no sections, not a refusal: only
     the architectures that read the key refuse such a file."""
-    for bad in ([1, 2, 3, 4, 5], [-1, 2]):
+    for bad in ([1, 2, 3, 4, 5], [-1, 2], [4, 4]):
         extra = {"qwen3moe.rope.dimension_sections": (bad, GGUFValueType.ARRAY)}
         path = write_tiny_arch(tmp_path / f"q{len(bad)}.gguf", TINY["qwen3moe"], extra_kv=extra)
         assert ModelSpec.from_gguf(str(path)).rope_sections == ()
