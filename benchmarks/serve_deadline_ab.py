@@ -67,6 +67,13 @@ def run_one(tree: str, model: str, seed: int, args, port: int) -> dict:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             r = json.load(open(out.name))["runs"][0]
         metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        factor = None
+        for _ in range(10):      # after the load: the first read starts the engine thread's snapshots
+            snap = json.loads(urllib.request.urlopen(base + "/v1/engine/state", timeout=10).read()).get("snapshot")
+            if snap:
+                factor = (snap.get("deadline_factor") or {}).get("factor")
+                break
+            time.sleep(0.3)
     finally:
         srv.terminate()
         try:
@@ -78,7 +85,8 @@ def run_one(tree: str, model: str, seed: int, args, port: int) -> dict:
     refused = _metric(metrics, "localinfer_requests_rejected_total", 'status="429"')
     return {"seed": seed, "ok": r["ok"], "good": r["good"], "cut": at_deadline - refused, "refused": refused,
             "tok_s": r["output_tok_s"], "goodput": r["goodput_req_s"], "ttft_p50_ms": r["ttft_p50_ms"],
-            "load_1m": round((load_before + os.getloadavg()[0]) / 2, 2)}
+            "load_1m": round((load_before + os.getloadavg()[0]) / 2, 2),
+            "deadline_factor": None if factor is None else round(factor, 3)}
 
 
 def main(argv=None) -> int:
@@ -107,7 +115,7 @@ def main(argv=None) -> int:
             runs.append(row)
             lines.append(f"{k} seed {seed}: served {row['ok']:3d} within SLO {row['good']:3d} cut {row['cut']:3.0f} "
                          f"refused {row['refused']:3.0f} tok/s {row['tok_s']:6.2f} goodput {row['goodput']:.3f} "
-                         f"TTFT p50 {row['ttft_p50_ms']:7.0f} ms  load {row['load_1m']}")
+                         f"TTFT p50 {row['ttft_p50_ms']:7.0f} ms  load {row['load_1m']}  factor {row['deadline_factor']}")
             print(lines[-1], flush=True)
     lines.append("")
     totals = {}
