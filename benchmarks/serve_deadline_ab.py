@@ -108,7 +108,9 @@ def main(argv=None) -> int:
     trees = {"A": args.a, "B": args.b}
     heads = {k: subprocess.run(["git", "-C", t, "rev-parse", "--short", "HEAD"], capture_output=True,
                                text=True).stdout.strip() for k, t in trees.items()}
-    runs, lines = [], []
+    runs, lines = [], [f"serve_deadline_ab.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+                        f"A = {heads['A']} ({args.a}), B = {heads['B']} ({args.b}); {os.cpu_count()} CPUs, "
+                        f"started {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
     for seed in _seeds(args.seeds):
         for k in ("A", "B") if seed % 2 else ("B", "A"):
             row = {"tree": k, **run_one(trees[k], args.model, seed, args, args.port)}
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
                          f"refused {row['refused']:3.0f} tok/s {row['tok_s']:6.2f} goodput {row['goodput']:.3f} "
                          f"TTFT p50 {row['ttft_p50_ms']:7.0f} ms  load {row['load_1m']}  factor {row['deadline_factor']}")
             print(lines[-1], flush=True)
-    lines.append("")
+    lines += [f"ended {time.strftime('%H:%M UTC', time.gmtime())}", ""]
     totals = {}
     for k in ("A", "B"):
         rs = [r for r in runs if r["tree"] == k]

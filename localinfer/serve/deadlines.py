@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 # the requests of a burst at a server's start were cut at the deadline by what the step model had not yet learned
 # (5-row decodes predicted at 35 ms took 39) and a compaction's 50 ms (a step log at 1 request/s, 10 s deadlines)
 MARGIN = 0.10
+# ... and this share where the step with r holds more decode rows than any step the server has timed: a step model
+# fitted on one-row decodes and prompts extrapolates the rows' cost (calibrated at load on rows over a few cells, a
+# CPU's 5-row decode over ~2,000 cells was predicted at 26 ms and took 40, and the first burst's requests were cut)
+UNSEEN_MARGIN = 0.50
 
 
 def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], now: float) -> str | None:
@@ -61,12 +65,14 @@ def makes_late(s: S, r: Request, now: float, first: float, plan: StepBatch, late
     past its deadline.  The steps after: the prompt steps running requests still owe (``later``, from
     :func:`prompts_owed`; each gives a decoding request one token), then one decode per running request, with
     and without r's; each path scaled by ``f`` (:class:`StepErrors`), and the path with r by ``1 + MARGIN`` too
-    (a request that is on time only without the margin is still protected: nothing that pushes it is admitted)."""
+    (``1 + UNSEEN_MARGIN`` where its decode steps hold more rows than any step timed yet; a request that is on time
+    only without the margin is still protected: nothing that pushes it is admitted)."""
     timed = [x for x in s.running if x.deadline_s is not None]
     if not timed:
         return False
     model, n, later = s.step_model, r.n_tokens, later or []
     others = [(1, x.n_tokens) for x in s.running]
+    margin = MARGIN if len(others) + 1 <= s.rows_timed else UNSEEN_MARGIN
     alone, now_alone = model.seconds(others), model.seconds(plan.shapes())
     with_r = model.seconds([(1, n), *others])
     r_steps = r.max_tokens - len(r.output) - 1
@@ -75,7 +81,7 @@ def makes_late(s: S, r: Request, now: float, first: float, plan: StepBatch, late
         m = min(steps, len(later))                           # ... the first m of them the owed prompts'
         owed, left = sum(later[:m]), steps - m
         shared = min(left, r_steps)
-        if (now + f * (1 + MARGIN) * (first + owed + shared * with_r + (left - shared) * alone) > x.deadline_s
+        if (now + f * (1 + margin) * (first + owed + shared * with_r + (left - shared) * alone) > x.deadline_s
                 >= now + f * (now_alone + owed + left * alone)):
             return True
     return False

@@ -88,3 +88,26 @@ def test_a_machine_faster_than_its_step_model_admits_more():
         served_learned += served
         assert factor == pytest.approx(0.7, abs=0.02) and cut <= 2, (seed, factor, cut)
     assert served_learned > served_fixed, (served_learned, served_fixed)
+
+
+@pytest.mark.parametrize("rows_timed, admitted", [(1, False), (2, True)])
+def test_a_step_of_more_rows_than_any_timed_keeps_a_wider_margin(rows_timed, admitted):
+    """A running request on time by ~30%: a newcomer making its decode steps two rows waits while the server has
+    timed only one-row steps (the step model extrapolates: UNSEEN_MARGIN), and is admitted once it has timed two."""
+    from localinfer.serve.scheduler import SchedulerConfig
+
+    flat = LinearStepModel(0.01, 0.0, 0.0, 0.0)      # every step 10 ms
+    s = Scheduler(SchedulerConfig(deadline_aware=True, max_running=4), BlockManager(1000, 16), flat)
+    x = Request("x", tuple(range(10)), 101, deadline_s=1.33)
+    s.add(x)
+    now = 0.0
+    for _ in range(2):                               # x's prompt, then one decode: one row timed
+        plan = s.schedule(now)
+        now += flat.seconds(plan.shapes())
+        s.complete(plan, {c.request.id: 5 for c in plan.chunks if c.samples}, now)
+    assert s.rows_timed == 1 and s.step_errors.factor() == 1.0
+    s.rows_timed = rows_timed
+    newcomer = Request("r", tuple(range(100, 110)), 20, arrival_s=now)
+    s.add(newcomer)
+    plan = s.schedule(now)          # x's path with r: 10 ms + 98 decodes of 10 ms = 0.99 s; 0.33 s to spare
+    assert (plan.admitted == [newcomer]) == admitted
