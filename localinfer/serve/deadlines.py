@@ -33,6 +33,11 @@ MARGIN = 0.10
 # fitted on one-row decodes and prompts extrapolates the rows' cost (calibrated at load on rows over a few cells, a
 # CPU's 5-row decode over ~2,000 cells was predicted at 26 ms and took 40, and the first burst's requests were cut)
 UNSEEN_MARGIN = 0.50
+# an idle engine refuses at most this many requests in a row on its step model's word before it admits one anyway:
+# a model that no step has confirmed since (calibrated at load while another process held the cores: a 3 s decode)
+# would otherwise refuse every deadline forever, as nothing runs to refit it; the probe's steps refit it, and the
+# compute it may waste is an idle machine's
+PROBE_AFTER = 3
 
 
 def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: list[int], now: float) -> str | None:
@@ -48,7 +53,10 @@ def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: 
             before = max(before, sum(later))
         step = decode_step(s, r)
         if now + f * (first + before + (r.max_tokens - len(r.output) - 1) * step) > r.deadline_s:
-            return "refuse"
+            if s.running or plan.chunks or s.idle_refusals < PROBE_AFTER:
+                s.idle_refusals += not s.running and not plan.chunks
+                return "refuse"
+            s.idle_refusals = 0      # a probe: admitted, so that steps are timed again
     return "wait" if makes_late(s, r, now, first, plan, later, f) else None
 
 

@@ -167,6 +167,7 @@ class Scheduler:
         self.step_errors = deadlines.StepErrors()     # steps' wall time against the step model (deadline_aware)
         self._last_end: float | None = None     # when the last step completed, if a step followed it at once
         self.rows_timed = 0                     # the most decode rows of a step completed (deadline_aware)
+        self.idle_refusals = 0                  # deadline refusals in a row with nothing running (deadlines.PROBE_AFTER)
 
     # ---- requests ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -264,6 +265,8 @@ class Scheduler:
         """A step's wall time, from the last one's completion to this one's (its host work between included),
         against the step model's prediction for it; only where the engine went straight on to this step."""
         self.rows_timed = max(self.rows_timed, sum(1 for c in plan.chunks if c.n_tokens == 1))
+        if plan.chunks:
+            self.idle_refusals = 0
         if self._last_end is not None and plan.chunks:
             self.step_errors.observe(now - self._last_end, self.step_model.seconds(plan.shapes()))
         self._last_end = now if self.running and plan.chunks else None

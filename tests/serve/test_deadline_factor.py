@@ -111,3 +111,28 @@ def test_a_step_of_more_rows_than_any_timed_keeps_a_wider_margin(rows_timed, adm
     s.add(newcomer)
     plan = s.schedule(now)          # x's path with r: 10 ms + 98 decodes of 10 ms = 0.99 s; 0.33 s to spare
     assert (plan.admitted == [newcomer]) == admitted
+
+
+def test_an_idle_engine_whose_model_refuses_everything_admits_a_probe():
+    """A step model that says 3 s a step (calibrated while another process held the cores): on an idle engine every
+    deadline is refused on its word, and nothing would ever run to refit it; the request after PROBE_AFTER refusals
+    in a row is admitted, and a step resets the count."""
+    from localinfer.serve.deadlines import PROBE_AFTER
+    from localinfer.serve.scheduler import SchedulerConfig
+
+    stale = LinearStepModel(3.0, 0.0, 0.0, 0.0)
+    s = Scheduler(SchedulerConfig(deadline_aware=True, max_running=4), BlockManager(1000, 16), stale)
+    verdicts = []
+    for i in range(PROBE_AFTER + 1):
+        r = Request(f"r{i}", tuple(range(i * 100, i * 100 + 10)), 128, arrival_s=float(i), deadline_s=i + 10.0)
+        s.add(r)
+        plan = s.schedule(float(i))
+        verdicts.append("admitted" if plan.admitted == [r] else "refused" if plan.refused == [r] else "?")
+        if plan.chunks:
+            s.complete(plan, {c.request.id: 5 for c in plan.chunks if c.samples}, i + 0.01)
+    assert verdicts == ["refused"] * PROBE_AFTER + ["admitted"]
+    assert s.idle_refusals == 0
+    late = Request("busy", tuple(range(900, 910)), 128, arrival_s=5.0, deadline_s=15.0)
+    s.add(late)
+    plan = s.schedule(5.0)           # the probe runs: a newcomer the model says is late is refused as before
+    assert plan.refused == [late] and s.idle_refusals == 0
