@@ -168,12 +168,14 @@ class Scheduler:
         self._last_end: float | None = None     # when the last step completed, if a step followed it at once
         self.rows_timed = 0                     # the most decode rows of a step completed (deadline_aware)
         self.idle_refusals = 0                  # deadline refusals in a row with nothing running (deadlines.PROBE_AFTER)
+        self._deadlines = False                 # a request with a deadline has come
 
     # ---- requests ------------------------------------------------------------
     def add(self, request: Request) -> None:
         if request.id in self.requests:
             raise UsageError(f"duplicate request id {request.id!r}", hint="give every request its own id")
         self.requests[request.id] = request
+        self._deadlines = self._deadlines or request.deadline_s is not None
         i = len(self.waiting)
         while i and self.waiting[i - 1].arrival_s > request.arrival_s:
             i -= 1
@@ -264,12 +266,14 @@ class Scheduler:
     def _time_step(self, plan: StepBatch, now: float) -> None:
         """A step's wall time, from the last one's completion to this one's (its host work between included),
         against the step model's prediction for it; only where the engine went straight on to this step."""
+        if not plan.chunks:
+            self._last_end = None
+            return
+        self.idle_refusals = 0
         self.rows_timed = max(self.rows_timed, sum(1 for c in plan.chunks if c.n_tokens == 1))
-        if plan.chunks:
-            self.idle_refusals = 0
-        if self._last_end is not None and plan.chunks:
+        if self._last_end is not None and self._deadlines:     # predicted only once a deadline has come to read it
             self.step_errors.observe(now - self._last_end, self.step_model.seconds(plan.shapes()))
-        self._last_end = now if self.running and plan.chunks else None
+        self._last_end = now if self.running else None
 
     def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         """The one way a request ends (stop, length, cancel, deadline, refusal, error): it leaves the queue or the

@@ -40,10 +40,20 @@ def test_idle_time_between_steps_is_not_a_step():
     model = LinearStepModel(0.01, 0.0, 0.0, 0.0)
     s = Scheduler(replace(SERVE_SCHEDULER, max_running=2), BlockManager(64, 16), model)
     e = StepEngine(SimulatedExecutor(model, n_slots=2), s)
-    e.add_request(Request("a", tuple(range(40)), 4, arrival_s=0.0))
-    e.add_request(Request("b", tuple(range(100, 140)), 4, arrival_s=100.0))    # arrives long after a finished
+    e.add_request(Request("a", tuple(range(40)), 4, arrival_s=0.0, deadline_s=50.0))
+    e.add_request(Request("b", tuple(range(100, 140)), 4, arrival_s=100.0, deadline_s=150.0))   # long after a
     e.run()
-    assert s.step_errors.steps and all(t == pytest.approx(p) for t, p in s.step_errors.steps)
+    assert len(s.step_errors.steps) >= 4 and all(t == pytest.approx(p) for t, p in s.step_errors.steps)
+
+
+def test_steps_are_not_timed_until_a_deadline_comes():
+    """A server whose requests carry no deadline predicts nothing per step (its step model is not read)."""
+    model = LinearStepModel(0.01, 0.0, 0.0, 0.0)
+    s = Scheduler(replace(SERVE_SCHEDULER, max_running=2), BlockManager(64, 16), model)
+    e = StepEngine(SimulatedExecutor(model, n_slots=2), s)
+    e.add_request(Request("a", tuple(range(40)), 6))
+    e.run()
+    assert not s.step_errors.steps and s.rows_timed == 1
 
 
 def _poisson_run(seed: int, true_model: LinearStepModel, learn: bool):
