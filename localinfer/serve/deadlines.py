@@ -20,6 +20,9 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from localinfer.model.cost import attention_pairs
+from localinfer.serve.step_model import LinearStepModel
+
 if TYPE_CHECKING:
     from localinfer.serve.request import Request
     from localinfer.serve.scheduler import Scheduler as S, StepBatch
@@ -29,8 +32,9 @@ if TYPE_CHECKING:
 # the requests of a burst at a server's start were cut at the deadline by what the step model had not yet learned
 # (5-row decodes predicted at 35 ms took 39) and a compaction's 50 ms (a step log at 1 request/s, 10 s deadlines)
 MARGIN = 0.10
-# ... and this share where the step with r holds more decode rows than any step the server has timed: a step model
-# fitted on one-row decodes and prompts extrapolates the rows' cost (calibrated at load on rows over a few cells, a
+# ... and this share where the step with r holds more decode rows than any step the step model has learned from (a
+# fitted model: steps completed before its last refit; Scheduler.rows_timed): fitted on one-row decodes and prompts,
+# it extrapolates the rows' cost (calibrated at load on rows over a few cells, a
 # CPU's 5-row decode over ~2,000 cells was predicted at 26 ms and took 40, and the first burst's requests were cut)
 UNSEEN_MARGIN = 0.50
 # an idle engine refuses at most this many requests in a row on its step model's word before it admits one anyway:
@@ -46,7 +50,7 @@ def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: 
     first = first_step(s, r, hit_blocks, plan)
     timed = r.deadline_s is not None or any(x.deadline_s is not None for x in s.running)
     later = prompts_owed(s, plan) if timed else []      # predicted only where a deadline reads it
-    f = s.step_errors.factor()
+    f = s.step_errors.factor(s.step_model)
     if r.deadline_s is not None:
         before = owed_before(s, r, hit_blocks, plan, budget, first)
         if r.max_tokens - len(r.output) > 1:      # the owed prompt steps come before r's last token
@@ -54,9 +58,9 @@ def admission(s: S, r: Request, hit_blocks: list[int], plan: StepBatch, budget: 
         step = decode_step(s, r)
         if now + f * (first + before + (r.max_tokens - len(r.output) - 1) * step) > r.deadline_s:
             if s.running or plan.chunks or s.idle_refusals < PROBE_AFTER:
-                s.idle_refusals += not s.running and not plan.chunks
+                s.idle_refusals += int(not s.running and not plan.chunks)
                 return "refuse"
-            s.idle_refusals = 0      # a probe: admitted, so that steps are timed again
+            # else a probe: admitted so that steps are timed again (the count is reset by its step)
     return "wait" if makes_late(s, r, now, first, plan, later, f) else None
 
 
@@ -70,7 +74,7 @@ def first_step(s: S, r: Request, hit_blocks: list[int], plan: StepBatch) -> floa
 def makes_late(s: S, r: Request, now: float, first: float, plan: StepBatch, later: list[float] | None = None,
                f: float = 1.0) -> bool:
     """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
-    past its deadline.  The steps after: the prompt steps running requests still owe (``later``, from
+    past its deadline, or into its margin.  The steps after: the prompt steps running requests still owe (``later``, from
     :func:`prompts_owed`; each gives a decoding request one token), then one decode per running request, with
     and without r's; each path scaled by ``f`` (:class:`StepErrors`), and the path with r by ``1 + MARGIN`` too
     (``1 + UNSEEN_MARGIN`` where its decode steps hold more rows than any step timed yet; a request that is on time
@@ -147,29 +151,39 @@ def decode_step(s: S, r: Request) -> float:
 
 
 class StepErrors:
-    """How long steps take against the step model's prediction, wall clock from one step's completion to the
-    next's (the host's work between them, compaction and parking included), over the last ``window`` steps taken
-    straight after another; :meth:`factor` is their ratio of sums within [``lo``, ``hi``] once ``least`` are in
-    (1 before), and scales every predicted path."""
+    """How long steps took against the step model, wall clock from one step's completion to the next's (the host's
+    work between them, compaction and parking included), over the last ``window`` steps taken straight after
+    another.  :meth:`factor` is their wall time over what the model *as it now stands* predicts for them (a linear
+    model's coefficients applied to the steps' summed tokens, pairs and chunks; for another model, the predictions
+    made at each step), within [``lo``, ``hi``] once ``least`` are in (1 before); it scales every predicted path.
+    Predictions kept from before a refit would go on correcting an error the refitted model no longer makes."""
 
     def __init__(self, window: int = 256, least: int = 16, lo: float = 0.7, hi: float = 2.0):
         self.least, self.lo, self.hi = least, lo, hi
-        self.steps: deque[tuple[float, float]] = deque(maxlen=window)
-        self._sums = [0.0, 0.0]
-        self._factor = 1.0
+        self.steps: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
+        self._sums = [0.0] * 5          # seconds, tokens, pairs, chunks, predicted
+        self.seen = 0                   # steps observed in all
 
-    def observe(self, seconds: float, predicted: float) -> None:
-        if predicted <= 0 or seconds < 0:
+    def observe(self, seconds: float, shapes, predicted: float) -> None:
+        if seconds < 0 or not shapes:
             return
+        row = (seconds, float(sum(c for c, _ in shapes)), float(sum(attention_pairs(c, h) for c, h in shapes)),
+               float(len(shapes)), predicted)
         if len(self.steps) == self.steps.maxlen:
-            old = self.steps[0]
-            self._sums[0] -= old[0]
-            self._sums[1] -= old[1]
-        self.steps.append((seconds, predicted))
-        self._sums[0] += seconds
-        self._sums[1] += predicted
-        if len(self.steps) >= self.least and self._sums[1] > 0:
-            self._factor = min(self.hi, max(self.lo, self._sums[0] / self._sums[1]))
+            for i, v in enumerate(self.steps[0]):
+                self._sums[i] -= v
+        self.steps.append(row)
+        for i, v in enumerate(row):
+            self._sums[i] += v
+        self.seen += 1
 
-    def factor(self) -> float:
-        return self._factor
+    def factor(self, model=None) -> float:
+        """The scale, against ``model`` (the scheduler's step model) where it is linear."""
+        if len(self.steps) < self.least:
+            return 1.0
+        seconds, tokens, pairs, chunks, predicted = self._sums
+        lin = getattr(model, "model", model)
+        if isinstance(lin, LinearStepModel):
+            predicted = (len(self.steps) * lin.fixed_s + lin.per_token_s * tokens + lin.per_pair_s * pairs
+                         + lin.per_seq_s * chunks)
+        return min(self.hi, max(self.lo, seconds / predicted)) if predicted > 0 else 1.0

@@ -165,9 +165,10 @@ class Scheduler:
         self._decode_owed = 0.0      # seconds of decode-only steps still owed after a prompt step (decode_share)
         self.peak_running = 0
         self.step_errors = deadlines.StepErrors()     # steps' wall time against the step model (deadline_aware)
-        self._last_end: float | None = None     # when the last step completed, if a step followed it at once
-        self.rows_timed = 0                     # the most decode rows of a step completed (deadline_aware)
-        self.idle_refusals = 0                  # deadline refusals in a row with nothing running (deadlines.PROBE_AFTER)
+        self._last_end: float | None = None     # when the last step completed, while requests still ran
+        self.rows_timed = 0                     # the most decode rows the step model has learned (deadline_aware)
+        self._rows_pending, self._fits = 0, None
+        self.idle_refusals = 0                  # deadline refusals in a row, nothing running (deadlines.PROBE_AFTER)
         self._deadlines = False                 # a request with a deadline has come
 
     # ---- requests ------------------------------------------------------------
@@ -264,15 +265,22 @@ class Scheduler:
         return done
 
     def _time_step(self, plan: StepBatch, now: float) -> None:
-        """A step's wall time, from the last one's completion to this one's (its host work between included),
-        against the step model's prediction for it; only where the engine went straight on to this step."""
+        """A step's wall time, from the last one's completion to this one's (its host work between included), for
+        :class:`~localinfer.serve.deadlines.StepErrors`, where the engine went straight on to this step (requests
+        were still running) and once a deadline has come to read it; and the decode rows the step model has learned
+        (``rows_timed``: a fitted model's, once a refit has come after such a step)."""
         if not plan.chunks:
             self._last_end = None
             return
         self.idle_refusals = 0
-        self.rows_timed = max(self.rows_timed, sum(1 for c in plan.chunks if c.n_tokens == 1))
-        if self._last_end is not None and self._deadlines:     # predicted only once a deadline has come to read it
-            self.step_errors.observe(now - self._last_end, self.step_model.seconds(plan.shapes()))
+        self._rows_pending = max(self._rows_pending, sum(1 for c in plan.chunks if c.n_tokens == 1))
+        shapes = plan.shapes()
+        predicted = self.step_model.seconds(shapes) if self._last_end is not None and self._deadlines else None
+        fits = getattr(self.step_model, "fits", None)      # read after the prediction: it may have refitted
+        if fits is None or fits != self._fits:
+            self._fits, self.rows_timed = fits, max(self.rows_timed, self._rows_pending)
+        if predicted is not None:
+            self.step_errors.observe(now - self._last_end, shapes, predicted)
         self._last_end = now if self.running else None
 
     def finish(self, r: Request, reason: FinishReason, now: float, error: str | None = None) -> None:

@@ -17,21 +17,24 @@ from localinfer.serve.step_model import LinearStepModel
 CPU_STEP = LinearStepModel(0.005, 0.0036, 0.0, 0.0029)     # a CPU's shape: a prompt ~1.1 s, a decode row 6.5 ms
 
 
-def test_the_factor_is_the_ratio_of_sums_once_enough_steps_are_in_within_its_bounds():
+def test_the_factor_is_wall_time_over_what_the_model_now_predicts_within_its_bounds():
+    model = LinearStepModel(0.010, 0.0, 0.0, 0.0)        # 10 ms a step
     e = StepErrors(window=8, least=4, lo=0.7, hi=2.0)
+    decode = [(1, 100)]
     for _ in range(3):
-        e.observe(0.012, 0.010)
-    assert e.factor() == 1.0 and len(e.steps) == 3          # too few yet
-    e.observe(0.052, 0.040)                                # a long step counts by its length: (0.036+0.052)/0.07
-    assert e.factor() == pytest.approx(0.088 / 0.070)
+        e.observe(0.012, decode, 0.010)
+    assert e.factor(model) == 1.0 and len(e.steps) == 3     # too few yet
+    e.observe(0.028, [(1, 100)] * 4, 0.010)                 # a long step counts by its length
+    assert e.factor(model) == pytest.approx(0.064 / 0.040)
+    refitted = LinearStepModel(0.004, 0.0, 0.0, 0.006)     # a refit that learned the rows' cost: 10 ms a row
+    assert e.factor(refitted) == pytest.approx(0.064 / (4 * 0.004 + 7 * 0.006))
+    assert e.factor() == pytest.approx(0.064 / 0.040)       # no linear model: the predictions made at the time
     for _ in range(8):
-        e.observe(0.030, 0.010)                            # the window forgets the old steps: 3x, at the bound 2.0
-    assert e.factor() == 2.0
+        e.observe(0.030, decode, 0.010)                     # the window forgets the old steps: 3x, at the bound
+    assert e.factor(model) == 2.0
     for _ in range(8):
-        e.observe(0.001, 0.010)
-    assert e.factor() == 0.7
-    e.observe(0.01, 0.0)                                   # nothing predicted: nothing learned
-    assert len(e.steps) == 8 and e.factor() == 0.7
+        e.observe(0.001, decode, 0.010)
+    assert e.factor(model) == 0.7 and e.seen == 20
 
 
 def test_idle_time_between_steps_is_not_a_step():
@@ -39,21 +42,15 @@ def test_idle_time_between_steps_is_not_a_step():
     step before the idle."""
     model = LinearStepModel(0.01, 0.0, 0.0, 0.0)
     s = Scheduler(replace(SERVE_SCHEDULER, max_running=2), BlockManager(64, 16), model)
-    e = StepEngine(SimulatedExecutor(model, n_slots=2), s)
+    ex = SimulatedExecutor(model, n_slots=2)
+    e = StepEngine(ex, s)
     e.add_request(Request("a", tuple(range(40)), 4, arrival_s=0.0, deadline_s=50.0))
-    e.add_request(Request("b", tuple(range(100, 140)), 4, arrival_s=100.0, deadline_s=150.0))   # long after a
     e.run()
-    assert len(s.step_errors.steps) >= 4 and all(t == pytest.approx(p) for t, p in s.step_errors.steps)
-
-
-def test_steps_are_not_timed_until_a_deadline_comes():
-    """A server whose requests carry no deadline predicts nothing per step (its step model is not read)."""
-    model = LinearStepModel(0.01, 0.0, 0.0, 0.0)
-    s = Scheduler(replace(SERVE_SCHEDULER, max_running=2), BlockManager(64, 16), model)
-    e = StepEngine(SimulatedExecutor(model, n_slots=2), s)
-    e.add_request(Request("a", tuple(range(40)), 6))
+    ex.idle_until(100.0)                             # nothing waits meanwhile: an idle spell of ~100 s
+    e.add_request(Request("b", tuple(range(100, 140)), 4, arrival_s=100.0, deadline_s=150.0))
     e.run()
-    assert not s.step_errors.steps and s.rows_timed == 1
+    assert len(s.step_errors.steps) >= 4 and all(t == pytest.approx(p) for t, p in
+                                                 ((row[0], row[4]) for row in s.step_errors.steps))
 
 
 def _poisson_run(seed: int, true_model: LinearStepModel, learn: bool):
@@ -126,23 +123,30 @@ def test_a_step_of_more_rows_than_any_timed_keeps_a_wider_margin(rows_timed, adm
 def test_an_idle_engine_whose_model_refuses_everything_admits_a_probe():
     """A step model that says 3 s a step (calibrated while another process held the cores): on an idle engine every
     deadline is refused on its word, and nothing would ever run to refit it; the request after PROBE_AFTER refusals
-    in a row is admitted, and a step resets the count."""
+    in a row is admitted.  A step that runs resets the count."""
     from localinfer.serve.deadlines import PROBE_AFTER
     from localinfer.serve.scheduler import SchedulerConfig
 
     stale = LinearStepModel(3.0, 0.0, 0.0, 0.0)
     s = Scheduler(SchedulerConfig(deadline_aware=True, max_running=4), BlockManager(1000, 16), stale)
-    verdicts = []
-    for i in range(PROBE_AFTER + 1):
-        r = Request(f"r{i}", tuple(range(i * 100, i * 100 + 10)), 128, arrival_s=float(i), deadline_s=i + 10.0)
+    clock = iter(range(100))
+
+    def offer(rid, deadline=True):
+        t = float(next(clock))
+        r = Request(rid, tuple(range(len(s.requests) * 100, len(s.requests) * 100 + 10)), 128 if deadline else 1,
+                    arrival_s=t, deadline_s=t + 10.0 if deadline else None)
         s.add(r)
-        plan = s.schedule(float(i))
-        verdicts.append("admitted" if plan.admitted == [r] else "refused" if plan.refused == [r] else "?")
+        plan = s.schedule(t)
         if plan.chunks:
-            s.complete(plan, {c.request.id: 5 for c in plan.chunks if c.samples}, i + 0.01)
-    assert verdicts == ["refused"] * PROBE_AFTER + ["admitted"]
-    assert s.idle_refusals == 0
-    late = Request("busy", tuple(range(900, 910)), 128, arrival_s=5.0, deadline_s=15.0)
+            s.complete(plan, {c.request.id: 5 for c in plan.chunks if c.samples}, t + 0.01)
+        return "admitted" if plan.admitted == [r] else "refused" if plan.refused == [r] else "?"
+
+    assert [offer(f"a{i}") for i in range(PROBE_AFTER - 1)] == ["refused"] * (PROBE_AFTER - 1)
+    assert offer("plain", deadline=False) == "admitted"      # one token, no deadline: a step ran
+    assert s.idle_refusals == 0 and not s.running
+    got = [offer(f"b{i}") for i in range(PROBE_AFTER + 1)]
+    assert got == ["refused"] * PROBE_AFTER + ["admitted"]
+    late = Request("busy", tuple(range(9000, 9010)), 128, arrival_s=50.0, deadline_s=60.0)
     s.add(late)
-    plan = s.schedule(5.0)           # the probe runs: a newcomer the model says is late is refused as before
+    plan = s.schedule(50.0)          # the probe runs: a newcomer the model says is late is refused as before
     assert plan.refused == [late] and s.idle_refusals == 0

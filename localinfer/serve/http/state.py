@@ -164,7 +164,8 @@ class EngineWatch:
                 "fixed_s": model.fixed_s, "per_token_s": model.per_token_s, "per_pair_s": model.per_pair_s,
                 "per_seq_s": model.per_seq_s},
             # deadline-aware admission's scale on its predicted paths: recent steps' wall time over predicted
-            "deadline_factor": {"factor": sched.step_errors.factor(), "observed": len(sched.step_errors.steps)},
+            "deadline_factor": {"factor": sched.step_errors.factor(sched.step_model),
+                                "window": len(sched.step_errors.steps), "observed": sched.step_errors.seen},
             "clock_s": now,
             "metrics": metric_samples(runtime.metrics),
         }

@@ -39,6 +39,7 @@ class FittedStepModel:
         self._model = initial
         self._obs: deque[tuple[float, float, float, float]] = deque(maxlen=window)   # (tokens, pairs, chunks, s)
         self._refit, self._since = refit, 0
+        self.fits = 0           # refits made (the scheduler's deadline predictions watch it)
         self._lock = threading.Lock()
 
     @property
@@ -50,6 +51,7 @@ class FittedStepModel:
                 self._since = 0
             if obs is not None:
                 self._model = robust_fit(obs, self._model)
+                self.fits += 1
         return self._model
 
     def seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
