@@ -117,7 +117,8 @@ def main(argv=None) -> int:
             runs.append(row)
             lines.append(f"{k} seed {seed}: served {row['ok']:3d} within SLO {row['good']:3d} cut {row['cut']:3.0f} "
                          f"refused {row['refused']:3.0f} tok/s {row['tok_s']:6.2f} goodput {row['goodput']:.3f} "
-                         f"TTFT p50 {row['ttft_p50_ms']:7.0f} ms  load {row['load_1m']}  factor {row['deadline_factor']}")
+                         f"TTFT p50 {row['ttft_p50_ms']:7.0f} ms  load {row['load_1m']}  "
+                         f"factor {row['deadline_factor']}")
             print(lines[-1], flush=True)
     lines += [f"ended {time.strftime('%H:%M UTC', time.gmtime())}", ""]
     totals = {}
@@ -125,7 +126,8 @@ def main(argv=None) -> int:
         rs = [r for r in runs if r["tree"] == k]
         totals[k] = t = {"good": sum(r["good"] for r in rs), "cut": sum(r["cut"] for r in rs),
                          "ok": sum(r["ok"] for r in rs), "refused": sum(r["refused"] for r in rs),
-                         "tok_s": sum(r["tok_s"] for r in rs) / len(rs), "goodput": sum(r["goodput"] for r in rs) / len(rs)}
+                         "tok_s": sum(r["tok_s"] for r in rs) / len(rs),
+                         "goodput": sum(r["goodput"] for r in rs) / len(rs)}
         lines.append(f"{k} ({heads[k]}): served {t['ok']} within SLO {t['good']} cut {t['cut']:.0f} refused "
                      f"{t['refused']:.0f}; mean tok/s {t['tok_s']:.2f}, mean goodput {t['goodput']:.3f} req/s")
     wins = sum(1 for s in _seeds(args.seeds)

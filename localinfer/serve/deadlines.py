@@ -74,11 +74,12 @@ def first_step(s: S, r: Request, hit_blocks: list[int], plan: StepBatch) -> floa
 def makes_late(s: S, r: Request, now: float, first: float, plan: StepBatch, later: list[float] | None = None,
                f: float = 1.0) -> bool:
     """Admitting r now (this step taking ``first`` seconds) would push a running request predicted on time
-    past its deadline, or into its margin.  The steps after: the prompt steps running requests still owe (``later``, from
-    :func:`prompts_owed`; each gives a decoding request one token), then one decode per running request, with
-    and without r's; each path scaled by ``f`` (:class:`StepErrors`), and the path with r by ``1 + MARGIN`` too
-    (``1 + UNSEEN_MARGIN`` where its decode steps hold more rows than any step timed yet; a request that is on time
-    only without the margin is still protected: nothing that pushes it is admitted)."""
+    past its deadline, or into its margin.  The steps after: the prompt steps running requests still owe
+    (``later``, from :func:`prompts_owed`; each gives a decoding request one token), then one decode per running
+    request, with and without r's; each path scaled by ``f`` (:class:`StepErrors`), and the path with r by
+    ``1 + MARGIN`` too (``1 + UNSEEN_MARGIN`` where its decode steps hold more rows than the step model has learned
+    from; a request that is on time only without the margin is still protected: nothing that pushes it is
+    admitted, whatever r adds)."""
     timed = [x for x in s.running if x.deadline_s is not None]
     if not timed:
         return False

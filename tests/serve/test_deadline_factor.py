@@ -70,31 +70,22 @@ def _poisson_run(seed: int, true_model: LinearStepModel, learn: bool):
     return sum(not r.on_time for r in admitted), sum(r.on_time for r in rs), s.step_errors.factor()
 
 
-def test_a_machine_slower_than_its_step_model_is_learned_and_fewer_admitted_requests_are_cut():
-    """The executor's steps take 1.3x what the scheduler's model says (a slower stretch of the host, or work the
-    model leaves out): unscaled, admissions look on time and are cut at their deadline; the learned factor
-    (1.3) refuses them at arrival instead."""
-    slow = LinearStepModel(*(1.3 * v for v in (0.005, 0.0036, 0.0, 0.0029)))
-    cut_fixed = cut_learned = 0
-    for seed in range(4):
-        cut_fixed += _poisson_run(seed, slow, learn=False)[0]
-        cut, _, factor = _poisson_run(seed, slow, learn=True)
-        cut_learned += cut
-        assert factor == pytest.approx(1.3, abs=0.02), (seed, factor)
-    assert cut_learned < cut_fixed / 2, (cut_learned, cut_fixed)
-
-
-def test_a_machine_faster_than_its_step_model_admits_more():
-    """Steps at 0.7x the model's: the learned factor (< 1) admits requests the unscaled prediction refused, and
-    more finish on time."""
-    fast = LinearStepModel(*(0.7 * v for v in (0.005, 0.0036, 0.0, 0.0029)))
-    served_fixed = served_learned = 0
-    for seed in range(4):
-        served_fixed += _poisson_run(seed, fast, learn=False)[1]
-        cut, served, factor = _poisson_run(seed, fast, learn=True)
-        served_learned += served
-        assert factor == pytest.approx(0.7, abs=0.02) and cut <= 2, (seed, factor, cut)
-    assert served_learned > served_fixed, (served_learned, served_fixed)
+@pytest.mark.parametrize("scale", [1.3, 0.7])
+def test_the_factor_learns_a_machine_slower_or_faster_than_its_step_model(scale):
+    """The executor's steps take ``scale`` times what the scheduler's model says (a slower stretch of the host, or
+    work the model leaves out; or the other way).  1.3x: unscaled, admissions look on time and are cut at their
+    deadline; with the learned factor they are refused at arrival instead.  0.7x: the learned factor admits
+    requests the unscaled prediction refused, and more finish on time."""
+    machine = LinearStepModel(*(scale * v for v in (CPU_STEP.fixed_s, CPU_STEP.per_token_s, CPU_STEP.per_pair_s,
+                                                    CPU_STEP.per_seq_s)))
+    runs = {learn: [_poisson_run(seed, machine, learn) for seed in range(4)] for learn in (False, True)}
+    assert all(f == pytest.approx(scale, abs=0.02) for _, _, f in runs[True]), runs[True]
+    cut = {k: sum(r[0] for r in v) for k, v in runs.items()}
+    served = {k: sum(r[1] for r in v) for k, v in runs.items()}
+    if scale > 1:
+        assert cut[True] < cut[False] / 2, cut
+    else:
+        assert served[True] > served[False] and cut[True] <= 2, (served, cut)
 
 
 @pytest.mark.parametrize("rows_timed, admitted", [(1, False), (2, True)])
