@@ -75,7 +75,12 @@ def test_a_stream_cut_mid_reply_ends_with_an_error_event(slowing):
     texts = [c["text"] for e in events[:-2] for c in e["choices"]]
     assert texts and all(c["finish_reason"] is None for e in events[:-2] for c in e["choices"])
     slowing.wait_idle()
-    # the openai client raises the error event as its typed APIError
+
+
+# One cut request a server: once steps have run slow, deadline-aware admission scales its predictions by their wall
+# time (deadlines.StepErrors) and refuses the next such request at admission (429), as it should on a slow machine.
+
+def test_the_openai_client_raises_a_stream_cut_mid_reply_as_its_api_error(slowing):
     _slow_from_now(slowing)
     client = openai.OpenAI(base_url=slowing.base_url, api_key="none", max_retries=0)
     with pytest.raises(openai.APIError, match=f"deadline_ms={slowing.deadline_ms} passed after") as e:
@@ -87,16 +92,20 @@ def test_a_stream_cut_mid_reply_ends_with_an_error_event(slowing):
     slowing.wait_idle()
 
 
-def test_n_choices_cut_together_and_no_usage_chunk_after_the_error(slowing):
+def test_n_choices_cut_together(slowing):
     _slow_from_now(slowing)
     t0, deadline = time.monotonic(), slowing.deadline_ms
     r = httpx.post(slowing.url + "/v1/completions", json={**BODY, "n": 2, "deadline_ms": deadline}, timeout=60)
     assert r.status_code == 504 and time.monotonic() - t0 < deadline / 1e3 + 1.0, r.text   # neither ran to its end
     slowing.wait_idle()
+
+
+def test_n_choices_streamed_and_cut_send_no_usage_chunk_after_the_error(slowing):
     _slow_from_now(slowing)
-    body = {**BODY, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "deadline_ms": deadline}
+    body = {**BODY, "n": 2, "stream": True, "stream_options": {"include_usage": True},
+            "deadline_ms": slowing.deadline_ms}
     with httpx.stream("POST", slowing.url + "/v1/completions", json=body, timeout=60) as r:
         events = sse_events(list(r.iter_lines()))
-    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "deadline_exceeded"
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "deadline_exceeded", events[-3:]
     assert not any(e.get("usage") for e in events[:-1]), events[-3:]
     slowing.wait_idle()
