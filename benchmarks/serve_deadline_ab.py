@@ -28,6 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.serve_peers import stop, wait_ready  # noqa: E402
+
 
 def _seeds(text: str) -> list[int]:
     if "-" in text:
@@ -49,14 +51,7 @@ def run_one(tree: str, model: str, seed: int, args, port: int) -> dict:
                            cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2).read()
-                break
-            except OSError:
-                if srv.poll() is not None:
-                    raise SystemExit(f"serve from {tree} exited {srv.returncode}: see {log.name}")
-                time.sleep(1)
+        wait_ready(base + "/v1", srv, Path(log.name))
         load_before = os.getloadavg()[0]
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             subprocess.run([sys.executable, str(HERE / "serve_load.py"), "--url", base + "/v1", "--rate",
@@ -75,11 +70,7 @@ def run_one(tree: str, model: str, seed: int, args, port: int) -> dict:
                 break
             time.sleep(0.3)
     finally:
-        srv.terminate()
-        try:
-            srv.wait(30)
-        except subprocess.TimeoutExpired:
-            srv.kill()
+        stop(srv)
         log.close()
     at_deadline = _metric(metrics, "localinfer_requests_finished_total", 'reason="deadline"')
     refused = _metric(metrics, "localinfer_requests_rejected_total", 'status="429"')

@@ -151,6 +151,12 @@ def decode_step(s: S, r: Request) -> float:
     return s.step_model.seconds([(1, r.n_tokens + rest // 2)] + [(1, x.n_tokens) for x in s.running])
 
 
+def linear(model) -> LinearStepModel | None:
+    """The linear coefficients of a step model (a fitted one's as they now stand), or None."""
+    lin = getattr(model, "model", model)
+    return lin if isinstance(lin, LinearStepModel) else None
+
+
 class StepErrors:
     """How long steps took against the step model, wall clock from one step's completion to the next's (the host's
     work between them, compaction and parking included), over the last ``window`` steps taken straight after
@@ -183,8 +189,8 @@ class StepErrors:
         if len(self.steps) < self.least:
             return 1.0
         seconds, tokens, pairs, chunks, predicted = self._sums
-        lin = getattr(model, "model", model)
-        if isinstance(lin, LinearStepModel):
+        lin = linear(model)
+        if lin is not None:
             predicted = (len(self.steps) * lin.fixed_s + lin.per_token_s * tokens + lin.per_pair_s * pairs
                          + lin.per_seq_s * chunks)
         return min(self.hi, max(self.lo, seconds / predicted)) if predicted > 0 else 1.0

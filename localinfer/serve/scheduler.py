@@ -275,8 +275,10 @@ class Scheduler:
         self.idle_refusals = 0
         self._rows_pending = max(self._rows_pending, sum(1 for c in plan.chunks if c.n_tokens == 1))
         shapes = plan.shapes()
-        predicted = self.step_model.seconds(shapes) if self._last_end is not None and self._deadlines else None
-        fits = getattr(self.step_model, "fits", None)      # read after the prediction: it may have refitted
+        predicted = None
+        if self._last_end is not None and self._deadlines:      # a linear model's is recomputed at each read
+            predicted = 0.0 if deadlines.linear(self.step_model) else self.step_model.seconds(shapes)
+        fits = getattr(self.step_model, "fits", None)
         if fits is None or fits != self._fits:
             self._fits, self.rows_timed = fits, max(self.rows_timed, self._rows_pending)
         if predicted is not None:
