@@ -137,6 +137,28 @@ def test_the_fitted_model_keeps_decode_rows_and_prompt_tokens_apart():
     assert got.per_seq_s / got.per_token_s == pytest.approx(0.0029 / 0.0036, rel=1e-3)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_window_of_equal_decode_steps_keeps_the_prompt_token_as_the_old_model_priced_it(rows):
+    """512 steps of the same number of decode rows (a long reply alone, or three): tokens, chunks and the constant
+    are one column to the fit.  The rows' time is fitted (every such step predicted exactly) and split as the old
+    model split it, so a 300-token prompt is still priced near its cost; a minimum-norm fit halved a row between
+    the fixed time and a token and priced that prompt at 1.87x (1.78x at 3 rows)."""
+    truth = LinearStepModel(0.008, 0.0028, 3e-6, 0.0005)
+    old = LinearStepModel(0.009, 0.0029, 0.0, 0.0006)
+    m = FittedStepModel(old, refit=32)
+    for i in range(512):
+        shapes = [(1, 300 + i + 7 * k) for k in range(rows)]
+        m.observe(shapes, truth.seconds(shapes))
+    got = m.model
+    step = [(1, 900 + 7 * k) for k in range(rows)]
+    assert m.seconds(step) == pytest.approx(truth.seconds(step), rel=1e-6)
+    assert got.per_seq_s / got.per_token_s == pytest.approx(old.per_seq_s / old.per_token_s, rel=1e-6)
+    if rows == 1:               # each open coefficient moved in proportion to its old value and its share of the step
+        assert got.fixed_s / got.per_token_s == pytest.approx(old.fixed_s / old.per_token_s, rel=1e-6)
+    assert got.per_pair_s == pytest.approx(3e-6, rel=1e-6)
+    assert m.seconds([(300, 0)]) == pytest.approx(truth.seconds([(300, 0)]), rel=0.1)
+
+
 def test_calibration_measures_a_chunk_apart_from_a_token():
     """calibrate's steps (a prefill, a decode, two one-token chunks) on the simulated executor, whose clock is a
     known model, give that model back."""

@@ -6,7 +6,7 @@ The model is :class:`~localinfer.serve.step_model.LinearStepModel` (docs/serving
 ``window`` (shape, seconds) pairs; read after ``refit`` more steps, a non-negative least-squares
 fit over them replaces the coefficients, so deadline-aware admission and the
 ITL-target chunk size follow what this machine really does (threads, other load).
-Before any step the model is seeded by :func:`calibrate` (a prefill of ``n`` tokens, one decode step, and a
+Before any step the model is seeded by :func:`calibrate` (a prefill of ``n`` tokens, three decode steps, and a
 step of two one-token chunks).  A term per chunk keeps decode rows and prompt tokens apart: on a CPU a decode row
 costs about twice a prompt token (its logits row, its own pass over the KV), and a model with one per-token
 coefficient, fitted mostly on prompt steps, predicted a 6-row decode step at 34 ms that took 46: deadline-aware
@@ -77,34 +77,46 @@ def robust_fit(obs: np.ndarray, old: LinearStepModel, slack: float = 1.5) -> Lin
 
 
 def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
-    """Least squares T ≈ a + b·tokens + c·pairs + d·chunks with a, b, c, d ≥ 0 (drop a term that comes out
-    negative).  What the steps observed cannot tell apart keeps the old model's split: with as many chunks in every
-    step, the fixed time and the chunks' (a + k·d); with one token a chunk throughout (decode steps only), a row's
-    token and chunk (b + d)."""
-    tokens, pairs, chunks, y = obs[:, 0], obs[:, 1], obs[:, 2], obs[:, 3]
-    k = float(chunks[0])
-    same_k = bool((chunks == k).all())
-    rows = not same_k and bool(np.array_equal(tokens, chunks))
-    cols = [np.ones(len(obs)), tokens, pairs] + ([] if same_k or rows else [chunks])
-    X = np.column_stack(cols)
-    keep = list(range(len(cols)))
-    for _ in range(len(cols)):
-        coef, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+    """Least squares T ≈ a + b·tokens + c·pairs + d·chunks with a, b, c, d ≥ 0 (a term that comes out negative is
+    dropped and the rest fitted again).  What the steps observed cannot tell apart keeps the old model's split: the
+    fit moves the coefficients along the directions the observations leave open (:func:`_solve`) only as far as
+    it must, each in proportion to its old value.  With one decode row a step throughout (a long reply alone),
+    tokens, chunks and the constant are one column: the row's measured time is split between the fixed time, a
+    token and a chunk as the old model split it, where a minimum-norm solution halved it between the fixed time
+    and a token and priced a 300-token prompt at 1.8 times its cost."""
+    X = np.column_stack([np.ones(len(obs)), obs[:, 0], obs[:, 1], obs[:, 2]])
+    y = obs[:, 3]
+    prior = np.array([old.fixed_s, old.per_token_s, old.per_pair_s, old.per_seq_s])
+    keep = [0, 1, 2, 3]
+    for _ in range(4):
+        coef = _solve(X[:, keep], y, prior[keep])
+        coef[np.abs(coef) < 1e-15] = 0.0
         if (coef >= 0).all():
             full = np.zeros(4)
             full[keep] = coef
             if full.sum() <= 0:
                 return old
-            if same_k:              # a = fixed + k·per_seq: the old per-chunk time, as much of it as a holds
-                full[3] = min(old.per_seq_s, full[0] / k) if k > 0 else 0.0
-                full[0] -= k * full[3]
-            elif rows:              # b = per_token + per_seq: split as the old model split a row
-                total = old.per_token_s + old.per_seq_s
-                share = old.per_seq_s / total if total > 0 else 0.0
-                full[1], full[3] = full[1] * (1 - share), full[1] * share
-            return LinearStepModel(float(full[0]), float(full[1]), float(full[2]), float(full[3]))
+            return LinearStepModel(*(float(v) for v in full))
         keep = [i for i, c in zip(keep, coef) if c >= 0] or [0]
     return old
+
+
+def _solve(X: np.ndarray, y: np.ndarray, prior: np.ndarray, rcond: float = 1e-8) -> np.ndarray:
+    """The least-squares coefficients of ``X`` for ``y`` nearest ``prior`` where the observations leave them open
+    (``X``'s null space, its columns scaled to one size first, so a rare prompt step still tells a token from the
+    constant): among the equally good fits, the one least far from ``prior`` in Σ (θ − prior)² / prior, which
+    moves each open coefficient in proportion to its prior value (one at 0 stays there)."""
+    scale = np.sqrt(np.mean(X * X, axis=0))
+    scale[scale == 0] = 1.0
+    U, S, Vt = np.linalg.svd(X / scale, full_matrices=False)
+    rank = int((S > S[0] * rcond).sum()) if S.size and S[0] > 0 else 0
+    theta = Vt[:rank].T @ ((U[:, :rank].T @ y) / S[:rank]) / scale
+    if rank < X.shape[1]:
+        null = Vt[rank:].T / scale[:, None]                  # X @ null ≈ 0: the directions the steps leave open
+        w = np.maximum(prior, 1e-6 * max(float(prior.max()), 1e-9))
+        shift, *_ = np.linalg.lstsq(null / np.sqrt(w)[:, None], (prior - theta) / np.sqrt(w), rcond=None)
+        theta = theta + null @ shift
+    return theta
 
 
 class TimedExecutor(ExecutorWrapper):
@@ -134,36 +146,46 @@ class TimedExecutor(ExecutorWrapper):
         return rows
 
 
+DECODES = 3     # calibration's decode steps, the fastest taken: a server started beside its clients' start-up
+                # (a load generator importing its libraries on the same two cores) timed its one decode at 85 ms
+                # where it takes 11, and priced every step 8x until its first refit
+
+
 def calibrate(executor, n: int = 64) -> LinearStepModel:
-    """Seed coefficients from steps on slots 0 and 1 (a prefill of n tokens on slot 0, then one decode; then,
-    where there are two slots and cells for both, steps of slot 0's decode beside slot 1's first token, the
-    faster of two, whose extra time over the decode is one more token and one more chunk), dropped afterwards.
+    """Seed coefficients from steps on slots 0 and 1 (a prefill of n tokens on slot 0, then ``DECODES`` decodes,
+    the fastest; then, where there are two slots and cells for both, steps of slot 0's decode beside slot 1's first
+    token, the faster of two, whose extra time over the decode is one more token and one more chunk), dropped
+    afterwards.
 
     A paging executor (``block_size``) gets the pool's first blocks as the slots' tables (before any block
     manager hands blocks out)."""
     caps = executor.caps
-    cells = min(c for c in (caps.n_cells, caps.slot_cells, n + 1) if c)
-    n = max(2, min(n, cells - 1))
+    cells = min(c for c in (caps.n_cells, caps.slot_cells, n + DECODES) if c)
+    n = max(2, min(n, cells - DECODES))
     tokens = tuple(i % max(1, executor.n_vocab - 1) + 1 for i in range(n))
     p = caps.block_size
-    blocks = tuple(range(-(-(n + 1) // p))) if p else ()
+    blocks = tuple(range(-(-(n + DECODES) // p))) if p else ()
     t0 = executor.clock()
     executor.step([Chunk(0, tokens, 0, True, blocks=blocks)])
-    t1 = executor.clock()
-    executor.step([Chunk(0, (1,), n, True, blocks=blocks)])
-    t2 = executor.clock()
-    decode, prefill = t2 - t1, t1 - t0
+    prefill = executor.clock() - t0
+    steps = []
+    for k in range(DECODES):
+        t = executor.clock()
+        executor.step([Chunk(0, (1,), n + k, True, blocks=blocks)])
+        steps.append(executor.clock() - t)
+    decode = min(steps)
     per_token = max(0.0, (prefill - decode) / (n - 1))
     per_seq = 0.0
-    longer = tuple(range(-(-(n + 3) // p))) if p else ()                      # slot 0's n + 3 positions
+    held = n + DECODES                                                        # slot 0's positions now
+    longer = tuple(range(-(-(held + 2) // p))) if p else ()                   # slot 0's after two more
     other = tuple(range(len(longer), len(longer) + -(-2 // p))) if p else ()  # slot 1's two
-    need = (len(longer) + len(other)) * p if p else n + 5
+    need = (len(longer) + len(other)) * p if p else held + 4
     if (getattr(executor, "n_slots", 1) >= 2 and (not caps.n_cells or caps.n_cells >= need)
-            and (not caps.slot_cells or caps.slot_cells >= n + 3)):
+            and (not caps.slot_cells or caps.slot_cells >= held + 2)):
         pair = []
         for k in range(2):        # the first of a new shape may pay for its graph: the faster of two
             t = executor.clock()
-            executor.step([Chunk(0, (1,), n + 1 + k, True, blocks=longer), Chunk(1, (1,), k, True, blocks=other)])
+            executor.step([Chunk(0, (1,), held + k, True, blocks=longer), Chunk(1, (1,), k, True, blocks=other)])
             pair.append(executor.clock() - t)
         executor.drop(1)
         per_seq = min(max(0.0, min(pair) - decode - per_token), max(0.0, decode - per_token - 1e-4))
