@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from localinfer.model.cost import attention_pairs
-from localinfer.serve.step_model import LinearStepModel
+from localinfer.serve.step_model import LinearStepModel, features
 
 if TYPE_CHECKING:
     from localinfer.serve.request import Request
@@ -161,21 +160,20 @@ class StepErrors:
     """How long steps took against the step model, wall clock from one step's completion to the next's (the host's
     work between them, compaction and parking included), over the last ``window`` steps taken straight after
     another.  :meth:`factor` is their wall time over what the model *as it now stands* predicts for them (a linear
-    model's coefficients applied to the steps' summed tokens, pairs and chunks; for another model, the predictions
+    model's coefficients applied to the steps' summed features; for another model, the predictions
     made at each step), within [``lo``, ``hi``] once ``least`` are in (1 before); it scales every predicted path.
     Predictions kept from before a refit would go on correcting an error the refitted model no longer makes."""
 
     def __init__(self, window: int = 256, least: int = 16, lo: float = 0.7, hi: float = 2.0):
         self.least, self.lo, self.hi = least, lo, hi
-        self.steps: deque[tuple[float, float, float, float, float]] = deque(maxlen=window)
-        self._sums = [0.0] * 5          # seconds, tokens, pairs, chunks, predicted
+        self.steps: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._sums = [0.0] * 6          # seconds, the step_model.features (4), predicted
         self.seen = 0                   # steps observed in all
 
     def observe(self, seconds: float, shapes, predicted: float) -> None:
         if seconds < 0 or not shapes:
             return
-        row = (seconds, float(sum(c for c, _ in shapes)), float(sum(attention_pairs(c, h) for c, h in shapes)),
-               float(len(shapes)), predicted)
+        row = (seconds, *features(shapes), predicted)
         if len(self.steps) == self.steps.maxlen:
             for i, v in enumerate(self.steps[0]):
                 self._sums[i] -= v
@@ -188,9 +186,8 @@ class StepErrors:
         """The scale, against ``model`` (the scheduler's step model) where it is linear."""
         if len(self.steps) < self.least:
             return 1.0
-        seconds, tokens, pairs, chunks, predicted = self._sums
+        seconds, *feats, predicted = self._sums
         lin = linear(model)
         if lin is not None:
-            predicted = (len(self.steps) * lin.fixed_s + lin.per_token_s * tokens + lin.per_pair_s * pairs
-                         + lin.per_seq_s * chunks)
+            predicted = lin.predict(feats, len(self.steps))
         return min(self.hi, max(self.lo, seconds / predicted)) if predicted > 0 else 1.0

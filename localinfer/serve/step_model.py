@@ -7,7 +7,11 @@ pairs (a decode token after h cached ones: h + 1).  Two models:
 - ``LinearStepModel``: T = fixed + per_token·Σc + per_pair·ΣN (e.g. 26.22 ms +
   30.4 µs/token + 3 ns/pair: 26.26 ms for one decode at 2K, 94.8 ms for a 2K prefill), plus per_seq for each
   chunk (a sequence's own work in the step: its logits row, its rows of the mask; 0 unless fitted: on a CPU a
-  decode row costs about twice a prompt token, 6.5 against 3.6 ms for SmolLM2 on two cores);
+  decode row costs about twice a prompt token, 6.5 against 3.6 ms for SmolLM2 on two cores), and, where given,
+  per_row_pair for the pairs of chunks shorter than ``ROW_CHUNK`` in place of per_pair (serve's fitted model: on
+  a CPU such rows walk their cells one by one, a pair 4.8-6.4 µs for SmolLM2 on two cores, while a prompt's
+  tiles share the walk and its pairs cost nearly nothing beside its tokens: one per_pair for both priced a
+  300-token prompt 27% long once set from a decode row);
 - ``SpeedStepModel``: a device profile's roofline (``plan.speed.SpeedModel``):
   one decode round for the one-token chunks plus each prompt chunk's prefill.
 """
@@ -23,6 +27,20 @@ from localinfer.errors import UsageError
 from localinfer.model.cost import attention_pairs
 
 ChunkShape = tuple[int, int]    # (new tokens c, tokens already held h)
+ROW_CHUNK = 64                  # chunks shorter than this are computed row by row (ggml-cpu's flash attention tiles
+                                # the query only in ubatches of 64 rows or more; llama.cpp's executor runs them apart)
+
+
+def features(chunks: Sequence[ChunkShape]) -> tuple[float, float, float, float]:
+    """A step's (tokens, pairs of chunks of ``ROW_CHUNK`` tokens or more, pairs of shorter ones, chunks)."""
+    tokens = pairs = rows = 0
+    for c, h in chunks:
+        tokens += c
+        if c < ROW_CHUNK:
+            rows += attention_pairs(c, h)
+        else:
+            pairs += attention_pairs(c, h)
+    return float(tokens), float(pairs), float(rows), float(len(chunks))
 
 
 class StepModel(Protocol):
@@ -36,6 +54,18 @@ class LinearStepModel:
     per_token_s: float
     per_pair_s: float
     per_seq_s: float = 0.0      # each chunk of the step (fitted by serve's step timing; --step-model leaves it 0)
+    per_row_pair_s: float | None = None     # a pair of a chunk shorter than ROW_CHUNK (None: per_pair_s)
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        """(fixed, per token, per pair, per row pair, per chunk): what :func:`features` are weighed by."""
+        row = self.per_pair_s if self.per_row_pair_s is None else self.per_row_pair_s
+        return self.fixed_s, self.per_token_s, self.per_pair_s, row, self.per_seq_s
+
+    def predict(self, feats: Sequence[float], steps: float = 1.0) -> float:
+        """The time of ``steps`` steps whose :func:`features` sum to ``feats``."""
+        fixed, *per = self.coefficients
+        return steps * fixed + sum(c * f for c, f in zip(per, feats))
 
     @classmethod
     def parse(cls, text: str, flag: str = "--step-model") -> LinearStepModel:
@@ -52,11 +82,7 @@ class LinearStepModel:
         return cls(ms * 1e-3, us * 1e-6, ns * 1e-9)
 
     def seconds(self, chunks: Sequence[ChunkShape]) -> float:
-        if not chunks:
-            return 0.0
-        new = sum(c for c, _ in chunks)
-        pairs = sum(attention_pairs(c, h) for c, h in chunks)
-        return self.fixed_s + self.per_token_s * new + self.per_pair_s * pairs + self.per_seq_s * len(chunks)
+        return self.predict(features(chunks)) if chunks else 0.0
 
 
 class SpeedStepModel:

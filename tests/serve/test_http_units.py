@@ -143,8 +143,8 @@ def test_a_window_of_equal_decode_steps_keeps_the_prompt_token_as_the_old_model_
     are one column to the fit.  The rows' time is fitted (every such step predicted exactly) and split as the old
     model split it, so a 300-token prompt is still priced near its cost; a minimum-norm fit halved a row between
     the fixed time and a token and priced that prompt at 1.87x (1.78x at 3 rows)."""
-    truth = LinearStepModel(0.008, 0.0028, 3e-6, 0.0005)
-    old = LinearStepModel(0.009, 0.0029, 0.0, 0.0006)
+    truth = LinearStepModel(0.008, 0.0028, 0.0, 0.0005, 3e-6)
+    old = LinearStepModel(0.009, 0.0029, 1e-9, 0.0006, 0.0)
     m = FittedStepModel(old, refit=32)
     for i in range(512):
         shapes = [(1, 300 + i + 7 * k) for k in range(rows)]
@@ -155,7 +155,7 @@ def test_a_window_of_equal_decode_steps_keeps_the_prompt_token_as_the_old_model_
     assert got.per_seq_s / got.per_token_s == pytest.approx(old.per_seq_s / old.per_token_s, rel=1e-6)
     if rows == 1:               # each open coefficient moved in proportion to its old value and its share of the step
         assert got.fixed_s / got.per_token_s == pytest.approx(old.fixed_s / old.per_token_s, rel=1e-6)
-    assert got.per_pair_s == pytest.approx(3e-6, rel=1e-6)
+    assert (got.per_row_pair_s, got.per_pair_s) == pytest.approx((3e-6, 1e-9), rel=1e-6)   # no prompt: its pairs as were
     assert m.seconds([(300, 0)]) == pytest.approx(truth.seconds([(300, 0)]), rel=0.1)
 
 
@@ -297,9 +297,10 @@ def test_a_few_stalled_steps_do_not_move_the_fitted_step_model():
 
     rng = np.random.default_rng(3)
     tokens = rng.integers(1, 60, 200).astype(float)
-    # (tokens, pairs, chunks, seconds): one chunk a step
-    obs = np.column_stack([tokens, np.zeros(200), np.ones(200), 0.040 + 0.002 * tokens + rng.normal(0, 0.001, 200)])
-    obs[[10, 30, 55, 90, 120, 150, 170, 190], 3] = 2.0
+    # (tokens, pairs, row pairs, chunks, seconds): one chunk a step
+    obs = np.column_stack([tokens, np.zeros(200), np.zeros(200), np.ones(200),
+                           0.040 + 0.002 * tokens + rng.normal(0, 0.001, 200)])
+    obs[[10, 30, 55, 90, 120, 150, 170, 190], 4] = 2.0
     old = LinearStepModel(0.03, 0.001, 0.0)
     plain, robust = _fit(obs, old), robust_fit(obs, old)
     for tokens, truth in ((1, 0.042), (30, 0.100)):     # a decode, a decode step with a 29-token chunk

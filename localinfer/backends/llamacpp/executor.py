@@ -5,8 +5,7 @@ One context holds ``n_slots`` sequence ids over ``n_cells`` KV cells, in one str
 one run again, compaction.py) or a stream per slot (``unified=False``: each slot's cells laid out as a solo
 context's, where a token is computed exactly as alone).  A step is one batch of every chunk (split only past
 ``n_batch`` tokens or ``n_outputs_max`` logit rows, and short rows first in a call of their own: ``split_short``);
-``drop`` is ``llama_memory_seq_rm``; ``cells_used`` is llama.cpp's own count.  A step either appends every chunk or
-leaves every slot as it was.
+``drop`` is ``llama_memory_seq_rm``; ``cells_used`` is llama.cpp's own count.  A step appends every chunk or none.
 
 On a recurrent or hybrid model (``snapshots``) a slot's recurrent state is saved to host memory (``snapshot``:
 llama.cpp's partial sequence state, ``seq_state.py``) and a slot taken back to one (``rewind``), so its tail can be
@@ -41,15 +40,13 @@ from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state,
 from localinfer.errors import ContextFullError, LocalinferError
 from localinfer.util.hostmem import host_cache_budget
 
+FILL_BYTES = 256 << 20      # the most KV state ``fill`` writes (SmolLM2: 11,000 positions; a 70B model's f16 KV: ~800)
+
 
 class LlamaCppExecutor(ExecutorBase):
-    """The :class:`~localinfer.backends.executor.Executor` contract on one llama.cpp context.
-
-    ``engine`` is the underlying :class:`LlamaCppEngine` (tokenizer, EOS ids,
-    memory figures); do not evaluate through it while the executor is in use.
-    ``decode_seconds`` and ``steps`` add up the time spent inside
-    ``llama_decode`` and the steps taken (step overhead = wall time - decode time).
-    """
+    """The :class:`~localinfer.backends.executor.Executor` contract on one llama.cpp context.  ``engine`` is the
+    underlying :class:`LlamaCppEngine` (tokenizer, EOS ids, memory figures; evaluate nothing through it meanwhile);
+    ``decode_seconds`` and ``steps`` add up the time inside ``llama_decode`` and the steps taken."""
 
     verifies_drafts = True      # honours Chunk.n_logits (several logits rows of one chunk); not on recurrent models
     interrupts_steps = True     # a graph on the CPU stops at its next node; elsewhere before the next llama_decode
@@ -82,8 +79,7 @@ class LlamaCppExecutor(ExecutorBase):
         self.split_short = (on_cpu and plan.flash_attn is not False and min(plan.n_ubatch, plan.n_batch) >= FA_TILE_ROWS
                             and not _L.llama_model_is_recurrent(model))   # short chunks in a call of their own
         self._len = [0] * self.n_slots
-        # a one-sequence state this executor can cut: one unified stream, no sliding-window cache (whose cells a
-        # sequence's state leaves out once masked), no per-cell extension; a probe below checks a blob round-trips
+        # a state this can cut: one unified stream, no sliding window (masked cells left out), no per-cell extension
         self.parks_in_host = (park_host and self.drops_tail and self.unified and not self._ext_bytes
                               and int(_L.llama_model_n_swa(model)) == 0)
         # each sequence's cells in one run now and then (compaction.py): one unified stream on the CPU, no SWA or M-RoPE
@@ -248,6 +244,16 @@ class LlamaCppExecutor(ExecutorBase):
         self._freed(slot)
         return True
 
+    def fill(self, src: int, dst: int, n_tokens: int) -> int:
+        """Empty ``dst`` gets up to ``n_tokens`` positions (FILL_BYTES of state at most) repeating ``src``'s K and V,
+        nothing computed: a wide view to time steps over (calibration), never text.  Its positions (0: it cannot)."""
+        n = min(n_tokens, FILL_BYTES // max(1, self.position_bytes))
+        if (not self.parks_in_host or self._len[dst] or not self._len[src] or {src, dst} & self._host.keys()
+                or n <= self._len[src] or not seq_state.write_tiled(self.engine.context, src, dst, n)):
+            return 0
+        self._len[dst] = n
+        return n
+
     def host_cells(self) -> int:
         """Positions the host budget holds, parked states' fixed headers aside (0 without ``parks_in_host``):
         how far an engine's cache may reach past the cells."""
@@ -356,8 +362,7 @@ class LlamaCppExecutor(ExecutorBase):
             return 0
         return len(self.cells())
 
-    def clock(self) -> float:
-        return time.perf_counter()
+    clock = staticmethod(time.perf_counter)
 
     # ---- inspection -----------------------------------------------------------
     def slot_len(self, slot: int) -> int:

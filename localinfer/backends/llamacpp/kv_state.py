@@ -5,7 +5,8 @@
                   | u32 v_trans | u32 n_layer | K rows per layer | V rows per layer
 
 :func:`parse_kv_state` lists every cell of a whole-context state (the executor's ``cells()``);
-:func:`cut_seq_state` keeps a one-sequence state's cells at some positions (a parked slot's write-back).
+:func:`cut_seq_state` keeps a one-sequence state's cells at some positions (a parked slot's write-back);
+:func:`tile_seq_state` repeats them to more positions (a wide KV view to time a step on, nothing computed).
 """
 
 from __future__ import annotations
@@ -86,6 +87,33 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
         raise UnsupportedModelError(f"llama.cpp's sequence state has {blob.size - off} unread bytes",
                                     hint="this llama-cpp-python may be too new or old")
     return np.concatenate(parts), kept
+
+
+def tile_seq_state(blob: np.ndarray, n: int) -> np.ndarray:
+    """A one-sequence state (:func:`cut_seq_state`'s layout) of ``n`` cells at positions 0..n-1, cell i's K and V
+    rows those of the state's cell i mod its count: KV no prompt computed, for timing a step over a wide view."""
+    view = memoryview(blob)
+    magic, _seq, n_stream = HEADER.unpack_from(view)
+    if magic != IO_MAGIC or n_stream != 1:
+        raise UnsupportedModelError(f"llama.cpp's sequence state has magic {magic:#x} and {n_stream} streams",
+                                    hint="this llama-cpp-python may be too new or old")
+    (count,), off = struct.unpack_from("<I", view, HEADER.size), HEADER.size + 4
+    if not count:
+        raise ValueError("an empty sequence state has no cells to repeat")
+    idx = np.arange(n) % count
+    meta = blob[off:off + count * 12].reshape(count, 12)[idx].copy()
+    meta[:, :4] = np.arange(n, dtype="<i4").view(np.uint8).reshape(n, 4)
+    off += count * 12
+    parts = [blob[:HEADER.size], np.frombuffer(struct.pack("<I", n), np.uint8), meta.ravel(), blob[off:off + 8]]
+    blocks, end = _row_blocks(view, off, count)
+    for head, start, shape in blocks:
+        rows = blob[start:start + int(np.prod(shape))].reshape(shape)
+        tiled = rows[idx] if len(shape) == 2 else rows[:, idx]
+        parts += [blob[head:start], tiled.ravel()]
+    if end != blob.size:
+        raise UnsupportedModelError(f"llama.cpp's sequence state has {blob.size - end} unread bytes",
+                                    hint="this llama-cpp-python may be too new or old")
+    return np.concatenate(parts)
 
 
 def _skip_rows(blob, off: int, count: int) -> int:

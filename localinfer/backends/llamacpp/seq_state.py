@@ -23,7 +23,7 @@ import llama_cpp as _L
 import numpy as np
 
 from localinfer.backends.executor import SeqState
-from localinfer.backends.llamacpp.kv_state import HEADER
+from localinfer.backends.llamacpp.kv_state import HEADER, tile_seq_state
 from localinfer.errors import LocalinferError
 from localinfer.util.hostmem import host_buffer
 
@@ -92,6 +92,13 @@ def write_cells(ctx, seq: int, blob: np.ndarray) -> bool:
         return True
     _L.llama_memory_seq_rm(_L.llama_get_memory(ctx), seq, -1, -1)
     return False
+
+
+def write_tiled(ctx, src: int, dst: int, n: int) -> bool:
+    """``dst`` (holding no cells) gets ``n`` positions whose K and V repeat ``src``'s cells (:func:`tile_seq_state`);
+    False when llama.cpp refused them (no run of ``n`` free cells)."""
+    blob = read_cells(ctx, src, buffer=scratch)
+    return blob is not None and write_cells(ctx, dst, tile_seq_state(blob, n))
 
 
 def whole(ctx) -> memoryview:

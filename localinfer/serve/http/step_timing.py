@@ -22,9 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from localinfer.model.cost import attention_pairs
 from localinfer.backends.executor import Chunk, ExecutorWrapper
-from localinfer.serve.step_model import LinearStepModel
+from localinfer.serve.step_model import LinearStepModel, features
 
 
 class FittedStepModel:
@@ -37,7 +36,7 @@ class FittedStepModel:
 
     def __init__(self, initial: LinearStepModel, *, window: int = 512, refit: int = 32):
         self._model = initial
-        self._obs: deque[tuple[float, float, float, float]] = deque(maxlen=window)   # (tokens, pairs, chunks, s)
+        self._obs: deque[tuple[float, ...]] = deque(maxlen=window)   # (features' tokens, pairs, row pairs, chunks, s)
         self._refit, self._since = refit, 0
         self.fits = 0           # refits made (the scheduler's deadline predictions watch it)
         self._lock = threading.Lock()
@@ -58,10 +57,9 @@ class FittedStepModel:
         return self.model.seconds(chunks)
 
     def observe(self, shapes: Sequence[tuple[int, int]], seconds: float) -> None:
-        tokens = sum(c for c, _ in shapes)
-        pairs = sum(attention_pairs(c, h) for c, h in shapes)
+        row = (*features(shapes), seconds)
         with self._lock:
-            self._obs.append((tokens, pairs, len(shapes), seconds))
+            self._obs.append(row)
             self._since += 1
 
 
@@ -71,34 +69,39 @@ def robust_fit(obs: np.ndarray, old: LinearStepModel, slack: float = 1.5) -> Lin
     fitted again.  A plain least-squares fit follows them up: a few 2 s stalls among 35 ms steps doubled every
     prediction, and the gap bound (``max_gap_s``) then cut prompt chunks to nothing."""
     first = _fit(obs, old)
-    pred = first.fixed_s + first.per_token_s * obs[:, 0] + first.per_pair_s * obs[:, 1] + first.per_seq_s * obs[:, 2]
-    calm = obs[obs[:, 3] <= slack * pred + 1e-3]
+    calm = obs[obs[:, -1] <= slack * (_design(obs) @ np.array(first.coefficients)) + 1e-3]
     return _fit(calm, first) if len(calm) >= 8 and len(calm) < len(obs) else first
 
 
 def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
-    """Least squares T ≈ a + b·tokens + c·pairs + d·chunks with a, b, c, d ≥ 0 (a term that comes out negative is
-    dropped and the rest fitted again).  What the steps observed cannot tell apart keeps the old model's split: the
-    fit moves the coefficients along the directions the observations leave open (:func:`_solve`) only as far as
-    it must, each in proportion to its old value.  With one decode row a step throughout (a long reply alone),
-    tokens, chunks and the constant are one column: the row's measured time is split between the fixed time, a
-    token and a chunk as the old model split it, where a minimum-norm solution halved it between the fixed time
-    and a token and priced a 300-token prompt at 1.8 times its cost."""
-    X = np.column_stack([np.ones(len(obs)), obs[:, 0], obs[:, 1], obs[:, 2]])
-    y = obs[:, 3]
-    prior = np.array([old.fixed_s, old.per_token_s, old.per_pair_s, old.per_seq_s])
-    keep = [0, 1, 2, 3]
-    for _ in range(4):
+    """Least squares T ≈ a + b·tokens + c·pairs + e·row pairs + d·chunks (``step_model.features``) with every
+    coefficient ≥ 0 (a term that comes out negative is dropped and the rest fitted again).  What the
+    steps observed cannot tell apart keeps the old model's split: the fit moves the coefficients along the
+    directions the observations leave open (:func:`_solve`) only as far as it must, each in proportion to its old
+    value.  With one decode row a step throughout (a long reply alone), tokens, chunks and the constant are one
+    column: the row's measured time is split between the fixed time, a token and a chunk as the old model split
+    it, where a minimum-norm solution halved it between the fixed time and a token and priced a 300-token prompt
+    at 1.8 times its cost; with no prompt in the window, a prompt's pairs keep their old price."""
+    X, y = _design(obs), obs[:, -1]
+    prior = np.array(old.coefficients)
+    keep = list(range(X.shape[1]))
+    for _ in range(X.shape[1]):
         coef = _solve(X[:, keep], y, prior[keep])
         coef[np.abs(coef) < 1e-15] = 0.0
         if (coef >= 0).all():
-            full = np.zeros(4)
+            full = np.zeros(X.shape[1])
             full[keep] = coef
             if full.sum() <= 0:
                 return old
-            return LinearStepModel(*(float(v) for v in full))
+            fixed, token, pair, row, seq = (float(v) for v in full)
+            return LinearStepModel(fixed, token, pair, seq, row)
         keep = [i for i, c in zip(keep, coef) if c >= 0] or [0]
     return old
+
+
+def _design(obs: np.ndarray) -> np.ndarray:
+    """The observations' columns the coefficients weigh: a constant, then their features."""
+    return np.column_stack([np.ones(len(obs)), obs[:, :-1]])
 
 
 def _solve(X: np.ndarray, y: np.ndarray, prior: np.ndarray, rcond: float = 1e-8) -> np.ndarray:
@@ -146,6 +149,7 @@ class TimedExecutor(ExecutorWrapper):
         return rows
 
 
+WIDE = 2048     # positions of calibration's long decode row (from it: a row's cost per position it attends to)
 DECODES = 3     # calibration's decode steps, the fastest taken: a server started beside its clients' start-up
                 # (a load generator importing its libraries on the same two cores) timed its one decode at 85 ms
                 # where it takes 11, and priced every step 8x until its first refit
@@ -154,8 +158,10 @@ DECODES = 3     # calibration's decode steps, the fastest taken: a server starte
 def calibrate(executor, n: int = 64) -> LinearStepModel:
     """Seed coefficients from steps on slots 0 and 1 (a prefill of n tokens on slot 0, then ``DECODES`` decodes,
     the fastest; then, where there are two slots and cells for both, steps of slot 0's decode beside slot 1's first
-    token, the faster of two, whose extra time over the decode is one more token and one more chunk), dropped
-    afterwards.
+    token, the faster of two, whose extra time over the decode is one more token and one more chunk; then a decode
+    row ``WIDE`` positions long: :func:`_per_row_pair`), dropped afterwards.  A prompt's pairs are left at 0: its
+    tiles share the walk over its cells, and their cost is in its tokens' (a decode row's 4.8-6.4 µs a pair on a
+    CPU priced a 300-token prompt 27% long).
 
     A paging executor (``block_size``) gets the pool's first blocks as the slots' tables (before any block
     manager hands blocks out)."""
@@ -189,5 +195,31 @@ def calibrate(executor, n: int = 64) -> LinearStepModel:
             pair.append(executor.clock() - t)
         executor.drop(1)
         per_seq = min(max(0.0, min(pair) - decode - per_token), max(0.0, decode - per_token - 1e-4))
+        held += 2
+    pairs = n + 1 + steps.index(decode)                 # the fastest decode's row: its position + 1
+    per_row_pair = _per_row_pair(executor, held, decode, pairs)
     executor.drop(0)
-    return LinearStepModel(max(decode - per_token - per_seq, 1e-4), per_token, 0.0, per_seq)
+    fixed = max(decode - per_token - per_seq - per_row_pair * pairs, 1e-4)
+    return LinearStepModel(fixed, per_token, 0.0, per_seq, per_row_pair)
+
+
+def _per_row_pair(executor, held: int, decode: float, pairs: int, wide: int = WIDE) -> float:
+    """A decode row's cost per position it attends to: a row ``wide`` positions long against calibrate's
+    (``decode`` seconds over ``pairs``), the faster of two.  Slot 1's positions are placeholders (``fill``: slot 0's
+    K and V repeated, nothing computed).  0 where the executor cannot fill them or has no room."""
+    fill, caps = getattr(executor, "fill", None), executor.caps
+    wide = min(wide, (caps.slot_cells or wide + 2) - 2, (caps.n_cells or wide + held + 2) - held - 2)
+    if fill is None or caps.block_size or getattr(executor, "n_slots", 1) < 2 or wide <= 4 * pairs:
+        return 0.0
+    got = fill(0, 1, wide)
+    if not got:
+        return 0.0
+    times = []
+    try:
+        for k in range(2):
+            t = executor.clock()
+            executor.step([Chunk(1, (1,), got + k, True)])
+            times.append(executor.clock() - t)
+    finally:
+        executor.drop(1)
+    return max(0.0, (min(times) - decode) / (got + 1 + times.index(min(times)) - pairs))
