@@ -78,15 +78,15 @@ def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
     coefficient ≥ 0 (a term that comes out negative is dropped and the rest fitted again).  What the
     steps observed cannot tell apart keeps the old model's split: the fit moves the coefficients along the
     directions the observations leave open (:func:`_solve`) only as far as it must, each in proportion to its old
-    value.  With one decode row a step throughout (a long reply alone), tokens, chunks and the constant are one
-    column: the row's measured time is split between the fixed time, a token and a chunk as the old model split
-    it, where a minimum-norm solution halved it between the fixed time and a token and priced a 300-token prompt
-    at 1.8 times its cost; with no prompt in the window, a prompt's pairs keep their old price."""
+    value (a token's hardly: ``GIVE``).  With one decode row a step throughout (a long reply alone), tokens, chunks
+    and the constant are one column: the row's measured time is split between the fixed time and a chunk, a prompt
+    token and a prompt's pairs keeping their old price, where a minimum-norm solution halved it between the fixed
+    time and a token and priced a 300-token prompt at 1.8 times its cost."""
     X, y = _design(obs), obs[:, -1]
     prior = np.array(old.coefficients)
     keep = list(range(X.shape[1]))
     for _ in range(X.shape[1]):
-        coef = _solve(X[:, keep], y, prior[keep])
+        coef = _solve(X[:, keep], y, prior[keep], GIVE[keep])
         coef[np.abs(coef) < 1e-15] = 0.0
         if (coef >= 0).all():
             full = np.zeros(X.shape[1])
@@ -99,16 +99,23 @@ def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
     return old
 
 
+# how readily each coefficient (fixed, token, pair, row pair, chunk) takes a change the steps leave open: a prompt
+# token's price is told only by prompt steps, so in a window without one the fixed time and a chunk's take the decode
+# rows' change (moved in proportion, a token's too, an intercept extrapolated from rows 300-1,000 positions long --
+# where the machine's drift over one long reply reads as a slope -- priced a prompt 0.72x)
+GIVE = np.array([1.0, 1e-3, 1.0, 1.0, 1.0])
+
+
 def _design(obs: np.ndarray) -> np.ndarray:
     """The observations' columns the coefficients weigh: a constant, then their features."""
     return np.column_stack([np.ones(len(obs)), obs[:, :-1]])
 
 
-def _solve(X: np.ndarray, y: np.ndarray, prior: np.ndarray, rcond: float = 1e-8) -> np.ndarray:
+def _solve(X: np.ndarray, y: np.ndarray, prior: np.ndarray, give: np.ndarray, rcond: float = 1e-8) -> np.ndarray:
     """The least-squares coefficients of ``X`` for ``y`` nearest ``prior`` where the observations leave them open
     (``X``'s null space, its columns scaled to one size first, so a rare prompt step still tells a token from the
-    constant): among the equally good fits, the one least far from ``prior`` in Σ (θ − prior)² / prior, which
-    moves each open coefficient in proportion to its prior value (one at 0 stays there)."""
+    constant): among the equally good fits, the one least far from ``prior`` in Σ (θ − prior)² / (prior·give),
+    which moves each open coefficient in proportion to its prior value times its ``give`` (one at 0 stays)."""
     scale = np.sqrt(np.mean(X * X, axis=0))
     scale[scale == 0] = 1.0
     U, S, Vt = np.linalg.svd(X / scale, full_matrices=False)
@@ -116,7 +123,7 @@ def _solve(X: np.ndarray, y: np.ndarray, prior: np.ndarray, rcond: float = 1e-8)
     theta = Vt[:rank].T @ ((U[:, :rank].T @ y) / S[:rank]) / scale
     if rank < X.shape[1]:
         null = Vt[rank:].T / scale[:, None]                  # X @ null ≈ 0: the directions the steps leave open
-        w = np.maximum(prior, 1e-6 * max(float(prior.max()), 1e-9))
+        w = np.maximum(prior, 1e-6 * max(float(prior.max()), 1e-9)) * give
         shift, *_ = np.linalg.lstsq(null / np.sqrt(w)[:, None], (prior - theta) / np.sqrt(w), rcond=None)
         theta = theta + null @ shift
     return theta
