@@ -3,13 +3,13 @@
 Reads ``serve --step-log`` files (one JSON line a step: its chunks as [request, start, tokens, ...], its start and end),
 turns each step into the features a linear step model can weigh, and fits them by non-negative least squares:
 
-- ``base``: fixed + tokens + causal pairs + chunks (serve's fitted LinearStepModel today);
+- ``base``: fixed + tokens + causal pairs + chunks (serve's fitted LinearStepModel before the seventeenth session);
 - ``view``: the same + decode rows x the step's view (the positions every chunk of the step holds after it, the
   cells llama.cpp's attention walks for each row on a CPU: ggml's flash attention visits every cell of the view,
   masked or not);
 - ``view-all``: the same with every chunk's rows (a prompt's tokens too) against the view;
-- ``split-pairs``: base with the decode rows' pairs a term apart from the prompts' (a row walks its cells one by
-  one, a prompt's tile shares the walk).
+- ``split-pairs``: base with the pairs of chunks under ``ROW_CHUNK`` tokens (decode rows) a term apart from the
+  prompts' (a row walks its cells one by one, a prompt's tile shares the walk): serve's model since then.
 
 Each model is fitted on the steps with at most ``--train-rows`` decode rows and judged on all, by the number of
 decode rows: median and p90 of |predicted - actual| / actual, and the median signed error (negative: the model
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from localinfer.model.cost import attention_pairs  # noqa: E402
 from localinfer.serve.step_log import read_step_log  # noqa: E402
+from localinfer.serve.step_model import ROW_CHUNK  # noqa: E402
 
 
 def steps(paths) -> list[tuple[list[tuple[int, int]], float]]:
@@ -56,7 +57,7 @@ def features(shapes, model: str) -> list[float]:
     f = [1.0, float(sum(c for c, _ in shapes)), float(sum(attention_pairs(c, h) for c, h in shapes)),
          float(len(shapes))]
     if model == "split-pairs":      # the decode rows' pairs apart from the prompts'
-        f.append(float(sum(attention_pairs(c, h) for c, h in shapes if c == 1)))
+        f.append(float(sum(attention_pairs(c, h) for c, h in shapes if c < ROW_CHUNK)))
         f[2] -= f[4]
     elif model != "base":
         rows = sum(c for c, _ in shapes if model == "view-all" or c == 1)

@@ -107,12 +107,19 @@ class SpeedStepModel:
 
 def chunk_for_target(model: StepModel, target_s: float, others: Sequence[ChunkShape], cached: int,
                      limit: int) -> int:
-    """Largest c ≤ limit whose step (``others`` plus a chunk of c after ``cached``) stays ≤ target_s; 0 if none."""
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if model.seconds([*others, (mid, cached)]) <= target_s:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Largest c ≤ limit whose step (``others`` plus a chunk of c after ``cached``) stays ≤ target_s; 0 if none.
+    Searched below ``ROW_CHUNK`` and from it apart: a row's pairs may cost more than a prompt's (``per_row_pair_s``),
+    so a step can take less time with a chunk of 64 tokens than with one of 63, and the time grows with c only
+    within each range."""
+    def largest(lo: int, hi: int) -> int:
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if model.seconds([*others, (mid, cached)]) <= target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    if limit >= ROW_CHUNK and model.seconds([*others, (ROW_CHUNK, cached)]) <= target_s:
+        return largest(ROW_CHUNK, limit)
+    return largest(0, min(limit, ROW_CHUNK - 1))

@@ -171,6 +171,30 @@ def test_calibration_measures_a_chunk_apart_from_a_token():
     assert one.per_seq_s == 0 and one.seconds([(1, 64)]) == pytest.approx(true.seconds([(1, 64)]), rel=1e-6)
 
 
+@pytest.mark.parametrize("cap", [4096, 100])
+def test_calibration_prices_a_rows_pairs_and_a_prompts_apart_over_placeholder_positions(cap):
+    """The simulated executor with placeholder positions (``fill``, as the llama.cpp executor's) on a clock that is
+    a CPU-shaped model (a row's pair 5 µs, a prompt's 0.8): calibrate gives both prices back, and none where the
+    executor can fill too few positions to tell them (a big model's KV under the byte cap)."""
+    from localinfer.serve.http.step_timing import calibrate
+    from localinfer.serve.simulated import SimulatedExecutor
+
+    class Filling(SimulatedExecutor):
+        def fill(self, src, dst, n):
+            self._cells[dst] = list(range(-1, -1 - min(n, cap), -1))
+            return len(self._cells[dst])
+
+    true = LinearStepModel(0.005, 0.0036, 8e-7, 0.0029, 5e-6)
+    ex = Filling(true, n_slots=4)
+    got = calibrate(ex)
+    if cap > 1000:
+        assert (got.per_row_pair_s, got.per_pair_s) == pytest.approx((5e-6, 8e-7), rel=1e-6)
+        assert (got.fixed_s, got.per_token_s, got.per_seq_s) == pytest.approx((0.005, 0.0036, 0.0029), rel=2e-2)
+    else:
+        assert (got.per_row_pair_s, got.per_pair_s) == (0.0, 0.0)
+    assert not any(ex._cells.get(s) for s in range(4))     # nothing left behind
+
+
 def test_finish_reason_values_stay_the_engines():
     assert {r.value for r in FinishReason} >= {"stop", "length", "cancelled", "deadline", "error"}
 

@@ -43,6 +43,18 @@ def test_chunk_for_an_itl_target():
     assert chunk_for_target(CARD, 0.020, decode, 0, 8192) == 0
 
 
+@pytest.mark.parametrize("target", [0.30, 0.35, 0.40, 0.60])
+def test_chunk_for_a_target_when_a_rows_pairs_cost_more_than_a_prompts(target):
+    """A fitted CPU model: a chunk under 64 tokens pays a decode row's price a pair, so a 64-token chunk after 1,000
+    positions costs less than a 63-token one; the largest chunk that fits is found past that drop (one binary
+    search over both returned 38 where 74 fits at 0.35 s)."""
+    model = LinearStepModel(0.005, 0.0036, 8e-7, 0.0029, 5e-6)
+    others = [(1, 1000)]
+    c = chunk_for_target(model, target, others, 1000, 100)
+    best = max((k for k in range(101) if model.seconds([*others, (k, 1000)]) <= target), default=0)
+    assert c == best
+
+
 def test_decodes_first_then_chunks_in_admission_order_within_the_budget():
     s = Scheduler(SchedulerConfig(policy="chunked", max_running=3, chunk_tokens=100, token_budget=150),
                   BlockManager(100, 16))

@@ -100,8 +100,12 @@ def tile_seq_state(blob: np.ndarray, n: int) -> np.ndarray:
     (count,), off = struct.unpack_from("<I", view, HEADER.size), HEADER.size + 4
     if not count:
         raise ValueError("an empty sequence state has no cells to repeat")
+    cells = blob[off:off + count * 12].reshape(count, 12)
+    if np.any(cells[:, 4:8].view("<u4") != 1):
+        raise UnsupportedModelError("a sequence's KV state lists a cell of several sequences",
+                                    hint="this llama-cpp-python may be too new or old")
     idx = np.arange(n) % count
-    meta = blob[off:off + count * 12].reshape(count, 12)[idx].copy()
+    meta = cells[idx].copy()
     meta[:, :4] = np.arange(n, dtype="<i4").view(np.uint8).reshape(n, 4)
     off += count * 12
     parts = [blob[:HEADER.size], np.frombuffer(struct.pack("<I", n), np.uint8), meta.ravel(), blob[off:off + 8]]

@@ -1,13 +1,14 @@
 """Step times measured on the running server, fitted to the linear step model the scheduler predicts with.
 
 The model is :class:`~localinfer.serve.step_model.LinearStepModel` (docs/serving.md:
-``T = fixed + per_token·Σc + per_pair·ΣN + per_seq·chunks``, N the causal pairs of each chunk).
+``T = fixed + per_token·Σc + per_pair·ΣN + per_row_pair·ΣN' + per_seq·chunks``, N the causal pairs of each chunk
+of ``ROW_CHUNK`` tokens or more, N' those of shorter ones: decode rows).
 :class:`TimedExecutor` wraps the executor, times every step and keeps the last
 ``window`` (shape, seconds) pairs; read after ``refit`` more steps, a non-negative least-squares
 fit over them replaces the coefficients, so deadline-aware admission and the
 ITL-target chunk size follow what this machine really does (threads, other load).
-Before any step the model is seeded by :func:`calibrate` (a prefill of ``n`` tokens, three decode steps, and a
-step of two one-token chunks).  A term per chunk keeps decode rows and prompt tokens apart: on a CPU a decode row
+Before any step the model is seeded by :func:`calibrate` (a prefill of ``n`` tokens, three decode steps, a
+step of two one-token chunks, and a decode row and a prompt over placeholder positions).  A term per chunk keeps decode rows and prompt tokens apart: on a CPU a decode row
 costs about twice a prompt token (its logits row, its own pass over the KV), and a model with one per-token
 coefficient, fitted mostly on prompt steps, predicted a 6-row decode step at 34 ms that took 46: deadline-aware
 admission then let a burst of prompts in that made each other late (6 of 18 admitted requests cut at their
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from localinfer.backends.executor import Chunk, ExecutorWrapper
+from localinfer.errors import LocalinferError
+from localinfer.model.cost import attention_pairs
 from localinfer.serve.step_model import LinearStepModel, features
 
 
@@ -166,30 +169,32 @@ def calibrate(executor, n: int = 64) -> LinearStepModel:
     """Seed coefficients from steps on slots 0 and 1 (a prefill of n tokens on slot 0, then ``DECODES`` decodes,
     the fastest; then, where there are two slots and cells for both, steps of slot 0's decode beside slot 1's first
     token, the faster of two, whose extra time over the decode is one more token and one more chunk; then a decode
-    row ``WIDE`` positions long: :func:`_per_row_pair`), dropped afterwards.  A prompt's pairs are left at 0: its
-    tiles share the walk over its cells, and their cost is in its tokens' (a decode row's 4.8-6.4 µs a pair on a
-    CPU priced a 300-token prompt 27% long).
+    row and a prompt of n tokens ``WIDE`` positions in: :func:`_wide`), dropped afterwards.  A prompt's pairs and a
+    decode row's are priced apart: its tiles share the walk over its cells (a CPU's row pays 4.8-6.4 µs a pair, a
+    64-token chunk 1.4, a 512-token chunk ~0.7: its price from the 64 is on the safe side), and one price for both
+    priced a 300-token prompt 27% long.
 
     A paging executor (``block_size``) gets the pool's first blocks as the slots' tables (before any block
     manager hands blocks out)."""
     caps = executor.caps
     cells = min(c for c in (caps.n_cells, caps.slot_cells, n + DECODES) if c)
     n = max(2, min(n, cells - DECODES))
+    decodes = max(1, min(DECODES, cells - n))
     tokens = tuple(i % max(1, executor.n_vocab - 1) + 1 for i in range(n))
     p = caps.block_size
-    blocks = tuple(range(-(-(n + DECODES) // p))) if p else ()
+    blocks = tuple(range(-(-(n + decodes) // p))) if p else ()
     t0 = executor.clock()
     executor.step([Chunk(0, tokens, 0, True, blocks=blocks)])
     prefill = executor.clock() - t0
     steps = []
-    for k in range(DECODES):
+    for k in range(decodes):
         t = executor.clock()
         executor.step([Chunk(0, (1,), n + k, True, blocks=blocks)])
         steps.append(executor.clock() - t)
     decode = min(steps)
     per_token = max(0.0, (prefill - decode) / (n - 1))
     per_seq = 0.0
-    held = n + DECODES                                                        # slot 0's positions now
+    held = n + decodes                                                        # slot 0's positions now
     longer = tuple(range(-(-(held + 2) // p))) if p else ()                   # slot 0's after two more
     other = tuple(range(len(longer), len(longer) + -(-2 // p))) if p else ()  # slot 1's two
     need = (len(longer) + len(other)) * p if p else held + 4
@@ -204,29 +209,35 @@ def calibrate(executor, n: int = 64) -> LinearStepModel:
         per_seq = min(max(0.0, min(pair) - decode - per_token), max(0.0, decode - per_token - 1e-4))
         held += 2
     pairs = n + 1 + steps.index(decode)                 # the fastest decode's row: its position + 1
-    per_row_pair = _per_row_pair(executor, held, decode, pairs)
+    per_row_pair, per_pair = _wide(executor, held, decode, pairs, tokens, prefill)
     executor.drop(0)
     fixed = max(decode - per_token - per_seq - per_row_pair * pairs, 1e-4)
-    return LinearStepModel(fixed, per_token, 0.0, per_seq, per_row_pair)
+    return LinearStepModel(fixed, per_token, per_pair, per_seq, per_row_pair)
 
 
-def _per_row_pair(executor, held: int, decode: float, pairs: int, wide: int = WIDE) -> float:
-    """A decode row's cost per position it attends to: a row ``wide`` positions long against calibrate's
-    (``decode`` seconds over ``pairs``), the faster of two.  Slot 1's positions are placeholders (``fill``: slot 0's
-    K and V repeated, nothing computed).  0 where the executor cannot fill them or has no room."""
-    fill, caps = getattr(executor, "fill", None), executor.caps
-    wide = min(wide, (caps.slot_cells or wide + 2) - 2, (caps.n_cells or wide + held + 2) - held - 2)
+def _wide(executor, held: int, decode: float, pairs: int, prompt: tuple, prefill: float,
+          wide: int = WIDE) -> tuple[float, float]:
+    """(a decode row's, a prompt's) cost per pair: a row ``wide`` positions long against calibrate's (``decode``
+    seconds over ``pairs``), the faster of two, then ``prompt`` after it against its first prefill (``prefill``
+    seconds from position 0).  Slot 1's positions are placeholders (``fill``: slot 0's K and V repeated, nothing
+    computed).  (0, 0) where the executor cannot fill them or has no room."""
+    fill, caps, n = getattr(executor, "fill", None), executor.caps, len(prompt)
+    room = n + 2
+    wide = min(wide, (caps.slot_cells or wide + room) - room, (caps.n_cells or wide + held + room) - held - room)
     if fill is None or caps.block_size or getattr(executor, "n_slots", 1) < 2 or wide <= 4 * pairs:
-        return 0.0
-    got = fill(0, 1, wide)
-    if not got:
-        return 0.0
-    times = []
+        return 0.0, 0.0
+    rows, prompts = [], []
     try:
-        for k in range(2):
+        got = fill(0, 1, wide)
+        if got <= 4 * pairs:          # too few to tell a position's price from the steps' noise (a big model's KV)
+            return 0.0, 0.0
+        for k in range(3):            # two decodes (the faster taken), then the prompt once (a load-time prefill)
             t = executor.clock()
-            executor.step([Chunk(1, (1,), got + k, True)])
-            times.append(executor.clock() - t)
+            executor.step([Chunk(1, (1,), got + k, True)] if k < 2 else [Chunk(1, prompt, got + 2, True)])
+            (rows if k < 2 else prompts).append(executor.clock() - t)
+    except (LocalinferError, ValueError, MemoryError):     # a measurement only: the model loads without it
+        return 0.0, 0.0
     finally:
         executor.drop(1)
-    return max(0.0, (min(times) - decode) / (got + 1 + times.index(min(times)) - pairs))
+    per_row = max(0.0, (min(rows) - decode) / (got + 1 + rows.index(min(rows)) - pairs))
+    return per_row, max(0.0, (min(prompts) - prefill) / (attention_pairs(n, got + 2) - attention_pairs(n, 0)))
