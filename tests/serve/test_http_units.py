@@ -137,6 +137,16 @@ def test_the_fitted_model_keeps_decode_rows_and_prompt_tokens_apart():
     assert got.per_token_s == pytest.approx(0.0036, rel=1e-2)
 
 
+@pytest.mark.parametrize("model", [LinearStepModel(0.026, 3.04e-5, 3e-9),
+                                   LinearStepModel(0.007, 0.003, 8e-7, 0.001, 5e-6)])
+def test_a_steps_seconds_are_its_features_weighed(model):
+    """seconds() sums in one pass what the fit and the deadline factor weigh through features() and predict()."""
+    from localinfer.serve.step_model import features
+
+    for shapes in ([(1, 400)] * 8 + [(300, 0)], [(1, 2048)], [(2048, 0)], [(63, 500), (64, 500)]):
+        assert model.seconds(shapes) == pytest.approx(model.predict(features(shapes)), rel=1e-12)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_window_of_equal_decode_steps_keeps_the_prompt_token_as_the_old_model_priced_it(rows):
     """512 steps of the same number of decode rows (a long reply alone, or three): tokens, chunks and the constant
@@ -154,7 +164,8 @@ def test_a_window_of_equal_decode_steps_keeps_the_prompt_token_as_the_old_model_
     step = [(1, 900 + 7 * k) for k in range(rows)]
     assert m.seconds(step) == pytest.approx(truth.seconds(step), rel=1e-6)
     assert got.per_token_s == pytest.approx(old.per_token_s, rel=1e-2)      # no prompt seen: its token's price kept
-    assert (got.per_row_pair_s, got.per_pair_s) == pytest.approx((3e-6, 1e-9), rel=1e-6)   # no prompt: its pairs as were
+    # no prompt in the window: a prompt's pairs keep their old price
+    assert (got.per_row_pair_s, got.per_pair_s) == pytest.approx((3e-6, 1e-9), rel=1e-6)
     assert m.seconds([(300, 0)]) == pytest.approx(truth.seconds([(300, 0)]), rel=0.1)
 
 

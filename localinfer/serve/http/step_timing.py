@@ -8,11 +8,11 @@ of ``ROW_CHUNK`` tokens or more, N' those of shorter ones: decode rows).
 fit over them replaces the coefficients, so deadline-aware admission and the
 ITL-target chunk size follow what this machine really does (threads, other load).
 Before any step the model is seeded by :func:`calibrate` (a prefill of ``n`` tokens, three decode steps, a
-step of two one-token chunks, and a decode row and a prompt over placeholder positions).  A term per chunk keeps decode rows and prompt tokens apart: on a CPU a decode row
-costs about twice a prompt token (its logits row, its own pass over the KV), and a model with one per-token
-coefficient, fitted mostly on prompt steps, predicted a 6-row decode step at 34 ms that took 46: deadline-aware
-admission then let a burst of prompts in that made each other late (6 of 18 admitted requests cut at their
-deadline at 1 request/s on the 2-vCPU VM).
+step of two one-token chunks, and a decode row and a prompt over placeholder positions).  A term per chunk keeps
+decode rows and prompt tokens apart: on a CPU a decode row costs about twice a prompt token (its logits row, its
+own pass over the KV), and a model with one per-token coefficient, fitted mostly on prompt steps, predicted a 6-row
+decode step at 34 ms that took 46: deadline-aware admission then let a burst of prompts in that made each other
+late (6 of 18 admitted requests cut at their deadline at 1 request/s on the 2-vCPU VM).
 """
 
 from __future__ import annotations
