@@ -172,7 +172,8 @@ def test_a_full_host_budget_gives_up_the_first_answer_to_a_prompt_sent_again(exe
     _run(e)
     assert list(e._parked) == ["a", "b"]
     one = executor._host[e._parked["a"]].size
-    executor.host_budget = executor._host_bytes() + one // 2      # a third state does not fit beside them
+    held = sum(b.size for b in executor._host.values())
+    executor.host_budget = held + one // 2      # a third state does not fit beside them
     try:
         again = e.add_request(ServeRequest("a2", a_prompt, N, banned=frozenset(a.output[:1])))
         _run(e)

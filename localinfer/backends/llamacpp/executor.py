@@ -40,7 +40,7 @@ from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state,
 from localinfer.errors import ContextFullError, LocalinferError
 from localinfer.util.hostmem import host_cache_budget
 
-FILL_BYTES = 256 << 20      # the most KV state ``fill`` writes (SmolLM2: 11,000 positions; a 70B model's f16 KV: ~800)
+FILL_BYTES = 1 << 30        # the most KV state ``fill`` writes, within the host budget (70B's f16 KV: 3,276 positions)
 
 
 class LlamaCppExecutor(ExecutorBase):
@@ -227,16 +227,15 @@ class LlamaCppExecutor(ExecutorBase):
             return None
         if slot in self._host or not self._len[slot]:
             return True
-        ctx = self.engine.context
-        n = int(_L.llama_state_seq_get_size(ctx, slot))
+        n = int(_L.llama_state_seq_get_size(self.engine.context, slot))
         budget = self._budget()
         if n > budget:
             return None
-        if self._host_bytes() + n > budget:
+        if sum(b.size for b in self._host.values()) + n > budget:
             self._cut_dropped_tails()
-            if self._host_bytes() + n > budget:
+            if sum(b.size for b in self._host.values()) + n > budget:
                 return False
-        blob = seq_state.read_cells(ctx, slot, n)
+        blob = seq_state.read_cells(self.engine.context, slot, n)
         if blob is None:
             return None
         _L.llama_memory_seq_rm(self._mem, slot, -1, -1)
@@ -245,11 +244,15 @@ class LlamaCppExecutor(ExecutorBase):
         return True
 
     def fill(self, src: int, dst: int, n_tokens: int) -> int:
-        """Empty ``dst`` gets up to ``n_tokens`` positions (FILL_BYTES of state at most) repeating ``src``'s K and V,
-        nothing computed: a wide view to time steps over (calibration), never text.  Its positions (0: it cannot)."""
-        n = min(n_tokens, FILL_BYTES // max(1, self.position_bytes))
-        if (not self.parks_in_host or self._len[dst] or not self._len[src] or {src, dst} & self._host.keys()
-                or n <= self._len[src] or not seq_state.write_tiled(self.engine.context, src, dst, n)):
+        """Empty ``dst`` gets up to ``n_tokens`` positions (FILL_BYTES of state at most, within the host budget)
+        repeating ``src``'s K and V, nothing computed: a wide view to time steps over (calibration), never text.  Its
+        positions (0: it cannot)."""
+        self._alive()
+        for s in (src, dst):
+            self._check_slot(s)
+        n = min(n_tokens, min(FILL_BYTES, self._budget()) // max(1, self.position_bytes))
+        if (src == dst or not self.parks_in_host or self._len[dst] or not self._len[src] or n <= self._len[src]
+                or {src, dst} & self._host.keys() or not seq_state.write_tiled(self.engine.context, src, dst, n)):
             return 0
         self._len[dst] = n
         return n
@@ -262,9 +265,6 @@ class LlamaCppExecutor(ExecutorBase):
     def host_tokens(self) -> int:
         """Positions parked in host memory (not in any cell)."""
         return sum(self._len[s] for s in self._host)
-
-    def _host_bytes(self) -> int:
-        return sum(b.size for b in self._host.values())
 
     def _cut_dropped_tails(self) -> None:
         """Cut the saved states that hold positions ``drop`` gave up (it only shortens a host slot)."""
