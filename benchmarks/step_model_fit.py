@@ -9,10 +9,14 @@ turns each step into the features a linear step model can weigh, and fits them b
   masked or not);
 - ``view-all``: the same with every chunk's rows (a prompt's tokens too) against the view;
 - ``split-pairs``: base with the pairs of chunks under ``ROW_CHUNK`` tokens (decode rows) a term apart from the
-  prompts' (a row walks its cells one by one, a prompt's tile shares the walk): serve's model since then.
+  prompts' (a row walks its cells one by one, a prompt's tile shares the walk): serve's model since then;
+- ``held``: split-pairs + each prompt chunk's positions already held (a chunk of ``ROW_CHUNK`` tokens or more after
+  h pays about h times a fixed price beside its pairs: on the 2-vCPU VM a 64-token chunk 2,048 positions in cost
+  1.16 us a pair more than at 0, a 512-token one 0.79).
 
 Each model is fitted on the steps with at most ``--train-rows`` decode rows and judged on all, by the number of
-decode rows: median and p90 of |predicted - actual| / actual, and the median signed error (negative: the model
+decode rows and the step's prompt (none, a first chunk, a later one: after positions its request holds): median
+and p90 of |predicted - actual| / actual, and the median signed error (negative: the model
 says the step is shorter than it was, which is what makes deadline admission admit requests it then cuts).
 
     python3 benchmarks/step_model_fit.py LOG [LOG ...] [--train-rows 4]
@@ -48,7 +52,7 @@ def steps(paths) -> list[tuple[list[tuple[int, int]], float]]:
     return out
 
 
-MODELS = ("base", "view", "view-all", "split-pairs")
+MODELS = ("base", "view", "view-all", "split-pairs", "held")
 
 
 def features(shapes, model: str) -> list[float]:
@@ -56,9 +60,11 @@ def features(shapes, model: str) -> list[float]:
     decodes', against the view."""
     f = [1.0, float(sum(c for c, _ in shapes)), float(sum(attention_pairs(c, h) for c, h in shapes)),
          float(len(shapes))]
-    if model == "split-pairs":      # the decode rows' pairs apart from the prompts'
+    if model in ("split-pairs", "held"):      # the decode rows' pairs apart from the prompts'
         f.append(float(sum(attention_pairs(c, h) for c, h in shapes if c < ROW_CHUNK)))
         f[2] -= f[4]
+        if model == "held":
+            f.append(float(sum(h for c, h in shapes if c >= ROW_CHUNK)))
     elif model != "base":
         rows = sum(c for c, _ in shapes if model == "view-all" or c == 1)
         f.append(float(rows * sum(c + h for c, h in shapes)))
@@ -69,7 +75,8 @@ def judge(data, model: str, train_rows: int) -> tuple[np.ndarray, dict]:
     X = np.array([features(s, model) for s, _ in data])
     y = np.array([t for _, t in data])
     rows = np.array([sum(1 for c, _ in s if c == 1) for s, _ in data])
-    prompt = np.array([any(c > 1 for c, _ in s) for s, _ in data])
+    prompt = np.array([("later" if any(c > 1 and h > 0 for c, h in s) else "first") if any(c > 1 for c, _ in s)
+                       else "no" for s, _ in data])
     train = rows <= train_rows
     scale = X[train].max(axis=0)
     scale[scale == 0] = 1.0
@@ -78,7 +85,7 @@ def judge(data, model: str, train_rows: int) -> tuple[np.ndarray, dict]:
     err = (X @ coef - y) / y
     by = defaultdict(list)
     for r, p, e in zip(rows, prompt, err):
-        by[(int(r), bool(p))].append(e)
+        by[(int(r), str(p))].append(e)
     return coef, by
 
 
@@ -107,13 +114,13 @@ def main(argv=None) -> int:
     for model in MODELS:
         coef, by = judge(data, model, a.train_rows)
         names = ["fixed ms", "per token us", "per pair ns", "per chunk us",
-                 "per decode pair ns" if model == "split-pairs" else "per row-cell ns"]
-        units = [1e3, 1e6, 1e9, 1e6, 1e9]
+                 "per row-cell ns" if model.startswith("view") else "per decode pair ns", "per held position us"]
+        units = [1e3, 1e6, 1e9, 1e6, 1e9, 1e6]
         print(f"\n{model}: " + ", ".join(f"{n} {c * u:.3g}" for n, c, u in zip(names, coef, units)))
         print("  rows  prompt  steps  |err| p50   p90   signed p50")
         for (r, p), e in sorted(by.items()):
             e = np.array(e)
-            print(f"  {r:4d}  {'yes' if p else 'no ':>6}  {len(e):5d}  {np.median(np.abs(e)):8.1%}  "
+            print(f"  {r:4d}  {p:>6}  {len(e):5d}  {np.median(np.abs(e)):8.1%}  "
                   f"{np.quantile(np.abs(e), 0.9):6.1%}  {np.median(e):+8.1%}")
     print(json.dumps({"steps": len(data), "train_rows": a.train_rows}))
     return 0

@@ -167,7 +167,7 @@ class StepErrors:
     def __init__(self, window: int = 256, least: int = 16, lo: float = 0.7, hi: float = 2.0):
         self.least, self.lo, self.hi = least, lo, hi
         self.steps: deque[tuple[float, ...]] = deque(maxlen=window)
-        self._sums = [0.0] * 6          # seconds, the step_model.features (4), predicted
+        self._sums = [0.0] * 7          # seconds, the step_model.features (5), predicted
         self.seen = 0                   # steps observed in all
 
     def observe(self, seconds: float, shapes, predicted: float) -> None:

@@ -11,7 +11,11 @@ pairs (a decode token after h cached ones: h + 1).  Two models:
   per_row_pair for the pairs of chunks shorter than ``ROW_CHUNK`` in place of per_pair (serve's fitted model: on
   a CPU such rows walk their cells one by one, a pair 4.8-6.4 µs for SmolLM2 on two cores, while a prompt's
   tiles share the walk and its pairs cost nearly nothing beside its tokens: one per_pair for both priced a
-  300-token prompt 27% long once set from a decode row);
+  300-token prompt 27% long once set from a decode row), and per_held for each position a chunk of ``ROW_CHUNK``
+  tokens or more finds already held (0 unless fitted: on a CPU such a chunk pays once for every cell before it,
+  whatever its own length, so one price a pair fits one chunk length only: a 64-token chunk 2,048 positions
+  in cost SmolLM2 on two cores 1.16 µs a pair more than at 0, a 512-token one 0.79; fitted on such chunks with
+  per_held, 0.66 µs a pair and 51 µs a held position);
 - ``SpeedStepModel``: a device profile's roofline (``plan.speed.SpeedModel``):
   one decode round for the one-token chunks plus each prompt chunk's prefill.
 """
@@ -31,16 +35,18 @@ ROW_CHUNK = 64                  # chunks shorter than this are computed row by r
                                 # the query only in ubatches of 64 rows or more; llama.cpp's executor runs them apart)
 
 
-def features(chunks: Sequence[ChunkShape]) -> tuple[float, float, float, float]:
-    """A step's (tokens, pairs of chunks of ``ROW_CHUNK`` tokens or more, pairs of shorter ones, chunks)."""
-    tokens = pairs = rows = 0
+def features(chunks: Sequence[ChunkShape]) -> tuple[float, float, float, float, float]:
+    """A step's (tokens, pairs of chunks of ``ROW_CHUNK`` tokens or more, pairs of shorter ones, chunks, positions
+    held before the chunks of ``ROW_CHUNK`` tokens or more)."""
+    tokens = pairs = rows = held = 0
     for c, h in chunks:
         tokens += c
         if c < ROW_CHUNK:
             rows += attention_pairs(c, h)
         else:
             pairs += attention_pairs(c, h)
-    return float(tokens), float(pairs), float(rows), float(len(chunks))
+            held += h
+    return float(tokens), float(pairs), float(rows), float(len(chunks)), float(held)
 
 
 class StepModel(Protocol):
@@ -55,12 +61,14 @@ class LinearStepModel:
     per_pair_s: float
     per_seq_s: float = 0.0      # each chunk of the step (fitted by serve's step timing; --step-model leaves it 0)
     per_row_pair_s: float | None = None     # a pair of a chunk shorter than ROW_CHUNK (None: per_pair_s)
+    per_held_s: float = 0.0     # a position held before a chunk of ROW_CHUNK tokens or more (fitted; else 0)
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float, float]:
-        """(fixed, per token, per pair, per row pair, per chunk): what :func:`features` are weighed by."""
+    def coefficients(self) -> tuple[float, float, float, float, float, float]:
+        """(fixed, per token, per pair, per row pair, per chunk, per held position): what :func:`features` are
+        weighed by."""
         row = self.per_pair_s if self.per_row_pair_s is None else self.per_row_pair_s
-        return self.fixed_s, self.per_token_s, self.per_pair_s, row, self.per_seq_s
+        return self.fixed_s, self.per_token_s, self.per_pair_s, row, self.per_seq_s, self.per_held_s
 
     def predict(self, feats: Sequence[float], steps: float = 1.0) -> float:
         """The time of ``steps`` steps whose :func:`features` sum to ``feats``."""
@@ -86,11 +94,11 @@ class LinearStepModel:
         step)."""
         if not chunks:
             return 0.0
-        pair, token = self.per_pair_s, self.per_token_s
+        pair, token, held = self.per_pair_s, self.per_token_s, self.per_held_s
         row = pair if self.per_row_pair_s is None else self.per_row_pair_s
         t = self.fixed_s + self.per_seq_s * len(chunks)
         for c, h in chunks:
-            t += token * c + (row if c < ROW_CHUNK else pair) * attention_pairs(c, h)
+            t += token * c + (row * attention_pairs(c, h) if c < ROW_CHUNK else pair * attention_pairs(c, h) + held * h)
         return t
 
 

@@ -138,12 +138,14 @@ def test_the_fitted_model_keeps_decode_rows_and_prompt_tokens_apart():
 
 
 @pytest.mark.parametrize("model", [LinearStepModel(0.026, 3.04e-5, 3e-9),
-                                   LinearStepModel(0.007, 0.003, 8e-7, 0.001, 5e-6)])
+                                   LinearStepModel(0.007, 0.003, 8e-7, 0.001, 5e-6),
+                                   LinearStepModel(0.007, 0.003, 7e-7, 0.001, 5e-6, 3e-5)])
 def test_a_steps_seconds_are_its_features_weighed(model):
     """seconds() sums in one pass what the fit and the deadline factor weigh through features() and predict()."""
     from localinfer.serve.step_model import features
 
-    for shapes in ([(1, 400)] * 8 + [(300, 0)], [(1, 2048)], [(2048, 0)], [(63, 500), (64, 500)]):
+    for shapes in ([(1, 400)] * 8 + [(300, 0)], [(1, 2048)], [(2048, 0)], [(63, 500), (64, 500)],
+                   [(1, 700)] * 3 + [(512, 1024)]):
         assert model.seconds(shapes) == pytest.approx(model.predict(features(shapes)), rel=1e-12)
 
 
@@ -167,6 +169,55 @@ def test_a_window_of_equal_decode_steps_keeps_the_prompt_token_as_the_old_model_
     # no prompt in the window: a prompt's pairs keep their old price
     assert (got.per_row_pair_s, got.per_pair_s) == pytest.approx((3e-6, 1e-9), rel=1e-6)
     assert m.seconds([(300, 0)]) == pytest.approx(truth.seconds([(300, 0)]), rel=0.1)
+
+
+def _long_prompt_steps(m, truth, prompts) -> list:
+    """256 steps of 1-4 decode rows, every eighth with one of ``prompts`` (chunk, positions held) beside them,
+    observed by ``m``; their shapes."""
+    steps = []
+    for i in range(256):
+        shapes = [(1, 300 + i + 9 * k) for k in range(1 + i % 4)]
+        if i % 8 == 0:
+            shapes.append(prompts[(i // 8) % len(prompts)])
+        m.observe(shapes, truth.seconds(shapes))
+        steps.append(shapes)
+    return steps
+
+
+GRID = [(c, h) for h in (0, 512, 1024, 2048) for c in (64, 128, 256, 512)]
+
+
+def test_a_prompt_chunks_held_positions_are_fitted_apart_from_its_pairs():
+    """A CPU's prompt chunk pays once for every position before it, whatever its length (SmolLM2 on two cores: a
+    64-token chunk 2,048 positions in costs 1.16 µs a pair more than at 0, a 512-token one 0.79).  Fitted on chunks
+    of 64-512 tokens at 0-2,048 positions, the model gives both prices back, and a 64-token chunk after 2,048
+    positions is predicted exactly where one price a pair, fitted on the same steps, is 14% short."""
+    from localinfer.serve.http.step_timing import _fit
+    from localinfer.serve.step_model import features
+
+    truth = LinearStepModel(0.006, 0.0028, 7e-7, 0.001, 5e-6, 3e-5)
+    old = LinearStepModel(0.006, 0.0028, 1.2e-6, 0.001, 5e-6)          # calibrate's: the held price in the pairs
+    m = FittedStepModel(old, refit=32)
+    steps = _long_prompt_steps(m, truth, GRID)
+    got = m.model
+    assert (got.per_pair_s, got.per_held_s) == pytest.approx((7e-7, 3e-5), rel=1e-3)
+    assert m.seconds([(64, 2048)]) == pytest.approx(truth.seconds([(64, 2048)]), rel=1e-3)
+    obs = np.array([(*features(s), truth.seconds(s)) for s in steps])
+    obs[:, 4] = 0.0                                   # the same steps with no held column: one price a pair
+    pairs_only = _fit(obs, old)
+    assert pairs_only.per_held_s == 0 and pairs_only.seconds([(64, 2048)]) < 0.9 * truth.seconds([(64, 2048)])
+
+
+@pytest.mark.parametrize("held", [0.0, 3e-5])
+def test_prompts_from_position_0_leave_the_held_price_as_it_was(held):
+    """Every prompt chunk from position 0 (a closed loop's 300-token prompts): nothing tells a held position's
+    price, so it stays the old model's, and the steps are still predicted exactly."""
+    truth = LinearStepModel(0.006, 0.0028, 7e-7, 0.001, 5e-6, 3e-5)
+    m = FittedStepModel(LinearStepModel(0.006, 0.0028, 7e-7, 0.001, 5e-6, held), refit=32)
+    _long_prompt_steps(m, truth, [(300, 0), (64, 0), (512, 0)])
+    assert m.model.per_held_s == pytest.approx(held, abs=1e-12)
+    step = [(1, 500)] * 3 + [(300, 0)]
+    assert m.seconds(step) == pytest.approx(truth.seconds(step), rel=1e-6)
 
 
 def test_calibration_measures_a_chunk_apart_from_a_token():
@@ -204,6 +255,26 @@ def test_calibration_prices_a_rows_pairs_and_a_prompts_apart_over_placeholder_po
     else:
         assert (got.per_row_pair_s, got.per_pair_s) == (0.0, 0.0)
     assert not any(ex._cells.get(s) for s in range(4))     # nothing left behind
+
+
+def test_calibration_puts_a_held_positions_price_in_a_prompts_pairs_on_the_safe_side():
+    """Calibration times one prompt length (64 tokens at 0 and after the placeholders): it cannot tell a held
+    position's price from a pair's, so it leaves it 0 and prices the pairs as a 64-token chunk pays them; a longer
+    chunk after as many positions is then predicted long, not short, until a refit sees one."""
+    from localinfer.serve.http.step_timing import WIDE, calibrate
+    from localinfer.serve.simulated import SimulatedExecutor
+
+    class Filling(SimulatedExecutor):
+        def fill(self, src, dst, n):
+            self._cells[dst] = list(range(-1, -1 - n, -1))
+            return n
+
+    true = LinearStepModel(0.005, 0.0036, 7e-7, 0.0029, 5e-6, 3e-5)
+    got = calibrate(Filling(true, n_slots=4))
+    assert got.per_held_s == 0 and got.per_pair_s > true.per_pair_s
+    wide = [(64, WIDE + 2)]                        # calibrate's own chunk, which it prices exactly
+    assert got.seconds(wide) == pytest.approx(true.seconds(wide), rel=2e-2)
+    assert true.seconds([(512, 1024)]) < got.seconds([(512, 1024)]) < 1.3 * true.seconds([(512, 1024)])
 
 
 def test_finish_reason_values_stay_the_engines():
@@ -331,10 +402,10 @@ def test_a_few_stalled_steps_do_not_move_the_fitted_step_model():
 
     rng = np.random.default_rng(3)
     tokens = rng.integers(1, 60, 200).astype(float)
-    # (tokens, pairs, row pairs, chunks, seconds): one chunk a step
-    obs = np.column_stack([tokens, np.zeros(200), np.zeros(200), np.ones(200),
+    # (tokens, pairs, row pairs, chunks, held, seconds): one chunk a step
+    obs = np.column_stack([tokens, np.zeros(200), np.zeros(200), np.ones(200), np.zeros(200),
                            0.040 + 0.002 * tokens + rng.normal(0, 0.001, 200)])
-    obs[[10, 30, 55, 90, 120, 150, 170, 190], 4] = 2.0
+    obs[[10, 30, 55, 90, 120, 150, 170, 190], -1] = 2.0
     old = LinearStepModel(0.03, 0.001, 0.0)
     plain, robust = _fit(obs, old), robust_fit(obs, old)
     for tokens, truth in ((1, 0.042), (30, 0.100)):     # a decode, a decode step with a 29-token chunk

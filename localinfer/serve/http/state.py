@@ -162,7 +162,7 @@ class EngineWatch:
                        "output_tokens": self.output_done + sum(len(r.output) for r in live)},
             "step_model": None if model is None else {
                 "fixed_s": model.fixed_s, "per_token_s": model.per_token_s, "per_pair_s": model.per_pair_s,
-                "per_seq_s": model.per_seq_s, "per_row_pair_s": model.coefficients[3]},
+                "per_seq_s": model.per_seq_s, "per_row_pair_s": model.coefficients[3], "per_held_s": model.per_held_s},
             # deadline-aware admission's scale on its predicted paths: recent steps' wall time over predicted
             "deadline_factor": {"factor": sched.step_errors.factor(sched.step_model),
                                 "window": len(sched.step_errors.steps), "observed": sched.step_errors.seen},

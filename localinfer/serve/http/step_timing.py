@@ -1,8 +1,9 @@
 """Step times measured on the running server, fitted to the linear step model the scheduler predicts with.
 
 The model is :class:`~localinfer.serve.step_model.LinearStepModel` (docs/serving.md:
-``T = fixed + per_token·Σc + per_pair·ΣN + per_row_pair·ΣN' + per_seq·chunks``, N the causal pairs of each chunk
-of ``ROW_CHUNK`` tokens or more, N' those of shorter ones: decode rows).
+``T = fixed + per_token·Σc + per_pair·ΣN + per_row_pair·ΣN' + per_seq·chunks + per_held·ΣH``, N the causal pairs
+of each chunk of ``ROW_CHUNK`` tokens or more, N' those of shorter ones: decode rows, H the positions held before
+each of the longer ones).
 :class:`TimedExecutor` wraps the executor, times every step and keeps the last
 ``window`` (shape, seconds) pairs; read after ``refit`` more steps, a non-negative least-squares
 fit over them replaces the coefficients, so deadline-aware admission and the
@@ -39,7 +40,7 @@ class FittedStepModel:
 
     def __init__(self, initial: LinearStepModel, *, window: int = 512, refit: int = 32):
         self._model = initial
-        self._obs: deque[tuple[float, ...]] = deque(maxlen=window)   # (features' tokens, pairs, row pairs, chunks, s)
+        self._obs: deque[tuple[float, ...]] = deque(maxlen=window)   # (step_model.features, seconds)
         self._refit, self._since = refit, 0
         self.fits = 0           # refits made (the scheduler's deadline predictions watch it)
         self._lock = threading.Lock()
@@ -77,7 +78,7 @@ def robust_fit(obs: np.ndarray, old: LinearStepModel, slack: float = 1.5) -> Lin
 
 
 def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
-    """Least squares T ≈ a + b·tokens + c·pairs + e·row pairs + d·chunks (``step_model.features``) with every
+    """Least squares T ≈ a + b·tokens + c·pairs + e·row pairs + d·chunks + f·held (``step_model.features``) with every
     coefficient ≥ 0 (a term that comes out negative is dropped and the rest fitted again).  What the
     steps observed cannot tell apart keeps the old model's split: the fit moves the coefficients along the
     directions the observations leave open (:func:`_solve`) only as far as it must, each in proportion to its old
@@ -96,17 +97,17 @@ def _fit(obs: np.ndarray, old: LinearStepModel) -> LinearStepModel:
             full[keep] = coef
             if full.sum() <= 0:
                 return old
-            fixed, token, pair, row, seq = (float(v) for v in full)
-            return LinearStepModel(fixed, token, pair, seq, row)
+            fixed, token, pair, row, seq, held = (float(v) for v in full)
+            return LinearStepModel(fixed, token, pair, seq, row, held)
         keep = [i for i, c in zip(keep, coef) if c >= 0] or [0]
     return old
 
 
-# how readily each coefficient (fixed, token, pair, row pair, chunk) takes a change the steps leave open: a prompt
+# how readily each coefficient (fixed, token, pair, row pair, chunk, held) takes a change the steps leave open: a prompt
 # token's price is told only by prompt steps, so in a window without one the fixed time and a chunk's take the decode
 # rows' change (moved in proportion, a token's too, an intercept extrapolated from rows 300-1,000 positions long --
 # where the machine's drift over one long reply reads as a slope -- priced a prompt 0.72x)
-GIVE = np.array([1.0, 1e-3, 1.0, 1.0, 1.0])
+GIVE = np.array([1.0, 1e-3, 1.0, 1.0, 1.0, 1.0])
 
 
 def _design(obs: np.ndarray) -> np.ndarray:
@@ -172,7 +173,8 @@ def calibrate(executor, n: int = 64) -> LinearStepModel:
     row and a prompt of n tokens ``WIDE`` positions in: :func:`_wide`), dropped afterwards.  A prompt's pairs and a
     decode row's are priced apart: its tiles share the walk over its cells (a CPU's row pays 4.8-6.4 µs a pair, a
     64-token chunk 1.4, a 512-token chunk ~0.7: its price from the 64 is on the safe side), and one price for both
-    priced a 300-token prompt 27% long.
+    priced a 300-token prompt 27% long.  A held position's price (``per_held_s``) is left 0: one chunk length cannot
+    tell it from a pair's, which takes it up.
 
     A paging executor (``block_size``) gets the pool's first blocks as the slots' tables (before any block
     manager hands blocks out)."""
