@@ -12,7 +12,7 @@ turns each step into the features a linear step model can weigh, and fits them b
   prompts' (a row walks its cells one by one, a prompt's tile shares the walk): serve's model since then;
 - ``held``: split-pairs + each prompt chunk's positions already held (a chunk of ``ROW_CHUNK`` tokens or more after
   h pays about h times a fixed price beside its pairs: on the 2-vCPU VM a 64-token chunk 2,048 positions in cost
-  1.16 us a pair more than at 0, a 512-token one 0.79).
+  1.45 us a pair more than at 0, a 512-token one 0.94: prompt_held.py).
 
 Each model is fitted on the steps with at most ``--train-rows`` decode rows and judged on all, by the number of
 decode rows and the step's prompt (none, a first chunk, a later one: after positions its request holds): median
@@ -90,14 +90,22 @@ def judge(data, model: str, train_rows: int) -> tuple[np.ndarray, dict]:
 
 
 def served(paths) -> None:
-    """Each prompt step's time against what the server's step model predicted for it (the log's ``predicted_s``)."""
+    """Each prompt step's time against what the server's step model predicted for it (the log's ``predicted_s``),
+    then per log and kind of prompt step (a request's first chunk, or a later one) the ratios' median, the median
+    and p90 of |ratio - 1|, and the extremes."""
     for p in paths:
+        kinds = defaultdict(list)
         for i, rec in enumerate(read_step_log(p)):
-            prompt = [c[2] for c in rec.get("chunks", []) if c[2] > 1]
-            if prompt and rec.get("predicted_s"):
+            prompt = [c for c in rec.get("chunks", []) if c[2] > 1]
+            if prompt and rec.get("predicted_s") and not rec.get("interrupted"):
                 took, said = rec["end_s"] - rec["start_s"], rec["predicted_s"]
-                print(f"{p} step {i}: prompt chunks {prompt}, {len(rec['chunks']) - len(prompt)} decode rows: "
-                      f"took {took * 1e3:.0f} ms, predicted {said * 1e3:.0f} ms ({said / took:.2f}x)")
+                kinds["later" if any(c[1] > 0 for c in prompt) else "first"].append(said / took)
+                print(f"{p} step {i}: prompt chunks {[c[2] for c in prompt]}, {len(rec['chunks']) - len(prompt)} "
+                      f"decode rows: took {took * 1e3:.0f} ms, predicted {said * 1e3:.0f} ms ({said / took:.2f}x)")
+        for kind, v in sorted(kinds.items()):
+            v = np.array(v)
+            print(f"{p} {kind} chunks: {len(v)} steps, predicted/took median {np.median(v):.3f}, |err| p50 "
+                  f"{np.median(abs(v - 1)):.1%} p90 {np.quantile(abs(v - 1), 0.9):.1%}, {v.min():.2f}-{v.max():.2f}x")
 
 
 def main(argv=None) -> int:

@@ -189,7 +189,7 @@ GRID = [(c, h) for h in (0, 512, 1024, 2048) for c in (64, 128, 256, 512)]
 
 def test_a_prompt_chunks_held_positions_are_fitted_apart_from_its_pairs():
     """A CPU's prompt chunk pays once for every position before it, whatever its length (SmolLM2 on two cores: a
-    64-token chunk 2,048 positions in costs 1.16 µs a pair more than at 0, a 512-token one 0.79).  Fitted on chunks
+    64-token chunk 2,048 positions in costs 1.45 µs a pair more than at 0, a 512-token one 0.94).  Fitted on chunks
     of 64-512 tokens at 0-2,048 positions, the model gives both prices back, and a 64-token chunk after 2,048
     positions is predicted exactly where one price a pair, fitted on the same steps, is 14% short."""
     from localinfer.serve.http.step_timing import _fit
