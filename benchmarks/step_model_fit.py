@@ -15,9 +15,10 @@ turns each step into the features a linear step model can weigh, and fits them b
   1.45 us a pair more than at 0, a 512-token one 0.94: prompt_held.py).
 
 Each model is fitted on the steps with at most ``--train-rows`` decode rows and judged on all, by the number of
-decode rows and the step's prompt (none, a first chunk, a later one: after positions its request holds): median
-and p90 of |predicted - actual| / actual, and the median signed error (negative: the model
-says the step is shorter than it was, which is what makes deadline admission admit requests it then cuts).
+decode rows and the step's prompt (none; a first chunk; a later one, of 2 tokens or more after positions its
+request holds: also a chunk after a prefix-cache hit): median and p90 of |predicted - actual| / actual, and the
+median signed error (negative: the model says the step is shorter than it was, which is what makes deadline
+admission admit requests it then cuts).
 
     python3 benchmarks/step_model_fit.py LOG [LOG ...] [--train-rows 4]
     python3 benchmarks/step_model_fit.py LOG --served      # the server's own predictions of its prompt steps

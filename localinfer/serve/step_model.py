@@ -15,7 +15,7 @@ pairs (a decode token after h cached ones: h + 1).  Two models:
   tokens or more finds already held (0 unless fitted: on a CPU such a chunk pays once for every cell before it,
   whatever its own length, so one price a pair fits one chunk length only: a 64-token chunk 2,048 positions
   in cost SmolLM2 on two cores 1.45 µs a pair more than at 0, a 512-token one 0.94; fitted on such chunks with
-  per_held, 0.84 µs a pair and 49 µs a held position: benchmarks/prompt_held.py);
+  a constant and per_held, 0.88 µs a pair and 35 µs a held position: benchmarks/prompt_held.py);
 - ``SpeedStepModel``: a device profile's roofline (``plan.speed.SpeedModel``):
   one decode round for the one-token chunks plus each prompt chunk's prefill.
 """

@@ -40,7 +40,7 @@ from localinfer.backends.llamacpp.kv_state import CELL_EXT_BYTES, cut_seq_state,
 from localinfer.errors import ContextFullError, LocalinferError
 from localinfer.util.hostmem import host_cache_budget
 
-FILL_BYTES = 1 << 30        # the most KV state ``fill`` writes, within the host budget (70B's f16 KV: 3,276 positions)
+FILL_BYTES = 1 << 30        # the most KV state ``fill`` writes, within half the host budget (70B's f16 KV: 3,276)
 
 
 class LlamaCppExecutor(ExecutorBase):
@@ -244,14 +244,14 @@ class LlamaCppExecutor(ExecutorBase):
         return True
 
     def fill(self, src: int, dst: int, n_tokens: int) -> int:
-        """Empty ``dst`` gets up to ``n_tokens`` positions (FILL_BYTES of state at most, within the host budget)
-        repeating ``src``'s K and V, nothing computed: a wide view to time steps over (calibration), never text.  Its
-        positions (0: it cannot)."""
+        """Empty ``dst`` gets up to ``n_tokens`` positions (FILL_BYTES of state at most, and half the host budget: the
+        tiling holds it twice for a moment) repeating ``src``'s K and V, nothing computed: a wide view to time steps
+        over (calibration), never text.  Its positions (0: it cannot)."""
         self._alive()
         for s in (src, dst):
             self._check_slot(s)
-        n = min(n_tokens, min(FILL_BYTES, self._budget()) // max(1, self.position_bytes))
-        if (src == dst or not self.parks_in_host or self._len[dst] or not self._len[src] or n <= self._len[src]
+        n = min(n_tokens, min(FILL_BYTES, self._budget() // 2) // max(1, self.position_bytes))
+        if (not self.parks_in_host or self._len[dst] or not self._len[src] or n <= self._len[src]
                 or {src, dst} & self._host.keys() or not seq_state.write_tiled(self.engine.context, src, dst, n)):
             return 0
         self._len[dst] = n
