@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from localinfer.model.cost import attention_pairs  # noqa: E402
 from localinfer.serve.step_log import read_step_log  # noqa: E402
-from localinfer.serve.step_model import ROW_CHUNK  # noqa: E402
+from localinfer.serve.step_model import features as step_features  # noqa: E402
 
 
 def steps(paths) -> list[tuple[list[tuple[int, int]], float]]:
@@ -58,15 +58,14 @@ MODELS = ("base", "view", "view-all", "split-pairs", "held")
 
 def features(shapes, model: str) -> list[float]:
     """The model's features of one step (module docstring); ``view-all`` counts every chunk's rows, not only
-    decodes', against the view."""
+    decodes', against the view.  ``held`` is serve's own (``step_model.features``), ``split-pairs`` the same
+    without its held positions; their columns in the order the names are printed in."""
+    if model in ("split-pairs", "held"):
+        tokens, pairs, rows, chunks, held = step_features(shapes)
+        return [1.0, tokens, pairs, chunks, rows] + ([held] if model == "held" else [])
     f = [1.0, float(sum(c for c, _ in shapes)), float(sum(attention_pairs(c, h) for c, h in shapes)),
          float(len(shapes))]
-    if model in ("split-pairs", "held"):      # the decode rows' pairs apart from the prompts'
-        f.append(float(sum(attention_pairs(c, h) for c, h in shapes if c < ROW_CHUNK)))
-        f[2] -= f[4]
-        if model == "held":
-            f.append(float(sum(h for c, h in shapes if c >= ROW_CHUNK)))
-    elif model != "base":
+    if model != "base":
         rows = sum(c for c, _ in shapes if model == "view-all" or c == 1)
         f.append(float(rows * sum(c + h for c, h in shapes)))
     return f

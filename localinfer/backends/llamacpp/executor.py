@@ -189,8 +189,7 @@ class LlamaCppExecutor(ExecutorBase):
         into fresh cells.  Returns the tokens dst now holds: ``n_tokens``, or ``have`` when llama.cpp found no
         cells for a write-back (compute the rest)."""
         self._alive()
-        self._check_slot(src)
-        self._check_slot(dst)
+        self._check_slot(src, dst)
         if src == dst:
             raise ValueError(f"copy needs two different slots, got {src} twice")
         if dst in self._host:
@@ -231,9 +230,9 @@ class LlamaCppExecutor(ExecutorBase):
         budget = self._budget()
         if n > budget:
             return None
-        if sum(b.size for b in self._host.values()) + n > budget:
+        if self._host_bytes() + n > budget:
             self._cut_dropped_tails()
-            if sum(b.size for b in self._host.values()) + n > budget:
+            if self._host_bytes() + n > budget:
                 return False
         blob = seq_state.read_cells(self.engine.context, slot, n)
         if blob is None:
@@ -244,12 +243,10 @@ class LlamaCppExecutor(ExecutorBase):
         return True
 
     def fill(self, src: int, dst: int, n_tokens: int) -> int:
-        """Empty ``dst`` gets up to ``n_tokens`` positions (FILL_BYTES of state at most, and half the host budget: the
-        tiling holds it twice for a moment) repeating ``src``'s K and V, nothing computed: a wide view to time steps
-        over (calibration), never text.  Its positions (0: it cannot)."""
+        """Empty ``dst`` gets up to ``n_tokens`` positions repeating ``src``'s K and V, nothing computed (calibration's
+        wide view, never text; FILL_BYTES at most, and half the host budget: tiling holds it twice).  How many."""
         self._alive()
-        for s in (src, dst):
-            self._check_slot(s)
+        self._check_slot(src, dst)
         n = min(n_tokens, min(FILL_BYTES, self._budget() // 2) // max(1, self.position_bytes))
         if (not self.parks_in_host or self._len[dst] or not self._len[src] or n <= self._len[src]
                 or {src, dst} & self._host.keys() or not seq_state.write_tiled(self.engine.context, src, dst, n)):
@@ -265,6 +262,9 @@ class LlamaCppExecutor(ExecutorBase):
     def host_tokens(self) -> int:
         """Positions parked in host memory (not in any cell)."""
         return sum(self._len[s] for s in self._host)
+
+    def _host_bytes(self) -> int:
+        return sum(b.size for b in self._host.values())
 
     def _cut_dropped_tails(self) -> None:
         """Cut the saved states that hold positions ``drop`` gave up (it only shortens a host slot)."""
@@ -305,8 +305,7 @@ class LlamaCppExecutor(ExecutorBase):
     def rebase(self, dst: int, src: int, n_tokens: int) -> None:
         """``dst``'s first ``n_tokens`` positions become ``src``'s cells (seq_rm, seq_cp); then rewind a recurrent one."""
         self._alive()
-        self._check_slot(src)
-        self._check_slot(dst)
+        self._check_slot(src, dst)
         if src == dst or not self.unified or {src, dst} & self._host.keys():
             raise ValueError(f"slot {dst} cannot take slot {src}'s cells (one unified cache, both in cells)")
         if not 0 < n_tokens <= min(self._len[src], self._len[dst]) or self.snapshots and n_tokens != self._len[dst]:
@@ -453,8 +452,9 @@ class LlamaCppExecutor(ExecutorBase):
             if c.start != self._len[c.slot]:
                 raise ValueError(f"slot {c.slot} holds {self._len[c.slot]} tokens; a chunk cannot start at {c.start}")
 
-    def _check_slot(self, slot: int) -> None:
-        check_slot(slot, self.n_slots)
+    def _check_slot(self, *slots: int) -> None:
+        for slot in slots:
+            check_slot(slot, self.n_slots)
 
     def _write_back(self, src: int, dst: int, lo: int, hi: int) -> bool:
         """Positions [lo, hi) of host-parked ``src`` into fresh cells of ``dst``.  From 0 (dst empty) the state,

@@ -49,12 +49,40 @@ def parse_kv_state(blob, n_seq_max: int, ext_bytes: int = 0) -> list[tuple[int, 
 
 def cut_seq_state(blob: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
     """A one-sequence ``llama_state_seq_get_data`` blob keeping only the cells at positions [lo, hi), and how
-    many cells it keeps.
+    many cells it keeps (:func:`_reselect`'s layout, a stream that keeps none its count alone)."""
+    def keep(meta):
+        pos = meta[:, :4].view("<i4")[:, 0]
+        idx = np.flatnonzero((pos >= lo) & (pos < hi))
+        return idx, meta[idx]
+    return _reselect(blob, keep)
+
+
+def tile_seq_state(blob: np.ndarray, n: int) -> np.ndarray:
+    """A one-sequence state (:func:`cut_seq_state`'s layout) of ``n`` cells at positions 0..n-1, cell i's K and V
+    rows those of the state's cell i mod its count: KV no prompt computed, for timing a step over a wide view."""
+    magic, _seq, n_stream = HEADER.unpack_from(memoryview(blob))
+    if magic == IO_MAGIC and n_stream != 1:
+        raise UnsupportedModelError(f"llama.cpp's sequence state has {n_stream} streams",
+                                    hint="this llama-cpp-python may be too new or old")
+
+    def repeat(meta):
+        idx = np.arange(n) % len(meta)
+        out = meta[idx].copy()
+        out[:, :4] = np.arange(n, dtype="<i4").view(np.uint8).reshape(n, 4)
+        return idx, out
+    tiled, kept = _reselect(blob, repeat)
+    if not kept:
+        raise ValueError("an empty sequence state has no cells to repeat")
+    return tiled
+
+
+def _reselect(blob: np.ndarray, choose) -> tuple[np.ndarray, int]:
+    """A one-sequence state rebuilt from some of its cells, and how many it holds: ``choose(meta)`` gives each
+    non-empty stream's (indices of the cells taken, their metadata rows) from its cells' metadata.
 
     Each stream: u32 count, count x (i32 pos, u32 n_seq = 1, i32 seq_id; no model with a per-cell extension
-    parks in host memory), then the rows of
-    :func:`_row_blocks`' layout; the kept cells' metadata and K/V rows are selected in cache order, and a
-    stream that keeps none is its count alone (as llama.cpp writes an empty stream).
+    parks in host memory), then the rows of :func:`_row_blocks`' layout, taken at the chosen indices; a stream
+    that takes none is its count alone (as llama.cpp writes an empty stream).
     """
     view = memoryview(blob)
     magic, _seq, n_stream = HEADER.unpack_from(view)
@@ -72,52 +100,20 @@ def cut_seq_state(blob: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, int]:
         if np.any(meta[:, 4:8].view("<u4") != 1):
             raise UnsupportedModelError("a sequence's KV state lists a cell of several sequences",
                                         hint="this llama-cpp-python may be too new or old")
-        pos = meta[:, :4].view("<i4")[:, 0]
-        keep = (pos >= lo) & (pos < hi)
-        n = int(keep.sum())
+        idx, taken = choose(meta)
+        n = len(idx)
         off += count * rec
-        stream = [np.frombuffer(struct.pack("<I", n), np.uint8), meta[keep].ravel(), blob[off:off + 8]]
+        stream = [np.frombuffer(struct.pack("<I", n), np.uint8), taken.ravel(), blob[off:off + 8]]
         blocks, off = _row_blocks(view, off, count)
         for head, start, shape in blocks:
             rows = blob[start:start + int(np.prod(shape))].reshape(shape)
-            stream += [blob[head:start], (rows[keep] if len(shape) == 2 else rows[:, keep]).ravel()]
+            stream += [blob[head:start], (rows[idx] if len(shape) == 2 else rows[:, idx]).ravel()]
         parts += stream if n else stream[:1]
         kept += n
     if off != blob.size:
         raise UnsupportedModelError(f"llama.cpp's sequence state has {blob.size - off} unread bytes",
                                     hint="this llama-cpp-python may be too new or old")
     return np.concatenate(parts), kept
-
-
-def tile_seq_state(blob: np.ndarray, n: int) -> np.ndarray:
-    """A one-sequence state (:func:`cut_seq_state`'s layout) of ``n`` cells at positions 0..n-1, cell i's K and V
-    rows those of the state's cell i mod its count: KV no prompt computed, for timing a step over a wide view."""
-    view = memoryview(blob)
-    magic, _seq, n_stream = HEADER.unpack_from(view)
-    if magic != IO_MAGIC or n_stream != 1:
-        raise UnsupportedModelError(f"llama.cpp's sequence state has magic {magic:#x} and {n_stream} streams",
-                                    hint="this llama-cpp-python may be too new or old")
-    (count,), off = struct.unpack_from("<I", view, HEADER.size), HEADER.size + 4
-    if not count:
-        raise ValueError("an empty sequence state has no cells to repeat")
-    cells = blob[off:off + count * 12].reshape(count, 12)
-    if np.any(cells[:, 4:8].view("<u4") != 1):
-        raise UnsupportedModelError("a sequence's KV state lists a cell of several sequences",
-                                    hint="this llama-cpp-python may be too new or old")
-    idx = np.arange(n) % count
-    meta = cells[idx].copy()
-    meta[:, :4] = np.arange(n, dtype="<i4").view(np.uint8).reshape(n, 4)
-    off += count * 12
-    parts = [blob[:HEADER.size], np.frombuffer(struct.pack("<I", n), np.uint8), meta.ravel(), blob[off:off + 8]]
-    blocks, end = _row_blocks(view, off, count)
-    for head, start, shape in blocks:
-        rows = blob[start:start + int(np.prod(shape))].reshape(shape)
-        tiled = rows[idx] if len(shape) == 2 else rows[:, idx]
-        parts += [blob[head:start], tiled.ravel()]
-    if end != blob.size:
-        raise UnsupportedModelError(f"llama.cpp's sequence state has {blob.size - end} unread bytes",
-                                    hint="this llama-cpp-python may be too new or old")
-    return np.concatenate(parts)
 
 
 def _skip_rows(blob, off: int, count: int) -> int:
